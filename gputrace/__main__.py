@@ -1,0 +1,5 @@
+"""`python -m gputrace` entry point."""
+
+from gputrace.cli import main
+
+main()

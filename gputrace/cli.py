@@ -1,0 +1,100 @@
+"""The ``gputrace`` command line: a click group whose commands live in gputrace/commands/.
+
+Errors: a GputraceError prints ``gputrace: error: ...`` on one line and exits with its
+``exit_code`` (2 for usage and configuration, 1 for runtime failures); ``--debug`` (or
+GPUTRACE_DEBUG=1) shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import traceback
+
+import click
+
+from gputrace import __version__
+from gputrace.errors import GputraceError
+from gputrace.logsetup import configure_logging
+
+# Commands that exist, in the order `--help` lists them. Add a module under gputrace/commands/
+# exposing `command`, then its name here.
+COMMAND_MODULES: list[str] = [
+    "check_config",
+]
+
+
+class _LazyGroup(click.Group):
+    """Imports a command's module only when that command runs (keeps startup fast)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return [name.replace("_", "-") for name in COMMAND_MODULES]
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        module_name = cmd_name.replace("-", "_")
+        if module_name not in COMMAND_MODULES:
+            return None
+        module = importlib.import_module(f"gputrace.commands.{module_name}")
+        command: click.Command = module.command
+        return command
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name="gputrace")
+@click.option("--debug", is_flag=True, help="Show tracebacks and debug logs.")
+@click.option(
+    "--log-format",
+    type=click.Choice(["console", "json"]),
+    default="console",
+    show_default=True,
+    help="Log line format on stderr.",
+)
+def cli(debug: bool, log_format: str) -> None:
+    """gputrace: see why a pipeline-parallel LLM deployment idles.
+
+    Samples every GPU through NVML, follows the serving engine's scheduler log, knows the
+    request load, aligns them in time per pipeline stage, and diagnoses bubbles.
+    """
+    configure_logging(log_format, "debug" if debug else "info")
+
+
+def _debug_requested(argv: list[str]) -> bool:
+    return "--debug" in argv or os.environ.get("GPUTRACE_DEBUG") == "1"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point; maps every failure to one line and an exit status."""
+    args = sys.argv[1:] if argv is None else argv
+    debug = _debug_requested(args)
+    configure_logging("console", "info")
+    try:
+        cli.main(args=args, prog_name="gputrace", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.exceptions.Abort:
+        click.echo("gputrace: interrupted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        if debug:
+            traceback.print_exc()
+        click.echo(f"gputrace: error: {exc.format_message()}", err=True)
+        sys.exit(exc.exit_code)
+    except GputraceError as exc:
+        if debug:
+            traceback.print_exc()
+        click.echo(f"gputrace: error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        click.echo("gputrace: interrupted", err=True)
+        sys.exit(130)
+    except Exception as exc:
+        if debug:
+            traceback.print_exc()
+        else:
+            click.echo(
+                f"gputrace: error: unexpected {type(exc).__name__}: {exc} "
+                "(run with --debug for the traceback)",
+                err=True,
+            )
+        sys.exit(1)

@@ -1,0 +1,25 @@
+"""`gputrace check-config FILE`: validate a gputrace.toml and summarise what it describes."""
+
+from __future__ import annotations
+
+import click
+
+from gputrace.config import load_config
+
+
+@click.command("check-config")
+@click.argument("path", type=click.Path(dir_okay=True, path_type=str))
+def command(path: str) -> None:
+    """Validate a gputrace.toml and print the hosts, sources and topology it describes."""
+    cfg = load_config(path)
+    topo = cfg.topology
+    click.echo(f"{cfg.path}: ok")
+    click.echo(f"  topology: pp={topo.pp_size} tp={topo.tp_size} dp={topo.dp_size} "
+               f"nnodes={topo.nnodes}" + (f", {len(topo.placements)} explicit placements"
+                                          if topo.placements else ""))
+    for h in cfg.hosts:
+        where = "local" if h.ssh is None else f"ssh {h.ssh.user + '@' if h.ssh.user else ''}{h.ssh.host}:{h.ssh.port}"
+        log = f"{h.log.kind} {h.log.target!r} ({h.log.engine})" if h.log else "no log source"
+        click.echo(f"  host {h.name}: {where}; agent {h.agent or 'none'}; {log}")
+    if cfg.load:
+        click.echo(f"  load: {cfg.load.url} C={','.join(map(str, cfg.load.concurrency))}")

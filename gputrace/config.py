@@ -1,0 +1,329 @@
+"""``gputrace.toml``: hosts, how to reach them, their log source and agent, the topology and
+the load. Validated fully on load; every error names the file, the key and what is wrong.
+
+Example::
+
+    [run]
+    name = "pp8-c32"
+
+    [[hosts]]
+    name = "node0"
+    ssh = "ubuntu@10.0.0.5:22"      # omit (or "local") to run on this machine
+    identity_file = "~/.ssh/id_ed25519"
+    agent = "127.0.0.1:9400"         # the agent's address on that host
+    gpus = [0, 1, 2, 3, 4, 5, 6, 7]
+
+    [hosts.log]
+    kind = "file"                    # file | journald | docker | command
+    path = "/var/log/sglang/server.log"
+    engine = "sglang"
+
+    [topology]
+    pp_size = 8
+    tp_size = 1
+
+    [load]
+    url = "http://10.0.0.5:30000"
+    model = "default"
+    concurrency = [1, 8, 32, 64]
+    max_tokens = 512
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gputrace.errors import ConfigError
+
+LOG_KINDS = ("file", "journald", "docker", "command")
+ENGINES = ("sglang", "vllm")
+
+
+@dataclass(frozen=True, slots=True)
+class SshTarget:
+    user: str | None
+    host: str
+    port: int
+
+
+@dataclass(frozen=True, slots=True)
+class LogSource:
+    kind: str  # file | journald | docker | command
+    target: str  # the path, unit, container name or command
+    engine: str = "sglang"
+    timezone: str = "UTC"  # the zone the engine's log timestamps are written in
+
+
+@dataclass(frozen=True, slots=True)
+class HostConfig:
+    name: str
+    ssh: SshTarget | None  # None: this machine, through the local transport
+    identity_file: str | None = None
+    known_hosts: str | None = None
+    agent: str | None = None  # host:port of the agent, as seen from that host
+    gpus: tuple[int, ...] | None = None
+    log: LogSource | None = None
+    node_rank: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class GpuPlacement:
+    host: str
+    gpu: int
+    pp_rank: int
+    tp_rank: int = 0
+    dp_rank: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TopologyConfig:
+    pp_size: int = 1
+    tp_size: int = 1
+    dp_size: int = 1
+    nnodes: int = 1
+    base_gpu_id: int = 0
+    gpu_id_step: int = 1
+    placements: tuple[GpuPlacement, ...] = ()  # explicit table; overrides the formula
+
+
+@dataclass(frozen=True, slots=True)
+class LoadConfig:
+    url: str
+    model: str = "default"
+    concurrency: tuple[int, ...] = (1, 8, 32, 64)
+    max_tokens: int = 512
+    requests_per_level: int | None = None
+    duration_per_level_s: float | None = None
+    prompts_file: str | None = None
+    temperature: float = 0.0
+    stream: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    path: Path
+    run_name: str | None
+    hosts: tuple[HostConfig, ...]
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    load: LoadConfig | None = None
+    raw: Mapping[str, Any] = field(default_factory=dict)
+
+
+class _Section:
+    """Reads typed keys from one TOML table and rejects keys nobody asked for."""
+
+    def __init__(self, path: Path, prefix: str, table: Any):
+        self.path = path
+        self.prefix = prefix
+        if not isinstance(table, dict):
+            self.fail(prefix, f"must be a table, not {_type_name(table)}")
+        self.table: dict[str, Any] = table
+        self.seen: set[str] = set()
+
+    def fail(self, key: str, what: str) -> None:
+        raise ConfigError(f"{self.path}: {key}: {what}")
+
+    def key(self, name: str) -> str:
+        return f"{self.prefix}.{name}" if self.prefix else name
+
+    def get(self, name: str, kind: type | tuple[type, ...], default: Any = None,
+            required: bool = False) -> Any:
+        self.seen.add(name)
+        if name not in self.table:
+            if required:
+                self.fail(self.key(name), "required key is missing")
+            return default
+        value = self.table[name]
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        # TOML integers are acceptable where floats are; booleans are not integers here.
+        ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+        if not ok and float in kinds and isinstance(value, int) and not isinstance(value, bool):
+            value, ok = float(value), True
+        if not ok:
+            expected = " or ".join(_TYPE_NAMES.get(k, k.__name__) for k in kinds)
+            self.fail(self.key(name), f"expected {expected}, got {_type_name(value)} {value!r}")
+        return value
+
+    def int_list(self, name: str, default: Any = None, minimum: int = 0) -> tuple[int, ...] | None:
+        value = self.get(name, list, default)
+        if value is None or isinstance(value, tuple):
+            return value  # type: ignore[no-any-return]
+        for i, item in enumerate(value):
+            if isinstance(item, bool) or not isinstance(item, int) or item < minimum:
+                self.fail(f"{self.key(name)}[{i}]", f"expected an integer >= {minimum}, got {item!r}")
+        return tuple(value)
+
+    def positive(self, name: str, default: int, minimum: int = 1) -> int:
+        value: int = self.get(name, int, default)
+        if value < minimum:
+            self.fail(self.key(name), f"must be >= {minimum}, got {value}")
+        return value
+
+    def done(self) -> None:
+        unknown = sorted(set(self.table) - self.seen)
+        if unknown:
+            self.fail(self.key(unknown[0]), "unknown key" + _did_you_mean(unknown[0], self.seen))
+
+
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean",
+               list: "an array", dict: "a table"}
+
+
+def _type_name(value: Any) -> str:
+    return _TYPE_NAMES.get(type(value), type(value).__name__)
+
+
+def _did_you_mean(key: str, known: set[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(key, sorted(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(sorted(known))})"
+
+
+def parse_ssh_target(text: str, path: Path, key: str) -> SshTarget | None:
+    """``user@host:port`` (user and port optional); ``local`` means this machine."""
+    if text in ("", "local"):
+        return None
+    user, _, hostport = text.rpartition("@")
+    host, port = hostport, 22
+    if hostport.count(":") == 1:
+        host, _, port_text = hostport.partition(":")
+        if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+            raise ConfigError(f"{path}: {key}: port must be 1-65535, got {port_text!r}")
+        port = int(port_text)
+    if not host:
+        raise ConfigError(f"{path}: {key}: no host name in {text!r}")
+    return SshTarget(user=user or None, host=host, port=port)
+
+
+def _parse_host(path: Path, index: int, table: Any) -> HostConfig:
+    sec = _Section(path, f"hosts[{index}]", table)
+    name = sec.get("name", str, required=True)
+    ssh = parse_ssh_target(sec.get("ssh", str, "local"), path, sec.key("ssh"))
+    log_table = sec.get("log", dict)
+    log = _parse_log(path, sec.key("log"), log_table) if log_table is not None else None
+    host = HostConfig(
+        name=name,
+        ssh=ssh,
+        identity_file=sec.get("identity_file", str),
+        known_hosts=sec.get("known_hosts", str),
+        agent=sec.get("agent", str),
+        gpus=sec.int_list("gpus"),
+        log=log,
+        node_rank=sec.positive("node_rank", 0, minimum=0),
+    )
+    sec.done()
+    return host
+
+
+def _parse_log(path: Path, prefix: str, table: Any) -> LogSource:
+    sec = _Section(path, prefix, table)
+    kind = sec.get("kind", str, "file")
+    if kind not in LOG_KINDS:
+        sec.fail(sec.key("kind"), f"must be one of {', '.join(LOG_KINDS)}, got {kind!r}")
+    target_key = {"file": "path", "journald": "unit", "docker": "container", "command": "command"}
+    target = sec.get(target_key[kind], str, required=True)
+    engine = sec.get("engine", str, "sglang")
+    if engine not in ENGINES:
+        sec.fail(sec.key("engine"), f"must be one of {', '.join(ENGINES)}, got {engine!r}")
+    timezone = sec.get("timezone", str, "UTC")
+    sec.done()
+    return LogSource(kind=kind, target=target, engine=engine, timezone=timezone)
+
+
+def _parse_topology(path: Path, table: Any, host_names: set[str]) -> TopologyConfig:
+    sec = _Section(path, "topology", table)
+    placements = []
+    for i, row in enumerate(sec.get("map", list, [])):
+        rs = _Section(path, f"topology.map[{i}]", row)
+        host = rs.get("host", str, required=True)
+        if host not in host_names:
+            rs.fail(rs.key("host"), f"no host named {host!r} in [[hosts]]")
+        placements.append(GpuPlacement(
+            host=host,
+            gpu=rs.positive("gpu", 0, minimum=0),
+            pp_rank=rs.get("pp_rank", int, required=True),
+            tp_rank=rs.positive("tp_rank", 0, minimum=0),
+            dp_rank=rs.positive("dp_rank", 0, minimum=0),
+        ))
+        rs.done()
+    topo = TopologyConfig(
+        pp_size=sec.positive("pp_size", 1),
+        tp_size=sec.positive("tp_size", 1),
+        dp_size=sec.positive("dp_size", 1),
+        nnodes=sec.positive("nnodes", 1),
+        base_gpu_id=sec.positive("base_gpu_id", 0, minimum=0),
+        gpu_id_step=sec.positive("gpu_id_step", 1),
+        placements=tuple(placements),
+    )
+    sec.done()
+    return topo
+
+
+def _parse_load(path: Path, table: Any) -> LoadConfig:
+    sec = _Section(path, "load", table)
+    load = LoadConfig(
+        url=sec.get("url", str, required=True),
+        model=sec.get("model", str, "default"),
+        concurrency=sec.int_list("concurrency", (1, 8, 32, 64), minimum=1) or (1,),
+        max_tokens=sec.positive("max_tokens", 512),
+        requests_per_level=sec.get("requests_per_level", int),
+        duration_per_level_s=sec.get("duration_per_level_s", float),
+        prompts_file=sec.get("prompts_file", str),
+        temperature=sec.get("temperature", float, 0.0),
+        stream=sec.get("stream", bool, True),
+    )
+    if not load.url.startswith(("http://", "https://")):
+        sec.fail(sec.key("url"), f"must start with http:// or https://, got {load.url!r}")
+    sec.done()
+    return load
+
+
+def parse_config(text: str, path: Path) -> Config:
+    """Validate the text of a gputrace.toml; ``path`` is only used in messages."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    top = _Section(path, "", raw)
+    run = top.get("run", dict, {})
+    run_sec = _Section(path, "run", run)
+    run_name = run_sec.get("name", str)
+    run_sec.done()
+    host_tables = top.get("hosts", list, required=True)
+    if not host_tables:
+        top.fail("hosts", "at least one [[hosts]] entry is required")
+    hosts = tuple(_parse_host(path, i, t) for i, t in enumerate(host_tables))
+    names: set[str] = set()
+    for i, h in enumerate(hosts):
+        if h.name in names:
+            top.fail(f"hosts[{i}].name", f"duplicate host name {h.name!r}")
+        names.add(h.name)
+    topo_table = top.get("topology", dict)
+    topology = _parse_topology(path, topo_table, names) if topo_table is not None else TopologyConfig()
+    load_table = top.get("load", dict)
+    load = _parse_load(path, load_table) if load_table is not None else None
+    top.done()
+    return Config(path=path, run_name=run_name, hosts=hosts, topology=topology, load=load, raw=raw)
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a gputrace.toml file."""
+    p = Path(path).expanduser()
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{p}: is a directory, expected a gputrace.toml file") from None
+    except PermissionError:
+        raise ConfigError(f"{p}: permission denied") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{p}: not valid TOML: not UTF-8 text ({exc.reason})") from exc
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read: {exc.strerror}") from exc
+    return parse_config(text, p)

@@ -1,0 +1,62 @@
+"""The one exception hierarchy of gputrace.
+
+GputraceError                      base; ``exit_code`` is what the CLI exits with
+ ├── UsageError         (exit 2)   bad command-line use
+ │    └── ConfigError   (exit 2)   gputrace.toml (or another input file) is invalid
+ ├── StoreError         (exit 1)   the run store cannot be created, opened or written
+ │    └── SchemaVersionError       the store was written by a newer gputrace
+ ├── SourceError        (exit 1)   a data source failed (log, agent, load endpoint)
+ │    ├── NvmlError                NVML or the driver is missing or failing
+ │    └── TransportError           a local or SSH transport failed
+ │         └── HostKeyError        an SSH host key is unknown or changed
+ └── AnalysisError      (exit 1)   a run cannot be analysed (e.g. no data in it)
+
+Adapters map library errors into these (``raise StoreError(...) from exc``) so callers never
+catch duckdb, asyncssh or pynvml errors.
+"""
+
+from __future__ import annotations
+
+
+class GputraceError(Exception):
+    """Base of every error gputrace raises on purpose."""
+
+    exit_code = 1
+
+
+class UsageError(GputraceError):
+    """The command line asked for something that cannot be done."""
+
+    exit_code = 2
+
+
+class ConfigError(UsageError):
+    """A configuration or input file is invalid; the message names the file and the key."""
+
+
+class StoreError(GputraceError):
+    """The run store cannot be created, opened or written."""
+
+
+class SchemaVersionError(StoreError):
+    """The run store was written by a newer gputrace with a newer schema."""
+
+
+class SourceError(GputraceError):
+    """A data source failed."""
+
+
+class NvmlError(SourceError):
+    """NVML or the NVIDIA driver is missing or failing."""
+
+
+class TransportError(SourceError):
+    """A local or SSH transport failed."""
+
+
+class HostKeyError(TransportError):
+    """An SSH host key is unknown or has changed."""
+
+
+class AnalysisError(GputraceError):
+    """A run cannot be analysed."""

@@ -1,0 +1,360 @@
+"""The run store: one directory per run, ``meta.json`` plus a DuckDB database with a table per
+record type. The only module that imports duckdb.
+
+Each append is one committed transaction, so a collector killed mid-run leaves every batch whose
+``append`` returned. Reads come back as numpy columns, Arrow tables, records or SQL rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+import types
+import typing
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+
+from gputrace import __version__
+from gputrace.errors import SchemaVersionError, StoreError
+from gputrace.model import RECORD_TABLES, RunMeta
+
+SCHEMA_VERSION = 1
+DB_FILE = "run.duckdb"
+META_FILE = "meta.json"
+
+R = TypeVar("R")
+
+_SQL_TYPES: dict[type, str] = {int: "BIGINT", float: "DOUBLE", str: "VARCHAR", bool: "BOOLEAN"}
+_ARROW_TYPES: dict[type, pa.DataType] = {
+    int: pa.int64(),
+    float: pa.float64(),
+    str: pa.string(),
+    bool: pa.bool_(),
+}
+
+
+def _base_type(annotation: Any) -> type:
+    """``int | None`` -> int."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return typing.cast(type, args[0])
+    return typing.cast(type, annotation)
+
+
+def _columns_of(record_type: type) -> list[tuple[str, type]]:
+    hints = typing.get_type_hints(record_type)
+    return [(f.name, _base_type(hints[f.name])) for f in dataclasses.fields(record_type)]
+
+
+_TABLE_COLUMNS: dict[str, list[tuple[str, type]]] = {
+    table: _columns_of(rt) for rt, table in RECORD_TABLES.items()
+}
+_TABLE_TYPES: dict[str, type] = {table: rt for rt, table in RECORD_TABLES.items()}
+
+
+def table_columns(table: str) -> list[str]:
+    """The column names of a store table, in order."""
+    return [name for name, _ in _schema(table)]
+
+
+def _schema(table: str) -> list[tuple[str, type]]:
+    try:
+        return _TABLE_COLUMNS[table]
+    except KeyError:
+        raise StoreError(f"unknown table {table!r}; known: {', '.join(_TABLE_COLUMNS)}") from None
+
+
+def _arrow_schema(table: str) -> pa.Schema:
+    return pa.schema([(name, _ARROW_TYPES[t]) for name, t in _schema(table)])
+
+
+def _to_arrow_column(values: Any, dtype: pa.DataType) -> pa.Array:
+    """numpy or Python values -> Arrow; NaN in float columns and None become NULL."""
+    if isinstance(values, pa.Array | pa.ChunkedArray):
+        return values.cast(dtype)
+    if isinstance(values, np.ndarray):
+        mask = np.isnan(values) if values.dtype.kind == "f" else None
+        if isinstance(values, np.ma.MaskedArray):
+            mask = np.ma.getmaskarray(values) if mask is None else mask | np.ma.getmaskarray(values)
+            values = values.data
+        return pa.array(values, type=dtype, mask=mask, from_pandas=False)
+    return pa.array(list(values), type=dtype)
+
+
+def _default_column(table: str, name: str, n_rows: int, dtype: pa.DataType) -> pa.Array:
+    """A column left out of a columnar append takes the record type's default (usually NULL)."""
+    default = _DEFAULTS[table].get(name)
+    if default is None:
+        return pa.nulls(n_rows, type=dtype)
+    return pa.array([default] * n_rows, type=dtype)
+
+
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    table: {
+        f.name: f.default
+        for f in dataclasses.fields(rt)
+        if f.default is not dataclasses.MISSING
+    }
+    for rt, table in RECORD_TABLES.items()
+}
+
+
+class Store:
+    """An open run store. Use :meth:`create` or :meth:`open`; close it (or use ``with``)."""
+
+    def __init__(self, path: Path, con: duckdb.DuckDBPyConnection, meta: RunMeta, read_only: bool):
+        self.path = path
+        self._con = con
+        self.meta = meta
+        self.read_only = read_only
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        name: str | None = None,
+        config: Mapping[str, object] | None = None,
+        topology: Mapping[str, object] | None = None,
+        extra: Mapping[str, object] | None = None,
+        exist_ok: bool = False,
+    ) -> Store:
+        """Create a new run directory (or reopen it for appending when ``exist_ok``)."""
+        run_dir = Path(path)
+        if (run_dir / META_FILE).exists():
+            if exist_ok:
+                return cls.open(run_dir)
+            raise StoreError(f"{run_dir}: a run already exists there; choose another --out")
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"{run_dir}: cannot create the run directory: {exc.strerror}") from exc
+        meta = RunMeta(
+            name=name or run_dir.name,
+            created_ns=time.time_ns(),
+            gputrace_version=__version__,
+            schema_version=SCHEMA_VERSION,
+            config=dict(config or {}),
+            topology=dict(topology or {}),
+            extra=dict(extra or {}),
+        )
+        con = cls._connect(run_dir, read_only=False)
+        for table, cols in _TABLE_COLUMNS.items():
+            ddl = ", ".join(f'"{n}" {_SQL_TYPES[t]}' for n, t in cols)
+            con.execute(f"CREATE TABLE IF NOT EXISTS {table} ({ddl})")
+        con.execute("CHECKPOINT")
+        store = cls(run_dir, con, meta, read_only=False)
+        store._write_meta()
+        return store
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], *, read_only: bool = False) -> Store:
+        """Open an existing run; refuses a store written with a newer schema."""
+        run_dir = Path(path)
+        meta_path = run_dir / META_FILE
+        try:
+            raw = json.loads(meta_path.read_text())
+        except FileNotFoundError:
+            raise StoreError(f"{run_dir}: not a gputrace run (no {META_FILE})") from None
+        except (OSError, ValueError) as exc:
+            raise StoreError(f"{meta_path}: unreadable: {exc}") from exc
+        version = raw.get("schema_version")
+        if not isinstance(version, int):
+            raise StoreError(f"{meta_path}: schema_version missing or not an integer")
+        if version > SCHEMA_VERSION:
+            raise SchemaVersionError(
+                f"{run_dir}: written with store schema {version} by gputrace "
+                f"{raw.get('gputrace_version', '?')}; this gputrace ({__version__}) reads up to "
+                f"schema {SCHEMA_VERSION}: upgrade gputrace"
+            )
+        known = {f.name for f in dataclasses.fields(RunMeta)}
+        meta = RunMeta(**{k: v for k, v in raw.items() if k in known})
+        con = cls._connect(run_dir, read_only=read_only)
+        return cls(run_dir, con, meta, read_only)
+
+    @staticmethod
+    def _connect(run_dir: Path, read_only: bool) -> duckdb.DuckDBPyConnection:
+        try:
+            return duckdb.connect(str(run_dir / DB_FILE), read_only=read_only)
+        except duckdb.Error as exc:
+            raise StoreError(f"{run_dir / DB_FILE}: cannot open the database: {exc}") from exc
+
+    def close(self) -> None:
+        self._con.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- meta ----------------------------------------------------------------------------------
+
+    def update_meta(self, **changes: Any) -> None:
+        """Replace top-level fields of meta.json (``extra`` is merged, not replaced)."""
+        if "extra" in changes:
+            changes["extra"] = {**self.meta.extra, **changes["extra"]}
+        self.meta = dataclasses.replace(self.meta, **changes)
+        self._write_meta()
+
+    def _write_meta(self) -> None:
+        tmp = self.path / (META_FILE + ".tmp")
+        tmp.write_text(json.dumps(dataclasses.asdict(self.meta), indent=2, default=str) + "\n")
+        os.replace(tmp, self.path / META_FILE)
+
+    # -- writes --------------------------------------------------------------------------------
+
+    def append(self, records: Sequence[Any]) -> int:
+        """Append records of one type as one committed batch; returns the rows written."""
+        if not records:
+            return 0
+        record_type = type(records[0])
+        table = RECORD_TABLES.get(record_type)
+        if table is None:
+            raise StoreError(f"{record_type.__name__} is not a storable record type")
+        names = table_columns(table)
+        columns = {n: [getattr(r, n) for r in records] for n in names}
+        return self.append_columns(table, columns)
+
+    def append_columns(self, table: str, columns: Mapping[str, Any]) -> int:
+        """Append a batch given as columns (numpy arrays, Arrow arrays or lists).
+
+        Columns not given are NULL; NaN in a float column is stored as NULL ("not available").
+        """
+        schema = _arrow_schema(table)
+        unknown = set(columns) - set(schema.names)
+        if unknown:
+            raise StoreError(f"{table}: unknown columns {sorted(unknown)}")
+        lengths = {len(v) for v in columns.values()}
+        if len(lengths) != 1:
+            raise StoreError(f"{table}: columns differ in length: {sorted(lengths)}")
+        (n_rows,) = lengths
+        arrays = [
+            _to_arrow_column(columns[f.name], f.type)
+            if f.name in columns
+            else _default_column(table, f.name, n_rows, f.type)
+            for f in schema
+        ]
+        batch = pa.Table.from_arrays(arrays, schema=schema)
+        try:
+            self._con.register("_gputrace_batch", batch)
+            try:
+                self._con.execute(f"INSERT INTO {table} SELECT * FROM _gputrace_batch")
+            finally:
+                self._con.unregister("_gputrace_batch")
+        except duckdb.Error as exc:
+            raise StoreError(f"{self.path}: append to {table} failed: {exc}") from exc
+        return n_rows
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def arrow(self, table: str, where: str | None = None, order_by: str | None = None) -> pa.Table:
+        """A whole table (optionally filtered by a SQL condition) as an Arrow table."""
+        _schema(table)
+        sql = f"SELECT * FROM {table}"
+        if where:
+            sql += f" WHERE {where}"
+        if order_by:
+            sql += f" ORDER BY {order_by}"
+        try:
+            return self._con.sql(sql).to_arrow_table()
+        except duckdb.Error as exc:
+            raise StoreError(f"{self.path}: reading {table} failed: {exc}") from exc
+
+    def columns(
+        self, table: str, where: str | None = None, order_by: str | None = None
+    ) -> dict[str, np.ndarray]:
+        """A table as numpy columns; NULLs in numeric columns become NaN (floats) or masked."""
+        tbl = self.arrow(table, where, order_by)
+        out: dict[str, np.ndarray] = {}
+        for name in tbl.column_names:
+            col = tbl.column(name)
+            if pa.types.is_integer(col.type) or pa.types.is_floating(col.type):
+                if col.null_count:
+                    out[name] = col.to_numpy(zero_copy_only=False).astype(np.float64)
+                else:
+                    out[name] = col.to_numpy(zero_copy_only=False)
+            else:
+                out[name] = col.to_numpy(zero_copy_only=False)
+        return out
+
+    def records(self, record_type: type[R], where: str | None = None) -> list[R]:
+        """A table as record objects (for small tables: markers, devices, configs)."""
+        table = RECORD_TABLES[record_type]
+        return [record_type(**row) for row in self.arrow(table, where).to_pylist()]
+
+    def count(self, table: str) -> int:
+        _schema(table)
+        row = self._con.execute(f"SELECT count(*) FROM {table}").fetchone()
+        return int(row[0]) if row else 0
+
+    def sql(self, query: str, params: Iterable[Any] | None = None) -> list[tuple[Any, ...]]:
+        """Run SQL against the run's tables; rows as tuples."""
+        try:
+            return self._con.execute(query, list(params or [])).fetchall()
+        except duckdb.Error as exc:
+            raise StoreError(f"{self.path}: query failed: {exc}") from exc
+
+    def sql_arrow(self, query: str, params: Iterable[Any] | None = None) -> pa.Table:
+        """Run SQL; the result as an Arrow table."""
+        try:
+            return self._con.sql(query, params=list(params or []) or None).to_arrow_table()
+        except duckdb.Error as exc:
+            raise StoreError(f"{self.path}: query failed: {exc}") from exc
+
+    def export_parquet(self, out_dir: str | os.PathLike[str]) -> list[Path]:
+        """Write each table as ``<table>.parquet`` into ``out_dir``."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        written = []
+        for table in _TABLE_COLUMNS:
+            target = out / f"{table}.parquet"
+            self._con.execute(f"COPY {table} TO '{target}' (FORMAT parquet)")
+            written.append(target)
+        return written
+
+
+class BatchingWriter:
+    """Buffers records per type and appends them to the store at most every ``flush_s``.
+
+    The collector calls :meth:`add` as data arrives and :meth:`maybe_flush` on a timer; at most
+    ``flush_s`` of data is lost if the process is killed.
+    """
+
+    def __init__(self, store: Store, flush_s: float = 0.5, max_rows: int = 50_000):
+        self.store = store
+        self.flush_s = flush_s
+        self.max_rows = max_rows
+        self._buffers: dict[type, list[Any]] = {}
+        self._last_flush = time.monotonic()
+        self.rows_written = 0
+
+    def add(self, record: Any) -> None:
+        buf = self._buffers.setdefault(type(record), [])
+        buf.append(record)
+        if len(buf) >= self.max_rows:
+            self.flush()
+
+    def add_many(self, records: Iterable[Any]) -> None:
+        for record in records:
+            self.add(record)
+
+    def maybe_flush(self) -> None:
+        if time.monotonic() - self._last_flush >= self.flush_s:
+            self.flush()
+
+    def flush(self) -> None:
+        for buf in self._buffers.values():
+            if buf:
+                self.rows_written += self.store.append(buf)
+                buf.clear()
+        self._last_flush = time.monotonic()

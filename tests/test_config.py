@@ -1,0 +1,126 @@
+"""gputrace.toml validation: every error is one line naming the file and the key."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gputrace.config import load_config
+from gputrace.errors import ConfigError
+
+GOOD = """
+[run]
+name = "pp8"
+
+[[hosts]]
+name = "node0"
+ssh = "ubuntu@10.0.0.5:2222"
+agent = "127.0.0.1:9400"
+gpus = [0, 1, 2, 3, 4, 5, 6, 7]
+
+[hosts.log]
+kind = "file"
+path = "/var/log/sglang.log"
+
+[topology]
+pp_size = 8
+
+[load]
+url = "http://10.0.0.5:30000"
+concurrency = [1, 8, 32, 64]
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "gputrace.toml"
+    p.write_text(text)
+    return p
+
+
+def test_good_config_loads(tmp_path: Path) -> None:
+    """A complete configuration loads into typed values."""
+    cfg = load_config(write(tmp_path, GOOD))
+    (host,) = cfg.hosts
+    assert host.ssh is not None and (host.ssh.user, host.ssh.host, host.ssh.port) == (
+        "ubuntu", "10.0.0.5", 2222)
+    assert host.gpus == tuple(range(8))
+    assert host.log is not None and host.log.target == "/var/log/sglang.log"
+    assert cfg.topology.pp_size == 8
+    assert cfg.load is not None and cfg.load.concurrency == (1, 8, 32, 64)
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "what"),
+    [
+        (GOOD.replace("pp_size = 8", "pp_size = 8\npp_sise = 2"), "topology.pp_sise", "unknown key"),
+        (GOOD.replace('agent = "127.0.0.1:9400"', "agent = 9400"), "hosts[0].agent", "expected a string"),
+        (GOOD.replace('name = "node0"', ""), "hosts[0].name", "required key is missing"),
+        (GOOD.replace("pp_size = 8", 'pp_size = "8"'), "topology.pp_size", "expected an integer"),
+        (GOOD + '\n[[hosts]]\nname = "node0"\n', "hosts[1].name", "duplicate host name"),
+        (GOOD.replace('kind = "file"', 'kind = "syslog"'), "hosts[0].log.kind", "must be one of"),
+        (GOOD.replace("gpus = [0, 1", 'gpus = ["a", 1'), "hosts[0].gpus[0]", "expected an integer"),
+        (GOOD.replace("concurrency = [1,", "concurrency = [0,"), "load.concurrency[0]", ">= 1"),
+        (GOOD.replace('url = "http://10.0.0.5:30000"', 'url = "10.0.0.5"'), "load.url", "http://"),
+        ("[run]\nname = 'x'\n", "hosts", "required key is missing"),
+    ],
+)
+def test_bad_config_names_the_key(tmp_path: Path, text: str, key: str, what: str) -> None:
+    """Unknown keys, wrong types, missing keys and duplicates name the key."""
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: {key}: "), message
+    assert what in message
+    assert "\n" not in message
+
+
+def test_not_toml(tmp_path: Path) -> None:
+    """A file that is not TOML is named as such."""
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(write(tmp_path, "[hosts\nname = "))
+
+
+def test_binary_file(tmp_path: Path) -> None:
+    """A binary file is refused as not TOML, not with a decode traceback."""
+    p = tmp_path / "gputrace.toml"
+    p.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(p)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    """A missing file is named."""
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "absent.toml")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads every file")
+def test_unreadable_file(tmp_path: Path) -> None:
+    """A file without read permission is named."""
+    p = write(tmp_path, GOOD)
+    p.chmod(0)
+    with pytest.raises(ConfigError, match="permission denied"):
+        load_config(p)
+
+
+def test_directory_instead_of_file(tmp_path: Path) -> None:
+    """A directory given as the config is refused clearly."""
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_config(tmp_path)
+
+
+def test_cli_prints_one_line_and_exits_2(tmp_path: Path) -> None:
+    """The CLI shows a config error on one line with exit status 2, never a traceback."""
+    path = write(tmp_path, GOOD.replace("pp_size = 8", "pp_size = true"))
+    out = subprocess.run(
+        [sys.executable, "-m", "gputrace", "check-config", str(path)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 2
+    assert out.stderr.strip() == f"gputrace: error: {path}: topology.pp_size: expected an integer, got a boolean True"
+    assert "Traceback" not in out.stderr

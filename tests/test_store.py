@@ -1,0 +1,130 @@
+"""The run store: round trips, schema versions, and survival of a SIGKILL mid-append."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gputrace.errors import SchemaVersionError, StoreError
+from gputrace.model import ClockProbe, GpuSample, Marker, SchedulerEvent
+from gputrace.store import SCHEMA_VERSION, BatchingWriter, Store
+
+
+def test_records_round_trip(tmp_path: Path) -> None:
+    """Records come back equal, None stays None."""
+    samples = [GpuSample(host="h", gpu_index=i, ts_ns=10 + i, utilization_ratio=0.5, power_w=None)
+               for i in range(3)]
+    with Store.create(tmp_path / "run") as store:
+        store.append(samples)
+        store.append([Marker(host="h", ts_ns=5, label="C=8", target_concurrency=8)])
+    with Store.open(tmp_path / "run", read_only=True) as store:
+        assert store.records(GpuSample) == samples
+        assert store.records(Marker)[0].label == "C=8"
+
+
+def test_columns_and_nan_as_null(tmp_path: Path) -> None:
+    """Columnar appends store NaN as NULL and read back as NaN; absent columns take defaults."""
+    with Store.create(tmp_path / "run") as store:
+        store.append_columns("gpu_samples", {
+            "host": ["a", "a"], "gpu_index": np.array([0, 1]), "ts_ns": np.array([1, 2]),
+            "utilization_ratio": np.array([0.25, np.nan]),
+        })
+        cols = store.columns("gpu_samples")
+        assert cols["utilization_ratio"][0] == 0.25 and np.isnan(cols["utilization_ratio"][1])
+        assert list(cols["lost"]) == [False, False]
+        assert store.sql("SELECT count(*) FROM gpu_samples WHERE utilization_ratio IS NULL") == [(1,)]
+
+
+def test_unknown_column_refused(tmp_path: Path) -> None:
+    """A column the table lacks is an error naming it."""
+    with Store.create(tmp_path / "run") as store, pytest.raises(StoreError, match="bogus"):
+        store.append_columns("gpu_samples", {"bogus": [1]})
+
+
+def test_newer_schema_refused(tmp_path: Path) -> None:
+    """A store written by a newer schema fails with a message that says so."""
+    Store.create(tmp_path / "run").close()
+    meta = json.loads((tmp_path / "run" / "meta.json").read_text())
+    meta["schema_version"] = SCHEMA_VERSION + 1
+    (tmp_path / "run" / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(SchemaVersionError, match="upgrade gputrace"):
+        Store.open(tmp_path / "run")
+
+
+def test_not_a_run(tmp_path: Path) -> None:
+    """Opening a directory that is not a run says so."""
+    with pytest.raises(StoreError, match="not a gputrace run"):
+        Store.open(tmp_path)
+
+
+def test_meta_extra_merges(tmp_path: Path) -> None:
+    """update_meta merges extra and persists."""
+    with Store.create(tmp_path / "run", extra={"a": 1}) as store:
+        store.update_meta(extra={"b": 2})
+    with Store.open(tmp_path / "run") as store:
+        assert store.meta.extra == {"a": 1, "b": 2}
+
+
+def test_batching_writer_flushes_all_types(tmp_path: Path) -> None:
+    """The batching writer appends every buffered type on flush."""
+    with Store.create(tmp_path / "run") as store:
+        writer = BatchingWriter(store, flush_s=0)
+        writer.add(GpuSample(host="h", gpu_index=0, ts_ns=1))
+        writer.add(SchedulerEvent(host="h", source="log", engine="sglang", kind="decode", line_no=1))
+        writer.add(ClockProbe(host="h", local_send_ns=0, remote_ns=5, local_recv_ns=10))
+        writer.maybe_flush()
+        assert (store.count("gpu_samples"), store.count("scheduler_events"),
+                store.count("clock_probes")) == (1, 1, 1)
+
+
+_WRITER = r"""
+import sys
+from gputrace.model import GpuSample
+from gputrace.store import Store
+store = Store.create(sys.argv[1], exist_ok=True)
+start = int(sys.argv[2])
+batch = 0
+while True:
+    rows = [GpuSample(host="h", gpu_index=g, ts_ns=start + batch, seq=start + batch,
+                      utilization_ratio=0.5) for g in range(200)]
+    store.append(rows)
+    print(start + batch, flush=True)  # printed only after the append returned
+    batch += 1
+"""
+
+
+def _run_writer_until_killed(run: Path, start: int, delay_s: float) -> list[int]:
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(run), str(start)],
+                            stdout=subprocess.PIPE, text=True)
+    time.sleep(delay_s)
+    proc.send_signal(signal.SIGKILL)
+    out, _ = proc.communicate(timeout=30)
+    return [int(line) for line in out.split()]
+
+
+def test_sigkill_mid_append_keeps_every_returned_batch(tmp_path: Path) -> None:
+    """Killed at random points many times, every batch acknowledged before the kill is kept and
+    appending continues on the same store."""
+    rng = random.Random(1234)
+    run = tmp_path / "run"
+    acknowledged: list[int] = []
+    start = 0
+    for _ in range(12):
+        done = _run_writer_until_killed(run, start, rng.uniform(0.6, 1.6))
+        acknowledged += done
+        with Store.open(run, read_only=True) as store:
+            seqs = {r[0] for r in store.sql("SELECT DISTINCT seq FROM gpu_samples")}
+            per_batch = dict(store.sql("SELECT seq, count(*) FROM gpu_samples GROUP BY seq"))
+        missing = set(acknowledged) - seqs
+        assert not missing, f"acknowledged batches lost: {sorted(missing)[:5]}"
+        assert all(n == 200 for n in per_batch.values()), "a batch was half-written"
+        start += 100_000
+    assert len(acknowledged) > 12
