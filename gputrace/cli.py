@@ -9,31 +9,40 @@ from __future__ import annotations
 
 import importlib
 import os
+import pkgutil
 import sys
 import traceback
 
 import click
 
+import gputrace.commands as commands_pkg
 from gputrace import __version__
 from gputrace.errors import GputraceError
 from gputrace.logsetup import configure_logging
 
-# Commands that exist, in the order `--help` lists them. Add a module under gputrace/commands/
-# exposing `command`, then its name here.
-COMMAND_MODULES: list[str] = [
-    "check_config",
-]
+
+def _command_modules() -> list[str]:
+    """Every module in gputrace/commands/ is a command (``import_`` -> ``import``)."""
+    return sorted(m.name for m in pkgutil.iter_modules(commands_pkg.__path__) if not m.ispkg)
+
+
+def _command_name(module_name: str) -> str:
+    return module_name.rstrip("_").replace("_", "-")
+
+
+COMMAND_MODULES = _command_modules()
 
 
 class _LazyGroup(click.Group):
     """Imports a command's module only when that command runs (keeps startup fast)."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return [name.replace("_", "-") for name in COMMAND_MODULES]
+        return [_command_name(m) for m in COMMAND_MODULES]
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        module_name = cmd_name.replace("-", "_")
-        if module_name not in COMMAND_MODULES:
+        by_name = {_command_name(m): m for m in COMMAND_MODULES}
+        module_name = by_name.get(cmd_name)
+        if module_name is None:
             return None
         module = importlib.import_module(f"gputrace.commands.{module_name}")
         command: click.Command = module.command

@@ -151,7 +151,7 @@ class _Section:
     def int_list(self, name: str, default: Any = None, minimum: int = 0) -> tuple[int, ...] | None:
         value = self.get(name, list, default)
         if value is None or isinstance(value, tuple):
-            return value  # type: ignore[no-any-return]
+            return value
         for i, item in enumerate(value):
             if isinstance(item, bool) or not isinstance(item, int) or item < minimum:
                 self.fail(f"{self.key(name)}[{i}]", f"expected an integer >= {minimum}, got {item!r}")

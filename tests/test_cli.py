@@ -23,13 +23,13 @@ def test_version() -> None:
 
 def test_help_lists_only_built_commands() -> None:
     """--help lists every registered command and each one's --help works."""
-    from gputrace.cli import COMMAND_MODULES
+    from gputrace.cli import COMMAND_MODULES, _command_name
 
     out = run_cli("--help")
     assert out.returncode == 0
     for name in COMMAND_MODULES:
-        assert name.replace("_", "-") in out.stdout
-        sub = run_cli(name.replace("_", "-"), "--help")
+        assert _command_name(name) in out.stdout
+        sub = run_cli(_command_name(name), "--help")
         assert sub.returncode == 0, sub.stderr
 
 

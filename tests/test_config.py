@@ -122,5 +122,6 @@ def test_cli_prints_one_line_and_exits_2(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60,
     )
     assert out.returncode == 2
-    assert out.stderr.strip() == f"gputrace: error: {path}: topology.pp_size: expected an integer, got a boolean True"
+    expected = f"gputrace: error: {path}: topology.pp_size: expected an integer, got a boolean True"
+    assert out.stderr.strip() == expected
     assert "Traceback" not in out.stderr

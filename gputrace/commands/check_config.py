@@ -18,7 +18,11 @@ def command(path: str) -> None:
                f"nnodes={topo.nnodes}" + (f", {len(topo.placements)} explicit placements"
                                           if topo.placements else ""))
     for h in cfg.hosts:
-        where = "local" if h.ssh is None else f"ssh {h.ssh.user + '@' if h.ssh.user else ''}{h.ssh.host}:{h.ssh.port}"
+        if h.ssh is None:
+            where = "local"
+        else:
+            user = f"{h.ssh.user}@" if h.ssh.user else ""
+            where = f"ssh {user}{h.ssh.host}:{h.ssh.port}"
         log = f"{h.log.kind} {h.log.target!r} ({h.log.engine})" if h.log else "no log source"
         click.echo(f"  host {h.name}: {where}; agent {h.agent or 'none'}; {log}")
     if cfg.load:

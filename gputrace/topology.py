@@ -1,0 +1,98 @@
+"""Which GPU serves which pipeline stage: (host, gpu) <-> (pp_rank, tp_rank, dp_rank).
+
+From SGLang's placement rule (``entrypoints/engine.py``; see shared ENGINES.md) or from an
+explicit table in the configuration. The mapping is stored in the run's meta so the report can
+show the one it used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from gputrace.config import Config
+from gputrace.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """One GPU's place in the deployment."""
+
+    host: str
+    gpu_index: int
+    pp_rank: int
+    tp_rank: int = 0
+    dp_rank: int = 0
+
+
+def sglang_node_placements(
+    *,
+    pp_size: int,
+    tp_size: int,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    base_gpu_id: int = 0,
+    gpu_id_step: int = 1,
+) -> list[tuple[int, int, int]]:
+    """(gpu_id, pp_rank, tp_rank) of every rank SGLang places on node ``node_rank``.
+
+    gpu_id = base_gpu_id + (pp_rank % pp_per_node) * tp_per_node + (tp_rank % tp_per_node) * step,
+    with pp_per_node = max(pp_size // nnodes, 1) and nnodes_per_pp_rank = max(nnodes // pp_size, 1).
+    """
+    if pp_size < 1 or tp_size < 1 or nnodes < 1:
+        raise ConfigError(f"topology: pp_size, tp_size and nnodes must be >= 1 "
+                          f"(got {pp_size}, {tp_size}, {nnodes})")
+    if not 0 <= node_rank < nnodes:
+        raise ConfigError(f"topology: node_rank {node_rank} outside 0..{nnodes - 1}")
+    pp_per_node = max(pp_size // nnodes, 1)
+    nnodes_per_pp_rank = max(nnodes // pp_size, 1)
+    tp_per_node = max(tp_size // nnodes_per_pp_rank, 1)
+    pp_first = pp_per_node * (node_rank // nnodes_per_pp_rank)
+    tp_first = tp_per_node * (node_rank % nnodes_per_pp_rank)
+    out = []
+    for pp_rank in range(pp_first, min(pp_first + pp_per_node, pp_size)):
+        for tp_rank in range(tp_first, min(tp_first + tp_per_node, tp_size)):
+            gpu_id = (base_gpu_id + (pp_rank % pp_per_node) * tp_per_node
+                      + (tp_rank % tp_per_node) * gpu_id_step)
+            out.append((gpu_id, pp_rank, tp_rank))
+    return out
+
+
+def placements_from_config(cfg: Config) -> list[Placement]:
+    """The explicit table when the config has one, else SGLang's rule per host's node_rank."""
+    topo = cfg.topology
+    if topo.placements:
+        return [Placement(p.host, p.gpu, p.pp_rank, p.tp_rank, p.dp_rank) for p in topo.placements]
+    out: list[Placement] = []
+    for host in cfg.hosts:
+        for gpu_id, pp_rank, tp_rank in sglang_node_placements(
+            pp_size=topo.pp_size, tp_size=topo.tp_size, nnodes=topo.nnodes,
+            node_rank=host.node_rank, base_gpu_id=topo.base_gpu_id, gpu_id_step=topo.gpu_id_step,
+        ):
+            out.append(Placement(host.name, gpu_id, pp_rank, tp_rank))
+    return out
+
+
+def single_node_placements(host: str, pp_size: int, tp_size: int = 1) -> list[Placement]:
+    """SGLang's placement on one node (the common case, and the simulator's)."""
+    return [Placement(host, g, p, t)
+            for g, p, t in sglang_node_placements(pp_size=pp_size, tp_size=tp_size)]
+
+
+def topology_to_meta(pp_size: int, tp_size: int, dp_size: int,
+                     placements: Iterable[Placement], source: str) -> dict[str, Any]:
+    """The form stored in meta.json's ``topology``; ``source`` says where the mapping came from."""
+    return {
+        "pp_size": pp_size,
+        "tp_size": tp_size,
+        "dp_size": dp_size,
+        "source": source,  # e.g. "sglang-formula", "explicit", "simulator"
+        "placements": [asdict(p) for p in placements],
+    }
+
+
+def placements_from_meta(topology: Mapping[str, Any]) -> list[Placement]:
+    """Inverse of :func:`topology_to_meta`."""
+    rows: Sequence[Mapping[str, Any]] = topology.get("placements", [])
+    return [Placement(**row) for row in rows]
