@@ -1,0 +1,9 @@
+"""The load side: a closed-loop concurrency sweep against OpenAI-compatible endpoints, and importers
+of per-request records from other benchmark tools (AIPerf, guidellm, gputrace's own JSONL)."""
+
+from __future__ import annotations
+
+from gputrace.load.generator import LoadGenerator, LoadResult, LoadSpec, run_load
+from gputrace.load.stats import LevelStats
+
+__all__ = ["LevelStats", "LoadGenerator", "LoadResult", "LoadSpec", "run_load"]

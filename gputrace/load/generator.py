@@ -1,0 +1,504 @@
+"""A closed-loop load generator for OpenAI-compatible chat endpoints (SGLang, vLLM, the simulator):
+per level it keeps exactly C requests in flight and records every request and phase marker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from gputrace.errors import ConfigError, SourceError, UsageError
+from gputrace.load.stats import LevelStats, level_stats
+from gputrace.logsetup import get_logger
+from gputrace.model import Marker, RequestRecord
+
+log = get_logger("load")
+
+DEFAULT_PROMPTS: tuple[str, ...] = (
+    "Explain how pipeline parallelism splits a transformer across GPUs.",
+    "Write a short story about a lighthouse keeper who collects clocks.",
+    "List the trade-offs between tensor parallelism and pipeline parallelism.",
+    "Summarise the history of the printing press in a few paragraphs.",
+    "Describe what a KV cache is and why it limits batch size.",
+    "Write a poem about a train crossing a frozen lake at night.",
+)
+CHAT_PATH = "/v1/chat/completions"
+_HEADERS = {"Content-Type": "application/json", "Accept": "text/event-stream, application/json"}
+_LAG_INTERVAL_S = 0.05
+_BACKOFF_MIN_S = 0.05
+_BACKOFF_MAX_S = 1.0
+
+RecordSink = Callable[[RequestRecord | Marker], None]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """What to run. Exactly one of ``requests_per_level`` / ``duration_per_level_s`` may be set;
+    with neither, each level issues ``4 * C`` requests."""
+
+    url: str
+    model: str
+    concurrency: tuple[int, ...]
+    max_tokens: int = 512
+    requests_per_level: int | None = None
+    duration_per_level_s: float | None = None
+    warmup_s: float = 0.0
+    prompts: tuple[Any, ...] = DEFAULT_PROMPTS  # str (a user message) or a list of chat messages
+    temperature: float = 0.0
+    stream: bool = True
+    ignore_eos: bool = False
+    mark_url: str | None = None
+    host: str = field(default_factory=socket.gethostname)
+    request_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not self.concurrency or any(c < 1 for c in self.concurrency):
+            raise UsageError(f"concurrency levels must be positive integers, got {self.concurrency}")
+        if self.requests_per_level is not None and self.duration_per_level_s is not None:
+            raise UsageError("give --requests-per-level or --duration-per-level, not both")
+        if self.requests_per_level is not None and self.requests_per_level < 1:
+            raise UsageError("--requests-per-level must be at least 1")
+        if self.duration_per_level_s is not None and self.duration_per_level_s <= 0:
+            raise UsageError("--duration-per-level must be positive")
+        if self.max_tokens < 1:
+            raise UsageError("--max-tokens must be at least 1")
+        if self.warmup_s < 0:
+            raise UsageError("--warmup must not be negative")
+        if not self.url.startswith(("http://", "https://")):
+            raise UsageError(f"--url must start with http:// or https://, got {self.url!r}")
+        if not self.prompts:
+            raise UsageError("no prompts to send")
+
+    @property
+    def endpoint(self) -> str:
+        base = self.url.rstrip("/")
+        if base.endswith("/chat/completions"):
+            return base
+        if base.endswith("/v1"):
+            return base + "/chat/completions"
+        return base + CHAT_PATH
+
+
+def load_prompts(path: str | os.PathLike[str]) -> tuple[Any, ...]:
+    """Prompts from a JSONL file: one object per line with ``prompt`` (text) or ``messages`` (chat)."""
+    p = Path(path)
+    try:
+        lines = p.read_text().splitlines()
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read prompts: {exc.strerror}") from exc
+    prompts: list[Any] = []
+    bad = 0
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            bad += 1
+            continue
+        if isinstance(obj, dict) and isinstance(obj.get("messages"), list):
+            prompts.append(obj["messages"])
+        elif isinstance(obj, dict) and isinstance(obj.get("prompt") or obj.get("text"), str):
+            prompts.append(obj.get("prompt") or obj.get("text"))
+        else:
+            bad += 1
+    if bad:
+        log.warning("prompts skipped", file=str(p), bad_lines=bad)
+    if not prompts:
+        raise ConfigError(f"{p}: no prompts (each line needs a JSON object with 'prompt' or 'messages')")
+    return tuple(prompts)
+
+
+def _payloads(spec: LoadSpec) -> list[bytes]:
+    """Request bodies encoded once, so the hot loop sends bytes."""
+    out = []
+    for prompt in spec.prompts:
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
+        body: dict[str, Any] = {
+            "model": spec.model,
+            "messages": messages,
+            "max_tokens": spec.max_tokens,
+            "temperature": spec.temperature,
+            "stream": spec.stream,
+        }
+        if spec.stream:
+            body["stream_options"] = {"include_usage": True}
+        if spec.ignore_eos:
+            body["ignore_eos"] = True
+        out.append(json.dumps(body).encode())
+    return out
+
+
+@dataclass(slots=True)
+class _Level:
+    label: str
+    concurrency: int
+    n_requests: int | None
+    duration_s: float | None
+    issued: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """Everything one run produced: records for the store, and the per-level figures."""
+
+    requests: list[RequestRecord]
+    markers: list[Marker]
+    levels: list[LevelStats]
+    wall_s: float
+    cpu_s: float  # this process's CPU seconds during the run
+
+    def records(self) -> list[RequestRecord | Marker]:
+        """Markers and requests in time order (what ``--out`` writes)."""
+        both: list[RequestRecord | Marker] = [*self.markers, *self.requests]
+        return sorted(both, key=lambda r: r.ts_ns if isinstance(r, Marker) else r.start_ns)
+
+    @property
+    def short_levels(self) -> list[LevelStats]:
+        return [lv for lv in self.levels if lv.short and lv.label != "warmup"]
+
+
+class LoadGenerator:
+    """Runs one sweep. ``inflight``, ``target_concurrency`` and ``phase`` can be read live (a
+    collector exports them); ``on_record`` receives every record as it is produced."""
+
+    def __init__(self, spec: LoadSpec, on_record: RecordSink | None = None):
+        self.spec = spec
+        self.on_record = on_record
+        self.inflight = 0
+        self.target_concurrency = 0
+        self.phase: str | None = None
+        self.completed = 0
+        self.failed = 0
+        self._payloads = _payloads(spec)
+        self._levels = self._plan()
+        self._level_idx = -1
+        self._level_started = 0.0
+        self._finished = False
+        self._abort: SourceError | None = None
+        self._workers: dict[int, asyncio.Task[None]] = {}
+        self._done = asyncio.Event()
+        self._records: list[RequestRecord] = []
+        self._markers: list[Marker] = []
+        self._posts: list[asyncio.Task[None]] = []
+        self._lag_ts: list[int] = []
+        self._lag_s: list[float] = []
+        self._seq = 0
+        self._ever_ok = False
+        self._connect_failures = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._run_id = secrets.token_hex(3)
+        self._session: aiohttp.ClientSession | None = None
+
+    def _plan(self) -> list[_Level]:
+        spec = self.spec
+        levels = []
+        if spec.warmup_s > 0:
+            levels.append(_Level("warmup", spec.concurrency[0], None, spec.warmup_s))
+        for c in spec.concurrency:
+            n = spec.requests_per_level
+            if n is None and spec.duration_per_level_s is None:
+                n = 4 * c
+            levels.append(_Level(f"C={c}", c, n, spec.duration_per_level_s))
+        return levels
+
+    # -- progress (read by the console) -------------------------------------------------------
+
+    @property
+    def level(self) -> _Level | None:
+        return self._levels[self._level_idx] if 0 <= self._level_idx < len(self._levels) else None
+
+    def level_progress(self) -> tuple[float, float]:
+        """(done, total) of the current level, in requests issued or seconds elapsed."""
+        lv = self.level
+        if lv is None:
+            return 0.0, 1.0
+        if lv.n_requests is not None:
+            return float(lv.issued), float(lv.n_requests)
+        return min(time.monotonic() - self._level_started, lv.duration_s or 0.0), float(lv.duration_s or 1)
+
+    @property
+    def level_labels(self) -> list[str]:
+        return [lv.label for lv in self._levels]
+
+    # -- the run -------------------------------------------------------------------------------
+
+    async def run(self) -> LoadResult:
+        wall0, cpu0 = time.monotonic(), time.process_time()
+        max_c = max(self.spec.concurrency)
+        # The connector must never be the hidden cap on concurrency; a few spare for marker posts.
+        connector = aiohttp.TCPConnector(limit=max_c + 8, limit_per_host=0, ttl_dns_cache=300)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=self.spec.request_timeout_s)
+        lag_task: asyncio.Task[None] | None = None
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False) as s:
+            self._session = s
+            try:
+                lag_task = asyncio.create_task(self._watch_loop_lag())
+                self._start_level(0)
+                await self._done.wait()
+                if self._posts:
+                    await asyncio.gather(*self._posts, return_exceptions=True)
+            finally:
+                if self._timer is not None:
+                    self._timer.cancel()
+                if lag_task is not None:
+                    lag_task.cancel()
+                for task in list(self._workers.values()):
+                    task.cancel()
+                if self._workers:
+                    await asyncio.gather(*self._workers.values(), return_exceptions=True)
+        if self._abort is not None:
+            raise self._abort
+        lag = (np.array(self._lag_ts, dtype=np.int64), np.array(self._lag_s, dtype=np.float64))
+        requests = sorted(self._records, key=lambda r: r.start_ns)
+        levels = level_stats(requests, self._markers, lag)
+        for lv in levels:
+            if lv.short and lv.label != "warmup":
+                log.warning(
+                    "client kept fewer requests in flight than asked",
+                    level=lv.label,
+                    target=lv.target_concurrency,
+                    inflight_mean=round(lv.inflight_mean or 0.0, 2),
+                    inflight_min=lv.inflight_min,
+                    failed=lv.failed,
+                )
+        return LoadResult(
+            requests=requests,
+            markers=list(self._markers),
+            levels=levels,
+            wall_s=time.monotonic() - wall0,
+            cpu_s=time.process_time() - cpu0,
+        )
+
+    def _start_level(self, idx: int) -> None:
+        self._level_idx = idx
+        lv = self._levels[idx]
+        self._level_started = time.monotonic()
+        self.phase = lv.label
+        self.target_concurrency = lv.concurrency
+        self._emit_marker(lv.label, "phase", lv.concurrency)
+        for slot in range(lv.concurrency):
+            if slot not in self._workers:
+                self._workers[slot] = asyncio.create_task(self._worker(slot))
+        if lv.duration_s is not None:
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(lv.duration_s, self._advance, idx)
+
+    def _advance(self, from_idx: int) -> None:
+        """End level ``from_idx``: start the next, or stop issuing and let the last requests finish."""
+        if from_idx != self._level_idx or self._finished:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if from_idx + 1 < len(self._levels):
+            self._start_level(from_idx + 1)
+        else:
+            self._finish()
+
+    def _finish(self) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        self.target_concurrency = 0
+        self.phase = None
+        self._emit_marker("end", "end", None)
+        if not self._workers:
+            self._done.set()
+
+    def _next_phase(self, slot: int) -> str | None:
+        """The phase label of the slot's next request, or None when the slot should stop."""
+        while True:
+            lv = self.level
+            if self._finished or lv is None or slot >= lv.concurrency:
+                return None
+            if lv.n_requests is not None and lv.issued >= lv.n_requests:
+                self._advance(self._level_idx)
+                continue
+            lv.issued += 1
+            return lv.label
+
+    async def _worker(self, slot: int) -> None:
+        backoff = 0.0
+        try:
+            while True:
+                phase = self._next_phase(slot)
+                if phase is None:
+                    return
+                seq = self._seq
+                self._seq += 1
+                record = await self._request(self._payloads[seq % len(self._payloads)], phase, seq)
+                self._records.append(record)
+                if self.on_record is not None:
+                    self.on_record(record)
+                if record.ok:
+                    self.completed += 1
+                    backoff = 0.0
+                    continue
+                self.failed += 1
+                # Back off after a failure so a refusing server is not hammered; the gap shows as
+                # fewer requests in flight, which is what the level's figures must then report.
+                backoff = min(max(backoff * 2, _BACKOFF_MIN_S), _BACKOFF_MAX_S)
+                await asyncio.sleep(backoff)
+        finally:
+            self._workers.pop(slot, None)
+            if self._finished and not self._workers:
+                self._done.set()
+
+    async def _request(self, payload: bytes, phase: str, seq: int) -> RequestRecord:
+        assert self._session is not None
+        first_ns: int | None = None
+        prompt_tokens: int | None = None
+        completion_tokens: int | None = None
+        error: str | None = None
+        self.inflight += 1
+        start_ns = time.time_ns()
+        try:
+            async with self._session.post(self.spec.endpoint, data=payload, headers=_HEADERS) as resp:
+                if resp.status != 200:
+                    body = await resp.read()
+                    error = f"HTTP {resp.status}: {body[:200].decode(errors='replace').strip()}"
+                elif self.spec.stream:
+                    first_ns, prompt_tokens, completion_tokens, error = await _read_sse(resp)
+                else:
+                    prompt_tokens, completion_tokens, error = _parse_completion(await resp.read())
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            error = f"{type(exc).__name__}: {exc}".strip()
+            if isinstance(exc, aiohttp.ClientConnectorError):
+                self._note_connect_failure(exc)
+        finally:
+            end_ns = time.time_ns()
+            self.inflight -= 1
+        if error is None:
+            self._ever_ok = True
+        return RequestRecord(
+            host=self.spec.host,
+            request_id=f"{self._run_id}-{seq}",
+            start_ns=start_ns,
+            first_token_ns=first_ns,
+            end_ns=end_ns,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            ok=error is None,
+            error=error,
+            phase=phase,
+        )
+
+    def _note_connect_failure(self, exc: Exception) -> None:
+        """Nothing has ever answered: stop early with one clear line instead of a table of failures."""
+        if self._ever_ok:
+            return
+        self._connect_failures += 1
+        if self._connect_failures >= max(8, self.target_concurrency) and self._abort is None:
+            self._abort = SourceError(f"{self.spec.endpoint}: cannot connect: {exc}")
+            self._finish()
+
+    def _emit_marker(self, label: str, kind: str, target: int | None) -> None:
+        marker = Marker(
+            host=self.spec.host, ts_ns=time.time_ns(), label=label, kind=kind, target_concurrency=target
+        )
+        self._markers.append(marker)
+        if self.on_record is not None:
+            self.on_record(marker)
+        if self.spec.mark_url:
+            self._posts.append(asyncio.create_task(self._post_marker(marker)))
+
+    async def _post_marker(self, marker: Marker) -> None:
+        assert self._session is not None and self.spec.mark_url is not None
+        body = {
+            "label": marker.label,
+            "kind": marker.kind,
+            "target_concurrency": marker.target_concurrency,
+            "ts_ns": marker.ts_ns,
+        }
+        try:
+            async with self._session.post(
+                self.spec.mark_url, json=body, timeout=aiohttp.ClientTimeout(total=5)
+            ) as resp:
+                if resp.status >= 300:
+                    log.warning("marker not accepted", url=self.spec.mark_url, status=resp.status)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("marker post failed", url=self.spec.mark_url, error=f"{type(exc).__name__}: {exc}")
+
+    async def _watch_loop_lag(self) -> None:
+        """Samples how late the event loop wakes up: a busy client shows here before anywhere else."""
+        while True:
+            t0 = time.monotonic()
+            await asyncio.sleep(_LAG_INTERVAL_S)
+            self._lag_s.append(max(time.monotonic() - t0 - _LAG_INTERVAL_S, 0.0))
+            self._lag_ts.append(time.time_ns())
+
+
+async def _read_sse(resp: aiohttp.ClientResponse) -> tuple[int | None, int | None, int | None, str | None]:
+    """Reads an SSE chat stream: (first token ns, prompt tokens, completion tokens, error)."""
+    first_ns: int | None = None
+    prompt_tokens: int | None = None
+    usage_completion: int | None = None
+    counted = 0
+    error: str | None = None
+    tail = b""
+    async for chunk in resp.content.iter_any():
+        now = time.time_ns()
+        lines = (tail + chunk).split(b"\n")
+        tail = lines.pop()
+        for line in lines:
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]" or not data:
+                continue
+            event = json.loads(data)
+            if not isinstance(event, dict):
+                continue
+            if "error" in event:
+                err = event["error"]
+                error = str(err.get("message", err) if isinstance(err, dict) else err)[:200]
+                continue
+            choices = event.get("choices")
+            if choices:
+                delta = choices[0].get("delta") or {}
+                if delta.get("content") or delta.get("reasoning_content"):
+                    counted += 1
+                    if first_ns is None:
+                        first_ns = now
+            usage = event.get("usage")
+            if usage:
+                prompt_tokens = usage.get("prompt_tokens")
+                usage_completion = usage.get("completion_tokens")
+    completion = usage_completion if usage_completion is not None else counted
+    return first_ns, prompt_tokens, completion, error
+
+
+def _parse_completion(body: bytes) -> tuple[int | None, int | None, str | None]:
+    """A non-streaming response: (prompt tokens, completion tokens, error)."""
+    obj = json.loads(body)
+    if not isinstance(obj, dict):
+        return None, None, "response is not a JSON object"
+    if "error" in obj:
+        err = obj["error"]
+        return None, None, str(err.get("message", err) if isinstance(err, dict) else err)[:200]
+    usage = obj.get("usage") or {}
+    completion = usage.get("completion_tokens")
+    if completion is None:
+        # No usage block: estimate from the text (whitespace words); better than nothing.
+        choices = obj.get("choices") or [{}]
+        text = (choices[0].get("message") or {}).get("content") or ""
+        completion = len(text.split())
+    return usage.get("prompt_tokens"), completion, None
+
+
+async def run_load(spec: LoadSpec, on_record: RecordSink | None = None) -> LoadResult:
+    """Run a sweep and return its records and per-level figures (records also go to ``on_record``
+    as they are produced, so a collector can store them while the run goes on)."""
+    return await LoadGenerator(spec, on_record).run()
+
