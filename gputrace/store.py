@@ -80,12 +80,20 @@ def _to_arrow_column(values: Any, dtype: pa.DataType) -> pa.Array:
     if isinstance(values, pa.Array | pa.ChunkedArray):
         return values.cast(dtype)
     if isinstance(values, np.ndarray):
-        mask = np.isnan(values) if values.dtype.kind == "f" else None
+        mask = None
+        if values.dtype.kind == "f":
+            nan = np.isnan(values)
+            mask = nan if nan.any() else None
         if isinstance(values, np.ma.MaskedArray):
             mask = np.ma.getmaskarray(values) if mask is None else mask | np.ma.getmaskarray(values)
             values = values.data
         return pa.array(values, type=dtype, mask=mask, from_pandas=False)
     return pa.array(list(values), type=dtype)
+
+
+def _constant_column(value: str | int, n_rows: int, dtype: pa.DataType) -> pa.Array:
+    """A scalar given for a whole column (e.g. the host name of a batch)."""
+    return pa.repeat(pa.scalar(value, type=dtype), n_rows)
 
 
 def _default_column(table: str, name: str, n_rows: int, dtype: pa.DataType) -> pa.Array:
@@ -228,18 +236,23 @@ class Store:
     def append_columns(self, table: str, columns: Mapping[str, Any]) -> int:
         """Append a batch given as columns (numpy arrays, Arrow arrays or lists).
 
-        Columns not given are NULL; NaN in a float column is stored as NULL ("not available").
+        A scalar str/int stands for a constant column (e.g. ``host="node0"``). Columns not given
+        take the record's default (NULL for optional fields); NaN in a float column is stored as
+        NULL ("not available").
         """
         schema = _arrow_schema(table)
         unknown = set(columns) - set(schema.names)
         if unknown:
             raise StoreError(f"{table}: unknown columns {sorted(unknown)}")
-        lengths = {len(v) for v in columns.values()}
+        lengths = {len(v) for v in columns.values() if not isinstance(v, str | int)}
         if len(lengths) != 1:
-            raise StoreError(f"{table}: columns differ in length: {sorted(lengths)}")
+            what = f"columns differ in length: {sorted(lengths)}" if lengths else "no array column"
+            raise StoreError(f"{table}: {what}")
         (n_rows,) = lengths
         arrays = [
-            _to_arrow_column(columns[f.name], f.type)
+            _constant_column(columns[f.name], n_rows, f.type)
+            if isinstance(columns.get(f.name), str | int)
+            else _to_arrow_column(columns[f.name], f.type)
             if f.name in columns
             else _default_column(table, f.name, n_rows, f.type)
             for f in schema

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -99,13 +100,24 @@ def test_missing_file(tmp_path: Path) -> None:
         load_config(tmp_path / "absent.toml")
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads every file")
 def test_unreadable_file(tmp_path: Path) -> None:
-    """A file without read permission is named."""
+    """A file without read permission is named (as root, checked from an unprivileged child)."""
     p = write(tmp_path, GOOD)
     p.chmod(0)
-    with pytest.raises(ConfigError, match="permission denied"):
-        load_config(p)
+    if os.geteuid() != 0:
+        with pytest.raises(ConfigError, match="permission denied"):
+            load_config(p)
+        return
+    # Root bypasses file modes; a child without CAP_DAC_OVERRIDE meets them like any user.
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("running as root and util-linux's setpriv is missing: cannot drop CAP_DAC_OVERRIDE")
+    code = ("import sys; from gputrace.config import load_config; from gputrace.errors import ConfigError\n"
+            "try:\n    load_config(sys.argv[1])\nexcept ConfigError as e:\n    print(e)")
+    out = subprocess.run(
+        [setpriv, "--bounding-set=-dac_override,-dac_read_search", sys.executable, "-c", code, str(p)],
+        capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == f"{p}: permission denied", out.stderr
 
 
 def test_directory_instead_of_file(tmp_path: Path) -> None:

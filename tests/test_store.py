@@ -128,3 +128,10 @@ def test_sigkill_mid_append_keeps_every_returned_batch(tmp_path: Path) -> None:
         assert all(n == 200 for n in per_batch.values()), "a batch was half-written"
         start += 100_000
     assert len(acknowledged) > 12
+
+
+def test_constant_column(tmp_path: Path) -> None:
+    """A scalar stands for a constant column in a columnar append."""
+    with Store.create(tmp_path / "run") as store:
+        store.append_columns("gpu_samples", {"host": "n0", "gpu_index": 3, "ts_ns": np.arange(4)})
+        assert store.sql("SELECT host, gpu_index, count(*) FROM gpu_samples GROUP BY ALL") == [("n0", 3, 4)]
