@@ -1,0 +1,140 @@
+"""The agent's sampling loop and its ring buffer of sequenced samples.
+
+Sampling runs in its own thread so a slow NVML call never stalls an HTTP response and a slow client
+never delays a sample; the ring is shared under one lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import islice
+
+from gputrace.gpu.sampler import Sampler
+from gputrace.logsetup import get_logger
+from gputrace.model import GpuSample
+
+log = get_logger("agent.sampling")
+
+
+class CursorTooOld(Exception):
+    """The requested cursor fell out of the ring; ``oldest_seq`` is the first sample still held."""
+
+    def __init__(self, oldest_seq: int) -> None:
+        super().__init__(f"cursor older than the ring; oldest available seq is {oldest_seq}")
+        self.oldest_seq = oldest_seq
+
+
+class SampleRing:
+    """Samples numbered 1, 2, 3, ... kept for ``retention_ns`` (and at most ``max_samples``)."""
+
+    def __init__(self, retention_ns: int, max_samples: int = 5_000_000) -> None:
+        self.retention_ns = retention_ns
+        self._items: deque[tuple[int, int, GpuSample]] = deque(maxlen=max_samples)  # (seq, added_ns, s)
+        self._next_seq = 1
+        self._lock = threading.Lock()
+
+    def extend(self, samples: list[GpuSample], added_ns: int) -> None:
+        with self._lock:
+            seq = self._next_seq
+            items = self._items
+            for s in samples:
+                items.append((seq, added_ns, s))
+                seq += 1
+            self._next_seq = seq
+            horizon = added_ns - self.retention_ns
+            while items and items[0][1] < horizon:
+                items.popleft()
+
+    @property
+    def newest_seq(self) -> int:
+        """The sequence number of the newest sample (0 before the first)."""
+        return self._next_seq - 1
+
+    def oldest_seq(self) -> int:
+        with self._lock:
+            return self._items[0][0] if self._items else self._next_seq
+
+    def after(self, since: int, limit: int) -> list[tuple[int, GpuSample]]:
+        """Up to ``limit`` samples with seq > since; CursorTooOld when some of them were dropped."""
+        with self._lock:
+            oldest = self._items[0][0] if self._items else self._next_seq
+            if since < oldest - 1:
+                raise CursorTooOld(oldest)
+            start = since + 1 - oldest
+            if start >= len(self._items):
+                return []
+            return [(seq, s) for seq, _, s in islice(self._items, start, start + limit)]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+@dataclass(slots=True)
+class LoopStats:
+    """What the loop has done, for /metrics and /healthz."""
+
+    ticks: int = 0
+    samples: int = 0
+    errors: int = 0
+    last_tick_ns: int | None = None
+    last_sample_cost_s: float = 0.0
+    latest: dict[int, GpuSample] = field(default_factory=dict)  # newest tick record per GPU
+    latest_util: dict[int, GpuSample] = field(default_factory=dict)  # newest record with utilization
+
+
+class SamplingLoop:
+    """Calls ``sampler.sample`` every ``interval_s`` on its own thread and fills the ring."""
+
+    def __init__(self, sampler: Sampler, ring: SampleRing, interval_s: float,
+                 clock_ns: Callable[[], int] = time.time_ns) -> None:
+        self.sampler = sampler
+        self.ring = ring
+        self.interval_s = interval_s
+        self.stats = LoopStats()
+        self._clock_ns = clock_ns
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gputrace-sampling", daemon=True)
+
+    def start(self) -> None:
+        self.tick()  # one sample before serving, so /metrics is never empty
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def tick(self) -> None:
+        started = time.perf_counter()
+        now_ns = self._clock_ns()
+        try:
+            samples = self.sampler.sample(now_ns)
+        except Exception as exc:  # a failing backend must not kill the agent: count, log, retry
+            self.stats.errors += 1
+            if self.stats.errors <= 10:
+                log.error("sampling failed", error=f"{type(exc).__name__}: {exc}", errors=self.stats.errors)
+            return
+        self.ring.extend(samples, now_ns)
+        st = self.stats
+        for s in samples:
+            if s.utilization_ratio is not None or s.lost:
+                st.latest_util[s.gpu_index] = s
+            if s.ts_ns == now_ns:
+                st.latest[s.gpu_index] = s
+        st.ticks += 1
+        st.samples += len(samples)
+        st.last_tick_ns = now_ns
+        st.last_sample_cost_s = time.perf_counter() - started
+
+    def _run(self) -> None:
+        next_at = time.monotonic() + self.interval_s
+        while not self._stop.wait(max(0.0, next_at - time.monotonic())):
+            self.tick()
+            next_at += self.interval_s
+            now = time.monotonic()
+            if next_at < now:  # fell behind (suspended, overloaded): skip the missed ticks
+                next_at = now + self.interval_s

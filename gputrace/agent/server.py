@@ -1,0 +1,213 @@
+"""The agent's HTTP server: /metrics, /v1/samples, /v1/time, /v1/info, /healthz (aiohttp).
+
+Loopback by default; any other address needs a bearer token (or an explicit --insecure). The
+sampling thread fills the ring; handlers only read it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import re
+import ssl
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import asdict, dataclass, fields
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+from prometheus_client.aiohttp import make_aiohttp_handler
+
+from gputrace import __version__
+from gputrace.agent.metrics import GpuCollector
+from gputrace.agent.sampling import CursorTooOld, SampleRing, SamplingLoop
+from gputrace.errors import UsageError
+from gputrace.gpu.sampler import Sampler
+from gputrace.logsetup import get_logger
+from gputrace.model import GpuSample
+
+log = get_logger("agent.server")
+
+DEFAULT_PORT = 9402
+DEFAULT_PAGE_LIMIT = 1000
+MAX_PAGE_LIMIT = 10_000
+_SAMPLE_FIELDS = tuple(f.name for f in fields(GpuSample) if f.name != "seq")
+_UNAUTHENTICATED_PATHS = frozenset({"/healthz"})  # liveness probes carry no secret and reveal none
+
+
+@dataclass(frozen=True, slots=True)
+class AgentSettings:
+    """How the agent listens and samples (the `gputrace agent` options, parsed)."""
+
+    listen_host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    interval_s: float = 0.1
+    buffer_s: float = 900.0
+    token: str | None = None
+    insecure: bool = False
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    dcgm_compat: bool = False
+    placements: Mapping[int, tuple[int, int]] | None = None  # gpu index -> (pp_rank, tp_rank)
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """``HOST:PORT``, ``[V6]:PORT`` or ``:PORT`` (loopback) -> (host, port)."""
+    m = re.fullmatch(r"\[([^\]]+)\]:(\d+)|([^:\[\]]*):(\d+)", text.strip())
+    if not m:
+        raise UsageError(f"--listen {text!r}: expected HOST:PORT (e.g. 127.0.0.1:{DEFAULT_PORT})")
+    host = m.group(1) or m.group(3) or "127.0.0.1"
+    port = int(m.group(2) or m.group(4))
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--listen {text!r}: port outside 0..65535")
+    return host, port
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve anywhere
+
+
+def check_exposure(settings: AgentSettings) -> None:
+    """Refuse to listen beyond loopback without a token, unless --insecure says so explicitly."""
+    if (settings.tls_cert is None) != (settings.tls_key is None):
+        raise UsageError("--tls-cert and --tls-key go together")
+    if not is_loopback(settings.listen_host) and settings.token is None and not settings.insecure:
+        raise UsageError(f"refusing to listen on {settings.listen_host} (not loopback) without "
+                         "--token-file; pass --insecure to expose the agent without authentication")
+
+
+def _auth_middleware(token: str) -> Callable[..., Awaitable[web.StreamResponse]]:
+    expected = f"Bearer {token}".encode()
+
+    @web.middleware
+    async def check_token(request: web.Request,
+                          handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                          ) -> web.StreamResponse:
+        if request.path not in _UNAUTHENTICATED_PATHS:
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return web.json_response({"error": "missing or wrong bearer token"}, status=401,
+                                         headers={"WWW-Authenticate": 'Bearer realm="gputrace-agent"'})
+        return await handler(request)
+
+    return check_token
+
+
+def sample_line(seq: int, s: GpuSample) -> str:
+    """One NDJSON line: the GpuSample's fields by name, with the ring's sequence number."""
+    row = {name: getattr(s, name) for name in _SAMPLE_FIELDS}
+    row["seq"] = seq
+    return json.dumps(row, separators=(",", ":"))
+
+
+class Agent:
+    """A sampler, its ring and sampling thread, and the HTTP app serving them."""
+
+    def __init__(self, sampler: Sampler, settings: AgentSettings, host: str) -> None:
+        check_exposure(settings)
+        self.sampler = sampler
+        self.settings = settings
+        self.host = host
+        self.instance = uuid.uuid4().hex[:16]  # lets clients tell a restarted agent by its cursor
+        self.ring = SampleRing(int(settings.buffer_s * 1e9))
+        self.loop = SamplingLoop(sampler, self.ring, settings.interval_s)
+        self.devices = sampler.devices()
+        self.registry = CollectorRegistry()
+        self.registry.register(GpuCollector(self.loop.stats, self.ring, self.devices, host,
+                                            settings.placements, settings.dcgm_compat))
+        self.app = self._make_app()
+        self._runner: web.AppRunner | None = None
+        self.port: int | None = None
+
+    def _make_app(self) -> web.Application:
+        middlewares = [_auth_middleware(self.settings.token)] if self.settings.token else []
+        app = web.Application(middlewares=middlewares)
+        app.router.add_get("/metrics", make_aiohttp_handler(self.registry))
+        app.router.add_get("/v1/samples", self._samples)
+        app.router.add_get("/v1/time", self._time)
+        app.router.add_get("/v1/info", self._info)
+        app.router.add_get("/healthz", self._healthz)
+        return app
+
+    def _headers(self) -> dict[str, str]:
+        return {"X-Gputrace-Instance": self.instance,
+                "X-Gputrace-Newest-Seq": str(self.ring.newest_seq)}
+
+    async def _samples(self, request: web.Request) -> web.Response:
+        try:
+            since = int(request.query.get("since", "0"))
+            limit = int(request.query.get("limit", str(DEFAULT_PAGE_LIMIT)))
+        except ValueError:
+            return web.json_response({"error": "since and limit must be integers"}, status=400)
+        if since < 0 or not 1 <= limit <= MAX_PAGE_LIMIT:
+            return web.json_response({"error": f"since must be >= 0 and limit in 1..{MAX_PAGE_LIMIT}"},
+                                     status=400)
+        try:
+            page = self.ring.after(since, limit)
+        except CursorTooOld as exc:
+            return web.json_response({"error": str(exc), "oldest_seq": exc.oldest_seq}, status=410,
+                                     headers=self._headers())
+        body = "".join(sample_line(seq, s) + "\n" for seq, s in page)
+        return web.Response(text=body, content_type="application/x-ndjson", headers=self._headers())
+
+    async def _time(self, request: web.Request) -> web.Response:
+        return web.json_response({"time_ns": time.time_ns(), "host": self.host})
+
+    async def _info(self, request: web.Request) -> web.Response:
+        return web.json_response({
+            "host": self.host, "backend": self.sampler.backend, "instance": self.instance,
+            "gputrace_version": __version__, **self.sampler.versions(),
+            "interval_s": self.settings.interval_s, "buffer_s": self.settings.buffer_s,
+            "devices": [asdict(d) for d in self.devices],
+            "placements": {str(g): {"pp_rank": p, "tp_rank": t}
+                           for g, (p, t) in (self.settings.placements or {}).items()},
+        }, headers=self._headers())
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        last = self.loop.stats.last_tick_ns
+        age_s = (time.time_ns() - last) / 1e9 if last is not None else None
+        healthy = age_s is not None and age_s < max(5 * self.settings.interval_s, 2.0)
+        return web.json_response({"status": "ok" if healthy else "stale", "last_sample_age_s": age_s},
+                                 status=200 if healthy else 503)
+
+    def _ssl_context(self) -> ssl.SSLContext | None:
+        if self.settings.tls_cert is None or self.settings.tls_key is None:
+            return None
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            ctx.load_cert_chain(self.settings.tls_cert, self.settings.tls_key)
+        except (OSError, ssl.SSLError) as exc:
+            raise UsageError(f"--tls-cert/--tls-key: cannot load: {exc}") from exc
+        return ctx
+
+    async def start(self) -> int:
+        """Start sampling and serving; returns the bound port (useful with port 0)."""
+        ssl_ctx = self._ssl_context()
+        self.loop.start()
+        self._runner = web.AppRunner(self.app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.settings.listen_host, self.settings.port,
+                           ssl_context=ssl_ctx)
+        try:
+            await site.start()
+        except OSError as exc:
+            await self.stop()
+            raise UsageError(f"cannot listen on {self.settings.listen_host}:{self.settings.port}: "
+                             f"{exc.strerror or exc}") from exc
+        addresses = self._runner.addresses
+        self.port = int(addresses[0][1]) if addresses else self.settings.port
+        return self.port
+
+    async def stop(self) -> None:
+        self.loop.stop()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        self.sampler.close()

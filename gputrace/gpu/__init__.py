@@ -1,0 +1,1 @@
+"""GPU sources: the NVML backend, the simulated backend and the Sampler interface they share."""

@@ -1,0 +1,309 @@
+"""A simulated GPU backend: NVML-like samples from a pattern or from the simulator's feed file.
+
+The feed format is the simulator's contract (kernel-busy intervals per GPU, see the project brief
+FEED.md); a pattern (square wave, constant, idle) lets ``gputrace agent --backend sim`` run alone.
+Values follow NVML's semantics: utilization is the busy share of each driver sample period, power
+lies between idle and the limit by activity, PCIe rates are bytes in the window over its length.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from gputrace.errors import SourceError, UsageError
+from gputrace.logsetup import get_logger
+from gputrace.model import DeviceInfo, GpuSample
+
+log = get_logger("gpu.sim")
+
+DRIVER_PERIOD_NS = 1_000_000_000 // 6  # NVML's utilization period on recent datacenter GPUs
+FEED_KIND = "gputrace-sim-gpu"
+_IDLE_REASON = 0x1  # nvmlClocksEventReasonGpuIdle
+_MAX_BAD_LINES_LOGGED = 10
+
+
+@dataclass(frozen=True, slots=True)
+class SimGpuModel:
+    """The simulated GPU's constants (an H100-class part unless the feed says otherwise)."""
+
+    name: str = "NVIDIA H100 80GB HBM3"
+    power_limit_w: float = 700.0
+    idle_power_w: float = 70.0
+    pcie_gen: int = 5
+    pcie_width: int = 16
+    memory_total_bytes: int = 80 * 1024**3
+    sm_clock_max_hz: float = 1.98e9
+    sm_clock_idle_hz: float = 345e6
+    memory_clock_hz: float = 2.619e9
+    pattern_pcie_bytes_per_s: float = 2.0e9  # PCIe traffic at full activity for pattern mode
+
+
+class Activity(Protocol):
+    """What the GPUs did: busy seconds and PCIe bytes of one GPU in a window."""
+
+    def busy_s(self, gpu: int, t0_ns: int, t1_ns: int) -> float: ...
+
+    def pcie_bytes(self, gpu: int, t0_ns: int, t1_ns: int) -> tuple[float, float]: ...
+
+
+class PatternActivity:
+    """``square`` (period 2 s, half busy, phase shifted per GPU like pipeline stages), ``constant``
+    (``constant:0.8``) or ``idle``."""
+
+    def __init__(self, pattern: str, gpu_count: int, pcie_bytes_per_s: float) -> None:
+        kind, _, arg = pattern.partition(":")
+        self.kind = kind
+        self.level = 0.0
+        self.period_ns = 2_000_000_000
+        self.duty = 0.5
+        self.gpu_count = max(gpu_count, 1)
+        self.pcie_bytes_per_s = pcie_bytes_per_s
+        try:
+            if kind == "constant":
+                self.level = float(arg) if arg else 0.8
+            elif kind == "square" and arg:
+                period_s, _, duty = arg.partition(":")
+                self.period_ns = int(float(period_s) * 1e9)
+                self.duty = float(duty) if duty else 0.5
+            elif kind not in ("square", "idle"):
+                raise ValueError(kind)
+        except ValueError as exc:
+            raise UsageError(f"--sim-pattern {pattern!r}: expected square[:PERIOD_S[:DUTY]], "
+                             "constant[:LEVEL] or idle") from exc
+        if not (0.0 <= self.level <= 1.0 and 0.0 <= self.duty <= 1.0 and self.period_ns > 0):
+            raise UsageError(f"--sim-pattern {pattern!r}: levels are 0..1, the period positive")
+
+    def _busy_until(self, gpu: int, t_ns: int) -> float:
+        phase = gpu * self.period_ns // self.gpu_count
+        cycles, into = divmod(t_ns - phase, self.period_ns)
+        return (cycles * self.duty * self.period_ns + min(into, self.duty * self.period_ns)) / 1e9
+
+    def busy_s(self, gpu: int, t0_ns: int, t1_ns: int) -> float:
+        if self.kind == "constant":
+            return self.level * (t1_ns - t0_ns) / 1e9
+        if self.kind == "idle":
+            return 0.0
+        return self._busy_until(gpu, t1_ns) - self._busy_until(gpu, t0_ns)
+
+    def pcie_bytes(self, gpu: int, t0_ns: int, t1_ns: int) -> tuple[float, float]:
+        moved = self.busy_s(gpu, t0_ns, t1_ns) * self.pcie_bytes_per_s
+        return moved, moved
+
+
+class FeedActivity:
+    """Tails the simulator's feed file: kernel-busy intervals with their PCIe bytes, per GPU."""
+
+    def __init__(self, path: str, wait_s: float = 10.0) -> None:
+        self.path = path
+        self.bad_lines = 0
+        self._line_no = 0
+        self._partial = b""
+        deadline = time.monotonic() + wait_s
+        header: dict[str, Any] | None = None
+        while header is None:
+            header = self._read_header()
+            if header is None:
+                if time.monotonic() > deadline:
+                    raise SourceError(f"{path}: no feed header after {wait_s:g} s "
+                                      "(is `gputrace sim serve` writing it?)")
+                time.sleep(0.05)
+        if header.get("feed") != FEED_KIND or header.get("version") != 1:
+            raise SourceError(f"{path}: not a {FEED_KIND} version 1 feed (header {header!r})")
+        self.header = header
+        gpus = header.get("gpus")
+        if not isinstance(gpus, int) or gpus < 1:
+            raise SourceError(f"{path}: feed header needs a positive integer 'gpus'")
+        self.gpu_count = gpus
+        self.intervals: list[deque[tuple[int, int, int, int]]] = [deque() for _ in range(gpus)]
+
+    def _read_header(self) -> dict[str, Any] | None:
+        try:
+            self._file = open(self.path, "rb")  # noqa: SIM115  (kept open: the feed is tailed)
+        except FileNotFoundError:
+            return None
+        first = self._file.readline()
+        if not first.endswith(b"\n"):
+            self._file.close()
+            return None
+        self._line_no = 1
+        try:
+            header = json.loads(first)
+        except ValueError as exc:
+            raise SourceError(f"{self.path}:1: feed header is not JSON: {exc}") from exc
+        if not isinstance(header, dict):
+            raise SourceError(f"{self.path}:1: feed header is not a JSON object")
+        return header
+
+    def poll(self) -> None:
+        """Read every whole line appended since the last poll."""
+        chunk = self._file.read()
+        if not chunk:
+            return
+        data = self._partial + chunk
+        lines = data.split(b"\n")
+        self._partial = lines.pop()
+        for line in lines:
+            self._line_no += 1
+            if line.strip():
+                self._add(line)
+
+    def _add(self, line: bytes) -> None:
+        try:
+            row = json.loads(line)
+            gpu, start, end = row["gpu"], row["start_ns"], row["end_ns"]
+            tx, rx = row.get("tx_bytes", 0), row.get("rx_bytes", 0)
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in (gpu, start, end, tx, rx)):
+                raise ValueError("gpu, start_ns, end_ns, tx_bytes, rx_bytes must be integers")
+            if not 0 <= gpu < self.gpu_count or end < start:
+                raise ValueError(f"gpu {gpu} outside 0..{self.gpu_count - 1} or end before start")
+        except (ValueError, KeyError, TypeError) as exc:
+            self.bad_lines += 1
+            if self.bad_lines <= _MAX_BAD_LINES_LOGGED:
+                log.warning("bad feed line skipped", path=self.path, line=self._line_no,
+                            error=str(exc), bad_lines=self.bad_lines)
+            return
+        self.intervals[gpu].append((start, end, tx, rx))
+
+    def prune(self, before_ns: int) -> None:
+        for queue in self.intervals:
+            while queue and queue[0][1] < before_ns:
+                queue.popleft()
+
+    def busy_s(self, gpu: int, t0_ns: int, t1_ns: int) -> float:
+        busy = 0
+        for start, end, _, _ in self.intervals[gpu]:
+            if start >= t1_ns:
+                break
+            if end > t0_ns:
+                busy += min(end, t1_ns) - max(start, t0_ns)
+        return busy / 1e9
+
+    def pcie_bytes(self, gpu: int, t0_ns: int, t1_ns: int) -> tuple[float, float]:
+        tx = rx = 0.0
+        for start, end, itx, irx in self.intervals[gpu]:
+            if start >= t1_ns:
+                break
+            if end <= t0_ns and end != start:
+                continue
+            # bytes are spread evenly over the interval; a zero-length one counts where it lies
+            share = 1.0 if end == start else (min(end, t1_ns) - max(start, t0_ns)) / (end - start)
+            if end == start and not t0_ns < start <= t1_ns:
+                share = 0.0
+            tx += itx * share
+            rx += irx * share
+        return tx, rx
+
+    def close(self) -> None:
+        self._file.close()
+
+
+@dataclass(slots=True)
+class _GpuState:
+    next_driver_ns: int
+    last_tick_ns: int | None = None
+    energy_j: float = 0.0
+    temperature_c: float = 32.0
+
+
+class SimulatedSampler:
+    """The Sampler interface over simulated GPUs (``--backend sim``)."""
+
+    backend = "sim"
+
+    def __init__(self, host: str | None = None, gpu_count: int = 8, *, pattern: str = "square",
+                 feed_path: str | None = None, feed_wait_s: float = 10.0,
+                 model: SimGpuModel | None = None, driver_period_ns: int = DRIVER_PERIOD_NS) -> None:
+        self.feed = FeedActivity(feed_path, feed_wait_s) if feed_path else None
+        base = model or SimGpuModel()
+        if self.feed is not None:
+            hdr = self.feed.header
+            gpu_count = self.feed.gpu_count
+            base = SimGpuModel(
+                name=str(hdr.get("gpu_name", base.name)),
+                power_limit_w=float(hdr.get("power_limit_w", base.power_limit_w)),
+                idle_power_w=float(hdr.get("idle_power_w", base.idle_power_w)),
+                pcie_gen=int(hdr.get("pcie_gen", base.pcie_gen)),
+                pcie_width=int(hdr.get("pcie_width", base.pcie_width)),
+                memory_total_bytes=int(hdr.get("memory_total_bytes", base.memory_total_bytes)),
+            )
+            host = host or str(hdr.get("host") or "") or None
+        if gpu_count < 1:
+            raise UsageError("--sim-gpus must be at least 1")
+        self.model = base
+        self.host = host or socket.gethostname()
+        self.gpu_count = gpu_count
+        self.activity: Activity = self.feed or PatternActivity(pattern, gpu_count,
+                                                               base.pattern_pcie_bytes_per_s)
+        self.driver_period_ns = driver_period_ns
+        now = time.time_ns()
+        first = (now // driver_period_ns + 1) * driver_period_ns
+        self._state = [_GpuState(next_driver_ns=first) for _ in range(gpu_count)]
+        self._memory_used = int(base.memory_total_bytes * (0.9 if self.feed else 0.75))
+
+    def devices(self) -> list[DeviceInfo]:
+        m = self.model
+        return [DeviceInfo(host=self.host, gpu_index=g,
+                           uuid=f"GPU-{uuid.uuid5(uuid.NAMESPACE_DNS, f'{self.host}.gpu{g}.sim')}",
+                           name=m.name, pci_bus_id=f"00000000:{0x18 + 0x10 * g % 0xE0:02X}:00.0",
+                           pcie_max_gen=m.pcie_gen, pcie_max_width=m.pcie_width,
+                           power_limit_w=m.power_limit_w, memory_total_bytes=m.memory_total_bytes)
+                for g in range(self.gpu_count)]
+
+    def versions(self) -> dict[str, str | None]:
+        return {"driver_version": None, "nvml_version": None,
+                "sim_source": f"feed:{self.feed.path}" if self.feed else "pattern"}
+
+    def sample(self, now_ns: int) -> list[GpuSample]:
+        if self.feed is not None:
+            self.feed.poll()
+        out: list[GpuSample] = []
+        m = self.model
+        act = self.activity
+        period = self.driver_period_ns
+        host = self.host
+        for g, st in enumerate(self._state):
+            # the driver's own samples: one per period boundary passed, at most ~2 s of them
+            t = max(st.next_driver_ns, now_ns - 12 * period - (now_ns % period))
+            while t <= now_ns:
+                util = round(act.busy_s(g, t - period, t) * 1e9 / period, 2)
+                out.append(GpuSample(host, g, t, utilization_ratio=util,
+                                     memory_utilization_ratio=round(util * 0.55, 2)))
+                t += period
+            st.next_driver_ns = t
+            dt_ns = now_ns - st.last_tick_ns if st.last_tick_ns is not None else 100_000_000
+            st.last_tick_ns = now_ns
+            window = max(dt_ns, 20_000_000)
+            busy = min(act.busy_s(g, now_ns - window, now_ns) * 1e9 / window, 1.0)
+            tx, rx = act.pcie_bytes(g, now_ns - window, now_ns)
+            power = m.idle_power_w + (m.power_limit_w - m.idle_power_w) * busy
+            st.energy_j += power * dt_ns / 1e9
+            # first-order thermal model: 20 s time constant towards 32..72 C by activity
+            target = 32.0 + 40.0 * busy
+            st.temperature_c += (target - st.temperature_c) * (1.0 - math.exp(-dt_ns / 20e9))
+            active = busy > 0.01
+            out.append(GpuSample(
+                host, g, now_ns,
+                power_w=round(power, 3), energy_j=round(st.energy_j, 3),
+                pcie_tx_bytes_per_s=tx * 1e9 / window, pcie_rx_bytes_per_s=rx * 1e9 / window,
+                sm_clock_hz=m.sm_clock_max_hz if active else m.sm_clock_idle_hz,
+                memory_clock_hz=m.memory_clock_hz,
+                memory_used_bytes=self._memory_used, memory_total_bytes=m.memory_total_bytes,
+                temperature_c=round(st.temperature_c, 1),
+                clock_event_reasons=0 if active else _IDLE_REASON,
+                sm_active_ratio=round(0.9 * busy, 4), sm_occupancy_ratio=round(0.35 * busy, 4),
+                tensor_active_ratio=round(0.55 * busy, 4),
+            ))
+        if self.feed is not None:
+            self.feed.prune(now_ns - 4 * 1_000_000_000)
+        return out
+
+    def close(self) -> None:
+        if self.feed is not None:
+            self.feed.close()
