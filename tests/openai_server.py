@@ -32,16 +32,16 @@ class ServerStats:
     requests: int = 0
     refused: int = 0
     markers: list[dict[str, Any]] = field(default_factory=list)
-    # (monotonic time, active after the change): the server's view of concurrency.
-    timeline: list[tuple[float, int]] = field(default_factory=list)
+    # (epoch ns, active after the change): the server's view of concurrency.
+    timeline: list[tuple[int, int]] = field(default_factory=list)
 
     def change(self, delta: int) -> None:
         self.active += delta
         self.max_active = max(self.max_active, self.active)
-        self.timeline.append((time.monotonic(), self.active))
+        self.timeline.append((time.time_ns(), self.active))
 
-    def mean_active(self, t0: float, t1: float) -> float:
-        """Time-weighted mean of concurrent requests between two monotonic times."""
+    def mean_active(self, t0: int, t1: int) -> float:
+        """Time-weighted mean of concurrent requests between two epoch-ns times."""
         total = 0.0
         prev_t, prev_c = t0, 0
         for t, c in self.timeline:
@@ -54,6 +54,12 @@ class ServerStats:
             prev_t, prev_c = t, c
         total += prev_c * (t1 - prev_t)
         return total / (t1 - t0)
+
+    def max_active_in(self, t0: int, t1: int) -> int:
+        """The most requests held at once between two epoch-ns times."""
+        before = [c for t, c in self.timeline if t <= t0]
+        inside = [c for t, c in self.timeline if t0 < t < t1]
+        return max([before[-1] if before else 0, *inside])
 
 
 def make_app(behaviour: ServerBehaviour, stats: ServerStats) -> web.Application:

@@ -1,0 +1,197 @@
+"""The load generator against a real aiohttp server on loopback that speaks the OpenAI streaming
+protocol (tests/openai_server.py) and counts the requests it holds at once."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from structlog.testing import capture_logs
+
+from gputrace.errors import SourceError, UsageError
+from gputrace.load import LoadSpec, run_load
+from gputrace.load.stats import inflight_in_window, inflight_series
+
+sys.path.insert(0, str(Path(__file__).parent))
+from openai_server import ServerBehaviour, ServerStats, start_server
+
+Server = Callable[..., Any]
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[Server]:
+    """Starts fixture servers on free ports; stops them after the test."""
+    runners = []
+
+    async def start(**behaviour: Any) -> tuple[str, ServerStats]:
+        runner, url, stats = await start_server(ServerBehaviour(**behaviour))
+        runners.append(runner)
+        return url, stats
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_exactly_c_in_flight_per_level(server: Server) -> None:
+    """Client and server both see exactly C requests in flight in each level, never more."""
+    url, stats = await server(token_interval_s=0.01, ttft_s=0.01)
+    spec = LoadSpec(url=url, model="m", concurrency=(4, 16, 2), max_tokens=12, requests_per_level=48)
+    result = await run_load(spec)
+    assert [lv.label for lv in result.levels] == ["C=4", "C=16", "C=2"]
+    assert stats.max_active == 16
+    for lv in result.levels:
+        c = lv.target_concurrency
+        assert c is not None and lv.steady_start_ns is not None
+        assert lv.inflight_min == c, lv
+        assert lv.inflight_mean is not None and lv.inflight_mean == pytest.approx(c, rel=0.01)
+        assert not lv.short
+        # The server's own count over the same steady window agrees (it shares this event loop, so
+        # it registers each request a little after the client sends it).
+        assert stats.max_active_in(lv.steady_start_ns + 2_000_000, lv.end_ns) <= c
+        assert stats.mean_active(lv.steady_start_ns, lv.end_ns) == pytest.approx(c, rel=0.08)
+
+
+async def test_markers_records_and_mark_url(server: Server) -> None:
+    """Each level starts with a phase marker (posted to --mark-url too); every request is complete."""
+    url, stats = await server()
+    spec = LoadSpec(
+        url=url, model="m", concurrency=(2, 4), max_tokens=7, requests_per_level=10,
+        warmup_s=0.05, mark_url=url + "/mark", host="client-a",
+    )
+    result = await run_load(spec)
+    labels = [(m.label, m.kind, m.target_concurrency) for m in result.markers]
+    assert labels == [("warmup", "phase", 2), ("C=2", "phase", 2), ("C=4", "phase", 4), ("end", "end", None)]
+    assert [m["label"] for m in stats.markers] == ["warmup", "C=2", "C=4", "end"]
+    posted = stats.markers[2]
+    ts = result.markers[2].ts_ns
+    assert posted == {"label": "C=4", "kind": "phase", "target_concurrency": 4, "ts_ns": ts}
+    by_phase = {lab: [r for r in result.requests if r.phase == lab] for lab in ("C=2", "C=4")}
+    assert len(by_phase["C=2"]) == 10 and len(by_phase["C=4"]) == 10
+    assert len({r.request_id for r in result.requests}) == len(result.requests)
+    for r in result.requests:
+        assert r.ok and r.error is None and r.host == "client-a"
+        assert r.first_token_ns is not None and r.end_ns is not None
+        assert r.start_ns < r.first_token_ns <= r.end_ns
+        assert r.completion_tokens == 7 and r.prompt_tokens is not None and r.prompt_tokens > 0
+    # A request belongs to the level during which it started.
+    marks = {m.label: m.ts_ns for m in result.markers}
+    assert all(marks["C=2"] <= r.start_ns < marks["C=4"] for r in by_phase["C=2"])
+    assert all(marks["C=4"] <= r.start_ns < marks["end"] for r in by_phase["C=4"])
+
+
+async def test_non_streaming(server: Server) -> None:
+    """--no-stream: tokens come from usage and there is no first-token time."""
+    url, _ = await server()
+    result = await run_load(LoadSpec(url=url, model="m", concurrency=(3,), max_tokens=5,
+                                     requests_per_level=9, stream=False))
+    assert len(result.requests) == 9
+    assert all(r.ok and r.first_token_ns is None and r.completion_tokens == 5 for r in result.requests)
+    (lv,) = result.levels
+    assert lv.ttft_ms is None and lv.itl_ms is None and lv.output_tokens == 45
+
+
+async def test_tokens_counted_without_usage(server: Server) -> None:
+    """A server that ignores include_usage: completion tokens are counted from the stream."""
+    url, _ = await server(send_usage=False)
+    spec = LoadSpec(url=url, model="m", concurrency=(2,), max_tokens=9, requests_per_level=4)
+    result = await run_load(spec)
+    assert [r.completion_tokens for r in result.requests] == [9, 9, 9, 9]
+    assert all(r.prompt_tokens is None for r in result.requests)
+
+
+async def test_errors_are_recorded(server: Server) -> None:
+    """HTTP errors become failed records with the status and message; the run goes on."""
+    url, _ = await server(fail_every=4)
+    spec = LoadSpec(url=url, model="m", concurrency=(2,), max_tokens=3, requests_per_level=20)
+    result = await run_load(spec)
+    failed = [r for r in result.requests if not r.ok]
+    assert len(result.requests) == 20 and len(failed) == 5
+    assert all(r.error is not None and r.error.startswith("HTTP 500: ") for r in failed)
+    assert all(r.completion_tokens is None for r in failed)
+    assert result.levels[0].failed == 5 and result.levels[0].ok == 15
+
+
+async def test_warns_when_server_caps_concurrency(server: Server) -> None:
+    """A server that refuses beyond 3 requests: the level is short of C=8 and a warning says so."""
+    url, stats = await server(max_active=3, token_interval_s=0.01)
+    with capture_logs() as logs:
+        result = await run_load(
+            LoadSpec(url=url, model="m", concurrency=(8,), max_tokens=10, duration_per_level_s=1.0)
+        )
+    (lv,) = result.levels
+    assert stats.refused > 0 and lv.failed > 0
+    assert lv.short and lv.inflight_mean is not None and lv.inflight_mean < 7.9
+    assert result.short_levels == [lv]
+    warnings = [e for e in logs if e["event"] == "client kept fewer requests in flight than asked"]
+    assert warnings and warnings[0]["target"] == 8
+
+
+async def test_duration_per_level(server: Server) -> None:
+    """--duration-per-level: each level lasts its time; in-flight requests carry over."""
+    url, _ = await server(token_interval_s=0.005)
+    result = await run_load(
+        LoadSpec(url=url, model="m", concurrency=(2, 6), max_tokens=20, duration_per_level_s=0.4)
+    )
+    c2, c6 = result.levels
+    assert c2.duration_s == pytest.approx(0.4, abs=0.05)
+    assert c6.start_ns == c2.end_ns
+    assert c6.inflight_min == 6 and c2.inflight_min == 2
+
+
+async def test_mark_url_failure_is_not_fatal(server: Server) -> None:
+    """A mark URL nobody listens on: warned, and the load still runs."""
+    url, _ = await server()
+    with capture_logs() as logs:
+        result = await run_load(
+            LoadSpec(url=url, model="m", concurrency=(1,), max_tokens=2, requests_per_level=2,
+                     mark_url=f"http://127.0.0.1:{_free_port()}/mark")
+        )
+    assert len(result.requests) == 2
+    assert any(e["event"] == "marker post failed" for e in logs)
+
+
+async def test_unreachable_server_is_one_error() -> None:
+    """Nothing listening: one SourceError naming the endpoint, not a table of failures."""
+    url = f"http://127.0.0.1:{_free_port()}"
+    spec = LoadSpec(url=url, model="m", concurrency=(2,), requests_per_level=50)
+    with pytest.raises(SourceError, match="cannot connect"):
+        await run_load(spec)
+
+
+def test_spec_validation() -> None:
+    """Contradictory or impossible options are usage errors."""
+    with pytest.raises(UsageError, match="not both"):
+        LoadSpec(url="http://x", model="m", concurrency=(1,), requests_per_level=1, duration_per_level_s=1)
+    with pytest.raises(UsageError, match="positive"):
+        LoadSpec(url="http://x", model="m", concurrency=(0,))
+    with pytest.raises(UsageError, match="http"):
+        LoadSpec(url="x:80", model="m", concurrency=(1,))
+    assert LoadSpec(url="http://h:1/v1", model="m", concurrency=(1,)).endpoint == "http://h:1/v1/chat/completions"
+
+
+def test_inflight_series_handles_back_to_back_slots() -> None:
+    """A slot that ends and restarts at the same nanosecond is counted once, and the microsecond
+    gap between one request's end and the next start does not set the minimum."""
+    from gputrace.model import RequestRecord
+
+    recs = [
+        RequestRecord(host="h", request_id="a", start_ns=0, end_ns=10_000_000),
+        RequestRecord(host="h", request_id="b", start_ns=10_000_000, end_ns=20_000_000),
+        RequestRecord(host="h", request_id="c", start_ns=0, end_ns=5_000_000),
+        RequestRecord(host="h", request_id="d", start_ns=5_000_500, end_ns=20_000_000),
+    ]
+    times, counts = inflight_series(recs)
+    assert counts.max() == 2
+    mean, low = inflight_in_window(times, counts, 0, 20_000_000)
+    assert low == 2 and mean == pytest.approx(2.0, rel=1e-3)
