@@ -1,0 +1,9 @@
+"""The bubble diagnosis: pure functions over the run store's columns (no I/O to hosts).
+
+``analyse_store(store)`` runs alignment, phases, metrics and diagnosis in one call; the pieces
+(``align``, ``phases``, ``metrics``, ``diagnose``, ``compare``) are usable on their own.
+"""
+
+from gputrace.analysis.run import Analysis, analyse_store
+
+__all__ = ["Analysis", "analyse_store"]

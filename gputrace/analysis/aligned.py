@@ -1,0 +1,267 @@
+"""Read a run store into one aligned view: every stream in the collector's clock, GPU metrics and
+per-stage engine state on one grid (the NVML sample period), requests and markers beside them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from gputrace.analysis.align import (
+    ClockModel,
+    StageMapping,
+    clock_model,
+    count_in_flight,
+    coverage_ratio,
+    hold_last,
+    make_grid,
+    pcie_capacity_bytes_per_s,
+    place_log_events,
+    resample_window,
+    sample_period_ns,
+    stage_mapping,
+)
+from gputrace.errors import AnalysisError
+from gputrace.store import Store
+
+GPU_METRICS = ("utilization_ratio", "power_w", "pcie_tx_bytes_per_s", "pcie_rx_bytes_per_s",
+               "sm_clock_hz", "clock_event_reasons")
+
+
+@dataclass
+class StageEvents:
+    """One stage's scheduler lines (attention-TP rank 0), placed in the collector clock."""
+
+    t_ns: np.ndarray
+    kind: np.ndarray  # "decode" | "prefill" | "stats"
+    running_req: np.ndarray
+    queue_req: np.ndarray
+    token_usage: np.ndarray
+    gen_throughput_tok_s: np.ndarray
+
+
+@dataclass
+class AlignedRun:
+    """All streams of a run on one clock; GPU arrays are (n_gpu, n_cells), stage arrays (pp, n_cells)."""
+
+    name: str
+    period_ns: int
+    grid_ns: np.ndarray
+    mapping: StageMapping
+    gpu_keys: list[tuple[str, int]]
+    gpu_stage: np.ndarray
+    gpu: dict[str, np.ndarray]
+    power_limit_w: np.ndarray
+    pcie_capacity_bytes_per_s: np.ndarray
+    stage_events: list[StageEvents]
+    stage_running: np.ndarray
+    stage_queue: np.ndarray
+    stage_token_usage: np.ndarray
+    work_ratio: np.ndarray
+    work_source: str
+    inflight: np.ndarray | None
+    requests: dict[str, np.ndarray]
+    markers: list[dict[str, Any]]
+    engine: dict[str, Any]
+    log_placement: str
+    clocks: ClockModel
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def pp_size(self) -> int:
+        return self.mapping.pp_size
+
+    def stage_gpu_rows(self, stage: int) -> np.ndarray:
+        return np.flatnonzero(self.gpu_stage == stage)
+
+
+def _num(tbl: pa.Table, name: str) -> np.ndarray:
+    col = tbl.column(name)
+    return np.asarray(col.to_numpy(zero_copy_only=False), dtype=np.float64) if col.null_count \
+        else np.asarray(col.to_numpy(zero_copy_only=False))
+
+
+def _to_ref(clocks: ClockModel, hosts: np.ndarray, t: np.ndarray) -> np.ndarray:
+    out = np.asarray(t, dtype=np.float64).copy()
+    for h in np.unique(hosts):
+        sel = hosts == h
+        ok = sel & ~np.isnan(out)
+        out[ok] = out[ok] - clocks.offset_ns(str(h), out[ok].astype(np.int64))
+    return out
+
+
+def _engine_config(store: Store) -> dict[str, Any]:
+    rows = store.sql_arrow("SELECT * FROM engine_configs ORDER BY line_no").to_pylist()
+    merged: dict[str, Any] = {}
+    for row in rows:  # later lines win; None never overrides a value
+        for k, v in row.items():
+            if v is not None and k != "fields_json":
+                merged[k] = v
+        with contextlib.suppress(ValueError):
+            merged.setdefault("fields", {}).update(json.loads(row.get("fields_json") or "{}"))
+    return merged
+
+
+def align_store(store: Store) -> AlignedRun:
+    """The aligned view of a run store; raises AnalysisError when it holds nothing to analyse."""
+    notes: list[str] = []
+    probes = store.sql_arrow("SELECT host, local_send_ns, remote_ns, local_recv_ns FROM clock_probes")
+    clocks = clock_model(np.asarray(probes.column("host").to_pylist(), dtype=object),
+                         _num(probes, "local_send_ns"), _num(probes, "remote_ns"),
+                         _num(probes, "local_recv_ns")) if probes.num_rows else ClockModel()
+    if not probes.num_rows:
+        notes.append("no clock probes: host clocks assumed equal")
+    engine = _engine_config(store)
+
+    # GPU samples: a dense GPU id computed in SQL so no strings cross per row.
+    keys_tbl = store.sql_arrow("SELECT DISTINCT host, gpu_index FROM gpu_samples ORDER BY host, gpu_index")
+    gpu_keys = [(str(h), int(g)) for h, g in zip(keys_tbl.column("host").to_pylist(),
+                                                 keys_tbl.column("gpu_index").to_pylist(), strict=True)]
+    cols = ", ".join(f"s.{m}" for m in GPU_METRICS)
+    samples = store.sql_arrow(
+        f"SELECT k.k, s.ts_ns, s.lost, {cols} FROM gpu_samples s JOIN "
+        "(SELECT host, gpu_index, row_number() OVER (ORDER BY host, gpu_index) - 1 AS k "
+        " FROM (SELECT DISTINCT host, gpu_index FROM gpu_samples)) k USING (host, gpu_index) "
+        "ORDER BY k.k, s.ts_ns")
+    k = _num(samples, "k").astype(np.int64) if samples.num_rows else np.zeros(0, np.int64)
+    ts_raw = _num(samples, "ts_ns").astype(np.int64) if samples.num_rows else np.zeros(0, np.int64)
+    bounds = np.searchsorted(k, np.arange(len(gpu_keys) + 1))
+    ts_by_gpu = []
+    for i, (host, _) in enumerate(gpu_keys):
+        ts_by_gpu.append(clocks.to_reference(host, ts_raw[bounds[i]:bounds[i + 1]]))
+
+    # Engine events, attention-TP rank 0 of each stage.
+    ev = store.sql_arrow(
+        "SELECT host, source, kind, line_no, log_ts_ns, ts_resolution_ns, recv_ts_ns, dp_rank, "
+        "pp_rank, running_req, queue_req, token_usage, gen_throughput_tok_s FROM scheduler_events "
+        "WHERE coalesce(tp_rank, 0) = 0 AND kind IN ('decode', 'prefill')")
+    ev_host = np.asarray(ev.column("host").to_pylist(), dtype=object)
+    ev_log = _num(ev, "log_ts_ns").astype(np.float64)
+    ev_recv = _num(ev, "recv_ts_ns").astype(np.float64)
+    ev_off = np.zeros(ev.num_rows)
+    for h in np.unique(ev_host):
+        sel = ev_host == h
+        ref_t = np.where(np.isnan(ev_log[sel]), ev_recv[sel], ev_log[sel])
+        ev_off[sel] = clocks.offset_ns(str(h), np.nan_to_num(ref_t).astype(np.int64))
+    source_key = np.char.add(ev_host.astype(str), np.asarray(ev.column("source").to_pylist(), dtype=str)) \
+        if ev.num_rows else np.zeros(0, dtype=str)
+    ev_t, by_recv = place_log_events(ev_log, _num(ev, "ts_resolution_ns").astype(np.float64), ev_recv,
+                                     source_key, _num(ev, "line_no").astype(np.float64), ev_off)
+    if ev.num_rows == 0:
+        log_placement = "no engine log"
+    elif by_recv.all():
+        log_placement = "receive time (clamped into the logged second)"
+    elif not by_recv.any():
+        log_placement = "spread by order within each logged second (no receive times)"
+        notes.append("engine log lines have second resolution and no receive time: placed by their "
+                     "order within the second")
+    else:
+        log_placement = f"receive time for {by_recv.mean():.0%} of lines, spread by order for the rest"
+    ev_pp = np.nan_to_num(_num(ev, "pp_rank").astype(np.float64), nan=0).astype(np.int64)
+    log_pp = int(ev_pp.max()) + 1 if ev.num_rows else None
+
+    mapping = stage_mapping(store.meta.topology, engine.get("pp_size"), engine.get("tp_size"),
+                            gpu_keys, log_pp)
+    gpu_stage = np.array([s if (s := mapping.stage_of(h, g)) is not None else -1 for h, g in gpu_keys],
+                         dtype=np.int64)
+
+    # Requests and markers in the collector clock.
+    rq = store.sql_arrow("SELECT host, start_ns, first_token_ns, end_ns, prompt_tokens, "
+                         "completion_tokens, ok, phase FROM requests")
+    rq_host = np.asarray(rq.column("host").to_pylist(), dtype=object)
+    requests = {
+        "start_ns": _to_ref(clocks, rq_host, _num(rq, "start_ns")),
+        "first_token_ns": _to_ref(clocks, rq_host, _num(rq, "first_token_ns")),
+        "end_ns": _to_ref(clocks, rq_host, _num(rq, "end_ns")),
+        "prompt_tokens": _num(rq, "prompt_tokens").astype(np.float64),
+        "completion_tokens": _num(rq, "completion_tokens").astype(np.float64),
+        "ok": np.asarray(rq.column("ok").to_pylist(), dtype=bool),
+        "phase": np.asarray([p or "" for p in rq.column("phase").to_pylist()], dtype=object),
+    }
+    markers = sorted(
+        ({**m, "ts_ns": int(clocks.to_reference(m["host"], np.array([m["ts_ns"]]))[0])}
+         for m in store.sql_arrow("SELECT * FROM markers").to_pylist()), key=lambda m: m["ts_ns"])
+
+    # The grid spans every stream.
+    period = sample_period_ns(ts_by_gpu) if any(len(t) > 1 for t in ts_by_gpu) else 1_000_000_000
+    starts = [t[0] - period for t in ts_by_gpu if len(t)] + ([np.nanmin(ev_t)] if ev.num_rows else [])
+    ends = [t[-1] for t in ts_by_gpu if len(t)] + ([np.nanmax(ev_t)] if ev.num_rows else [])
+    if rq.num_rows:
+        starts.append(np.nanmin(requests["start_ns"]))
+        ends.append(np.nanmax(np.fmax(requests["end_ns"], requests["start_ns"])))
+    if not starts:
+        raise AnalysisError(f"{store.path}: no GPU samples, engine log lines or requests to analyse")
+    grid = make_grid(int(min(starts)), int(max(ends)), period)
+
+    gpu = {m: np.full((len(gpu_keys), len(grid)), np.nan) for m in GPU_METRICS}
+    if samples.num_rows:
+        lost_all = np.asarray(samples.column("lost").to_numpy(zero_copy_only=False), dtype=bool)
+        for m in GPU_METRICS:
+            v_all = _num(samples, m).astype(np.float64)
+            v_all[lost_all] = np.nan
+            for i in range(len(gpu_keys)):
+                gpu[m][i] = resample_window(ts_by_gpu[i], v_all[bounds[i]:bounds[i + 1]], grid, period)
+
+    dev = {(d["host"], d["gpu_index"]): d for d in store.sql_arrow("SELECT * FROM devices").to_pylist()}
+    power_limit = np.array([dev.get(key, {}).get("power_limit_w") or np.nan for key in gpu_keys], dtype=float)
+    pcie_cap = np.array([pcie_capacity_bytes_per_s(dev.get(key, {}).get("pcie_max_gen"),
+                                                   dev.get(key, {}).get("pcie_max_width")) or np.nan
+                         for key in gpu_keys], dtype=float)
+
+    pp = mapping.pp_size
+    stage_events: list[StageEvents] = []
+    stage_running = np.full((pp, len(grid)), np.nan)
+    stage_queue = np.full((pp, len(grid)), np.nan)
+    stage_usage = np.full((pp, len(grid)), np.nan)
+    ev_dp = np.nan_to_num(_num(ev, "dp_rank").astype(np.float64), nan=0).astype(np.int64)
+    kinds = np.asarray(ev.column("kind").to_pylist(), dtype=object)
+    cols_ev = {c: _num(ev, c).astype(np.float64) for c in
+               ("running_req", "queue_req", "token_usage", "gen_throughput_tok_s")}
+    for s in range(pp):
+        sel = np.flatnonzero((ev_pp == s) & ~np.isnan(ev_t))
+        sel = sel[np.argsort(ev_t[sel], kind="stable")]
+        stage_events.append(StageEvents(ev_t[sel], kinds[sel], *(cols_ev[c][sel] for c in cols_ev)))
+        run_sum = np.zeros(len(grid))
+        q_sum = np.zeros(len(grid))
+        seen = np.zeros(len(grid), dtype=bool)
+        for d in np.unique(ev_dp[sel]):
+            sd = sel[ev_dp[sel] == d]
+            gaps = np.diff(ev_t[sd])
+            max_age = 3 * float(np.median(gaps)) + 1e9 if len(gaps) else 5e9
+            r = hold_last(ev_t[sd], cols_ev["running_req"][sd], grid, max_age)
+            q = hold_last(ev_t[sd], cols_ev["queue_req"][sd], grid, max_age)
+            u = hold_last(ev_t[sd], cols_ev["token_usage"][sd], grid, max_age)
+            seen |= ~np.isnan(r)
+            run_sum += np.nan_to_num(r)
+            q_sum += np.nan_to_num(q)
+            stage_usage[s] = np.fmax(stage_usage[s], u)
+        stage_running[s] = np.where(seen, run_sum, 0.0)
+        stage_queue[s] = np.where(seen, q_sum, 0.0)
+
+    inflight = None
+    finished = ~np.isnan(requests["start_ns"])
+    if finished.any():
+        end = np.where(np.isnan(requests["end_ns"]), grid[-1], requests["end_ns"])[finished]
+        work = coverage_ratio(requests["start_ns"][finished], end, grid, period)
+        inflight = count_in_flight(requests["start_ns"][finished], end, grid)
+        work_source = "client requests in flight"
+    elif ev.num_rows:
+        work = ((stage_running + stage_queue) > 0).any(axis=0).astype(np.float64)
+        work_source = "engine running + queued requests (log)"
+    else:
+        work = np.ones(len(grid))
+        work_source = "unknown: every cell counted as having work"
+        notes.append("no requests and no engine log: bubble fraction counts all idle time")
+
+    return AlignedRun(
+        name=store.meta.name, period_ns=period, grid_ns=grid, mapping=mapping, gpu_keys=gpu_keys,
+        gpu_stage=gpu_stage, gpu=gpu, power_limit_w=power_limit, pcie_capacity_bytes_per_s=pcie_cap,
+        stage_events=stage_events, stage_running=stage_running, stage_queue=stage_queue,
+        stage_token_usage=stage_usage, work_ratio=work, work_source=work_source, inflight=inflight,
+        requests=requests, markers=markers, engine=engine, log_placement=log_placement,
+        clocks=clocks, notes=notes)

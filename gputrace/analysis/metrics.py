@@ -1,0 +1,231 @@
+"""Per phase and stage: busy and bubble fractions, utilization, micro-batch sizes against the
+offered load, queue, token usage, power, PCIe, throughput and request latencies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from gputrace.analysis.aligned import AlignedRun
+from gputrace.analysis.phases import Phase
+
+# clocks_event_reasons bits that mean the GPU was slowed down (not idle or app-clock settings):
+# SW power cap 0x4, HW slowdown 0x8, SW thermal 0x20, HW thermal 0x40, HW power brake 0x80.
+THROTTLE_REASON_MASK = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
+
+
+@dataclass
+class StageSeries:
+    """Stage-level series on the grid, (pp, n_cells): GPU values averaged over the stage's TP GPUs."""
+
+    utilization: np.ndarray
+    power_w: np.ndarray
+    power_share: np.ndarray
+    pcie_tx_bytes_per_s: np.ndarray
+    pcie_rx_bytes_per_s: np.ndarray
+    pcie_tx_share: np.ndarray
+    pcie_rx_share: np.ndarray
+    sm_clock_hz: np.ndarray
+    throttled: np.ndarray
+
+
+def _stage_mean(run: AlignedRun, values: np.ndarray) -> np.ndarray:
+    out = np.full((run.pp_size, values.shape[1]), np.nan)
+    for s in range(run.pp_size):
+        rows = run.stage_gpu_rows(s)
+        if len(rows) and not np.isnan(values[rows]).all():
+            with np.errstate(all="ignore"):
+                out[s] = np.nanmean(values[rows], axis=0) if len(rows) > 1 else values[rows[0]]
+    return out
+
+
+def stage_series(run: AlignedRun) -> StageSeries:
+    """Average each GPU metric over the GPUs of each stage."""
+    g = run.gpu
+    reasons = g["clock_event_reasons"]
+    throttled = np.where(np.isnan(reasons), np.nan,
+                         (np.nan_to_num(reasons).astype(np.int64) & THROTTLE_REASON_MASK) != 0)
+    return StageSeries(
+        utilization=_stage_mean(run, g["utilization_ratio"]),
+        power_w=_stage_mean(run, g["power_w"]),
+        power_share=_stage_mean(run, g["power_w"] / run.power_limit_w[:, None]),
+        pcie_tx_bytes_per_s=_stage_mean(run, g["pcie_tx_bytes_per_s"]),
+        pcie_rx_bytes_per_s=_stage_mean(run, g["pcie_rx_bytes_per_s"]),
+        pcie_tx_share=_stage_mean(run, g["pcie_tx_bytes_per_s"] / run.pcie_capacity_bytes_per_s[:, None]),
+        pcie_rx_share=_stage_mean(run, g["pcie_rx_bytes_per_s"] / run.pcie_capacity_bytes_per_s[:, None]),
+        sm_clock_hz=_stage_mean(run, g["sm_clock_hz"]),
+        throttled=_stage_mean(run, throttled.astype(np.float64)),
+    )
+
+
+@dataclass
+class StageMetrics:
+    """One stage in one phase; None where the data is not there."""
+
+    pp_rank: int
+    busy_fraction: float | None
+    bubble_fraction: float | None
+    utilization_mean: float | None
+    utilization_p50: float | None
+    utilization_p90: float | None
+    utilization_p99: float | None
+    microbatch_size_mean: float | None  # SGLang's #running-req under PP
+    microbatch_size_max: float | None
+    microbatch_size_p10: float | None
+    queue_req_mean: float | None
+    queue_req_max: float | None
+    token_usage_mean: float | None
+    token_usage_max: float | None
+    power_w_mean: float | None
+    power_limit_share_mean: float | None
+    power_limit_share_p95: float | None
+    pcie_tx_bytes_per_s_mean: float | None
+    pcie_rx_bytes_per_s_mean: float | None
+    pcie_link_share_p95: float | None  # larger direction, against the link's capacity
+    pcie_link_share_busy_mean: float | None  # the same while the GPU is mostly busy
+    sm_clock_hz_mean: float | None
+    throttled_fraction: float | None
+    log_lines: int
+    distinct_microbatch_sizes: int
+
+
+@dataclass
+class PhaseMetrics:
+    """One phase: the load it offered, what it got, and every stage."""
+
+    label: str
+    start_ns: int
+    end_ns: int
+    duration_s: float
+    source: str
+    target_concurrency: int | None
+    inflight_mean: float | None  # client requests in flight (time average)
+    work_share: float  # share of the phase in which the engine had requests
+    requests_completed: int
+    throughput_tok_s: float | None
+    engine_gen_throughput_tok_s: float | None
+    ttft_s_p50: float | None
+    ttft_s_p90: float | None
+    itl_s_mean: float | None
+    itl_s_p90: float | None
+    microbatches_in_flight: float | None
+    allowed_busy_fraction: float | None  # min(1, micro-batches in flight / pp_size)
+    stages: list[StageMetrics]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _f(x: Any) -> float | None:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if np.isfinite(v) else None
+
+
+def cell_weights(grid_ns: np.ndarray, period_ns: int, start_ns: int, end_ns: int
+                 ) -> tuple[slice, np.ndarray]:
+    """The cells (t - P, t] overlapping [start, end) and the share of each inside it."""
+    lo = int(np.searchsorted(grid_ns, start_ns, side="right"))
+    hi = int(np.searchsorted(grid_ns, end_ns + period_ns, side="left"))
+    t = grid_ns[lo:hi].astype(np.float64)
+    w = np.clip(np.minimum(t, end_ns) - np.maximum(t - period_ns, start_ns), 0, period_ns) / period_ns
+    return slice(lo, hi), w
+
+
+def _wmean(values: np.ndarray, w: np.ndarray) -> float | None:
+    ok = ~np.isnan(values) & (w > 0)
+    return float(np.sum(values[ok] * w[ok]) / np.sum(w[ok])) if ok.any() else None
+
+
+def _pct(values: np.ndarray, q: float) -> float | None:
+    v = values[~np.isnan(values)]
+    return float(np.percentile(v, q)) if len(v) else None
+
+
+def phase_metrics(run: AlignedRun, series: StageSeries, phase: Phase) -> PhaseMetrics:
+    """Everything measured for one phase."""
+    cells, w = cell_weights(run.grid_ns, run.period_ns, phase.start_ns, phase.end_ns)
+    work = run.work_ratio[cells]
+    rq = run.requests
+    in_phase = (rq["phase"] == phase.label) if (rq["phase"] == phase.label).any() else \
+        (rq["end_ns"] >= phase.start_ns) & (rq["end_ns"] < phase.end_ns)
+    done = in_phase & rq["ok"] & ~np.isnan(rq["end_ns"])
+    tokens = np.nansum(rq["completion_tokens"][done]) if done.any() else np.nan
+    ttft = (rq["first_token_ns"] - rq["start_ns"])[done] / 1e9
+    n_tok = rq["completion_tokens"][done]
+    with np.errstate(all="ignore"):
+        itl = np.where(n_tok > 1, (rq["end_ns"] - rq["first_token_ns"])[done] / 1e9 / (n_tok - 1), np.nan)
+    inflight = _wmean(run.inflight[cells], w) if run.inflight is not None else None
+
+    stages: list[StageMetrics] = []
+    for s in range(run.pp_size):
+        util = series.utilization[s, cells]
+        has_util = not np.isnan(util).all()
+        bubble = np.where(np.isnan(util), np.nan, np.clip(work - util, 0.0, 1.0))
+        ev = run.stage_events[s]
+        lo, hi = np.searchsorted(ev.t_ns, [phase.start_ns, phase.end_ns])
+        kinds = ev.kind[lo:hi]
+        mb = ev.running_req[lo:hi][kinds == "decode"]
+        if not len(mb):
+            mb = ev.running_req[lo:hi]
+        mb = mb[~np.isnan(mb)]
+        q = ev.queue_req[lo:hi]
+        usage = ev.token_usage[lo:hi]
+        share = np.fmax(series.pcie_tx_share[s, cells], series.pcie_rx_share[s, cells])
+        busy_cells = np.nan_to_num(util) > 0.5
+        stages.append(StageMetrics(
+            pp_rank=s,
+            busy_fraction=_wmean(util, w) if has_util else None,
+            bubble_fraction=_wmean(bubble, w) if has_util else None,
+            utilization_mean=_wmean(util, w) if has_util else None,
+            utilization_p50=_pct(util, 50), utilization_p90=_pct(util, 90), utilization_p99=_pct(util, 99),
+            microbatch_size_mean=_f(np.mean(mb)) if len(mb) else None,
+            microbatch_size_max=_f(np.max(mb)) if len(mb) else None,
+            microbatch_size_p10=_pct(mb, 10),
+            queue_req_mean=_f(np.nanmean(q)) if len(q) and not np.isnan(q).all() else None,
+            queue_req_max=_f(np.nanmax(q)) if len(q) and not np.isnan(q).all() else None,
+            token_usage_mean=_f(np.nanmean(usage)) if len(usage) and not np.isnan(usage).all() else None,
+            token_usage_max=_f(np.nanmax(usage)) if len(usage) and not np.isnan(usage).all() else None,
+            power_w_mean=_wmean(series.power_w[s, cells], w),
+            power_limit_share_mean=_wmean(series.power_share[s, cells], w),
+            power_limit_share_p95=_pct(series.power_share[s, cells], 95),
+            pcie_tx_bytes_per_s_mean=_wmean(series.pcie_tx_bytes_per_s[s, cells], w),
+            pcie_rx_bytes_per_s_mean=_wmean(series.pcie_rx_bytes_per_s[s, cells], w),
+            pcie_link_share_p95=_pct(share, 95),
+            pcie_link_share_busy_mean=_wmean(share[busy_cells], w[busy_cells]) if busy_cells.any() else None,
+            sm_clock_hz_mean=_wmean(series.sm_clock_hz[s, cells], w),
+            throttled_fraction=_wmean(series.throttled[s, cells], w),
+            log_lines=int(hi - lo),
+            distinct_microbatch_sizes=len(np.unique(mb)),
+        ))
+
+    mb_sizes = [st.microbatch_size_mean for st in stages if st.microbatch_size_mean]
+    load = inflight if inflight is not None else (
+        float(np.nanmean(run.stage_running[0, cells] + run.stage_queue[0, cells])) if len(w) else None)
+    mb_in_flight = allowed = None
+    if mb_sizes and load is not None:
+        slots = run.pp_size + int(run.engine.get("pp_async_batch_depth") or 0)
+        mb_in_flight = min(float(slots), load / float(np.mean(mb_sizes)))
+        allowed = min(1.0, mb_in_flight / run.pp_size)
+    last = run.stage_events[-1] if run.stage_events else None
+    gen = None
+    if last is not None:
+        lo, hi = np.searchsorted(last.t_ns, [phase.start_ns, phase.end_ns])
+        g = last.gen_throughput_tok_s[lo:hi]
+        gen = _f(np.nanmean(g)) if len(g) and not np.isnan(g).all() else None
+    return PhaseMetrics(
+        label=phase.label, start_ns=phase.start_ns, end_ns=phase.end_ns, duration_s=phase.duration_s,
+        source=phase.source, target_concurrency=phase.target_concurrency, inflight_mean=inflight,
+        work_share=float(np.sum(work * w) / np.sum(w)) if len(w) else 0.0,
+        requests_completed=int(done.sum()),
+        throughput_tok_s=_f(tokens / phase.duration_s) if phase.duration_s > 0 else None,
+        engine_gen_throughput_tok_s=gen,
+        ttft_s_p50=_pct(ttft, 50), ttft_s_p90=_pct(ttft, 90),
+        itl_s_mean=_f(np.nanmean(itl)) if len(itl) and not np.isnan(itl).all() else None,
+        itl_s_p90=_pct(itl, 90),
+        microbatches_in_flight=mb_in_flight, allowed_busy_fraction=allowed, stages=stages)

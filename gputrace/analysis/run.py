@@ -1,0 +1,89 @@
+"""One call from a run store to the full analysis: aligned streams, phases, metrics, findings."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from gputrace.analysis.aligned import AlignedRun, align_store
+from gputrace.analysis.diagnose import Finding, Thresholds, diagnose
+from gputrace.analysis.metrics import PhaseMetrics, StageSeries, phase_metrics, stage_series
+from gputrace.analysis.phases import (
+    Phase,
+    detect_phases,
+    phases_from_markers,
+    phases_from_request_labels,
+)
+from gputrace.store import Store
+
+
+@dataclass
+class Analysis:
+    """The result of analysing one run."""
+
+    run: AlignedRun
+    series: StageSeries
+    phases: list[Phase]
+    metrics: list[PhaseMetrics]
+    findings: list[Finding]
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        """Run-level facts the report shows first."""
+        r = self.run
+        return {
+            "run": r.name, "pp_size": r.pp_size, "tp_size": r.mapping.tp_size,
+            "gpus": len(r.gpu_keys), "sample_period_ms": r.period_ns / 1e6,
+            "duration_s": float((r.grid_ns[-1] - r.grid_ns[0] + r.period_ns) / 1e9),
+            "mapping_source": r.mapping.source, "log_placement": r.log_placement,
+            "work_source": r.work_source, "phase_source": self.phases[0].source if self.phases else None,
+            "clock_offsets": r.clocks.summary(),
+            "engine": {k: v for k, v in r.engine.items() if k != "fields"},
+        }
+
+
+def find_phases(run: AlignedRun) -> list[Phase]:
+    """Markers first, then the requests' phase labels, then levels detected from the load."""
+    end = int(run.grid_ns[-1])
+    phases = phases_from_markers(run.markers, end)
+    if phases:
+        return phases
+    rq = run.requests
+    if len(rq["phase"]) and any(rq["phase"]):
+        return phases_from_request_labels(rq["start_ns"], rq["end_ns"], rq["phase"])
+    if run.inflight is not None:
+        return detect_phases(run.grid_ns, run.inflight, run.period_ns, "client requests in flight")
+    load = np.nanmax(run.stage_running + run.stage_queue, axis=0) if run.pp_size else np.zeros(0)
+    return detect_phases(run.grid_ns, load, run.period_ns, "engine running + queued requests")
+
+
+DEFAULT_THRESHOLDS = Thresholds()
+
+
+def analyse_aligned(run: AlignedRun, th: Thresholds = DEFAULT_THRESHOLDS,
+                    progress: Callable[[str], None] | None = None) -> Analysis:
+    """Phases, metrics and findings of an aligned run."""
+    series = stage_series(run)
+    phases = find_phases(run)
+    notes = list(run.notes)
+    if not phases:
+        notes.append("no phases found (no markers, labels or steady load): the whole run is one phase")
+        phases = [Phase("run", int(run.grid_ns[0] - run.period_ns), int(run.grid_ns[-1]), None, "whole run")]
+    metrics = []
+    for ph in phases:
+        if progress:
+            progress(ph.label)
+        metrics.append(phase_metrics(run, series, ph))
+    findings = diagnose(metrics, run.engine, run.pp_size, th)
+    return Analysis(run, series, phases, metrics, findings, notes)
+
+
+def analyse_store(store: Store, th: Thresholds = DEFAULT_THRESHOLDS,
+                  progress: Callable[[str], None] | None = None) -> Analysis:
+    """Read, align and diagnose a run store."""
+    if progress:
+        progress("align")
+    return analyse_aligned(align_store(store), th, progress)

@@ -1,0 +1,39 @@
+"""`gputrace report RUN`: the bubble-diagnosis report (report.html, report.md, findings.json)."""
+
+from __future__ import annotations
+
+import click
+
+from gputrace.analysis.aligned import align_store
+from gputrace.analysis.run import analyse_aligned
+from gputrace.report.figures import FIGURES
+from gputrace.report.progress import LONG_RUN_S, report_progress
+from gputrace.report.render import parse_formats, write_report
+from gputrace.store import Store
+
+
+@click.command("report")
+@click.argument("run", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.option("--format", "formats", default="html,md,json", show_default=True,
+              help="Comma-separated: html, md, json.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=str), default=None,
+              help="Output directory (default: RUN/report).")
+@click.option("--progress/--no-progress", default=None, help="Force the progress bar on or off.")
+def command(run: str, formats: str, out_dir: str | None, progress: bool | None) -> None:
+    """Diagnose pipeline bubbles in a run and write the report."""
+    fmts = parse_formats(formats)
+    with Store.open(run, read_only=True) as store:
+        aligned = align_store(store)
+    duration_s = float(aligned.grid_ns[-1] - aligned.grid_ns[0]) / 1e9
+    enabled = progress if progress is not None else duration_s > LONG_RUN_S
+    n_phases = max(len(aligned.markers), 1)
+    with report_progress(n_phases + len(FIGURES) + 1, enabled) as step:
+        analysis = analyse_aligned(aligned, progress=step)
+        written = write_report(analysis, out_dir or f"{run}/report", fmts, progress=step)
+    for f in analysis.findings:
+        click.echo(f"{f.cause} [{f.phase}] stages {','.join(map(str, f.stages))}: {f.summary} "
+                   f"-> {f.recommendation}")
+    if not analysis.findings:
+        click.echo("no finding: every phase is healthy")
+    for path in written:
+        click.echo(f"wrote {path}")

@@ -1,0 +1,1 @@
+"""Report outputs: HTML/Markdown/JSON rendering, figures, comparison rendering, trace export."""

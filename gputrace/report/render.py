@@ -1,0 +1,156 @@
+"""Write the report: one self-contained report.html (figures inline as base64 PNG), report.md with
+the PNGs beside it, and findings.json."""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from gputrace.analysis.run import Analysis
+from gputrace.errors import UsageError
+from gputrace.report.document import TABLE_COLUMNS, build_document, fmt
+from gputrace.report.figures import FIGURES
+
+FORMATS = ("html", "md", "json")
+
+CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px;color:#222}
+table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ccc;padding:3px 6px;text-align:right}
+th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}
+.finding{border-left:4px solid #c33;padding:4px 10px;margin:8px 0;background:#fff6f6}
+.ok{border-left:4px solid #393;padding:4px 10px;background:#f6fff6}code{background:#eee;padding:1px 3px}
+img{max-width:100%;display:block;margin:6px 0 18px}"""
+
+
+def render_figures(a: Analysis, progress: Callable[[str], None] | None = None) -> dict[str, bytes]:
+    """name -> PNG bytes, in report order."""
+    out = {}
+    for name, (_, fn) in FIGURES.items():
+        if progress:
+            progress(f"figure {name}")
+        out[name] = fn(a)
+    return out
+
+
+def _summary_lines(doc: dict[str, Any]) -> list[str]:
+    s = doc["summary"]
+    lines = [
+        f"run {s['run']}: {s['gpus']} GPUs, PP{s['pp_size']} x TP{s['tp_size']}, "
+        f"{s['duration_s']:.0f} s, sample period {s['sample_period_ms']:.0f} ms",
+        f"stage mapping: {s['mapping_source']}",
+        f"phases: {s['phase_source']}; engine work from: {s['work_source']}",
+        f"log events placed by: {s['log_placement']}",
+    ]
+    eng = s.get("engine") or {}
+    keys = ("max_running_requests", "pp_max_micro_batch_size", "pp_async_batch_depth", "decode_log_interval")
+    if eng:
+        lines.append("engine: " + ", ".join(f"{k}={eng.get(k)}" for k in keys))
+    if s["clock_offsets"]:
+        lines.append("clock offsets: " + ", ".join(
+            f"{h} {o['offset_ms_last']:+.3f} ms" for h, o in s["clock_offsets"].items()))
+    lines.extend(doc["notes"])
+    return lines
+
+
+def _finding_text(f: dict[str, Any]) -> tuple[str, str, str]:
+    head = f"{f['cause']} (phase {f['phase']}, stages {', '.join(map(str, f['stages']))}, " \
+           f"confidence {f['confidence']:.2f})"
+    ev = ", ".join(f"{k}={v}" for k, v in f["evidence"].items())
+    return head, f["summary"], ev
+
+
+def render_html(a: Analysis, doc: dict[str, Any], figures: dict[str, bytes]) -> str:
+    e = html.escape
+    parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>gputrace report: "
+             f"{e(doc['summary']['run'])}</title><style>{CSS}</style></head><body>",
+             f"<h1>Bubble diagnosis: {e(doc['summary']['run'])}</h1><h2>Summary</h2><ul>"]
+    parts += [f"<li>{e(line)}</li>" for line in _summary_lines(doc)]
+    parts.append("</ul><h2>Findings</h2>")
+    if not doc["findings"]:
+        parts.append("<div class='ok'>No finding: every phase is healthy.</div>")
+    for f in doc["findings"]:
+        head, summary, ev = _finding_text(f)
+        parts.append(f"<div class='finding'><b>{e(head)}</b><br>{e(summary)}<br>"
+                     f"<small>evidence: {e(ev)}</small><br>"
+                     f"change: <code>{e(f['recommendation'])}</code></div>")
+    parts.append("<h2>Phase by stage</h2><table><tr>")
+    parts += [f"<th>{e(h)}</th>" for _, h in TABLE_COLUMNS]
+    parts.append("</tr>")
+    for row in doc["table"]:
+        cells = "".join(f"<td>{e(fmt(row.get(k), k))}</td>" for k, _ in TABLE_COLUMNS)
+        parts.append(f"<tr>{cells}</tr>")
+    parts.append("</table><h2>Stage mapping</h2><table><tr><th>host</th><th>gpu</th><th>pp_rank</th>"
+                 "<th>tp_rank</th><th>dp_rank</th></tr>")
+    for p in doc["mapping"]:
+        parts.append(f"<tr><td>{e(p['host'])}</td><td>{p['gpu_index']}</td><td>{p['pp_rank']}</td>"
+                     f"<td>{p['tp_rank']}</td><td>{p['dp_rank']}</td></tr>")
+    parts.append("</table><h2>Figures</h2>")
+    for name, png in figures.items():
+        caption = FIGURES[name][0]
+        parts.append(f"<h3>{e(caption)}</h3><img alt='{e(caption)}' id='fig-{name}' "
+                     f"src='data:image/png;base64,{base64.b64encode(png).decode()}'>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def render_markdown(a: Analysis, doc: dict[str, Any], figure_files: dict[str, str]) -> str:
+    out = [f"# Bubble diagnosis: {doc['summary']['run']}", "", "## Summary", ""]
+    out += [f"- {line}" for line in _summary_lines(doc)]
+    out += ["", "## Findings", ""]
+    if not doc["findings"]:
+        out.append("No finding: every phase is healthy.")
+    for f in doc["findings"]:
+        head, summary, ev = _finding_text(f)
+        out += [f"- **{head}**: {summary}  ", f"  evidence: {ev}  ", f"  change: `{f['recommendation']}`"]
+    out += ["", "## Phase by stage", "", "| " + " | ".join(h for _, h in TABLE_COLUMNS) + " |",
+            "|" + "---|" * len(TABLE_COLUMNS)]
+    for row in doc["table"]:
+        out.append("| " + " | ".join(fmt(row.get(k), k) for k, _ in TABLE_COLUMNS) + " |")
+    out += ["", "## Stage mapping", "", "| host | gpu | pp_rank | tp_rank | dp_rank |",
+            "|---|---|---|---|---|"]
+    out += [f"| {p['host']} | {p['gpu_index']} | {p['pp_rank']} | {p['tp_rank']} | {p['dp_rank']} |"
+            for p in doc["mapping"]]
+    out += ["", "## Figures", ""]
+    for name, file in figure_files.items():
+        out += [f"### {FIGURES[name][0]}", "", f"![{FIGURES[name][0]}]({file})", ""]
+    return "\n".join(out) + "\n"
+
+
+def parse_formats(spec: str | Sequence[str]) -> list[str]:
+    """'html,md' -> ['html', 'md']; unknown names are a usage error."""
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    fmts = [f.strip().lower() for f in items if f.strip()]
+    fmts = ["md" if f == "markdown" else f for f in fmts]
+    bad = [f for f in fmts if f not in FORMATS]
+    if bad or not fmts:
+        raise UsageError(f"--format: unknown {', '.join(bad) or 'empty'}; choose from {', '.join(FORMATS)}")
+    return fmts
+
+
+def write_report(a: Analysis, out_dir: str | Path, formats: Sequence[str] = FORMATS,
+                 progress: Callable[[str], None] | None = None) -> list[Path]:
+    """Write the chosen formats into ``out_dir``; returns the files written."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = build_document(a)
+    written: list[Path] = []
+    if "json" in formats:
+        (out / "findings.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+        written.append(out / "findings.json")
+    if "html" in formats or "md" in formats:
+        figures = render_figures(a, progress)
+        if "html" in formats:
+            (out / "report.html").write_text(render_html(a, doc, figures))
+            written.append(out / "report.html")
+        if "md" in formats:
+            files = {}
+            for name, png in figures.items():
+                (out / f"{name}.png").write_bytes(png)
+                files[name] = f"{name}.png"
+                written.append(out / f"{name}.png")
+            (out / "report.md").write_text(render_markdown(a, doc, files))
+            written.append(out / "report.md")
+    return written
