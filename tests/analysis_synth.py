@@ -67,10 +67,10 @@ def build(path: Path, spec: SynthRun, seed: int = 0) -> dict[str, dict[int, floa
             ts_all.append(cells + spec.gpu_offset_ns)
             util_all.append(u)
             gpu_all.append(np.full(n, p.gpu_index))
-        # Closed-loop requests: `inflight` lanes, each request 2 s long, back to back.
+        # Closed-loop requests: `inflight` lanes, each request 2 s long, back to back to the end.
         for lane in range(lv.inflight):
             s = t + int(rng.uniform(0, 0.1e9))
-            while s < t + lv.duration_s * 1e9 - 2e9:
+            while s < t + lv.duration_s * 1e9 - 1e9:
                 e = s + 2_000_000_000
                 reqs.append(RequestRecord("client", f"{lv.label}-{lane}-{s}", s, s + 200_000_000, e,
                                           100, 40, phase=lv.label))

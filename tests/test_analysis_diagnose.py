@@ -1,0 +1,90 @@
+"""Diagnosis rules on run stores built from records: each cause found where it is built in, and
+a healthy run has no finding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from analysis_synth import Level, SynthRun, build
+
+from gputrace.analysis.diagnose import CAUSES
+from gputrace.analysis.run import Analysis, analyse_store
+from gputrace.store import Store
+
+
+def _analyse(path: Path, spec: SynthRun, sql: str | None = None) -> Analysis:
+    build(path, spec)
+    with Store.open(path) as store:
+        if sql:
+            store.sql(sql)
+        return analyse_store(store)
+
+
+def _causes(a: Analysis) -> set[str]:
+    assert all(f.cause in CAUSES for f in a.findings)
+    return {f.cause for f in a.findings}
+
+
+def test_microbatch_cap_first_with_k(tmp_path: Path) -> None:
+    """PP8, max_running_requests 64, 32 in flight, #running-req 8 everywhere: the cap, K = 8."""
+    spec = SynthRun([Level("C=32", 32, 32, [0.5] * 8, 8, 10)], pp=8)
+    a = _analyse(tmp_path / "r", spec)
+    first = a.findings[0]
+    assert first.cause == "microbatch_cap" and first.evidence["K"] == 8
+    assert first.evidence["K_from"] == "max_running_requests // pp_size = 64 // 8"
+    assert first.recommendation.startswith("--pp-max-micro-batch-size ")
+    assert int(first.recommendation.split()[-1]) >= 32
+    assert _causes(a) == {"microbatch_cap"}
+
+
+def test_no_cap_when_flag_raised(tmp_path: Path) -> None:
+    """With --pp-max-micro-batch-size 64 and 8 micro-batches of 4 filling 8 stages: healthy."""
+    spec = SynthRun([Level("C=32", 32, 32, [0.95] * 8, 4, 10)], pp=8,
+                    engine={"max_running_requests": 64, "pp_max_micro_batch_size": 64})
+    assert _causes(_analyse(tmp_path / "r", spec)) == set()
+
+
+def test_pipeline_underfilled(tmp_path: Path) -> None:
+    """Two micro-batches of 2 for 8 stages, below the cap: the pipeline is underfilled."""
+    spec = SynthRun([Level("C=4", 4, 4, [0.25] * 8, 2, 10)], pp=8)
+    a = _analyse(tmp_path / "r", spec)
+    assert _causes(a) == {"pipeline_underfilled"}
+    assert a.findings[0].evidence["allowed_busy_fraction"] == 0.25
+
+
+def test_stage_imbalance_names_the_stage(tmp_path: Path) -> None:
+    """One stage far busier than the median is named."""
+    spec = SynthRun([Level("C=16", 16, 16, [0.6, 0.6, 0.95, 0.6], 4, 10)], pp=4)
+    a = _analyse(tmp_path / "r", spec)
+    assert _causes(a) == {"stage_imbalance"} and a.findings[0].stages == [2]
+
+
+def test_client_bound(tmp_path: Path) -> None:
+    """The client keeps 8 of the 32 requests asked for."""
+    spec = SynthRun([Level("C=32", 32, 8, [0.9] * 4, 2, 10)], pp=4)
+    a = _analyse(tmp_path / "r", spec)
+    assert _causes(a) == {"client_bound"}
+    assert a.findings[0].evidence["target_concurrency"] == 32
+
+
+def test_kv_cache_bound(tmp_path: Path) -> None:
+    """Token usage near 1 while requests queue."""
+    spec = SynthRun([Level("C=16", 16, 16, [0.95] * 4, 4, 10, queue=5, token_usage=0.97)], pp=4)
+    assert _causes(_analyse(tmp_path / "r", spec)) == {"kv_cache_bound"}
+
+
+def test_throttling_from_clock_event_reasons(tmp_path: Path) -> None:
+    """SW power cap reasons on one GPU make a throttling finding for its stage."""
+    spec = SynthRun([Level("C=16", 16, 16, [0.95] * 4, 4, 10)], pp=4)
+    a = _analyse(tmp_path / "r", spec, "UPDATE gpu_samples SET clock_event_reasons = "
+                 "CASE WHEN gpu_index = 1 THEN 4 ELSE 1 END")
+    assert _causes(a) == {"throttling"} and a.findings[0].stages == [1]
+
+
+def test_log_sampling_aliased(tmp_path: Path) -> None:
+    """--decode-log-interval 40 with 8 slots: the log keeps sampling the same slot."""
+    spec = SynthRun([Level("C=64", 64, 64, [0.95] * 8, 8, 10)], pp=8, decode_log_interval=40,
+                    engine={"max_running_requests": 64, "pp_max_micro_batch_size": 64})
+    a = _analyse(tmp_path / "r", spec)
+    assert _causes(a) == {"log_sampling_aliased"}
+    assert "--decode-log-interval 1" in a.findings[0].recommendation

@@ -1,0 +1,79 @@
+"""Phases and per-stage metrics on run stores built from records."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from analysis_synth import Level, SynthRun, build
+
+from gputrace.analysis.phases import Phase, detect_phases, phases_from_markers, phases_from_request_labels
+from gputrace.analysis.run import analyse_store
+from gputrace.store import Store
+
+
+def test_phases_from_markers_end_at_next_phase_or_end() -> None:
+    """A phase marker lasts to the next phase/end marker; notes end nothing."""
+    marks = [{"ts_ns": 0, "label": "C=1", "kind": "phase", "target_concurrency": 1},
+             {"ts_ns": 5, "label": "note", "kind": "note"},
+             {"ts_ns": 10, "label": "C=8", "kind": "phase", "target_concurrency": 8},
+             {"ts_ns": 20, "label": "end", "kind": "end"}]
+    got = phases_from_markers(marks, 99)
+    assert [(p.label, p.start_ns, p.end_ns, p.target_concurrency) for p in got] == \
+        [("C=1", 0, 10, 1), ("C=8", 10, 20, 8)]
+    assert phases_from_markers(marks[:3], 99)[-1].end_ns == 99
+
+
+def test_phases_from_request_labels_cut_at_next_level() -> None:
+    """Request labels give phases; a level's tail is cut where the next level starts."""
+    got = phases_from_request_labels(np.array([0.0, 5, 10, 12]), np.array([8.0, 11, 15, 20]),
+                                     np.array(["C=2", "C=2", "C=4", "C=4"], dtype=object))
+    assert [(p.label, p.start_ns, p.end_ns, p.target_concurrency) for p in got] == \
+        [("C=2", 0, 10, 2), ("C=4", 10, 20, 4)]
+
+
+def test_detect_phases_from_load_steps() -> None:
+    """Steady levels of in-flight requests become phases; idle and short blips are dropped."""
+    period = 100_000_000
+    load = np.concatenate([np.zeros(50), np.full(200, 4.0), np.full(20, 9.0), np.full(300, 32.0),
+                           np.zeros(50)])
+    load[300] = 0  # one noisy sample does not split a level
+    grid = period * np.arange(1, len(load) + 1)
+    got = detect_phases(grid, load, period, "test")
+    assert [p.target_concurrency for p in got] == [4, 32]
+    assert abs(got[0].start_ns - 5e9) <= 1e9 and abs(got[1].duration_s - 30) <= 1.5
+
+
+def test_busy_and_bubble_fractions_match_truth(tmp_path: Path) -> None:
+    """Busy equals the true mean utilization; bubble = work share minus busy, per stage."""
+    levels = [Level("C=4", 4, 4, [0.2, 0.3, 0.25, 0.2], 1, 12),
+              Level("C=16", 16, 16, [0.5, 0.55, 0.6, 0.5], 4, 12)]
+    truth = build(tmp_path / "r", SynthRun(levels, pp=4))
+    with Store.open(tmp_path / "r", read_only=True) as store:
+        a = analyse_store(store)
+    assert [p.label for p in a.phases] == ["C=4", "C=16"] and a.phases[0].source == "markers"
+    for pm in a.metrics:
+        for s in pm.stages:
+            assert abs((s.busy_fraction or 0) - truth[pm.label][s.pp_rank]) < 0.005
+            assert abs((s.bubble_fraction or 0) - (pm.work_share - truth[pm.label][s.pp_rank])) < 0.01
+        assert pm.stages[0].microbatch_size_mean == levels[a.metrics.index(pm)].microbatch
+        assert pm.stages[0].power_limit_share_mean is not None
+    c16 = a.metrics[1]
+    # 16 closed-loop lanes of 2 s requests x 40 tokens over 12 s.
+    assert c16.throughput_tok_s is not None and abs(c16.throughput_tok_s - 16 * 6 * 40 / 12) < 1
+    assert c16.work_share > 0.99 and c16.inflight_mean is not None and c16.inflight_mean > 15.5
+    assert c16.ttft_s_p50 is not None and abs(c16.ttft_s_p50 - 0.2) < 1e-6
+    assert c16.itl_s_mean is not None and abs(c16.itl_s_mean - 1.8 / 39) < 1e-6
+    assert c16.allowed_busy_fraction is not None and 0.8 < c16.allowed_busy_fraction <= 1.0
+
+
+def test_phases_detected_without_markers(tmp_path: Path) -> None:
+    """With no markers and no labels, levels are detected from the client's in-flight requests."""
+    levels = [Level("", 2, 2, [0.2, 0.2], 1, 15), Level("", 12, 12, [0.6, 0.6], 6, 15)]
+    build(tmp_path / "r", SynthRun(levels, pp=2, markers=False))
+    with Store.open(tmp_path / "r") as store:
+        store.sql("UPDATE requests SET phase = NULL")
+        a = analyse_store(store)
+    assert [p.target_concurrency for p in a.phases] == [2, 12]
+    assert a.phases[0].source == "detected from client requests in flight"
+    assert isinstance(a.phases[0], Phase)
