@@ -1,0 +1,360 @@
+"""Importers of per-request records that other benchmark tools wrote: AIPerf ``profile_export.jsonl``,
+guidellm's JSON benchmarks report, and gputrace's own requests JSONL, into a run store.
+
+Each ``parse_*`` is a pure function (path -> records and a count of bad rows); each ``import_*``
+writes what it parsed into a Store. Bad rows are counted and reported, never fatal; a file of the
+wrong kind is one ConfigError line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gputrace.errors import ConfigError
+from gputrace.load.jsonl import record_from_obj
+from gputrace.logsetup import get_logger
+from gputrace.model import GpuSample, Marker, RequestRecord
+from gputrace.store import Store
+
+log = get_logger("import")
+
+Record = RequestRecord | Marker | GpuSample
+_MAX_PROBLEMS = 5
+_C_LABEL = re.compile(r"^C=(\d+)$")
+
+
+@dataclass(slots=True)
+class Parsed:
+    """What a parser found: the records, and the rows it had to skip (with the first few reasons)."""
+
+    records: list[Record] = field(default_factory=list)
+    bad: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    def skip(self, where: str, why: str) -> None:
+        self.bad += 1
+        if len(self.problems) < _MAX_PROBLEMS:
+            self.problems.append(f"{where}: {why}")
+
+
+@dataclass(frozen=True, slots=True)
+class ImportResult:
+    """One imported file: rows written per table and rows skipped."""
+
+    path: str
+    kind: str
+    written: dict[str, int]
+    bad: int
+    problems: tuple[str, ...]
+
+    def summary(self) -> str:
+        parts = [f"{n} {table}" for table, n in self.written.items() if n]
+        line = f"{self.path} ({self.kind}): " + (", ".join(parts) or "nothing") + " imported"
+        if self.bad:
+            line += f"; {self.bad} bad rows skipped (first: {self.problems[0]})"
+        return line
+
+
+def write_parsed(store: Store, path: str | os.PathLike[str], kind: str, parsed: Parsed) -> ImportResult:
+    """Append parsed records to the store, one committed batch per record type."""
+    by_type: dict[type, list[Record]] = {}
+    for record in parsed.records:
+        by_type.setdefault(type(record), []).append(record)
+    written = {"requests": 0, "markers": 0, "gpu_samples": 0}
+    names = {RequestRecord: "requests", Marker: "markers", GpuSample: "gpu_samples"}
+    for record_type, records in by_type.items():
+        written[names[record_type]] += store.append(records)
+    result = ImportResult(str(path), kind, written, parsed.bad, tuple(parsed.problems))
+    if parsed.bad:
+        log.warning("bad rows skipped", file=str(path), kind=kind, bad=parsed.bad, first=parsed.problems[0])
+    return result
+
+
+def _read_text(path: str | os.PathLike[str]) -> str:
+    p = Path(path)
+    try:
+        return p.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read: {exc.strerror}") from exc
+
+
+def _json_lines(text: str) -> Iterator[tuple[int, Any | None]]:
+    """(line number, parsed object or None when the line is not JSON) for each non-empty line."""
+    for no, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield no, json.loads(line)
+        except ValueError:
+            yield no, None
+
+
+def _ns(seconds: Any) -> int | None:
+    return round(float(seconds) * 1e9) if isinstance(seconds, int | float) else None
+
+
+def _int(value: Any) -> int | None:
+    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _target(label: str | None) -> int | None:
+    m = _C_LABEL.match(label or "")
+    return int(m.group(1)) if m else None
+
+
+def _phase_markers(requests: Sequence[RequestRecord], label: str | None, host: str) -> list[Marker]:
+    """A phase marker at the first start and an end marker at the last end of ``requests``."""
+    if not label or not requests:
+        return []
+    t0 = min(r.start_ns for r in requests)
+    t1 = max(r.end_ns if r.end_ns is not None else r.start_ns for r in requests)
+    return [
+        Marker(host=host, ts_ns=t0, label=label, kind="phase", target_concurrency=_target(label)),
+        Marker(host=host, ts_ns=t1, label="end", kind="end"),
+    ]
+
+
+# -- AIPerf ---------------------------------------------------------------------------------------
+
+_TIME_UNITS_NS = {"ns": 1.0, "us": 1e3, "µs": 1e3, "ms": 1e6, "s": 1e9, "sec": 1e9}
+
+
+def _aiperf_metric_ns(metrics: dict[str, Any], name: str) -> float | None:
+    """A time metric ({"value": 255.9, "unit": "ms"}) in ns."""
+    m = metrics.get(name)
+    if not isinstance(m, dict) or not isinstance(m.get("value"), int | float):
+        return None
+    scale = _TIME_UNITS_NS.get(str(m.get("unit", "ms")))
+    return None if scale is None else float(m["value"]) * scale
+
+
+def _aiperf_metric(metrics: dict[str, Any], *names: str) -> int | None:
+    for name in names:
+        m = metrics.get(name)
+        if isinstance(m, dict) and isinstance(m.get("value"), int | float):
+            return int(m["value"])
+    return None
+
+
+def parse_aiperf(path: str | os.PathLike[str], host: str, phase: str | None = None) -> Parsed:
+    """AIPerf's per-request ``profile_export.jsonl`` (one MetricRecordInfo per line: ``metadata``
+    with request_start_ns/request_end_ns, ``metrics`` with units, ``error``). ``phase`` (e.g.
+    "C=32") labels the run, which AIPerf runs at one concurrency, and adds its markers."""
+    text = _read_text(path)
+    out = Parsed()
+    requests: list[RequestRecord] = []
+    lines = 0
+    for no, obj in _json_lines(text):
+        lines += 1
+        if obj is None:
+            out.skip(f"line {no}", "not JSON")
+            continue
+        meta = obj.get("metadata") if isinstance(obj, dict) else None
+        if not isinstance(meta, dict):
+            out.skip(f"line {no}", "no 'metadata' object")
+            continue
+        metrics = obj.get("metrics") if isinstance(obj.get("metrics"), dict) else {}
+        # Older AIPerf wrote timestamp_ns where newer writes request_start_ns.
+        start = _int(meta.get("request_start_ns", meta.get("timestamp_ns")))
+        if start is None:
+            out.skip(f"line {no}", "no request_start_ns")
+            continue
+        end = _int(meta.get("request_end_ns"))
+        if end is None and (latency := _aiperf_metric_ns(metrics, "request_latency")) is not None:
+            end = start + int(latency)
+        ttft = _aiperf_metric_ns(metrics, "time_to_first_token")
+        err = obj.get("error")
+        error = None
+        if err:
+            error = (
+                f"{err.get('type') or 'error'} ({err.get('code')}): {err.get('message') or ''}".strip()
+                if isinstance(err, dict) else str(err)
+            )[:200]
+        rid = meta.get("x_request_id") or obj.get("record_id") or f"aiperf-{meta.get('session_num', no)}"
+        label = "warmup" if meta.get("benchmark_phase") == "warmup" else phase
+        requests.append(
+            RequestRecord(
+                host=host,
+                request_id=str(rid),
+                start_ns=start,
+                first_token_ns=start + int(ttft) if ttft is not None else None,
+                end_ns=end,
+                prompt_tokens=_aiperf_metric(metrics, "input_sequence_length", "error_isl"),
+                completion_tokens=_aiperf_metric(metrics, "output_sequence_length", "output_token_count"),
+                ok=error is None,
+                error=error,
+                phase=label,
+                source="aiperf",
+            )
+        )
+    if lines and not requests:
+        hint = ""
+        if text.lstrip().startswith("{") and '"records"' in text[:20000]:
+            hint = " (that looks like the aggregate profile_export_aiperf.json)"
+        raise ConfigError(
+            f"{path}: not an AIPerf profile_export.jsonl: no line has 'metadata' with "
+            f"request_start_ns{hint}"
+        )
+    out.records.extend(requests)
+    out.records.extend(_phase_markers([r for r in requests if r.phase == phase], phase, host))
+    return out
+
+
+def import_aiperf(
+    store: Store, path: str | os.PathLike[str], host: str, phase: str | None = None
+) -> ImportResult:
+    return write_parsed(store, path, "aiperf", parse_aiperf(path, host, phase))
+
+
+# -- guidellm -------------------------------------------------------------------------------------
+
+
+def _guidellm_label(bench: dict[str, Any], index: int) -> tuple[str, int | None]:
+    """The phase label of one benchmark from its scheduling strategy ("C=8" for concurrent)."""
+    strategy: Any = None
+    for key in ("config", "scheduler", "args", "settings"):
+        section = bench.get(key)
+        if isinstance(section, dict) and isinstance(section.get("strategy"), dict):
+            strategy = section["strategy"]
+            break
+    if not isinstance(strategy, dict):
+        return f"benchmark {index}", None
+    kind = strategy.get("type_") or strategy.get("type")
+    if kind == "concurrent" and isinstance(strategy.get("streams"), int):
+        return f"C={strategy['streams']}", int(strategy["streams"])
+    if kind == "synchronous":
+        return "C=1", 1
+    rate = strategy.get("rate")
+    if isinstance(rate, int | float):
+        return f"{kind}@{rate:g}/s", None
+    return str(kind or f"benchmark {index}"), None
+
+
+def _guidellm_request(
+    obj: dict[str, Any], status: str, host: str, label: str, fallback_id: str
+) -> RequestRecord | None:
+    """One GenerativeRequestStats in any of guidellm's three layouts, or None when it has no start."""
+    info = obj.get("info") if isinstance(obj.get("info"), dict) else None
+    sched = obj.get("scheduler_info") if isinstance(obj.get("scheduler_info"), dict) else None
+    if info is not None and isinstance(info.get("timings"), dict):  # 0.4+: info.timings
+        t = info["timings"]
+        start = _ns(t.get("request_start", t.get("resolve_start")))
+        first = _ns(t.get("first_token_iteration", t.get("first_request_iteration")))
+        end = _ns(t.get("request_end", t.get("resolve_end")))
+        prompt = _int(obj.get("prompt_tokens", (obj.get("input_metrics") or {}).get("total_tokens")))
+        output = _int(obj.get("output_tokens", (obj.get("output_metrics") or {}).get("total_tokens")))
+        error = info.get("error")
+    elif sched is not None and isinstance(sched.get("request_timings"), dict):  # 0.3: scheduler_info
+        t = sched["request_timings"]
+        start, first = _ns(t.get("request_start")), _ns(t.get("first_iteration"))
+        end = _ns(t.get("request_end"))
+        prompt, output = _int(obj.get("prompt_tokens")), _int(obj.get("output_tokens"))
+        error = obj.get("error")
+    else:  # 0.2: flat start_time / first_token_time / end_time
+        start, first = _ns(obj.get("start_time")), _ns(obj.get("first_token_time"))
+        end = _ns(obj.get("end_time"))
+        prompt, output = _int(obj.get("prompt_tokens")), _int(obj.get("output_tokens"))
+        error = obj.get("error")
+    if start is None:
+        return None
+    ok = status == "successful"
+    if not ok and not error:
+        error = status
+    return RequestRecord(
+        host=host,
+        request_id=str(obj.get("request_id") or fallback_id),
+        start_ns=start,
+        first_token_ns=first,
+        end_ns=end,
+        prompt_tokens=prompt,
+        completion_tokens=output if ok or output else None,
+        ok=ok,
+        error=None if ok else str(error)[:200],
+        phase=label,
+        source="guidellm",
+    )
+
+
+def parse_guidellm(path: str | os.PathLike[str], host: str) -> Parsed:
+    """guidellm's benchmarks report (``benchmarks.json``: GenerativeBenchmarksReport): each benchmark
+    of the sweep becomes a phase ("C=8" for a concurrent strategy), with its successful,
+    incomplete and errored requests."""
+    text = _read_text(path)
+    try:
+        report = json.loads(text)
+    except ValueError:
+        raise ConfigError(
+            f"{path}: not a guidellm JSON report (not JSON; YAML and CSV reports are not read)"
+        ) from None
+    benchmarks = report.get("benchmarks") if isinstance(report, dict) else None
+    if not isinstance(benchmarks, list):
+        raise ConfigError(f"{path}: not a guidellm benchmarks report (no top-level 'benchmarks' list)")
+    out = Parsed()
+    markers: list[Marker] = []
+    last_end: int | None = None
+    for bi, bench in enumerate(benchmarks):
+        if not isinstance(bench, dict) or not isinstance(bench.get("requests"), dict):
+            out.skip(f"benchmark {bi}", "no 'requests' breakdown")
+            continue
+        label, target = _guidellm_label(bench, bi)
+        mine: list[RequestRecord] = []
+        for status in ("successful", "incomplete", "errored"):
+            items = bench["requests"].get(status) or []
+            for ri, item in enumerate(items if isinstance(items, list) else []):
+                rec = _guidellm_request(item, status, host, label, f"guidellm-{bi}-{status}-{ri}") \
+                    if isinstance(item, dict) else None
+                if rec is None:
+                    out.skip(f"benchmark {bi} {status}[{ri}]", "no request start time")
+                    continue
+                mine.append(rec)
+        if not mine:
+            continue
+        start = _ns(bench.get("start_time")) or min(r.start_ns for r in mine)
+        markers.append(Marker(host=host, ts_ns=start, label=label, kind="phase", target_concurrency=target))
+        ends = [r.end_ns for r in mine if r.end_ns is not None]
+        last_end = max([*ends, last_end or 0]) or None
+        out.records.extend(mine)
+    if markers and last_end is not None:
+        markers.append(Marker(host=host, ts_ns=max(last_end, markers[-1].ts_ns), label="end", kind="end"))
+    out.records.extend(markers)
+    return out
+
+
+def import_guidellm(store: Store, path: str | os.PathLike[str], host: str) -> ImportResult:
+    return write_parsed(store, path, "guidellm", parse_guidellm(path, host))
+
+
+# -- gputrace's own JSONL -------------------------------------------------------------------------
+
+
+def parse_requests_jsonl(path: str | os.PathLike[str], host: str | None = None) -> Parsed:
+    """``gputrace load --out`` files: request and marker lines (``host`` replaces theirs if given)."""
+    out = Parsed()
+    lines = 0
+    for no, obj in _json_lines(_read_text(path)):
+        lines += 1
+        record = record_from_obj(obj)
+        if record is None:
+            out.skip(f"line {no}", "not a gputrace request or marker")
+            continue
+        if host is not None and record.host != host:
+            record = dataclasses.replace(record, host=host)
+        out.records.append(record)
+    if lines and not out.records:
+        raise ConfigError(
+            f"{path}: not a gputrace requests JSONL (lines need \"type\": \"request\" or \"marker\")"
+        )
+    return out
+
+
+def import_requests_jsonl(
+    store: Store, path: str | os.PathLike[str], host: str | None = None
+) -> ImportResult:
+    return write_parsed(store, path, "gputrace-jsonl", parse_requests_jsonl(path, host))
