@@ -1,0 +1,116 @@
+"""Serving-engine log grammars (SGLang, vLLM): text in, SchedulerEvent / EngineConfig records out.
+
+``LogParser`` is the stateful per-source front: it numbers lines, counts what it recognised per
+kind and what it did not, and turns each line (from a file or followed live) into a record.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gputrace.engines import sglang, vllm
+from gputrace.engines.common import LogClock, ParsedLine
+from gputrace.errors import UsageError
+from gputrace.model import EngineConfig, SchedulerEvent
+
+ENGINES = ("sglang", "vllm", "auto")
+KINDS = ("prefill", "decode", "config", "stats")
+
+LineGrammar = Callable[[str, LogClock], ParsedLine | None]
+
+
+def _auto(line: str, clock: LogClock) -> ParsedLine | None:
+    return sglang.parse_line(line, clock) or vllm.parse_line(line, clock)
+
+
+_GRAMMARS: dict[str, LineGrammar] = {"sglang": sglang.parse_line, "vllm": vllm.parse_line, "auto": _auto}
+
+
+def grammar(engine: str) -> LineGrammar:
+    """The line grammar of an engine ("sglang", "vllm" or "auto" for either)."""
+    try:
+        return _GRAMMARS[engine]
+    except KeyError:
+        raise UsageError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}") from None
+
+
+def parse_line(
+    line: str, engine: str = "auto", tz: str = "UTC", date: dt.date | str | None = None
+) -> ParsedLine | None:
+    """Parse one line on its own (tests, one-offs); use LogParser for a stream of lines."""
+    return grammar(engine)(line, LogClock(tz, date))
+
+
+@dataclass
+class ParseCounts:
+    """What a LogParser has seen so far."""
+
+    lines: int = 0
+    recognised: Counter[str] = field(default_factory=Counter)  # per kind
+    unrecognised: int = 0
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "lines": self.lines,
+            "recognised": {k: self.recognised.get(k, 0) for k in KINDS},
+            "unrecognised": self.unrecognised,
+        }
+
+
+class LogParser:
+    """Parses the lines of one log source in order, for files and live follows alike.
+
+    ``feed`` never raises on any line: a line that is not a scheduler, stats or configuration
+    line is counted in ``counts.unrecognised`` and gives None. Line numbers start at 1 (or
+    ``first_line_no``, for a follower that resumes mid-file).
+    """
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        source: str,
+        engine: str = "sglang",
+        tz: str = "UTC",
+        date: dt.date | str | None = None,
+        first_line_no: int = 1,
+    ):
+        self.host = host
+        self.source = source
+        self.engine = engine
+        self.clock = LogClock(tz, date)
+        self._grammar = grammar(engine)
+        self.next_line_no = first_line_no
+        self.counts = ParseCounts()
+
+    def parse(self, line: str) -> ParsedLine | None:
+        """Parse and count the next line; returns the engine-neutral ParsedLine."""
+        self.next_line_no += 1
+        self.counts.lines += 1
+        try:
+            parsed = self._grammar(line.rstrip("\r\n"), self.clock)
+        except Exception:  # a grammar bug must cost one line, never the follower
+            parsed = None
+        if parsed is None:
+            self.counts.unrecognised += 1
+        else:
+            self.counts.recognised[parsed.kind] += 1
+        return parsed
+
+    def feed(self, line: str, recv_ts_ns: int | None = None) -> SchedulerEvent | EngineConfig | None:
+        """Parse and count the next line; the store record, or None when not recognised.
+
+        ``recv_ts_ns`` is when a live follower received the line (collector clock).
+        """
+        line_no = self.next_line_no
+        parsed = self.parse(line)
+        if parsed is None:
+            return None
+        return parsed.to_record(host=self.host, source=self.source, line_no=line_no, recv_ts_ns=recv_ts_ns)
+
+    def skip(self, n_lines: int) -> None:
+        """Advance the line number past lines handled elsewhere (e.g. a bulk fast path)."""
+        self.next_line_no += n_lines

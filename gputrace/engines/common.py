@@ -1,0 +1,182 @@
+"""What every engine's line grammar shares: the parsed-line value, field values and log clocks.
+
+A ``ParsedLine`` is the engine-neutral result of one recognised line; it becomes a
+SchedulerEvent or an EngineConfig once the caller says which host, source and line it came from.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+from dataclasses import dataclass, field
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from gputrace.errors import UsageError
+from gputrace.model import EngineConfig, SchedulerEvent
+
+Value = int | float | bool | None
+
+#: The metric fields of SchedulerEvent a line can carry, with their Python types.
+METRIC_FIELDS: dict[str, type] = {
+    "running_req": int,
+    "queue_req": int,
+    "new_seq": int,
+    "new_token": int,
+    "cached_token": int,
+    "num_token": int,
+    "token_usage": float,
+    "gen_throughput_tok_s": float,
+    "input_throughput_tok_s": float,
+    "cuda_graph": bool,
+}
+RANK_FIELDS = ("dp_rank", "pp_rank", "tp_rank", "ep_rank")
+
+# EngineConfig's typed fields and the engine names they are read from (first found wins).
+CONFIG_FIELD_NAMES: dict[str, tuple[str, ...]] = {
+    "pp_size": ("pp_size",),
+    "tp_size": ("tp_size",),
+    "dp_size": ("dp_size",),
+    "max_running_requests": ("max_running_requests",),
+    "pp_max_micro_batch_size": ("pp_max_micro_batch_size", "max_micro_batch_size"),
+    "pp_async_batch_depth": ("pp_async_batch_depth",),
+    "chunked_prefill_size": ("chunked_prefill_size",),
+    "max_total_num_tokens": ("max_total_num_tokens",),
+    "decode_log_interval": ("decode_log_interval",),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedLine:
+    """One recognised log line, before it is tied to a host, source and line number."""
+
+    engine: str
+    kind: str  # "prefill" | "decode" | "stats" | "config"
+    ts_text: str | None = None
+    log_ts_ns: int | None = None
+    ts_resolution_ns: int | None = None
+    dp_rank: int | None = None
+    pp_rank: int | None = None
+    tp_rank: int | None = None
+    ep_rank: int | None = None
+    values: dict[str, Value] = field(default_factory=dict)  # METRIC_FIELDS names
+    config: dict[str, object] | None = None  # config lines: every field by its engine name
+
+    def to_record(
+        self, *, host: str, source: str, line_no: int, recv_ts_ns: int | None = None
+    ) -> SchedulerEvent | EngineConfig:
+        """The store record of this line."""
+        if self.kind == "config":
+            cfg = self.config or {}
+            typed = {name: _config_int(cfg, keys) for name, keys in CONFIG_FIELD_NAMES.items()}
+            return EngineConfig(
+                host=host, source=source, engine=self.engine, line_no=line_no,
+                log_ts_ns=self.log_ts_ns, fields_json=json.dumps(cfg, default=str), **typed,
+            )
+        return SchedulerEvent(
+            host=host, source=source, engine=self.engine, kind=self.kind, line_no=line_no,
+            log_ts_ns=self.log_ts_ns, ts_resolution_ns=self.ts_resolution_ns,
+            recv_ts_ns=recv_ts_ns, dp_rank=self.dp_rank, pp_rank=self.pp_rank,
+            tp_rank=self.tp_rank, ep_rank=self.ep_rank,
+            **self.values,  # type: ignore[arg-type]  # keys are METRIC_FIELDS, typed on parse
+        )
+
+    def to_json_obj(self) -> dict[str, object]:
+        """The ``gputrace parse`` NDJSON object of this line."""
+        obj: dict[str, object] = {"kind": self.kind, "engine": self.engine, "ts": self.ts_text}
+        for name in RANK_FIELDS:
+            obj[name] = getattr(self, name)
+        for name in METRIC_FIELDS:
+            obj[name] = self.values.get(name)
+        if self.config:
+            for key, value in self.config.items():
+                obj.setdefault(key, value)  # never let a config name shadow a common key
+        return obj
+
+
+def _config_int(cfg: dict[str, object], keys: tuple[str, ...]) -> int | None:
+    for key in keys:
+        value = cfg.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+
+
+def convert_value(text: str, kind: type) -> Value:
+    """A logged value as ``kind``; None when it does not fit (a garbled or truncated value)."""
+    text = text.strip().rstrip("%")
+    if kind is bool:
+        return {"True": True, "False": False, "true": True, "false": False}.get(text)
+    if not _NUMBER.fullmatch(text):
+        return None
+    if kind is int:
+        return int(text) if text.lstrip("+-").isdigit() else None
+    return float(text)
+
+
+class LogClock:
+    """Turns logged wall-clock text into ns since the epoch, for one timezone.
+
+    ``date`` stands in for logs whose timestamps lack the date (SGLang before 2024-10) or the
+    year (vLLM's ``MM-DD``); without it such lines get ``log_ts_ns`` None.
+    """
+
+    def __init__(self, tz: str = "UTC", date: dt.date | str | None = None):
+        try:
+            self.tz = dt.UTC if tz.upper() in ("UTC", "Z") else ZoneInfo(tz)
+        except (ZoneInfoNotFoundError, ValueError) as exc:
+            raise UsageError(f"unknown timezone {tz!r} (use an IANA name like Europe/Berlin)") from exc
+        self.is_utc = self.tz is dt.UTC
+        if isinstance(date, str):
+            try:
+                date = dt.date.fromisoformat(date)
+            except ValueError as exc:
+                raise UsageError(f"--date {date!r} is not a YYYY-MM-DD date") from exc
+        self.date = date
+        self._cache: dict[tuple[int, int, int, str], int] = {}
+
+    def seconds(self, year: int, month: int, day: int, hms: str) -> int | None:
+        """Epoch seconds of a local ``HH:MM:SS`` on a date; None when it is not a valid time."""
+        key = (year, month, day, hms)
+        cached = self._cache.get(key)
+        if cached is not None:
+            return cached
+        try:
+            hour, minute, second = (int(p) for p in hms.split(":"))
+            local = dt.datetime(year, month, day, hour, minute, second, tzinfo=self.tz)
+            value = int(local.timestamp())
+        except ValueError:
+            return None
+        if len(self._cache) > 100_000:
+            self._cache.clear()
+        self._cache[key] = value
+        return value
+
+    def to_ns(self, date_text: str | None, hms: str, frac: str | None) -> tuple[int | None, int]:
+        """(epoch ns or None, resolution ns) of ``[YYYY-MM-DD ]HH:MM:SS[.fff]``."""
+        resolution = 10 ** (9 - len(frac)) if frac else 1_000_000_000
+        if date_text is not None:
+            year, month, day = int(date_text[0:4]), int(date_text[5:7]), int(date_text[8:10])
+        elif self.date is not None:
+            year, month, day = self.date.year, self.date.month, self.date.day
+        else:
+            return None, resolution
+        secs = self.seconds(year, month, day, hms)
+        if secs is None:
+            return None, resolution
+        frac_ns = int(frac.ljust(9, "0")[:9]) if frac else 0
+        return secs * 1_000_000_000 + frac_ns, resolution
+
+    def month_day_to_ns(self, month: int, day: int, hms: str, frac: str | None) -> tuple[int | None, int]:
+        """For ``MM-DD HH:MM:SS`` stamps: the year comes from ``date`` (None without it)."""
+        resolution = 10 ** (9 - len(frac)) if frac else 1_000_000_000
+        if self.date is None:
+            return None, resolution
+        secs = self.seconds(self.date.year, month, day, hms)
+        if secs is None:
+            return None, resolution
+        frac_ns = int(frac.ljust(9, "0")[:9]) if frac else 0
+        return secs * 1_000_000_000 + frac_ns, resolution

@@ -1,0 +1,206 @@
+"""SGLang's scheduler and startup lines, every known version (see shared/ENGINES.md), as ParsedLine.
+
+Fields are read by name, so unknown ones are ignored and missing ones are None; a line that
+is not a scheduler or configuration line gives None. No input makes these functions raise.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+
+from gputrace.engines.common import LogClock, ParsedLine, Value, convert_value
+
+ENGINE = "sglang"
+
+# A container runtime's own prefix (CRI ``<RFC3339> stdout F ``, ``docker logs -t``).
+_RUNTIME_PREFIX = re.compile(
+    r"^\s*\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?(?:Z|[+-]\d\d:?\d\d)?\s+(?:(?:stdout|stderr)\s+[FP]\s+)?"
+)
+_MARKER = re.compile(
+    r"(?<![\w-])(?:(?P<prefill>Prefill batch|Prefil batch|new fill batch)|(?P<decode>Decode batch))"
+    r"(?: \[\d+\])?[.,](?: |$)"
+    r"|(?<!\w)(?P<config>max_total_num_tokens=)"
+    r"|(?<!\w)(?P<args>server_args=ServerArgs\()"
+)
+# v0.1 logged decode steps with no prefix and no "Decode batch" words.
+_BARE_DECODE = re.compile(r"^\s*(?:\[[^\]]*\]\s*)?(?=#running-req: \d)")
+_TIMESTAMP = re.compile(
+    r"(?<![\d:.-])(?:(\d{4}-\d\d-\d\d)[ T])?(\d\d:\d\d:\d\d)(?:[.,](\d{1,9}))?(?![\d:])"
+)
+_BRACKETS = re.compile(r"\[([^\[\]]*)\]")
+_RANK = re.compile(r"(?<![A-Za-z0-9_])(DP|PP|ATTN_CP|MOE_DP|TP|EP)(\d+)(?![A-Za-z0-9_])")
+_GPU_TAG = re.compile(r"\[gpu(?:_id)?=(\d+)\]")
+_FIELD = re.compile(r"(#?[A-Za-z][\w \-/()]*?): ([-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?%?|True|False)")
+_RANK_FIELDS = {"DP": "dp_rank", "PP": "pp_rank", "TP": "tp_rank", "EP": "ep_rank"}
+
+# SGLang's field names (all versions) -> SchedulerEvent fields.
+_KEYS: dict[str, str] = {
+    "#running-req": "running_req",
+    "#running_req": "running_req",
+    "#queue-req": "queue_req",
+    "#remaining_req": "queue_req",  # v0.1: requests still waiting after this prefill
+    "#new-seq": "new_seq",
+    "#seq": "new_seq",
+    "#new-token": "new_token",
+    "#new_token": "new_token",
+    "#cached-token": "cached_token",
+    "#cached_token": "cached_token",
+    "#token": "num_token",
+    "token usage": "token_usage",
+    "gen throughput (token/s)": "gen_throughput_tok_s",
+    "input throughput (token/s)": "input_throughput_tok_s",
+    "cuda graph": "cuda_graph",
+    "cpu graph": "cuda_graph",
+    "npu graph": "cuda_graph",
+    "musa graph": "cuda_graph",
+}
+# Hybrid (SWA / mamba) models log the full-attention pool under these names instead.
+_FALLBACK_KEYS: dict[str, str] = {"#full token": "num_token", "full token usage": "token_usage"}
+_FIELD_TYPES: dict[str, type] = {
+    "running_req": int, "queue_req": int, "new_seq": int, "new_token": int, "cached_token": int,
+    "num_token": int, "token_usage": float, "gen_throughput_tok_s": float,
+    "input_throughput_tok_s": float, "cuda_graph": bool,
+}
+
+
+def batch_fields(message: str) -> dict[str, Value]:
+    """The SchedulerEvent metric fields named in a batch message (unknown names ignored)."""
+    values: dict[str, Value] = {}
+    fallback: dict[str, Value] = {}
+    for key, text in _FIELD.findall(message):
+        key = key.strip()
+        name = _KEYS.get(key)
+        target = values
+        if name is None:
+            name = _FALLBACK_KEYS.get(key)
+            target = fallback
+            if name is None:
+                continue
+        value = convert_value(text, _FIELD_TYPES[name])
+        if value is not None and name not in target:
+            target[name] = value
+    for name, value in fallback.items():
+        values.setdefault(name, value)
+    return values
+
+
+def _prefix_fields(head: str, clock: LogClock) -> dict[str, object]:
+    """Timestamp text and time, and ranks, from the text in front of the message."""
+    out: dict[str, object] = {}
+    stripped = _RUNTIME_PREFIX.sub("", head, count=1)
+    ts = _TIMESTAMP.search(stripped) or (_TIMESTAMP.search(head) if stripped != head else None)
+    if ts is not None:
+        date_text, hms, frac = ts.groups()
+        out["ts_text"] = ts.group(0)
+        out["log_ts_ns"], out["ts_resolution_ns"] = clock.to_ns(date_text, hms, frac)
+    segments = _BRACKETS.findall(stripped) or [stripped]
+    for segment in segments:
+        for name, number in _RANK.findall(segment):
+            field_name = _RANK_FIELDS.get(name)
+            if field_name is not None and field_name not in out:
+                out[field_name] = int(number)
+    gpu = _GPU_TAG.search(head)
+    if gpu is not None and "tp_rank" not in out:
+        # Before PP existed (2024) the tag was the GPU id, which is base_gpu_id + tp_rank.
+        out["tp_rank"] = int(gpu.group(1))
+    return out
+
+
+def parse_line(line: str, clock: LogClock) -> ParsedLine | None:
+    """One SGLang log line -> ParsedLine, or None when it is not a scheduler/config line."""
+    marker = _MARKER.search(line)
+    if marker is None:
+        bare = _BARE_DECODE.match(_RUNTIME_PREFIX.sub("", line, count=1))
+        if bare is None:
+            return None
+        stripped = _RUNTIME_PREFIX.sub("", line, count=1)
+        head, message, kind = stripped[: bare.end()], stripped[bare.end():], "decode"
+    else:
+        head, message = line[: marker.start()], line[marker.end():]
+        if marker.group("prefill"):
+            kind = "prefill"
+        elif marker.group("decode"):
+            kind = "decode"
+        else:
+            return _config_line(line, marker, clock)
+    values = batch_fields(message)
+    if not values:
+        return None
+    prefix = _prefix_fields(head, clock)
+    return ParsedLine(engine=ENGINE, kind=kind, values=values, **prefix)  # type: ignore[arg-type]
+
+
+def _config_line(line: str, marker: re.Match[str], clock: LogClock) -> ParsedLine | None:
+    if marker.group("args"):
+        body = line[marker.end():].rstrip()
+        body = body.removesuffix(")")
+        fields = _python_kwargs(body)
+    else:
+        fields = _simple_kwargs(line[marker.start():])
+    if not fields:
+        return None
+    prefix = _prefix_fields(line[: marker.start()], clock)
+    return ParsedLine(engine=ENGINE, kind="config", config=fields, **prefix)  # type: ignore[arg-type]
+
+
+def _scalar(text: str) -> object:
+    text = text.strip()
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return {"True": True, "False": False, "None": None}.get(text, text)
+
+
+def _simple_kwargs(text: str) -> dict[str, object]:
+    """``a=1, b=2.5, c=73.60 GB`` -> {"a": 1, "b": 2.5, "c": "73.60 GB"}."""
+    out: dict[str, object] = {}
+    for part in text.split(","):
+        key, sep, value = part.strip().partition("=")
+        if sep and key.isidentifier():
+            out[key] = _scalar(value)
+    return out
+
+
+def _python_kwargs(text: str) -> dict[str, object]:
+    """The keyword arguments of a dataclass repr (``k='v', n=1, xs=[1, 2], sub=Cfg(a=1)``)."""
+    out: dict[str, object] = {}
+    for part in _split_top_level(text):
+        key, sep, value = part.strip().partition("=")
+        if not (sep and key.isidentifier()):
+            continue
+        try:
+            out[key] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            out[key] = value.strip()  # an object repr, kept as logged
+    return out
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas outside brackets and quotes."""
+    parts: list[str] = []
+    depth = 0
+    quote = ""
+    escaped = False
+    start = 0
+    for i, char in enumerate(text):
+        if quote:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == quote:
+                quote = ""
+        elif char in "'\"":
+            quote = char
+        elif char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth = max(depth - 1, 0)
+        elif char == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return parts
