@@ -112,6 +112,8 @@ def _series_figure(a: Analysis, values: np.ndarray, ylabel: str, title: str,
                    extra: np.ndarray | None = None, extra_label: str = "") -> bytes:
     v, t = _downsample(values, _time_axis(a))
     fig, ax = plt.subplots(figsize=(10, 3.2))
+    if np.isnan(values).all():
+        ax.text(0.5, 0.5, "no samples of this metric in the run", transform=ax.transAxes, ha="center")
     for s in range(v.shape[0]):
         ax.plot(t, v[s], lw=0.7, label=f"stage {s}")
     if extra is not None:
@@ -121,7 +123,8 @@ def _series_figure(a: Analysis, values: np.ndarray, ylabel: str, title: str,
     ax.set_xlabel("time since start (s)")
     ax.set_ylabel(ylabel)
     _phase_lines(ax, a)
-    ax.legend(fontsize=6, ncol=4, loc="upper right")
+    if not np.isnan(values).all():
+        ax.legend(fontsize=6, ncol=4, loc="upper right")
     ax.set_title(title, pad=14)
     return _png(fig)
 

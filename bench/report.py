@@ -1,0 +1,192 @@
+"""Time and peak memory of `gputrace report` on 8 GPUs x 1 h and 64 GPUs x 1 h at 10 Hz, beside a
+plain pandas merge_asof + groupby reference computing the same phase-by-stage table (busy, bubble,
+micro-batch size, power per phase and stage) in the same run.
+
+    python bench/report.py [--hours H] [--gpus 8,64] [--source synth|sim]
+
+Each measurement runs in a fresh child process (peak RSS = its ru_maxrss). Runs come from the
+simulator when it can write them (--source sim, 8 GPUs), otherwise they are synthesised directly
+into a run store: PP8 x TP(n/8), 10 Hz NVML samples, per-stage decode lines, closed-loop requests
+over four load levels with markers. The two tables are checked to agree before timing is trusted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from gputrace.model import DeviceInfo, EngineConfig, Marker
+from gputrace.store import Store
+from gputrace.topology import single_node_placements, topology_to_meta
+
+T0 = 1_764_486_000_000_000_000
+PERIOD_NS = 100_000_000
+LEVELS = (1, 8, 32, 64)
+
+
+def synthesise(path: Path, n_gpus: int, hours: float, seed: int = 0) -> None:
+    """A PP8 run store of n_gpus GPUs (TP = n_gpus // 8) and `hours` of data, vectorised."""
+    rng = np.random.default_rng(seed)
+    pp, tp = 8, max(n_gpus // 8, 1)
+    placements = single_node_placements("node0", pp, tp)
+    n = int(hours * 3600e9 // PERIOD_NS)
+    ts = T0 + PERIOD_NS * np.arange(1, n + 1, dtype=np.int64)
+    level_len = n // len(LEVELS)
+    level = np.minimum(np.arange(n) // level_len, len(LEVELS) - 1)
+    busy = np.minimum(1.0, np.array(LEVELS)[level] / 64 + 0.05)
+    with Store.create(path, topology=topology_to_meta(pp, tp, 1, placements, "bench")) as store:
+        for p in placements:
+            u = np.clip(busy + rng.normal(0, 0.08, n), 0, 1)
+            store.append_columns("gpu_samples", {
+                "host": "node0", "gpu_index": np.full(n, p.gpu_index), "ts_ns": ts,
+                "utilization_ratio": u, "power_w": 60 + 290 * u,
+                "pcie_tx_bytes_per_s": u * 2e9, "pcie_rx_bytes_per_s": u * 2e9,
+                "sm_clock_hz": np.full(n, 1.98e9), "seq": np.arange(n)})
+        store.append([DeviceInfo("node0", p.gpu_index, power_limit_w=350.0, pcie_max_gen=5,
+                                 pcie_max_width=16) for p in placements])
+        store.append([EngineConfig("node0", "log", "sglang", 0, pp_size=pp, tp_size=tp,
+                                   max_running_requests=64, decode_log_interval=1)])
+        marks = [Marker("client", int(ts[i * level_len] - PERIOD_NS), f"C={c}", "phase", c)
+                 for i, c in enumerate(LEVELS)]
+        store.append([*marks, Marker("client", int(ts[-1]), "end", "end")])
+        # Decode lines: every stage twice a second, second-resolution log time plus receive time.
+        ev_t = T0 + np.arange(0, int(hours * 3600 * 2), dtype=np.int64) * 500_000_000
+        ev_level = np.minimum((ev_t - T0) // (level_len * PERIOD_NS), len(LEVELS) - 1)
+        for s in range(pp):
+            m = len(ev_t)
+            store.append_columns("scheduler_events", {
+                "host": "node0", "source": "log", "engine": "sglang", "kind": "decode",
+                "line_no": np.arange(m) * pp + s, "log_ts_ns": ev_t // 1_000_000_000 * 1_000_000_000,
+                "ts_resolution_ns": np.full(m, 1_000_000_000), "recv_ts_ns": ev_t + 1000 * s,
+                "pp_rank": np.full(m, s), "tp_rank": np.zeros(m, dtype=np.int64),
+                "running_req": np.minimum(np.array(LEVELS)[ev_level], 8), "queue_req": np.zeros(m),
+                "token_usage": np.full(m, 0.3), "gen_throughput_tok_s": np.full(m, 250.0)})
+        # Closed-loop requests: C lanes per level, 8 s each.
+        starts, ends, labels = [], [], []
+        for i, c in enumerate(LEVELS):
+            lo, hi = int(ts[i * level_len] - PERIOD_NS), int(ts[min((i + 1) * level_len, n) - 1])
+            s0 = np.arange(lo, hi - 8_000_000_000, 8_000_000_000, dtype=np.int64)
+            for lane in range(c):
+                starts.append(s0 + lane * 1_000_000)
+                labels += [f"C={c}"] * len(s0)
+        start = np.concatenate(starts)
+        ends = start + 8_000_000_000
+        k = len(start)
+        store.append_columns("requests", {
+            "host": "client", "request_id": [f"r{i}" for i in range(k)], "start_ns": start,
+            "first_token_ns": start + 200_000_000, "end_ns": ends, "prompt_tokens": np.full(k, 128),
+            "completion_tokens": np.full(k, 256), "ok": np.ones(k, dtype=bool), "phase": labels})
+
+
+def child_report(run: str, out: str) -> dict[str, object]:
+    from gputrace.analysis.run import analyse_store
+    from gputrace.report.document import phase_stage_table
+    from gputrace.report.render import write_report
+
+    t0 = time.perf_counter()
+    with Store.open(run, read_only=True) as store:
+        a = analyse_store(store)
+    table_s = time.perf_counter() - t0
+    write_report(a, out, ["html", "md", "json"])
+    keys = ("phase", "pp_rank", "busy_fraction", "bubble_fraction")
+    return {"table_s": table_s, "table": [{k: r[k] for k in keys} for r in phase_stage_table(a)]}
+
+
+def child_reference(run: str) -> dict[str, object]:
+    """pandas: merge_asof GPU samples onto phases and in-flight counts, groupby phase and stage."""
+    import pandas as pd
+
+    with Store.open(run, read_only=True) as store:
+        samples = store.arrow("gpu_samples").to_pandas()
+        markers = store.arrow("markers").to_pandas()
+        reqs = store.arrow("requests").to_pandas()
+        events = store.arrow("scheduler_events").to_pandas()
+        placements = pd.DataFrame(store.meta.topology["placements"])
+        devices = store.arrow("devices").to_pandas()
+    samples = samples.merge(placements[["host", "gpu_index", "pp_rank"]], on=["host", "gpu_index"])
+    samples = samples.merge(devices[["host", "gpu_index", "power_limit_w"]], on=["host", "gpu_index"])
+    samples = samples.sort_values("ts_ns")
+    marks = markers.sort_values("ts_ns")[["ts_ns", "label", "kind"]].rename(columns={"ts_ns": "m_ts"})
+    # A sample covers (ts - P, ts]: its phase is the one in force at the window's start.
+    samples["win_ns"] = samples["ts_ns"] - PERIOD_NS
+    samples = pd.merge_asof(samples.sort_values("win_ns"), marks, left_on="win_ns", right_on="m_ts")
+    samples = samples[samples["kind"] == "phase"]
+    delta = pd.concat([pd.DataFrame({"t": reqs["start_ns"], "d": 1}),
+                       pd.DataFrame({"t": reqs["end_ns"], "d": -1})]).sort_values("t", kind="stable")
+    delta["inflight"] = delta["d"].cumsum()
+    delta = delta.groupby("t", as_index=False)["inflight"].last()
+    samples = pd.merge_asof(samples.sort_values("win_ns"), delta, left_on="win_ns", right_on="t")
+    samples["work"] = (samples["inflight"].fillna(0) > 0).astype(float)
+    samples["bubble"] = (samples["work"] - samples["utilization_ratio"]).clip(lower=0)
+    samples["power_share"] = samples["power_w"] / samples["power_limit_w"]
+    # Stage value per timestamp (mean over TP GPUs), then the phase mean.
+    per_t = samples.groupby(["label", "pp_rank", "ts_ns"], as_index=False)[
+        ["utilization_ratio", "bubble", "power_w", "power_share"]].mean()
+    table = per_t.groupby(["label", "pp_rank"], as_index=False).mean()
+    dec = events[events["kind"] == "decode"].copy()
+    dec = pd.merge_asof(dec.sort_values("recv_ts_ns"), marks, left_on="recv_ts_ns", right_on="m_ts")
+    mb = dec.groupby(["label", "pp_rank"], as_index=False)["running_req"].mean()
+    table = table.merge(mb, on=["label", "pp_rank"], how="left")
+    return {"table": [{"phase": r.label, "pp_rank": int(r.pp_rank), "busy_fraction": r.utilization_ratio,
+                       "bubble_fraction": r.bubble} for r in table.itertuples()]}
+
+
+def run_child(args: list[str]) -> tuple[float, float, dict[str, object]]:
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, check=True)
+    wall = time.perf_counter() - t0
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return wall, float(result.pop("peak_rss_mb")), result
+
+
+def compare_tables(a: list[dict[str, object]], b: list[dict[str, object]]) -> float:
+    """The largest difference in busy or bubble fraction between the two tables."""
+    kb = {(r["phase"], r["pp_rank"]): r for r in b}
+    worst = 0.0
+    for r in a:
+        other = kb[(r["phase"], r["pp_rank"])]
+        for key in ("busy_fraction", "bubble_fraction"):
+            worst = max(worst, abs(float(r[key]) - float(other[key])))  # type: ignore[arg-type]
+    return worst
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        kind, run = sys.argv[2], sys.argv[3]
+        t0 = time.perf_counter()
+        res = child_report(run, sys.argv[4]) if kind == "report" else child_reference(run)
+        res["seconds"] = time.perf_counter() - t0
+        res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(json.dumps(res, default=float))
+        return
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hours", type=float, default=1.0)
+    ap.add_argument("--gpus", default="8,64")
+    args = ap.parse_args()
+    print(f"{'run':>16} {'report s':>9} {'(table s)':>9} {'report MB':>10} {'pandas s':>9} "
+          f"{'(table s)':>9} {'pandas MB':>10} {'speedup':>8} {'max |diff|':>10}")
+    for n_gpus in (int(g) for g in args.gpus.split(",")):
+        with tempfile.TemporaryDirectory() as tmp:
+            run = Path(tmp) / "run"
+            synthesise(run, n_gpus, args.hours)
+            r_wall, r_mb, r_res = run_child(["--child", "report", str(run), str(Path(tmp) / "out")])
+            p_wall, p_mb, p_res = run_child(["--child", "reference", str(run)])
+            diff = compare_tables(r_res["table"], p_res["table"])  # type: ignore[arg-type]
+            print(f"{n_gpus:>3} GPUs x {args.hours:g} h {r_wall:>9.2f} {r_res['table_s']:>9.2f} "
+                  f"{r_mb:>10.0f} {p_wall:>9.2f} {p_res['seconds']:>9.2f} {p_mb:>10.0f} "
+                  f"{p_wall / r_wall:>7.2f}x {diff:>10.4f}")
+    print("report s / pandas s: wall time of a fresh process each, including imports (the report also\n"
+          "draws 5 figures and writes HTML, Markdown and JSON); (table s): reading the store and\n"
+          "computing the phase-by-stage table only; MB: peak RSS; speedup = pandas s / report s")
+
+
+if __name__ == "__main__":
+    main()

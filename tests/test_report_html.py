@@ -1,0 +1,125 @@
+"""The HTML report in headless Chromium (DevTools protocol over a websocket): no console error,
+every figure rendered; a screenshot is kept in tests/artifacts/."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from analysis_synth import Level, SynthRun, build
+from conftest import require_binary
+
+from gputrace.analysis.run import analyse_store
+from gputrace.report.figures import FIGURES
+from gputrace.report.render import write_report
+from gputrace.store import Store
+
+ARTIFACTS = Path(__file__).parent / "artifacts"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--remote-debugging-port=0"]
+
+
+class Cdp:
+    """A minimal DevTools-protocol client on one page target."""
+
+    def __init__(self, ws: aiohttp.ClientWebSocketResponse):
+        self.ws = ws
+        self.next_id = 0
+        self.events: list[dict[str, Any]] = []
+
+    async def call(self, method: str, **params: Any) -> dict[str, Any]:
+        self.next_id += 1
+        my_id = self.next_id
+        await self.ws.send_json({"id": my_id, "method": method, "params": params})
+        while True:
+            msg = json.loads((await self.ws.receive(timeout=30)).data)
+            if msg.get("id") == my_id:
+                if "error" in msg:
+                    raise AssertionError(f"{method}: {msg['error']}")
+                return dict(msg.get("result", {}))
+            self.events.append(msg)
+
+    async def wait_event(self, method: str, timeout_s: float = 30) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not any(e.get("method") == method for e in self.events):
+            msg = json.loads((await self.ws.receive(timeout=max(deadline - time.monotonic(), 0.1))).data)
+            self.events.append(msg)
+
+
+def _devtools_port(profile: Path, proc: subprocess.Popen[bytes], timeout_s: float = 30) -> int:
+    deadline = time.monotonic() + timeout_s
+    marker = profile / "DevToolsActivePort"
+    while time.monotonic() < deadline:
+        if marker.exists() and marker.read_text().strip():
+            return int(marker.read_text().split()[0])
+        if proc.poll() is not None:
+            raise AssertionError(f"chromium exited with {proc.returncode}")
+        time.sleep(0.05)
+    raise AssertionError("chromium wrote no DevToolsActivePort")
+
+
+async def _inspect(port: int, url: str, shot: Path) -> tuple[list[str], dict[str, Any]]:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"http://127.0.0.1:{port}/json/list") as resp:
+            pages = [t for t in await resp.json() if t["type"] == "page"]
+        async with http.ws_connect(pages[0]["webSocketDebuggerUrl"], max_msg_size=0) as ws:
+            cdp = Cdp(ws)
+            for domain in ("Page", "Runtime", "Log"):
+                await cdp.call(f"{domain}.enable")
+            await cdp.call("Page.navigate", url=url)
+            await cdp.wait_event("Page.loadEventFired")
+            res = await cdp.call("Runtime.evaluate", returnByValue=True, expression=(
+                "JSON.stringify({title: document.title, imgs: Array.from(document.images).map("
+                "i => ({id: i.id, complete: i.complete, w: i.naturalWidth, h: i.naturalHeight})),"
+                "h2: Array.from(document.querySelectorAll('h2')).map(h => h.textContent)})"))
+            page = json.loads(res["result"]["value"])
+            png = await cdp.call("Page.captureScreenshot", format="png", captureBeyondViewport=True)
+            shot.write_bytes(base64.b64decode(png["data"]))
+            errors = [json.dumps(e["params"])[:300] for e in cdp.events if
+                      (e.get("method") == "Runtime.consoleAPICalled" and e["params"]["type"] == "error")
+                      or e.get("method") == "Runtime.exceptionThrown"
+                      or (e.get("method") == "Log.entryAdded" and e["params"]["entry"]["level"] == "error")]
+            return errors, page
+
+
+@pytest.mark.system
+async def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
+    """report.html loads with no console error and every figure decoded (naturalWidth > 0)."""
+    chromium = require_binary("/usr/bin/chromium", "chromium", "chromium-browser")
+    spec = SynthRun([Level("C=8", 8, 8, [0.3, 0.3, 0.35, 0.3], 2, 8),
+                     Level("C=32", 32, 32, [0.5, 0.5, 0.55, 0.5], 8, 8)], pp=4,
+                    engine={"max_running_requests": 32})
+    build(tmp_path / "run", spec)
+    with Store.open(tmp_path / "run", read_only=True) as store:
+        written = write_report(analyse_store(store), tmp_path / "out", ["html"])
+    html_file = written[0]
+    assert html_file.name == "report.html" and "src='http" not in html_file.read_text()
+    ARTIFACTS.mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory() as profile:
+        proc = subprocess.Popen([chromium, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            port = _devtools_port(Path(profile), proc)
+            errors, page = await asyncio.wait_for(
+                _inspect(port, html_file.as_uri(), ARTIFACTS / "report_html.png"), 90)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    assert errors == []
+    assert len(page["imgs"]) == len(FIGURES)
+    assert all(i["complete"] and i["w"] > 0 and i["h"] > 0 for i in page["imgs"]), page["imgs"]
+    assert page["h2"][:3] == ["Summary", "Findings", "Phase by stage"]
+    assert (ARTIFACTS / "report_html.png").stat().st_size > 10_000
