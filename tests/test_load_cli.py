@@ -1,0 +1,81 @@
+"""`gputrace load` as a user runs it: its own process against a real OpenAI-protocol server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gputrace.load.importers import parse_requests_jsonl
+from gputrace.model import Marker, RequestRecord
+
+sys.path.insert(0, str(Path(__file__).parent))
+from openai_server import ServerBehaviour, ServerStats, start_server
+
+
+@pytest.fixture
+def server_thread() -> Iterator[tuple[str, ServerStats]]:
+    """The fixture server on its own event loop in a thread, so the CLI can run as a process."""
+    loop = asyncio.new_event_loop()
+    started: dict[str, object] = {}
+    ready = threading.Event()
+
+    def serve() -> None:
+        asyncio.set_event_loop(loop)
+        runner, url, stats = loop.run_until_complete(start_server(ServerBehaviour(token_interval_s=0.002)))
+        started.update(runner=runner, url=url, stats=stats)
+        ready.set()
+        loop.run_forever()
+        loop.run_until_complete(runner.cleanup())
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    yield str(started["url"]), started["stats"]  # type: ignore[misc]
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+def _gputrace(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gputrace", *args],
+        capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})},
+    )
+
+
+def test_load_command_table_and_out_file(server_thread: tuple[str, ServerStats], tmp_path: Path) -> None:
+    """The table lists each level; --out holds typed request and marker lines; markers posted."""
+    url, stats = server_thread
+    out = tmp_path / "load.jsonl"
+    proc = _gputrace(
+        "load", "--url", url, "--model", "m", "--concurrency", "2,5", "--max-tokens", "6",
+        "--requests-per-level", "10", "--out", str(out), env={"GPUTRACE_MARK_URL": url + "/mark"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    for text in ("C=2", "C=5", "TTFT ms p50/p90/p99", "in flight mean", "client CPU"):
+        assert text in proc.stdout
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {line["type"] for line in lines} == {"request", "marker"}
+    parsed = parse_requests_jsonl(out)
+    requests = [r for r in parsed.records if isinstance(r, RequestRecord)]
+    markers = [r for r in parsed.records if isinstance(r, Marker)]
+    assert parsed.bad == 0 and len(requests) == 20
+    assert [m.label for m in markers] == ["C=2", "C=5", "end"]
+    assert [m["label"] for m in stats.markers] == ["C=2", "C=5", "end"]
+
+
+def test_load_command_usage_error(server_thread: tuple[str, ServerStats]) -> None:
+    """Contradictory options: one error line, exit status 2."""
+    url, _ = server_thread
+    proc = _gputrace("load", "--url", url, "--model", "m", "--requests-per-level", "3",
+                     "--duration-per-level", "2")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["gputrace: error: give --requests-per-level or "
+                                                "--duration-per-level, not both"]
