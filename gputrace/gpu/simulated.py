@@ -243,7 +243,7 @@ class SimulatedSampler:
                                                                base.pattern_pcie_bytes_per_s)
         self.driver_period_ns = driver_period_ns
         now = time.time_ns()
-        first = (now // driver_period_ns + 1) * driver_period_ns
+        first = now // driver_period_ns * driver_period_ns  # the driver has the last period already
         self._state = [_GpuState(next_driver_ns=first) for _ in range(gpu_count)]
         self._memory_used = int(base.memory_total_bytes * (0.9 if self.feed else 0.75))
 

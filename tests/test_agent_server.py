@@ -1,0 +1,241 @@
+"""The agent's HTTP server on a real loopback aiohttp server with the simulated backend."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import ssl
+import subprocess
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import structlog
+from prometheus_client.parser import text_string_to_metric_families
+
+from gputrace.agent.client import AgentClient
+from gputrace.agent.server import Agent, AgentSettings
+from gputrace.cli import main
+from gputrace.errors import UsageError
+from gputrace.gpu.simulated import SimulatedSampler
+
+AgentFactory = Callable[..., Any]
+
+
+@pytest.fixture
+async def start_agent() -> AsyncIterator[AgentFactory]:
+    """Starts agents on 127.0.0.1 with a random port; stops them after the test."""
+    agents: list[Agent] = []
+
+    async def start(gpus: int = 2, pattern: str = "constant:0.5", **settings: Any) -> Agent:
+        sampler = SimulatedSampler("node-a", gpus, pattern=pattern)
+        agent = Agent(sampler, AgentSettings(**{"port": 0, **settings}), host="node-a")
+        agents.append(agent)
+        await agent.start()
+        return agent
+
+    yield start
+    for agent in agents:
+        await agent.stop()
+
+
+def _url(agent: Agent, path: str = "", scheme: str = "http") -> str:
+    return f"{scheme}://127.0.0.1:{agent.port}{path}"
+
+
+async def _get(url: str, **kw: Any) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as session, session.get(url, **kw) as resp:
+        return resp.status, await resp.text()
+
+
+def _families(text: str) -> dict[str, Any]:
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+async def test_metrics_names_labels_and_values(start_agent: AgentFactory) -> None:
+    """/metrics has the gputrace_* families with host/gpu/uuid/model labels and the sim's values."""
+    agent = await start_agent(gpus=2, pattern="constant:0.5")
+    agent.loop.tick()  # a second tick: the first one's window predates the pattern's steady state
+    status, text = await _get(_url(agent, "/metrics"))
+    assert status == 200
+    fams = _families(text)
+    expected = {"gputrace_gpu_utilization_ratio", "gputrace_gpu_memory_utilization_ratio",
+                "gputrace_gpu_power_watts", "gputrace_gpu_energy_joules",
+                "gputrace_gpu_pcie_tx_bytes_per_second",
+                "gputrace_gpu_pcie_rx_bytes_per_second", "gputrace_gpu_sm_clock_hertz",
+                "gputrace_gpu_memory_used_bytes", "gputrace_gpu_temperature_celsius",
+                "gputrace_gpu_sm_active_ratio", "gputrace_agent_up", "gputrace_agent_scrape_duration_seconds"}
+    assert expected <= fams.keys()
+    assert not any(name.startswith("DCGM_") for name in fams)
+    power = {s.labels["gpu"]: s for s in fams["gputrace_gpu_power_watts"].samples}
+    assert set(power) == {"0", "1"}
+    devices = {d.gpu_index: d for d in agent.devices}
+    for gpu, sample in power.items():
+        d = devices[int(gpu)]
+        assert sample.labels == {"host": "node-a", "gpu": gpu, "uuid": d.uuid, "model": d.name}
+        assert d.power_limit_w is not None
+        assert sample.value == pytest.approx(70.0 + 0.5 * (d.power_limit_w - 70.0), abs=0.01)
+    util = {s.labels["gpu"]: s.value for s in fams["gputrace_gpu_utilization_ratio"].samples}
+    assert util == {"0": 0.5, "1": 0.5}
+    energy = fams["gputrace_gpu_energy_joules"]
+    assert energy.type == "counter" and all(s.name.endswith("_total") and s.value > 0 for s in energy.samples)
+    assert fams["gputrace_agent_up"].samples[0].value == 1.0
+
+
+async def test_topology_adds_pp_and_tp_rank_labels(start_agent: AgentFactory) -> None:
+    """With a topology every GPU series carries its pp_rank and tp_rank."""
+    agent = await start_agent(gpus=4, placements={0: (0, 0), 1: (0, 1), 2: (1, 0), 3: (1, 1)})
+    _, text = await _get(_url(agent, "/metrics"))
+    ranks = {(s.labels["gpu"], s.labels["pp_rank"], s.labels["tp_rank"])
+             for s in _families(text)["gputrace_gpu_power_watts"].samples}
+    assert ranks == {("0", "0", "0"), ("1", "0", "1"), ("2", "1", "0"), ("3", "1", "1")}
+
+
+async def test_dcgm_compat_names_labels_and_units(start_agent: AgentFactory) -> None:
+    """--dcgm-compat adds DCGM-exporter names, labels and units (percent, W, MHz, MiB)."""
+    agent = await start_agent(gpus=2, pattern="constant:0.5", dcgm_compat=True)
+    agent.loop.tick()
+    _, text = await _get(_url(agent, "/metrics"))
+    fams = _families(text)
+    for name in ("DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_PROF_PCIE_TX_BYTES",
+                 "DCGM_FI_PROF_PCIE_RX_BYTES", "DCGM_FI_DEV_SM_CLOCK", "DCGM_FI_DEV_FB_USED",
+                 "DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_PROF_SM_ACTIVE", "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION"):
+        assert name in fams, name
+    util = {s.labels["gpu"]: s for s in fams["DCGM_FI_DEV_GPU_UTIL"].samples}
+    d0 = agent.devices[0]
+    assert util["0"].labels == {"gpu": "0", "UUID": d0.uuid, "pci_bus_id": d0.pci_bus_id,
+                                "device": "nvidia0", "modelName": d0.name, "Hostname": "node-a"}
+    assert util["0"].value == 50.0
+    ours = {s.labels["gpu"]: s.value for s in fams["gputrace_gpu_sm_clock_hertz"].samples}
+    dcgm = {s.labels["gpu"]: s.value for s in fams["DCGM_FI_DEV_SM_CLOCK"].samples}
+    assert {g: v / 1e6 for g, v in ours.items()} == dcgm
+    used = {s.labels["gpu"]: s.value for s in fams["gputrace_gpu_memory_used_bytes"].samples}
+    assert {g: v / 2**20 for g, v in used.items()} == {
+        s.labels["gpu"]: s.value for s in fams["DCGM_FI_DEV_FB_USED"].samples}
+
+
+async def test_paging_100_pages_at_100_hz_no_gap_no_duplicate(start_agent: AgentFactory) -> None:
+    """While sampling at 100 Hz, 100 pages of /v1/samples give every seq exactly once, in order."""
+    agent = await start_agent(gpus=8, pattern="square:0.5", interval_s=0.01)
+    client = AgentClient(_url(agent), page_limit=25)
+    seqs: list[int] = []
+    last_tick: dict[int, int] = {}
+    try:
+        for _ in range(100):
+            while agent.ring.newest_seq < client.since + 25:  # let a full page accumulate
+                await asyncio.sleep(0.005)
+            for s in await client.fetch_page():
+                assert s.seq is not None
+                seqs.append(s.seq)
+                if s.power_w is not None:  # tick records of one GPU come in time order
+                    assert s.ts_ns > last_tick.get(s.gpu_index, 0)
+                    last_tick[s.gpu_index] = s.ts_ns
+    finally:
+        await client.close()
+    assert client.stats.pages == 100
+    assert seqs == list(range(1, len(seqs) + 1))
+    assert len(seqs) == 100 * 25
+    assert client.stats.gaps == 0 and agent.loop.stats.ticks > 2500 // (8 + 2)
+
+
+async def test_cursor_older_than_ring_gets_410_with_oldest_seq(start_agent: AgentFactory) -> None:
+    """A cursor that fell out of the ring gets 410 and the oldest seq still held."""
+    agent = await start_agent(gpus=2, interval_s=0.01, buffer_s=0.05)
+    for _ in range(200):
+        if agent.ring.oldest_seq() > 5:
+            break
+        await asyncio.sleep(0.01)
+    oldest = agent.ring.oldest_seq()
+    assert oldest > 5
+    status, body = await _get(_url(agent, "/v1/samples?since=1"))
+    assert status == 410 and json.loads(body)["oldest_seq"] >= oldest
+    status, body = await _get(_url(agent, f"/v1/samples?since={agent.ring.oldest_seq() - 1}&limit=2"))
+    assert status == 200 and len(body.splitlines()) == 2
+
+
+@pytest.mark.parametrize("query", ["since=abc", "since=-1", "limit=0", "limit=10001", "limit=1.5"])
+async def test_bad_parameters_get_400(start_agent: AgentFactory, query: str) -> None:
+    """Non-integer or out-of-range since/limit is a 400 with a JSON error."""
+    agent = await start_agent()
+    status, body = await _get(_url(agent, f"/v1/samples?{query}"))
+    assert status == 400 and "error" in json.loads(body)
+
+
+async def test_token_required_when_configured(start_agent: AgentFactory) -> None:
+    """With a token, requests without it or with a wrong one get 401; /healthz stays open."""
+    agent = await start_agent(token="s3cret-token")
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret-token"}):
+        for path in ("/metrics", "/v1/samples", "/v1/time", "/v1/info"):
+            status, _ = await _get(_url(agent, path), headers=headers)
+            assert status == 401, (path, headers)
+    status, _ = await _get(_url(agent, "/metrics"), headers={"Authorization": "Bearer s3cret-token"})
+    assert status == 200
+    assert (await _get(_url(agent, "/healthz")))[0] == 200
+    client = AgentClient(_url(agent), token="s3cret-token")
+    try:
+        assert await client.fetch_page()
+    finally:
+        await client.close()
+
+
+def test_refuses_non_loopback_without_token() -> None:
+    """Listening beyond loopback without a token (or --insecure) is refused before sampling."""
+    sampler = SimulatedSampler("node-a", 1)
+    with pytest.raises(UsageError, match=r"refusing to listen on 0\.0\.0\.0"):
+        Agent(sampler, AgentSettings(listen_host="0.0.0.0", port=0), host="node-a")
+    Agent(sampler, AgentSettings(listen_host="0.0.0.0", port=0, insecure=True), host="node-a")
+    Agent(sampler, AgentSettings(listen_host="0.0.0.0", port=0, token="t"), host="node-a")
+    Agent(sampler, AgentSettings(listen_host="::1", port=0), host="node-a")
+
+
+def test_cli_refuses_non_loopback_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """`gputrace agent --listen 0.0.0.0:PORT` without a token exits 2 with one error line."""
+    try:
+        with pytest.raises(SystemExit) as info:
+            main(["agent", "--backend", "sim", "--listen", "0.0.0.0:0"])
+    finally:
+        structlog.reset_defaults()
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "gputrace: error: refusing to listen on 0.0.0.0 (not loopback) without --token-file; "
+        "pass --insecure to expose the agent without authentication"]
+
+
+async def test_time_info_and_health(start_agent: AgentFactory) -> None:
+    """/v1/time gives the agent clock, /v1/info the devices and backend, /healthz ok."""
+    agent = await start_agent(gpus=3)
+    client = AgentClient(_url(agent))
+    try:
+        probe = await client.probe_clock()
+        info = await client.info()
+    finally:
+        await client.close()
+    assert probe.via == "agent" and probe.host == "node-a"
+    assert probe.local_send_ns <= probe.remote_ns <= probe.local_recv_ns  # same host, same clock
+    assert info["backend"] == "sim" and [d["gpu_index"] for d in info["devices"]] == [0, 1, 2]
+    assert {"driver_version", "nvml_version", "instance"} <= info.keys()
+    status, body = await _get(_url(agent, "/healthz"))
+    assert status == 200 and json.loads(body)["status"] == "ok"
+
+
+async def test_tls(start_agent: AgentFactory, tmp_path: Path) -> None:
+    """With --tls-cert/--tls-key the agent serves HTTPS that a client trusting the cert can read."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("needs openssl to make a test certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    agent = await start_agent(tls_cert=str(cert), tls_key=str(key))
+    ctx = ssl.create_default_context(cafile=str(cert))
+    client = AgentClient(_url(agent, scheme="https"), ssl_context=ctx)
+    try:
+        assert await client.fetch_page()
+    finally:
+        await client.close()
+    with pytest.raises(aiohttp.ClientConnectorCertificateError):
+        await _get(_url(agent, "/healthz", scheme="https"))
