@@ -1,0 +1,387 @@
+"""The Grafana dashboard as code: the metric names agent and collector export, the panels over them,
+and every PromQL expression it runs. ``python -m gputrace.dashboard --write grafana/dashboard.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DATASOURCE_UID = "gputrace-prometheus"  # fixed: grafana/provisioning/datasources/prometheus.yaml
+DATASOURCE: dict[str, str] = {"type": "prometheus", "uid": DATASOURCE_UID}
+DASHBOARD_UID = "gputrace-pp-bubbles"
+DASHBOARD_PATH = Path(__file__).resolve().parent.parent / "grafana" / "dashboard.json"
+
+_GPU_LABELS = ("host", "gpu", "uuid", "model", "pp_rank", "tp_rank")  # the ranks only with a topology
+_ENGINE_LABELS = ("host", "pp_rank", "tp_rank", "dp_rank", "run")
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    """One exported metric: who exports it, its Prometheus type and the labels it carries."""
+
+    name: str
+    source: str  # "agent" | "collector"
+    kind: str  # "gauge" | "counter"
+    labels: tuple[str, ...]
+    help: str
+
+
+# The contract between the exporters and the dashboard: the ONE list of names. Tests hold the agent
+# and the collector to it, and the dashboard may use no other gputrace metric.
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("gputrace_gpu_utilization_ratio", "agent", "gauge", _GPU_LABELS,
+               "Fraction of the last NVML period in which a kernel ran."),
+    MetricSpec("gputrace_gpu_memory_utilization_ratio", "agent", "gauge", _GPU_LABELS,
+               "Fraction of the last NVML period in which device memory was read or written."),
+    MetricSpec("gputrace_gpu_power_watts", "agent", "gauge", _GPU_LABELS, "Power draw."),
+    MetricSpec("gputrace_gpu_energy_joules_total", "agent", "counter", _GPU_LABELS,
+               "Energy consumed since the driver loaded."),
+    MetricSpec("gputrace_gpu_pcie_tx_bytes_per_second", "agent", "gauge", _GPU_LABELS,
+               "PCIe transmit throughput."),
+    MetricSpec("gputrace_gpu_pcie_rx_bytes_per_second", "agent", "gauge", _GPU_LABELS,
+               "PCIe receive throughput."),
+    MetricSpec("gputrace_gpu_sm_clock_hertz", "agent", "gauge", _GPU_LABELS, "SM clock."),
+    MetricSpec("gputrace_gpu_memory_used_bytes", "agent", "gauge", _GPU_LABELS, "Device memory in use."),
+    MetricSpec("gputrace_gpu_temperature_celsius", "agent", "gauge", _GPU_LABELS, "GPU temperature."),
+    MetricSpec("gputrace_gpu_sm_active_ratio", "agent", "gauge", _GPU_LABELS,
+               "GPM SM activity (Hopper and newer)."),
+    MetricSpec("gputrace_agent_up", "agent", "gauge", ("host",), "1 while the agent samples."),
+    MetricSpec("gputrace_engine_running_requests", "collector", "gauge", _ENGINE_LABELS,
+               "#running-req from the engine's scheduler log."),
+    MetricSpec("gputrace_engine_queue_requests", "collector", "gauge", _ENGINE_LABELS,
+               "#queue-req from the engine's scheduler log."),
+    MetricSpec("gputrace_engine_generation_tokens_per_second", "collector", "gauge", _ENGINE_LABELS,
+               "Generation throughput from the engine's scheduler log."),
+    MetricSpec("gputrace_engine_token_usage_ratio", "collector", "gauge", _ENGINE_LABELS,
+               "KV-cache token usage from the engine's scheduler log."),
+    MetricSpec("gputrace_load_inflight_requests", "collector", "gauge", ("run",),
+               "Requests the load generator has in flight."),
+    MetricSpec("gputrace_load_target_concurrency", "collector", "gauge", ("run",),
+               "Concurrency the load generator was asked for."),
+    MetricSpec("gputrace_stage_bubble_ratio", "collector", "gauge", ("pp_rank", "run"),
+               "Live estimate: fraction of time the stage idled while requests were running or queued."),
+)
+METRIC_NAMES: frozenset[str] = frozenset(m.name for m in METRICS)
+
+# Values a template variable takes when queries are run outside Grafana (all hosts, all runs), and
+# Grafana's interval macros with the values used then.
+DEFAULT_VARIABLES: dict[str, str] = {"host": ".*", "run": ".*"}
+DEFAULT_MACROS: dict[str, str] = {"__rate_interval": "1m", "__interval": "15s", "__range": "5m"}
+
+_HOST = 'host=~"$host"'
+_RUN = 'run=~"$run"'
+_ENGINE = f"{_HOST}, {_RUN}"
+
+
+def _target(ref: str, expr: str, legend: str) -> dict[str, Any]:
+    return {"datasource": DATASOURCE, "editorMode": "code", "expr": expr, "legendFormat": legend,
+            "range": True, "refId": ref}
+
+
+def _targets(*queries: tuple[str, str]) -> list[dict[str, Any]]:
+    return [_target(chr(ord("A") + i), expr, legend) for i, (expr, legend) in enumerate(queries)]
+
+
+def _timeseries(title: str, description: str, unit: str, queries: Sequence[tuple[str, str]],
+                *, minimum: float | None = None, maximum: float | None = None,
+                draw: str = "line") -> dict[str, Any]:
+    defaults: dict[str, Any] = {
+        "unit": unit,
+        "custom": {"drawStyle": draw, "lineWidth": 1, "fillOpacity": 10, "showPoints": "never",
+                   "spanNulls": False, "lineInterpolation": "stepAfter" if draw == "line" else "linear"},
+    }
+    if minimum is not None:
+        defaults["min"] = minimum
+    if maximum is not None:
+        defaults["max"] = maximum
+    return {
+        "type": "timeseries", "title": title, "description": description, "datasource": DATASOURCE,
+        "targets": _targets(*queries),
+        "fieldConfig": {"defaults": defaults, "overrides": []},
+        "options": {"legend": {"displayMode": "table", "placement": "right", "showLegend": True,
+                               "calcs": ["mean", "lastNotNull"]},
+                    "tooltip": {"mode": "multi", "sort": "desc"}},
+    }
+
+
+def _heatmap(title: str, description: str, expr: str, legend: str) -> dict[str, Any]:
+    # Each series (one per stage) becomes a row; the cell colour is the value, 0..1.
+    return {
+        "type": "heatmap", "title": title, "description": description, "datasource": DATASOURCE,
+        "targets": _targets((expr, legend)),
+        "fieldConfig": {"defaults": {"custom": {"scaleDistribution": {"type": "linear"}}}, "overrides": []},
+        "options": {
+            "calculate": False,
+            "rowsFrame": {"layout": "auto", "value": "utilization"},
+            "color": {"mode": "scheme", "scheme": "Turbo", "fill": "dark-orange", "exponent": 0.5,
+                      "steps": 64, "reverse": False, "min": 0, "max": 1},
+            "cellGap": 1,
+            "cellValues": {"unit": "percentunit"},
+            "showValue": "never",
+            "yAxis": {"axisPlacement": "left", "axisLabel": "pipeline stage (pp_rank)", "reverse": True},
+            "legend": {"show": True},
+            "tooltip": {"mode": "single", "yHistogram": False, "showColorScale": True},
+            "exemplars": {"color": "rgba(255,0,255,0.7)"},
+        },
+    }
+
+
+def _stat(title: str, description: str, unit: str, expr: str, legend: str) -> dict[str, Any]:
+    return {
+        "type": "stat", "title": title, "description": description, "datasource": DATASOURCE,
+        "targets": _targets((expr, legend)),
+        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        "options": {"graphMode": "area", "colorMode": "value", "justifyMode": "auto", "textMode": "auto",
+                    "wideLayout": True, "showPercentChange": False, "percentChangeColorMode": "standard",
+                    "orientation": "auto",
+                    "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}},
+    }
+
+
+def _row(title: str) -> dict[str, Any]:
+    return {"type": "row", "title": title, "collapsed": False, "panels": []}
+
+
+def _per_stage(fn: str, metric: str, selector: str) -> str:
+    """A per-stage series of an engine metric: every TP rank logs the same numbers (take the max),
+    data-parallel replicas add up."""
+    return f"sum by (pp_rank) ({fn} by (pp_rank, dp_rank) ({metric}{{{selector}}}))"
+
+
+def _panels() -> list[tuple[dict[str, Any], int, int]]:
+    """(panel, width, height) in reading order; positions are filled in by layout()."""
+    util = f"avg by (pp_rank) (gputrace_gpu_utilization_ratio{{{_HOST}}})"
+    gpu_legend = "{{host}} gpu{{gpu}} (stage {{pp_rank}})"
+    return [
+        (_row("Pipeline stages"), 24, 1),
+        (_heatmap("GPU utilization per stage (heatmap)", "NVML utilization averaged over each stage's GPUs "
+                  "(rows: pp_rank). Stages working in lockstep show as alternating bands.",
+                  util, "{{pp_rank}}"), 12, 9),
+        (_timeseries("GPU utilization per stage", "NVML utilization averaged over each stage's GPUs.",
+                     "percentunit", [(util, "stage {{pp_rank}}")], minimum=0, maximum=1), 12, 9),
+        (_timeseries("Bubble estimate per stage", "Live estimate by the collector: fraction of time the "
+                     "stage's GPUs idled while the engine had requests running or queued.",
+                     "percentunit", [(f"gputrace_stage_bubble_ratio{{{_RUN}}}", "stage {{pp_rank}}")],
+                     minimum=0, maximum=1), 12, 8),
+        (_timeseries("SM activity per stage (GPM)", "GPM SM activity averaged per stage (Hopper and "
+                     "newer; empty on older GPUs).", "percentunit",
+                     [(f"avg by (pp_rank) (gputrace_gpu_sm_active_ratio{{{_HOST}}})", "stage {{pp_rank}}")],
+                     minimum=0, maximum=1), 12, 8),
+        (_row("Engine and load"), 24, 1),
+        (_timeseries("Running requests per stage vs load in flight", "The engine's #running-req per "
+                     "stage against what the load generator keeps in flight. A flat line per stage "
+                     "well below the load means a micro-batch cap.", "short",
+                     [(_per_stage("max", "gputrace_engine_running_requests", _ENGINE),
+                       "running, stage {{pp_rank}}"),
+                      (f"sum(gputrace_load_inflight_requests{{{_RUN}}})", "load in flight"),
+                      (f"sum(gputrace_load_target_concurrency{{{_RUN}}})", "target concurrency")],
+                     minimum=0), 12, 9),
+        (_timeseries("Queued requests per stage", "The engine's #queue-req per stage.", "short",
+                     [(_per_stage("max", "gputrace_engine_queue_requests", _ENGINE),
+                       "queued, stage {{pp_rank}}")],
+                     minimum=0), 12, 9),
+        (_timeseries("Generation throughput", "Generated tokens per second as logged by each stage; "
+                     "the total takes the last stage's figure per data-parallel replica.", "short",
+                     [(f"sum(max by (dp_rank) (gputrace_engine_generation_tokens_per_second{{{_ENGINE}}}))",
+                       "total tok/s"),
+                      (_per_stage("max", "gputrace_engine_generation_tokens_per_second", _ENGINE),
+                       "stage {{pp_rank}}")], minimum=0), 12, 8),
+        (_timeseries("KV-cache token usage", "Token usage per stage; near 1.0 the engine stops "
+                     "admitting requests (not a bubble).", "percentunit",
+                     [(f"max by (pp_rank) (gputrace_engine_token_usage_ratio{{{_ENGINE}}})",
+                       "stage {{pp_rank}}")], minimum=0, maximum=1), 12, 8),
+        (_row("GPUs"), 24, 1),
+        (_timeseries("Power", "Power draw per GPU.", "watt",
+                     [(f"gputrace_gpu_power_watts{{{_HOST}}}", gpu_legend)], minimum=0), 12, 8),
+        (_timeseries("PCIe throughput", "PCIe TX and RX per GPU: activation hand-offs between stages "
+                     "on the same host travel here.", "Bps",
+                     [(f"gputrace_gpu_pcie_tx_bytes_per_second{{{_HOST}}}", "TX " + gpu_legend),
+                      (f"gputrace_gpu_pcie_rx_bytes_per_second{{{_HOST}}}", "RX " + gpu_legend)],
+                     minimum=0), 12, 8),
+        (_timeseries("SM clock", "SM clock per GPU; a drop under load means power or thermal "
+                     "throttling.", "hertz",
+                     [(f"gputrace_gpu_sm_clock_hertz{{{_HOST}}}", gpu_legend)]), 8, 8),
+        (_timeseries("Temperature", "GPU temperature.", "celsius",
+                     [(f"gputrace_gpu_temperature_celsius{{{_HOST}}}", gpu_legend)]), 8, 8),
+        (_timeseries("Memory", "Device memory in use per GPU.", "bytes",
+                     [(f"gputrace_gpu_memory_used_bytes{{{_HOST}}}", "used " + gpu_legend)],
+                     minimum=0), 8, 8),
+        (_timeseries("Memory-controller utilization", "Fraction of time device memory was read or "
+                     "written.", "percentunit",
+                     [(f"gputrace_gpu_memory_utilization_ratio{{{_HOST}}}", gpu_legend)],
+                     minimum=0, maximum=1), 12, 8),
+        (_stat("Energy over the time range", "Energy used by the selected hosts' GPUs over the "
+               "dashboard's time range.", "joule",
+               f"sum by (host) (increase(gputrace_gpu_energy_joules_total{{{_HOST}}}[$__range]))",
+               "{{host}}"), 6, 8),
+        (_stat("Agents up", "Agents reporting (gputrace_agent_up).", "short",
+               f"sum(gputrace_agent_up{{{_HOST}}})", "agents"), 6, 8),
+    ]
+
+
+def layout(panels: Sequence[tuple[dict[str, Any], int, int]]) -> list[dict[str, Any]]:
+    """Place panels left to right, wrapping at Grafana's 24 columns; number them from 1."""
+    placed: list[dict[str, Any]] = []
+    x = y = row_h = 0
+    for panel_id, (panel, width, height) in enumerate(panels, start=1):
+        if x + width > 24:
+            x, y, row_h = 0, y + row_h, 0
+        placed.append({**panel, "id": panel_id, "gridPos": {"h": height, "w": width, "x": x, "y": y}})
+        x, row_h = x + width, max(row_h, height)
+    return placed
+
+
+def _variable(name: str, label: str, query: str) -> dict[str, Any]:
+    return {
+        "type": "query", "name": name, "label": label, "datasource": DATASOURCE,
+        "query": query, "definition": query, "refresh": 2, "sort": 1,
+        "multi": True, "includeAll": True, "allValue": ".*",
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]}, "options": [],
+    }
+
+
+def build_dashboard() -> dict[str, Any]:
+    """The dashboard as Grafana's JSON model (schemaVersion 42)."""
+    return {
+        "uid": DASHBOARD_UID,
+        "title": "gputrace: pipeline-parallel bubbles",
+        "description": "Per-stage GPU utilization, engine requests against offered load, queue, "
+                       "throughput and the live bubble estimate, from gputrace's agent and collector.",
+        "tags": ["gputrace", "gpu", "llm-serving"],
+        "editable": True,
+        "graphTooltip": 1,
+        "timezone": "browser",
+        "time": {"from": "now-30m", "to": "now"},
+        "refresh": "5s",
+        "schemaVersion": 42,
+        "templating": {"list": [
+            _variable("host", "Host", "label_values(gputrace_gpu_utilization_ratio, host)"),
+            _variable("run", "Run", "label_values(run)"),
+        ]},
+        "annotations": {"list": [{
+            "builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"}, "enable": True,
+            "hide": True, "iconColor": "rgba(0, 211, 255, 1)", "name": "Annotations & Alerts",
+            "type": "dashboard",
+        }]},
+        "panels": layout(_panels()),
+    }
+
+
+def render(dashboard: Mapping[str, Any]) -> str:
+    """The committed form: sorted keys, two-space indent, trailing newline (stable diffs)."""
+    return json.dumps(dashboard, indent=2, sort_keys=True) + "\n"
+
+
+@dataclass(frozen=True, slots=True)
+class PanelQuery:
+    panel: str
+    ref_id: str
+    expr: str  # template variables and interval macros substituted: plain PromQL
+    legend: str
+
+
+@dataclass(frozen=True, slots=True)
+class VariableQuery:
+    name: str
+    label: str  # the label whose values the variable lists
+    match: str  # the series selector they come from ('{run!=""}' when the query names no metric)
+
+
+_VAR_RE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\[\[(\w+)\]\]|\$(\w+)")
+
+
+def substitute(expr: str, variables: Mapping[str, str] | None = None,
+               macros: Mapping[str, str] | None = None) -> str:
+    """Replace $var, ${var}, ${var:fmt}, [[var]] and $__macros as Grafana would for one value each."""
+    values = {**DEFAULT_VARIABLES, **DEFAULT_MACROS, **(variables or {}), **(macros or {})}
+
+    def repl(m: re.Match[str]) -> str:
+        name = m.group(1) or m.group(2) or m.group(3)
+        if name not in values:
+            raise KeyError(f"no value for template variable ${name} in {expr!r}")
+        return values[name]
+
+    return _VAR_RE.sub(repl, expr)
+
+
+def _all_panels(dashboard: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    out: list[Mapping[str, Any]] = []
+    for panel in dashboard.get("panels", []):
+        out.append(panel)
+        out.extend(panel.get("panels", []))  # panels inside a collapsed row
+    return out
+
+
+def dashboard_queries(dashboard: Mapping[str, Any] | None = None,
+                      variables: Mapping[str, str] | None = None,
+                      macros: Mapping[str, str] | None = None) -> list[PanelQuery]:
+    """Every PromQL expression in the dashboard's panels, ready for /api/v1/query."""
+    board = dashboard if dashboard is not None else load_dashboard()
+    return [PanelQuery(panel.get("title", ""), target.get("refId", ""),
+                       substitute(target["expr"], variables, macros), target.get("legendFormat", ""))
+            for panel in _all_panels(board) for target in panel.get("targets", []) if "expr" in target]
+
+
+_LABEL_VALUES_RE = re.compile(r"^label_values\(\s*(?:(?P<metric>[^,]+?)\s*,\s*)?(?P<label>\w+)\s*\)$")
+
+
+def variable_queries(dashboard: Mapping[str, Any] | None = None) -> list[VariableQuery]:
+    """The dashboard's label_values() variables as (label, series selector) for /api/v1/label."""
+    board = dashboard if dashboard is not None else load_dashboard()
+    out = []
+    for var in board.get("templating", {}).get("list", []):
+        query = var.get("query")
+        text = query.get("query", "") if isinstance(query, Mapping) else str(query)
+        m = _LABEL_VALUES_RE.match(text.strip())
+        if var.get("type") != "query" or m is None:
+            raise ValueError(f"variable {var.get('name')!r}: not a label_values() query: {text!r}")
+        label = m.group("label")
+        out.append(VariableQuery(var["name"], label, m.group("metric") or f'{{{label}!=""}}'))
+    return out
+
+
+_NAME_RE = re.compile(r"\bgputrace_\w+")
+
+
+def metrics_used(dashboard: Mapping[str, Any] | None = None) -> set[str]:
+    """The gputrace metric names the dashboard's panels and variables read."""
+    board = dashboard if dashboard is not None else load_dashboard()
+    names = {n for q in dashboard_queries(board) for n in _NAME_RE.findall(q.expr)}
+    names.update(n for v in variable_queries(board) for n in _NAME_RE.findall(v.match))
+    return names
+
+
+def load_dashboard(path: Path = DASHBOARD_PATH) -> dict[str, Any]:
+    loaded: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    return loaded
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Generate the gputrace Grafana dashboard JSON.")
+    parser.add_argument("--write", type=Path, help="write the dashboard to this file")
+    parser.add_argument("--check", type=Path, help="exit 1 when this file differs from the generated one")
+    args = parser.parse_args(argv)
+    text = render(build_dashboard())
+    if args.check is not None:
+        if args.check.read_text(encoding="utf-8") != text:
+            print(f"{args.check}: differs from the generated dashboard; run "
+                  f"python -m gputrace.dashboard --write {args.check}", file=sys.stderr)
+            return 1
+        return 0
+    if args.write is not None:
+        args.write.parent.mkdir(parents=True, exist_ok=True)
+        args.write.write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
