@@ -137,6 +137,27 @@ def cell_weights(grid_ns: np.ndarray, period_ns: int, start_ns: int, end_ns: int
     return slice(lo, hi), w
 
 
+def busy_and_bubble(utilization: np.ndarray, work_ratio: np.ndarray, weights: np.ndarray | None = None
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """Per stage (rows of ``utilization``, one column per sample) the busy and bubble fractions.
+
+    ``work_ratio`` is the share of each sample period in which the engine had requests (0..1);
+    a sample's bubble is max(0, work - utilization), since kernels only run while there is work.
+    NaN samples are left out; a stage with none gets NaN. This is the whole bubble estimate: the
+    live collector can call it on its last few seconds of samples.
+    """
+    u = np.atleast_2d(np.asarray(utilization, dtype=np.float64))
+    w = np.ones(u.shape[1]) if weights is None else np.asarray(weights, dtype=np.float64)
+    ok = ~np.isnan(u) & (w > 0)
+    wt = np.where(ok, w, 0.0)
+    total = wt.sum(axis=1)
+    with np.errstate(all="ignore"):
+        busy = np.where(total > 0, np.sum(np.where(ok, u, 0.0) * wt, axis=1) / total, np.nan)
+        gap = np.clip(np.asarray(work_ratio, dtype=np.float64) - np.where(ok, u, 0.0), 0.0, 1.0)
+        bubble = np.where(total > 0, np.sum(gap * wt, axis=1) / total, np.nan)
+    return busy, bubble
+
+
 def _wmean(values: np.ndarray, w: np.ndarray) -> float | None:
     ok = ~np.isnan(values) & (w > 0)
     return float(np.sum(values[ok] * w[ok]) / np.sum(w[ok])) if ok.any() else None
@@ -163,10 +184,10 @@ def phase_metrics(run: AlignedRun, series: StageSeries, phase: Phase) -> PhaseMe
     inflight = _wmean(run.inflight[cells], w) if run.inflight is not None else None
 
     stages: list[StageMetrics] = []
+    busy_all, bubble_all = busy_and_bubble(series.utilization[:, cells], work, w)
     for s in range(run.pp_size):
         util = series.utilization[s, cells]
         has_util = not np.isnan(util).all()
-        bubble = np.where(np.isnan(util), np.nan, np.clip(work - util, 0.0, 1.0))
         ev = run.stage_events[s]
         lo, hi = np.searchsorted(ev.t_ns, [phase.start_ns, phase.end_ns])
         kinds = ev.kind[lo:hi]
@@ -180,8 +201,8 @@ def phase_metrics(run: AlignedRun, series: StageSeries, phase: Phase) -> PhaseMe
         busy_cells = np.nan_to_num(util) > 0.5
         stages.append(StageMetrics(
             pp_rank=s,
-            busy_fraction=_wmean(util, w) if has_util else None,
-            bubble_fraction=_wmean(bubble, w) if has_util else None,
+            busy_fraction=_f(busy_all[s]) if has_util else None,
+            bubble_fraction=_f(bubble_all[s]) if has_util else None,
             utilization_mean=_wmean(util, w) if has_util else None,
             utilization_p50=_pct(util, 50), utilization_p90=_pct(util, 90), utilization_p99=_pct(util, 99),
             microbatch_size_mean=_f(np.mean(mb)) if len(mb) else None,
