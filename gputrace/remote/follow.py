@@ -1,0 +1,389 @@
+"""Follow a log source on a host (file, journald unit, docker container, any command) with resume:
+reconnect with back-off and jitter, and continue from the last byte or cursor, so no line is lost
+and none is seen twice. Each line carries its receive time and the position to resume after it.
+
+Stop following by cancelling the consuming task, or with ``contextlib.aclosing``: the stream is
+closed and the command ends on the host (see ``transport.watched_argv``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Protocol
+
+from gputrace.config import LogSource
+from gputrace.errors import HostKeyError, SourceError, TransportError
+from gputrace.logsetup import get_logger
+from gputrace.remote.transport import StreamedCommand, Transport
+
+log = get_logger("remote.follow")
+
+_RFC3339 = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)")
+_FILE_FOLLOWER_SOURCE = Path(__file__).with_name("file_follower.py").read_text()
+
+
+@dataclass(frozen=True, slots=True)
+class FilePosition:
+    """Resume a file at byte ``offset`` of the file with ``inode`` (0: not started yet)."""
+
+    inode: int
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class CursorPosition:
+    """Resume journald after this entry's ``__CURSOR``."""
+
+    cursor: str
+
+
+@dataclass(frozen=True, slots=True)
+class SincePosition:
+    """Resume ``docker logs`` at ``ts_ns``, skipping the ``seen`` lines already read at that time."""
+
+    ts_ns: int
+    seen: int
+
+
+@dataclass(frozen=True, slots=True)
+class LineCountPosition:
+    """A command's output: ``lines`` already read (the command replays; that many are skipped)."""
+
+    lines: int
+
+
+Position = FilePosition | CursorPosition | SincePosition | LineCountPosition
+
+
+@dataclass(frozen=True, slots=True)
+class FollowedLine:
+    """One complete log line (no newline) as received by the collector."""
+
+    text: str
+    recv_ts_ns: int  # time.time_ns() on the collector when the line's last byte arrived
+    position: Position  # resume here to continue right after this line
+    source_ts_ns: int | None = None  # the source's own timestamp (journald, docker), host clock
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    """Exponential back-off with jitter between reconnection attempts."""
+
+    initial_s: float = 0.2
+    max_s: float = 30.0
+    factor: float = 2.0
+    jitter: float = 0.5  # each delay is drawn from [1 - jitter, 1] times the nominal one
+
+    def delay_s(self, attempt: int) -> float:
+        nominal = min(self.max_s, self.initial_s * self.factor ** min(attempt, 64))
+        return nominal * random.uniform(1.0 - self.jitter, 1.0)
+
+
+class _Decoder(Protocol):
+    """Turns one source's stream into lines and knows how to resume it."""
+
+    merge_stderr: bool
+
+    def argv(self, python: str) -> list[str]: ...
+
+    def feed(self, data: bytes, recv_ts_ns: int) -> list[FollowedLine]: ...
+
+    def restart(self) -> None: ...
+
+
+def _text(raw: bytes) -> str:
+    return raw.decode("utf-8", "replace").removesuffix("\r")
+
+
+class _FileDecoder:
+    """Reads the framed output of file_follower.py; the position is that of the last full line."""
+
+    merge_stderr = False
+
+    def __init__(self, path: str, position: FilePosition | None, from_start: bool, poll_s: float) -> None:
+        self.path = path
+        self.poll_s = poll_s
+        start = (0, 0 if from_start else -1)  # offset -1: the end of the file
+        self.inode, self.offset = (position.inode, position.offset) if position else start
+        self._frames = bytearray()
+        self._pending = b""  # a partial line, from byte self.offset of self.inode
+        self._next = self.offset  # the offset the next data frame should start at
+
+    def argv(self, python: str) -> list[str]:
+        return [python, "-c", _FILE_FOLLOWER_SOURCE, self.path, str(self.inode), str(self.offset),
+                f"{self.poll_s:g}"]
+
+    def restart(self) -> None:
+        self._frames.clear()
+        self._pending = b""
+
+    def _flush_pending(self, out: list[FollowedLine], recv_ts_ns: int) -> None:
+        # The file ended without a newline (rotated or truncated under a partial line).
+        if self._pending:
+            self.offset += len(self._pending)
+            out.append(FollowedLine(_text(self._pending), recv_ts_ns, FilePosition(self.inode, self.offset)))
+            self._pending = b""
+
+    def feed(self, data: bytes, recv_ts_ns: int) -> list[FollowedLine]:
+        frames = self._frames
+        frames += data
+        out: list[FollowedLine] = []
+        start = 0
+        while True:
+            eol = frames.find(b"\n", start)
+            if eol < 0:
+                break
+            kind, inode_text, off_text, len_text = bytes(frames[start:eol]).split(b" ")
+            length = int(len_text)
+            if len(frames) < eol + 1 + length:
+                break
+            inode, off = int(inode_text), int(off_text)
+            if kind == b"D":
+                self._data(inode, off, bytes(frames[eol + 1:eol + 1 + length]), recv_ts_ns, out)
+            elif kind == b"O":
+                if inode != self.inode:
+                    self._flush_pending(out, recv_ts_ns)
+                self.inode, self.offset, self._next, self._pending = inode, off, off, b""
+            elif kind == b"T":
+                self._flush_pending(out, recv_ts_ns)
+                log.info("log_truncated", path=self.path, inode=inode, at_offset=off)
+                self.offset = self._next = 0
+            elif kind == b"L":
+                log.warning("log_rotated_file_gone", path=self.path, inode=inode, after_offset=off,
+                            why="the rotated file was removed before it was read to the end")
+            start = eol + 1 + length
+        del frames[:start]
+        return out
+
+    def _data(self, inode: int, off: int, data: bytes, recv_ts_ns: int, out: list[FollowedLine]) -> None:
+        if inode != self.inode or off != self._next:
+            log.warning("log_frame_out_of_order", path=self.path, inode=inode, offset=off,
+                        expected_inode=self.inode, expected_offset=self._next)
+            self._flush_pending(out, recv_ts_ns)
+            self.inode, self.offset = inode, off
+        self._next = off + len(data)
+        parts = (self._pending + data).split(b"\n")
+        self._pending = parts.pop()
+        offset = self.offset
+        for raw in parts:
+            offset += len(raw) + 1
+            out.append(FollowedLine(_text(raw), recv_ts_ns, FilePosition(inode, offset)))
+        self.offset = offset
+
+
+class _LineDecoder:
+    """Base for sources whose output is plain lines."""
+
+    merge_stderr = True
+
+    def __init__(self) -> None:
+        self._pending = b""
+
+    def restart(self) -> None:
+        self._pending = b""
+
+    def _lines(self, data: bytes) -> list[bytes]:
+        parts = (self._pending + data).split(b"\n")
+        self._pending = parts.pop()
+        return parts
+
+
+class _JournalDecoder(_LineDecoder):
+    merge_stderr = False  # journalctl's own complaints stay out of the JSON stream
+
+    def __init__(self, unit: str, position: CursorPosition | None, from_start: bool) -> None:
+        super().__init__()
+        self.unit = unit
+        self.cursor = position.cursor if position else None
+        self.from_start = from_start
+
+    def argv(self, python: str) -> list[str]:
+        argv = ["journalctl", "--unit", self.unit, "--output", "json", "--follow", "--no-pager"]
+        if self.cursor is not None:
+            return [*argv, "--lines", "all", "--after-cursor", self.cursor]
+        return [*argv, "--lines", "all" if self.from_start else "0"]
+
+    def feed(self, data: bytes, recv_ts_ns: int) -> list[FollowedLine]:
+        out: list[FollowedLine] = []
+        for raw in self._lines(data):
+            try:
+                entry = json.loads(raw)
+                cursor = str(entry["__CURSOR"])
+                ts_ns = int(entry["__REALTIME_TIMESTAMP"]) * 1000
+            except (ValueError, KeyError, TypeError):
+                log.warning("journal_entry_unreadable", unit=self.unit, line=_text(raw)[:200])
+                continue
+            message = entry.get("MESSAGE")
+            if isinstance(message, list):  # journald sends non-UTF-8 messages as byte arrays
+                message = bytes(b & 0xFF for b in message if isinstance(b, int)).decode("utf-8", "replace")
+            self.cursor = cursor
+            for text in str(message or "").split("\n"):
+                out.append(FollowedLine(text.removesuffix("\r"), recv_ts_ns, CursorPosition(cursor), ts_ns))
+        return out
+
+
+def parse_docker_timestamp(text: str) -> int:
+    """RFC 3339 with up to nanoseconds (``2026-06-24T12:00:00.123456789Z``) -> ns since the epoch."""
+    match = _RFC3339.fullmatch(text)
+    if match is None:
+        raise ValueError(f"not an RFC 3339 timestamp: {text!r}")
+    whole, frac, zone = match.groups()
+    seconds = int(datetime.fromisoformat(whole + ("+00:00" if zone == "Z" else zone)).timestamp())
+    return seconds * 1_000_000_000 + int((frac or "").ljust(9, "0")[:9])
+
+
+class _DockerDecoder(_LineDecoder):
+    def __init__(self, container: str, position: SincePosition | None, from_start: bool) -> None:
+        super().__init__()
+        self.container = container
+        self.since = position
+        self.from_start = from_start
+        self._skip = position.seen if position else 0
+
+    def argv(self, python: str) -> list[str]:
+        argv = ["docker", "logs", "--follow", "--timestamps"]
+        if self.since is not None:
+            ts = self.since.ts_ns
+            argv += ["--since", f"{ts // 1_000_000_000}.{ts % 1_000_000_000:09d}"]
+        elif not self.from_start:
+            argv += ["--tail", "0"]
+        return [*argv, "--", self.container]
+
+    def restart(self) -> None:
+        super().restart()
+        self._skip = self.since.seen if self.since else 0
+
+    def feed(self, data: bytes, recv_ts_ns: int) -> list[FollowedLine]:
+        out: list[FollowedLine] = []
+        for raw in self._lines(data):
+            stamp, _, rest = _text(raw).partition(" ")
+            try:
+                ts_ns = parse_docker_timestamp(stamp)
+            except ValueError:
+                log.warning("docker_line_unreadable", container=self.container, line=_text(raw)[:200])
+                continue
+            since = self.since
+            if since is not None and (ts_ns < since.ts_ns or (ts_ns == since.ts_ns and self._skip > 0)):
+                if ts_ns == since.ts_ns:
+                    self._skip -= 1
+                continue  # already read before the reconnect
+            seen = since.seen + 1 if since is not None and since.ts_ns == ts_ns else 1
+            self.since = SincePosition(ts_ns, seen)
+            self._skip = 0
+            out.append(FollowedLine(rest, recv_ts_ns, self.since, ts_ns))
+        return out
+
+
+class _CommandDecoder(_LineDecoder):
+    """Any shell command; it must print the log from its start (it is restarted on reconnect)."""
+
+    def __init__(self, command: str, position: LineCountPosition | None) -> None:
+        super().__init__()
+        self.command = command
+        self.lines = position.lines if position else 0
+        self._skip = self.lines
+
+    def argv(self, python: str) -> list[str]:
+        return ["sh", "-c", self.command]
+
+    def restart(self) -> None:
+        super().restart()
+        self._skip = self.lines
+
+    def feed(self, data: bytes, recv_ts_ns: int) -> list[FollowedLine]:
+        out: list[FollowedLine] = []
+        for raw in self._lines(data):
+            if self._skip > 0:
+                self._skip -= 1
+                continue
+            self.lines += 1
+            out.append(FollowedLine(_text(raw), recv_ts_ns, LineCountPosition(self.lines)))
+        return out
+
+
+def _decoder_for(source: LogSource, position: Position | None, from_start: bool, poll_s: float) -> _Decoder:
+    kind = source.kind
+    if kind == "file" and (position is None or isinstance(position, FilePosition)):
+        return _FileDecoder(source.target, position, from_start, poll_s)
+    if kind == "journald" and (position is None or isinstance(position, CursorPosition)):
+        return _JournalDecoder(source.target, position, from_start)
+    if kind == "docker" and (position is None or isinstance(position, SincePosition)):
+        return _DockerDecoder(source.target, position, from_start)
+    if kind == "command" and (position is None or isinstance(position, LineCountPosition)):
+        return _CommandDecoder(source.target, position)
+    raise SourceError(f"cannot follow a {kind!r} log source from a {type(position).__name__}")
+
+
+async def follow_log_batches(
+    transport: Transport,
+    source: LogSource,
+    *,
+    position: Position | None = None,
+    from_start: bool = True,
+    poll_s: float = 0.05,
+    backoff: Backoff | None = None,
+) -> AsyncGenerator[list[FollowedLine], None]:
+    """Follow ``source`` on ``transport``'s host forever; yields the lines of each chunk received.
+
+    ``position`` resumes after a line seen before (``FollowedLine.position``); without one, start
+    at the beginning (``from_start``) or at the end. Connection failures are retried with back-off;
+    a HostKeyError, or a command that is missing on the host (exit 126/127), raises SourceError.
+    """
+    decoder = _decoder_for(source, position, from_start, poll_s)
+    backoff = backoff or Backoff()
+    attempt = 0
+    where = f"{transport.host}: {source.kind} {source.target!r}"
+    while True:
+        stream: StreamedCommand | None = None
+        try:
+            stream = await transport.open_stream(decoder.argv(transport.python),
+                                                 merge_stderr=decoder.merge_stderr)
+            while data := await stream.read():
+                attempt = 0
+                lines = decoder.feed(data, time.time_ns())
+                if lines:
+                    yield lines
+        except HostKeyError:
+            raise
+        except TransportError as exc:
+            log.warning("follow_disconnected", source=where, error=str(exc))
+        finally:
+            if stream is not None:
+                await stream.close()
+        status = stream.exit_status() if stream is not None else None
+        if status in (126, 127):
+            raise SourceError(f"{where}: the follower cannot run on the host (exit {status}): "
+                              f"{stream.stderr_tail().strip() if stream else ''}")
+        decoder.restart()
+        delay_s = backoff.delay_s(attempt)
+        attempt += 1
+        log.info("follow_reconnecting", source=where, exit_status=status, delay_s=round(delay_s, 3))
+        await asyncio.sleep(delay_s)
+
+
+async def follow_log(
+    transport: Transport,
+    source: LogSource,
+    *,
+    position: Position | None = None,
+    from_start: bool = True,
+    poll_s: float = 0.05,
+    backoff: Backoff | None = None,
+) -> AsyncGenerator[FollowedLine, None]:
+    """Like ``follow_log_batches``, one line at a time."""
+    batches = follow_log_batches(transport, source, position=position, from_start=from_start,
+                                 poll_s=poll_s, backoff=backoff)
+    try:
+        async for batch in batches:
+            for line in batch:
+                yield line
+    finally:
+        await batches.aclose()

@@ -1,0 +1,386 @@
+"""Following logs with resume, over a real sshd and locally: no line lost, none twice, no orphans."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import shlex
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from sshd import SshServer, processes_matching, sshd_server, wait_no_processes  # noqa: F401
+
+from gputrace.config import LogSource
+from gputrace.errors import SourceError
+from gputrace.remote.follow import (
+    Backoff,
+    FilePosition,
+    FollowedLine,
+    LineCountPosition,
+    follow_log,
+    follow_log_batches,
+    parse_docker_timestamp,
+)
+from gputrace.remote.local import LocalTransport
+from gputrace.remote.ssh import SshTransport, connect_ssh
+from gputrace.remote.transport import Transport
+
+FAST = Backoff(initial_s=0.02, max_s=0.5)
+
+
+def log_line(i: int) -> str:
+    return f"[2026-06-24 12:00:{i % 60:02d} PP{i % 8}] Decode batch, #running-req: {i % 64}, seq {i}{'x' * (i % 37)}"
+
+
+class LogWriter(threading.Thread):
+    """Appends numbered lines (often in two writes, so partial lines are on disk) until stopped."""
+
+    def __init__(self, path: Path, *, interval_s: float = 0.0005, min_lines: int = 0,
+                 rotate_every: int = 0, rotate: Callable[[LogWriter], None] | None = None) -> None:
+        super().__init__(daemon=True)
+        self.path, self.interval_s, self.min_lines = path, interval_s, min_lines
+        self.rotate_every, self.rotate = rotate_every, rotate
+        self.written: list[str] = []
+        self.stop_event = threading.Event()
+        self.go = threading.Event()  # the first line is written at once, the rest after go
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def reopen(self) -> None:
+        os.close(self.fd)
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def run(self) -> None:
+        rng = random.Random(7)
+        i = 0
+        while not (self.stop_event.is_set() and i >= self.min_lines):
+            data = (log_line(i) + "\n").encode()
+            cut = rng.randrange(len(data)) if i % 3 == 0 else len(data)
+            os.write(self.fd, data[:cut])
+            if cut < len(data):
+                time.sleep(self.interval_s)
+                os.write(self.fd, data[cut:])
+            self.written.append(log_line(i))
+            i += 1
+            self.go.wait()
+            if self.rotate is not None and self.rotate_every and i % self.rotate_every == 0:
+                self.rotate(self)
+            time.sleep(self.interval_s)
+        os.close(self.fd)
+
+
+class Collector:
+    """Runs a follower in a task and keeps every line it yields."""
+
+    def __init__(self, transport: Transport, source: LogSource, **kwargs: object) -> None:
+        self.lines: list[FollowedLine] = []
+        self.task = asyncio.create_task(self._run(transport, source, kwargs))
+
+    async def _run(self, transport: Transport, source: LogSource, kwargs: dict[str, object]) -> None:
+        async for batch in follow_log_batches(transport, source, backoff=FAST, **kwargs):  # type: ignore[arg-type]
+            self.lines.extend(batch)
+
+    async def wait_for(self, count: int, timeout_s: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while len(self.lines) < count and time.monotonic() < deadline and not self.task.done():
+            await asyncio.sleep(0.02)
+        if self.task.done():
+            self.task.result()
+
+    async def stop(self) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+
+    @property
+    def texts(self) -> list[str]:
+        return [line.text for line in self.lines]
+
+
+async def release(writer: LogWriter, collector: Collector) -> None:
+    """Let the writer go on once the follower has its first line (it follows the file from then on)."""
+    await collector.wait_for(1)
+    writer.go.set()
+
+
+async def test_follow_growing_log_over_ssh(sshd_server: SshServer, tmp_path: Path) -> None:
+    """Lines appended to a file arrive over SSH in order, with receive times and resume positions."""
+    path = tmp_path / "server.log"
+    writer = LogWriter(path, min_lines=500)
+    writer.start()
+    transport = await connect_ssh(sshd_server.options())
+    collector = Collector(transport, LogSource("file", str(path)))
+    await release(writer, collector)
+    writer.stop_event.set()
+    await asyncio.to_thread(writer.join)
+    await collector.wait_for(len(writer.written))
+    await collector.stop()
+    await transport.close()
+    assert collector.texts == writer.written
+    recv = [line.recv_ts_ns for line in collector.lines]
+    assert recv == sorted(recv) and abs(recv[-1] - time.time_ns()) < 30e9
+    last = collector.lines[-1].position
+    assert last == FilePosition(path.stat().st_ino, path.stat().st_size)
+
+
+async def test_kill_sshd_20_times_loses_nothing(sshd_server: SshServer, tmp_path: Path) -> None:
+    """SIGKILL of the sshd serving the session, 20 times while the log grows: every line exactly once."""
+    path = tmp_path / "server.log"
+    writer = LogWriter(path, interval_s=0.0003)
+    writer.start()
+    transport = await connect_ssh(sshd_server.options())
+    collector = Collector(transport, LogSource("file", str(path)))
+    await release(writer, collector)
+    kills = 0
+    while kills < 20:
+        # Wait until the follower is back (a new connection and new lines), then kill again.
+        seen = len(collector.lines)
+        deadline = time.monotonic() + 15
+        while (transport.connects <= kills or len(collector.lines) <= seen) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(random.uniform(0.0, 0.08))
+        assert sshd_server.kill_sessions() > 0
+        kills += 1
+    writer.min_lines = len(writer.written) + 200
+    writer.stop_event.set()
+    await asyncio.to_thread(writer.join)
+    await collector.wait_for(len(writer.written))
+    await collector.stop()
+    await transport.close()
+    assert transport.connects >= 21
+    assert len(collector.texts) == len(writer.written)
+    assert collector.texts == writer.written
+    assert wait_no_processes(str(path)) == []
+
+
+def rotate_by_rename(writer: LogWriter) -> None:
+    n = sum(1 for p in writer.path.parent.iterdir() if p.name.startswith(writer.path.name + "."))
+    os.rename(writer.path, f"{writer.path}.{n + 1}")
+    writer.reopen()
+
+
+async def test_rotation_by_rename_while_writing(sshd_server: SshServer, tmp_path: Path) -> None:
+    """Renamed-away files are read to their end, then the new file from 0 (also across reconnects)."""
+    path = tmp_path / "server.log"
+    writer = LogWriter(path, min_lines=1200, rotate_every=150, rotate=rotate_by_rename, interval_s=0.001)
+    writer.start()
+    transport = await connect_ssh(sshd_server.options())
+    collector = Collector(transport, LogSource("file", str(path)))
+    await release(writer, collector)
+    for _ in range(3):  # a few reconnects, so that some resume finds its file renamed away
+        await asyncio.sleep(0.25)
+        sshd_server.kill_sessions()
+    writer.stop_event.set()
+    await asyncio.to_thread(writer.join)
+    await collector.wait_for(len(writer.written))
+    await collector.stop()
+    await transport.close()
+    assert len(list(tmp_path.glob("server.log.*"))) >= 7
+    assert collector.texts == writer.written
+
+
+async def test_rotation_by_copytruncate_while_writing(sshd_server: SshServer, tmp_path: Path) -> None:
+    """A file copied and truncated in place is read again from its start, nothing twice."""
+    path = tmp_path / "server.log"
+    state: dict[str, Collector] = {}
+
+    def copytruncate(writer: LogWriter) -> None:
+        # copytruncate itself loses what the follower has not read before the truncate (only the
+        # copy has it); like a careful logrotate, let the follower catch up first.
+        deadline = time.monotonic() + 10
+        while len(state["c"].lines) < len(writer.written) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        shutil.copyfile(writer.path, f"{writer.path}.{len(writer.written)}")
+        os.truncate(writer.path, 0)
+
+    writer = LogWriter(path, min_lines=1000, rotate_every=200, rotate=copytruncate, interval_s=0.0005)
+    transport = await connect_ssh(sshd_server.options())
+    state["c"] = collector = Collector(transport, LogSource("file", str(path)))
+    writer.start()
+    await release(writer, collector)
+    writer.stop_event.set()
+    await asyncio.to_thread(writer.join)
+    await collector.wait_for(len(writer.written))
+    await collector.stop()
+    await transport.close()
+    assert path.stat().st_size < 200 * 120
+    assert collector.texts == writer.written
+
+
+async def test_hostile_path_is_followed_and_nothing_else_runs(sshd_server: SshServer, tmp_path: Path) -> None:
+    """A path with spaces, quotes, `;`, `$(...)` and backticks is followed literally; nothing runs."""
+    pwned = Path("/tmp/pwned-gputrace")
+    pwned.unlink(missing_ok=True)
+    folder = tmp_path / "we ird 'q' \"dq\" ; $(touch " / "tmp" / "pwned-gputrace) `touch $HOME-x` *"
+    folder.mkdir(parents=True)
+    path = folder / "server; rm -rf $HOME.log"
+    assert "$(touch /tmp/pwned-gputrace)" in str(path)
+    path.write_text("".join(log_line(i) + "\n" for i in range(50)))
+    transport = await connect_ssh(sshd_server.options())
+    collector = Collector(transport, LogSource("file", str(path)))
+    await collector.wait_for(50)
+    result = await transport.run(["cat", str(path)])
+    await collector.stop()
+    await transport.close()
+    assert collector.texts == [log_line(i) for i in range(50)]
+    assert result.stdout.decode().splitlines() == collector.texts
+    assert not pwned.exists() and not Path(os.path.expanduser("~") + "-x").exists()
+
+
+async def test_follower_ends_on_the_host_when_stopped(sshd_server: SshServer, tmp_path: Path) -> None:
+    """Cancelling the follower closes the channel and no follower process is left on the host."""
+    path = tmp_path / "orphan-check.log"
+    path.write_text("one\n")
+    transport = await connect_ssh(sshd_server.options())
+    collector = Collector(transport, LogSource("file", str(path)))
+    await collector.wait_for(1)
+    assert processes_matching(str(path)), "the follower should be running on the host"
+    await collector.stop()
+    assert wait_no_processes(str(path)) == []
+    # A plain `tail -f` behind the same watchdog ends too, even though tail never reads stdin.
+    stream = await transport.open_stream(["tail", "-f", str(path)])
+    assert await stream.read() == b"one\n"
+    await stream.close()
+    assert wait_no_processes(str(path)) == []
+    await transport.close()
+
+
+async def test_partial_line_waits_for_its_end_locally(tmp_path: Path) -> None:
+    """Through the local transport, a line without its newline is held back until it is complete."""
+    path = tmp_path / "server.log"
+    path.write_bytes(b"first\nsecond-ha")
+    collector = Collector(LocalTransport(), LogSource("file", str(path)))
+    await collector.wait_for(1)
+    await asyncio.sleep(0.2)
+    assert collector.texts == ["first"]
+    with path.open("ab") as handle:
+        handle.write(b"lf\r\nthird\n")
+    await collector.wait_for(3)
+    await collector.stop()
+    assert collector.texts == ["first", "second-half", "third"]
+    assert collector.lines[-1].position == FilePosition(path.stat().st_ino, path.stat().st_size)
+
+
+async def test_resume_from_a_position_and_from_the_end(tmp_path: Path) -> None:
+    """A follower started at a line's position continues right after it; from_start=False skips old lines."""
+    path = tmp_path / "server.log"
+    path.write_text("".join(f"{i}\n" for i in range(10)))
+    local = LocalTransport()
+    first = Collector(local, LogSource("file", str(path)))
+    await first.wait_for(10)
+    await first.stop()
+    resumed = Collector(local, LogSource("file", str(path)), position=first.lines[3].position)
+    tail_only = Collector(local, LogSource("file", str(path)), from_start=False)
+    await asyncio.sleep(0.3)
+    with path.open("a") as handle:
+        handle.write("10\n")
+    await resumed.wait_for(7)
+    await tail_only.wait_for(1)
+    await resumed.stop()
+    await tail_only.stop()
+    assert resumed.texts == [str(i) for i in range(4, 11)]
+    assert tail_only.texts == ["10"]
+
+
+async def test_command_source_with_a_follower_script(sshd_server: SshServer, tmp_path: Path) -> None:
+    """A command source (a follower script) resumes by skipping what it replays: exactly once."""
+    path = tmp_path / "server.log"
+    script = tmp_path / "follow it.sh"
+    script.write_text('#!/bin/sh\nexec tail -n +1 -f "$1"\n')
+    writer = LogWriter(path, min_lines=600, interval_s=0.001)
+    writer.start()
+    transport = await connect_ssh(sshd_server.options())
+    source = LogSource("command", f"sh {shlex.quote(str(script))} {shlex.quote(str(path))}")
+    collector = Collector(transport, source)
+    await release(writer, collector)
+    for _ in range(4):
+        await asyncio.sleep(0.2)
+        sshd_server.kill_sessions()
+    writer.stop_event.set()
+    await asyncio.to_thread(writer.join)
+    await collector.wait_for(len(writer.written))
+    await collector.stop()
+    await transport.close()
+    assert collector.texts == writer.written
+    assert collector.lines[-1].position == LineCountPosition(len(writer.written))
+    assert wait_no_processes(str(path)) == []
+
+
+async def test_missing_follower_program_is_a_source_error(tmp_path: Path) -> None:
+    """A follower that cannot run on the host (exit 127) raises SourceError instead of retrying forever."""
+    source = LogSource("command", "exec gputrace-no-such-program-xyz")
+    with pytest.raises(SourceError, match="exit 127"):
+        async for _ in follow_log(LocalTransport(), source, backoff=FAST):
+            pass
+
+
+def _journald_ready() -> str | None:
+    if shutil.which("journalctl") is None or shutil.which("systemd-run") is None:
+        return "needs journalctl and systemd-run"
+    if not Path("/run/systemd/journal/socket").exists():
+        return "needs a running systemd-journald (no /run/systemd/journal/socket on this machine)"
+    return None
+
+
+@pytest.mark.skipif(_journald_ready() is not None, reason=str(_journald_ready()))
+async def test_journald_unit_with_cursor_resume(tmp_path: Path) -> None:
+    """journald lines arrive with __REALTIME_TIMESTAMP in microseconds, and resume after a cursor."""
+    unit = f"gputrace-test-{os.getpid()}"
+    subprocess.run(["systemd-run", "--unit", unit, "sh", "-c",
+                    "for i in $(seq 0 99); do echo line $i; sleep 0.01; done"], check=True)
+    local = LocalTransport()
+    first = Collector(local, LogSource("journald", unit))
+    await first.wait_for(100)
+    await first.stop()
+    assert first.texts == [f"line {i}" for i in range(100)]
+    assert all(line.source_ts_ns is not None and line.source_ts_ns % 1000 == 0 for line in first.lines)
+    resumed = Collector(local, LogSource("journald", unit), position=first.lines[49].position)
+    await resumed.wait_for(50)
+    await resumed.stop()
+    assert resumed.texts == [f"line {i}" for i in range(50, 100)]
+
+
+def _docker_ready() -> str | None:
+    if shutil.which("docker") is None:
+        return "needs docker"
+    probe = subprocess.run(["docker", "image", "inspect", "busybox"], capture_output=True, timeout=20)
+    if probe.returncode != 0:
+        return "needs a running docker engine with the busybox image (none on this machine)"
+    return None
+
+
+@pytest.mark.skipif(_docker_ready() is not None, reason=str(_docker_ready()))
+async def test_docker_container_with_since_resume() -> None:
+    """docker logs lines arrive with their timestamps (stderr too), and resume with --since."""
+    name = f"gputrace-test-{os.getpid()}"
+    subprocess.run(["docker", "run", "-d", "--name", name, "busybox", "sh", "-c",
+                    "for i in $(seq 0 99); do echo line $i >&2; sleep 0.01; done; sleep 60"], check=True)
+    try:
+        local = LocalTransport()
+        first = Collector(local, LogSource("docker", name))
+        await first.wait_for(100)
+        await first.stop()
+        assert first.texts == [f"line {i}" for i in range(100)]
+        resumed = Collector(local, LogSource("docker", name), position=first.lines[49].position)
+        await resumed.wait_for(50)
+        await resumed.stop()
+        assert resumed.texts == [f"line {i}" for i in range(50, 100)]
+    finally:
+        subprocess.run(["docker", "rm", "-f", name], capture_output=True)
+
+
+def test_docker_timestamps_keep_nanoseconds() -> None:
+    """docker's RFC 3339 timestamps convert to integer ns without float rounding."""
+    assert parse_docker_timestamp("2026-06-24T12:00:00.123456789Z") == 1782302400123456789
+    assert parse_docker_timestamp("1970-01-01T01:00:01.5+01:00") == 1_500_000_000
+    with pytest.raises(ValueError):
+        parse_docker_timestamp("yesterday")
+
+
+_ = SshTransport  # the fixture yields options for it
