@@ -1,0 +1,171 @@
+"""The collector's agent client: resume by sequence across disconnects, 410 gaps, agent restarts.
+
+Between client and agent sits a loopback TCP forwarder that the tests cut and restore, as the SSH
+port forward the collector uses would be.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+
+from gputrace.agent.client import AgentClient, parse_sample_line
+from gputrace.agent.server import Agent, AgentSettings, sample_line
+from gputrace.errors import TransportError
+from gputrace.gpu.simulated import SimulatedSampler
+from gputrace.model import GpuSample
+
+
+class Forwarder:
+    """127.0.0.1:port -> 127.0.0.1:target_port; stop() drops every connection and the listener."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for w in list(self._writers):
+            w.close()
+        await self._server.wait_closed()
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self._writers |= {writer, up_writer}
+        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+        self._writers -= {writer, up_writer}
+
+
+@pytest.fixture
+async def agents() -> AsyncIterator[list[Agent]]:
+    """Two independent sim agents (think: one agent, then the same host's agent restarted)."""
+    started = []
+    for _ in range(2):
+        agent = Agent(SimulatedSampler("node-b", 2, pattern="square:0.4"),
+                      AgentSettings(port=0, interval_s=0.01), host="node-b")
+        await agent.start()
+        started.append(agent)
+    yield started
+    for agent in started:
+        await agent.stop()
+
+
+async def _pull(client: AgentClient, n: int) -> list[GpuSample]:
+    got: list[GpuSample] = []
+    while len(got) < n:
+        page = await client.fetch_page()
+        got += page
+        if not page:
+            await asyncio.sleep(0.01)
+    return got
+
+
+def _seqs(samples: list[GpuSample]) -> list[int]:
+    return [s.seq for s in samples if s.seq is not None]
+
+
+def test_sample_line_round_trip() -> None:
+    """An NDJSON line parses back to the same GpuSample with the ring's seq; unknown keys ignored."""
+    s = GpuSample("h", 3, 123, utilization_ratio=0.25, power_w=301.5, memory_used_bytes=7, lost=False)
+    line = sample_line(42, s)
+    back = parse_sample_line(line[:-1] + ',"added_in_v2":1}')
+    assert back == GpuSample("h", 3, 123, utilization_ratio=0.25, power_w=301.5, memory_used_bytes=7, seq=42)
+
+
+async def test_resumes_after_disconnect_without_gap_or_duplicate(agents: list[Agent]) -> None:
+    """A cut forward fails the pull with TransportError; after it returns, pulling resumes exactly."""
+    fwd = Forwarder(agents[0].port or 0)
+    await fwd.start()
+    client = AgentClient(f"http://127.0.0.1:{fwd.port}", page_limit=50, timeout_s=2)
+    try:
+        before = await _pull(client, 120)
+        await fwd.stop()
+        with pytest.raises(TransportError):
+            await client.fetch_page()
+        await asyncio.sleep(0.1)  # the agent keeps sampling while the client is cut off
+        await fwd.start()
+        after = await _pull(client, 120)
+    finally:
+        await client.close()
+    seqs = _seqs(before + after)
+    assert seqs == list(range(1, len(seqs) + 1))
+    assert client.stats.gaps == 0 and client.stats.restarts == 0
+
+
+async def test_follow_rides_out_a_disconnect(agents: list[Agent]) -> None:
+    """follow() keeps yielding pages across a cut forward, counting the disconnect, losing nothing."""
+    fwd = Forwarder(agents[0].port or 0)
+    await fwd.start()
+    client = AgentClient(f"http://127.0.0.1:{fwd.port}", page_limit=40, timeout_s=2)
+    got: list[GpuSample] = []
+    cut = False
+    try:
+        async for page in client.follow(poll_s=0.02):
+            got += page
+            if not cut and len(got) >= 80:
+                cut = True
+                await fwd.stop()
+                asyncio.get_running_loop().call_later(0.3, lambda: asyncio.ensure_future(fwd.start()))
+            if len(got) >= 400:
+                break
+    finally:
+        await client.close()
+    seqs = _seqs(got)
+    assert seqs == list(range(1, len(seqs) + 1))
+    assert client.stats.disconnects >= 1
+
+
+async def test_cursor_out_of_ring_jumps_to_oldest_and_counts_gap() -> None:
+    """After a 410 the client continues at the oldest sample held and counts what it missed."""
+    agent = Agent(SimulatedSampler("node-c", 2), AgentSettings(port=0, interval_s=0.01, buffer_s=0.1),
+                  host="node-c")
+    await agent.start()
+    client = AgentClient(f"http://127.0.0.1:{agent.port}", page_limit=5)
+    try:
+        while agent.ring.oldest_seq() < 20:
+            await asyncio.sleep(0.01)
+        page = await client.fetch_page()
+        first = page[0].seq
+        assert first is not None
+        assert client.stats.gaps >= 1 and client.stats.missed_samples == first - 1
+        more = await _pull(client, 10)
+        seqs = _seqs(page + more)
+        assert seqs == list(range(first, first + len(seqs)))
+    finally:
+        await client.close()
+        await agent.stop()
+
+
+async def test_restarted_agent_is_read_from_its_start(agents: list[Agent]) -> None:
+    """When the forward reaches a new agent instance, the client starts over at its seq 1."""
+    fwd = Forwarder(agents[0].port or 0)
+    await fwd.start()
+    client = AgentClient(f"http://127.0.0.1:{fwd.port}", page_limit=50, timeout_s=2)
+    try:
+        old = await _pull(client, 60)
+        await fwd.stop()
+        fwd.target_port = agents[1].port or 0
+        await fwd.start()
+        new = await _pull(client, 30)
+    finally:
+        await client.close()
+    assert _seqs(old)[-1] >= 60
+    assert _seqs(new)[0] == 1 and client.stats.restarts == 1
+    assert client.instance == agents[1].instance
