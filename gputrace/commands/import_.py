@@ -9,6 +9,8 @@ from __future__ import annotations
 import click
 
 from gputrace.engines.ingest import IngestStats, default_source, ingest_log
+from gputrace.gpu.smi_import import import_nvidia_smi_csv, import_nvidia_smi_dmon, parse_tz
+from gputrace.load.importers import ImportResult, import_aiperf, import_guidellm, import_requests_jsonl
 from gputrace.store import Store
 
 
@@ -30,6 +32,27 @@ def _import_engine_logs(
         _echo_log_stats(engine, stats)
 
 
+def _import_load_and_smi_files(
+    store: Store, host: str, host_given: bool, timezone: str, files: dict[str, tuple[str, ...]],
+    smi_fields: str | None, aiperf_phase: str | None,
+) -> None:
+    """Request files (AIPerf, guidellm, gputrace JSONL) and nvidia-smi captures."""
+    tz = parse_tz(timezone)
+    fields = [f.strip() for f in smi_fields.split(",") if f.strip()] if smi_fields else None
+    results: list[ImportResult] = []
+    results += [import_aiperf(store, p, host, aiperf_phase) for p in files["aiperf"]]
+    results += [import_guidellm(store, p, host) for p in files["guidellm"]]
+    # gputrace's own JSONL names its client host; --host replaces it only when given.
+    results += [import_requests_jsonl(store, p, host if host_given else None) for p in files["requests"]]
+    results += [import_nvidia_smi_csv(store, p, host, fields, tz) for p in files["smi_csv"]]
+    results += [import_nvidia_smi_dmon(store, p, host, tz) for p in files["smi_dmon"]]
+    for result in results:
+        click.echo(result.summary())
+
+
+_FILE = click.Path(dir_okay=False, path_type=str)
+
+
 @click.command("import")
 @click.option("--run", "run_dir", required=True, type=click.Path(file_okay=False, path_type=str),
               help="Run directory (created if absent).")
@@ -40,8 +63,23 @@ def _import_engine_logs(
               help="SGLang server log (plain or .gz); repeatable.")
 @click.option("--vllm-log", "vllm_logs", multiple=True, type=click.Path(dir_okay=False, path_type=str),
               help="vLLM server log (plain or .gz); repeatable.")
+# -- load and GPU files --------------------------------------------------------------------
+@click.option("--aiperf", "aiperf_files", multiple=True, type=_FILE,
+              help="AIPerf per-request profile_export.jsonl; repeatable.")
+@click.option("--aiperf-phase", default=None, metavar="LABEL",
+              help="Phase label for the AIPerf files (one concurrency per AIPerf run), e.g. C=32.")
+@click.option("--guidellm", "guidellm_files", multiple=True, type=_FILE,
+              help="guidellm JSON benchmarks report (benchmarks.json); repeatable.")
+@click.option("--requests", "requests_files", multiple=True, type=_FILE,
+              help="gputrace requests JSONL (gputrace load --out); repeatable.")
+@click.option("--nvidia-smi-csv", "smi_csv_files", multiple=True, type=_FILE,
+              help="nvidia-smi --query-gpu=... --format=csv[,noheader][,nounits] -lms N output; repeatable.")
+@click.option("--nvidia-smi-fields", default=None, metavar="F1,F2,...",
+              help="The --query-gpu field list, for CSV captured with noheader.")
+@click.option("--nvidia-smi-dmon", "smi_dmon_files", multiple=True, type=_FILE,
+              help="nvidia-smi dmon -o DT output; repeatable.")
 @click.option("--timezone", default="UTC", show_default=True,
-              help="Timezone the engine logged its times in (IANA name).")
+              help="Timezone the engine and nvidia-smi printed local times in (IANA name).")
 @click.option("--date", default=None, metavar="YYYY-MM-DD",
               help="Date for log times printed without one (SGLang before 2024-10; vLLM's year).")
 def command(
@@ -49,12 +87,28 @@ def command(
     host: str,
     sglang_logs: tuple[str, ...],
     vllm_logs: tuple[str, ...],
+    aiperf_files: tuple[str, ...],
+    aiperf_phase: str | None,
+    guidellm_files: tuple[str, ...],
+    requests_files: tuple[str, ...],
+    smi_csv_files: tuple[str, ...],
+    nvidia_smi_fields: str | None,
+    smi_dmon_files: tuple[str, ...],
     timezone: str,
     date: str | None,
 ) -> None:
-    """Import files made elsewhere (engine logs, ...) into a run store."""
-    if not (sglang_logs or vllm_logs):
-        raise click.UsageError("nothing to import: give --sglang-log or --vllm-log")
+    """Import files made elsewhere (engine logs, load results, nvidia-smi captures) into a run store."""
+    files = {"aiperf": aiperf_files, "guidellm": guidellm_files, "requests": requests_files,
+             "smi_csv": smi_csv_files, "smi_dmon": smi_dmon_files}
+    if not (sglang_logs or vllm_logs or any(files.values())):
+        raise click.UsageError(
+            "nothing to import: give --sglang-log, --vllm-log, --aiperf, --guidellm, --requests, "
+            "--nvidia-smi-csv or --nvidia-smi-dmon"
+        )
+    host_given = click.get_current_context().get_parameter_source("host") is not (
+        click.core.ParameterSource.DEFAULT
+    )
     with Store.create(run_dir, exist_ok=True) as store:
         _import_engine_logs(store, "sglang", sglang_logs, host, timezone, date)
         _import_engine_logs(store, "vllm", vllm_logs, host, timezone, date)
+        _import_load_and_smi_files(store, host, host_given, timezone, files, nvidia_smi_fields, aiperf_phase)

@@ -1,0 +1,52 @@
+"""`gputrace import` with load-tool and nvidia-smi files (the fixtures and their sources are
+described in test_import_requests.py and test_import_smi.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from gputrace.model import GpuSample, RequestRecord
+from gputrace.store import Store
+
+DATA = Path(__file__).parent / "import_data"
+
+
+def _gputrace(*args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "gputrace", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+
+def test_import_every_kind_into_one_run(tmp_path: Path) -> None:
+    """All five file kinds land in one store, each summarised on one line with its bad rows."""
+    run = tmp_path / "run"
+    proc = _gputrace(
+        "import", "--run", str(run), "--host", "node-7",
+        "--aiperf", str(DATA / "aiperf_profile_export.jsonl"), "--aiperf-phase", "C=32",
+        "--guidellm", str(DATA / "guidellm_0.4_benchmarks.json"),
+        "--guidellm", str(DATA / "guidellm_0.3_benchmarks.json"),
+        "--nvidia-smi-csv", str(DATA / "nvidia_smi_query.csv"),
+        "--nvidia-smi-csv", str(DATA / "nvidia_smi_query_noheader_nounits.csv"),
+        "--nvidia-smi-fields", "index,timestamp,power.draw,utilization.gpu,memory.used",
+        "--nvidia-smi-dmon", str(DATA / "nvidia_smi_dmon_dt.txt"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 6
+    assert "aiperf_profile_export.jsonl (aiperf): 6 requests, 2 markers imported; 1 bad rows" in lines[0]
+    assert "(nvidia-smi-dmon): 10 gpu_samples imported; 1 bad rows skipped" in lines[5]
+    with Store.open(run, read_only=True) as store:
+        requests = store.records(RequestRecord)
+        samples = store.records(GpuSample)
+    assert len(requests) == 6 + 14 + 4 and len(samples) == 8 + 6 + 10
+    assert {r.host for r in requests} == {"node-7"} and {s.host for s in samples} == {"node-7"}
+
+
+def test_import_wrong_file_is_one_line(tmp_path: Path) -> None:
+    """A guidellm report given as --aiperf: one error line naming the file, exit status 2."""
+    proc = _gputrace("import", "--run", str(tmp_path / "run"),
+                     "--aiperf", str(DATA / "guidellm_0.4_benchmarks.json"))
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("gputrace: error: ") and "not an AIPerf profile_export.jsonl" in line
