@@ -1,7 +1,8 @@
 """A real OpenSSH sshd on 127.0.0.1 for tests (and benches): random port, temporary host key,
 authorized_keys and config; a client key and a known_hosts file that trusts the host key.
 
-Use the ``sshd_server`` fixture (module scope: one server per test module) or ``running_sshd``.
+Use the ``sshd_server`` fixture (module scope: one server per test module; import
+``sshd_server_fixture`` into the test module to register it) or ``running_sshd``.
 """
 
 from __future__ import annotations
@@ -189,8 +190,8 @@ def _wait_listening(port: int, proc: subprocess.Popen[bytes], timeout_s: float =
     return False
 
 
-@pytest.fixture(scope="module")
-def sshd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshServer]:
+@pytest.fixture(scope="module", name="sshd_server")
+def sshd_server_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshServer]:
     """A real sshd for the test module (skips when sshd is not installed)."""
     from conftest import require_binary
 

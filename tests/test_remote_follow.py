@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from sshd import SshServer, processes_matching, sshd_server, wait_no_processes  # noqa: F401
+from sshd import SshServer, processes_matching, sshd_server_fixture, wait_no_processes  # noqa: F401
 
 from gputrace.config import LogSource
 from gputrace.errors import SourceError
@@ -29,14 +29,15 @@ from gputrace.remote.follow import (
     parse_docker_timestamp,
 )
 from gputrace.remote.local import LocalTransport
-from gputrace.remote.ssh import SshTransport, connect_ssh
+from gputrace.remote.ssh import connect_ssh
 from gputrace.remote.transport import Transport
 
 FAST = Backoff(initial_s=0.02, max_s=0.5)
 
 
 def log_line(i: int) -> str:
-    return f"[2026-06-24 12:00:{i % 60:02d} PP{i % 8}] Decode batch, #running-req: {i % 64}, seq {i}{'x' * (i % 37)}"
+    stamp = f"[2026-06-24 12:00:{i % 60:02d} PP{i % 8}]"
+    return f"{stamp} Decode batch, #running-req: {i % 64}, seq {i}{'x' * (i % 37)}"
 
 
 class LogWriter(threading.Thread):
@@ -382,5 +383,3 @@ def test_docker_timestamps_keep_nanoseconds() -> None:
     with pytest.raises(ValueError):
         parse_docker_timestamp("yesterday")
 
-
-_ = SshTransport  # the fixture yields options for it

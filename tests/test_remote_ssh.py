@@ -6,7 +6,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from sshd import SshServer, sshd_server, write_key  # noqa: F401  (sshd_server is a fixture)
+from sshd import SshServer, sshd_server_fixture, write_key  # noqa: F401  (the sshd_server fixture)
 from structlog.testing import capture_logs
 
 from gputrace.errors import HostKeyError, TransportError
