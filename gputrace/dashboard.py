@@ -52,7 +52,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("gputrace_gpu_temperature_celsius", "agent", "gauge", _GPU_LABELS, "GPU temperature."),
     MetricSpec("gputrace_gpu_sm_active_ratio", "agent", "gauge", _GPU_LABELS,
                "GPM SM activity (Hopper and newer)."),
-    MetricSpec("gputrace_agent_up", "agent", "gauge", ("host",), "1 while the agent samples."),
+    MetricSpec("gputrace_agent_up", "agent", "gauge", (), "1 while the agent samples."),
     MetricSpec("gputrace_engine_running_requests", "collector", "gauge", _ENGINE_LABELS,
                "#running-req from the engine's scheduler log."),
     MetricSpec("gputrace_engine_queue_requests", "collector", "gauge", _ENGINE_LABELS,
@@ -221,8 +221,8 @@ def _panels() -> list[tuple[dict[str, Any], int, int]]:
                "dashboard's time range.", "joule",
                f"sum by (host) (increase(gputrace_gpu_energy_joules_total{{{_HOST}}}[$__range]))",
                "{{host}}"), 6, 8),
-        (_stat("Agents up", "Agents reporting (gputrace_agent_up).", "short",
-               f"sum(gputrace_agent_up{{{_HOST}}})", "agents"), 6, 8),
+        (_stat("Agents up", "Agents reporting (gputrace_agent_up, all hosts).", "short",
+               "sum(gputrace_agent_up)", "agents"), 6, 8),
     ]
 
 

@@ -9,6 +9,7 @@ import json
 import re
 import socket
 import subprocess
+import sys
 import time
 import urllib.parse
 import urllib.request
@@ -21,6 +22,7 @@ import pytest
 import yaml
 from conftest import require_binary
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client.parser import text_string_to_metric_families
 
 from gputrace import dashboard as dash
 
@@ -170,6 +172,11 @@ def _get(url: str) -> dict[str, Any]:
         return body
 
 
+def _label_values(base: str, variable: dash.VariableQuery) -> dict[str, Any]:
+    query = urllib.parse.urlencode({"match[]": variable.match})
+    return _get(f"{base}/api/v1/label/{variable.label}/values?{query}")
+
+
 def _query(base: str, expr: str) -> dict[str, Any]:
     return _get(f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
 
@@ -218,9 +225,7 @@ def test_every_promql_expression_parses(empty_prometheus: str) -> None:
         result = _query(empty_prometheus, q.expr)
         assert result["status"] == "success", f"{q.panel} {q.ref_id}: {q.expr}: {result.get('error')}"
     for v in dash.variable_queries():
-        url = (f"{empty_prometheus}/api/v1/label/{v.label}/values?"
-               + urllib.parse.urlencode({"match[]": v.match}))
-        assert _get(url)["status"] == "success", v
+        assert _label_values(empty_prometheus, v)["status"] == "success", v
     bad = _query(empty_prometheus, "sum by (pp_rank (gputrace_gpu_power_watts)")
     assert bad["status"] == "error" and bad["errorType"] == "bad_data"
 
@@ -238,7 +243,7 @@ def _contract_registry() -> CollectorRegistry:
         stages = range(PP_SIZE) if {"pp_rank", "gpu"} & set(spec.labels) else [0]
         for stage in stages:
             labels = {**label_values, "gpu": str(stage), "pp_rank": str(stage)}
-            child = metric.labels(**{k: labels[k] for k in spec.labels})
+            child = metric.labels(**{k: labels[k] for k in spec.labels}) if spec.labels else metric
             if spec.kind == "counter":
                 child.inc(1000.0 + stage)
             else:
@@ -278,6 +283,76 @@ def test_every_query_returns_data_for_the_metric_contract(contract_prometheus: s
                               "gputrace_stage_bubble_ratio")):
             assert sorted(s["metric"]["pp_rank"] for s in series) == [str(i) for i in range(PP_SIZE)], q
     for v in dash.variable_queries():
-        url = (f"{contract_prometheus}/api/v1/label/{v.label}/values?"
-               + urllib.parse.urlencode({"match[]": v.match}))
-        assert _get(url)["data"] == [{"host": "node0", "run": "contract"}[v.name]]
+        assert _label_values(contract_prometheus, v)["data"] == [{"host": "node0", "run": "contract"}[v.name]]
+
+
+# ---- the real agent ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def sim_agent(tmp_path: Path) -> Iterator[str]:
+    """`gputrace agent --backend sim` on loopback, 4 simulated GPUs as a PP4 pipeline."""
+    port = _free_port()
+    log = (tmp_path / "agent.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gputrace", "agent", "--backend", "sim", "--listen", f"127.0.0.1:{port}",
+         "--interval", "0.1", "--sim-gpus", str(PP_SIZE), "--topology", f"pp={PP_SIZE},tp=1",
+         "--host-name", "node0"], stdout=subprocess.DEVNULL, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/healthz", timeout=2):
+                    break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError("agent did not start: " + (tmp_path / "agent.log").read_text())
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_real_agent_exports_the_contract(sim_agent: str) -> None:
+    """The agent's /metrics has every agent metric of the contract, with exactly its labels."""
+    with urllib.request.urlopen(f"{sim_agent}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    labels: dict[str, set[frozenset[str]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels.setdefault(sample.name, set()).add(frozenset(sample.labels))
+    for spec in dash.METRICS:
+        if spec.source == "agent":
+            assert labels.get(spec.name) == {frozenset(spec.labels)}, spec.name
+
+
+@pytest.fixture
+def agent_prometheus(sim_agent: str, tmp_path: Path) -> Iterator[str]:
+    yield from _start_prometheus(tmp_path, [sim_agent.removeprefix("http://")])
+
+
+@pytest.mark.system
+def test_gpu_queries_return_data_from_a_real_agent(agent_prometheus: str) -> None:
+    """Prometheus scraping the real sim agent answers every GPU-side panel query, one series per stage."""
+    agent_names = {m.name for m in dash.METRICS if m.source == "agent"}
+    gpu_queries = [q for q in dash.dashboard_queries()
+                   if set(re.findall(r"gputrace_\w+", q.expr)) <= agent_names]
+    assert len(gpu_queries) >= 10
+    pending = {(q.panel, q.ref_id): q for q in gpu_queries}
+    deadline = time.monotonic() + 30
+    while pending and time.monotonic() < deadline:
+        for key, q in list(pending.items()):
+            result = _query(agent_prometheus, q.expr)
+            assert result["status"] == "success", q.expr
+            series = result["data"]["result"]
+            if series:
+                if q.expr.startswith("avg by (pp_rank)"):
+                    assert sorted(s["metric"]["pp_rank"] for s in series) == [str(i) for i in range(PP_SIZE)]
+                del pending[key]
+        time.sleep(0.5)
+    assert not pending, f"no data for: {[q.expr for q in pending.values()]}"
+    host = next(v for v in dash.variable_queries() if v.name == "host")
+    assert _label_values(agent_prometheus, host)["data"] == ["node0"]
