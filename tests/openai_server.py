@@ -23,6 +23,7 @@ class ServerBehaviour:
     fail_every: int | None = None  # every Nth request answers HTTP 500
     send_usage: bool = True  # False: a server that ignores include_usage (tokens must be counted)
     tokens_per_chunk: int = 1
+    cut_after_tokens: int | None = None  # close the stream early, as a crashing server does
 
 
 @dataclass
@@ -127,6 +128,9 @@ async def _answer(
         k = min(b.tokens_per_chunk, max_tokens - sent)
         sent += k
         await resp.write(chunk({"content": " tok" * k}, "length" if sent >= max_tokens else None))
+        if b.cut_after_tokens is not None and sent >= b.cut_after_tokens:
+            await resp.write_eof()
+            return resp
         if sent < max_tokens:
             await asyncio.sleep(b.token_interval_s)
     if b.send_usage and (body.get("stream_options") or {}).get("include_usage"):

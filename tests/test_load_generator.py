@@ -122,6 +122,15 @@ async def test_errors_are_recorded(server: Server) -> None:
     assert result.levels[0].failed == 5 and result.levels[0].ok == 15
 
 
+async def test_stream_cut_short_is_an_error(server: Server) -> None:
+    """A stream that ends before data: [DONE] is a failed request that says so."""
+    url, _ = await server(cut_after_tokens=3)
+    spec = LoadSpec(url=url, model="m", concurrency=(1,), max_tokens=8, requests_per_level=2)
+    result = await run_load(spec)
+    assert [r.ok for r in result.requests] == [False, False]
+    assert all("before 'data: [DONE]' after 3 chunks" in (r.error or "") for r in result.requests)
+
+
 async def test_warns_when_server_caps_concurrency(server: Server) -> None:
     """A server that refuses beyond 3 requests: the level is short of C=8 and a warning says so."""
     url, stats = await server(max_active=3, token_interval_s=0.01)

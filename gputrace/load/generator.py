@@ -446,6 +446,7 @@ async def _read_sse(resp: aiohttp.ClientResponse) -> tuple[int | None, int | Non
     usage_completion: int | None = None
     counted = 0
     error: str | None = None
+    done = False
     tail = b""
     async for chunk in resp.content.iter_any():
         now = time.time_ns()
@@ -455,7 +456,10 @@ async def _read_sse(resp: aiohttp.ClientResponse) -> tuple[int | None, int | Non
             if not line.startswith(b"data:"):
                 continue
             data = line[5:].strip()
-            if data == b"[DONE]" or not data:
+            if data == b"[DONE]":
+                done = True
+                continue
+            if not data:
                 continue
             event = json.loads(data)
             if not isinstance(event, dict):
@@ -475,6 +479,9 @@ async def _read_sse(resp: aiohttp.ClientResponse) -> tuple[int | None, int | Non
             if usage:
                 prompt_tokens = usage.get("prompt_tokens")
                 usage_completion = usage.get("completion_tokens")
+    if not done and error is None:
+        # The server closed the stream early (crashed, restarted): the request did not complete.
+        error = f"stream ended before 'data: [DONE]' after {counted} chunks"
     completion = usage_completion if usage_completion is not None else counted
     return first_ns, prompt_tokens, completion, error
 
