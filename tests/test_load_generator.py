@@ -13,7 +13,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from gputrace.errors import SourceError, UsageError
-from gputrace.load import LoadSpec, run_load
+from gputrace.load import LoadSpec, run_load, spec_from_config
 from gputrace.load.stats import inflight_in_window, inflight_series
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -187,6 +187,18 @@ def test_spec_validation() -> None:
     with pytest.raises(UsageError, match="http"):
         LoadSpec(url="x:80", model="m", concurrency=(1,))
     assert LoadSpec(url="http://h:1/v1", model="m", concurrency=(1,)).endpoint == "http://h:1/v1/chat/completions"
+
+
+def test_spec_from_config() -> None:
+    """gputrace.toml's [load] table becomes a LoadSpec; overrides such as mark_url win."""
+    from gputrace.config import LoadConfig
+
+    cfg = LoadConfig(url="http://h:30000", model="qwen", concurrency=(1, 8), max_tokens=64,
+                     duration_per_level_s=30.0, stream=False)
+    spec = spec_from_config(cfg, mark_url="http://127.0.0.1:9/mark")
+    assert (spec.url, spec.model, spec.concurrency, spec.max_tokens) == ("http://h:30000", "qwen", (1, 8), 64)
+    assert spec.duration_per_level_s == 30.0 and spec.requests_per_level is None and not spec.stream
+    assert spec.mark_url == "http://127.0.0.1:9/mark"
 
 
 def test_inflight_series_handles_back_to_back_slots() -> None:

@@ -3,7 +3,7 @@ of per-request records from other benchmark tools (AIPerf, guidellm, gputrace's 
 
 from __future__ import annotations
 
-from gputrace.load.generator import LoadGenerator, LoadResult, LoadSpec, run_load
+from gputrace.load.generator import LoadGenerator, LoadResult, LoadSpec, run_load, spec_from_config
 from gputrace.load.stats import LevelStats
 
-__all__ = ["LevelStats", "LoadGenerator", "LoadResult", "LoadSpec", "run_load"]
+__all__ = ["LevelStats", "LoadGenerator", "LoadResult", "LoadSpec", "run_load", "spec_from_config"]

@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from gputrace.config import LoadConfig
 from gputrace.errors import ConfigError, SourceError, UsageError
 from gputrace.load.stats import LevelStats, level_stats
 from gputrace.logsetup import get_logger
@@ -117,6 +118,24 @@ def load_prompts(path: str | os.PathLike[str]) -> tuple[Any, ...]:
     if not prompts:
         raise ConfigError(f"{p}: no prompts (each line needs a JSON object with 'prompt' or 'messages')")
     return tuple(prompts)
+
+
+def spec_from_config(load: LoadConfig, **overrides: Any) -> LoadSpec:
+    """A LoadSpec from gputrace.toml's ``[load]`` table; ``overrides`` (e.g. mark_url) win."""
+    fields: dict[str, Any] = {
+        "url": load.url,
+        "model": load.model,
+        "concurrency": tuple(load.concurrency),
+        "max_tokens": load.max_tokens,
+        "requests_per_level": load.requests_per_level,
+        "duration_per_level_s": load.duration_per_level_s,
+        "temperature": load.temperature,
+        "stream": load.stream,
+    }
+    if load.prompts_file:
+        fields["prompts"] = load_prompts(load.prompts_file)
+    fields.update(overrides)
+    return LoadSpec(**fields)
 
 
 def _payloads(spec: LoadSpec) -> list[bytes]:
