@@ -119,7 +119,8 @@ def _heatmap(title: str, description: str, expr: str, legend: str) -> dict[str, 
         "fieldConfig": {"defaults": {"custom": {"scaleDistribution": {"type": "linear"}}}, "overrides": []},
         "options": {
             "calculate": False,
-            "rowsFrame": {"layout": "auto", "value": "utilization"},
+            # Stage names are labels, not bucket bounds: an ordinal y axis, one row per series.
+            "rowsFrame": {"layout": "unknown", "value": "utilization"},
             "color": {"mode": "scheme", "scheme": "Turbo", "fill": "dark-orange", "exponent": 0.5,
                       "steps": 64, "reverse": False, "min": 0, "max": 1},
             "cellGap": 1,
@@ -163,7 +164,7 @@ def _panels() -> list[tuple[dict[str, Any], int, int]]:
         (_row("Pipeline stages"), 24, 1),
         (_heatmap("GPU utilization per stage (heatmap)", "NVML utilization averaged over each stage's GPUs "
                   "(rows: pp_rank). Stages working in lockstep show as alternating bands.",
-                  util, "{{pp_rank}}"), 12, 9),
+                  util, "stage {{pp_rank}}"), 12, 9),
         (_timeseries("GPU utilization per stage", "NVML utilization averaged over each stage's GPUs.",
                      "percentunit", [(util, "stage {{pp_rank}}")], minimum=0, maximum=1), 12, 9),
         (_timeseries("Bubble estimate per stage", "Live estimate by the collector: fraction of time the "
@@ -263,7 +264,7 @@ def build_dashboard() -> dict[str, Any]:
         "schemaVersion": 42,
         "templating": {"list": [
             _variable("host", "Host", "label_values(gputrace_gpu_utilization_ratio, host)"),
-            _variable("run", "Run", "label_values(run)"),
+            _variable("run", "Run", 'label_values({__name__=~"gputrace_.+"}, run)'),
         ]},
         "annotations": {"list": [{
             "builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"}, "enable": True,
