@@ -99,6 +99,7 @@ async def test_non_streaming(server: Server) -> None:
     assert all(r.ok and r.first_token_ns is None and r.completion_tokens == 5 for r in result.requests)
     (lv,) = result.levels
     assert lv.ttft_ms is None and lv.itl_ms is None and lv.output_tokens == 45
+    assert lv.aggregate_tok_s is not None and lv.aggregate_tok_s > 0
 
 
 async def test_tokens_counted_without_usage(server: Server) -> None:
@@ -216,3 +217,24 @@ def test_inflight_series_handles_back_to_back_slots() -> None:
     assert counts.max() == 2
     mean, low = inflight_in_window(times, counts, 0, 20_000_000)
     assert low == 2 and mean == pytest.approx(2.0, rel=1e-3)
+
+
+def test_level_stats_from_records() -> None:
+    """Aggregate tok/s counts only tokens generated inside the level; TTFT and ITL from the records."""
+    from gputrace.load.stats import level_stats
+    from gputrace.model import Marker, RequestRecord
+
+    s = 1_000_000_000
+    recs = [
+        RequestRecord(host="h", request_id="a", start_ns=0, first_token_ns=s // 10, end_ns=2 * s,
+                      completion_tokens=101, phase="C=2"),
+        RequestRecord(host="h", request_id="b", start_ns=0, first_token_ns=s, end_ns=3 * s,
+                      completion_tokens=100, phase="C=2"),
+    ]
+    markers = [Marker(host="h", ts_ns=0, label="C=2", target_concurrency=2),
+               Marker(host="h", ts_ns=2 * s, label="end", kind="end")]
+    (lv,) = level_stats(recs, markers)
+    assert lv.aggregate_tok_s == pytest.approx((101 + 50) / 2)
+    assert lv.ttft_ms is not None and lv.ttft_ms[0] == pytest.approx(550.0)
+    assert lv.itl_ms is not None and lv.itl_ms[0] == pytest.approx((19.0 + 2000 / 99) / 2)
+    assert lv.ok == 2 and lv.failed == 0 and lv.output_tokens == 201

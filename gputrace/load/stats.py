@@ -102,7 +102,7 @@ def _tokens_in_window(
     first, end, tokens = first[ok], end[ok], tokens[ok]
     span = np.maximum(end - first, 1.0)
     overlap = np.clip(np.minimum(end, t1) - np.maximum(first, t0), 0.0, None)
-    # A request that produced everything at one instant (non-streaming) counts where it ended.
+    # A request whose tokens all arrived at one instant counts where it ended.
     instant = (end - first) < 1.0
     frac = np.where(instant, ((end >= t0) & (end < t1)).astype(np.float64), overlap / span)
     return float(np.sum(tokens * frac))
@@ -124,6 +124,8 @@ def level_stats(
     tokens = _f([r.completion_tokens for r in requests])
     ok = np.array([r.ok for r in requests], dtype=bool)
     phase = np.array([r.phase or "" for r in requests], dtype=object)
+    # Without a first-token time (non-streaming) the tokens are spread from the request's start.
+    gen_from = np.where(np.isfinite(first), first, start)
     last_end = int(np.nanmax(end)) if requests and np.isfinite(end).any() else phase_markers[-1].ts_ns
     out: list[LevelStats] = []
     for i, m in enumerate(phase_markers):
@@ -155,7 +157,7 @@ def level_stats(
                 failed=int((mine & ~ok).sum()),
                 output_tokens=int(np.nansum(n_tok)),
                 aggregate_tok_s=(
-                    _tokens_in_window(first, end, tokens, t0, t1) / duration_s if duration_s > 0 else None
+                    _tokens_in_window(gen_from, end, tokens, t0, t1) / duration_s if duration_s > 0 else None
                 ),
                 request_tok_s_p50=float(np.nanmedian(req_rate)) if np.isfinite(req_rate).any() else None,
                 ttft_ms=_percentiles(ttft),
