@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from sshd import SshServer, sshd_server_fixture, write_key  # noqa: F401  (the sshd_server fixture)
 from structlog.testing import capture_logs
 
-from gputrace.errors import HostKeyError, TransportError
+from gputrace.config import load_config
+from gputrace.errors import HostKeyError, TransportError, UsageError
+from gputrace.remote.connect import connect_host, host_key_policy_from_flags
 from gputrace.remote.local import LocalTransport
 from gputrace.remote.ssh import HostKeyPolicy, connect_ssh
 
@@ -86,11 +90,9 @@ async def test_insecure_skip_accepts_any_key_loudly(sshd_server: SshServer, tmp_
 async def test_unreachable_host_is_a_transport_error(tmp_path: Path, sshd_server: SshServer) -> None:
     """A port nobody listens on gives a TransportError naming the host, not an asyncssh error."""
     opts = sshd_server.options()
-    import socket
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         free = sock.getsockname()[1]
-    from dataclasses import replace
     with pytest.raises(TransportError, match=f"127.0.0.1.*{free}"):
         await connect_ssh(replace(opts, port=free))
 
@@ -116,3 +118,32 @@ async def test_forward_reaches_a_port_on_the_remote_loopback(sshd_server: SshSer
         await transport.close()
         server.close()
     assert await LocalTransport().forward_local_port("127.0.0.1", agent_port) == agent_port
+
+
+async def test_connect_host_from_config(sshd_server: SshServer, tmp_path: Path) -> None:
+    """A [[hosts]] entry with ssh, identity_file and known_hosts connects; one without runs locally."""
+    toml = tmp_path / "gputrace.toml"
+    toml.write_text(
+        f'[[hosts]]\nname = "node0"\nssh = "root@127.0.0.1:{sshd_server.port}"\n'
+        f'identity_file = "{sshd_server.client_key_path}"\nknown_hosts = "{sshd_server.known_hosts_path}"\n'
+        '[[hosts]]\nname = "here"\n'
+    )
+    remote_host, local_host = load_config(toml).hosts
+    remote = await connect_host(remote_host)
+    local = await connect_host(local_host)
+    try:
+        assert remote.host == "node0" and local.host == "here"
+        assert (await remote.run(["echo", "hi"])).stdout == b"hi\n"
+        assert (await local.run(["echo", "hi"])).stdout == b"hi\n"
+    finally:
+        await remote.close()
+        await local.close()
+
+
+def test_host_key_flags_map_to_policies() -> None:
+    """The two CLI flags map to the policies, and asking for both is a usage error."""
+    assert host_key_policy_from_flags() is HostKeyPolicy.VERIFY
+    assert host_key_policy_from_flags(accept_new_host_keys=True) is HostKeyPolicy.ACCEPT_NEW
+    assert host_key_policy_from_flags(insecure_skip_host_key_check=True) is HostKeyPolicy.INSECURE_SKIP
+    with pytest.raises(UsageError):
+        host_key_policy_from_flags(True, True)
