@@ -238,3 +238,20 @@ def test_level_stats_from_records() -> None:
     assert lv.ttft_ms is not None and lv.ttft_ms[0] == pytest.approx(550.0)
     assert lv.itl_ms is not None and lv.itl_ms[0] == pytest.approx((19.0 + 2000 / 99) / 2)
     assert lv.ok == 2 and lv.failed == 0 and lv.output_tokens == 201
+
+
+async def test_prompts_file(server: Server, tmp_path: Path) -> None:
+    """--prompts JSONL: 'prompt' and 'messages' lines are sent in turn; a bad line is warned about."""
+    from gputrace.load.generator import load_prompts
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "a b c"}\nnot json\n{"messages": [{"role": "user", "content": "d e"}]}\n')
+    with capture_logs() as logs:
+        prompts = load_prompts(path)
+    assert prompts == ("a b c", [{"role": "user", "content": "d e"}])
+    assert any(e["event"] == "prompts skipped" and e["bad_lines"] == 1 for e in logs)
+    url, _ = await server()
+    spec = LoadSpec(url=url, model="m", concurrency=(1,), max_tokens=2, requests_per_level=4, prompts=prompts)
+    result = await run_load(spec)
+    # The fixture server counts prompt tokens as whitespace words of the messages it received.
+    assert [r.prompt_tokens for r in result.requests] == [3, 2, 3, 2]
