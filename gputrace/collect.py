@@ -1,0 +1,303 @@
+"""The collector: for one run, per host one transport (SSH or local) that follows the engine log,
+pulls the agent's samples and probes the clock; everything goes to the run store in batches at
+least once a second, and a small HTTP server serves live metrics, phase marks and status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+from prometheus_client.aiohttp import make_aiohttp_handler
+
+from gputrace.agent.client import AgentClient
+from gputrace.agent.server import is_loopback, parse_listen
+from gputrace.config import Config, HostConfig
+from gputrace.engines import LogParser
+from gputrace.errors import GputraceError, SourceError, UsageError
+from gputrace.live import LiveCollector, LiveState
+from gputrace.logsetup import get_logger
+from gputrace.model import DeviceInfo, Marker, RequestRecord, SchedulerEvent
+from gputrace.remote.clock import probe_clock
+from gputrace.remote.connect import connect_host
+from gputrace.remote.follow import follow_log_batches
+from gputrace.remote.ssh import HostKeyPolicy
+from gputrace.remote.transport import Transport
+from gputrace.store import BatchingWriter, Store
+from gputrace.topology import placements_from_config, topology_to_meta
+
+log = get_logger("collect")
+
+DEFAULT_LISTEN = "127.0.0.1:9401"
+
+
+@dataclass
+class CollectOptions:
+    """How to collect; the CLI fills these from flags."""
+
+    listen: str | None = DEFAULT_LISTEN  # None: no HTTP server
+    host_key_policy: HostKeyPolicy = HostKeyPolicy.VERIFY
+    agent_token: str | None = None
+    flush_s: float = 0.5  # a killed collector loses at most this much (plus one batch in flight)
+    probe_interval_s: float = 10.0
+    agent_poll_s: float = 0.25
+    http_token: str | None = None  # required when listening beyond loopback
+    insecure: bool = False
+    log_from_start: bool = True  # read the log from its beginning (startup config lines included)
+
+
+@dataclass
+class _HostTasks:
+    host: HostConfig
+    transport: Transport | None = None
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    agent: AgentClient | None = None
+
+
+class Collector:
+    """Collects one run into ``store``; ``start`` then ``stop`` (or ``run_until``)."""
+
+    def __init__(self, cfg: Config, store: Store, options: CollectOptions | None = None):
+        self.cfg = cfg
+        self.store = store
+        self.options = options or CollectOptions()
+        self.placements = placements_from_config(cfg)
+        self.live = LiveState(store.meta.name, self.placements)
+        self.writer = BatchingWriter(store, flush_s=self.options.flush_s)
+        self._hosts = [_HostTasks(h) for h in cfg.hosts]
+        self._tasks: list[asyncio.Task[None]] = []
+        self._runner: web.AppRunner | None = None
+        self.url: str | None = None
+        self.client_host = socket.gethostname()
+        self._failures: list[str] = []
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        topo = self.cfg.topology
+        self.store.update_meta(topology=topology_to_meta(
+            topo.pp_size, topo.tp_size, topo.dp_size, self.placements,
+            "explicit" if topo.placements else "sglang-formula"))
+        if self.options.listen:
+            await self._start_http(self.options.listen)
+        for ht in self._hosts:
+            ht.transport = await connect_host(ht.host, host_key_policy=self.options.host_key_policy)
+            if ht.host.log is not None:
+                ht.tasks.append(self._spawn(self._follow_log(ht), f"log {ht.host.name}"))
+            if ht.host.agent:
+                ht.agent = AgentClient(await self._agent_url(ht), token=self.options.agent_token)
+                ht.tasks.append(self._spawn(self._pull_agent(ht), f"agent {ht.host.name}"))
+            ht.tasks.append(self._spawn(self._probe_clocks(ht), f"clock {ht.host.name}"))
+        self._tasks.append(self._spawn(self._flush_loop(), "flush"))
+
+    async def stop(self) -> None:
+        """Stop every source, write what is buffered, close connections."""
+        for task in [t for ht in self._hosts for t in ht.tasks] + self._tasks:
+            task.cancel()
+        for task in [t for ht in self._hosts for t in ht.tasks] + self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self.writer.flush()
+        for ht in self._hosts:
+            if ht.agent is not None:
+                await ht.agent.close()
+            if ht.transport is not None:
+                with contextlib.suppress(Exception):
+                    await ht.transport.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        self.store.update_meta(extra={"collector": {"counts": dict(self.live.counts),
+                                                    "failures": self._failures,
+                                                    "stopped_ns": time.time_ns()}})
+        log.info("collector stopped", run=str(self.store.path), **self.live.counts)
+
+    async def run_until(self, stop: asyncio.Event) -> None:
+        await self.start()
+        try:
+            await stop.wait()
+        finally:
+            await self.stop()
+
+    def _spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:
+        async def guarded() -> None:
+            try:
+                await coro
+            except asyncio.CancelledError:
+                raise
+            except GputraceError as exc:
+                self._failures.append(f"{name}: {exc}")
+                log.error("source failed", source=name, error=str(exc))
+            except Exception as exc:  # a bug in one source must not stop the others
+                self._failures.append(f"{name}: {type(exc).__name__}: {exc}")
+                log.exception("source crashed", source=name)
+        return asyncio.create_task(guarded(), name=name)
+
+    # -- transports -----------------------------------------------------------------------------
+
+    async def _agent_url(self, ht: _HostTasks) -> str:
+        agent = ht.host.agent or ""
+        if agent.startswith(("http://", "https://")):
+            return agent
+        host, port = parse_listen(agent)
+        if ht.host.ssh is None or ht.transport is None:
+            return f"http://{host}:{port}"
+        local_port = await ht.transport.forward_local_port(host, port)
+        return f"http://127.0.0.1:{local_port}"
+
+    # -- sources --------------------------------------------------------------------------------
+
+    async def _follow_log(self, ht: _HostTasks) -> None:
+        assert ht.host.log is not None and ht.transport is not None
+        src = ht.host.log
+        parser = LogParser(host=ht.host.name, source=f"{src.kind}:{src.target}", engine=src.engine,
+                           tz=src.timezone)
+        async for batch in follow_log_batches(ht.transport, src, from_start=self.options.log_from_start):
+            for line in batch:
+                record = parser.feed(line.text, recv_ts_ns=line.recv_ts_ns)
+                if record is None:
+                    self.live.counts["unrecognised_lines"] += 1
+                    continue
+                self.writer.add(record)
+                if isinstance(record, SchedulerEvent):
+                    self.live.on_event(record)
+
+    async def _pull_agent(self, ht: _HostTasks) -> None:
+        assert ht.agent is not None
+        try:
+            info = await ht.agent.info()
+            self.writer.add_many(_devices_from_info(ht.host.name, info))
+        except SourceError as exc:
+            log.warning("agent info unavailable", host=ht.host.name, error=str(exc))
+        async for batch in ht.agent.follow(poll_s=self.options.agent_poll_s):
+            if ht.host.gpus is not None:
+                batch = [s for s in batch if s.gpu_index in ht.host.gpus]
+            self.writer.add_many(batch)
+            self.live.on_samples(batch)
+
+    async def _probe_clocks(self, ht: _HostTasks) -> None:
+        while True:
+            if ht.transport is not None and ht.host.ssh is not None:
+                with contextlib.suppress(GputraceError):
+                    self.writer.add(await probe_clock(ht.transport, ht.host.name))
+            if ht.agent is not None:
+                with contextlib.suppress(GputraceError):
+                    self.writer.add(await ht.agent.probe_clock(ht.host.name))
+            await asyncio.sleep(self.options.probe_interval_s)
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(self.options.flush_s, 0.25))
+            self.writer.maybe_flush()
+
+    # -- records from the load side (same process) ----------------------------------------------
+
+    def add_load_record(self, record: RequestRecord | Marker) -> None:
+        """Sink for the built-in load generator."""
+        self.writer.add(record)
+        if isinstance(record, Marker):
+            self.live.on_marker(record)
+        else:
+            self.live.on_request(record)
+
+    # -- HTTP: /metrics, /v1/mark, /v1/status ---------------------------------------------------
+
+    async def _start_http(self, listen: str) -> None:
+        host, port = parse_listen(listen)
+        if not is_loopback(host) and not (self.options.http_token or self.options.insecure):
+            raise UsageError(f"--listen {listen}: listening beyond loopback needs a token "
+                             "(--token-file) or --insecure")
+        registry = CollectorRegistry(auto_describe=True)
+        registry.register(LiveCollector(self.live))
+        app = web.Application(middlewares=[self._auth] if self.options.http_token else [])
+        app.router.add_get("/metrics", make_aiohttp_handler(registry))
+        app.router.add_post("/v1/mark", self._mark)
+        app.router.add_get("/v1/status", self._status)
+        app.router.add_get("/healthz", self._healthz)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        try:
+            await site.start()
+        except OSError as exc:
+            raise UsageError(f"--listen {listen}: cannot listen: {exc.strerror}") from exc
+        bound = self._runner.addresses[0][1]
+        self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{bound}"
+        log.info("collector listening", url=self.url)
+
+    @web.middleware
+    async def _auth(self, request: web.Request,
+                    handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        import hmac
+
+        given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(given.encode(), (self.options.http_token or "").encode()):
+            return web.json_response({"error": "missing or wrong bearer token"}, status=401)
+        return await handler(request)
+
+    async def _mark(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+            marker = marker_from_json(body, default_host=self.client_host)
+        except (ValueError, TypeError, KeyError) as exc:
+            return web.json_response({"error": f"bad marker: {exc}"}, status=400)
+        self.add_load_record(marker)
+        self.writer.flush()  # a mark is rare and users expect it on disk at once
+        return web.json_response({"ok": True, "ts_ns": marker.ts_ns})
+
+    async def _status(self, request: web.Request) -> web.Response:
+        return web.json_response(self.live.status())
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "failures": self._failures})
+
+
+def marker_from_json(body: Any, default_host: str) -> Marker:
+    """A Marker from the JSON body `gputrace mark` and the load generator post."""
+    if not isinstance(body, dict):
+        raise TypeError("body must be a JSON object")
+    label = body["label"]
+    if not isinstance(label, str) or not label:
+        raise ValueError("label must be a non-empty string")
+    kind = body.get("kind", "phase")
+    if kind not in ("phase", "end", "note"):
+        raise ValueError("kind must be phase, end or note")
+    target = body.get("target_concurrency")
+    if target is not None and not isinstance(target, int):
+        raise ValueError("target_concurrency must be an integer")
+    ts_ns = body.get("ts_ns") or time.time_ns()
+    if not isinstance(ts_ns, int):
+        raise ValueError("ts_ns must be an integer")
+    host = body.get("host") or default_host
+    return Marker(host=str(host), ts_ns=ts_ns, label=label, kind=kind, target_concurrency=target)
+
+
+def _devices_from_info(host: str, info: dict[str, Any]) -> list[DeviceInfo]:
+    known = {f for f in DeviceInfo.__dataclass_fields__}
+    out = []
+    for dev in info.get("devices", []):
+        if isinstance(dev, dict) and "gpu_index" in dev:
+            out.append(DeviceInfo(**{**{k: v for k, v in dev.items() if k in known}, "host": host}))
+    return out
+
+
+def install_stop_signals(stop: asyncio.Event) -> None:
+    """SIGINT and SIGTERM set ``stop`` so the collector flushes and exits cleanly."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+
+def open_run_store(out: Path, cfg: Config) -> Store:
+    """A new run directory for a capture (refuses to overwrite an existing run)."""
+    return Store.create(out, name=cfg.run_name or out.name,
+                        config=json.loads(json.dumps(dict(cfg.raw), default=str)))

@@ -1,0 +1,58 @@
+"""`gputrace watch`: the live terminal view of a running capture."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import click
+
+from gputrace.collect import DEFAULT_LISTEN, CollectOptions, Collector, open_run_store
+from gputrace.config import load_config
+from gputrace.errors import SourceError
+from gputrace.watch import watch
+
+
+@click.command("watch")
+@click.option("--collector", "collector_url", default=f"http://{DEFAULT_LISTEN}", show_default=True,
+              help="A running collector (`gputrace collect` or `gputrace run`) to watch.")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help="Watch the hosts of a gputrace.toml directly, without a separate collector.")
+@click.option("--refresh", type=float, default=0.3, show_default=True, help="Seconds between redraws.")
+def command(collector_url: str, config_path: str | None, refresh: float) -> None:
+    """Show one row per pipeline stage: utilization, power, PCIe, running and queued requests,
+    tok/s and the live bubble estimate. `q` or Ctrl-C quits."""
+    if config_path:
+        asyncio.run(_watch_config(config_path, refresh))
+    else:
+        asyncio.run(_watch_url(collector_url.rstrip("/"), refresh))
+
+
+async def _watch_url(url: str, refresh: float) -> None:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        async def status() -> dict[str, Any]:
+            try:
+                async with session.get(f"{url}/v1/status") as resp:
+                    resp.raise_for_status()
+                    body: dict[str, Any] = await resp.json()
+                    return body
+            except aiohttp.ClientError as exc:
+                raise SourceError(f"{url}: {exc}") from exc
+        await watch(status, refresh)
+
+
+async def _watch_config(path: str, refresh: float) -> None:
+    cfg = load_config(path)
+    with tempfile.TemporaryDirectory(prefix="gputrace-watch-") as tmp, \
+            open_run_store(Path(tmp) / "run", cfg) as store:
+        collector = Collector(cfg, store, CollectOptions(listen=None, log_from_start=False))
+        await collector.start()
+        try:
+            async def status() -> dict[str, Any]:
+                return collector.live.status()
+            await watch(status, refresh)
+        finally:
+            await collector.stop()

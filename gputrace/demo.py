@@ -1,0 +1,165 @@
+"""`gputrace demo`: the whole chain on loopback with no GPU: the simulator's real-time SGLang PP8
+server, an agent with the simulated backend, and `gputrace run` (collector + load generator +
+report), as real processes; once with SGLang's default micro-batch cap and once with the fix,
+then the comparison.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gputrace.errors import SourceError, UsageError
+
+SIM_HOST = "sim-node0"
+
+
+@dataclass(frozen=True, slots=True)
+class DemoPlan:
+    """What one demo run does; `quick` shortens every level."""
+
+    concurrency: tuple[int, ...] = (1, 8, 32, 64)
+    level_s: float = 9.0
+    max_tokens: int = 256
+    speed: float = 1.0
+
+    @classmethod
+    def for_mode(cls, quick: bool) -> DemoPlan:
+        return cls(level_s=4.0, max_tokens=128) if quick else cls()
+
+
+@dataclass(frozen=True, slots=True)
+class DemoRun:
+    label: str
+    scenario: str
+    run_dir: Path
+    report_dir: Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _gputrace(*args: str) -> list[str]:
+    return [sys.executable, "-m", "gputrace", *args]
+
+
+def _wait_http(url: str, proc: subprocess.Popen[bytes], what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SourceError(f"demo: the {what} exited with status {proc.returncode} before it was ready")
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as resp:
+            if resp.status == 200:
+                return
+        time.sleep(0.1)
+    raise SourceError(f"demo: the {what} did not answer {url} within {timeout_s:.0f} s")
+
+
+@contextlib.contextmanager
+def _process(argv: list[str], log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A child process whose output goes to a log file; stopped with SIGTERM (then SIGKILL)."""
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            yield proc
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+def write_config(path: Path, log_file: Path, agent_port: int, pp_size: int = 8) -> None:
+    path.write_text(
+        "# written by `gputrace demo`: one local host running the simulated SGLang PP8 server\n"
+        f'[run]\nname = "{path.stem}"\n\n'
+        f'[[hosts]]\nname = "{SIM_HOST}"\nagent = "127.0.0.1:{agent_port}"\n\n'
+        f'[hosts.log]\nkind = "file"\npath = {json.dumps(str(log_file))}\nengine = "sglang"\n\n'
+        f"[topology]\npp_size = {pp_size}\ntp_size = 1\n"
+    )
+
+
+def run_one(out: Path, label: str, scenario: str, plan: DemoPlan,
+            say: Callable[[str], None]) -> DemoRun:
+    """Serve the scenario, capture a sweep against it with `gputrace run`, write its report."""
+    work = out / "work" / label
+    work.mkdir(parents=True, exist_ok=True)
+    log_file, feed = work / "sglang.log", work / "gpu-feed.ndjson"
+    sim_port, agent_port, collector_port = free_port(), free_port(), free_port()
+    config = work / f"{label}.toml"
+    write_config(config, log_file, agent_port)
+    run_dir = out / label
+    say(f"[{label}] simulated SGLang PP8 ({scenario}) on :{sim_port}, agent on :{agent_port}")
+    sim_argv = _gputrace("sim", "serve", "--scenario", scenario, "--port", str(sim_port),
+                         "--log", str(log_file), "--gpu-feed", str(feed), "--speed", str(plan.speed))
+    with _process(sim_argv, work / "sim.out") as sim:
+        _wait_http(f"http://127.0.0.1:{sim_port}/v1/models", sim, "simulator")
+        agent_argv = _gputrace("agent", "--backend", "sim", "--sim-feed", str(feed),
+                               "--listen", f"127.0.0.1:{agent_port}", "--interval", "0.1",
+                               "--host-name", SIM_HOST, "--topology", "pp=8,tp=1")
+        with _process(agent_argv, work / "agent.out") as agent:
+            _wait_http(f"http://127.0.0.1:{agent_port}/healthz", agent, "agent")
+            say(f"[{label}] sweeping C={','.join(map(str, plan.concurrency))}, "
+                f"{plan.level_s:.0f} s per level")
+            run_argv = _gputrace(
+                "run", "--config", str(config), "--out", str(run_dir),
+                "--listen", f"127.0.0.1:{collector_port}",
+                "--url", f"http://127.0.0.1:{sim_port}", "--model", "default",
+                "--concurrency", ",".join(map(str, plan.concurrency)),
+                "--duration-per-level", str(plan.level_s), "--max-tokens", str(plan.max_tokens),
+                "--warmup", "0")
+            with open(work / "run.out", "wb") as run_log:
+                status = subprocess.run(run_argv, stdout=run_log, stderr=subprocess.STDOUT,
+                                        check=False).returncode
+            if status != 0:
+                tail = (work / "run.out").read_text(errors="replace").strip().splitlines()[-5:]
+                raise SourceError(f"demo: `gputrace run` for {label} failed (status {status}): "
+                                  + " | ".join(tail))
+    return DemoRun(label, scenario, run_dir, run_dir / "report")
+
+
+def compare(out: Path, a: DemoRun, b: DemoRun) -> Path:
+    target = out / "compare"
+    status = subprocess.run(_gputrace("compare", str(a.run_dir), str(b.run_dir), "--out", str(target)),
+                            capture_output=True, text=True, check=False)
+    if status.returncode != 0:
+        raise SourceError(f"demo: compare failed: {status.stderr.strip()[-300:]}")
+    return target
+
+
+def findings_of(run: DemoRun) -> dict[str, Any]:
+    path = run.report_dir / "findings.json"
+    try:
+        doc: dict[str, Any] = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SourceError(f"demo: no readable findings for {run.label} at {path}: {exc}") from exc
+    return doc
+
+
+def run_demo(out: Path, quick: bool, say: Callable[[str], None]) -> tuple[DemoRun, DemoRun, Path]:
+    if out.exists() and any(out.iterdir()):
+        raise UsageError(f"--out {out}: not empty; choose another directory or remove it")
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("GPUTRACE_DEMO", "1")
+    plan = DemoPlan.for_mode(quick)
+    cap = run_one(out, "cap", "microbatch-cap", plan, say)
+    fixed = run_one(out, "fixed", "microbatch-fixed", plan, say)
+    return cap, fixed, compare(out, cap, fixed)

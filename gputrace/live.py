@@ -1,0 +1,213 @@
+"""What the collector knows right now: the newest engine line per rank, recent GPU utilization,
+the load in flight; exported as Prometheus families at scrape time and as JSON for `watch`.
+
+The live bubble estimate per stage is the share of the last ``window_s`` in which the stage's GPUs
+idled (1 - NVML utilization) while the engine had requests running or waiting on that stage.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gputrace.model import GpuSample, Marker, RequestRecord, SchedulerEvent
+from gputrace.topology import Placement
+
+RankKey = tuple[str, int, int, int]  # host, pp_rank, tp_rank, dp_rank
+
+
+@dataclass(slots=True)
+class EngineRank:
+    """The newest values logged by one engine rank."""
+
+    running_req: int | None = None
+    queue_req: int | None = None
+    gen_throughput_tok_s: float | None = None
+    token_usage: float | None = None
+    seen_ns: int = 0
+
+
+@dataclass(slots=True)
+class GpuLive:
+    """Recent samples of one GPU: (collector receive ns, utilization, power, tx, rx)."""
+
+    samples: deque[tuple[int, float | None, float | None, float | None, float | None]] = field(
+        default_factory=lambda: deque(maxlen=4096))
+
+
+class LiveState:
+    """Mutable live view, updated by the collector's tasks on one event loop."""
+
+    def __init__(self, run: str, placements: Iterable[Placement] = (), window_s: float = 10.0):
+        self.run = run
+        self.window_s = window_s
+        self.placements = list(placements)
+        self.engine: dict[RankKey, EngineRank] = {}
+        self.gpus: dict[tuple[str, int], GpuLive] = {}
+        self.inflight_probe: Callable[[], int] | None = None  # the in-process load generator's count
+        self.target_concurrency: int | None = None
+        self.phase: str | None = None
+        self.counts: dict[str, int] = {"gpu_samples": 0, "scheduler_events": 0, "requests": 0,
+                                       "markers": 0, "unrecognised_lines": 0}
+
+    # -- updates --------------------------------------------------------------------------------
+
+    def on_event(self, ev: SchedulerEvent) -> None:
+        key = (ev.host, ev.pp_rank or 0, ev.tp_rank or 0, ev.dp_rank or 0)
+        rank = self.engine.setdefault(key, EngineRank())
+        if ev.running_req is not None:
+            rank.running_req = ev.running_req
+        if ev.queue_req is not None:
+            rank.queue_req = ev.queue_req
+        if ev.gen_throughput_tok_s is not None:
+            rank.gen_throughput_tok_s = ev.gen_throughput_tok_s
+        if ev.token_usage is not None:
+            rank.token_usage = ev.token_usage
+        rank.seen_ns = time.time_ns()
+        self.counts["scheduler_events"] += 1
+
+    def on_samples(self, samples: Iterable[GpuSample]) -> None:
+        now = time.time_ns()
+        for s in samples:
+            live = self.gpus.setdefault((s.host, s.gpu_index), GpuLive())
+            live.samples.append((now, s.utilization_ratio, s.power_w,
+                                 s.pcie_tx_bytes_per_s, s.pcie_rx_bytes_per_s))
+            self.counts["gpu_samples"] += 1
+
+    def on_marker(self, marker: Marker) -> None:
+        self.counts["markers"] += 1
+        if marker.kind == "phase":
+            self.phase = marker.label
+            self.target_concurrency = marker.target_concurrency
+        elif marker.kind == "end":
+            self.phase = None
+            self.target_concurrency = None
+
+    def on_request(self, record: RequestRecord) -> None:
+        self.counts["requests"] += 1
+
+    @property
+    def inflight(self) -> int | None:
+        """Requests in flight right now, when the load runs in this process."""
+        return self.inflight_probe() if self.inflight_probe is not None else None
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    def stages(self) -> list[dict[str, Any]]:
+        """One row per pipeline stage: GPU means over the window, engine values, bubble estimate."""
+        cutoff = time.time_ns() - int(self.window_s * 1e9)
+        by_stage: dict[int, list[Placement]] = {}
+        for p in self.placements:
+            by_stage.setdefault(p.pp_rank, []).append(p)
+        for _host, pp, _tp, _dp in self.engine:
+            by_stage.setdefault(pp, [])
+        rows = []
+        for pp in sorted(by_stage):
+            util: list[float] = []
+            power: list[float] = []
+            tx: list[float] = []
+            rx: list[float] = []
+            for p in by_stage[pp]:
+                live = self.gpus.get((p.host, p.gpu_index))
+                for ts, u, w, t, r in live.samples if live else ():
+                    if ts < cutoff:
+                        continue
+                    for bucket, v in ((util, u), (power, w), (tx, t), (rx, r)):
+                        if v is not None:
+                            bucket.append(v)
+            ranks = [r for (h, p, _t, _d), r in self.engine.items() if p == pp]
+            running = _sum(r.running_req for r in ranks)
+            queued = _sum(r.queue_req for r in ranks)
+            has_work = bool((running or 0) + (queued or 0))
+            util_mean = _mean(util)
+            rows.append({
+                "pp_rank": pp,
+                "gpus": [f"{p.host}:{p.gpu_index}" for p in by_stage[pp]],
+                "utilization_ratio": util_mean,
+                "power_w": _mean(power),
+                "pcie_tx_bytes_per_s": _mean(tx),
+                "pcie_rx_bytes_per_s": _mean(rx),
+                "running_req": running,
+                "queue_req": queued,
+                "gen_throughput_tok_s": _sum(r.gen_throughput_tok_s for r in ranks),
+                "token_usage": max((r.token_usage for r in ranks if r.token_usage is not None),
+                                   default=None),
+                "bubble_ratio": (1.0 - util_mean) if (util_mean is not None and has_work) else
+                                (0.0 if util_mean is not None else None),
+            })
+        return rows
+
+    def status(self) -> dict[str, Any]:
+        """The JSON `watch` reads from the collector's /v1/status."""
+        return {"run": self.run, "phase": self.phase, "target_concurrency": self.target_concurrency,
+                "inflight": self.inflight, "counts": dict(self.counts), "stages": self.stages()}
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _sum(values: Iterable[float | int | None]) -> Any:
+    present = [v for v in values if v is not None]
+    return sum(present) if present else None
+
+
+class LiveCollector(Collector):
+    """Prometheus families for the engine, the load and the stage bubble estimate, built per scrape."""
+
+    def __init__(self, state: LiveState):
+        self.state = state
+
+    def collect(self) -> Iterable[Metric]:
+        s = self.state
+        engine_labels = ["host", "pp_rank", "tp_rank", "dp_rank", "run"]
+        families: Mapping[str, tuple[str, str]] = {
+            "running_req": ("gputrace_engine_running_requests",
+                            "Requests in the micro-batch the rank last logged (#running-req)"),
+            "queue_req": ("gputrace_engine_queue_requests", "Requests waiting on the rank (#queue-req)"),
+            "gen_throughput_tok_s": ("gputrace_engine_generation_tokens_per_second",
+                                     "Generation throughput the rank last logged"),
+            "token_usage": ("gputrace_engine_token_usage_ratio", "KV-cache token usage the rank last logged"),
+        }
+        for attr, (name, doc) in families.items():
+            fam = GaugeMetricFamily(name, doc, labels=engine_labels)
+            for (host, pp, tp, dp), rank in sorted(s.engine.items()):
+                value = getattr(rank, attr)
+                if value is not None:
+                    fam.add_metric([host, str(pp), str(tp), str(dp), s.run], float(value))
+            yield fam
+        inflight = GaugeMetricFamily("gputrace_load_inflight_requests",
+                                     "Requests the load generator has in flight", labels=["run"])
+        if s.inflight is not None:
+            inflight.add_metric([s.run], float(s.inflight))
+        yield inflight
+        target = GaugeMetricFamily("gputrace_load_target_concurrency",
+                                   "Concurrency the current load phase asks for", labels=["run"])
+        if s.target_concurrency is not None:
+            target.add_metric([s.run], float(s.target_concurrency))
+        yield target
+        bubble = GaugeMetricFamily(
+            "gputrace_stage_bubble_ratio",
+            "Share of the last window the stage's GPUs idled while the engine had work",
+            labels=["pp_rank", "run"])
+        util = GaugeMetricFamily("gputrace_stage_utilization_ratio",
+                                 "Mean NVML utilization of the stage's GPUs over the last window",
+                                 labels=["pp_rank", "run"])
+        for row in s.stages():
+            if row["bubble_ratio"] is not None:
+                bubble.add_metric([str(row["pp_rank"]), s.run], float(row["bubble_ratio"]))
+            if row["utilization_ratio"] is not None:
+                util.add_metric([str(row["pp_rank"]), s.run], float(row["utilization_ratio"]))
+        yield bubble
+        yield util
+        for key, n in s.counts.items():
+            counter = CounterMetricFamily(f"gputrace_collector_{key}",
+                                    f"{key.replace('_', ' ')} captured in this run", labels=["run"])
+            counter.add_metric([s.run], float(n))
+            yield counter

@@ -1,0 +1,167 @@
+"""The collector as users run it (`gputrace collect` in its own process, local transport): log lines
+and agent samples reach the store; SIGKILL loses at most the last second; SIGINT loses nothing;
+live metrics, marks and status are served."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from gputrace.store import Store
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def decode_line(i: int, pp: int) -> str:
+    ts = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S")
+    return (f"[{ts} PP{pp}] Decode batch, #running-req: 8, #token: {i}, token usage: 0.05, "
+            f"cuda graph: True, gen throughput (token/s): 250.00, #queue-req: 24\n")
+
+
+class LogWriter(threading.Thread):
+    """Appends one scheduler line every ``period_s``, remembering when each was written."""
+
+    def __init__(self, path: Path, period_s: float = 0.005):
+        super().__init__(daemon=True)
+        self.path, self.period_s = path, period_s
+        self.written: list[tuple[int, float]] = []  # (index, time.time())
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        i = 0
+        with open(self.path, "a", buffering=1) as f:
+            while not self.stop_event.is_set():
+                f.write(decode_line(i, i % 8))
+                self.written.append((i, time.time()))
+                i += 1
+                time.sleep(self.period_s)
+
+
+def wait_until(predicate, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as resp:
+            return bool(resp.status == 200)
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def agent_port(tmp_path: Path) -> Iterator[int]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "gputrace", "agent", "--backend", "sim",
+                             "--sim-gpus", "8", "--sim-pattern", "square:1:0.5",
+                             "--listen", f"127.0.0.1:{port}", "--interval", "0.1",
+                             "--host-name", "node0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/healthz"))
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def write_config(tmp_path: Path, log: Path, agent_port: int) -> Path:
+    cfg = tmp_path / "gputrace.toml"
+    cfg.write_text(f'[[hosts]]\nname = "node0"\nagent = "127.0.0.1:{agent_port}"\n\n'
+                   f'[hosts.log]\nkind = "file"\npath = {json.dumps(str(log))}\n\n'
+                   "[topology]\npp_size = 8\n")
+    return cfg
+
+
+def start_collector(cfg: Path, out: Path, port: int) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "gputrace", "collect", "--config", str(cfg),
+                             "--out", str(out), "--listen", f"127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def test_sigkill_keeps_all_but_the_last_second(tmp_path: Path, agent_port: int) -> None:
+    """Killed with SIGKILL mid-run, the store opens and holds every line written up to 1 s before."""
+    log = tmp_path / "sglang.log"
+    log.touch()
+    writer = LogWriter(log)
+    writer.start()
+    port = free_port()
+    proc = start_collector(write_config(tmp_path, log, agent_port), tmp_path / "run", port)
+    try:
+        wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/healthz"))
+        time.sleep(3.0)
+        killed_at = time.time()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        writer.stop_event.set()
+        writer.join()
+    with Store.open(tmp_path / "run", read_only=True) as store:
+        tokens = {int(r[0]) for r in store.sql("SELECT num_token FROM scheduler_events")}
+        samples = store.count("gpu_samples")
+    due = {i for i, t in writer.written if t <= killed_at - 1.0}
+    assert due, "the writer wrote nothing before the kill"
+    assert due <= tokens, f"lost {len(due - tokens)} lines written more than 1 s before the kill"
+    assert samples > 0
+
+
+def test_sigint_flushes_everything_and_serves_live(tmp_path: Path, agent_port: int) -> None:
+    """Live /metrics, /v1/status and /v1/mark work; after SIGINT every line and mark is stored."""
+    log = tmp_path / "sglang.log"
+    log.touch()
+    writer = LogWriter(log)
+    writer.start()
+    port = free_port()
+    proc = start_collector(write_config(tmp_path, log, agent_port), tmp_path / "run", port)
+    try:
+        wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/healthz"))
+        mark = subprocess.run([sys.executable, "-m", "gputrace", "mark", "C=32", "--concurrency", "32"],
+                              env={**os.environ, "GPUTRACE_MARK_URL": f"http://127.0.0.1:{port}/v1/mark"},
+                              capture_output=True, text=True, timeout=30)
+        assert mark.returncode == 0, mark.stderr
+
+        def live_ok() -> bool:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
+                text = resp.read().decode()
+            return ('gputrace_engine_running_requests{dp_rank="0",host="node0",pp_rank="3"' in text
+                    and "gputrace_stage_bubble_ratio{" in text)
+        wait_until(live_ok)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/status", timeout=2) as resp:
+            status = json.loads(resp.read())
+        assert status["phase"] == "C=32"
+        assert [row["pp_rank"] for row in status["stages"]] == list(range(8))
+        assert all(row["running_req"] == 8 for row in status["stages"])
+    finally:
+        writer.stop_event.set()
+        writer.join()
+    time.sleep(1.0)  # let the follower read the last lines
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err.decode()
+    with Store.open(tmp_path / "run", read_only=True) as store:
+        tokens = {int(r[0]) for r in store.sql("SELECT num_token FROM scheduler_events")}
+        markers = store.sql("SELECT label, target_concurrency FROM markers")
+        assert store.meta.topology["pp_size"] == 8
+    assert tokens == {i for i, _ in writer.written}
+    assert markers == [("C=32", 32)]
