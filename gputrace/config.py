@@ -10,7 +10,7 @@ Example::
     name = "node0"
     ssh = "ubuntu@10.0.0.5:22"      # omit (or "local") to run on this machine
     identity_file = "~/.ssh/id_ed25519"
-    agent = "127.0.0.1:9400"         # the agent's address on that host
+    agent = "127.0.0.1:9402"         # the agent's address on that host (its default port)
     gpus = [0, 1, 2, 3, 4, 5, 6, 7]
 
     [hosts.log]
