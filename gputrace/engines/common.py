@@ -113,7 +113,9 @@ def convert_value(text: str, kind: type) -> Value:
     if not _NUMBER.fullmatch(text):
         return None
     if kind is int:
-        return int(text) if text.lstrip("+-").isdigit() else None
+        digits = text.lstrip("+-")
+        # More than 18 digits cannot be a count and would not fit the store's int64 columns.
+        return int(text) if digits.isdigit() and len(digits) <= 18 else None
     return float(text)
 
 

@@ -29,7 +29,7 @@ _TIMESTAMP = re.compile(
     r"(?<![\d:.-])(?:(\d{4}-\d\d-\d\d)[ T])?(\d\d:\d\d:\d\d)(?:[.,](\d{1,9}))?(?![\d:])"
 )
 _BRACKETS = re.compile(r"\[([^\[\]]*)\]")
-_RANK = re.compile(r"(?<![A-Za-z0-9_])(DP|PP|ATTN_CP|MOE_DP|TP|EP)(\d+)(?![A-Za-z0-9_])")
+_RANK = re.compile(r"(?<![A-Za-z0-9_])(DP|PP|ATTN_CP|MOE_DP|TP|EP)(\d{1,9})(?![A-Za-z0-9_])")
 _GPU_TAG = re.compile(r"\[gpu(?:_id)?=(\d+)\]")
 _FIELD = re.compile(r"(#?[A-Za-z][\w \-/()]*?): ([-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?%?|True|False)")
 _RANK_FIELDS = {"DP": "dp_rank", "PP": "pp_rank", "TP": "tp_rank", "EP": "ep_rank"}
