@@ -147,3 +147,32 @@ def test_host_key_flags_map_to_policies() -> None:
     assert host_key_policy_from_flags(insecure_skip_host_key_check=True) is HostKeyPolicy.INSECURE_SKIP
     with pytest.raises(UsageError):
         host_key_policy_from_flags(True, True)
+
+
+async def test_forward_is_restored_after_a_reconnect(sshd_server: SshServer) -> None:
+    """After the sshd session is killed, the next call reconnects and the forward works on the same port."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"agent:" + await reader.readline())
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    transport = await connect_ssh(sshd_server.options())
+    try:
+        local_port = await transport.forward_local_port("127.0.0.1", server.sockets[0].getsockname()[1])
+        assert sshd_server.kill_sessions() > 0
+        for _ in range(50):  # a call made before the loss is noticed may fail once
+            try:
+                await transport.run(["true"])
+                break
+            except TransportError:
+                await asyncio.sleep(0.05)
+        assert transport.connects == 2
+        reader, writer = await asyncio.open_connection("127.0.0.1", local_port)
+        writer.write(b"again\n")
+        assert await reader.read() == b"agent:again\n"
+        writer.close()
+    finally:
+        await transport.close()
+        server.close()

@@ -206,7 +206,8 @@ class _JournalDecoder(_LineDecoder):
         self.from_start = from_start
 
     def argv(self, python: str) -> list[str]:
-        argv = ["journalctl", "--unit", self.unit, "--output", "json", "--follow", "--no-pager"]
+        # --all: without it journalctl writes fields over 4 KiB as null in JSON.
+        argv = ["journalctl", "--unit", self.unit, "--output", "json", "--all", "--follow", "--no-pager"]
         if self.cursor is not None:
             return [*argv, "--lines", "all", "--after-cursor", self.cursor]
         return [*argv, "--lines", "all" if self.from_start else "0"]

@@ -50,6 +50,10 @@ class LocalStream:
     def stderr_tail(self) -> str:
         return b"".join(self._stderr).decode("utf-8", "replace")[-4096:]
 
+    @property
+    def running(self) -> bool:
+        return self._proc.returncode is None
+
     async def close(self) -> None:
         if self._proc.stdin is not None and not self._proc.stdin.is_closing():
             self._proc.stdin.close()
@@ -90,6 +94,7 @@ class LocalTransport:
         if watchdog:
             argv = watched_argv(argv, merge_stderr=merge_stderr)
         stream = LocalStream(await self._spawn(argv))
+        self._streams = {s for s in self._streams if s.running}
         self._streams.add(stream)
         return stream
 

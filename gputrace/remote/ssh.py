@@ -57,9 +57,10 @@ class SshOptions:
 class _Client(asyncssh.SSHClient):
     """Decides about host keys that known_hosts does not list, per the policy."""
 
-    def __init__(self, options: SshOptions, had_keys: bool, on_lost: asyncio.Event) -> None:
+    def __init__(self, options: SshOptions, known: asyncssh.SSHKnownHosts | None,
+                 on_lost: asyncio.Event) -> None:
         self._options = options
-        self._had_keys = had_keys
+        self._known = known
         self._on_lost = on_lost
         self.refusal: str | None = None
 
@@ -70,7 +71,7 @@ class _Client(asyncssh.SSHClient):
             log.warning("ssh_host_key_not_checked", host=opts.host_pattern, fingerprint=fingerprint,
                         why="--insecure-skip-host-key-check: the connection can be intercepted")
             return True
-        if self._had_keys:
+        if _lists_host(self._known, host, addr, port):
             self.refusal = (
                 f"{opts.host_pattern}: the SSH host key has CHANGED ({fingerprint}) and does not match "
                 f"{opts.known_hosts}; if the host was reinstalled, remove the old key with "
@@ -103,25 +104,29 @@ def _learn_key(opts: SshOptions, key: asyncssh.SSHKey) -> None:
         handle.write(line)
 
 
-def _known_keys_for(opts: SshOptions) -> tuple[object, bool]:
-    """The known_hosts argument for asyncssh, and whether the file lists this host at all."""
+def _lists_host(known: asyncssh.SSHKnownHosts | None, host: str, addr: str, port: int) -> bool:
+    """Whether known_hosts has any key (or CA) for this host, by name or address."""
+    if known is None:
+        return False
+    matched = asyncssh.match_known_hosts(known, host, addr, port if port != 22 else None)
+    return bool(matched[0] or matched[1])
+
+
+def _read_known_hosts(opts: SshOptions) -> asyncssh.SSHKnownHosts | None:
+    """The parsed known_hosts file; None when it is missing or empty."""
     path = opts.known_hosts
     try:
         data = path.read_bytes()
     except FileNotFoundError:
-        data = b""
+        return None
     except OSError as exc:
         raise TransportError(f"{opts.host_pattern}: cannot read {path}: {exc}") from exc
     if not data.strip():
-        return ([], [], []), False
+        return None
     try:
-        known = asyncssh.import_known_hosts(data.decode("utf-8", "replace"))
+        return asyncssh.import_known_hosts(data.decode("utf-8", "replace"))
     except (ValueError, asyncssh.KeyImportError) as exc:
         raise TransportError(f"{path}: not a valid known_hosts file: {exc}") from exc
-    port = opts.port if opts.port != 22 else None
-    # Match by name here; asyncssh matches by the resolved address too when connecting.
-    matched = asyncssh.match_known_hosts(known, opts.host, opts.host, port)
-    return known, bool(matched[0] or matched[1])
 
 
 class SshStream:
@@ -199,9 +204,10 @@ class SshTransport:
             self._conn.abort()
             self._conn = None
         opts = self.options
-        known, had_keys = _known_keys_for(opts)
+        known = _read_known_hosts(opts)
+        had_keys = _lists_host(known, opts.host, opts.host, opts.port)
         lost = asyncio.Event()
-        client = _Client(opts, had_keys, lost)
+        client = _Client(opts, known, lost)
         kwargs: dict[str, object] = dict(opts.extra)
         if opts.identity_files:
             kwargs["client_keys"] = [str(Path(p).expanduser()) for p in opts.identity_files]
@@ -209,7 +215,8 @@ class SshTransport:
             conn, _ = await asyncio.wait_for(
                 asyncssh.create_connection(
                     lambda: client, opts.host, port=opts.port, username=opts.username,
-                    known_hosts=known, keepalive_interval=opts.keepalive_interval_s,
+                    known_hosts=known if known is not None else ([], [], []),
+                    keepalive_interval=opts.keepalive_interval_s,
                     keepalive_count_max=opts.keepalive_count_max, **kwargs,
                 ),
                 timeout=opts.connect_timeout_s,
@@ -245,7 +252,9 @@ class SshTransport:
             self._forwards[local_port] = (rhost, rport, listener)
 
     def _channel_error(self, exc: BaseException) -> TransportError:
-        if isinstance(exc, asyncssh.ChannelOpenError | asyncssh.DisconnectError | ConnectionError):
+        # A refused channel (e.g. the server's MaxSessions) leaves the connection and its other
+        # channels alive; only a dead connection is dropped (asyncssh also reports it via connection_lost).
+        if isinstance(exc, asyncssh.DisconnectError | ConnectionError):
             self._lost.set()
         return TransportError(f"{self.host}: SSH channel failed: {exc}")
 
