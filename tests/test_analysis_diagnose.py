@@ -26,8 +26,9 @@ def _causes(a: Analysis) -> set[str]:
 
 
 def test_microbatch_cap_first_with_k(tmp_path: Path) -> None:
-    """PP8, max_running_requests 64, 32 in flight, #running-req 8 everywhere: the cap, K = 8."""
-    spec = SynthRun([Level("C=32", 32, 32, [0.5] * 8, 8, 10)], pp=8)
+    """PP8, max_running_requests 64, 32 in flight, #running-req 8 everywhere and 24 queued: the
+    cap, K = 8."""
+    spec = SynthRun([Level("C=32", 32, 32, [0.125] * 8, 8, 10, queue=24)], pp=8)
     a = _analyse(tmp_path / "r", spec)
     first = a.findings[0]
     assert first.cause == "microbatch_cap" and first.evidence["K"] == 8

@@ -17,7 +17,7 @@ from gputrace.report.figures import FIGURES
 
 def _capped(path: Path) -> Path:
     build(path, SynthRun([Level("C=1", 1, 1, [0.125] * 4, 1, 6),
-                          Level("C=32", 32, 32, [0.5] * 4, 16, 6)], pp=4))
+                          Level("C=32", 32, 32, [0.25] * 4, 16, 6, queue=16)], pp=4))
     return path
 
 

@@ -26,8 +26,8 @@ class Thresholds:
     imbalance_gap: float = 0.08  # busiest stage minus median stage busy share
     imbalance_ratio: float = 1.15
     client_shortfall: float = 0.85  # in flight below this share of the target
-    kv_usage: float = 0.92
-    pcie_busy_share: float = 0.6  # link share while the GPU is busy
+    kv_usage: float = 0.9
+    pcie_transfer_per_busy: float = 0.4  # hand-off time at link speed per unit of kernel time
     throttled_share: float = 0.1
 
 
@@ -95,45 +95,35 @@ def diagnose_phase(pm: PhaseMetrics, engine: dict[str, Any], pp_size: int,
             min(0.95, 0.5 + short), "the load generator keeps fewer requests in flight than asked: "
             "give it more workers/connections or remove its think time before reading the bubbles",
             f"client kept {pm.inflight_mean:.1f} of {pm.target_concurrency} requests in flight",
-            impact=mean_bubble * short))
+            impact=mean_bubble * short + 0.5))
 
-    # Micro-batch cap: stages plateau at K while more requests are offered than one micro-batch.
-    at_k = (np.abs(mb_max - k) <= th.cap_tolerance) & (mb_mean >= 0.85 * k) if k else np.zeros(len(st), bool)
-    capped = False
-    if k and load is not None and at_k.sum() >= max(1, len(st) // 2) and load > k + 0.5 and \
-            (mean_bubble > th.bubble_material or np.nanmax(np.nan_to_num(queue)) > 0):
-        capped = True
+    # Micro-batch cap: #running-req plateaus at K (per stage, or the engine's total) while
+    # requests wait in the queue.
+    queue_mean = float(np.nanmax(queue)) if not np.isnan(queue).all() else None
+    engine_running = (load - queue_mean) if load is not None and queue_mean is not None else None
+    at_k = (np.abs(mb_max - k) <= th.cap_tolerance) if k else np.zeros(len(st), bool)
+    plateau = bool(k) and (at_k.sum() >= max(1, len(st) // 2) or (
+        engine_running is not None and abs(engine_running - k) <= max(1.0, 0.1 * k)))
+    waiting = queue_mean > 0.5 if queue_mean is not None else (
+        load is not None and load > k + 0.5 and mean_bubble > th.bubble_material if k else False)
+    if k and plateau and waiting and load is not None:
         mrr = engine.get("max_running_requests")
         want = int(max(mrr or 0, pm.target_concurrency or 0, round(load)))
         out.append(Finding(
-            "microbatch_cap", pm.label, [int(i) for i in np.flatnonzero(at_k)],
+            "microbatch_cap", pm.label, [int(i) for i in np.flatnonzero(at_k)] or all_stages,
             {"K": k, "K_from": k_from, "max_running_requests": mrr, "pp_size": pp_size,
              "microbatch_size_max": _r(float(np.nanmax(mb_max)), 1),
              "microbatch_size_mean": _r(float(np.nanmean(mb_mean)), 2),
-             "offered_load": _r(load, 1), "microbatches_in_flight": _r(pm.microbatches_in_flight, 2),
+             "offered_load": _r(load, 1), "queue_req_mean": _r(queue_mean, 2),
+             "engine_running_estimate": _r(engine_running, 1),
+             "microbatches_in_flight": _r(pm.microbatches_in_flight, 2),
              "allowed_busy_fraction": _r(pm.allowed_busy_fraction),
-             "mean_busy_fraction": _r(float(np.nanmean(busy))), "mean_bubble_fraction": _r(mean_bubble),
-             "queue_req_mean": _r(float(np.nanmean(queue)), 2) if not np.isnan(queue).all() else None},
+             "mean_busy_fraction": _r(float(np.nanmean(busy))), "mean_bubble_fraction": _r(mean_bubble)},
             0.9 if engine.get("max_running_requests") or engine.get("pp_max_micro_batch_size") else 0.6,
             f"--pp-max-micro-batch-size {want}",
-            f"#running-req plateaus at K = {k} ({k_from}) on every stage while {load:.0f} requests "
-            f"are in flight: only {pm.microbatches_in_flight or 0:.1f} micro-batches fill {pp_size} stages",
+            f"#running-req plateaus at K = {k} ({k_from}) while {load:.0f} requests are offered and "
+            f"{queue_mean or 0:.0f} wait in the queue",
             impact=mean_bubble + 1.0))
-
-    # Too few micro-batches for the pipeline depth (stages in lockstep), not caused by the cap.
-    allowed = pm.allowed_busy_fraction
-    if not capped and allowed is not None and allowed < th.underfilled_allowed_max and \
-            mean_bubble > th.bubble_material:
-        out.append(Finding(
-            "pipeline_underfilled", pm.label, all_stages,
-            {"microbatches_in_flight": _r(pm.microbatches_in_flight, 2), "pp_size": pp_size,
-             "allowed_busy_fraction": _r(allowed), "mean_busy_fraction": _r(float(np.nanmean(busy))),
-             "mean_bubble_fraction": _r(mean_bubble), "offered_load": _r(load, 1)},
-            0.7, f"keep at least {pp_size} micro-batches in flight: raise the offered concurrency, or "
-                 "use fewer pipeline stages (more TP) for this load; --pp-async-batch-depth adds slots",
-            f"{pm.microbatches_in_flight or 0:.1f} micro-batches in flight for {pp_size} stages: "
-            f"the schedule allows {allowed:.0%} busy",
-            impact=mean_bubble))
 
     # Stage imbalance: one stage is the bottleneck, the others wait for it.
     if np.sum(~np.isnan(busy)) >= 2:
@@ -149,31 +139,34 @@ def diagnose_phase(pm: PhaseMetrics, engine: dict[str, Any], pp_size: int,
                 "rebalance the layer split (SGLANG_PP_LAYER_PARTITION) to move layers off stage "
                 + ", ".join(map(str, slow)),
                 f"stage {top} is busy {busy[top]:.0%} against a median of {med:.0%}",
-                impact=float(busy[top] - med)))
+                impact=float(busy[top] - med) + 0.3))
 
     # KV-cache bound: admission stalls on token usage (not a bubble of the pipeline).
     usage = _vals(st, "token_usage_max")
-    if not np.isnan(usage).all() and np.nanmax(usage) >= th.kv_usage and np.nanmax(np.nan_to_num(queue)) > 0:
+    q_max = _vals(st, "queue_req_max")
+    if not np.isnan(usage).all() and np.nanmax(usage) >= th.kv_usage and np.nanmax(np.nan_to_num(q_max)) > 0:
         out.append(Finding(
             "kv_cache_bound", pm.label, all_stages,
             {"token_usage_max": _r(float(np.nanmax(usage))),
              "token_usage_mean": _r(float(np.nanmean(_vals(st, "token_usage_mean")))),
-             "queue_req_mean": _r(float(np.nanmean(queue)), 2)},
+             "queue_req_mean": _r(queue_mean, 2), "queue_req_max": _r(float(np.nanmax(q_max)), 0)},
             0.8, "more KV cache (--mem-fraction-static, --max-total-tokens) or shorter contexts; "
                  "requests wait for cache, not for the pipeline",
-            f"token usage reaches {np.nanmax(usage):.2f} while requests queue", impact=mean_bubble))
+            f"token usage reaches {np.nanmax(usage):.2f} while requests queue", impact=mean_bubble + 0.3))
 
-    # PCIe-bound hand-offs: the link runs near capacity while the GPUs work.
-    pcie = _vals(st, "pcie_link_share_busy_mean")
-    if not np.isnan(pcie).all() and np.nanmax(pcie) >= th.pcie_busy_share:
-        hot = [int(i) for i in np.flatnonzero(pcie >= th.pcie_busy_share)]
+    # PCIe-bound hand-offs: moving activations takes as long as a good share of the compute.
+    hop = _vals(st, "pcie_transfer_per_busy")
+    if not np.isnan(hop).all() and np.nanmax(hop) >= th.pcie_transfer_per_busy:
+        hot = [int(i) for i in np.flatnonzero(hop >= th.pcie_transfer_per_busy)]
         out.append(Finding(
             "pcie_bound", pm.label, hot,
-            {"pcie_link_share_busy_mean_by_stage": [_r(p) for p in pcie],
+            {"pcie_transfer_per_busy_by_stage": [_r(p) for p in hop],
+             "pcie_link_share_mean_by_stage": [_r(p) for p in _vals(st, "pcie_link_share_mean")],
              "pcie_link_share_p95_max": _r(float(np.nanmax(_vals(st, "pcie_link_share_p95"))))},
             0.75, "the stage hand-offs saturate PCIe: use NVLink-connected GPUs for adjacent stages, "
                   "fewer stages, or more TP within a node",
-            f"PCIe at {np.nanmax(pcie):.0%} of link capacity while busy", impact=mean_bubble))
+            f"hand-offs need {np.nanmax(hop):.0%} of the compute time at full PCIe link speed",
+            impact=mean_bubble + 0.3))
 
     # Throttling: clock-event reasons say power or thermal slowdown.
     thr = _vals(st, "throttled_fraction")
@@ -187,6 +180,22 @@ def diagnose_phase(pm: PhaseMetrics, engine: dict[str, Any], pp_size: int,
             0.8, "the GPUs slow down for power or temperature: check cooling and power limits "
                  "(nvidia-smi -q -d PERFORMANCE)",
             f"clocks throttled {np.nanmax(thr):.0%} of the phase", impact=float(np.nanmax(thr)) * 0.5))
+
+    # Too few micro-batches for the pipeline depth (stages in lockstep), when nothing above
+    # explains the bubble.
+    allowed = pm.allowed_busy_fraction
+    if not out and allowed is not None and allowed < th.underfilled_allowed_max and \
+            mean_bubble > th.bubble_material:
+        out.append(Finding(
+            "pipeline_underfilled", pm.label, all_stages,
+            {"microbatches_in_flight": _r(pm.microbatches_in_flight, 2), "pp_size": pp_size,
+             "allowed_busy_fraction": _r(allowed), "mean_busy_fraction": _r(float(np.nanmean(busy))),
+             "mean_bubble_fraction": _r(mean_bubble), "offered_load": _r(load, 1)},
+            0.7, f"keep at least {pp_size} micro-batches in flight: raise the offered concurrency, or "
+                 "use fewer pipeline stages (more TP) for this load; --pp-async-batch-depth adds slots",
+            f"{pm.microbatches_in_flight or 0:.1f} micro-batches in flight for {pp_size} stages: "
+            f"the schedule allows {allowed:.0%} busy",
+            impact=mean_bubble))
     return out
 
 

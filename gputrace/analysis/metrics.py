@@ -85,7 +85,9 @@ class StageMetrics:
     pcie_tx_bytes_per_s_mean: float | None
     pcie_rx_bytes_per_s_mean: float | None
     pcie_link_share_p95: float | None  # larger direction, against the link's capacity
-    pcie_link_share_busy_mean: float | None  # the same while the GPU is mostly busy
+    pcie_link_share_mean: float | None
+    # link time the hand-offs need (at full link speed) per second of kernel time: ~ hop/step
+    pcie_transfer_per_busy: float | None
     sm_clock_hz_mean: float | None
     throttled_fraction: float | None
     log_lines: int
@@ -158,6 +160,21 @@ def busy_and_bubble(utilization: np.ndarray, work_ratio: np.ndarray, weights: np
     return busy, bubble
 
 
+def tokens_emitted(first_token_ns: np.ndarray, end_ns: np.ndarray, completion_tokens: np.ndarray,
+                   start_ns: int, stop_ns: int) -> float:
+    """Completion tokens that came out in [start, stop): each request's first token at its
+    first-token time, the rest spread evenly up to its end (long requests span phases)."""
+    ok = ~np.isnan(first_token_ns) & ~np.isnan(end_ns) & ~np.isnan(completion_tokens) & \
+        (completion_tokens >= 1)
+    first, end, n = first_token_ns[ok], np.maximum(end_ns[ok], first_token_ns[ok]), completion_tokens[ok]
+    first_in = ((first >= start_ns) & (first < stop_ns)).astype(np.float64)
+    span = end - first
+    overlap = np.clip(np.minimum(end, stop_ns) - np.maximum(first, start_ns), 0, None)
+    with np.errstate(all="ignore"):
+        rest = np.where(span > 0, overlap / span, ((end >= start_ns) & (end < stop_ns)).astype(float))
+    return float(np.sum(first_in + (n - 1) * rest))
+
+
 def _wmean(values: np.ndarray, w: np.ndarray) -> float | None:
     ok = ~np.isnan(values) & (w > 0)
     return float(np.sum(values[ok] * w[ok]) / np.sum(w[ok])) if ok.any() else None
@@ -176,7 +193,8 @@ def phase_metrics(run: AlignedRun, series: StageSeries, phase: Phase) -> PhaseMe
     in_phase = (rq["phase"] == phase.label) if (rq["phase"] == phase.label).any() else \
         (rq["end_ns"] >= phase.start_ns) & (rq["end_ns"] < phase.end_ns)
     done = in_phase & rq["ok"] & ~np.isnan(rq["end_ns"])
-    tokens = np.nansum(rq["completion_tokens"][done]) if done.any() else np.nan
+    tokens = tokens_emitted(rq["first_token_ns"], rq["end_ns"], rq["completion_tokens"],
+                            phase.start_ns, phase.end_ns) if len(rq["start_ns"]) else np.nan
     ttft = (rq["first_token_ns"] - rq["start_ns"])[done] / 1e9
     n_tok = rq["completion_tokens"][done]
     with np.errstate(all="ignore"):
@@ -198,7 +216,6 @@ def phase_metrics(run: AlignedRun, series: StageSeries, phase: Phase) -> PhaseMe
         q = ev.queue_req[lo:hi]
         usage = ev.token_usage[lo:hi]
         share = np.fmax(series.pcie_tx_share[s, cells], series.pcie_rx_share[s, cells])
-        busy_cells = np.nan_to_num(util) > 0.5
         stages.append(StageMetrics(
             pp_rank=s,
             busy_fraction=_f(busy_all[s]) if has_util else None,
@@ -218,20 +235,25 @@ def phase_metrics(run: AlignedRun, series: StageSeries, phase: Phase) -> PhaseMe
             pcie_tx_bytes_per_s_mean=_wmean(series.pcie_tx_bytes_per_s[s, cells], w),
             pcie_rx_bytes_per_s_mean=_wmean(series.pcie_rx_bytes_per_s[s, cells], w),
             pcie_link_share_p95=_pct(share, 95),
-            pcie_link_share_busy_mean=_wmean(share[busy_cells], w[busy_cells]) if busy_cells.any() else None,
+            pcie_link_share_mean=(share_mean := _wmean(share, w)),
+            pcie_transfer_per_busy=share_mean / busy_all[s]
+            if share_mean is not None and busy_all[s] > 0.01 else None,
             sm_clock_hz_mean=_wmean(series.sm_clock_hz[s, cells], w),
             throttled_fraction=_wmean(series.throttled[s, cells], w),
             log_lines=int(hi - lo),
             distinct_microbatch_sizes=len(np.unique(mb)),
         ))
 
+    # Micro-batches in flight = requests the engine runs (offered minus queued) / micro-batch size.
     mb_sizes = [st.microbatch_size_mean for st in stages if st.microbatch_size_mean]
+    queued = max((st.queue_req_mean for st in stages if st.queue_req_mean is not None), default=0.0)
     load = inflight if inflight is not None else (
         float(np.nanmean(run.stage_running[0, cells] + run.stage_queue[0, cells])) if len(w) else None)
     mb_in_flight = allowed = None
     if mb_sizes and load is not None:
         slots = run.pp_size + int(run.engine.get("pp_async_batch_depth") or 0)
-        mb_in_flight = min(float(slots), load / float(np.mean(mb_sizes)))
+        running = max(load - queued, float(np.mean(mb_sizes)))
+        mb_in_flight = min(float(slots), running / float(np.mean(mb_sizes)))
         allowed = min(1.0, mb_in_flight / run.pp_size)
     last = run.stage_events[-1] if run.stage_events else None
     gen = None
