@@ -101,12 +101,13 @@ def diagnose_phase(pm: PhaseMetrics, engine: dict[str, Any], pp_size: int,
     # requests wait in the queue.
     queue_mean = float(np.nanmax(queue)) if not np.isnan(queue).all() else None
     engine_running = (load - queue_mean) if load is not None and queue_mean is not None else None
-    at_k = (np.abs(mb_max - k) <= th.cap_tolerance) if k else np.zeros(len(st), bool)
-    plateau = bool(k) and (at_k.sum() >= max(1, len(st) // 2) or (
-        engine_running is not None and abs(engine_running - k) <= max(1.0, 0.1 * k)))
+    kk = k or 0
+    at_k = (np.abs(mb_max - kk) <= th.cap_tolerance) if kk else np.zeros(len(st), bool)
+    plateau = kk > 0 and (at_k.sum() >= max(1, len(st) // 2) or (
+        engine_running is not None and abs(engine_running - kk) <= max(1.0, 0.1 * kk)))
     waiting = queue_mean > 0.5 if queue_mean is not None else (
-        load is not None and load > k + 0.5 and mean_bubble > th.bubble_material if k else False)
-    if k and plateau and waiting and load is not None:
+        load is not None and load > kk + 0.5 and mean_bubble > th.bubble_material)
+    if kk and plateau and waiting and load is not None:
         mrr = engine.get("max_running_requests")
         want = int(max(mrr or 0, pm.target_concurrency or 0, round(load)))
         out.append(Finding(
