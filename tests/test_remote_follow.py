@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import random
 import shlex
@@ -21,9 +22,11 @@ from gputrace.config import LogSource
 from gputrace.errors import SourceError
 from gputrace.remote.follow import (
     Backoff,
+    CursorPosition,
     FilePosition,
     FollowedLine,
     LineCountPosition,
+    _decoder_for,
     follow_log,
     follow_log_batches,
     parse_docker_timestamp,
@@ -33,6 +36,7 @@ from gputrace.remote.ssh import connect_ssh
 from gputrace.remote.transport import Transport
 
 FAST = Backoff(initial_s=0.02, max_s=0.5)
+pytestmark = pytest.mark.system  # most tests here run a real sshd
 
 
 def log_line(i: int) -> str:
@@ -130,6 +134,7 @@ async def test_follow_growing_log_over_ssh(sshd_server: SshServer, tmp_path: Pat
     assert last == FilePosition(path.stat().st_ino, path.stat().st_size)
 
 
+@pytest.mark.slow
 async def test_kill_sshd_20_times_loses_nothing(sshd_server: SshServer, tmp_path: Path) -> None:
     """SIGKILL of the sshd serving the session, 20 times while the log grows: every line exactly once."""
     path = tmp_path / "server.log"
@@ -383,3 +388,35 @@ def test_docker_timestamps_keep_nanoseconds() -> None:
     with pytest.raises(ValueError):
         parse_docker_timestamp("yesterday")
 
+
+
+def test_journal_json_decodes_cursor_time_and_byte_messages() -> None:
+    """journalctl -o json entries give MESSAGE (also as a byte array), µs timestamps and the cursor."""
+    decoder = _decoder_for(LogSource("journald", "sglang.service"), None, True, 0.05)
+    entries = [
+        {"__CURSOR": "s=1;i=1", "__REALTIME_TIMESTAMP": "1782302400123456",
+         "MESSAGE": "Decode batch, #running-req: 8"},
+        {"__CURSOR": "s=1;i=2", "__REALTIME_TIMESTAMP": "1782302400123999",
+         "MESSAGE": list(b"caf\xc3\xa9 \xff")},
+    ]
+    data = "".join(json.dumps(e) + "\n" for e in entries).encode()
+    lines = decoder.feed(data[:50], 1) + decoder.feed(data[50:], 2)
+    assert [line.text for line in lines] == ["Decode batch, #running-req: 8", "café \ufffd"]
+    assert [line.source_ts_ns for line in lines] == [1782302400123456000, 1782302400123999000]
+    assert lines[-1].position == CursorPosition("s=1;i=2")
+    resumed = _decoder_for(LogSource("journald", "a unit; rm -rf /"), lines[0].position, True, 0.05)
+    assert resumed.argv("python3")[-2:] == ["--after-cursor", "s=1;i=1"]
+    assert resumed.argv("python3")[2] == "a unit; rm -rf /"
+
+
+def test_docker_resume_skips_what_was_read_at_the_same_instant() -> None:
+    """docker --since is inclusive: lines at the resume instant already read are skipped, later ones kept."""
+    out = (b"2026-06-24T12:00:00.000000001Z a\n2026-06-24T12:00:00.000000002Z b\n"
+           b"2026-06-24T12:00:00.000000002Z c\n2026-06-24T12:00:00.000000003Z d\n")
+    first = _decoder_for(LogSource("docker", "sglang"), None, True, 0.05)
+    lines = first.feed(out[:70], 1)
+    assert [line.text for line in lines] == ["a", "b"]
+    resumed = _decoder_for(LogSource("docker", "sglang"), lines[-1].position, True, 0.05)
+    assert resumed.argv("python3")[-4:] == ["--since", "1782302400.000000002", "--", "sglang"]
+    replay = b"2026-06-24T12:00:00.000000002Z b\n" + out[out.index(b"2026-06-24T12:00:00.000000002Z c"):]
+    assert [line.text for line in resumed.feed(replay, 2)] == ["c", "d"]
