@@ -10,6 +10,7 @@ import random
 import shlex
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -420,3 +421,17 @@ def test_docker_resume_skips_what_was_read_at_the_same_instant() -> None:
     assert resumed.argv("python3")[-4:] == ["--since", "1782302400.000000002", "--", "sglang"]
     replay = b"2026-06-24T12:00:00.000000002Z b\n" + out[out.index(b"2026-06-24T12:00:00.000000002Z c"):]
     assert [line.text for line in resumed.feed(replay, 2)] == ["c", "d"]
+
+
+async def test_login_script_noise_before_the_follower_is_skipped(tmp_path: Path) -> None:
+    """Whatever a host prints before the follower starts (a chatty .bashrc) is not taken for log lines."""
+    noisy = tmp_path / "noisy-python"
+    noisy.write_text('#!/bin/sh\necho "Welcome to node0 D 1 2 3"\nprintf "no newline"\n'
+                     f'exec {sys.executable} "$@"\n')
+    noisy.chmod(0o755)
+    path = tmp_path / "server.log"
+    path.write_text("one\ntwo\n")
+    collector = Collector(LocalTransport(python=str(noisy)), LogSource("file", str(path)))
+    await collector.wait_for(2)
+    await collector.stop()
+    assert collector.texts == ["one", "two"]

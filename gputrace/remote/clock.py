@@ -39,15 +39,20 @@ class ClockProber:
         stream = self._stream
         send_ns = time.time_ns()
         await stream.write(b"\n")
-        while b"\n" not in self._buffer:
-            chunk = await asyncio.wait_for(stream.read(256), timeout=self.timeout_s)
-            if not chunk:
-                raise TransportError(f"{self.host}: the clock probe channel closed: {stream.stderr_tail()}")
-            self._buffer += chunk
-        recv_ns = time.time_ns()
-        line, _, self._buffer = self._buffer.partition(b"\n")
-        if not line.strip().isdigit():
-            raise SourceError(f"{self.host}: `date +%s%N` printed {line[:40]!r}, not nanoseconds")
+        while True:
+            while b"\n" not in self._buffer:
+                chunk = await asyncio.wait_for(stream.read(256), timeout=self.timeout_s)
+                if not chunk:
+                    raise TransportError(
+                        f"{self.host}: the clock probe channel closed: {stream.stderr_tail()}")
+                self._buffer += chunk
+            recv_ns = time.time_ns()
+            line, _, self._buffer = self._buffer.partition(b"\n")
+            if line.strip().isdigit():
+                break
+            if line.rstrip().endswith(b"N"):  # a `date` without %N (not GNU/busybox)
+                raise SourceError(f"{self.host}: `date +%s%N` printed {line[:40]!r}, not nanoseconds")
+            # Anything else is what a login script printed before the loop started: skip it.
         return ClockProbe(host=self.host, local_send_ns=send_ns, remote_ns=int(line),
                           local_recv_ns=recv_ns, via=self.via)
 
@@ -73,9 +78,10 @@ class ClockProber:
             await stream.close()
 
 
-async def probe_clock(transport: Transport, host: str | None = None, *, samples: int = 8) -> ClockProbe:
+async def probe_clock(transport: Transport, host: str | None = None, *, samples: int = 8,
+                      via: str = "ssh") -> ClockProbe:
     """One best-of-``samples`` probe of ``transport``'s host clock."""
-    prober = ClockProber(transport, host)
+    prober = ClockProber(transport, host, via=via)
     try:
         return await prober.probe(samples)
     finally:
@@ -84,13 +90,14 @@ async def probe_clock(transport: Transport, host: str | None = None, *, samples:
 
 async def probe_clock_periodically(
     transport: Transport, host: str | None = None, *, interval_s: float = 30.0, samples: int = 8,
+    via: str = "ssh",
 ) -> AsyncGenerator[ClockProbe, None]:
     """A best-of-``samples`` probe now and every ``interval_s`` (to follow drift during a run).
 
     A failed round is logged and skipped (the transport reconnects on the next one); a host whose
     ``date`` cannot print nanoseconds raises SourceError.
     """
-    prober = ClockProber(transport, host)
+    prober = ClockProber(transport, host, via=via)
     try:
         while True:
             started = time.monotonic()

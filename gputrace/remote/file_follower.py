@@ -1,5 +1,6 @@
 """Runs ON the followed host (sent as ``python3 -c``): follows one file through rotation and
 writes framed chunks (``KIND INODE OFFSET LENGTH\\n`` + bytes) so the collector can resume exactly.
+The frames follow a ``SYNC`` line, so that whatever a login script printed before is skipped.
 
 Kinds: O opened INODE at OFFSET; D data at OFFSET; T INODE was truncated (copytruncate), reading
 again from 0; L the rotated file INODE could not be found, lines after OFFSET are lost.
@@ -13,6 +14,7 @@ import sys
 import time
 
 CHUNK_BYTES = 1 << 16
+SYNC = b"\n:gputrace-follow-v1:\n"
 COMPRESSED = (".gz", ".xz", ".bz2", ".zst", ".lz4", ".Z")
 
 
@@ -89,6 +91,7 @@ class Follower:
                 os.close(fd)
 
     def run(self, want_inode: int, offset: int) -> None:
+        self.write(SYNC)
         while self.fd < 0:
             try:
                 self.fd = os.open(self.path, os.O_RDONLY)

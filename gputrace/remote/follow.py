@@ -28,6 +28,7 @@ log = get_logger("remote.follow")
 
 _RFC3339 = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)")
 _FILE_FOLLOWER_SOURCE = Path(__file__).with_name("file_follower.py").read_text()
+_SYNC = b"\n:gputrace-follow-v1:\n"  # file_follower.SYNC: frames start after it
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +115,7 @@ class _FileDecoder:
         start = (0, 0 if from_start else -1)  # offset -1: the end of the file
         self.inode, self.offset = (position.inode, position.offset) if position else start
         self._frames = bytearray()
+        self._synced = False
         self._pending = b""  # a partial line, from byte self.offset of self.inode
         self._next = self.offset  # the offset the next data frame should start at
 
@@ -123,6 +125,7 @@ class _FileDecoder:
 
     def restart(self) -> None:
         self._frames.clear()
+        self._synced = False
         self._pending = b""
 
     def _flush_pending(self, out: list[FollowedLine], recv_ts_ns: int) -> None:
@@ -137,15 +140,30 @@ class _FileDecoder:
         frames += data
         out: list[FollowedLine] = []
         start = 0
+        if not self._synced:
+            # Skip what the host's login scripts may have printed before the follower started.
+            at = frames.find(_SYNC)
+            if at < 0:
+                del frames[:max(0, len(frames) - len(_SYNC))]
+                return out
+            if at > 0:
+                log.info("follow_output_skipped", path=self.path, bytes=at, head=_text(bytes(frames[:80])))
+            del frames[:at + len(_SYNC)]
+            self._synced = True
         while True:
             eol = frames.find(b"\n", start)
             if eol < 0:
                 break
-            kind, inode_text, off_text, len_text = bytes(frames[start:eol]).split(b" ")
-            length = int(len_text)
+            try:
+                kind, inode_text, off_text, len_text = bytes(frames[start:eol]).split(b" ")
+                length = int(len_text)
+                inode, off = int(inode_text), int(off_text)
+            except ValueError as exc:
+                # A broken stream: reconnect and resume from the last complete line.
+                head = bytes(frames[start:eol])[:60]
+                raise TransportError(f"{self.path}: garbled follower output {head!r}") from exc
             if len(frames) < eol + 1 + length:
                 break
-            inode, off = int(inode_text), int(off_text)
             if kind == b"D":
                 self._data(inode, off, bytes(frames[eol + 1:eol + 1 + length]), recv_ts_ns, out)
             elif kind == b"O":
@@ -329,7 +347,7 @@ async def follow_log_batches(
     *,
     position: Position | None = None,
     from_start: bool = True,
-    poll_s: float = 0.05,
+    poll_s: float = 0.02,
     backoff: Backoff | None = None,
 ) -> AsyncGenerator[list[FollowedLine], None]:
     """Follow ``source`` on ``transport``'s host forever; yields the lines of each chunk received.
@@ -376,7 +394,7 @@ async def follow_log(
     *,
     position: Position | None = None,
     from_start: bool = True,
-    poll_s: float = 0.05,
+    poll_s: float = 0.02,
     backoff: Backoff | None = None,
 ) -> AsyncGenerator[FollowedLine, None]:
     """Like ``follow_log_batches``, one line at a time."""
