@@ -1,0 +1,148 @@
+"""vLLM's periodic stats line: real pasted lines (V1 and V0), timestamps without a year, robustness."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gputrace.engines import LogParser, parse_line, vllm
+from gputrace.engines.common import LogClock
+from gputrace.model import SchedulerEvent
+
+REAL_LINES = Path("/work/shared/data/vllm/real-lines.txt")
+if not REAL_LINES.exists():  # a checkout elsewhere keeps the data beside the repository
+    REAL_LINES = Path(__file__).resolve().parents[2] / "shared/data/vllm/real-lines.txt"
+
+RANKS = ("dp_rank", "pp_rank", "tp_rank", "ep_rank")
+
+# File line number -> (kind, timestamp text, (dp, pp, tp, ep), metric fields); every value was
+# checked by hand against its pasted line (KV cache usage is logged in percent, stored as a ratio).
+EXPECTED: dict[int, tuple[str, str | None, tuple[int | None, ...], dict[str, object]] | None] = {
+    4: ("stats", "06-16 10:03:14", (0, None, None, None),
+        {"running_req": 10, "queue_req": 4, "token_usage": 0.579, "gen_throughput_tok_s": 29.2,
+         "input_throughput_tok_s": 1254.4}),
+    6: ("stats", "03-17 15:38:10", (0, None, None, None),
+        {"running_req": 10, "queue_req": 90, "token_usage": 0.193, "gen_throughput_tok_s": 18.1,
+         "input_throughput_tok_s": 23998.2}),
+    7: ("stats", "03-17 15:38:20", (0, None, None, None),
+        {"running_req": 16, "queue_req": 84, "token_usage": 0.309, "gen_throughput_tok_s": 35.4,
+         "input_throughput_tok_s": 23999.9}),
+    8: ("stats", "03-17 15:38:30", (0, None, None, None),
+        {"running_req": 22, "queue_req": 78, "token_usage": 0.425, "gen_throughput_tok_s": 52.6,
+         "input_throughput_tok_s": 23999.8}),
+    9: ("stats", "03-17 15:38:40", (0, None, None, None),
+        {"running_req": 28, "queue_req": 72, "token_usage": 0.542, "gen_throughput_tok_s": 69.6,
+         "input_throughput_tok_s": 23998.3}),
+    10: ("stats", "03-17 15:38:50", (0, None, None, None),
+        {"running_req": 34, "queue_req": 66, "token_usage": 0.654, "gen_throughput_tok_s": 83.7,
+         "input_throughput_tok_s": 24000.7}),
+    12: ("stats", "01-22 18:27:20", (None, None, None, None),
+        {"running_req": 1, "queue_req": 0, "token_usage": 0.02, "gen_throughput_tok_s": 41.7,
+         "input_throughput_tok_s": 0.0}),
+    13: ("stats", "01-22 18:27:25", (None, None, None, None),
+        {"running_req": 1, "queue_req": 0, "token_usage": 0.021, "gen_throughput_tok_s": 41.7,
+         "input_throughput_tok_s": 0.0}),
+    14: ("stats", "01-22 18:27:30", (None, None, None, None),
+        {"running_req": 1, "queue_req": 0, "token_usage": 0.021, "gen_throughput_tok_s": 41.5,
+         "input_throughput_tok_s": 0.0}),
+    16: ("stats", "08-20 02:39:37", (None, None, None, None),
+        {"running_req": 1, "queue_req": 0, "token_usage": 0.002, "gen_throughput_tok_s": 88.1,
+         "input_throughput_tok_s": 871.4}),
+    17: ("stats", "08-20 02:39:42", (None, None, None, None),
+        {"running_req": 2, "queue_req": 0, "token_usage": 0.004, "gen_throughput_tok_s": 85.3,
+         "input_throughput_tok_s": 883.5}),
+    18: ("stats", "08-20 02:40:09", (None, None, None, None),
+        {"running_req": 2, "queue_req": 0, "token_usage": 0.005, "gen_throughput_tok_s": 117.6,
+         "input_throughput_tok_s": 1134.2}),
+}
+
+
+def _real_lines() -> list[tuple[int, str]]:
+    text = REAL_LINES.read_text(encoding="utf-8")
+    return [(no, line) for no, line in enumerate(text.split("\n"), 1) if line and not line.startswith("# ")]
+
+
+def test_every_real_line_is_listed() -> None:
+    """The expectation table covers exactly the non-comment lines of the real-lines file."""
+    assert sorted(no for no, _ in _real_lines()) == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize(("line_no", "line"), _real_lines(),
+                         ids=lambda v: str(v) if isinstance(v, int) else "")
+def test_real_line(line_no: int, line: str) -> None:
+    """Each real pasted stats line is recognised with the right values."""
+    parsed = parse_line(line, engine="vllm")
+    expected = EXPECTED[line_no]
+    assert expected is not None and parsed is not None
+    kind, ts, ranks, fields = expected
+    assert (parsed.kind, parsed.engine, parsed.ts_text) == (kind, "vllm", ts)
+    assert tuple(getattr(parsed, r) for r in RANKS) == ranks
+    assert parsed.values == pytest.approx(fields)
+
+
+def test_sglang_real_lines_are_not_vllm_lines() -> None:
+    """No SGLang line is misread as a vLLM stats line."""
+    sglang_file = REAL_LINES.parent.parent / "sglang" / "real-lines.txt"
+    for line in sglang_file.read_text(encoding="utf-8").split("\n"):
+        assert parse_line(line, engine="vllm") is None
+
+
+def test_year_comes_from_the_date() -> None:
+    """MM-DD stamps have no year: log time is None without a date, and uses the date's year with one."""
+    line = ("INFO 06-16 10:03:14 [loggers.py:87] Engine 000: Avg prompt throughput: 1.0 tokens/s, "
+            "Avg generation throughput: 2.0 tokens/s, Running: 3 reqs, Waiting: 4 reqs, "
+            "GPU KV cache usage: 5.0%")
+    assert parse_line(line, engine="vllm").log_ts_ns is None  # type: ignore[union-attr]
+    parser = LogParser(host="h", source="v.log", engine="vllm", date="2025-01-01", tz="America/New_York")
+    record = parser.feed(line)
+    assert isinstance(record, SchedulerEvent)
+    assert record.log_ts_ns == int(dt.datetime(2025, 6, 16, 14, 3, 14, tzinfo=dt.UTC).timestamp()) * 10**9
+    assert (record.kind, record.engine, record.ts_resolution_ns) == ("stats", "vllm", 10**9)
+    assert (record.running_req, record.queue_req) == (3, 4)
+
+
+def test_data_parallel_engine_index() -> None:
+    """Under data parallelism each engine core logs its own line; its index is the DP rank."""
+    line = ("(APIServer pid=1) INFO 03-17 15:38:10 [loggers.py:259] Engine 003: Avg prompt throughput: 0.0 "
+            "tokens/s, Avg generation throughput: 10.0 tokens/s, Running: 1 reqs, Waiting: 0 reqs, "
+            "GPU KV cache usage: 0.1%, Prefix cache hit rate: 0.0%")
+    parsed = parse_line(line, engine="vllm")
+    assert parsed is not None and parsed.dp_rank == 3
+    assert parsed.values["token_usage"] == pytest.approx(0.001)
+
+
+@pytest.mark.parametrize("line", [
+    "INFO 06-16 10:03:14 [api_server.py:1] Starting vLLM API server on http://0.0.0.0:8000",
+    "INFO 06-16 10:03:14 [loggers.py:87] Engine 000: Avg prompt throughput: fast",
+    "Avg prompt throughput",
+    "",
+])
+def test_other_lines_are_not_stats(line: str) -> None:
+    """Lines that are not stats lines, or stats lines without a single value, are not recognised."""
+    assert parse_line(line, engine="vllm") is None
+
+
+_REAL = [line for _, line in _real_lines()]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=300))
+def test_random_text_never_raises(text: str) -> None:
+    """Arbitrary text never makes the grammar raise."""
+    result = vllm.parse_line(text, LogClock(date=dt.date(2025, 1, 1)))
+    assert result is None or result.kind == "stats"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(_REAL), st.data())
+def test_mutated_real_lines_never_raise(line: str, data: st.DataObject) -> None:
+    """Real lines cut, spliced and overwritten at random never make the grammar raise."""
+    start = data.draw(st.integers(0, len(line)))
+    stop = data.draw(st.integers(start, len(line)))
+    insert = data.draw(st.text(alphabet=st.sampled_from(list(",.:%[] 0123456789-=()EngieRWa")), max_size=20))
+    result = vllm.parse_line(line[:start] + insert + line[stop:], LogClock(date=dt.date(2025, 2, 28)))
+    assert result is None or result.kind == "stats"
