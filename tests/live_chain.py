@@ -1,0 +1,163 @@
+"""A live chain on loopback for the watch and dashboard tests, as real processes: an engine that
+serves OpenAI requests and writes SGLang PP8 scheduler lines, an agent with simulated GPUs, and the
+collector's config that follows both."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+HOST = "sim-node0"
+PP_SIZE = 8
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def gputrace_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "gputrace", *args]
+
+
+def wait_until(predicate: Callable[[], object], timeout_s: float = 30.0, what: str = "condition",
+               proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"{what}: the process exited with status {proc.returncode}")
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{what}: not met within {timeout_s:.0f} s")
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as resp:
+            return bool(resp.status == 200)
+    except OSError:
+        return False
+
+
+def get_json(url: str) -> dict[str, object]:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        doc: dict[str, object] = json.loads(resp.read())
+        return doc
+
+
+@contextlib.contextmanager
+def process(argv: list[str], log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A child process with its output in ``log_path``; SIGTERM (then SIGKILL) when the block ends."""
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            yield proc
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+@dataclass(frozen=True)
+class Chain:
+    """The running engine and agent, and a collector config that follows them."""
+
+    engine_url: str
+    agent_port: int
+    config: Path
+    work: Path
+
+
+def write_config(path: Path, log_file: Path, agent_port: int) -> Path:
+    path.write_text(f'[run]\nname = "live"\n\n'
+                    f'[[hosts]]\nname = "{HOST}"\nagent = "127.0.0.1:{agent_port}"\n\n'
+                    f'[hosts.log]\nkind = "file"\npath = {json.dumps(str(log_file))}\nengine = "sglang"\n\n'
+                    f"[topology]\npp_size = {PP_SIZE}\ntp_size = 1\n")
+    return path
+
+
+@contextlib.contextmanager
+def sim_chain(work: Path, scenario: str = "microbatch-cap") -> Iterator[Chain]:
+    """The simulator's real-time SGLang PP8 server (log + GPU feed) and an agent tailing the feed."""
+    work.mkdir(parents=True, exist_ok=True)
+    log_file, feed = work / "sglang.log", work / "gpu-feed.ndjson"
+    sim_port, agent_port = free_port(), free_port()
+    with process(gputrace_argv("sim", "serve", "--scenario", scenario, "--port", str(sim_port),
+                               "--log", str(log_file), "--gpu-feed", str(feed)), work / "sim.out") as sim:
+        wait_until(lambda: http_ok(f"http://127.0.0.1:{sim_port}/v1/models"), what="simulator", proc=sim)
+        with process(gputrace_argv("agent", "--backend", "sim", "--sim-feed", str(feed),
+                                   "--listen", f"127.0.0.1:{agent_port}", "--interval", "0.1",
+                                   "--host-name", HOST, "--topology", f"pp={PP_SIZE},tp=1"),
+                     work / "agent.out") as agent:
+            wait_until(lambda: http_ok(f"http://127.0.0.1:{agent_port}/healthz"), what="agent", proc=agent)
+            yield Chain(f"http://127.0.0.1:{sim_port}", agent_port,
+                        write_config(work / "gputrace.toml", log_file, agent_port), work)
+
+
+def _decode_line(i: int, pp: int) -> str:
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
+    running = 1 + (i // PP_SIZE) % 16  # changes every round of the pipeline, so the view changes
+    return (f"[{stamp} PP{pp}] Decode batch, #running-req: {running}, #token: {1000 + i}, token usage: "
+            f"0.{10 + running:02d}, cuda graph: True, gen throughput (token/s): {40.0 * running:.2f}, "
+            f"#queue-req: {16 - running}\n")
+
+
+@contextlib.contextmanager
+def pattern_chain(work: Path) -> Iterator[Chain]:
+    """Stand-in while the simulator's server is missing: a thread writing SGLang PP8 decode lines,
+    tests/openai_server.py as the OpenAI endpoint and an agent with the square-wave pattern."""
+    import threading
+
+    work.mkdir(parents=True, exist_ok=True)
+    log_file = work / "sglang.log"
+    log_file.touch()
+    stop = threading.Event()
+
+    def write_lines() -> None:
+        with open(log_file, "a", buffering=1) as f:
+            i = 0
+            while not stop.wait(0.02):
+                f.write(_decode_line(i, i % PP_SIZE))
+                i += 1
+
+    writer = threading.Thread(target=write_lines, daemon=True)
+    writer.start()
+    server_port, agent_port = free_port(), free_port()
+    server = Path(__file__).with_name("openai_server.py")
+    try:
+        with process([sys.executable, str(server), "--port", str(server_port)], work / "server.out") as srv:
+            wait_until(lambda: _listening(server_port), what="OpenAI server", proc=srv)
+            with process(gputrace_argv("agent", "--backend", "sim", "--sim-gpus", str(PP_SIZE),
+                                       "--sim-pattern", "square:1:0.5", "--listen", f"127.0.0.1:{agent_port}",
+                                       "--interval", "0.1", "--host-name", HOST,
+                                       "--topology", f"pp={PP_SIZE},tp=1"), work / "agent.out") as agent:
+                wait_until(lambda: http_ok(f"http://127.0.0.1:{agent_port}/healthz"), what="agent",
+                           proc=agent)
+                yield Chain(f"http://127.0.0.1:{server_port}", agent_port,
+                            write_config(work / "gputrace.toml", log_file, agent_port), work)
+    finally:
+        stop.set()
+        writer.join()
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+chain = pattern_chain

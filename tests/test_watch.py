@@ -1,0 +1,106 @@
+"""`gputrace watch` in a real terminal (a detached tmux pane) against a live collector that follows a
+simulated SGLang PP8 engine and its agent while load runs: a row per stage, values that move, `q`."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import require_binary
+from live_chain import HOST, PP_SIZE, chain, free_port, get_json, gputrace_argv, http_ok, process, wait_until
+
+pytestmark = [pytest.mark.system, pytest.mark.slow]
+
+_STAGE_ROW = re.compile(r"^\W*PP(\d+)\s")
+
+
+class Tmux:
+    """A private tmux server (own socket, no user config) holding one fixed-size session."""
+
+    def __init__(self, binary: str, work: Path):
+        self.binary, self.socket = binary, work / "tmux.sock"
+        self.conf = work / "tmux.conf"
+        # The pane stays after its command exits, so the exit status can be read back.
+        self.conf.write_text("set -g remain-on-exit on\nset -g history-limit 0\n")
+
+    def __call__(self, *args: str) -> str:
+        # os.environ, not the C environ the child would inherit: under pytest the latter gains
+        # COLUMNS=80 and LINES=24 (readline exports them), which Rich prefers to the pane's real size.
+        done = subprocess.run([self.binary, "-S", str(self.socket), "-f", str(self.conf), *args],
+                              capture_output=True, text=True, timeout=10, check=True, env=dict(os.environ))
+        return done.stdout
+
+    def pane(self, fmt: str) -> str:
+        return self("display-message", "-p", "-t", "watch", fmt).strip()
+
+    def capture(self) -> list[str]:
+        return self("capture-pane", "-p", "-t", "watch").splitlines()
+
+
+def stage_rows(screen: list[str]) -> dict[int, str]:
+    """The table's rows by pp_rank, as drawn."""
+    rows: dict[int, str] = {}
+    for line in screen:
+        m = _STAGE_ROW.match(line)
+        if m:
+            rows[int(m.group(1))] = line.strip()
+    return rows
+
+
+def test_watch_rows_per_stage_update_and_q_quits(tmp_path: Path) -> None:
+    """In a 200x50 tmux pane the view shows PP0..PP7 with values that change, and `q` ends it with 0."""
+    tmux_bin = require_binary("/usr/bin/tmux", "tmux")
+    with chain(tmp_path / "chain") as c:
+        port = free_port()
+        collector_url = f"http://127.0.0.1:{port}"
+        with process(gputrace_argv("collect", "--config", str(c.config), "--out", str(tmp_path / "run"),
+                                   "--listen", f"127.0.0.1:{port}"), tmp_path / "collect.out") as collector:
+            wait_until(lambda: http_ok(f"{collector_url}/healthz"), what="collector", proc=collector)
+            load_env = {**os.environ, "GPUTRACE_MARK_URL": f"{collector_url}/v1/mark"}
+            with open(tmp_path / "load.out", "wb") as load_log:
+                load = subprocess.Popen(gputrace_argv("load", "--url", c.engine_url, "--model", "default",
+                                                      "--concurrency", "8", "--duration-per-level", "20",
+                                                      "--max-tokens", "64"),
+                                        stdout=load_log, stderr=subprocess.STDOUT, env=load_env)
+            try:
+                def engine_and_gpus_live() -> bool:
+                    stages = get_json(f"{collector_url}/v1/status")["stages"]
+                    assert isinstance(stages, list)
+                    return len(stages) == PP_SIZE and all(
+                        s["running_req"] is not None and s["utilization_ratio"] is not None for s in stages)
+                wait_until(engine_and_gpus_live, what="engine lines and GPU samples for every stage")
+                screens = watch_in_tmux(Tmux(tmux_bin, tmp_path), collector_url)
+            finally:
+                load.terminate()
+                load.wait(timeout=15)
+    captures, exit_status, text_after_q = screens
+    for screen in captures:
+        rows = stage_rows(screen)
+        assert sorted(rows) == list(range(PP_SIZE)), "\n".join(screen)
+        assert all(f"{HOST}:{pp}" in rows[pp] for pp in rows), "\n".join(screen)
+    changed = {pp for pp in range(PP_SIZE)
+               if len({stage_rows(screen)[pp] for screen in captures}) > 1}
+    assert changed, "no stage row changed between captures:\n" + "\n".join(captures[-1])
+    assert "phase C=8" in "\n".join(captures[-1]), "\n".join(captures[-1])
+    assert exit_status == "0", text_after_q
+
+
+def watch_in_tmux(tmux: Tmux, collector_url: str) -> tuple[list[list[str]], str, str]:
+    """Run the view in a detached 200x50 session; four captures a second apart; then `q`."""
+    tmux("new-session", "-d", "-s", "watch", "-x", "200", "-y", "50",
+         " ".join(gputrace_argv("watch", "--collector", collector_url, "--refresh", "0.3")))
+    try:
+        wait_until(lambda: len(stage_rows(tmux.capture())) == PP_SIZE, timeout_s=20, what="watch draws")
+        captures = []
+        for _ in range(4):
+            captures.append(tmux.capture())
+            time.sleep(1.0)
+        tmux("send-keys", "-t", "watch", "q")
+        wait_until(lambda: tmux.pane("#{pane_dead}") == "1", timeout_s=10, what="watch exits on q")
+        return captures, tmux.pane("#{pane_dead_status}"), "\n".join(tmux.capture())
+    finally:
+        subprocess.run([tmux.binary, "-S", str(tmux.socket), "kill-server"], capture_output=True, timeout=10)
