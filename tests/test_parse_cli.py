@@ -1,0 +1,103 @@
+"""`gputrace parse`: NDJSON on stdout with the documented keys, stdin and .gz input, summary on stderr."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SGLANG_LINES = Path("/work/shared/data/sglang/real-lines.txt")
+if not SGLANG_LINES.exists():  # a checkout elsewhere keeps the data beside the repository
+    SGLANG_LINES = Path(__file__).resolve().parents[2] / "shared/data/sglang/real-lines.txt"
+VLLM_LINES = SGLANG_LINES.parent.parent / "vllm" / "real-lines.txt"
+
+KEYS = ["kind", "engine", "ts", "dp_rank", "pp_rank", "tp_rank", "ep_rank", "running_req", "queue_req",
+        "new_seq", "new_token", "cached_token", "num_token", "token_usage", "gen_throughput_tok_s",
+        "input_throughput_tok_s", "cuda_graph"]
+
+
+def _parse(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run([sys.executable, "-m", "gputrace", "parse", *args], input=stdin,
+                          capture_output=True, timeout=60)
+
+
+def _objects(stdout: bytes) -> list[dict[str, object]]:
+    return [json.loads(line) for line in stdout.decode().splitlines()]
+
+
+def test_ndjson_keys_and_values() -> None:
+    """Each recognised line is one JSON object with every documented key, in order, null when absent."""
+    out = _parse(str(SGLANG_LINES))
+    assert out.returncode == 0, out.stderr
+    objects = _objects(out.stdout)
+    assert len(objects) == 75
+    batches = [o for o in objects if o["kind"] != "config"]
+    assert all(list(o) == KEYS for o in batches)
+    pp2 = [o for o in batches if o["pp_rank"] == 2]
+    assert pp2 == [{
+        "kind": "decode", "engine": "sglang", "ts": "2026-06-24 15:38:02", "dp_rank": None, "pp_rank": 2,
+        "tp_rank": None, "ep_rank": None, "running_req": 1, "queue_req": 0, "new_seq": None,
+        "new_token": None, "cached_token": None, "num_token": 998080, "token_usage": 0.59,
+        "gen_throughput_tok_s": 200.33, "input_throughput_tok_s": None, "cuda_graph": True}]
+
+
+def test_config_lines_carry_sglang_names() -> None:
+    """A configuration line's object adds its fields by their SGLang names."""
+    objects = _objects(_parse(str(SGLANG_LINES)).stdout)
+    configs = [o for o in objects if o["kind"] == "config"]
+    assert [c["tp_rank"] for c in configs] == [4, 0]
+    assert list(configs[0])[: len(KEYS)] == KEYS
+    assert {k: configs[0][k] for k in list(configs[0])[len(KEYS):]} == {
+        "max_total_num_tokens": 201681, "chunked_prefill_size": 8192, "max_prefill_tokens": 16384,
+        "max_running_requests": 2049, "context_len": 163840}
+
+
+def test_summary_on_stderr() -> None:
+    """stderr says how many lines were read, recognised per kind and unrecognised."""
+    out = _parse(str(SGLANG_LINES))
+    assert out.stderr.decode().strip() == (
+        "total: 103 lines read; recognised prefill 43, decode 30, config 2, stats 0; unrecognised 28")
+
+
+def test_stdin_and_gzip(tmp_path: Path) -> None:
+    """'-' reads stdin and .gz files are decompressed; several files get one summary line each."""
+    gz = tmp_path / "sglang.log.gz"
+    gz.write_bytes(gzip.compress(SGLANG_LINES.read_bytes()))
+    out = _parse(str(gz), "-", stdin=VLLM_LINES.read_bytes())
+    assert out.returncode == 0, out.stderr
+    objects = _objects(out.stdout)
+    assert [o["engine"] for o in objects].count("vllm") == 12
+    assert [o["engine"] for o in objects].count("sglang") == 75
+    assert objects[-1]["kind"] == "stats" and objects[-1]["gen_throughput_tok_s"] == 117.6
+    err = out.stderr.decode().splitlines()
+    assert err == [
+        f"{gz}: 103 lines read; recognised prefill 43, decode 30, config 2, stats 0; unrecognised 28",
+        "-: 18 lines read; recognised prefill 0, decode 0, config 0, stats 12; unrecognised 6",
+        "total: 121 lines read; recognised prefill 43, decode 30, config 2, stats 12; unrecognised 34",
+    ]
+
+
+def test_engine_choice_limits_the_grammar() -> None:
+    """--engine vllm reads no SGLang line."""
+    out = _parse("--engine", "vllm", str(SGLANG_LINES))
+    assert out.returncode == 0 and out.stdout == b""
+
+
+def test_missing_file_is_a_usage_error(tmp_path: Path) -> None:
+    """A missing file is one line on stderr and exit status 2, before any output."""
+    out = _parse(str(SGLANG_LINES), str(tmp_path / "nope.log"))
+    assert out.returncode == 2
+    assert out.stdout == b""
+    assert out.stderr.decode().strip() == f"gputrace: error: {tmp_path / 'nope.log'}: no such file"
+
+
+def test_binary_garbage_is_counted_not_fatal(tmp_path: Path) -> None:
+    """Invalid UTF-8 and NUL bytes are unrecognised lines, not a crash."""
+    bad = tmp_path / "bad.log"
+    bad.write_bytes(b"\xff\xfe\x00garbage\n[2026-01-02 03:04:05 PP0] Decode batch, #running-req: 2\n\x80\n")
+    out = _parse(str(bad))
+    assert out.returncode == 0
+    assert [o["running_req"] for o in _objects(out.stdout)] == [2]
+    assert "3 lines read" in out.stderr.decode()
