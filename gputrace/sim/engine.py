@@ -1,0 +1,411 @@
+"""The discrete-event model of an SGLang pipeline-parallel engine: stage 0's micro-batch loop,
+admission under the micro-batch cap, prefill chunks, KV capacity, per-stage steps and PCIe hand-offs.
+
+Times are float seconds from the run's start. Stage 0 visits the ``pp_size + pp_async_batch_depth``
+micro-batch slots in order (as SGLang's ``event_loop_pp`` does): a slot with running requests
+waits for its previous step's outputs to come back from the last stage; on its turn a slot runs
+a prefill of newly admitted requests when it may admit any, else one decode step of its
+requests. Each stage runs micro-batches in the order they were issued, so a batch's times
+through all stages are known when it is issued (a flow shop).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from gputrace.sim.params import SimParams
+
+
+class TokenListener(Protocol):
+    """Told (ahead of time) when a request's tokens come out; the real-time server streams them."""
+
+    def tokens(self, t_s: float, generated: int) -> None: ...
+
+    def finished(self, t_s: float) -> None: ...
+
+
+@dataclass(slots=True, eq=False)
+class SimRequest:
+    """One request inside the engine."""
+
+    rid: int
+    arrival_s: float  # reaches the engine's waiting queue
+    input_tokens: int
+    output_tokens: int  # tokens it will generate
+    phase: str | None = None
+    client_start_s: float = 0.0
+    prefill_target: int = 0  # prompt (plus recomputed output after a retraction) to prefill
+    prefilled: int = 0
+    generated: int = 0
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    kv_tokens: int = 0  # KV-cache tokens it holds
+    listener: TokenListener | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prefill_target:
+            self.prefill_target = self.input_tokens
+
+
+@dataclass
+class EngineTrace:
+    """What the engine did, as growing columns (numpy-ready)."""
+
+    # kernel-busy intervals, one per (stage, batch)
+    iv_stage: list[int] = field(default_factory=list)
+    iv_start: list[float] = field(default_factory=list)
+    iv_end: list[float] = field(default_factory=list)
+    iv_reqs: list[int] = field(default_factory=list)
+    iv_decode: list[bool] = field(default_factory=list)
+    iv_tx_bytes: list[int] = field(default_factory=list)
+    iv_rx_bytes: list[int] = field(default_factory=list)
+    # tokens handed to clients (time they come out of the last stage, count)
+    tok_t: list[float] = field(default_factory=list)
+    tok_n: list[int] = field(default_factory=list)
+    # engine state at each issued batch (stage 0's view)
+    st_t: list[float] = field(default_factory=list)
+    st_slots_busy: list[int] = field(default_factory=list)
+    st_running: list[int] = field(default_factory=list)
+    st_waiting: list[int] = field(default_factory=list)
+    st_kv_used: list[int] = field(default_factory=list)
+    # work present in the engine: +1 at arrival, -1 at completion
+    work_t: list[float] = field(default_factory=list)
+    work_delta: list[int] = field(default_factory=list)
+    # kv admission stalls (time) and retractions
+    kv_stall_t: list[float] = field(default_factory=list)
+    retractions: int = 0
+
+
+LogEmitter = Callable[[float, int, str, dict[str, float | int | bool]], None]
+"""(time, pp_rank, kind "decode"|"prefill", fields) -> None."""
+
+
+class PipelineEngine:
+    """The simulated engine; drive it with :meth:`add_arrival` and :meth:`run_until`."""
+
+    def __init__(self, params: SimParams, on_log: LogEmitter | None = None,
+                 on_complete: Callable[[SimRequest, float], None] | None = None):
+        p = params
+        self.p = p
+        self.trace = EngineTrace()
+        self.on_log = on_log
+        self.on_complete = on_complete
+        self.now = 0.0
+        n_slots = p.slots
+        self.slots: list[list[SimRequest]] = [[] for _ in range(n_slots)]
+        self.slot_ready = [0.0] * n_slots
+        self.slot_chunk: list[SimRequest | None] = [None] * n_slots
+        self.next_slot = 0
+        self.stage_free = [0.0] * p.pp_size
+        self.waiting: deque[SimRequest] = deque()
+        self._arrivals: list[tuple[float, int, SimRequest]] = []
+        self._completions: list[tuple[float, int, SimRequest]] = []
+        self._seq = 0
+        self.running = 0
+        self.kv_used = 0
+        self.kv_reserved = 0  # future tokens promised to running requests
+        self.cap = p.micro_batch_cap
+        self.mults = [p.stage_multiplier(s) for s in range(p.pp_size)]
+        # per-stage log counters
+        self._decode_steps = [0] * p.pp_size
+        self._gen_tokens = [0] * p.pp_size
+        self._gen_since = [0.0] * p.pp_size
+        self._in_tokens = [0] * p.pp_size
+        self._in_since = [0.0] * p.pp_size
+
+    # -- driving -------------------------------------------------------------------------------
+
+    def add_arrival(self, req: SimRequest) -> None:
+        """A request that reaches the engine at ``req.arrival_s``."""
+        self._seq += 1
+        heapq.heappush(self._arrivals, (req.arrival_s, self._seq, req))
+
+    def busy(self) -> bool:
+        """Requests waiting, running or still to arrive."""
+        return bool(self.running or self.waiting or self._arrivals or self._completions)
+
+    def run_until(self, t_end: float) -> None:
+        """Advance stage 0's loop until its clock reaches ``t_end`` (a blocked step may overshoot)."""
+        n_slots = len(self.slots)
+        idle_turns = 0
+        while self.now < t_end:
+            if self._iterate():
+                idle_turns = 0
+                continue
+            idle_turns += 1
+            if idle_turns < n_slots:
+                continue
+            # A whole loop issued nothing: jump to the next thing that can happen.
+            idle_turns = 0
+            nxt = min(self._arrivals[0][0] if self._arrivals else t_end,
+                      self._completions[0][0] if self._completions else t_end,
+                      min((self.slot_ready[k] for k in range(n_slots) if self.slots[k]), default=t_end))
+            if nxt <= self.now:
+                nxt = self.now + self.p.sched_overhead_s
+            self.now = min(nxt, t_end)
+            self._process_until(self.now)
+
+    # -- one loop iteration --------------------------------------------------------------------
+
+    def _iterate(self) -> bool:
+        p = self.p
+        k = self.next_slot
+        self.next_slot = (k + 1) % len(self.slots)
+        t = self.now
+        slot = self.slots[k]
+        if slot and self.slot_ready[k] > t:
+            t = self.slot_ready[k]  # stage 0 blocks on this micro-batch's outputs
+        elif not slot and self.slot_chunk[k] is None and self._skip_empty(k, t):
+            return False
+        self._process_until(t)
+        self.now = t + p.sched_overhead_s
+        chunk = self._prefill_chunk(k, t)
+        if chunk:
+            self._issue(k, t, chunk, decode=False)
+            return True
+        slot = self.slots[k]
+        if slot:
+            batch = [r for r in slot if r.prefilled >= r.prefill_target]
+            if batch:
+                self._issue(k, t, [(r, 1) for r in batch], decode=True)
+                return True
+        return False
+
+    def _skip_empty(self, k: int, t: float) -> bool:
+        """Pass over empty slots at once when nothing can arrive meanwhile (the loop's spin)."""
+        if self.waiting or not self.running:
+            return False
+        slots, n = self.slots, len(self.slots)
+        d = 1
+        while d < n and not slots[(k + d) % n]:
+            d += 1
+        if d >= n:
+            return False
+        t_next = t + d * self.p.sched_overhead_s
+        if (self._arrivals and self._arrivals[0][0] <= t_next) or \
+                (self._completions and self._completions[0][0] <= t_next):
+            return False
+        self.next_slot = (k + d) % n
+        self.now = t_next
+        return True
+
+    def _process_until(self, t: float) -> None:
+        """Completions and arrivals up to ``t``, in time order."""
+        arrivals, completions = self._arrivals, self._completions
+        while True:
+            ta = arrivals[0][0] if arrivals else float("inf")
+            tc = completions[0][0] if completions else float("inf")
+            if min(ta, tc) > t:
+                return
+            if tc <= ta:
+                _, _, req = heapq.heappop(completions)
+                self._complete(req)
+            else:
+                _, _, req = heapq.heappop(arrivals)
+                self.waiting.append(req)
+                self.trace.work_t.append(req.arrival_s)
+                self.trace.work_delta.append(1)
+
+    def _complete(self, req: SimRequest) -> None:
+        assert req.finish_s is not None
+        for slot in self.slots:
+            if req in slot:
+                slot.remove(req)
+                break
+        self.running -= 1
+        self.kv_used -= req.kv_tokens
+        req.kv_tokens = 0
+        self.trace.work_t.append(req.finish_s)
+        self.trace.work_delta.append(-1)
+        if self.on_complete is not None:
+            self.on_complete(req, req.finish_s)
+
+    # -- admission -----------------------------------------------------------------------------
+
+    def _room(self, k: int) -> int:
+        p = self.p
+        if p.cap_scope == "engine":
+            return min(self.cap, p.max_running_requests) - self.running
+        return min(self.cap - len(self.slots[k]), p.max_running_requests - self.running)
+
+    def _kv_fits(self, need: int) -> bool:
+        return self.kv_used + self.kv_reserved + need <= self.p.max_total_num_tokens
+
+    def _prefill_chunk(self, k: int, t: float) -> list[tuple[SimRequest, int]]:
+        """The (request, prompt tokens) of slot k's prefill this turn; [] when none."""
+        p = self.p
+        budget = min(p.chunked_prefill_size, p.max_prefill_tokens)
+        chunked = self.slot_chunk[k]
+        if chunked is not None:
+            take = min(chunked.prefill_target - chunked.prefilled, budget)
+            return [(chunked, take)]
+        room = self._room(k)
+        out: list[tuple[SimRequest, int]] = []
+        waiting = self.waiting
+        while waiting and room > 0 and budget > 0:
+            req = waiting[0]
+            need = req.prefill_target - req.prefilled
+            if not self._kv_fits(need + req.output_tokens - req.generated):
+                if not self.running and not out:
+                    # It can never fit: SGLang rejects such a request; here it is dropped.
+                    waiting.popleft()
+                    req.finish_s = t
+                    self.trace.work_t.append(t)
+                    self.trace.work_delta.append(-1)
+                    if self.on_complete is not None:
+                        self.on_complete(req, t)
+                    continue
+                self.trace.kv_stall_t.append(t)
+                break
+            waiting.popleft()
+            take = min(need, budget)
+            budget -= take
+            room -= 1
+            self.running += 1
+            self.kv_reserved += req.output_tokens - req.generated
+            self.slots[k].append(req)
+            out.append((req, take))
+            if take < need:
+                self.slot_chunk[k] = req
+                break
+        return out
+
+    # -- issuing a batch through the pipeline --------------------------------------------------
+
+    def _issue(self, k: int, t: float, batch: list[tuple[SimRequest, int]], decode: bool) -> None:
+        p = self.p
+        tr = self.trace
+        n_reqs = len(batch)
+        tokens = sum(n for _, n in batch)
+        ctx_tokens = sum(r.prefilled + r.generated for r, _ in batch) if p.context_token_s else 0
+        # KV: decode needs one slot per request; retract the newest when the cache is full.
+        if decode and self.kv_used + tokens > p.max_total_num_tokens:
+            batch = self._retract(k, batch)
+            n_reqs = len(batch)
+            tokens = n_reqs
+            if not batch:
+                return
+        self.kv_used += tokens
+        for req, n in batch:
+            req.kv_tokens += n
+        tr.st_t.append(t)
+        tr.st_slots_busy.append(sum(1 for s in self.slots if s))
+        tr.st_running.append(self.running)
+        tr.st_waiting.append(len(self.waiting))
+        tr.st_kv_used.append(self.kv_used)
+        act_bytes = tokens * p.activation_bytes_per_token
+        hop = p.pcie_latency_s + act_bytes / p.pcie_bandwidth_bytes_per_s
+        stage_free, last = self.stage_free, p.pp_size - 1
+        per_token = p.decode_token_s if decode else p.prefill_token_s
+        base = p.launch_s + max(p.weight_read_s, per_token * tokens) + p.context_token_s * ctx_tokens
+        starts, ends = tr.iv_start, tr.iv_end
+        log = self.on_log is not None
+        arrive = t
+        end = t
+        for s, mult in enumerate(self.mults):
+            start = arrive if arrive > stage_free[s] else stage_free[s]
+            end = start + mult * base
+            stage_free[s] = end
+            starts.append(start)
+            ends.append(end)
+            if log:
+                self._log_step(s, start, end, decode, batch, tokens)
+            arrive = end + hop
+        n_st = p.pp_size
+        tr.iv_stage.extend(range(n_st))
+        tr.iv_reqs.extend([n_reqs] * n_st)
+        tr.iv_decode.extend([decode] * n_st)
+        tr.iv_rx_bytes.append(0)
+        tr.iv_rx_bytes.extend([act_bytes] * last)
+        tr.iv_tx_bytes.extend([act_bytes] * last)
+        tr.iv_tx_bytes.append(0)
+        done = end + p.pcie_latency_s
+        self.slot_ready[k] = done
+        self._advance_requests(k, batch, decode, done)
+
+    def _advance_requests(self, k: int, batch: list[tuple[SimRequest, int]], decode: bool,
+                          done: float) -> None:
+        emitted = 0
+        for req, n in batch:
+            if not decode:
+                req.prefilled += n
+                if req.prefilled < req.prefill_target:
+                    continue
+                if self.slot_chunk[k] is req:
+                    self.slot_chunk[k] = None
+            req.generated += 1
+            self.kv_reserved -= 1
+            emitted += 1
+            if req.first_token_s is None:
+                req.first_token_s = done
+            if req.listener is not None:
+                req.listener.tokens(done, req.generated)
+            if req.generated >= req.output_tokens:
+                req.finish_s = done
+                self.kv_reserved -= max(req.output_tokens - req.generated, 0)
+                if req.listener is not None:
+                    req.listener.finished(done)
+                self._seq += 1
+                heapq.heappush(self._completions, (done, self._seq, req))
+        if emitted:
+            self.trace.tok_t.append(done)
+            self.trace.tok_n.append(emitted)
+
+    def _retract(self, k: int, batch: list[tuple[SimRequest, int]]) -> list[tuple[SimRequest, int]]:
+        """Free KV by sending the newest requests of this batch back to the queue (recomputed)."""
+        keep = list(batch)
+        while keep and self.kv_used + len(keep) > self.p.max_total_num_tokens:
+            req, _ = keep.pop()
+            self.slots[k].remove(req)
+            self.running -= 1
+            self.kv_used -= req.kv_tokens
+            self.kv_reserved -= req.output_tokens - req.generated
+            req.kv_tokens = 0
+            req.prefill_target = req.input_tokens + req.generated
+            req.prefilled = 0
+            self.waiting.appendleft(req)
+            self.trace.retractions += 1
+        return keep
+
+    # -- scheduler log lines -------------------------------------------------------------------
+
+    def _log_step(self, s: int, start: float, end: float, decode: bool,
+                  batch: list[tuple[SimRequest, int]], tokens: int) -> None:
+        assert self.on_log is not None
+        p = self.p
+        usage = self.kv_used / p.max_total_num_tokens
+        if decode:
+            self._gen_tokens[s] += tokens
+            self._decode_steps[s] += 1
+            if self._decode_steps[s] % p.decode_log_interval:
+                return
+            gap = max(end - self._gen_since[s], 1e-9)
+            fields: dict[str, float | int | bool] = {
+                "running_req": len(batch), "num_token": self.kv_used, "token_usage": usage,
+                "cuda_graph": len(batch) <= p.cuda_graph_max_bs,
+                "gen_throughput": self._gen_tokens[s] / gap, "queue_req": len(self.waiting)}
+            self._gen_tokens[s] = 0
+            self._gen_since[s] = end
+            self.on_log(end, s, "decode", fields)
+            return
+        gap = max(start - self._in_since[s], 1e-9)
+        self._in_tokens[s] += tokens
+        new_seq = sum(1 for r, n in batch if r.prefilled == 0)
+        running_before = len(self.slots[self._slot_of(batch[0][0])]) - new_seq
+        fields = {"new_seq": new_seq, "new_token": tokens, "cached_token": 0, "token_usage": usage,
+                  "running_req": max(running_before, 0), "queue_req": len(self.waiting),
+                  "pending_token": sum(r.prefill_target - r.prefilled for r in self.waiting),
+                  "input_throughput": self._in_tokens[s] / gap}
+        self._in_tokens[s] = 0
+        self._in_since[s] = start
+        self.on_log(start, s, "prefill", fields)
+
+    def _slot_of(self, req: SimRequest) -> int:
+        for k, slot in enumerate(self.slots):
+            if req in slot:
+                return k
+        return 0

@@ -1,0 +1,128 @@
+"""A virtual run's outputs in the forms real sources give: the scheduler log file, nvidia-smi CSV,
+and a complete run store (the log lines parsed by gputrace's own SGLang parser, as an import would).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gputrace.engines import LogParser
+from gputrace.errors import SourceError
+from gputrace.model import ClockProbe, DeviceInfo, EngineConfig, Marker, RequestRecord, SchedulerEvent
+from gputrace.sim.run import SimResult
+from gputrace.sim.samples import gpu_sample_columns, smi_csv_lines
+from gputrace.store import Store
+from gputrace.topology import single_node_placements, topology_to_meta
+
+SIM_HOST = "sim-node0"
+CLIENT_HOST = "sim-client"
+LOG_SOURCE = "sim-log"
+REQUEST_SOURCE = "gputrace-sim"
+UNFINISHED = "not finished when the run ended"
+
+
+def write_log(result: SimResult, path: str | os.PathLike[str]) -> int:
+    """The scheduler log as SGLang writes it; returns the number of lines."""
+    Path(path).write_text("\n".join(result.log_lines) + "\n")
+    return len(result.log_lines)
+
+
+def sample_columns(result: SimResult) -> dict[str, Any]:
+    tr = result.engine.trace
+    return gpu_sample_columns(result.params, result.start_ns, result.end_s, result.intervals,
+                              np.asarray(tr.st_t, dtype=np.float64), np.asarray(tr.st_kv_used), SIM_HOST)
+
+
+def write_gpu_csv(result: SimResult, path: str | os.PathLike[str],
+                  columns: dict[str, Any] | None = None) -> int:
+    """nvidia-smi ``--query-gpu ... --format=csv`` output of the run's samples; returns the rows."""
+    cols = columns if columns is not None else sample_columns(result)
+    with open(path, "w") as fh:
+        lines = smi_csv_lines(result.params, cols)
+        fh.write("\n".join(lines) + "\n")
+    return len(cols["ts_ns"])
+
+
+def parse_log(result: SimResult) -> tuple[list[SchedulerEvent], list[EngineConfig], int]:
+    """The log lines through gputrace's SGLang parser, stamped with their exact emission time
+    (as if followed live on the same host); also the count of lines it did not recognise."""
+    parser = LogParser(host=SIM_HOST, source=LOG_SOURCE, engine="sglang")
+    events: list[SchedulerEvent] = []
+    configs: list[EngineConfig] = []
+    for line, ts_ns in zip(result.log_lines, result.log_ts_ns, strict=True):
+        record = parser.feed(line, recv_ts_ns=ts_ns)
+        if isinstance(record, SchedulerEvent):
+            events.append(record)
+        elif isinstance(record, EngineConfig):
+            configs.append(record)
+    return events, configs, parser.counts.unrecognised
+
+
+def request_records(result: SimResult) -> list[RequestRecord]:
+    lat = result.params.client_latency_s
+    out = []
+    for req in result.requests:
+        done = req.finish_s is not None and req.generated >= req.output_tokens
+        out.append(RequestRecord(
+            host=CLIENT_HOST, request_id=f"sim-{req.rid:06d}", start_ns=result.ns(req.client_start_s),
+            first_token_ns=result.ns(req.first_token_s + lat) if req.first_token_s is not None else None,
+            end_ns=result.ns(req.finish_s + lat) if done and req.finish_s is not None else None,
+            prompt_tokens=req.input_tokens, completion_tokens=req.generated if done else None,
+            ok=done, error=None if done else UNFINISHED, phase=req.phase, source=REQUEST_SOURCE))
+    return out
+
+
+def device_records(result: SimResult) -> list[DeviceInfo]:
+    p = result.params
+    return [DeviceInfo(host=SIM_HOST, gpu_index=i, uuid=f"GPU-5151a000-0000-4000-8000-{i:012d}",
+                       name=p.gpu_name, pci_bus_id=f"00000000:{0x18 + 0x10 * i:02X}:00.0",
+                       pcie_max_gen=p.pcie_gen, pcie_max_width=p.pcie_width,
+                       power_limit_w=p.power_limit_w, memory_total_bytes=p.memory_total_bytes)
+            for i in range(p.pp_size * p.tp_size)]
+
+
+def params_dict(result: SimResult) -> dict[str, Any]:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(result.params).items()}
+
+
+def write_store(result: SimResult, out_dir: str | os.PathLike[str], name: str | None = None) -> Path:
+    """A complete run store of the run (see the ground-truth conventions in the project brief)."""
+    p = result.params
+    events, configs, unrecognised = parse_log(result)
+    if unrecognised:
+        raise SourceError(f"simulator: {unrecognised} log lines the SGLang parser does not recognise")
+    placements = single_node_placements(SIM_HOST, p.pp_size, p.tp_size)
+    topology = topology_to_meta(p.pp_size, p.tp_size, 1, placements, source="simulator")
+    extra = {"ground_truth": result.ground_truth,
+             "simulator": {"scenario": result.scenario, "seed": p.seed, "params": params_dict(result),
+                           "virtual_time": True}}
+    store = Store.create(out_dir, name=name or f"sim-{result.scenario}-{p.seed}",
+                         config={"source": "simulator", "scenario": result.scenario}, topology=topology,
+                         extra=extra)
+    try:
+        store.update_meta(created_ns=result.start_ns)  # a run's bytes depend on its seed only
+        store.append(device_records(result))
+        store.append_columns("gpu_samples", sample_columns(result))
+        store.append(events)
+        store.append(configs)
+        store.append(request_records(result))
+        markers = [Marker(host=CLIENT_HOST, ts_ns=result.ns(ph.start_s), label=ph.label, kind="phase",
+                          target_concurrency=ph.target_concurrency) for ph in result.phases]
+        markers.append(Marker(host=CLIENT_HOST, ts_ns=result.ns(result.phases[-1].end_s), label="end",
+                              kind="end"))
+        store.append(markers)
+        probes = []
+        for ph in result.phases:
+            t = result.ns(ph.start_s)
+            for host in (SIM_HOST, CLIENT_HOST):
+                probes.append(ClockProbe(host=host, local_send_ns=t, remote_ns=t + 50_000,
+                                         local_recv_ns=t + 100_000, via="ssh"))
+        store.append(probes)
+    finally:
+        store.close()
+    return Path(out_dir)

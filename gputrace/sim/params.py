@@ -1,0 +1,230 @@
+"""The simulator's parameters, the scenario presets built on them, and overrides (``--set key=value``
+or a TOML file). Every field of SimParams can be overridden by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gputrace.errors import ConfigError, UsageError
+
+
+@dataclass(frozen=True, slots=True)
+class SimParams:
+    """One simulated deployment and the load offered to it. Times in seconds."""
+
+    # -- the deployment (SGLang server arguments) ---------------------------------------------
+    pp_size: int = 8
+    tp_size: int = 1
+    max_running_requests: int = 64
+    pp_max_micro_batch_size: int | None = None  # None: SGLang's default max(mrr // pp_size, 1)
+    pp_async_batch_depth: int = 0
+    # "engine": the cap bounds the requests the engine runs at once (what the motivating
+    # measurement shows: #running-req 8 while requests queue); "microbatch": each slot on its own.
+    cap_scope: str = "engine"
+    chunked_prefill_size: int = 8192
+    max_prefill_tokens: int = 16384
+    max_total_num_tokens: int = 600_000  # KV-cache capacity in tokens (per stage, all layers of it)
+    context_len: int = 32768
+    decode_log_interval: int = 9  # coprime with the slot count, as the report recommends
+    cuda_graph_max_bs: int = 160
+    model_path: str = "meta-llama/Llama-3.1-70B-Instruct"
+    # -- cost model of one stage step (before the stage's multiplier) ---------------------------
+    launch_s: float = 0.00062  # fixed cost of a forward step (launch, sync, sampling)
+    weight_read_s: float = 0.00269  # memory-bound floor: reading the stage's weights once
+    decode_token_s: float = 0.000374  # compute per decoded token (dominates past the knee)
+    prefill_token_s: float = 0.00002  # compute per prompt token of a prefill chunk
+    context_token_s: float = 3.85e-8  # attention: per context token the batch holds
+    stage_cost_multipliers: tuple[float, ...] = ()  # per stage (uneven layer split); () = all 1
+    sched_overhead_s: float = 0.00005  # stage 0's CPU time per loop iteration
+    # -- activation hand-off between stages over PCIe ------------------------------------------
+    activation_bytes_per_token: int = 16384  # hidden 8192 x bf16
+    pcie_bandwidth_bytes_per_s: float = 25e9
+    pcie_latency_s: float = 0.00002
+    # -- the client ---------------------------------------------------------------------------
+    concurrency: tuple[int, ...] = (1, 8, 32, 64)
+    phase_s: float = 150.0
+    drain_s: float = 30.0  # after the last phase: let in-flight requests finish this long
+    input_tokens: int = 128
+    input_tokens_jitter: float = 0.0  # +- fraction, uniform
+    max_tokens: int = 2048
+    output_tokens_jitter: float = 0.0  # fraction of requests end early, uniformly in [1-j, 1]
+    client_max_inflight: int | None = None  # a client that cannot keep up
+    think_s: float = 0.0
+    client_latency_s: float = 0.0005  # HTTP + tokenizer, each way
+    # -- the GPUs and their samples ------------------------------------------------------------
+    gpu_name: str = "NVIDIA H100 PCIe"
+    power_limit_w: float = 350.0
+    idle_power_w: float = 60.0
+    pcie_gen: int = 5
+    pcie_width: int = 16
+    memory_total_bytes: int = 85_899_345_920
+    weights_bytes_per_gpu: int = 18_000_000_000
+    kv_bytes_per_token_per_gpu: int = 40_960
+    sample_period_s: float = 0.1
+    power_noise_w: float = 3.0
+    # -- the run -------------------------------------------------------------------------------
+    seed: int = 0
+    start: str = "2026-01-15T10:00:00Z"  # virtual start time (UTC)
+
+    @property
+    def micro_batch_cap(self) -> int:
+        """SGLang's effective pp_max_micro_batch_size."""
+        if self.pp_max_micro_batch_size is not None:
+            return self.pp_max_micro_batch_size
+        return max(self.max_running_requests // self.pp_size, 1)
+
+    @property
+    def slots(self) -> int:
+        """Micro-batch slots of SGLang's PP loop: pp_size + pp_async_batch_depth."""
+        return self.pp_size + self.pp_async_batch_depth
+
+    def stage_multiplier(self, stage: int) -> float:
+        m = self.stage_cost_multipliers
+        return float(m[stage]) if stage < len(m) else 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """A preset: parameter overrides and the causes it is built to show."""
+
+    name: str
+    summary: str
+    overrides: Mapping[str, Any]
+    causes: tuple[str, ...]
+
+
+# Where the pipeline stays full: SGLang's per-micro-batch cap of 8 (64 // 8) with 64 requests in
+# flight fills all 8 slots. The single-cause scenarios below change one thing from it.
+_FULL_PIPELINE: dict[str, Any] = {
+    "cap_scope": "microbatch", "input_tokens": 256, "input_tokens_jitter": 0.3,
+    "max_tokens": 1024, "output_tokens_jitter": 0.5, "concurrency": (64,), "phase_s": 120.0,
+}
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario("microbatch-cap", "PP8 TP1, max_running_requests 64: the default cap of 8 per "
+                 "micro-batch holds the engine at 8 running requests while the rest queue",
+                 {}, ("microbatch_cap",)),
+        Scenario("microbatch-fixed", "the same deployment with --pp-max-micro-batch-size 64",
+                 {"pp_max_micro_batch_size": 64}, ()),
+        Scenario("healthy", "64 requests fill every micro-batch slot: no bubbles",
+                 _FULL_PIPELINE, ()),
+        Scenario("stage-imbalance", "stage 3 holds 60 % more layers than the others",
+                 {**_FULL_PIPELINE, "stage_cost_multipliers": (1.0, 1.0, 1.0, 1.6, 1.0, 1.0, 1.0, 1.0)},
+                 ("stage_imbalance",)),
+        Scenario("client-bound", "the client keeps at most 12 requests in flight whatever it is asked",
+                 {**_FULL_PIPELINE, "concurrency": (32, 64), "client_max_inflight": 12},
+                 ("client_bound",)),
+        Scenario("kv-bound", "a small KV cache: token usage near 1.0 and admission stalls",
+                 {**_FULL_PIPELINE, "concurrency": (32, 64), "input_tokens": 4096,
+                  "input_tokens_jitter": 0.2, "max_tokens": 1024, "max_total_num_tokens": 90_000},
+                 ("kv_cache_bound",)),
+        Scenario("pcie-bound", "stages hand activations over a degraded PCIe link (gen1 x4)",
+                 {**_FULL_PIPELINE, "activation_bytes_per_token": 65536,
+                  "pcie_bandwidth_bytes_per_s": 0.8e9, "pcie_latency_s": 0.0002,
+                  "pcie_gen": 1, "pcie_width": 4},
+                 ("pcie_bound",)),
+    )
+}
+
+_FIELDS = {f.name: f for f in dataclasses.fields(SimParams)}
+
+
+def scenario_params(name: str, overrides: Mapping[str, Any] | None = None) -> SimParams:
+    """A scenario's parameters with ``overrides`` (by field name) applied on top."""
+    try:
+        scenario = SCENARIOS[name]
+    except KeyError:
+        raise UsageError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}") from None
+    merged = {**scenario.overrides, **(overrides or {})}
+    return make_params(merged)
+
+
+def make_params(values: Mapping[str, Any]) -> SimParams:
+    """SimParams from field values, each checked and coerced to the field's type."""
+    coerced: dict[str, Any] = {}
+    for key, value in values.items():
+        if key not in _FIELDS:
+            raise ConfigError(f"unknown simulator parameter {key!r}; known: {', '.join(sorted(_FIELDS))}")
+        coerced[key] = _coerce(key, value)
+    params = SimParams(**coerced)
+    _validate(params)
+    return params
+
+
+def _coerce(key: str, value: Any) -> Any:
+    default = _FIELDS[key].default
+    optional_int = key in ("pp_max_micro_batch_size", "client_max_inflight")
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "")):
+        if optional_int:
+            return None
+        raise ConfigError(f"simulator parameter {key}: a value is required")
+    try:
+        if isinstance(default, tuple):
+            items = value.split(",") if isinstance(value, str) else list(value)
+            kind = int if key == "concurrency" else float
+            return tuple(kind(str(v).strip()) for v in items if str(v).strip())
+        if isinstance(default, bool):
+            return str(value).lower() in ("1", "true", "yes")
+        if isinstance(default, int) or optional_int:
+            return int(float(value)) if isinstance(value, str) and "e" in value.lower() else int(value)
+        if isinstance(default, float):
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"simulator parameter {key}: cannot use {value!r}") from None
+
+
+def _validate(p: SimParams) -> None:
+    checks = [
+        (p.pp_size >= 1 and p.tp_size >= 1, "pp_size and tp_size must be >= 1"),
+        (p.max_running_requests >= 1, "max_running_requests must be >= 1"),
+        (p.pp_max_micro_batch_size is None or p.pp_max_micro_batch_size >= 1,
+         "pp_max_micro_batch_size must be >= 1"),
+        (p.pp_async_batch_depth >= 0, "pp_async_batch_depth must be >= 0"),
+        (p.cap_scope in ("engine", "microbatch"), "cap_scope must be 'engine' or 'microbatch'"),
+        (p.decode_log_interval >= 1, "decode_log_interval must be >= 1"),
+        (bool(p.concurrency) and min(p.concurrency) >= 1, "concurrency needs levels >= 1"),
+        (p.phase_s > 0 and p.sample_period_s > 0, "phase_s and sample_period_s must be > 0"),
+        (p.input_tokens >= 1 and p.max_tokens >= 1, "input_tokens and max_tokens must be >= 1"),
+        (p.pcie_bandwidth_bytes_per_s > 0, "pcie_bandwidth_bytes_per_s must be > 0"),
+        (p.chunked_prefill_size >= 1, "chunked_prefill_size must be >= 1"),
+        (p.client_max_inflight is None or p.client_max_inflight >= 1, "client_max_inflight must be >= 1"),
+        (not p.stage_cost_multipliers or len(p.stage_cost_multipliers) == p.pp_size,
+         "stage_cost_multipliers needs one value per stage"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(f"simulator parameters: {message}")
+
+
+def parse_set_options(items: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """``("pp_size=4", "concurrency=1,8")`` -> {"pp_size": "4", "concurrency": "1,8"}."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--set {item!r}: expected key=value")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def load_params_file(path: str | Path) -> dict[str, Any]:
+    """Overrides from a TOML file: top-level keys, or a ``[sim]`` table."""
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    table = data.get("sim", data)
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: [sim] must be a table")
+    return dict(table)

@@ -1,0 +1,334 @@
+"""The simulator in (scaled) real time behind an OpenAI-compatible aiohttp server: clients drive
+the load, the scheduler log is written as the engine runs, and the GPUs' kernel-busy intervals go
+to the feed file that ``gputrace agent --backend sim`` serves (FEED.md).
+
+Entry points: ``await start_sim_server(params, ...)`` (in-process, returns a running SimServer)
+and ``serve_forever(...)`` (the ``gputrace sim serve`` command).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+
+from gputrace.errors import SourceError
+from gputrace.logsetup import get_logger
+from gputrace.sim.engine import EngineTrace, PipelineEngine, SimRequest
+from gputrace.sim.logfmt import LinePrefix, decode_message, prefill_message, startup_lines
+from gputrace.sim.params import SimParams
+
+log = get_logger("sim.server")
+
+FEED_KIND = "gputrace-sim-gpu"
+TICK_S = 0.01  # how often the engine catches up with the wall clock (and files are flushed)
+_WORDS = ("the", "pipeline", "stage", "token", "batch", "GPU", "idle", "busy", "layer", "cache")
+
+
+class _Stream:
+    """A request's token events, delivered at their wall-clock time."""
+
+    def __init__(self, sim: RealtimeSim):
+        self.sim = sim
+        self.queue: asyncio.Queue[int | None] = asyncio.Queue()
+
+    def tokens(self, t_s: float, generated: int) -> None:
+        self.sim.deliver(t_s, self.queue, generated)
+
+    def finished(self, t_s: float) -> None:
+        self.sim.deliver(t_s, self.queue, None)
+
+
+class RealtimeSim:
+    """The engine model tied to the wall clock: virtual t = (wall - start) * speed."""
+
+    def __init__(self, params: SimParams, log_path: str | os.PathLike[str],
+                 feed_path: str | os.PathLike[str] | None, speed: float = 1.0):
+        self.p = params
+        self.speed = speed
+        self.wall0_ns = time.time_ns()
+        self.mono0 = time.monotonic()
+        self._lines: list[tuple[float, int, int, str, dict[str, Any]]] = []
+        self.engine = PipelineEngine(params, on_log=self._on_log)
+        self._rng = np.random.default_rng(params.seed)
+        self._prefix = LinePrefix(params.pp_size, params.tp_size)
+        self._next_rid = 0
+        self._iv_done = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        try:
+            self._log = open(log_path, "a", encoding="utf-8")  # noqa: SIM115  # closed in close()
+            self._feed = open(feed_path, "ab") if feed_path else None  # noqa: SIM115
+        except OSError as exc:
+            raise SourceError(f"simulator: cannot open its output file: {exc}") from exc
+        self._log.write("\n".join(startup_lines(params, self.wall0_ns, self._prefix)) + "\n")
+        self._log.flush()
+        if self._feed is not None:
+            header = {"feed": FEED_KIND, "version": 1, "host": "sim-node0",
+                      "gpus": params.pp_size * params.tp_size, "gpu_name": params.gpu_name,
+                      "power_limit_w": params.power_limit_w, "idle_power_w": params.idle_power_w,
+                      "pcie_gen": params.pcie_gen, "pcie_width": params.pcie_width,
+                      "memory_total_bytes": params.memory_total_bytes}
+            self._feed.write((json.dumps(header) + "\n").encode())
+            self._feed.flush()
+
+    # -- clocks --------------------------------------------------------------------------------
+
+    def now_s(self) -> float:
+        return (time.monotonic() - self.mono0) * self.speed
+
+    def wall_ns(self, t_s: float) -> int:
+        return self.wall0_ns + round(t_s / self.speed * 1e9)
+
+    def deliver(self, t_s: float, queue: asyncio.Queue[int | None], item: int | None) -> None:
+        assert self._loop is not None
+        when = self._loop.time() + max(t_s - self.now_s(), 0.0) / self.speed
+        self._loop.call_at(when, queue.put_nowait, item)
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def submit(self, prompt_tokens: int, max_tokens: int) -> tuple[SimRequest, _Stream]:
+        p = self.p
+        n_out = max_tokens
+        if p.output_tokens_jitter:
+            n_out = max(1, round(n_out * self._rng.uniform(1 - p.output_tokens_jitter, 1.0)))
+        stream = _Stream(self)
+        req = SimRequest(rid=self._next_rid, arrival_s=self.now_s(), input_tokens=max(1, prompt_tokens),
+                         output_tokens=n_out, listener=stream)
+        self._next_rid += 1
+        self.engine.add_arrival(req)
+        return req, stream
+
+    # -- the engine loop -----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        while True:
+            self.step()
+            await asyncio.sleep(TICK_S)
+
+    def step(self) -> None:
+        """Catch the engine up with the wall clock and write what it produced."""
+        target = self.now_s()
+        self.engine.run_until(target)
+        self._flush_log(target)
+        self._flush_feed()
+
+    def _on_log(self, t_s: float, stage: int, kind: str, fields: dict[str, Any]) -> None:
+        self._lines.append((t_s, len(self._lines), stage, kind, fields))
+
+    def _flush_log(self, upto_s: float) -> None:
+        if not self._lines:
+            return
+        self._lines.sort(key=lambda r: (r[0], r[1]))
+        cut = 0
+        out = []
+        for t_s, _, stage, kind, fields in self._lines:
+            if t_s > upto_s:
+                break
+            cut += 1
+            message = decode_message(fields) if kind == "decode" else prefill_message(fields)
+            out.append(f"{self._prefix.rank(self.wall_ns(t_s), stage)} {message}\n")
+        if out:
+            del self._lines[:cut]
+            self._log.write("".join(out))
+            self._log.flush()
+
+    def _flush_feed(self) -> None:
+        tr = self.engine.trace
+        n = len(tr.iv_start)
+        if self._feed is not None and n > self._iv_done:
+            tp = self.p.tp_size
+            out = []
+            for i in range(self._iv_done, n):
+                start, end = self.wall_ns(tr.iv_start[i]), self.wall_ns(tr.iv_end[i])
+                for g in range(tr.iv_stage[i] * tp, tr.iv_stage[i] * tp + tp):
+                    out.append(f'{{"gpu": {g}, "start_ns": {start}, "end_ns": {end}, '
+                               f'"tx_bytes": {tr.iv_tx_bytes[i]}, "rx_bytes": {tr.iv_rx_bytes[i]}}}\n')
+            self._feed.write("".join(out).encode())
+            self._feed.flush()
+        self._iv_done = n
+        if n > 100_000:  # a long serve must not keep every interval: the feed file has them
+            self.engine.trace = EngineTrace()
+            self._iv_done = 0
+
+    def close(self) -> None:
+        self._flush_log(float("inf"))
+        self._log.close()
+        if self._feed is not None:
+            self._feed.close()
+
+
+# -- HTTP --------------------------------------------------------------------------------------
+
+
+def _prompt_text(body: dict[str, Any]) -> str:
+    if "messages" in body:
+        parts = []
+        for m in body.get("messages") or []:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, list):
+                content = " ".join(str(c.get("text", "")) for c in content if isinstance(c, dict))
+            parts.append(str(content or ""))
+        return "\n".join(parts)
+    prompt = body.get("prompt", "")
+    return " ".join(map(str, prompt)) if isinstance(prompt, list) else str(prompt)
+
+
+def _count_tokens(text: str) -> int:
+    """About four characters per token, as tokenizers of English text give."""
+    return max(1, math.ceil(len(text) / 4))
+
+
+class SimServer:
+    """A running simulator server; ``url`` is its base (``http://host:port``)."""
+
+    def __init__(self, sim: RealtimeSim, runner: web.AppRunner, task: asyncio.Task[None], url: str):
+        self.sim = sim
+        self.runner = runner
+        self.task = task
+        self.url = url
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    async def close(self) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+        await self.runner.cleanup()
+        self.sim.close()
+
+
+def build_app(sim: RealtimeSim) -> web.Application:
+    model = sim.p.model_path
+    created = sim.wall0_ns // 1_000_000_000
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": model, "object": "model", "created": created, "owned_by": "gputrace-sim"}]})
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        chat = request.path.endswith("/chat/completions")
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise ValueError("the body must be a JSON object")
+            max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or sim.p.max_tokens)
+            if max_tokens < 1:
+                raise ValueError("max_tokens must be >= 1")
+        except (ValueError, TypeError) as exc:
+            error = {"message": f"bad request: {exc}", "type": "invalid_request_error"}
+            return web.json_response({"error": error}, status=400)
+        prompt_tokens = _count_tokens(_prompt_text(body))
+        req, stream = sim.submit(prompt_tokens, max_tokens)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-sim{req.rid}"
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens}
+
+        def finish_usage() -> dict[str, int]:
+            usage["completion_tokens"] = req.generated
+            usage["total_tokens"] = prompt_tokens + req.generated
+            return usage
+
+        if not body.get("stream"):
+            words = []
+            while (item := await stream.queue.get()) is not None:
+                words.append(_WORDS[item % len(_WORDS)])
+            text = " ".join(words)
+            choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            return web.json_response({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                                      "created": created, "model": model, "choices": [choice],
+                                      "usage": finish_usage()})
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta_text: str | None, finish: str | None) -> bytes:
+            if chat:
+                delta = {} if delta_text is None else {"content": delta_text}
+                if req.generated <= 1 and delta_text is not None:
+                    delta["role"] = "assistant"
+                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
+            obj: dict[str, Any] = {"id": rid, "object": kind, "created": created, "model": model,
+                                   "choices": [choice]}
+            if include_usage:
+                obj["usage"] = None
+            return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+        while (item := await stream.queue.get()) is not None:
+            await resp.write(chunk(_WORDS[item % len(_WORDS)] + " ", None))
+        await resp.write(chunk(None, "length"))
+        if include_usage:
+            final = {"id": rid, "object": kind, "created": created, "model": model, "choices": [],
+                     "usage": finish_usage()}
+            await resp.write(b"data: " + json.dumps(final).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_post("/v1/chat/completions", completions)
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+async def start_sim_server(params: SimParams, *, host: str = "127.0.0.1", port: int = 0,
+                           log_path: str | os.PathLike[str], feed_path: str | os.PathLike[str] | None = None,
+                           speed: float = 1.0) -> SimServer:
+    """Start the real-time simulator and its HTTP server on the running loop (port 0: a free one)."""
+    sim = RealtimeSim(params, log_path, feed_path, speed)
+    runner = web.AppRunner(build_app(sim), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        sim.close()
+        raise SourceError(f"simulator: cannot listen on {host}:{port}: {exc.strerror}") from exc
+    bound = int(runner.addresses[0][1]) if runner.addresses else port
+    task = asyncio.create_task(sim.run())
+    log.info("simulator serving", host=host, port=bound, speed=speed)
+    return SimServer(sim, runner, task, f"http://{host}:{bound}")
+
+
+def serve_forever(params: SimParams, *, host: str, port: int, log_path: str, feed_path: str | None,
+                  speed: float, announce: Callable[[str], None] | None = None) -> None:
+    """Run the server until SIGINT/SIGTERM (``gputrace sim serve``)."""
+
+    async def main() -> None:
+        server = await start_sim_server(params, host=host, port=port, log_path=log_path,
+                                        feed_path=feed_path, speed=speed)
+        if announce is not None:
+            announce(server.url)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            await server.close()
+
+    asyncio.run(main())

@@ -1,0 +1,163 @@
+"""Ground truth of a virtual run (the form of meta.extra["ground_truth"]): per phase and stage the
+true busy and bubble fractions and micro-batch sizes, the throughput, and the causes present.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gputrace.sim.samples import cumulative
+
+if TYPE_CHECKING:
+    from gputrace.sim.run import SimResult
+
+BUBBLE_MATERIAL = 0.08  # a bubble share worth naming a cause for
+UNDERFILLED_SHARE = 0.9  # fewer micro-batches in flight than this share of pp_size
+CLIENT_SHORTFALL = 0.85  # client in flight below this share of its target
+KV_USAGE_HIGH = 0.9
+PCIE_HOP_SHARE = 0.5  # hand-off time against the compute time of a step
+IMBALANCE_RATIO = 1.15
+
+
+def work_intervals(t: np.ndarray, delta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Spans when the engine held at least one request (running or waiting)."""
+    if t.size == 0:
+        return np.zeros(0), np.zeros(0)
+    order = np.lexsort((-delta, t))  # arrivals before completions at the same instant
+    ts, level = t[order], np.cumsum(delta[order])
+    prev = np.concatenate(([0], level[:-1]))
+    starts = ts[(prev == 0) & (level > 0)]
+    ends = ts[(prev > 0) & (level == 0)]
+    if ends.size < starts.size:
+        ends = np.concatenate((ends, [np.inf]))
+    return starts, ends
+
+
+def _overlap(starts: np.ndarray, ends: np.ndarray, a: float, b: float) -> float:
+    xs = np.array([a, b])
+    c = cumulative(starts, np.minimum(ends, b + 1.0), xs)
+    return float(c[1] - c[0])
+
+
+def _time_mean(t: np.ndarray, v: np.ndarray, a: float, b: float) -> float | None:
+    """Time-weighted mean over [a, b) of a step function set at times t."""
+    if t.size == 0:
+        return None
+    grid = np.linspace(a, b, 2001)[:-1]
+    idx = np.searchsorted(t, grid, side="right") - 1
+    vals = np.where(idx >= 0, v[np.clip(idx, 0, None)], 0.0)
+    return float(vals.mean())
+
+
+def ground_truth(result: SimResult, scenario_causes: tuple[str, ...]) -> dict[str, Any]:
+    p = result.params
+    tr = result.engine.trace
+    iv = result.intervals
+    w_start, w_end = work_intervals(np.asarray(tr.work_t, dtype=np.float64),
+                                    np.asarray(tr.work_delta, dtype=np.int64))
+    st_t = np.asarray(tr.st_t, dtype=np.float64)
+    tok_t = np.asarray(tr.tok_t, dtype=np.float64)
+    tok_n = np.asarray(tr.tok_n, dtype=np.float64)
+    kv_stall = np.asarray(tr.kv_stall_t, dtype=np.float64)
+    req_start = np.array([r.client_start_s for r in result.requests], dtype=np.float64)
+    req_end = np.array([r.finish_s + p.client_latency_s if r.finish_s is not None else np.inf
+                        for r in result.requests], dtype=np.float64)
+    phases = []
+    for ph in result.phases:
+        a, b = ph.start_s, ph.end_s
+        dur = b - a
+        has_work = _overlap(w_start, w_end, a, b)
+        stages = []
+        for s in range(p.pp_size):
+            sel = iv["stage"] == s
+            busy = _overlap(iv["start_s"][sel], iv["end_s"][sel], a, b)
+            in_phase = sel & iv["decode"] & (iv["start_s"] >= a) & (iv["start_s"] < b)
+            sizes = iv["reqs"][in_phase]
+            stages.append({
+                "pp_rank": s,
+                "busy_fraction": round(busy / dur, 4),
+                "bubble_fraction": round(max(has_work - busy, 0.0) / dur, 4),
+                "mean_microbatch_size": round(float(sizes.mean()), 3) if sizes.size else None,
+                "max_microbatch_size": int(sizes.max()) if sizes.size else None,
+            })
+        in_tok = (tok_t >= a) & (tok_t < b)
+        inflight = float(np.clip(np.minimum(req_end, b) - np.maximum(req_start, a), 0, None).sum()) / dur
+        sel_st = (st_t >= a) & (st_t < b)
+        extra = {
+            "microbatches_in_flight": _time_mean(st_t, np.asarray(tr.st_slots_busy, float), a, b),
+            "running_mean": _time_mean(st_t, np.asarray(tr.st_running, float), a, b),
+            "running_max": int(np.max(np.asarray(tr.st_running)[sel_st])) if sel_st.any() else 0,
+            "queue_mean": _time_mean(st_t, np.asarray(tr.st_waiting, float), a, b),
+            "token_usage_max": round(float(np.max(np.asarray(tr.st_kv_used)[sel_st])) /
+                                     p.max_total_num_tokens, 4) if sel_st.any() else 0.0,
+            "client_inflight_mean": round(inflight, 3),
+            "kv_admission_stalls": int(((kv_stall >= a) & (kv_stall < b)).sum()),
+            "pcie_hop_share": _pcie_hop_share(result, a, b),
+        }
+        truth: dict[str, Any] = {
+            "label": ph.label, "start_ns": result.ns(a), "end_ns": result.ns(b),
+            "target_concurrency": ph.target_concurrency,
+            "throughput_tok_s": round(float(tok_n[in_tok].sum()) / dur, 3),
+            "stages": stages, **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in extra.items()},
+        }
+        truth["causes"] = phase_causes(result, truth)
+        phases.append(truth)
+    return {"scenario": result.scenario, "seed": p.seed, "causes": list(scenario_causes),
+            "micro_batch_cap": p.micro_batch_cap, "slots": p.slots, "phases": phases}
+
+
+def _pcie_hop_share(result: SimResult, a: float, b: float) -> float:
+    """Mean hand-off time between stages over the mean compute time of a step, in [a, b)."""
+    p = result.params
+    iv = result.intervals
+    sel = (iv["stage"] == 0) & (iv["start_s"] >= a) & (iv["start_s"] < b)
+    if not sel.any():
+        return 0.0
+    bytes_ = iv["tx_bytes"][sel]
+    hop = p.pcie_latency_s + bytes_ / p.pcie_bandwidth_bytes_per_s
+    step = iv["end_s"][sel] - iv["start_s"][sel]
+    return round(float(hop.mean() / step.mean()), 4)
+
+
+def phase_causes(result: SimResult, ph: dict[str, Any]) -> list[str]:
+    """The causes present in one phase, from what the model did in it."""
+    p = result.params
+    causes: list[str] = []
+    stages = ph["stages"]
+    busy = np.array([s["busy_fraction"] for s in stages])
+    bubble = float(np.mean([s["bubble_fraction"] for s in stages]))
+    k = p.micro_batch_cap
+    limit = min(k, p.max_running_requests)
+    mb_max = max((s["max_microbatch_size"] or 0) for s in stages)
+    client_bound = ph["client_inflight_mean"] < CLIENT_SHORTFALL * ph["target_concurrency"]
+    kv_bound = ph["kv_admission_stalls"] > 0 and ph["token_usage_max"] >= KV_USAGE_HIGH
+    # The cap is the cause only when the engine got the load and nothing else held it back.
+    if p.cap_scope == "engine":
+        capped = k < p.max_running_requests and ph["running_max"] >= limit and (ph["queue_mean"] or 0) > 0.5
+    else:
+        capped = (k < p.max_running_requests and mb_max >= k and ph["target_concurrency"] > k
+                  and (ph["microbatches_in_flight"] or 0) < UNDERFILLED_SHARE * p.pp_size)
+    capped = capped and not client_bound and not kv_bound
+    pcie_bound = ph["pcie_hop_share"] >= PCIE_HOP_SHARE
+    mults = np.array([p.stage_multiplier(s) for s in range(p.pp_size)])
+    imbalanced = mults.max() >= IMBALANCE_RATIO * float(np.median(mults)) and \
+        busy.max() - float(np.median(busy)) > BUBBLE_MATERIAL
+    if capped:
+        causes.append("microbatch_cap")
+    if client_bound:
+        causes.append("client_bound")
+    if kv_bound:
+        causes.append("kv_cache_bound")
+    if pcie_bound:
+        causes.append("pcie_bound")
+    if imbalanced:
+        causes.append("stage_imbalance")
+    underfilled = (ph["microbatches_in_flight"] or 0) < UNDERFILLED_SHARE * p.pp_size and \
+        bubble > BUBBLE_MATERIAL
+    if underfilled and not causes:
+        causes.append("pipeline_underfilled")
+    if p.decode_log_interval > 1 and p.decode_log_interval % p.slots == 0:
+        causes.append("log_sampling_aliased")
+    return causes
