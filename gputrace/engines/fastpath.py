@@ -104,8 +104,9 @@ class _Bytes:
         """``123.45`` -> 12345 / 10**2: an exact integer over an exact power of ten is the
         correctly rounded double, the same as float("123.45")."""
         dot = np.minimum(self.next_at(self.dots, start), end)
-        mantissa = self.digits(start, dot) * 10 ** (end - dot - 1) + self.digits(dot + 1, end)
-        result: np.ndarray = mantissa / (10.0 ** (end - dot - 1))
+        frac_len = np.maximum(end - dot - 1, 0)  # rows cut short (handed back) may lack the dot
+        mantissa = self.digits(start, dot) * 10**frac_len + self.digits(dot + 1, end)
+        result: np.ndarray = mantissa / (10.0**frac_len)
         return result
 
 

@@ -137,6 +137,7 @@ def ingest_log(
     *,
     fast: bool = True,
     batch_rows: int = 500_000,
+    chunk_bytes: int = CHUNK_BYTES,
 ) -> IngestStats:
     """Parse a whole log file and append its events and configuration lines to ``store``.
 
@@ -149,7 +150,7 @@ def ingest_log(
     events = _EventColumns()
     configs: list[EngineConfig] = []
     with open_log(path) as stream:
-        chunks = read_chunks(stream)
+        chunks = read_chunks(stream, chunk_bytes)
         if fast and engine == "sglang":
             pending: list[dict[str, pa.Array]] = []
             for chunk_result in _scan_in_threads(chunks, parser.clock):

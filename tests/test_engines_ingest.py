@@ -1,0 +1,148 @@
+"""Log ingest into a run store: the vectorised fast path gives exactly the per-line grammar's
+records on a file mixing every form and edge case; `gputrace import` with engine logs."""
+
+from __future__ import annotations
+
+import datetime as dt
+import gzip
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gputrace.engines.ingest import ingest_log
+from gputrace.errors import SourceError
+from gputrace.model import EngineConfig
+from gputrace.store import Store
+
+SGLANG_LINES = Path("/work/shared/data/sglang/real-lines.txt")
+if not SGLANG_LINES.exists():  # a checkout elsewhere keeps the data beside the repository
+    SGLANG_LINES = Path(__file__).resolve().parents[2] / "shared/data/sglang/real-lines.txt"
+VLLM_LINES = SGLANG_LINES.parent.parent / "vllm" / "real-lines.txt"
+
+
+def _prefix(rnd: random.Random) -> str:
+    ts = f"2026-{rnd.randint(1, 12):02d}-{rnd.randint(1, 28):02d} {rnd.randint(0, 23):02d}:" \
+         f"{rnd.randint(0, 59):02d}:{rnd.randint(0, 59):02d}"
+    if rnd.random() < 0.2:
+        ts += f".{rnd.randint(0, 999):03d}"
+    names = rnd.sample(["DP", "PP", "ATTN_CP", "MOE_DP", "TP", "EP"], rnd.randint(0, 4))
+    return "[" + ts + "".join(f" {n}{rnd.randint(0, 15)}" for n in names) + "]"
+
+
+def _number(rnd: random.Random, decimal: bool) -> str:
+    if rnd.random() < 0.02:  # too long for exact arithmetic: must go the per-line way
+        return "9" * 25 + (".5" if decimal else "")
+    if decimal:
+        return f"{rnd.uniform(0, 5000):.{rnd.choice([1, 2, 3])}f}"
+    return str(rnd.randint(0, 10**rnd.randint(1, 7))).zfill(rnd.choice([1, 1, 1, 3]))
+
+
+def _batch_line(rnd: random.Random) -> str:
+    graph = f"{rnd.choice(['cuda', 'cpu', 'npu', 'musa'])} graph: {rnd.choice(['True', 'False'])}"
+    it = f" [{rnd.randint(0, 999)}]" if rnd.random() < 0.2 else ""
+    if rnd.random() < 0.7:
+        body = (f"Decode batch{it}, #running-req: {_number(rnd, False)}, #token: {_number(rnd, False)}, "
+                f"token usage: {_number(rnd, True)}, {graph}, "
+                f"gen throughput (token/s): {_number(rnd, True)}, "
+                f"#queue-req: {_number(rnd, False)}" + rnd.choice(["", "", ", "]))
+    else:
+        pending = f"#pending-token: {_number(rnd, False)}, " if rnd.random() < 0.5 else ""
+        body = (f"Prefill batch{it}, #new-seq: {_number(rnd, False)}, #new-token: {_number(rnd, False)}, "
+                f"#cached-token: {_number(rnd, False)}, token usage: {_number(rnd, True)}, "
+                f"#running-req: {_number(rnd, False)}, #queue-req: {_number(rnd, False)}, {pending}{graph}, "
+                f"input throughput (token/s): {_number(rnd, True)}")
+    return f"{_prefix(rnd)} {body}"
+
+
+def _mixed_log(path: Path, n_lines: int, seed: int) -> None:
+    """Current-form lines with every variable part, plus every other kind of line around them."""
+    rnd = random.Random(seed)
+    real = [line for line in SGLANG_LINES.read_text(encoding="utf-8").split("\n") if line]
+    odd = ["[2026-13-40 25:00:00 PP1] Decode batch, #running-req: 1, #token: 2, token usage: 0.10, "
+           "cuda graph: True, gen throughput (token/s): 1.00, #queue-req: 0",
+           "", "   ",
+           "[2026-01-01 00:00:00] server_args=ServerArgs(pp_size=8, tp_size=1, max_running_requests=64)"]
+    with path.open("wb") as out:
+        for i in range(n_lines):
+            r = rnd.random()
+            if r < 0.8:
+                line = _batch_line(rnd)
+            elif r < 0.9:
+                line = rnd.choice(real)
+            else:
+                line = rnd.choice(odd)
+            data = line.encode()
+            if rnd.random() < 0.01:
+                data += b"\r"
+            if rnd.random() < 0.002:
+                data = b"\xff\xfe" + data  # invalid UTF-8 sends its whole chunk the per-line way
+            out.write(data + (b"\n" if i < n_lines - 1 else b""))
+
+
+@pytest.mark.parametrize("tz", ["UTC", "Europe/Berlin"])
+def test_fast_path_equals_per_line_grammar(tmp_path: Path, tz: str) -> None:
+    """Every event, count and configuration record is the same with and without the fast path."""
+    log = tmp_path / "mixed.log"
+    _mixed_log(log, 6000, seed=7)
+    tables = {}
+    stats = {}
+    for fast in (True, False):
+        with Store.create(tmp_path / f"run-{fast}") as store:
+            stats[fast] = ingest_log(store, log, host="n0", tz=tz, fast=fast, chunk_bytes=16384)
+            tables[fast] = store.arrow("scheduler_events", order_by="line_no")
+            tables[f"cfg-{fast}"] = store.arrow("engine_configs", order_by="line_no")
+    assert stats[True].fast_path_lines > 3000
+    assert stats[True].as_dict() == stats[False].as_dict()
+    assert tables[True].num_rows == stats[True].events_written > 4000
+    for name in tables[False].column_names:
+        assert tables[True].column(name).equals(tables[False].column(name)), name
+    assert tables["cfg-True"].equals(tables["cfg-False"])
+
+
+def test_ingest_counts_and_records(tmp_path: Path) -> None:
+    """Ingesting the real lines writes one event per batch line and the configuration records."""
+    with Store.create(tmp_path / "run") as store:
+        stats = ingest_log(store, SGLANG_LINES, host="n0", source="sglang.log")
+        assert stats.as_dict() == {
+            "path": str(SGLANG_LINES), "source": "sglang.log", "lines": 103,
+            "recognised": {"prefill": 43, "decode": 30, "config": 2, "stats": 0},
+            "unrecognised": 28, "events_written": 73, "configs_written": 2}
+        configs = store.records(EngineConfig)
+        assert sorted(c.line_no for c in configs) == [29, 30]
+        assert {c.max_running_requests for c in configs} == {2049}
+        rows = store.sql("SELECT pp_rank, running_req FROM scheduler_events WHERE pp_rank IS NOT NULL "
+                         "ORDER BY line_no")
+        assert rows == [(0, 1), (1, 1), (2, 1), (3, 1), (0, 3), (1, 3)]
+
+
+def test_missing_log_is_a_source_error(tmp_path: Path) -> None:
+    """A log that cannot be read raises SourceError naming the file."""
+    with Store.create(tmp_path / "run") as store, pytest.raises(SourceError, match=r"nope\.log"):
+        ingest_log(store, tmp_path / "nope.log", host="n0")
+
+
+def test_import_command_with_engine_logs(tmp_path: Path) -> None:
+    """`gputrace import` creates the run, reads .gz and plain logs of both engines, and appends."""
+    gz = tmp_path / "sglang.log.gz"
+    gz.write_bytes(gzip.compress(SGLANG_LINES.read_bytes()))
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "gputrace", "import", "--run", str(run), "--host", "node-3",
+           "--sglang-log", str(gz), "--vllm-log", str(VLLM_LINES), "--date", "2025-01-01"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    summary = f"sglang log {gz}: 103 lines, recognised prefill 43, decode 30, config 2, unrecognised 28"
+    assert summary in out.stdout
+    again = subprocess.run([*cmd[:8], "--sglang-log", str(SGLANG_LINES)], capture_output=True, text=True,
+                           timeout=60)
+    assert again.returncode == 0, again.stderr
+    with Store.open(run, read_only=True) as store:
+        by_engine = dict(store.sql("SELECT engine, count(*) FROM scheduler_events GROUP BY 1"))
+        assert by_engine == {"sglang": 146, "vllm": 12}
+        assert store.sql("SELECT DISTINCT host FROM scheduler_events") == [("node-3",)]
+        vllm_first = store.sql("SELECT min(log_ts_ns) FROM scheduler_events WHERE engine = 'vllm'")
+        # The earliest vLLM stamp is "01-22 18:27:20"; its year comes from --date.
+        assert vllm_first == [(int(dt.datetime(2025, 1, 22, 18, 27, 20, tzinfo=dt.UTC).timestamp()) * 10**9,)]
+        assert store.count("engine_configs") == 4
