@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 
 from gputrace.agent.sampling import LoopStats, SampleRing
 from gputrace.model import DeviceInfo, GpuSample
@@ -90,6 +91,8 @@ class GpuCollector(Collector):
         self.label_names = ["host", "gpu", "uuid", "model"] + (["pp_rank", "tp_rank"] if placements else [])
         self._labels: dict[int, list[str]] = {}
         self._dcgm_labels: dict[int, list[str]] = {}
+        self._label_dicts: dict[int, dict[str, str]] = {}
+        self._dcgm_label_dicts: dict[int, dict[str, str]] = {}
         for d in devices:
             labels = [host, str(d.gpu_index), d.uuid or "", d.name or ""]
             if placements:
@@ -98,6 +101,10 @@ class GpuCollector(Collector):
             self._labels[d.gpu_index] = labels
             self._dcgm_labels[d.gpu_index] = [str(d.gpu_index), d.uuid or "", d.pci_bus_id or "",
                                               f"nvidia{d.gpu_index}", d.name or "", host]
+            # built once and shared by every series of the GPU (the exposition only reads them)
+            self._label_dicts[d.gpu_index] = dict(zip(self.label_names, labels, strict=True))
+            self._dcgm_label_dicts[d.gpu_index] = dict(zip(DCGM_LABELS, self._dcgm_labels[d.gpu_index],
+                                                           strict=True))
 
     def describe(self) -> Iterable[Metric]:
         return []  # families depend on what the GPUs support: built at scrape time only
@@ -107,13 +114,11 @@ class GpuCollector(Collector):
         latest = dict(self.stats.latest)
         latest_util = dict(self.stats.latest_util)
         families: list[Metric] = []
-        families += self._families(GPU_GAUGES, self.label_names, self._labels, latest, latest_util)
+        families += self._families(GPU_GAUGES, self._label_dicts, latest, latest_util)
         energy = CounterMetricFamily("gputrace_gpu_energy_joules", "Energy used since the driver "
                                      "loaded (total_energy_consumption)", labels=self.label_names)
         lost = GaugeMetricFamily("gputrace_gpu_lost", "1 when the GPU fell off the bus",
                                  labels=self.label_names)
-        stamp = GaugeMetricFamily("gputrace_gpu_sample_timestamp_seconds", "When the newest sample "
-                                  "was taken (agent clock)", labels=self.label_names)
         for gpu, labels in self._labels.items():
             s = latest.get(gpu)
             if s is None:
@@ -121,11 +126,9 @@ class GpuCollector(Collector):
             if s.energy_j is not None:
                 energy.add_metric(labels, s.energy_j)
             lost.add_metric(labels, 1.0 if s.lost else 0.0)
-            stamp.add_metric(labels, s.ts_ns / 1e9)
-        families += [energy, lost, stamp]
+        families += [energy, lost]
         if self.dcgm_compat:
-            families += self._families(DCGM_GAUGES, list(DCGM_LABELS), self._dcgm_labels, latest,
-                                       latest_util)
+            families += self._families(DCGM_GAUGES, self._dcgm_label_dicts, latest, latest_util)
         st = self.stats
         families.append(GaugeMetricFamily("gputrace_agent_up", "1 while the agent samples", value=1.0))
         families.append(CounterMetricFamily("gputrace_agent_samples", "Samples taken since start",
@@ -142,18 +145,18 @@ class GpuCollector(Collector):
         return families
 
     @staticmethod
-    def _families(spec: Sequence[tuple[str, str, str, float]], label_names: list[str],
-                  labels_by_gpu: Mapping[int, list[str]], latest: Mapping[int, GpuSample],
-                  latest_util: Mapping[int, GpuSample]) -> list[Metric]:
+    def _families(spec: Sequence[tuple[str, str, str, float]], labels_by_gpu: Mapping[int, dict[str, str]],
+                  latest: Mapping[int, GpuSample], latest_util: Mapping[int, GpuSample]) -> list[Metric]:
         out: list[Metric] = []
         for name, doc, attr, scale in spec:
-            fam = GaugeMetricFamily(name, doc, labels=label_names)
+            fam = GaugeMetricFamily(name, doc)
+            samples = fam.samples
             source = latest_util if attr in _UTIL_FIELDS else latest
             for gpu, labels in labels_by_gpu.items():
                 s = source.get(gpu)
                 value = getattr(s, attr) if s is not None else None
                 if value is not None:
-                    fam.add_metric(labels, value * scale)
-            if fam.samples:
+                    samples.append(Sample(name, labels, value * scale))
+            if samples:
                 out.append(fam)
         return out

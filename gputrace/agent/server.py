@@ -117,6 +117,11 @@ class Agent:
         self.host = host
         self.instance = uuid.uuid4().hex[:16]  # lets clients tell a restarted agent by its cursor
         self.ring = SampleRing(int(settings.buffer_s * 1e9))
+        per_s = len(sampler.devices()) * (1.0 / settings.interval_s + 6.0)  # ticks + driver samples
+        if per_s * settings.buffer_s > self.ring.max_samples:
+            log.warning("the sample ring is capped; /v1/samples keeps less history than --buffer",
+                        max_samples=self.ring.max_samples, buffer_s=settings.buffer_s,
+                        kept_s=round(self.ring.max_samples / per_s))
         self.loop = SamplingLoop(sampler, self.ring, settings.interval_s)
         self.devices = sampler.devices()
         self.registry = CollectorRegistry()

@@ -9,7 +9,6 @@ lies between idle and the limit by activity, PCIe rates are bytes in the window 
 from __future__ import annotations
 
 import json
-import math
 import socket
 import time
 import uuid
@@ -51,6 +50,10 @@ class Activity(Protocol):
     def busy_s(self, gpu: int, t0_ns: int, t1_ns: int) -> float: ...
 
     def pcie_bytes(self, gpu: int, t0_ns: int, t1_ns: int) -> tuple[float, float]: ...
+
+    def window(self, gpu: int, t0_ns: int, t1_ns: int) -> tuple[float, float, float]:
+        """(busy seconds, tx bytes, rx bytes) in one pass: the tick's hot path."""
+        ...
 
 
 class PatternActivity:
@@ -95,6 +98,11 @@ class PatternActivity:
     def pcie_bytes(self, gpu: int, t0_ns: int, t1_ns: int) -> tuple[float, float]:
         moved = self.busy_s(gpu, t0_ns, t1_ns) * self.pcie_bytes_per_s
         return moved, moved
+
+    def window(self, gpu: int, t0_ns: int, t1_ns: int) -> tuple[float, float, float]:
+        busy = self.busy_s(gpu, t0_ns, t1_ns)
+        moved = busy * self.pcie_bytes_per_s
+        return busy, moved, moved
 
 
 class FeedActivity:
@@ -200,6 +208,11 @@ class FeedActivity:
             rx += irx * share
         return tx, rx
 
+    def window(self, gpu: int, t0_ns: int, t1_ns: int) -> tuple[float, float, float]:
+        busy = self.busy_s(gpu, t0_ns, t1_ns)
+        tx, rx = self.pcie_bytes(gpu, t0_ns, t1_ns)
+        return busy, tx, rx
+
     def close(self) -> None:
         self._file.close()
 
@@ -268,38 +281,32 @@ class SimulatedSampler:
         act = self.activity
         period = self.driver_period_ns
         host = self.host
+        span_w = m.power_limit_w - m.idle_power_w
+        used, total = self._memory_used, m.memory_total_bytes
         for g, st in enumerate(self._state):
-            # the driver's own samples: one per period boundary passed, at most ~2 s of them
+            # the driver's own samples: one per period boundary passed, at most ~2 s of them;
+            # NVML reports whole percents
             t = max(st.next_driver_ns, now_ns - 12 * period - (now_ns % period))
             while t <= now_ns:
-                util = round(act.busy_s(g, t - period, t) * 1e9 / period, 2)
-                out.append(GpuSample(host, g, t, utilization_ratio=util,
-                                     memory_utilization_ratio=round(util * 0.55, 2)))
+                util = int(act.busy_s(g, t - period, t) * 1e11 / period + 0.5) / 100
+                out.append(GpuSample(host, g, t, util, int(util * 55 + 0.5) / 100))
                 t += period
             st.next_driver_ns = t
             dt_ns = now_ns - st.last_tick_ns if st.last_tick_ns is not None else 100_000_000
             st.last_tick_ns = now_ns
             window = max(dt_ns, 20_000_000)
-            busy = min(act.busy_s(g, now_ns - window, now_ns) * 1e9 / window, 1.0)
-            tx, rx = act.pcie_bytes(g, now_ns - window, now_ns)
-            power = m.idle_power_w + (m.power_limit_w - m.idle_power_w) * busy
+            busy_s, tx, rx = act.window(g, now_ns - window, now_ns)
+            busy = min(busy_s * 1e9 / window, 1.0)
+            power = m.idle_power_w + span_w * busy
             st.energy_j += power * dt_ns / 1e9
-            # first-order thermal model: 20 s time constant towards 32..72 C by activity
-            target = 32.0 + 40.0 * busy
-            st.temperature_c += (target - st.temperature_c) * (1.0 - math.exp(-dt_ns / 20e9))
+            # first-order thermal model, 20 s time constant, towards 32..72 C by activity
+            st.temperature_c += (32.0 + 40.0 * busy - st.temperature_c) * min(dt_ns / 20e9, 1.0)
             active = busy > 0.01
+            # positional in GpuSample's field order: this runs per GPU per tick
             out.append(GpuSample(
-                host, g, now_ns,
-                power_w=round(power, 3), energy_j=round(st.energy_j, 3),
-                pcie_tx_bytes_per_s=tx * 1e9 / window, pcie_rx_bytes_per_s=rx * 1e9 / window,
-                sm_clock_hz=m.sm_clock_max_hz if active else m.sm_clock_idle_hz,
-                memory_clock_hz=m.memory_clock_hz,
-                memory_used_bytes=self._memory_used, memory_total_bytes=m.memory_total_bytes,
-                temperature_c=round(st.temperature_c, 1),
-                clock_event_reasons=0 if active else _IDLE_REASON,
-                sm_active_ratio=round(0.9 * busy, 4), sm_occupancy_ratio=round(0.35 * busy, 4),
-                tensor_active_ratio=round(0.55 * busy, 4),
-            ))
+                host, g, now_ns, None, None, power, st.energy_j, tx * 1e9 / window, rx * 1e9 / window,
+                m.sm_clock_max_hz if active else m.sm_clock_idle_hz, m.memory_clock_hz, used, total,
+                st.temperature_c, 0 if active else _IDLE_REASON, 0.9 * busy, 0.35 * busy, 0.55 * busy))
         if self.feed is not None:
             self.feed.prune(now_ns - 4 * 1_000_000_000)
         return out

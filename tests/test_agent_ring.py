@@ -1,0 +1,43 @@
+"""The agent's ring buffer: implicit sequence numbers, expiry by age and by size."""
+
+from __future__ import annotations
+
+import pytest
+
+from gputrace.agent.sampling import CursorTooOld, SampleRing
+from gputrace.model import GpuSample
+
+
+def _batch(n: int, ts: int) -> list[GpuSample]:
+    return [GpuSample("h", i, ts) for i in range(n)]
+
+
+def test_sequence_numbers_and_paging() -> None:
+    """Samples are numbered from 1 in arrival order; after(since) pages from since + 1."""
+    ring = SampleRing(retention_ns=10**12)
+    ring.extend(_batch(3, 1), 1)
+    ring.extend(_batch(3, 2), 2)
+    assert ring.newest_seq == 6 and ring.oldest_seq() == 1
+    assert [(seq, s.ts_ns, s.gpu_index) for seq, s in ring.after(2, 3)] == [(3, 1, 2), (4, 2, 0), (5, 2, 1)]
+    assert ring.after(6, 10) == [] and ring.after(60, 10) == []
+
+
+def test_expiry_by_age_drops_whole_batches_and_reports_oldest() -> None:
+    """Batches older than the retention leave together; a cursor before them gets CursorTooOld."""
+    ring = SampleRing(retention_ns=100)
+    for t in (0, 50, 120, 200):
+        ring.extend(_batch(2, t), t)
+    assert ring.oldest_seq() == 5 and len(ring) == 4  # t=0 and t=50 are older than 200 - 100
+    with pytest.raises(CursorTooOld) as info:
+        ring.after(3, 10)
+    assert info.value.oldest_seq == 5
+    assert [seq for seq, _ in ring.after(4, 10)] == [5, 6, 7, 8]
+
+
+def test_expiry_by_size() -> None:
+    """Past max_samples the oldest batches go, however young."""
+    ring = SampleRing(retention_ns=10**12, max_samples=5)
+    for t in range(4):
+        ring.extend(_batch(2, t), t)
+    assert len(ring) <= 5 and ring.newest_seq == 8
+    assert [seq for seq, _ in ring.after(ring.oldest_seq() - 1, 10)][-1] == 8
