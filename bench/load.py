@@ -1,13 +1,15 @@
 """Can the load generator keep C=256 requests in flight on this machine's cores?
 
-Runs an OpenAI-compatible streaming server in its own process (the fixture server
-tests/openai_server.py, which streams one SSE chunk per token), then drives it with gputrace's
-load generator: first at C=16 as the reference, then at C=256. Prints the in-flight count each
+Runs an OpenAI-compatible streaming server in its own process: the simulator's real-time server
+(``gputrace sim serve``, PP8, max_running_requests raised to 256 so that it serves them all; the
+default) or, with ``--server fixture``, tests/openai_server.py (one SSE chunk per token at a fixed
+pace). Then drives it with gputrace's load generator: first at C=16 as the reference, then at
+C=256. Prints the in-flight count each
 level achieved (time-weighted mean and the lowest count held for >= 1 ms), the client's CPU use
 (process CPU seconds / wall, per request and per 1000 tokens) and the event-loop lag, with the
 C=256 figures as ratios to the C=16 reference measured in this same run.
 
-    python bench/load.py [--seconds 10] [--token-interval 0.05] [--max-tokens 64]
+    python bench/load.py [--server sim|fixture] [--speed 1] [--seconds 10] [--max-tokens 64]
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from gputrace.load import LoadResult, LoadSpec, run_load
@@ -24,7 +27,21 @@ from gputrace.load import LoadResult, LoadSpec, run_load
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def start_server(token_interval: float, ttft: float) -> tuple[subprocess.Popen[str], str]:
+def start_sim(workdir: str, concurrency: int, speed: float) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gputrace", "sim", "serve", "--port", "0", "--log", f"{workdir}/sglang.log",
+         "--set", f"max_running_requests={concurrency}", "--speed", str(speed)],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+    )
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if "gputrace sim serve:" in line and " on http" in line:
+            return proc, line.rsplit(" on ", 1)[1].strip()
+    proc.kill()
+    raise SystemExit("the simulator's server did not start")
+
+
+def start_fixture(token_interval: float, ttft: float) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "tests" / "openai_server.py"), "--token-interval", str(token_interval),
          "--ttft", str(ttft)],
@@ -66,22 +83,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--server", choices=("sim", "fixture"), default="sim")
     parser.add_argument("--seconds", type=float, default=10.0, help="steady seconds per level")
-    parser.add_argument("--token-interval", type=float, default=0.05, help="server seconds per token")
-    parser.add_argument("--ttft", type=float, default=0.2, help="server seconds to the first token")
+    parser.add_argument("--speed", type=float, default=1.0, help="sim: simulated seconds per wall second")
+    parser.add_argument("--token-interval", type=float, default=0.05, help="fixture: seconds per token")
+    parser.add_argument("--ttft", type=float, default=0.2, help="fixture: seconds to the first token")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=256)
     args = parser.parse_args()
     cores = len(os.sched_getaffinity(0))
-    proc, url = start_server(args.token_interval, args.ttft)
+    workdir = tempfile.mkdtemp(prefix="gputrace-bench-load-")
+    if args.server == "sim":
+        proc, url = start_sim(workdir, args.concurrency, args.speed)
+        what = f"the simulator's real-time server (PP8, speed {args.speed:g})"
+    else:
+        proc, url = start_fixture(args.token_interval, args.ttft)
+        what = f"the fixture OpenAI server ({args.token_interval * 1e3:.0f} ms per token)"
     try:
         ref = describe(asyncio.run(level(url, 16, args.seconds / 2, 1.0, args.max_tokens)))
         big = describe(asyncio.run(level(url, args.concurrency, args.seconds, 2.0, args.max_tokens)))
     finally:
         proc.terminate()
         proc.wait(10)
-    print(f"load generator vs the fixture OpenAI server (own process) on {cores} cores; "
-          f"{args.max_tokens} tokens per request, {args.token_interval * 1e3:.0f} ms per token")
+    print(f"load generator vs {what} in its own process, on {cores} cores; "
+          f"{args.max_tokens} tokens per request")
     print(f"{'':26}{'C=16 (reference)':>18}{f'C={args.concurrency}':>14}{'ratio':>10}")
     rows = [
         ("in flight, mean", "mean", "{:.2f}"),
