@@ -11,7 +11,7 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, T
 from rich.table import Table
 
 from gputrace.load.generator import LoadGenerator, LoadResult
-from gputrace.load.stats import LevelStats
+from gputrace.load.stats import LAG_WARN_MS, LevelStats
 
 _REFRESH_S = 0.25
 
@@ -87,6 +87,12 @@ def print_summary(result: LoadResult, console: Console) -> None:
         f"{n} requests in {result.wall_s:.1f} s; client CPU {result.cpu_s:.1f} s "
         f"({result.cpu_s / max(result.wall_s, 1e-9):.0%} of one core, {per_req:.2f} ms per request)"
     )
+    for lv in result.levels:
+        if lv.loop_lag_p99_ms is not None and lv.loop_lag_p99_ms > LAG_WARN_MS:
+            console.print(
+                f"[bold red]warning:[/] {lv.label}: the client's event loop woke up to "
+                f"{lv.loop_lag_p99_ms:.0f} ms late (p99): its TTFT and ITL include client delay"
+            )
     for lv in result.short_levels:
         console.print(
             f"[bold red]warning:[/] {lv.label}: the client kept {lv.inflight_mean:.1f} requests in flight "

@@ -14,6 +14,9 @@ MIN_HOLD_NS = 1_000_000
 """A count must be held this long to set ``inflight_min``: between one request's end and the next
 start of the same slot the count dips for microseconds, which says nothing about the client."""
 
+LAG_WARN_MS = 100.0
+"""Event-loop lag (p99) above which the client's own delay shows in its latencies."""
+
 SHORT_TOLERANCE = 0.99
 """A level whose time-weighted mean in-flight count is below this fraction of C is "short"."""
 
