@@ -1,0 +1,1 @@
+"""Reaching hosts: transports (local, SSH), following logs with resume, clock-offset probes."""
