@@ -60,7 +60,12 @@ def test_busy_and_bubble_fractions_match_truth(tmp_path: Path) -> None:
         assert pm.stages[0].power_limit_share_mean is not None
     c16 = a.metrics[1]
     # 16 closed-loop lanes of 2 s requests x 40 tokens over 12 s.
-    assert c16.throughput_tok_s is not None and abs(c16.throughput_tok_s - 16 * 6 * 40 / 12) < 1
+    assert c16.client_throughput_tok_s is not None and abs(c16.client_throughput_tok_s - 16 * 6 * 40 / 12) < 1
+    # The engine logged 100 tok/s on every line (4 a second): integrated over the phase that is
+    # its rate, less the last quarter second, which the next phase's first line covers.
+    assert c16.engine_gen_throughput_tok_s is not None
+    assert abs(c16.engine_gen_throughput_tok_s - 100 * 11.75 / 12) < 0.1
+    assert c16.throughput_tok_s == c16.engine_gen_throughput_tok_s
     assert c16.work_share > 0.99 and c16.inflight_mean is not None and c16.inflight_mean > 15.5
     assert c16.ttft_s_p50 is not None and abs(c16.ttft_s_p50 - 0.2) < 1e-6
     assert c16.itl_s_mean is not None and abs(c16.itl_s_mean - 1.8 / 39) < 1e-6

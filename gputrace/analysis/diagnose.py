@@ -182,11 +182,17 @@ def diagnose_phase(pm: PhaseMetrics, engine: dict[str, Any], pp_size: int,
                  "(nvidia-smi -q -d PERFORMANCE)",
             f"clocks throttled {np.nanmax(thr):.0%} of the phase", impact=float(np.nanmax(thr)) * 0.5))
 
+    # The cap is the cause only when the engine got the load and nothing else held admission
+    # back: a short client or a full KV cache also leaves requests queued at a plateau.
+    if any(f.cause in ("client_bound", "kv_cache_bound") for f in out):
+        out = [f for f in out if f.cause != "microbatch_cap"]
+
     # Too few micro-batches for the pipeline depth (stages in lockstep), when nothing above
-    # explains the bubble.
+    # explains the bubble. A pipeline whose slots are all filled keeps some bubble (hand-offs,
+    # uneven steps): that is its cost, not a cause.
     allowed = pm.allowed_busy_fraction
-    if not out and allowed is not None and allowed < th.underfilled_allowed_max and \
-            mean_bubble > th.bubble_material:
+    if not out and mean_bubble > th.bubble_material and allowed is not None and \
+            allowed < th.underfilled_allowed_max:
         out.append(Finding(
             "pipeline_underfilled", pm.label, all_stages,
             {"microbatches_in_flight": _r(pm.microbatches_in_flight, 2), "pp_size": pp_size,

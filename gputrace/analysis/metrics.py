@@ -107,8 +107,10 @@ class PhaseMetrics:
     inflight_mean: float | None  # client requests in flight (time average)
     work_share: float  # share of the phase in which the engine had requests
     requests_completed: int
-    throughput_tok_s: float | None
-    engine_gen_throughput_tok_s: float | None
+    throughput_tok_s: float | None  # the engine's, else the client's
+    client_throughput_tok_s: float | None  # requests' completion tokens emitted in the phase
+    engine_gen_throughput_tok_s: float | None  # the last stage's logged gen throughput, integrated
+    unfinished_requests: int  # requests of the phase with no end (their tokens are unknown)
     ttft_s_p50: float | None
     ttft_s_p90: float | None
     itl_s_mean: float | None
@@ -175,6 +177,21 @@ def tokens_emitted(first_token_ns: np.ndarray, end_ns: np.ndarray, completion_to
     return float(np.sum(first_in + (n - 1) * rest))
 
 
+def engine_tokens(t_ns: np.ndarray, gen_tok_s: np.ndarray, is_decode: np.ndarray, start_ns: int,
+                  stop_ns: int) -> float | None:
+    """Tokens a stage generated in [start, stop) from its decode lines: each line's throughput
+    covers the time since the stage's previous decode line (SGLang resets its counter per line)."""
+    sel = is_decode & ~np.isnan(gen_tok_s)
+    t, rate = t_ns[sel], gen_tok_s[sel]
+    lo, hi = np.searchsorted(t, [start_ns, stop_ns])
+    if hi - lo < 2:
+        return None
+    prev = np.concatenate([[t[lo]], t[lo:hi - 1]]) if lo == 0 else t[lo - 1:hi - 1]
+    # rate x gap = the tokens since the previous line, idle time included, so no gap is special.
+    span = t[lo:hi] - np.maximum(prev, start_ns)
+    return float(np.sum(rate[lo:hi] * span) / 1e9)
+
+
 def _wmean(values: np.ndarray, w: np.ndarray) -> float | None:
     ok = ~np.isnan(values) & (w > 0)
     return float(np.sum(values[ok] * w[ok]) / np.sum(w[ok])) if ok.any() else None
@@ -195,7 +212,7 @@ def phase_metrics(run: AlignedRun, series: StageSeries, phase: Phase) -> PhaseMe
     done = in_phase & rq["ok"] & ~np.isnan(rq["end_ns"])
     tokens = tokens_emitted(rq["first_token_ns"], rq["end_ns"], rq["completion_tokens"],
                             phase.start_ns, phase.end_ns) if len(rq["start_ns"]) else np.nan
-    ttft = (rq["first_token_ns"] - rq["start_ns"])[done] / 1e9
+    ttft = (rq["first_token_ns"] - rq["start_ns"])[in_phase & rq["ok"]] / 1e9
     n_tok = rq["completion_tokens"][done]
     with np.errstate(all="ignore"):
         itl = np.where(n_tok > 1, (rq["end_ns"] - rq["first_token_ns"])[done] / 1e9 / (n_tok - 1), np.nan)
@@ -257,17 +274,20 @@ def phase_metrics(run: AlignedRun, series: StageSeries, phase: Phase) -> PhaseMe
         allowed = min(1.0, mb_in_flight / run.pp_size)
     last = run.stage_events[-1] if run.stage_events else None
     gen = None
-    if last is not None:
-        lo, hi = np.searchsorted(last.t_ns, [phase.start_ns, phase.end_ns])
-        g = last.gen_throughput_tok_s[lo:hi]
-        gen = _f(np.nanmean(g)) if len(g) and not np.isnan(g).all() else None
+    if last is not None and phase.duration_s > 0:
+        tok = engine_tokens(last.t_ns, last.gen_throughput_tok_s, last.kind == "decode",
+                            phase.start_ns, phase.end_ns)
+        gen = tok / phase.duration_s if tok is not None else None
+    client_tput = _f(tokens / phase.duration_s) if phase.duration_s > 0 else None
+    unfinished = int((in_phase & np.isnan(rq["end_ns"])).sum())
     return PhaseMetrics(
         label=phase.label, start_ns=phase.start_ns, end_ns=phase.end_ns, duration_s=phase.duration_s,
         source=phase.source, target_concurrency=phase.target_concurrency, inflight_mean=inflight,
         work_share=float(np.sum(work * w) / np.sum(w)) if len(w) else 0.0,
         requests_completed=int(done.sum()),
-        throughput_tok_s=_f(tokens / phase.duration_s) if phase.duration_s > 0 else None,
-        engine_gen_throughput_tok_s=gen,
+        throughput_tok_s=gen if gen is not None else client_tput,
+        client_throughput_tok_s=client_tput, engine_gen_throughput_tok_s=gen,
+        unfinished_requests=unfinished,
         ttft_s_p50=_pct(ttft, 50), ttft_s_p90=_pct(ttft, 90),
         itl_s_mean=_f(np.nanmean(itl)) if len(itl) and not np.isnan(itl).all() else None,
         itl_s_p90=_pct(itl, 90),
