@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import signal
 import ssl
 import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -239,3 +241,29 @@ async def test_tls(start_agent: AgentFactory, tmp_path: Path) -> None:
         await client.close()
     with pytest.raises(aiohttp.ClientConnectorCertificateError):
         await _get(_url(agent, "/healthz", scheme="https"))
+
+
+async def test_cli_agent_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
+    """`gputrace agent --backend sim` serves /metrics on the logged port and exits 0 on SIGTERM."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gputrace", "--log-format", "json", "agent", "--backend", "sim",
+        "--listen", "127.0.0.1:0", "--sim-gpus", "2", "--host-name", "cli-node", "--topology", "pp=2",
+        stderr=asyncio.subprocess.PIPE)
+    assert proc.stderr is not None
+    try:
+        url = None
+        while url is None:
+            line = await asyncio.wait_for(proc.stderr.readline(), timeout=30)
+            assert line, "agent exited before listening"
+            event = json.loads(line)
+            if event.get("event") == "agent listening":
+                url = event["url"]
+        status, text = await _get(url + "/metrics")
+        assert status == 200
+        ranks = {(s.labels["host"], s.labels["gpu"], s.labels["pp_rank"])
+                 for s in _families(text)["gputrace_gpu_power_watts"].samples}
+        assert ranks == {("cli-node", "0", "0"), ("cli-node", "1", "1")}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = await asyncio.wait_for(proc.wait(), timeout=15)
+    assert rc == 0
