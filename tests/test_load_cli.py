@@ -79,3 +79,29 @@ def test_load_command_usage_error(server_thread: tuple[str, ServerStats]) -> Non
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["gputrace: error: give --requests-per-level or "
                                                 "--duration-per-level, not both"]
+
+
+def test_interrupted_load_keeps_finished_requests(
+    server_thread: tuple[str, ServerStats], tmp_path: Path
+) -> None:
+    """Ctrl-C mid-sweep: exit 130, and --out already holds the marker and every finished request."""
+    import signal
+    import time
+
+    url, _ = server_thread
+    out = tmp_path / "load.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gputrace", "load", "--url", url, "--model", "m", "--concurrency", "4",
+         "--max-tokens", "20", "--duration-per-level", "60", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (not out.exists() or out.read_text().count('"request"') < 8):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    parsed = parse_requests_jsonl(out)
+    assert parsed.bad == 0
+    assert [m.label for m in parsed.records if isinstance(m, Marker)] == ["C=4"]
+    assert sum(isinstance(r, RequestRecord) for r in parsed.records) >= 8

@@ -11,7 +11,7 @@ from rich.console import Console
 from gputrace.errors import UsageError
 from gputrace.load.console import print_summary, run_with_progress
 from gputrace.load.generator import DEFAULT_PROMPTS, LoadGenerator, LoadSpec, load_prompts
-from gputrace.load.jsonl import write_jsonl
+from gputrace.load.jsonl import JsonlWriter
 
 
 def _levels(value: str) -> tuple[int, ...]:
@@ -84,8 +84,13 @@ def command(
         mark_url=mark_url or os.environ.get("GPUTRACE_MARK_URL") or None,
         **spec_kwargs,  # type: ignore[arg-type]
     )
-    result = asyncio.run(run_with_progress(LoadGenerator(spec), Console(stderr=True)))
-    if out:
-        n = write_jsonl(out, result.records())
-        click.echo(f"wrote {n} records to {out}", err=True)
+    # Records go to --out as they finish, so an interrupted sweep keeps what it measured.
+    writer = JsonlWriter(out) if out else None
+    try:
+        gen = LoadGenerator(spec, on_record=writer.write if writer else None)
+        result = asyncio.run(run_with_progress(gen, Console(stderr=True)))
+    finally:
+        if writer is not None:
+            writer.close()
+            click.echo(f"wrote {writer.lines} records to {out}", err=True)
     print_summary(result, Console())

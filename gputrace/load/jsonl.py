@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from gputrace.errors import UsageError
 from gputrace.model import Marker, RequestRecord
 
 _TYPES: dict[str, type[RequestRecord] | type[Marker]] = {"request": RequestRecord, "marker": Marker}
@@ -34,6 +35,34 @@ def write_jsonl(path: str | os.PathLike[str], records: Iterable[RequestRecord | 
             fh.write(record_to_json(record) + "\n")
             n += 1
     return n
+
+
+class JsonlWriter:
+    """Appends records as they are produced (``gputrace load --out``), so an interrupted run keeps
+    every request that had finished; use as a context manager or call :meth:`close`."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        self.lines = 0
+        try:
+            # Line-buffered: a killed run still leaves every line it had finished (a write per
+            # request costs microseconds; requests come at most a few thousand a second).
+            self._fh = self.path.open("w", buffering=1)
+        except OSError as exc:
+            raise UsageError(f"{self.path}: cannot write: {exc.strerror}") from exc
+
+    def write(self, record: RequestRecord | Marker) -> None:
+        self._fh.write(record_to_json(record) + "\n")
+        self.lines += 1
+
+    def close(self) -> None:
+        self._fh.close()
+
+    def __enter__(self) -> JsonlWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def record_from_obj(obj: Any) -> RequestRecord | Marker | None:
