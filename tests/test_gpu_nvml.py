@@ -398,3 +398,32 @@ def test_ctypes_sample_values_follow_declared_type(monkeypatch: pytest.MonkeyPat
     sampler = NvmlSampler("node1")
     (driver,) = [s for s in sampler.sample(NOW_NS) if s.ts_ns == 7000]
     assert driver.utilization_ratio == 0.55 and fake.gpus[0] is gpu
+
+
+async def test_agent_serves_nvml_backend_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the agent: memory utilization from its own driver samples, a lost GPU flagged."""
+    import aiohttp
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gputrace.agent.server import Agent, AgentSettings
+
+    gpus = [FakeGpu(0, util_samples=[(1_000, 80)], mem_samples=[(1_500, 40)]),
+            FakeGpu(1, util_samples=[(1, 5)])]
+    FakeNvml(monkeypatch, gpus)
+    agent = Agent(NvmlSampler("node1"), AgentSettings(port=0, interval_s=60), host="node1")
+    await agent.start()
+    try:
+        gpus[1].lost = True
+        agent.loop.tick()
+        async with aiohttp.ClientSession() as session, \
+                session.get(f"http://127.0.0.1:{agent.port}/metrics") as resp:
+            text = await resp.text()
+    finally:
+        await agent.stop()
+    values = {(s.name, s.labels["gpu"]): s.value for f in text_string_to_metric_families(text)
+              for s in f.samples if "gpu" in s.labels}
+    assert values[("gputrace_gpu_utilization_ratio", "0")] == 0.8
+    assert values[("gputrace_gpu_memory_utilization_ratio", "0")] == 0.4
+    assert values[("gputrace_gpu_lost", "0")] == 0.0 and values[("gputrace_gpu_lost", "1")] == 1.0
+    assert ("gputrace_gpu_power_watts", "1") not in values  # a lost GPU's values are not exported
+    assert values[("gputrace_gpu_power_watts", "0")] == 312.5

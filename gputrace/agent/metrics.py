@@ -42,7 +42,7 @@ GPU_GAUGES: tuple[tuple[str, str, str, float], ...] = (
     ("gputrace_gpu_nvlink_rx_bytes_per_second", "GPM NVLink bytes received per second",
      "nvlink_rx_bytes_per_s", 1.0),
 )
-_UTIL_FIELDS = frozenset({"utilization_ratio", "memory_utilization_ratio"})
+
 
 # DCGM-exporter names and units, so existing DCGM dashboards work unchanged (counters as gauges:
 # dcgm-exporter exposes them without the _total suffix that a counter family would add)
@@ -112,9 +112,11 @@ class GpuCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         started = time.perf_counter()
         latest = dict(self.stats.latest)
-        latest_util = dict(self.stats.latest_util)
+        # utilization fields come from the newest driver sample carrying them, the rest from ticks
+        sources = {"utilization_ratio": dict(self.stats.latest_util),
+                   "memory_utilization_ratio": dict(self.stats.latest_memory_util)}
         families: list[Metric] = []
-        families += self._families(GPU_GAUGES, self._label_dicts, latest, latest_util)
+        families += self._families(GPU_GAUGES, self._label_dicts, latest, sources)
         energy = CounterMetricFamily("gputrace_gpu_energy_joules", "Energy used since the driver "
                                      "loaded (total_energy_consumption)", labels=self.label_names)
         lost = GaugeMetricFamily("gputrace_gpu_lost", "1 when the GPU fell off the bus",
@@ -128,7 +130,7 @@ class GpuCollector(Collector):
             lost.add_metric(labels, 1.0 if s.lost else 0.0)
         families += [energy, lost]
         if self.dcgm_compat:
-            families += self._families(DCGM_GAUGES, self._dcgm_label_dicts, latest, latest_util)
+            families += self._families(DCGM_GAUGES, self._dcgm_label_dicts, latest, sources)
         st = self.stats
         families.append(GaugeMetricFamily("gputrace_agent_up", "1 while the agent samples", value=1.0))
         families.append(CounterMetricFamily("gputrace_agent_samples", "Samples taken since start",
@@ -146,12 +148,13 @@ class GpuCollector(Collector):
 
     @staticmethod
     def _families(spec: Sequence[tuple[str, str, str, float]], labels_by_gpu: Mapping[int, dict[str, str]],
-                  latest: Mapping[int, GpuSample], latest_util: Mapping[int, GpuSample]) -> list[Metric]:
+                  latest: Mapping[int, GpuSample],
+                  sources: Mapping[str, Mapping[int, GpuSample]]) -> list[Metric]:
         out: list[Metric] = []
         for name, doc, attr, scale in spec:
             fam = GaugeMetricFamily(name, doc)
             samples = fam.samples
-            source = latest_util if attr in _UTIL_FIELDS else latest
+            source = sources.get(attr, latest)
             for gpu, labels in labels_by_gpu.items():
                 s = source.get(gpu)
                 value = getattr(s, attr) if s is not None else None

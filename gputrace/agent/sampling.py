@@ -92,6 +92,7 @@ class LoopStats:
     last_sample_cost_s: float = 0.0
     latest: dict[int, GpuSample] = field(default_factory=dict)  # newest tick record per GPU
     latest_util: dict[int, GpuSample] = field(default_factory=dict)  # newest record with utilization
+    latest_memory_util: dict[int, GpuSample] = field(default_factory=dict)  # ... memory utilization
 
 
 class SamplingLoop:
@@ -114,7 +115,7 @@ class SamplingLoop:
     def stop(self) -> None:
         self._stopping = True
         if self._thread.is_alive():
-            self._thread.join(timeout=min(self.interval_s, 5.0) + 1.0)
+            self._thread.join(timeout=5.0)
 
     def tick(self) -> None:
         started = time.perf_counter()
@@ -131,6 +132,8 @@ class SamplingLoop:
         for s in samples:
             if s.utilization_ratio is not None or s.lost:
                 st.latest_util[s.gpu_index] = s
+            if s.memory_utilization_ratio is not None or s.lost:
+                st.latest_memory_util[s.gpu_index] = s
             if s.ts_ns == now_ns:
                 st.latest[s.gpu_index] = s
         st.ticks += 1
@@ -140,10 +143,11 @@ class SamplingLoop:
 
     def _run(self) -> None:
         # time.sleep, not Event.wait: a timed wait costs about twice the CPU per wake-up, and the
-        # agent wakes 10-100 times a second for ever; stop() waits at most one interval for it
+        # agent wakes 10-100 times a second for ever; naps of at most 0.5 s bound stop()'s wait
         next_at = time.monotonic() + self.interval_s
         while True:
-            time.sleep(max(0.0, next_at - time.monotonic()))
+            while (left := next_at - time.monotonic()) > 0 and not self._stopping:
+                time.sleep(min(left, 0.5))
             if self._stopping:
                 return
             self.tick()
