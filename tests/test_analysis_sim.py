@@ -110,3 +110,21 @@ def test_diagnosis_from_imported_files_alone(tmp_path: Path) -> None:
         assert {f.cause for f in a.findings if f.phase == pm.label} == set(gt["causes"])
         for stage, gs in zip(pm.stages, gt["stages"], strict=True):
             assert abs((stage.bubble_fraction or 0) - gs["bubble_fraction"]) <= 0.02
+
+
+def test_log_sampling_aliased_run_wide(tmp_path: Path) -> None:
+    """--decode-log-interval 40 with 8 slots: one run-wide log_sampling_aliased finding (phase
+    "*") recommending --decode-log-interval 1; the phase findings and bubbles still hold."""
+    result = run_scenario("healthy", 0, {"decode_log_interval": 40})
+    with Store.open(write_store(result, tmp_path / "run"), read_only=True) as store:
+        a = analyse_store(store)
+    aliased = [f for f in a.findings if f.cause == "log_sampling_aliased"]
+    assert len(aliased) == 1 and aliased[0].phase == "*"
+    assert aliased[0].evidence["decode_log_interval"] == 40 and aliased[0].evidence["microbatch_slots"] == 8
+    assert "--decode-log-interval 1" in aliased[0].recommendation
+    for pm, gt in zip(a.metrics, result.ground_truth["phases"], strict=True):
+        assert "log_sampling_aliased" in gt["causes"]
+        want = set(gt["causes"]) - {"log_sampling_aliased"}
+        assert {f.cause for f in a.findings if f.phase == pm.label} == want
+        for stage, gs in zip(pm.stages, gt["stages"], strict=True):
+            assert abs((stage.bubble_fraction or 0) - gs["bubble_fraction"]) <= 0.02
