@@ -144,7 +144,8 @@ class NvmlSampler:
         if support is not None and support.isSupportedDevice:
             dev.gpm_prev = self._call(dev, "gpm", "nvmlGpmSampleAlloc")
             dev.gpm_cur = self._call(dev, "gpm", "nvmlGpmSampleAlloc")
-            if dev.gpm_prev is not None and self._call(dev, "gpm", "nvmlGpmSampleGet", dev.gpm_prev) is None:
+            if (dev.gpm_prev is None or dev.gpm_cur is None
+                    or self._call(dev, "gpm", "nvmlGpmSampleGet", dev.gpm_prev) is None):
                 dev.unsupported.add("gpm")
         else:
             dev.unsupported.add("gpm")
