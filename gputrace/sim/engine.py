@@ -101,6 +101,7 @@ class PipelineEngine:
         self.slot_chunk: list[SimRequest | None] = [None] * n_slots
         self.next_slot = 0
         self.stage_free = [0.0] * p.pp_size
+        self.link_free = [0.0] * p.pp_size  # link s -> s + 1 carries one hand-off at a time
         self.waiting: deque[SimRequest] = deque()
         self._arrivals: list[tuple[float, int, SimRequest]] = []
         self._completions: list[tuple[float, int, SimRequest]] = []
@@ -298,8 +299,9 @@ class PipelineEngine:
         tr.st_waiting.append(len(self.waiting))
         tr.st_kv_used.append(self.kv_used)
         act_bytes = tokens * p.activation_bytes_per_token
-        hop = p.pcie_latency_s + act_bytes / p.pcie_bandwidth_bytes_per_s
-        stage_free, last = self.stage_free, p.pp_size - 1
+        xfer = act_bytes / p.pcie_bandwidth_bytes_per_s
+        lat = p.pcie_latency_s
+        stage_free, link_free, last = self.stage_free, self.link_free, p.pp_size - 1
         per_token = p.decode_token_s if decode else p.prefill_token_s
         base = p.launch_s + max(p.weight_read_s, per_token * tokens) + p.context_token_s * ctx_tokens
         starts, ends = tr.iv_start, tr.iv_end
@@ -314,7 +316,10 @@ class PipelineEngine:
             ends.append(end)
             if log:
                 self._log_step(s, start, end, decode, batch, tokens)
-            arrive = end + hop
+            if s < last:
+                sent = (end if end > link_free[s] else link_free[s]) + xfer
+                link_free[s] = sent
+                arrive = sent + lat
         n_st = p.pp_size
         tr.iv_stage.extend(range(n_st))
         tr.iv_reqs.extend([n_reqs] * n_st)

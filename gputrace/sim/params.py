@@ -126,10 +126,13 @@ SCENARIOS: dict[str, Scenario] = {
                  {**_FULL_PIPELINE, "concurrency": (32, 64), "input_tokens": 4096,
                   "input_tokens_jitter": 0.2, "max_tokens": 1024, "max_total_num_tokens": 90_000},
                  ("kv_cache_bound",)),
-        Scenario("pcie-bound", "stages hand activations over a degraded PCIe link (gen1 x4)",
-                 {**_FULL_PIPELINE, "activation_bytes_per_token": 65536,
-                  "pcie_bandwidth_bytes_per_s": 0.8e9, "pcie_latency_s": 0.0002,
-                  "pcie_gen": 1, "pcie_width": 4},
+        Scenario("pcie-bound", "stages hand activations over a degraded PCIe link (gen1 x1); 12 slots "
+                 "(--pp-async-batch-depth 4) keep the links busy",
+                 {**_FULL_PIPELINE, "pp_async_batch_depth": 4, "max_running_requests": 96,
+                  "pp_max_micro_batch_size": 8, "concurrency": (96,), "input_tokens": 64,
+                  "activation_bytes_per_token": 131072,
+                  "pcie_bandwidth_bytes_per_s": 0.2e9, "pcie_latency_s": 0.0002,
+                  "pcie_gen": 1, "pcie_width": 1},
                  ("pcie_bound",)),
     )
 }

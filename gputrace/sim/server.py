@@ -15,6 +15,7 @@ import math
 import os
 import signal
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -40,12 +41,19 @@ class _Stream:
     def __init__(self, sim: RealtimeSim):
         self.sim = sim
         self.queue: asyncio.Queue[int | None] = asyncio.Queue()
+        self._due: deque[int | None] = deque()
 
     def tokens(self, t_s: float, generated: int) -> None:
-        self.sim.deliver(t_s, self.queue, generated)
+        self._due.append(generated)
+        self.sim.deliver(t_s, self._release)
 
     def finished(self, t_s: float) -> None:
-        self.sim.deliver(t_s, self.queue, None)
+        self._due.append(None)
+        self.sim.deliver(t_s, self._release)
+
+    def _release(self) -> None:
+        # Timers due at the same instant fire in no set order: each releases the oldest event.
+        self.queue.put_nowait(self._due.popleft())
 
 
 class RealtimeSim:
@@ -88,10 +96,11 @@ class RealtimeSim:
     def wall_ns(self, t_s: float) -> int:
         return self.wall0_ns + round(t_s / self.speed * 1e9)
 
-    def deliver(self, t_s: float, queue: asyncio.Queue[int | None], item: int | None) -> None:
+    def deliver(self, t_s: float, release: Callable[[], None]) -> None:
+        """Call ``release`` when the wall clock reaches simulated time ``t_s``."""
         assert self._loop is not None
         when = self._loop.time() + max(t_s - self.now_s(), 0.0) / self.speed
-        self._loop.call_at(when, queue.put_nowait, item)
+        self._loop.call_at(when, release)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -260,10 +269,12 @@ def build_app(sim: RealtimeSim) -> web.Application:
         await resp.prepare(request)
         kind = "chat.completion.chunk" if chat else "text_completion"
 
+        sent = 0  # chunks written so far
+
         def chunk(delta_text: str | None, finish: str | None) -> bytes:
             if chat:
                 delta = {} if delta_text is None else {"content": delta_text}
-                if req.generated <= 1 and delta_text is not None:
+                if sent == 0 and delta_text is not None:
                     delta["role"] = "assistant"
                 choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
             else:
@@ -276,6 +287,7 @@ def build_app(sim: RealtimeSim) -> web.Application:
 
         while (item := await stream.queue.get()) is not None:
             await resp.write(chunk(_WORDS[item % len(_WORDS)] + " ", None))
+            sent += 1
         await resp.write(chunk(None, "length"))
         if include_usage:
             final = {"id": rid, "object": kind, "created": created, "model": model, "choices": [],

@@ -1,0 +1,217 @@
+"""The simulator in virtual time: determinism, ground truth, parsed log lines, nvidia-smi CSV, overrides."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from gputrace.engines.ingest import ingest_log
+from gputrace.errors import ConfigError, UsageError
+from gputrace.gpu.smi_import import parse_query_csv
+from gputrace.model import RECORD_TABLES, SchedulerEvent
+from gputrace.sim import SCENARIOS, run_scenario, scenario_params
+from gputrace.sim.outputs import SIM_HOST, parse_log, write_gpu_csv, write_log, write_store
+from gputrace.sim.params import load_params_file, parse_set_options
+from gputrace.store import Store
+
+SHORT_CAP = {"phase_s": 30.0, "max_tokens": 256, "drain_s": 5.0}
+SHORT = {"phase_s": 8.0, "drain_s": 2.0, "max_tokens": 256}
+
+
+def _write_all(result, base):
+    base.mkdir()
+    write_log(result, base / "sched.log")
+    write_gpu_csv(result, base / "gpu.csv")
+    write_store(result, base / "run")
+    return base
+
+
+def _tables(path):
+    with Store.open(path, read_only=True) as store:
+        return {t: store.arrow(t) for t in RECORD_TABLES.values()}
+
+
+def test_same_seed_gives_byte_identical_outputs(tmp_path):
+    """Two runs with one seed write the same log, CSV, meta.json bytes and store rows."""
+    a = _write_all(run_scenario("healthy", 3, SHORT), tmp_path / "a")
+    b = _write_all(run_scenario("healthy", 3, SHORT), tmp_path / "b")
+    for name in ("sched.log", "gpu.csv", "run/meta.json"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    ta, tb = _tables(a / "run"), _tables(b / "run")
+    for table in RECORD_TABLES.values():
+        assert ta[table].num_rows > 0, table
+        assert ta[table].equals(tb[table]), table
+
+
+def test_another_seed_gives_another_run():
+    """The seed drives the random parts (prompt and output lengths), so another seed differs."""
+    a = run_scenario("healthy", 1, SHORT)
+    b = run_scenario("healthy", 2, SHORT)
+    assert [r.output_tokens for r in a.requests] != [r.output_tokens for r in b.requests]
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_parser_recognises_every_simulated_line(scenario, tmp_path):
+    """Every line each scenario logs is recognised by gputrace's SGLang parser, also via `import`."""
+    overrides = SHORT_CAP if scenario.startswith("microbatch") else SHORT
+    result = run_scenario(scenario, 0, overrides)
+    events, configs, unrecognised = parse_log(result)
+    assert unrecognised == 0
+    assert len(events) + len(configs) == len(result.log_lines)
+    kinds = {e.kind for e in events}
+    assert kinds == {"decode", "prefill"}
+    p = result.params
+    assert {e.pp_rank for e in events} == set(range(p.pp_size))
+    assert any(c.pp_size == p.pp_size and c.max_running_requests == p.max_running_requests for c in configs)
+    # The file import path (with its vectorised fast path) reads the same lines the same way.
+    log = tmp_path / "sched.log"
+    write_log(result, log)
+    with Store.create(tmp_path / "imp") as store:
+        stats = ingest_log(store, log, host=SIM_HOST, source="sim-log")
+        assert stats.unrecognised == 0
+        assert stats.events_written == len(events)
+
+
+def test_prefix_carries_tp_rank_when_tp_above_one():
+    """With TP > 1 the prefix is `PPp TP0` and the startup line comes from every rank."""
+    result = run_scenario("healthy", 0, {**SHORT, "pp_size": 4, "tp_size": 2, "concurrency": (32,),
+                                         "max_running_requests": 32})
+    batch = [line for line in result.log_lines if "Decode batch" in line]
+    assert batch and all(" TP0] " in line and " PP" in line for line in batch)
+    startup = [line for line in result.log_lines if "max_total_num_tokens=" in line]
+    assert len(startup) == 8
+    events, _, unrecognised = parse_log(result)
+    assert unrecognised == 0 and {e.tp_rank for e in events} == {0}
+
+
+def test_ground_truth_is_consistent_with_samples_and_schedule(tmp_path):
+    """busy + bubble + idle-without-work = 1; the samples' utilization agrees with busy; under the
+    cap at C=32 each stage is busy about (micro-batches in flight / pp_size)."""
+    result = run_scenario("microbatch-cap", 0, SHORT_CAP)
+    write_store(result, tmp_path / "run")
+    with Store.open(tmp_path / "run", read_only=True) as store:
+        gt = store.meta.extra["ground_truth"]
+        samples = store.columns("gpu_samples", order_by="ts_ns, gpu_index")
+        events = store.records(SchedulerEvent, where="kind = 'decode'")
+    assert gt["scenario"] == "microbatch-cap" and gt["causes"] == ["microbatch_cap"]
+    pp = result.params.pp_size
+    for ph in gt["phases"]:
+        inside = (samples["ts_ns"] > ph["start_ns"]) & (samples["ts_ns"] <= ph["end_ns"])
+        for st in ph["stages"]:
+            busy, bubble = st["busy_fraction"], st["bubble_fraction"]
+            assert 0.0 <= busy <= 1.0 and bubble >= 0.0
+            assert busy + bubble <= 1.0 + 1e-9
+            util = samples["utilization_ratio"][inside & (samples["gpu_index"] == st["pp_rank"])]
+            assert abs(float(util.mean()) - busy) < 0.01
+            if ph["target_concurrency"] >= 8:  # the engine always holds work: no idle without it
+                assert busy + bubble == pytest.approx(1.0, abs=0.01)
+    c32 = next(ph for ph in gt["phases"] if ph["label"] == "C=32")
+    assert c32["causes"] == ["microbatch_cap"]
+    in_flight = c32["microbatches_in_flight"]
+    assert in_flight == pytest.approx(1.0, abs=0.05)
+    for st in c32["stages"]:
+        assert st["busy_fraction"] == pytest.approx(in_flight / pp, rel=0.1)
+        assert st["max_microbatch_size"] == 8
+    # The log says what the model did: #running-req 8 on every stage during C=32.
+    in_c32 = [e for e in events if c32["start_ns"] + 10**9 < e.recv_ts_ns < c32["end_ns"]]
+    assert {e.pp_rank for e in in_c32} == set(range(pp))
+    assert {e.running_req for e in in_c32} == {8}
+    assert all(e.queue_req and e.queue_req > 0 for e in in_c32)
+
+
+def test_ground_truth_names_each_scenarios_cause():
+    """Each single-cause scenario shows its cause in every phase; healthy shows none."""
+    for name, overrides in (("healthy", {}), ("stage-imbalance", {}), ("client-bound", {}),
+                            ("kv-bound", {}), ("pcie-bound", {})):
+        result = run_scenario(name, 0, {"phase_s": 40.0, "drain_s": 2.0, **overrides})
+        expected = list(SCENARIOS[name].causes)
+        for ph in result.ground_truth["phases"]:
+            assert ph["causes"] == expected, (name, ph["label"], ph["causes"])
+
+
+def test_store_layout_follows_the_ground_truth_conventions(tmp_path):
+    """Hosts, devices, markers, clock probes, configs and topology as the conventions say."""
+    result = run_scenario("microbatch-fixed", 0, SHORT_CAP)
+    write_store(result, tmp_path / "run")
+    with Store.open(tmp_path / "run", read_only=True) as store:
+        meta = store.meta
+        assert meta.topology["source"] == "simulator" and meta.topology["pp_size"] == 8
+        assert store.sql("SELECT DISTINCT host FROM gpu_samples") == [("sim-node0",)]
+        assert store.sql("SELECT DISTINCT host FROM requests") == [("sim-client",)]
+        devices = store.sql("SELECT gpu_index, pcie_max_gen, pcie_max_width, power_limit_w FROM devices "
+                            "ORDER BY gpu_index")
+        assert [d[0] for d in devices] == list(range(8)) and all(d[1] and d[2] and d[3] for d in devices)
+        markers = store.sql("SELECT label, kind, target_concurrency FROM markers ORDER BY ts_ns")
+        assert markers == [("C=1", "phase", 1), ("C=8", "phase", 8), ("C=32", "phase", 32),
+                           ("C=64", "phase", 64), ("end", "end", None)]
+        offsets = store.sql("SELECT DISTINCT remote_ns - (local_send_ns + local_recv_ns) / 2 "
+                            "FROM clock_probes")
+        assert offsets == [(0.0,)]
+        cfg = store.sql("SELECT pp_size, tp_size, max_running_requests, pp_max_micro_batch_size, "
+                        "pp_async_batch_depth, decode_log_interval FROM engine_configs "
+                        "WHERE pp_size IS NOT NULL")
+        assert cfg == [(8, 1, 64, 64, 0, 9)]
+        ev = store.sql("SELECT count(*), min(ts_resolution_ns), count(recv_ts_ns), "
+                       "max(recv_ts_ns - log_ts_ns) FROM scheduler_events")[0]
+        assert ev[0] > 0 and ev[1] == 10**9 and ev[2] == ev[0] and 0 <= ev[3] < 10**9
+        phases = store.sql("SELECT phase, count(*) FROM requests GROUP BY 1 ORDER BY 1")
+        assert {p for p, _ in phases} == {"C=1", "C=8", "C=32", "C=64"}
+        rates = store.columns("gpu_samples")["pcie_tx_bytes_per_s"]
+        assert np.nanmax(rates) > 0
+
+
+def test_gpu_csv_is_nvidia_smi_query_format(tmp_path):
+    """The CSV has nvidia-smi's header and units and imports with no bad row."""
+    result = run_scenario("healthy", 0, SHORT)
+    path = tmp_path / "gpu.csv"
+    rows = write_gpu_csv(result, path)
+    lines = path.read_text().splitlines()
+    assert lines[0].startswith("timestamp, index, name, utilization.gpu [%], utilization.memory [%], "
+                               "power.draw [W], memory.used [MiB]")
+    assert lines[1].split(", ")[3].endswith(" %") and lines[1].split(", ")[5].endswith(" W")
+    parsed = parse_query_csv(path, host="sim-node0")
+    assert parsed.bad == 0 and len(parsed.records) == rows == len(lines) - 1
+
+
+def test_overrides_from_set_options_and_toml(tmp_path):
+    """--set values and TOML tables are checked and coerced by field; unknown names fail clearly."""
+    sets = parse_set_options(["pp_max_micro_batch_size=32", "concurrency=2,4", "stage_cost_multipliers="
+                              "1,1,1,2,1,1,1,1", "client_max_inflight=none"])
+    p = scenario_params("microbatch-cap", sets)
+    assert p.pp_max_micro_batch_size == 32 and p.concurrency == (2, 4)
+    assert p.stage_cost_multipliers[3] == 2.0 and p.client_max_inflight is None
+    toml = tmp_path / "sim.toml"
+    toml.write_text("[sim]\npp_size = 4\nmax_running_requests = 32\nconcurrency = [1, 16]\n")
+    p = scenario_params("healthy", load_params_file(toml))
+    assert (p.pp_size, p.micro_batch_cap, p.concurrency) == (4, 8, (1, 16))
+    with pytest.raises(ConfigError, match="unknown simulator parameter 'pp_sise'"):
+        scenario_params("healthy", {"pp_sise": 4})
+    with pytest.raises(ConfigError, match="stage_cost_multipliers"):
+        scenario_params("healthy", {"stage_cost_multipliers": "1,2"})
+    with pytest.raises(UsageError, match="unknown scenario"):
+        scenario_params("nope")
+    with pytest.raises(UsageError, match="key=value"):
+        parse_set_options(["pp_size"])
+
+
+def test_microbatch_scope_cap_fills_slots_at_most_k():
+    """With SGLang's per-micro-batch reading of the cap, no decode micro-batch exceeds K."""
+    result = run_scenario("healthy", 0, {**SHORT, "concurrency": (80,)})
+    iv = result.intervals
+    assert iv["reqs"][iv["decode"]].max() == result.params.micro_batch_cap == 8
+    ph = result.ground_truth["phases"][0]
+    assert ph["running_max"] <= result.params.max_running_requests
+    assert ph["queue_mean"] > 0  # 80 offered, 64 may run
+
+
+def test_arrow_table_contents_are_sorted_in_time():
+    """Log lines are in time order and their prefix second matches the emission time."""
+    result = run_scenario("microbatch-cap", 0, SHORT_CAP)
+    ts = np.asarray(result.log_ts_ns)
+    assert np.all(np.diff(ts) >= 0)
+    events, _, _ = parse_log(result)
+    log_ts = np.array([e.log_ts_ns for e in events])
+    recv = np.array([e.recv_ts_ns for e in events])
+    assert np.all(log_ts == recv // 10**9 * 10**9)
+    assert pa.array(recv).null_count == 0
