@@ -260,3 +260,19 @@ async def test_prompts_file(server: Server, tmp_path: Path) -> None:
     result = await run_load(spec)
     # The fixture server counts prompt tokens as whitespace words of the messages it received.
     assert [r.prompt_tokens for r in result.requests] == [3, 2, 3, 2]
+
+
+async def test_failing_sink_stops_the_run(server: Server) -> None:
+    """If on_record raises (say the store is gone), the run stops and raises it, not loses records."""
+    url, _ = await server()
+    seen: list[object] = []
+
+    def sink(record: object) -> None:
+        seen.append(record)
+        if len(seen) == 5:
+            raise OSError("disk full")
+
+    spec = LoadSpec(url=url, model="m", concurrency=(2,), max_tokens=2, requests_per_level=1000)
+    with pytest.raises(OSError, match="disk full"):
+        await run_load(spec, on_record=sink)
+    assert len(seen) == 5

@@ -178,7 +178,7 @@ class LoadResult:
     cpu_s: float  # this process's CPU seconds during the run
 
     def records(self) -> list[RequestRecord | Marker]:
-        """Markers and requests in time order (what ``--out`` writes)."""
+        """Markers and requests in time order (for ``write_jsonl`` or a store)."""
         both: list[RequestRecord | Marker] = [*self.markers, *self.requests]
         return sorted(both, key=lambda r: r.ts_ns if isinstance(r, Marker) else r.start_ns)
 
@@ -204,7 +204,7 @@ class LoadGenerator:
         self._level_idx = -1
         self._level_started = 0.0
         self._finished = False
-        self._abort: SourceError | None = None
+        self._abort: Exception | None = None
         self._workers: dict[int, asyncio.Task[None]] = {}
         self._done = asyncio.Event()
         self._records: list[RequestRecord] = []
@@ -358,8 +358,7 @@ class LoadGenerator:
                 self._seq += 1
                 record = await self._request(self._payloads[seq % len(self._payloads)], phase, seq)
                 self._records.append(record)
-                if self.on_record is not None:
-                    self.on_record(record)
+                self._deliver(record)
                 if record.ok:
                     self.completed += 1
                     backoff = 0.0
@@ -413,6 +412,17 @@ class LoadGenerator:
             phase=phase,
         )
 
+    def _deliver(self, record: RequestRecord | Marker) -> None:
+        """Hand a record to ``on_record``; if that fails the run stops and ``run`` raises it (a
+        sink that silently lost records, or a slot that silently died, would be worse)."""
+        if self.on_record is None or self._abort is not None:
+            return
+        try:
+            self.on_record(record)
+        except Exception as exc:
+            self._abort = exc
+            self._finish()
+
     def _note_connect_failure(self, exc: Exception) -> None:
         """Nothing has ever answered: stop early with one clear line instead of a table of failures."""
         if self._ever_ok:
@@ -427,8 +437,7 @@ class LoadGenerator:
             host=self.spec.host, ts_ns=time.time_ns(), label=label, kind=kind, target_concurrency=target
         )
         self._markers.append(marker)
-        if self.on_record is not None:
-            self.on_record(marker)
+        self._deliver(marker)
         if self.spec.mark_url:
             self._posts.append(asyncio.create_task(self._post_marker(marker)))
 
