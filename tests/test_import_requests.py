@@ -14,6 +14,9 @@ Fixtures in tests/import_data/ are built in each tool's real output format:
 - guidellm_0.3_benchmarks.json: guidellm 0.3's layout (GenerativeRequestStats with
   scheduler_info.request_timings request_start/first_iteration/request_end and flat
   prompt_tokens/output_tokens; Benchmark.scheduler.strategy), from the 0.3 benchmark/benchmark.py.
+- guidellm_0.2_benchmarks.json: guidellm 0.2's layout (GenerativeTextResponseStats with flat
+  start_time/first_token_time/end_time, GenerativeTextErrorStats with ``error`` and null token
+  times; GenerativeBenchmark.args.strategy), from the 0.2 src/guidellm/benchmark/benchmark.py.
 """
 
 from __future__ import annotations
@@ -93,6 +96,22 @@ def test_guidellm_03_layout() -> None:
     assert all(r.completion_tokens == 32 and r.prompt_tokens == 256 for r in reqs)
     assert all(r.first_token_ns is not None and r.first_token_ns - r.start_ns == pytest.approx(4e7, abs=1e3)
                for r in reqs)
+
+
+def test_guidellm_02_layout() -> None:
+    """guidellm 0.2's flat start_time/first_token_time layout; errored requests keep their error."""
+    parsed = parse_guidellm(DATA / "guidellm_0.2_benchmarks.json", host="h")
+    reqs = sorted((r for r in parsed.records if isinstance(r, RequestRecord)), key=lambda r: r.start_ns)
+    assert parsed.bad == 0 and len(reqs) == 6 and {r.phase for r in reqs} == {"C=4"}
+    ok = [r for r in reqs if r.ok]
+    assert len(ok) == 5 and all(r.completion_tokens == 16 and r.prompt_tokens == 64 for r in ok)
+    assert ok[0].start_ns == 1764490000_000_000_000
+    assert ok[0].first_token_ns == pytest.approx(ok[0].start_ns + 60_000_000, abs=1_000)
+    (bad,) = [r for r in reqs if not r.ok]
+    assert bad.error == "ReadTimeout: timed out"
+    assert bad.first_token_ns is None and bad.completion_tokens is None
+    markers = [(m.label, m.kind, m.target_concurrency) for m in parsed.records if isinstance(m, Marker)]
+    assert markers == [("C=4", "phase", 4), ("end", "end", None)]
 
 
 def test_guidellm_bad_request_counted(tmp_path: Path) -> None:
