@@ -307,8 +307,8 @@ class Store:
 
     def count(self, table: str) -> int:
         _schema(table)
-        row = self._con.execute(f"SELECT count(*) FROM {table}").fetchone()
-        return int(row[0]) if row else 0
+        rows = self._con.execute(f"SELECT count(*) FROM {table}").fetchall()
+        return int(rows[0][0])
 
     def sql(self, query: str, params: Iterable[Any] | None = None) -> list[tuple[Any, ...]]:
         """Run SQL against the run's tables; rows as tuples."""

@@ -137,3 +137,12 @@ def test_constant_column(tmp_path: Path) -> None:
     with Store.create(tmp_path / "run") as store:
         store.append_columns("gpu_samples", {"host": "n0", "gpu_index": 3, "ts_ns": np.arange(4)})
         assert store.sql("SELECT host, gpu_index, count(*) FROM gpu_samples GROUP BY ALL") == [("n0", 3, 4)]
+
+
+def test_reads_after_count(tmp_path: Path) -> None:
+    """count() leaves no open result behind: reads on the same connection work after it."""
+    with Store.create(tmp_path / "run") as store:
+        store.append([Marker(host="h", ts_ns=1, label="C=1")])
+        assert store.count("markers") == 1
+        assert store.records(Marker)[0].label == "C=1"
+        assert len(store.columns("markers")["ts_ns"]) == 1
