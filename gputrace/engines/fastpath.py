@@ -1,66 +1,55 @@
-"""Vectorised recognition of SGLang's current default batch lines, one chunk of a file at a time.
+"""Vectorised reading of SGLang's current default batch lines, one chunk of a file at a time.
 
-Only lines in the exact current form (``[date time( PPn ...)] Decode batch, #running-req: ...``)
-are taken here. A strict pattern (RE2, matched by Arrow without capture groups) selects them;
-their fields are then cut out with numpy from the byte positions of the fixed keys, commas and
-colons. Everything else (other versions, odd prefixes, startup lines) is handed back for the
-per-line grammar, which gives the same values (a test holds both paths to that). The work is
-numpy and Arrow kernels that release the GIL, so chunks can be scanned in threads.
+A line is taken here only when numpy has checked every byte of it against the exact current
+layout (``[date time(.mmm)( PPn ...)] Decode batch( [N]), #running-req: N, ...``): the fixed
+keys compared as 8-byte words, each value checked digit by digit, nothing left over at the end.
+Its fields are cut from the byte positions of those keys and the commas. Every other line
+(other versions, odd prefixes, startup lines, numbers too long for exact arithmetic) is handed
+back for gputrace.engines.sglang, which gives the same values (a test holds both paths to it).
+numpy releases the GIL, so chunks can be scanned in threads.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from gputrace.engines.common import LogClock
 from gputrace.engines.sglang import _RANK, _RANK_FIELDS
 
-_PREFIX = r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d\d\d)?(?: (?:DP|PP|ATTN_CP|MOE_DP|TP|EP)\d+)*\] "
-_GRAPH = r"(?:cuda|cpu|npu|musa) graph: (?:True|False)"
-# Unbounded repeats keep RE2 on its fast DFA (bounded ones multiply its states); rows whose
-# numbers are too long for exact int64/float64 arithmetic are handed back instead.
-_INT = r"\d+"
-_DEC = r"\d+\.\d+"
-_MAX_INT_DIGITS = 18
-_MAX_DEC_DIGITS = 15
-DECODE_PATTERN = (
-    _PREFIX + rf"Decode batch(?: \[\d+\])?, #running-req: {_INT}, #token: {_INT}, token usage: {_DEC}, "
-    + _GRAPH + rf", gen throughput \(token/s\): {_DEC}, #queue-req: {_INT}(?:, )?\n?$"
-)
-PREFILL_PATTERN = (
-    _PREFIX + rf"Prefill batch(?: \[\d+\])?, #new-seq: {_INT}, #new-token: {_INT}, #cached-token: {_INT}, "
-    rf"token usage: {_DEC}, #running-req: {_INT}, #queue-req: {_INT}, (?:#pending-token: {_INT}, )?"
-    + _GRAPH + rf", input throughput \(token/s\): {_DEC}\n?$"
-)
 # A line without any of these cannot be an SGLang scheduler or configuration line.
-_MAYBE_SGLANG = r"batch|#running-req: |max_total_num_tokens=|server_args=ServerArgs\("
-
-# The fields of each form in order: (SchedulerEvent field, bytes from the previous field's end
-# to this value, type). A None gap means "after the next colon + space" (graph label varies).
-_DECODE_FIELDS: tuple[tuple[str, int | None, str], ...] = (
-    ("running_req", len(", #running-req: "), "int"),
-    ("num_token", len(", #token: "), "int"),
-    ("token_usage", len(", token usage: "), "dec"),
-    ("cuda_graph", None, "bool"),
-    ("gen_throughput_tok_s", len(", gen throughput (token/s): "), "dec"),
-    ("queue_req", len(", #queue-req: "), "int"),
+_MAYBE_SGLANG = re.compile(rb"batch|#running-req: |max_total_num_tokens=|server_args=ServerArgs\(")
+_RANK_TEXT = re.compile(r"(?: (?:DP|PP|ATTN_CP|MOE_DP|TP|EP)\d+)*")
+_MAX_INT_DIGITS = 15  # exact in int64 (longer ones, never counts, go the per-line way)
+_MAX_DEC_DIGITS = 15  # an exact integer mantissa in float64
+_MAX_RANK_TEXT = 64
+_GRAPH_LABELS = (b", cuda graph: ", b", cpu graph: ", b", npu graph: ", b", musa graph: ")
+_GRAPH = "graph"
+# Each form's fields in order: (SchedulerEvent field, key before the value, kind of value).
+_DECODE = (
+    ("running_req", b", #running-req: ", "int"),
+    ("num_token", b", #token: ", "int"),
+    ("token_usage", b", token usage: ", "dec"),
+    ("cuda_graph", _GRAPH, "bool"),
+    ("gen_throughput_tok_s", b", gen throughput (token/s): ", "dec"),
+    ("queue_req", b", #queue-req: ", "int"),
 )
-_PREFILL_HEAD: tuple[tuple[str, int | None, str], ...] = (
-    ("new_seq", len(", #new-seq: "), "int"),
-    ("new_token", len(", #new-token: "), "int"),
-    ("cached_token", len(", #cached-token: "), "int"),
-    ("token_usage", len(", token usage: "), "dec"),
-    ("running_req", len(", #running-req: "), "int"),
-    ("queue_req", len(", #queue-req: "), "int"),
+_PREFILL_HEAD = (
+    ("new_seq", b", #new-seq: ", "int"),
+    ("new_token", b", #new-token: ", "int"),
+    ("cached_token", b", #cached-token: ", "int"),
+    ("token_usage", b", token usage: ", "dec"),
+    ("running_req", b", #running-req: ", "int"),
+    ("queue_req", b", #queue-req: ", "int"),
 )
-_PREFILL_TAIL: tuple[tuple[str, int | None, str], ...] = (
-    ("cuda_graph", None, "bool"),
-    ("input_throughput_tok_s", len(", input throughput (token/s): "), "dec"),
+_PREFILL_TAIL = (
+    ("cuda_graph", _GRAPH, "bool"),
+    ("input_throughput_tok_s", b", input throughput (token/s): ", "dec"),
 )
+_PENDING = b", #pending-token: "
 
 
 @dataclass
@@ -76,201 +65,301 @@ class ChunkResult:
 
 
 class _Bytes:
-    """A chunk as a byte array with the sorted positions of the separators the layout uses."""
+    """A chunk as bytes, 8-byte words at every offset, and the sorted positions of separators."""
 
     def __init__(self, chunk: bytes):
-        self.b = np.frombuffer(chunk, dtype=np.uint8)
-        self.size = len(self.b)
+        self.size = len(chunk)
+        padded = chunk + bytes(8)
+        self.b = np.frombuffer(padded, dtype=np.uint8)
+        # An unaligned little-endian uint64 starting at every byte: one compare checks 8 bytes.
+        self.words = np.ndarray(shape=(self.size + 1,), dtype="<u8", buffer=padded, strides=(1,))
         # Each list ends with the chunk's size: "no such byte further on".
-        self.commas, self.colons, self.closers, self.dots = (
-            np.append(np.flatnonzero(self.b == ord(char)), self.size) for char in ",:]."
-        )
+        self.closers = np.append(np.flatnonzero(self.b[: self.size] == ord("]")), self.size)
 
-    def next_at(self, positions: np.ndarray, start: np.ndarray) -> np.ndarray:
-        """The first position >= start in ``positions``, or the chunk's size when there is none."""
-        return positions[np.searchsorted(positions, start)]
+    def at(self, pos: np.ndarray) -> np.ndarray:
+        return self.b[np.minimum(pos, self.size)]
 
-    def digits(self, start: np.ndarray, end: np.ndarray) -> np.ndarray:
-        """The unsigned integer written in bytes [start, end) of each row (at most 15 digits)."""
-        value = np.zeros(len(start), dtype=np.int64)
-        width = end - start
-        for k in range(int(width.max(initial=0))):
-            more = k < width
-            digit = self.b[np.minimum(start + k, self.size - 1)].astype(np.int64) - 48
-            value = np.where(more, value * 10 + digit, value)
-        return value
+    def has(self, pos: np.ndarray, key: bytes) -> np.ndarray:
+        """Whether ``key`` is written at each position."""
+        ok = np.ones(len(pos), dtype=bool)
+        for i in range(0, len(key), 8):
+            word = key[i:i + 8]
+            mask = np.uint64((1 << (8 * len(word))) - 1)
+            ok &= (self.words[np.minimum(pos + i, self.size)] & mask) == np.uint64(int.from_bytes(word, "little"))
+        return ok
 
-    def decimal(self, start: np.ndarray, end: np.ndarray) -> np.ndarray:
-        """``123.45`` -> 12345 / 10**2: an exact integer over an exact power of ten is the
-        correctly rounded double, the same as float("123.45")."""
-        dot = np.minimum(self.next_at(self.dots, start), end)
-        frac_len = np.maximum(end - dot - 1, 0)  # rows cut short (handed back) may lack the dot
-        mantissa = self.digits(start, dot) * 10**frac_len + self.digits(dot + 1, end)
-        result: np.ndarray = mantissa / (10.0**frac_len)
-        return result
+    @staticmethod
+    def next_at(positions: np.ndarray, start: np.ndarray) -> np.ndarray:
+        """The first position >= start in ``positions`` (the chunk's size when there is none)."""
+        return positions[np.searchsorted(positions, np.minimum(start, positions[-1]))]
 
+    def digit_run(self, pos: np.ndarray) -> np.ndarray:
+        """How many ASCII digits follow each position (16 means 16 or more)."""
+        first = _first_flagged_byte(self._non_digits(pos))
+        second = _first_flagged_byte(self._non_digits(pos + 8))
+        return np.where(first < 8, first, 8 + second)
 
-def _lines(chunk: bytes) -> tuple[pa.StringArray, np.ndarray, np.ndarray]:
-    """The chunk's lines as one zero-copy Arrow array, with each line's start and end (no newline)."""
-    newlines = np.flatnonzero(np.frombuffer(chunk, dtype=np.uint8) == 10)
-    ends = newlines + 1
-    line_ends = newlines
-    if not chunk.endswith(b"\n"):
-        ends = np.append(ends, len(chunk))
-        line_ends = np.append(line_ends, len(chunk))
-    offsets = np.empty(len(ends) + 1, dtype=np.int32)
-    offsets[0] = 0
-    offsets[1:] = ends
-    lines = pa.StringArray.from_buffers(len(ends), pa.py_buffer(offsets), pa.py_buffer(chunk))
-    lines.validate(full=True)  # invalid UTF-8 raises; the caller parses that chunk line by line
-    return lines, offsets[:-1].astype(np.int64), line_ends.astype(np.int64)
+    def _non_digits(self, pos: np.ndarray) -> np.ndarray:
+        """The high bit of each of the 8 bytes at ``pos`` set where that byte is not a digit."""
+        x = self.words[np.minimum(pos, self.size)] ^ _ZEROS
+        return (((x & _LOW7) + _DIGIT_CARRY) | x) & _HIGH
 
+    def number(self, pos: np.ndarray, length: np.ndarray) -> np.ndarray:
+        """The value of the ``length`` (0 to 16) digits at each position."""
+        high_len = np.maximum(length - 8, 0)
+        high = self._eight_digits(pos, high_len)
+        low = self._eight_digits(pos + high_len, np.minimum(length, 8))
+        return high * 100_000_000 + low
 
-def _timestamps(raw: _Bytes, start: np.ndarray, clock: LogClock) -> tuple[pa.Array, np.ndarray, np.ndarray]:
-    """Log time (ns), its resolution, and where the rank text starts, per row.
-
-    Each distinct second is converted once through the clock (timezone, invalid dates)."""
-    def field_at(offset: int, width: int) -> np.ndarray:
-        return raw.digits(start + offset, start + offset + width)
-
-    year, month, day = field_at(1, 4), field_at(6, 2), field_at(9, 2)
-    hour, minute, second = field_at(12, 2), field_at(15, 2), field_at(18, 2)
-    packed = ((((year * 100 + month) * 100 + day) * 100 + hour) * 100 + minute) * 100 + second
-    unique, inverse = np.unique(packed, return_inverse=True)
-    converted = []
-    for p in unique.tolist():
-        hms = f"{p // 10000 % 100:02d}:{p // 100 % 100:02d}:{p % 100:02d}"
-        date_text = f"{p // 10**10:04d}-{p // 10**8 % 100:02d}-{p // 10**6 % 100:02d}"
-        converted.append(clock.to_ns(date_text, hms, None)[0])
-    missing = np.array([v is None for v in converted], dtype=bool)[inverse]
-    ts_ns = np.array([v or 0 for v in converted], dtype=np.int64)[inverse]
-    has_ms = raw.b[np.minimum(start + 20, raw.size - 1)] == ord(".")
-    if has_ms.any():
-        ts_ns = ts_ns + np.where(has_ms, field_at(21, 3), 0) * 1_000_000
-    resolution = np.where(has_ms, 1_000_000, 1_000_000_000).astype(np.int64)
-    rank_start = start + np.where(has_ms, 24, 20)
-    return pa.array(ts_ns, mask=missing), resolution, rank_start
+    def _eight_digits(self, pos: np.ndarray, length: np.ndarray) -> np.ndarray:
+        """Up to 8 digits at once: left-pad with zero digits, then combine pairs, quads, octets."""
+        x = (self.words[np.minimum(pos, self.size)] ^ _ZEROS) & _KEEP_BYTES[length]
+        x = np.where(length > 0, x << (np.uint64(8) * (np.uint64(8) - length.astype(np.uint64))), _U0)
+        with np.errstate(over="ignore"):
+            x = ((x & np.uint64(0x0F0F0F0F0F0F0F0F)) * np.uint64(2561)) >> np.uint64(8)
+            x = ((x & np.uint64(0x00FF00FF00FF00FF)) * np.uint64(6553601)) >> np.uint64(16)
+            x = ((x & np.uint64(0x0000FFFF0000FFFF)) * np.uint64(42949672960001)) >> np.uint64(32)
+        return x.astype(np.int64)
 
 
-def _ranks(raw: _Bytes, start: np.ndarray, end: np.ndarray) -> dict[str, pa.Array]:
-    """Rank columns from the rank text in [start, end) (e.g. `` DP0 PP3``); distinct texts parsed once."""
-    width = int((end - start).max(initial=0))
-    cols = np.arange(width)
-    idx = start[:, None] + cols[None, :]
-    grid = np.where(idx < end[:, None], raw.b[np.minimum(idx, raw.size - 1)], 0).astype(np.uint8)
-    keys = np.ascontiguousarray(grid).view(f"S{width}").ravel() if width else np.zeros(len(start), "S1")
-    unique, inverse = np.unique(keys, return_inverse=True)
-    out: dict[str, pa.Array] = {}
-    tables = {name: np.full(len(unique), -1, dtype=np.int64) for name in _RANK_FIELDS.values()}
-    for i, key in enumerate(unique.tolist()):
-        for label, number in _RANK.findall(key.decode("ascii", errors="replace")):
-            name = _RANK_FIELDS.get(label)
-            if name is not None and tables[name][i] < 0:
-                tables[name][i] = int(number)
-    for name, table in tables.items():
-        values = table[inverse]
-        out[name] = pa.array(values, mask=values < 0)
-    return out
+def _first_flagged_byte(bits: np.ndarray) -> np.ndarray:
+    """Index (0-7) of the lowest byte whose high bit is set; 8 when none is."""
+    lowest = bits & (~bits + np.uint64(1))
+    index = (np.rint(np.log2(np.where(bits == 0, 1, lowest).astype(np.float64))).astype(np.int64) - 7) // 8
+    return np.where(bits == 0, 8, index)
 
 
-def _fields(raw: _Bytes, pos: np.ndarray, line_end: np.ndarray,
-            layout: tuple[tuple[str, int | None, str], ...], cols: dict[str, pa.Array],
-            too_long: np.ndarray) -> np.ndarray:
-    """Cut the fields of ``layout`` starting at ``pos`` (just before the first gap); marks rows
-    with numbers too long for exact arithmetic in ``too_long``; returns the position after the
-    last field."""
-    for name, gap, kind in layout:
-        start = raw.next_at(raw.colons, pos) + 2 if gap is None else pos + gap
-        end = np.minimum(raw.next_at(raw.commas, start), line_end)
-        if kind == "int":
-            too_long |= (end - start) > _MAX_INT_DIGITS
-            cols[name] = pa.array(raw.digits(start, np.minimum(end, start + _MAX_INT_DIGITS)))
-        elif kind == "dec":
-            too_long |= (end - start - 1) > _MAX_DEC_DIGITS
-            cols[name] = pa.array(raw.decimal(start, np.minimum(end, start + _MAX_DEC_DIGITS + 1)))
-        else:
-            cols[name] = pa.array(raw.b[start] == ord("T"))
-        pos = end
+_U0 = np.uint64(0)
+_ZEROS = np.uint64(0x3030303030303030)  # "00000000": XOR turns digits into their values
+_LOW7 = np.uint64(0x7F7F7F7F7F7F7F7F)
+_DIGIT_CARRY = np.uint64(0x7676767676767676)  # a byte value above 9 reaches its high bit
+_HIGH = np.uint64(0x8080808080808080)
+_KEEP_BYTES = np.array([(1 << (8 * k)) - 1 for k in range(8)] + [(1 << 64) - 1], dtype=np.uint64)
+
+
+def _int_field(raw: _Bytes, start: np.ndarray, ok: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """An unsigned integer at ``start``: its value and where it ends; clears ``ok`` if absent or too long."""
+    length = raw.digit_run(start)
+    ok &= (length >= 1) & (length <= _MAX_INT_DIGITS)
+    return raw.number(start, np.minimum(length, 16)), start + length
+
+
+def _decimal_field(raw: _Bytes, start: np.ndarray, ok: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``123.45`` -> 12345 / 10**2, the correctly rounded double (as float("123.45") is)."""
+    whole_len = raw.digit_run(start)
+    dot = start + whole_len
+    frac_len = raw.digit_run(dot + 1)
+    ok &= (whole_len >= 1) & (raw.at(dot) == ord(".")) & (frac_len >= 1)
+    ok &= whole_len + frac_len <= _MAX_DEC_DIGITS
+    whole_len, frac_len = np.minimum(whole_len, 15), np.minimum(frac_len, 15)
+    mantissa = raw.number(start, whole_len) * 10**frac_len + raw.number(dot + 1, frac_len)
+    value: np.ndarray = mantissa / (10.0**frac_len)
+    return value, dot + 1 + frac_len
+
+
+def _fields(raw: _Bytes, pos: np.ndarray, ok: np.ndarray,
+            layout: tuple[tuple[str, bytes | str, str], ...], cols: dict[str, np.ndarray]) -> np.ndarray:
+    """Check and cut the fields of ``layout`` from ``pos``; clears ``ok`` for rows that differ.
+    Returns the position after the last value."""
+    for name, key, kind in layout:
+        if kind == "bool":
+            start = pos.copy()
+            labelled = np.zeros(len(pos), dtype=bool)
+            for label in _GRAPH_LABELS:
+                here = ~labelled & raw.has(pos, label)
+                start = np.where(here, pos + len(label), start)
+                labelled |= here
+            is_true = raw.has(start, b"True")
+            ok &= labelled & (is_true | raw.has(start, b"False"))
+            cols[name] = is_true
+            pos = start + np.where(is_true, 4, 5)
+            continue
+        assert isinstance(key, bytes)
+        ok &= raw.has(pos, key)
+        start = pos + len(key)
+        # The value ends at its first non-digit; the next key (or the line's end) is checked there.
+        cols[name], pos = (_int_field if kind == "int" else _decimal_field)(raw, start, ok)
     return pos
 
 
-def _rows(raw: _Bytes, start: np.ndarray, line_end: np.ndarray, kind: str, clock: LogClock,
-          line_no: np.ndarray) -> tuple[dict[str, pa.Array], np.ndarray]:
-    """The columns of rows known to be in ``kind``'s current form, and the rows to hand back."""
-    too_long = np.zeros(len(start), dtype=bool)
-    cols: dict[str, pa.Array] = {"line_no": pa.array(line_no)}
-    cols["log_ts_ns"], resolution, rank_start = _timestamps(raw, start, clock)
-    cols["ts_resolution_ns"] = pa.array(resolution)
-    closer = raw.next_at(raw.closers, rank_start)
-    cols.update(_ranks(raw, rank_start, closer))
-    after_words = closer + (len("] Decode batch") if kind == "decode" else len("] Prefill batch"))
-    # ``Prefill batch [N],`` (SGLANG_LOG_FORWARD_ITERS=1): skip to the iteration's closing bracket.
-    has_iter = raw.b[np.minimum(after_words, raw.size - 1)] == ord(" ")
-    pos = np.where(has_iter, raw.next_at(raw.closers, after_words) + 1, after_words)
+def _line_ends_cleanly(raw: _Bytes, pos: np.ndarray, line_end: np.ndarray) -> np.ndarray:
+    """Nothing after the last value but an optional ``, `` (SGLang's trailing separator)."""
+    return (pos == line_end) | ((pos + 2 == line_end) & raw.has(pos, b", "))
+
+
+def _timestamps(raw: _Bytes, start: np.ndarray, clock: LogClock) -> tuple[np.ndarray, ...]:
+    """(ok, log time ns, time known, resolution ns, where the rank text starts) per row.
+
+    Consecutive lines mostly share their second, so the 19 bytes of ``YYYY-MM-DD hh:mm:ss`` are
+    compared as words with the line before, and each run of equal stamps is checked and
+    converted once (through the clock: timezone, impossible dates)."""
+    n_rows = len(start)
+    keys = [raw.words[np.minimum(start + offset, raw.size)] for offset in (1, 9)]
+    keys.append(raw.words[np.minimum(start + 17, raw.size)] & np.uint64(0xFFFFFF))
+    new_run = np.ones(n_rows, dtype=bool)
+    new_run[1:] = (keys[0][1:] != keys[0][:-1]) | (keys[1][1:] != keys[1][:-1]) | (keys[2][1:] != keys[2][:-1])
+    run_starts = np.flatnonzero(new_run)
+    run_of_row = np.cumsum(new_run) - 1
+    run_ok = np.zeros(len(run_starts), dtype=bool)
+    run_ns = np.zeros(len(run_starts), dtype=np.int64)
+    run_known = np.zeros(len(run_starts), dtype=bool)
+    chunk = raw.b
+    cache: dict[bytes, int | None] = {}
+    for i, begin in enumerate(start[run_starts].tolist()):
+        text = chunk[begin + 1:begin + 20].tobytes()
+        if not _STAMP.fullmatch(text):
+            continue
+        run_ok[i] = True
+        if text not in cache:
+            stamp = text.decode("ascii")
+            cache[text] = clock.to_ns(stamp[:10], stamp[11:], None)[0]
+        value = cache[text]
+        if value is not None:
+            run_ns[i], run_known[i] = value, True
+    ok = run_ok[run_of_row] & (raw.at(start) == ord("["))
+    ts_ns, known = run_ns[run_of_row], run_known[run_of_row]
+    has_ms = raw.at(start + 20) == ord(".")
+    ms_len = raw.digit_run(start + 21)
+    millis = raw.number(start + 21, np.minimum(ms_len, 3))
+    ok &= ~has_ms | (ms_len == 3)
+    ts_ns = ts_ns + np.where(has_ms, millis * 1_000_000, 0)
+    resolution = np.where(has_ms, 1_000_000, 1_000_000_000).astype(np.int64)
+    return ok, ts_ns, known, resolution, start + np.where(has_ms, 24, 20)
+
+
+_STAMP = re.compile(rb"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")
+
+
+def _ranks(raw: _Bytes, start: np.ndarray, end: np.ndarray, ok: np.ndarray) -> dict[str, np.ndarray]:
+    """Rank columns (-1 where absent) from the rank text in [start, end), e.g. `` DP0 PP3``;
+    distinct texts are checked and parsed once; rows with anything else clear ``ok``."""
+    width = np.maximum(end - start, 0)
+    ok &= width <= _MAX_RANK_TEXT
+    # Texts of up to 7 bytes are keyed by one word (their bytes, their length in the top byte);
+    # longer ones by their bytes as a fixed-width string.
+    short = width <= 7
+    word = raw.words[np.minimum(start, raw.size)] & _KEEP_BYTES[np.minimum(width, 7)]
+    short_keys = word | (np.minimum(width, 7).astype(np.uint64) << np.uint64(56))
+    texts: list[str] = []
+    inverse = np.zeros(len(start), dtype=np.int64)
+    unique, short_inverse = np.unique(short_keys[short], return_inverse=True)
+    inverse[short] = short_inverse
+    for key in unique.tolist():
+        length = key >> 56
+        texts.append((key & ((1 << 56) - 1)).to_bytes(8, "little")[:length].decode("latin-1"))
+    long_rows = np.flatnonzero(~short & ok)
+    if len(long_rows):
+        long_width = int(width[long_rows].max())
+        idx = start[long_rows, None] + np.arange(long_width)[None, :]
+        grid = np.where(idx < end[long_rows, None], raw.b[np.minimum(idx, raw.size)], 0).astype(np.uint8)
+        long_keys = np.ascontiguousarray(grid).view(f"S{long_width}").ravel()
+        long_unique, long_inverse = np.unique(long_keys, return_inverse=True)
+        inverse[long_rows] = long_inverse + len(texts)
+        texts += [key.decode("latin-1") for key in long_unique.tolist()]
+    valid = np.ones(len(texts) + 1, dtype=bool)
+    valid[-1] = False  # long texts beyond the limit
+    inverse[~short & ~ok] = len(texts)
+    tables = {name: np.full(len(texts) + 1, -1, dtype=np.int64) for name in _RANK_FIELDS.values()}
+    for i, text in enumerate(texts):
+        if not _RANK_TEXT.fullmatch(text):
+            valid[i] = False
+            continue
+        for label, number in _RANK.findall(text):
+            name = _RANK_FIELDS.get(label)
+            if name is not None and tables[name][i] < 0:
+                tables[name][i] = int(number)
+    ok &= valid[inverse]
+    return {name: table[inverse] for name, table in tables.items()}
+
+
+def _form(raw: _Bytes, kind: str, closer: np.ndarray, line_end: np.ndarray,
+          ok: np.ndarray) -> dict[str, np.ndarray]:
+    """Check and cut one form's words and fields after the prefix's closing bracket."""
+    words = b"] Decode batch" if kind == "decode" else b"] Prefill batch"
+    ok &= raw.has(closer, words)
+    after = closer + len(words)
+    # ``Decode batch [N],`` (SGLANG_LOG_FORWARD_ITERS=1): the iteration number in brackets.
+    has_iter = raw.at(after) == ord(" ")
+    iter_ok = np.ones(len(after), dtype=bool)
+    _, iter_end = _int_field(raw, after + 2, iter_ok)
+    ok &= ~has_iter | ((raw.at(after + 1) == ord("[")) & iter_ok & (raw.at(iter_end) == ord("]")))
+    pos = np.where(has_iter, iter_end + 1, after)
+    cols: dict[str, np.ndarray] = {}
     if kind == "decode":
-        _fields(raw, pos, line_end, _DECODE_FIELDS, cols, too_long)
+        pos = _fields(raw, pos, ok, _DECODE, cols)
     else:
-        pos = _fields(raw, pos, line_end, _PREFILL_HEAD, cols, too_long)
-        has_pending = raw.b[np.minimum(pos + 2, raw.size - 1)] == ord("#")
-        pos = np.where(has_pending, raw.next_at(raw.commas, pos + 2), pos)
-        _fields(raw, pos, line_end, _PREFILL_TAIL, cols, too_long)
-    cols["kind"] = pa.DictionaryArray.from_arrays(np.zeros(len(start), dtype=np.int32), pa.array([kind]))
-    if too_long.any():
-        keep = pa.array(~too_long)
-        cols = {name: values.filter(keep) for name, values in cols.items()}
-    return cols, too_long
+        pos = _fields(raw, pos, ok, _PREFILL_HEAD, cols)
+        has_pending = raw.has(pos, _PENDING)
+        pending_ok = np.ones(len(pos), dtype=bool)
+        _, pending_end = _int_field(raw, pos + len(_PENDING), pending_ok)
+        ok &= ~has_pending | pending_ok
+        pos = np.where(has_pending, pending_end, pos)
+        pos = _fields(raw, pos, ok, _PREFILL_TAIL, cols)
+    ok &= _line_ends_cleanly(raw, pos, line_end)
+    return cols
 
 
 def scan_chunk(chunk: bytes, first_line_no: int, clock: LogClock) -> ChunkResult:
     """Take the chunk's current-form batch lines; hand back the rest (numbered from the chunk)."""
-    try:
-        lines, starts, line_ends = _lines(chunk)
-    except pa.ArrowInvalid:
-        text_lines = chunk.decode("utf-8", errors="replace").split("\n")
-        if text_lines and text_lines[-1] == "":
-            text_lines.pop()
-        return ChunkResult(n_lines=len(text_lines), leftovers=list(enumerate(text_lines)))
-    result = ChunkResult(n_lines=len(lines))
     raw = _Bytes(chunk)
-    parts: list[dict[str, pa.Array]] = []
-    remaining = np.arange(len(lines))
-    for kind, pattern in (("decode", DECODE_PATTERN), ("prefill", PREFILL_PATTERN)):
-        if not len(remaining):
-            break
-        subset = lines if len(remaining) == len(lines) else lines.take(pa.array(remaining))
-        hit = pc.match_substring_regex(subset, pattern).to_numpy(zero_copy_only=False)
-        rows = remaining[hit]
-        remaining = remaining[~hit]
-        if len(rows):
-            cols, too_long = _rows(raw, starts[rows], line_ends[rows], kind, clock, rows + first_line_no)
-            if too_long.any():
-                remaining = np.sort(np.concatenate([remaining, rows[too_long]]))
-            if len(cols["line_no"]):
-                parts.append(cols)
-                result.kinds[kind] = len(cols["line_no"])
-    if len(remaining):
-        rest = lines.take(pa.array(remaining))
-        maybe = pc.match_substring_regex(rest, _MAYBE_SGLANG).to_numpy(zero_copy_only=False)
-        result.n_rejected = int((~maybe).sum())
-        result.leftovers = list(zip(remaining[maybe].tolist(), rest.filter(maybe).to_pylist(), strict=True))
-    if parts:
-        result.columns = concat(parts)
-        result.n_fast = sum(result.kinds.values())
+    newlines = np.flatnonzero(raw.b[: raw.size] == ord("\n"))
+    line_end = newlines if chunk.endswith(b"\n") else np.append(newlines, raw.size)
+    starts = np.concatenate(([0], newlines + 1))[: len(line_end)]
+    result = ChunkResult(n_lines=len(line_end))
+    ok, ts_ns, ts_known, resolution, rank_start = _timestamps(raw, starts, clock)
+    closer = raw.next_at(raw.closers, rank_start)
+    ok &= closer < line_end
+    ranks = _ranks(raw, rank_start, closer, ok)
+    after = raw.at(closer + 2)
+    n_lines = len(starts)
+    taken = np.zeros(n_lines, dtype=bool)
+    is_decode = np.zeros(n_lines, dtype=bool)
+    values = {name: np.zeros(n_lines, dtype=dtype) for name, dtype in _COLUMN_TYPES.items()}
+    present = {name: np.zeros(n_lines, dtype=bool) for name in _COLUMN_TYPES}
+    for kind, first_letter in (("decode", ord("D")), ("prefill", ord("P"))):
+        rows = np.flatnonzero(ok & (after == first_letter))
+        if not len(rows):
+            continue
+        row_ok = np.ones(len(rows), dtype=bool)
+        form_values = _form(raw, kind, closer[rows], line_end[rows], row_ok)
+        good = rows[row_ok]
+        taken[good] = True
+        is_decode[good] = kind == "decode"
+        for name, column in form_values.items():
+            values[name][good] = column[row_ok]
+            present[name][good] = True
+        result.kinds[kind] = len(good)
+    for offset in np.flatnonzero(~taken).tolist():
+        begin, end = int(starts[offset]), int(line_end[offset])
+        if _MAYBE_SGLANG.search(chunk, begin, end):
+            result.leftovers.append((offset, chunk[begin:end].decode("utf-8", errors="replace")))
+        else:
+            result.n_rejected += 1
+    rows = np.flatnonzero(taken)
+    result.n_fast = len(rows)
+    # Every chunk yields the same columns and types, so chunks join without copying.
+    cols: dict[str, pa.Array] = {
+        "line_no": pa.array(rows + first_line_no),
+        "kind": pa.DictionaryArray.from_arrays(np.where(is_decode[rows], 0, 1).astype(np.int32),
+                                               pa.array(["decode", "prefill"])),
+        "log_ts_ns": pa.array(ts_ns[rows], mask=~ts_known[rows]),
+        "ts_resolution_ns": pa.array(resolution[rows]),
+    }
+    for name, table in ranks.items():
+        cols[name] = pa.array(table[rows], mask=table[rows] < 0)
+    for name in _COLUMN_TYPES:
+        cols[name] = pa.array(values[name][rows], mask=~present[name][rows])
+    result.columns = cols
     return result
 
 
-def concat(parts: list[dict[str, pa.Array]]) -> dict[str, pa.Array]:
-    """Join column dicts row-wise; a column missing from a part is NULL there."""
-    if len(parts) == 1:
-        return dict(parts[0])
-    names = {name for part in parts for name in part}
-    out: dict[str, pa.Array] = {}
-    for name in sorted(names):
-        arrays = [part.get(name) for part in parts]
-        types = [a.type for a in arrays if a is not None]
-        target = pa.string() if pa.types.is_dictionary(types[0]) else types[0]
-        out[name] = pa.concat_arrays([
-            pa.nulls(len(part["line_no"]), type=target) if a is None else a.cast(target)
-            for a, part in zip(arrays, parts, strict=True)
-        ])
-    return out
+_COLUMN_TYPES: dict[str, type] = {
+    "running_req": np.int64, "queue_req": np.int64, "new_seq": np.int64, "new_token": np.int64,
+    "cached_token": np.int64, "num_token": np.int64, "token_usage": np.float64,
+    "gen_throughput_tok_s": np.float64, "input_throughput_tok_s": np.float64, "cuda_graph": np.bool_,
+}
+
+
+def join_chunks(parts: list[dict[str, pa.Array]]) -> dict[str, pa.ChunkedArray]:
+    """Chunks' columns side by side as chunked arrays (no copy)."""
+    return {name: pa.chunked_array([part[name] for part in parts]) for name in parts[0]}

@@ -196,12 +196,11 @@ def _flush_fast(store: Store, pending: list[dict[str, pa.Array]], parser: LogPar
     """Append queued fast-path rows as one batch (DuckDB writes big batches far faster)."""
     if not pending:
         return 0
-    columns: dict[str, object] = fastpath.concat(pending)
-    n_rows = len(columns["line_no"])  # type: ignore[arg-type]
+    columns: dict[str, object] = dict(fastpath.join_chunks(pending))
+    n_rows = sum(len(part["line_no"]) for part in pending)
     for name, value in (("host", parser.host), ("source", parser.source), ("engine", parser.engine)):
         # One dictionary entry for the whole batch: cheaper to build and to insert than strings.
-        codes = np.zeros(n_rows, dtype=np.int32)
-        columns[name] = pa.DictionaryArray.from_arrays(codes, pa.array([value]))
+        columns[name] = pa.DictionaryArray.from_arrays(np.zeros(n_rows, dtype=np.int32), pa.array([value]))
     pending.clear()
     return store.append_columns("scheduler_events", columns)
 
@@ -217,7 +216,7 @@ def _take_chunk(
     """Queue a scanned chunk's fast rows, parse its leftovers, and count everything."""
     first = parser.next_line_no
     if result.n_fast:
-        columns = dict(result.columns)
+        columns: dict[str, pa.Array] = dict(result.columns)
         columns["line_no"] = pc.add(result.columns["line_no"], first)
         pending.append(columns)
         stats.fast_path_lines += result.n_fast
