@@ -98,7 +98,7 @@ def timed_ingest(path: Path, root: Path, fast: bool = True) -> tuple[float, int]
 def live_figures() -> dict[str, object] | None:
     """-- LIVE HOOK -- collector CPU per 1,000 lines followed over SSH (bench/ingest_live.py)."""
     try:
-        from ingest_live import measure_live_cpu_per_1000_lines  # type: ignore[import-not-found]
+        from ingest_live import measure_live_cpu_per_1000_lines
     except ImportError:
         return None
     result: dict[str, object] = measure_live_cpu_per_1000_lines()

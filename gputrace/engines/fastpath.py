@@ -77,7 +77,8 @@ class _Bytes:
         self.closers = np.append(np.flatnonzero(self.b[: self.size] == ord("]")), self.size)
 
     def at(self, pos: np.ndarray) -> np.ndarray:
-        return self.b[np.minimum(pos, self.size)]
+        found: np.ndarray = self.b[np.minimum(pos, self.size)]
+        return found
 
     def has(self, pos: np.ndarray, key: bytes) -> np.ndarray:
         """Whether ``key`` is written at each position."""
@@ -85,13 +86,15 @@ class _Bytes:
         for i in range(0, len(key), 8):
             word = key[i:i + 8]
             mask = np.uint64((1 << (8 * len(word))) - 1)
-            ok &= (self.words[np.minimum(pos + i, self.size)] & mask) == np.uint64(int.from_bytes(word, "little"))
+            expected = np.uint64(int.from_bytes(word, "little"))
+            ok &= (self.words[np.minimum(pos + i, self.size)] & mask) == expected
         return ok
 
     @staticmethod
     def next_at(positions: np.ndarray, start: np.ndarray) -> np.ndarray:
         """The first position >= start in ``positions`` (the chunk's size when there is none)."""
-        return positions[np.searchsorted(positions, np.minimum(start, positions[-1]))]
+        found: np.ndarray = positions[np.searchsorted(positions, np.minimum(start, positions[-1]))]
+        return found
 
     def digit_run(self, pos: np.ndarray) -> np.ndarray:
         """How many ASCII digits follow each position (16 means 16 or more)."""
@@ -102,14 +105,16 @@ class _Bytes:
     def _non_digits(self, pos: np.ndarray) -> np.ndarray:
         """The high bit of each of the 8 bytes at ``pos`` set where that byte is not a digit."""
         x = self.words[np.minimum(pos, self.size)] ^ _ZEROS
-        return (((x & _LOW7) + _DIGIT_CARRY) | x) & _HIGH
+        flags: np.ndarray = (((x & _LOW7) + _DIGIT_CARRY) | x) & _HIGH
+        return flags
 
     def number(self, pos: np.ndarray, length: np.ndarray) -> np.ndarray:
         """The value of the ``length`` (0 to 16) digits at each position."""
         high_len = np.maximum(length - 8, 0)
         high = self._eight_digits(pos, high_len)
         low = self._eight_digits(pos + high_len, np.minimum(length, 8))
-        return high * 100_000_000 + low
+        value: np.ndarray = high * 100_000_000 + low
+        return value
 
     def _eight_digits(self, pos: np.ndarray, length: np.ndarray) -> np.ndarray:
         """Up to 8 digits at once: left-pad with zero digits, then combine pairs, quads, octets."""
@@ -184,7 +189,8 @@ def _fields(raw: _Bytes, pos: np.ndarray, ok: np.ndarray,
 
 def _line_ends_cleanly(raw: _Bytes, pos: np.ndarray, line_end: np.ndarray) -> np.ndarray:
     """Nothing after the last value but an optional ``, `` (SGLang's trailing separator)."""
-    return (pos == line_end) | ((pos + 2 == line_end) & raw.has(pos, b", "))
+    clean: np.ndarray = (pos == line_end) | ((pos + 2 == line_end) & raw.has(pos, b", "))
+    return clean
 
 
 def _timestamps(raw: _Bytes, start: np.ndarray, clock: LogClock) -> tuple[np.ndarray, ...]:
@@ -196,8 +202,10 @@ def _timestamps(raw: _Bytes, start: np.ndarray, clock: LogClock) -> tuple[np.nda
     n_rows = len(start)
     keys = [raw.words[np.minimum(start + offset, raw.size)] for offset in (1, 9)]
     keys.append(raw.words[np.minimum(start + 17, raw.size)] & np.uint64(0xFFFFFF))
-    new_run = np.ones(n_rows, dtype=bool)
-    new_run[1:] = (keys[0][1:] != keys[0][:-1]) | (keys[1][1:] != keys[1][:-1]) | (keys[2][1:] != keys[2][:-1])
+    new_run = np.zeros(n_rows, dtype=bool)
+    new_run[:1] = True
+    for key in keys:
+        new_run[1:] |= key[1:] != key[:-1]
     run_starts = np.flatnonzero(new_run)
     run_of_row = np.cumsum(new_run) - 1
     run_ok = np.zeros(len(run_starts), dtype=bool)
@@ -314,7 +322,7 @@ def scan_chunk(chunk: bytes, first_line_no: int, clock: LogClock) -> ChunkResult
     n_lines = len(starts)
     taken = np.zeros(n_lines, dtype=bool)
     is_decode = np.zeros(n_lines, dtype=bool)
-    values = {name: np.zeros(n_lines, dtype=dtype) for name, dtype in _COLUMN_TYPES.items()}
+    values: dict[str, np.ndarray] = {name: np.zeros(n_lines, dtype=t) for name, t in _COLUMN_TYPES.items()}
     present = {name: np.zeros(n_lines, dtype=bool) for name in _COLUMN_TYPES}
     for kind, first_letter in (("decode", ord("D")), ("prefill", ord("P"))):
         rows = np.flatnonzero(ok & (after == first_letter))
