@@ -125,7 +125,7 @@ def run_one(out: Path, label: str, scenario: str, plan: DemoPlan,
                 "--url", f"http://127.0.0.1:{sim_port}", "--model", "default",
                 "--concurrency", ",".join(map(str, plan.concurrency)),
                 "--duration-per-level", str(plan.level_s), "--max-tokens", str(plan.max_tokens),
-                "--warmup", "0")
+                "--warmup", "0", "--drain", "0.5")
             with open(work / "run.out", "wb") as run_log:
                 status = subprocess.run(run_argv, stdout=run_log, stderr=subprocess.STDOUT,
                                         check=False).returncode

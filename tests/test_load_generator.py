@@ -276,3 +276,14 @@ async def test_failing_sink_stops_the_run(server: Server) -> None:
     with pytest.raises(OSError, match="disk full"):
         await run_load(spec, on_record=sink)
     assert len(seen) == 5
+
+
+async def test_drain_abandons_requests_after_the_last_level(server: Server) -> None:
+    """With drain_s, requests still running after the last level are abandoned, not waited for."""
+    url, _ = await server(token_interval_s=0.05, ttft_s=0.01)
+    spec = LoadSpec(url=url, model="m", concurrency=(4,), max_tokens=1000, duration_per_level_s=0.5,
+                    drain_s=0.2)
+    result = await run_load(spec)
+    assert result.wall_s < 5.0  # 1000 tokens at 20/s would take 50 s per request
+    assert [m.kind for m in result.markers] == ["phase", "end"]
+    assert all(not r.ok or r.completion_tokens for r in result.requests)

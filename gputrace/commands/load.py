@@ -40,6 +40,9 @@ def _levels(value: str) -> tuple[int, ...]:
 @click.option("--temperature", type=float, default=0.0, show_default=True)
 @click.option("--stream/--no-stream", default=True, show_default=True)
 @click.option("--ignore-eos", is_flag=True, help="Ask the server to always generate --max-tokens.")
+@click.option("--drain", type=float, default=None,
+              help="After the last level, abandon requests still running after this many seconds "
+                   "[default: wait for them].")
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
               help="Write every request and marker as JSON lines here.")
 @click.option("--mark-url", default=None,
@@ -57,6 +60,7 @@ def command(
     temperature: float,
     stream: bool,
     ignore_eos: bool,
+    drain: float | None,
     out: str | None,
     mark_url: str | None,
     host: str | None,
@@ -81,6 +85,7 @@ def command(
         temperature=temperature,
         stream=stream,
         ignore_eos=ignore_eos,
+        drain_s=drain,
         mark_url=mark_url or os.environ.get("GPUTRACE_MARK_URL") or None,
         **spec_kwargs,  # type: ignore[arg-type]
     )

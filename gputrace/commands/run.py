@@ -24,7 +24,7 @@ log = get_logger("run")
 def load_spec_from(cfg: Config, url: str | None, model: str | None, concurrency: str | None,
                    max_tokens: int | None, requests_per_level: int | None,
                    duration_per_level: float | None, warmup: float | None,
-                   stream: bool | None, prompts: str | None) -> LoadSpec:
+                   stream: bool | None, prompts: str | None, drain: float | None = None) -> LoadSpec:
     """The built-in load: the config's [load] table, overridden by flags."""
     if cfg.load is None and url is None:
         raise UsageError("nothing to run: give a command after `--`, a [load] table in the config, "
@@ -33,6 +33,7 @@ def load_spec_from(cfg: Config, url: str | None, model: str | None, concurrency:
     overrides: dict[str, Any] = {k: v for k, v in {
         "url": url, "model": model, "max_tokens": max_tokens, "requests_per_level": requests_per_level,
         "duration_per_level_s": duration_per_level, "warmup_s": warmup, "stream": stream,
+        "drain_s": drain,
     }.items() if v is not None}
     if concurrency:
         try:
@@ -73,6 +74,8 @@ async def _run_command(argv: list[str], mark_url: str, stop: asyncio.Event) -> i
 @click.option("--duration-per-level", type=float, default=None, help="Seconds per level.")
 @click.option("--warmup", type=float, default=None, help="Seconds of warm-up before each level.")
 @click.option("--stream/--no-stream", default=None)
+@click.option("--drain", type=float, default=None,
+              help="Built-in load: abandon requests still running this many seconds after the last level.")
 @click.option("--prompts", type=click.Path(dir_okay=False), default=None, help="Prompts JSONL.")
 @click.option("--report/--no-report", "write_report", default=True, show_default=True,
               help="Write the bubble-diagnosis report when the run ends.")
@@ -82,7 +85,8 @@ def command(ctx: click.Context, config_path: str, out: Path, listen: str, accept
             insecure_skip_host_key_check: bool, agent_token_file: str | None, token_file: str | None,
             insecure: bool, url: str | None, model: str | None, concurrency: str | None,
             max_tokens: int | None, requests_per_level: int | None, duration_per_level: float | None,
-            warmup: float | None, stream: bool | None, prompts: str | None, write_report: bool,
+            warmup: float | None, stream: bool | None, drain: float | None, prompts: str | None,
+            write_report: bool,
             cmd: tuple[str, ...]) -> None:
     """Collect while CMD runs (`gputrace run --config F --out D -- CMD ARGS...`), or while the
     built-in load generator sweeps its concurrency levels; then write the report.
@@ -95,7 +99,7 @@ def command(ctx: click.Context, config_path: str, out: Path, listen: str, accept
     if cmd and not options.listen:
         raise UsageError("a wrapped command needs the collector's --listen address for its marks")
     spec = None if cmd else load_spec_from(cfg, url, model, concurrency, max_tokens, requests_per_level,
-                                           duration_per_level, warmup, stream, prompts)
+                                           duration_per_level, warmup, stream, prompts, drain)
     exit_status = 0
 
     async def main() -> None:

@@ -61,6 +61,7 @@ class LoadSpec:
     mark_url: str | None = None
     host: str = field(default_factory=socket.gethostname)
     request_timeout_s: float = 600.0
+    drain_s: float | None = None  # after the last level, cancel requests still running after this
 
     def __post_init__(self) -> None:
         if not self.concurrency or any(c < 1 for c in self.concurrency):
@@ -334,6 +335,15 @@ class LoadGenerator:
         self._emit_marker("end", "end", None)
         if not self._workers:
             self._done.set()
+        elif self.spec.drain_s is not None:
+            asyncio.get_running_loop().call_later(self.spec.drain_s, self._cancel_workers)
+
+    def _cancel_workers(self) -> None:
+        """The drain time is up: requests still running after the last level are abandoned."""
+        if self._workers:
+            log.info("abandoning requests still running after the last level", count=len(self._workers))
+        for task in list(self._workers.values()):
+            task.cancel()
 
     def _next_phase(self, slot: int) -> str | None:
         """The phase label of the slot's next request, or None when the slot should stop."""
@@ -390,6 +400,11 @@ class LoadGenerator:
                     first_ns, prompt_tokens, completion_tokens, error = await _read_sse(resp)
                 else:
                     prompt_tokens, completion_tokens, error = _parse_completion(await resp.read())
+        except asyncio.CancelledError:
+            if not self._finished:
+                raise
+            # only the drain timer cancels a request after the last level: record it, then stop
+            error = "abandoned: still running when the drain time after the last level ran out"
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             error = f"{type(exc).__name__}: {exc}".strip()
             if isinstance(exc, aiohttp.ClientConnectorError):
