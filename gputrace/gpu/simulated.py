@@ -68,6 +68,7 @@ class PatternActivity:
         self.duty = 0.5
         self.gpu_count = max(gpu_count, 1)
         self.pcie_bytes_per_s = pcie_bytes_per_s
+        self._memo: dict[tuple[int, int], float] = {}
         try:
             if kind == "constant":
                 self.level = float(arg) if arg else 0.8
@@ -84,9 +85,19 @@ class PatternActivity:
             raise UsageError(f"--sim-pattern {pattern!r}: levels are 0..1, the period positive")
 
     def _busy_until(self, gpu: int, t_ns: int) -> float:
-        phase = gpu * self.period_ns // self.gpu_count
-        cycles, into = divmod(t_ns - phase, self.period_ns)
-        return (cycles * self.duty * self.period_ns + min(into, self.duty * self.period_ns)) / 1e9
+        # windows chain (each starts where the previous one ended): remember the last two ends
+        memo = self._memo
+        hit = memo.get((gpu, t_ns))
+        if hit is not None:
+            return hit
+        period = self.period_ns
+        busy_ns = self.duty * period
+        cycles, into = divmod(t_ns - gpu * period // self.gpu_count, period)
+        value = (cycles * busy_ns + (into if into < busy_ns else busy_ns)) / 1e9
+        if len(memo) > 4 * self.gpu_count:
+            memo.clear()
+        memo[(gpu, t_ns)] = value
+        return value
 
     def busy_s(self, gpu: int, t0_ns: int, t1_ns: int) -> float:
         if self.kind == "constant":
@@ -277,36 +288,41 @@ class SimulatedSampler:
         if self.feed is not None:
             self.feed.poll()
         out: list[GpuSample] = []
+        append = out.append
         m = self.model
-        act = self.activity
+        busy_s_of, window_of = self.activity.busy_s, self.activity.window
         period = self.driver_period_ns
         host = self.host
-        span_w = m.power_limit_w - m.idle_power_w
+        idle_w, span_w = m.idle_power_w, m.power_limit_w - m.idle_power_w
+        sm_max, sm_idle, mem_clock = m.sm_clock_max_hz, m.sm_clock_idle_hz, m.memory_clock_hz
         used, total = self._memory_used, m.memory_total_bytes
+        oldest_driver = now_ns - 12 * period - (now_ns % period)  # at most ~2 s of driver samples
         for g, st in enumerate(self._state):
-            # the driver's own samples: one per period boundary passed, at most ~2 s of them;
-            # NVML reports whole percents
-            t = max(st.next_driver_ns, now_ns - 12 * period - (now_ns % period))
+            # the driver's own samples, one per period boundary passed; NVML reports whole percents
+            t = st.next_driver_ns if st.next_driver_ns > oldest_driver else oldest_driver
             while t <= now_ns:
-                util = int(act.busy_s(g, t - period, t) * 1e11 / period + 0.5) / 100
-                out.append(GpuSample(host, g, t, util, int(util * 55 + 0.5) / 100))
+                util = int(busy_s_of(g, t - period, t) * 1e11 / period + 0.5) / 100
+                append(GpuSample(host, g, t, util, int(util * 55 + 0.5) / 100))
                 t += period
             st.next_driver_ns = t
-            dt_ns = now_ns - st.last_tick_ns if st.last_tick_ns is not None else 100_000_000
+            last = st.last_tick_ns
+            dt_ns = now_ns - last if last is not None else 100_000_000
             st.last_tick_ns = now_ns
-            window = max(dt_ns, 20_000_000)
-            busy_s, tx, rx = act.window(g, now_ns - window, now_ns)
-            busy = min(busy_s * 1e9 / window, 1.0)
-            power = m.idle_power_w + span_w * busy
+            window = dt_ns if dt_ns > 20_000_000 else 20_000_000
+            busy_s, tx, rx = window_of(g, now_ns - window, now_ns)
+            busy = busy_s * 1e9 / window
+            if busy > 1.0:
+                busy = 1.0
+            power = idle_w + span_w * busy
             st.energy_j += power * dt_ns / 1e9
             # first-order thermal model, 20 s time constant, towards 32..72 C by activity
             st.temperature_c += (32.0 + 40.0 * busy - st.temperature_c) * min(dt_ns / 20e9, 1.0)
             active = busy > 0.01
             # positional in GpuSample's field order: this runs per GPU per tick
-            out.append(GpuSample(
+            append(GpuSample(
                 host, g, now_ns, None, None, power, st.energy_j, tx * 1e9 / window, rx * 1e9 / window,
-                m.sm_clock_max_hz if active else m.sm_clock_idle_hz, m.memory_clock_hz, used, total,
-                st.temperature_c, 0 if active else _IDLE_REASON, 0.9 * busy, 0.35 * busy, 0.55 * busy))
+                sm_max if active else sm_idle, mem_clock, used, total, st.temperature_c,
+                0 if active else _IDLE_REASON, 0.9 * busy, 0.35 * busy, 0.55 * busy))
         if self.feed is not None:
             self.feed.prune(now_ns - 4 * 1_000_000_000)
         return out
