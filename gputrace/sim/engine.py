@@ -306,6 +306,7 @@ class PipelineEngine:
         base = p.launch_s + max(p.weight_read_s, per_token * tokens) + p.context_token_s * ctx_tokens
         starts, ends = tr.iv_start, tr.iv_end
         log = self.on_log is not None
+        gen_tokens, steps, interval = self._gen_tokens, self._decode_steps, p.decode_log_interval
         arrive = t
         end = t
         for s, mult in enumerate(self.mults):
@@ -315,7 +316,13 @@ class PipelineEngine:
             starts.append(start)
             ends.append(end)
             if log:
-                self._log_step(s, start, end, decode, batch, tokens)
+                if not decode:
+                    self._log_prefill(s, start, k, batch, tokens)
+                else:
+                    gen_tokens[s] += tokens
+                    steps[s] += 1
+                    if steps[s] % interval == 0:
+                        self._log_decode(s, end, n_reqs)
             if s < last:
                 sent = (end if end > link_free[s] else link_free[s]) + xfer
                 link_free[s] = sent
@@ -378,39 +385,30 @@ class PipelineEngine:
 
     # -- scheduler log lines -------------------------------------------------------------------
 
-    def _log_step(self, s: int, start: float, end: float, decode: bool,
-                  batch: list[tuple[SimRequest, int]], tokens: int) -> None:
+    def _log_decode(self, s: int, end: float, n_reqs: int) -> None:
         assert self.on_log is not None
         p = self.p
-        usage = self.kv_used / p.max_total_num_tokens
-        if decode:
-            self._gen_tokens[s] += tokens
-            self._decode_steps[s] += 1
-            if self._decode_steps[s] % p.decode_log_interval:
-                return
-            gap = max(end - self._gen_since[s], 1e-9)
-            fields: dict[str, float | int | bool] = {
-                "running_req": len(batch), "num_token": self.kv_used, "token_usage": usage,
-                "cuda_graph": len(batch) <= p.cuda_graph_max_bs,
-                "gen_throughput": self._gen_tokens[s] / gap, "queue_req": len(self.waiting)}
-            self._gen_tokens[s] = 0
-            self._gen_since[s] = end
-            self.on_log(end, s, "decode", fields)
-            return
+        gap = max(end - self._gen_since[s], 1e-9)
+        fields: dict[str, float | int | bool] = {
+            "running_req": n_reqs, "num_token": self.kv_used,
+            "token_usage": self.kv_used / p.max_total_num_tokens, "cuda_graph": n_reqs <= p.cuda_graph_max_bs,
+            "gen_throughput": self._gen_tokens[s] / gap, "queue_req": len(self.waiting)}
+        self._gen_tokens[s] = 0
+        self._gen_since[s] = end
+        self.on_log(end, s, "decode", fields)
+
+    def _log_prefill(self, s: int, start: float, k: int, batch: list[tuple[SimRequest, int]],
+                     tokens: int) -> None:
+        assert self.on_log is not None
         gap = max(start - self._in_since[s], 1e-9)
         self._in_tokens[s] += tokens
-        new_seq = sum(1 for r, n in batch if r.prefilled == 0)
-        running_before = len(self.slots[self._slot_of(batch[0][0])]) - new_seq
-        fields = {"new_seq": new_seq, "new_token": tokens, "cached_token": 0, "token_usage": usage,
-                  "running_req": max(running_before, 0), "queue_req": len(self.waiting),
-                  "pending_token": sum(r.prefill_target - r.prefilled for r in self.waiting),
-                  "input_throughput": self._in_tokens[s] / gap}
+        new_seq = sum(1 for r, _ in batch if r.prefilled == 0)
+        fields: dict[str, float | int | bool] = {
+            "new_seq": new_seq, "new_token": tokens, "cached_token": 0,
+            "token_usage": self.kv_used / self.p.max_total_num_tokens,
+            "running_req": max(len(self.slots[k]) - new_seq, 0), "queue_req": len(self.waiting),
+            "pending_token": sum(r.prefill_target - r.prefilled for r in self.waiting),
+            "input_throughput": self._in_tokens[s] / gap}
         self._in_tokens[s] = 0
         self._in_since[s] = start
         self.on_log(start, s, "prefill", fields)
-
-    def _slot_of(self, req: SimRequest) -> int:
-        for k, slot in enumerate(self.slots):
-            if req in slot:
-                return k
-        return 0

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from gputrace.engines import LogParser
+from gputrace.engines.ingest import ingest_log
 from gputrace.errors import SourceError
 from gputrace.model import ClockProbe, DeviceInfo, EngineConfig, Marker, RequestRecord, SchedulerEvent
 from gputrace.sim.run import SimResult
@@ -63,6 +67,25 @@ def parse_log(result: SimResult) -> tuple[list[SchedulerEvent], list[EngineConfi
     return events, configs, parser.counts.unrecognised
 
 
+def import_log(store: Store, result: SimResult) -> int:
+    """The log through ``gputrace import``'s own path (ingest_log), then each event's recv_ts_ns
+    set to the exact time its line was written (as a live follow on the same host stamps it)."""
+    with tempfile.TemporaryDirectory(prefix="gputrace-sim-") as tmp:
+        log = Path(tmp) / "scheduler.log"
+        write_log(result, log)
+        stats = ingest_log(store, log, host=SIM_HOST, engine="sglang", source=LOG_SOURCE)
+        if stats.unrecognised:
+            raise SourceError(f"simulator: {stats.unrecognised} log lines the SGLang parser does not know")
+        recv = Path(tmp) / "recv.parquet"
+        n_lines = len(result.log_ts_ns)
+        pq.write_table(pa.table({"line_no": np.arange(1, n_lines + 1, dtype=np.int64),
+                                 "recv_ts_ns": np.asarray(result.log_ts_ns, dtype=np.int64)}), recv)
+        store.sql("UPDATE scheduler_events SET recv_ts_ns = r.recv_ts_ns FROM read_parquet(?) AS r "
+                  "WHERE scheduler_events.line_no = r.line_no AND scheduler_events.source = ?",
+                  [str(recv), LOG_SOURCE])
+    return stats.events_written
+
+
 def request_records(result: SimResult) -> list[RequestRecord]:
     lat = result.params.client_latency_s
     out = []
@@ -93,9 +116,6 @@ def params_dict(result: SimResult) -> dict[str, Any]:
 def write_store(result: SimResult, out_dir: str | os.PathLike[str], name: str | None = None) -> Path:
     """A complete run store of the run (see the ground-truth conventions in the project brief)."""
     p = result.params
-    events, configs, unrecognised = parse_log(result)
-    if unrecognised:
-        raise SourceError(f"simulator: {unrecognised} log lines the SGLang parser does not recognise")
     placements = single_node_placements(SIM_HOST, p.pp_size, p.tp_size)
     topology = topology_to_meta(p.pp_size, p.tp_size, 1, placements, source="simulator")
     extra = {"ground_truth": result.ground_truth,
@@ -108,8 +128,7 @@ def write_store(result: SimResult, out_dir: str | os.PathLike[str], name: str | 
         store.update_meta(created_ns=result.start_ns)  # a run's bytes depend on its seed only
         store.append(device_records(result))
         store.append_columns("gpu_samples", sample_columns(result))
-        store.append(events)
-        store.append(configs)
+        import_log(store, result)
         store.append(request_records(result))
         markers = [Marker(host=CLIENT_HOST, ts_ns=result.ns(ph.start_s), label=ph.label, kind="phase",
                           target_concurrency=ph.target_concurrency) for ph in result.phases]
