@@ -243,7 +243,7 @@ async def test_tls(start_agent: AgentFactory, tmp_path: Path) -> None:
         await _get(_url(agent, "/healthz", scheme="https"))
 
 
-async def test_cli_agent_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
+async def test_cli_agent_serves_and_stops_on_sigterm() -> None:
     """`gputrace agent --backend sim` serves /metrics on the logged port and exits 0 on SIGTERM."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "gputrace", "--log-format", "json", "agent", "--backend", "sim",
