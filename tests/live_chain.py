@@ -1,6 +1,6 @@
-"""A live chain on loopback for the watch and dashboard tests, as real processes: an engine that
-serves OpenAI requests and writes SGLang PP8 scheduler lines, an agent with simulated GPUs, and the
-collector's config that follows both."""
+"""A live chain on loopback for the watch and dashboard tests, as real processes: the simulator's
+real-time SGLang PP8 server (OpenAI API, scheduler log, GPU feed), an agent tailing the feed, and the
+collector's config that follows both (the layout `gputrace demo` runs)."""
 
 from __future__ import annotations
 
@@ -108,56 +108,3 @@ def sim_chain(work: Path, scenario: str = "microbatch-cap") -> Iterator[Chain]:
             yield Chain(f"http://127.0.0.1:{sim_port}", agent_port,
                         write_config(work / "gputrace.toml", log_file, agent_port), work)
 
-
-def _decode_line(i: int, pp: int) -> str:
-    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
-    running = 1 + (i // PP_SIZE) % 16  # changes every round of the pipeline, so the view changes
-    return (f"[{stamp} PP{pp}] Decode batch, #running-req: {running}, #token: {1000 + i}, token usage: "
-            f"0.{10 + running:02d}, cuda graph: True, gen throughput (token/s): {40.0 * running:.2f}, "
-            f"#queue-req: {16 - running}\n")
-
-
-@contextlib.contextmanager
-def pattern_chain(work: Path) -> Iterator[Chain]:
-    """Stand-in while the simulator's server is missing: a thread writing SGLang PP8 decode lines,
-    tests/openai_server.py as the OpenAI endpoint and an agent with the square-wave pattern."""
-    import threading
-
-    work.mkdir(parents=True, exist_ok=True)
-    log_file = work / "sglang.log"
-    log_file.touch()
-    stop = threading.Event()
-
-    def write_lines() -> None:
-        with open(log_file, "a", buffering=1) as f:
-            i = 0
-            while not stop.wait(0.02):
-                f.write(_decode_line(i, i % PP_SIZE))
-                i += 1
-
-    writer = threading.Thread(target=write_lines, daemon=True)
-    writer.start()
-    server_port, agent_port = free_port(), free_port()
-    server = Path(__file__).with_name("openai_server.py")
-    try:
-        with process([sys.executable, str(server), "--port", str(server_port)], work / "server.out") as srv:
-            wait_until(lambda: _listening(server_port), what="OpenAI server", proc=srv)
-            with process(gputrace_argv("agent", "--backend", "sim", "--sim-gpus", str(PP_SIZE),
-                                       "--sim-pattern", "square:1:0.5", "--listen", f"127.0.0.1:{agent_port}",
-                                       "--interval", "0.1", "--host-name", HOST,
-                                       "--topology", f"pp={PP_SIZE},tp=1"), work / "agent.out") as agent:
-                wait_until(lambda: http_ok(f"http://127.0.0.1:{agent_port}/healthz"), what="agent",
-                           proc=agent)
-                yield Chain(f"http://127.0.0.1:{server_port}", agent_port,
-                            write_config(work / "gputrace.toml", log_file, agent_port), work)
-    finally:
-        stop.set()
-        writer.join()
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-chain = pattern_chain

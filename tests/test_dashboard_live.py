@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from conftest import require_binary
-from live_chain import HOST, chain, free_port, gputrace_argv, http_ok, process, wait_until
+from live_chain import HOST, free_port, gputrace_argv, http_ok, process, sim_chain, wait_until
 
 from gputrace.dashboard import dashboard_queries, variable_queries
 
@@ -48,7 +48,7 @@ def prometheus(work: Path, targets: dict[str, int]) -> Iterator[str]:
 
 def test_every_dashboard_query_returns_series(tmp_path: Path) -> None:
     """During a live sweep, each panel expression (variables at All) returns at least one series."""
-    with chain(tmp_path / "chain") as c:
+    with sim_chain(tmp_path / "chain") as c:
         collector_port = free_port()
         run_argv = gputrace_argv("run", "--config", str(c.config), "--out", str(tmp_path / "run"),
                                  "--listen", f"127.0.0.1:{collector_port}", "--url", c.engine_url,

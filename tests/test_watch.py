@@ -5,13 +5,24 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 from conftest import require_binary
-from live_chain import HOST, PP_SIZE, chain, free_port, get_json, gputrace_argv, http_ok, process, wait_until
+from live_chain import (
+    HOST,
+    PP_SIZE,
+    free_port,
+    get_json,
+    gputrace_argv,
+    http_ok,
+    process,
+    sim_chain,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]
 
@@ -24,7 +35,7 @@ class Tmux:
     def __init__(self, binary: str, work: Path):
         self.binary, self.socket = binary, work / "tmux.sock"
         self.conf = work / "tmux.conf"
-        # The pane stays after its command exits, so the exit status can be read back.
+        # The pane stays after its command exits, so what it last showed can be read back.
         self.conf.write_text("set -g remain-on-exit on\nset -g history-limit 0\n")
 
     def __call__(self, *args: str) -> str:
@@ -33,9 +44,6 @@ class Tmux:
         done = subprocess.run([self.binary, "-S", str(self.socket), "-f", str(self.conf), *args],
                               capture_output=True, text=True, timeout=10, check=True, env=dict(os.environ))
         return done.stdout
-
-    def pane(self, fmt: str) -> str:
-        return self("display-message", "-p", "-t", "watch", fmt).strip()
 
     def capture(self) -> list[str]:
         return self("capture-pane", "-p", "-t", "watch").splitlines()
@@ -54,7 +62,7 @@ def stage_rows(screen: list[str]) -> dict[int, str]:
 def test_watch_rows_per_stage_update_and_q_quits(tmp_path: Path) -> None:
     """In a 200x50 tmux pane the view shows PP0..PP7 with values that change, and `q` ends it with 0."""
     tmux_bin = require_binary("/usr/bin/tmux", "tmux")
-    with chain(tmp_path / "chain") as c:
+    with sim_chain(tmp_path / "chain") as c:
         port = free_port()
         collector_url = f"http://127.0.0.1:{port}"
         with process(gputrace_argv("collect", "--config", str(c.config), "--out", str(tmp_path / "run"),
@@ -91,8 +99,12 @@ def test_watch_rows_per_stage_update_and_q_quits(tmp_path: Path) -> None:
 
 def watch_in_tmux(tmux: Tmux, collector_url: str) -> tuple[list[list[str]], str, str]:
     """Run the view in a detached 200x50 session; four captures a second apart; then `q`."""
+    # A shell in the pane records watch's exit status: tmux itself sometimes leaves the exited
+    # process unreaped (pane_dead 1, pane_dead_status empty) for many seconds.
+    status_file = tmux.socket.with_name("watch.status")
+    watch_cmd = shlex.join(gputrace_argv("watch", "--collector", collector_url, "--refresh", "0.3"))
     tmux("new-session", "-d", "-s", "watch", "-x", "200", "-y", "50",
-         " ".join(gputrace_argv("watch", "--collector", collector_url, "--refresh", "0.3")))
+         f"{watch_cmd}; echo $? > {shlex.quote(str(status_file))}")
     try:
         wait_until(lambda: len(stage_rows(tmux.capture())) == PP_SIZE, timeout_s=20, what="watch draws")
         captures = []
@@ -100,7 +112,11 @@ def watch_in_tmux(tmux: Tmux, collector_url: str) -> tuple[list[list[str]], str,
             captures.append(tmux.capture())
             time.sleep(1.0)
         tmux("send-keys", "-t", "watch", "q")
-        wait_until(lambda: tmux.pane("#{pane_dead}") == "1", timeout_s=10, what="watch exits on q")
-        return captures, tmux.pane("#{pane_dead_status}"), "\n".join(tmux.capture())
+        try:
+            wait_until(lambda: status_file.exists() and status_file.read_text().strip() != "", timeout_s=10,
+                       what="watch exits on q")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}:\n" + "\n".join(tmux.capture())) from None
+        return captures, status_file.read_text().strip(), "\n".join(tmux.capture())
     finally:
         subprocess.run([tmux.binary, "-S", str(tmux.socket), "kill-server"], capture_output=True, timeout=10)
