@@ -105,18 +105,20 @@ def _config_int(cfg: dict[str, object], keys: tuple[str, ...]) -> int | None:
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
 
 
+_BOOLS = {"True": True, "False": False, "true": True, "false": False}
+
+
 def convert_value(text: str, kind: type) -> Value:
     """A logged value as ``kind``; None when it does not fit (a garbled or truncated value)."""
     text = text.strip().rstrip("%")
     if kind is bool:
-        return {"True": True, "False": False, "true": True, "false": False}.get(text)
-    if not _NUMBER.fullmatch(text):
-        return None
+        return _BOOLS.get(text)
     if kind is int:
         digits = text.lstrip("+-")
         # More than 18 digits cannot be a count and would not fit the store's int64 columns.
-        return int(text) if digits.isdigit() and len(digits) <= 18 else None
-    return float(text)
+        ok = digits.isascii() and digits.isdigit() and len(digits) <= 18 and len(text) - len(digits) <= 1
+        return int(text) if ok else None
+    return float(text) if _NUMBER.fullmatch(text) else None
 
 
 class LogClock:

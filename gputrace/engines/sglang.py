@@ -88,7 +88,7 @@ def batch_fields(message: str) -> dict[str, Value]:
 def _prefix_fields(head: str, clock: LogClock) -> dict[str, object]:
     """Timestamp text and time, and ranks, from the text in front of the message."""
     out: dict[str, object] = {}
-    stripped = _RUNTIME_PREFIX.sub("", head, count=1)
+    stripped = head if head.startswith("[") else _RUNTIME_PREFIX.sub("", head, count=1)
     ts = _TIMESTAMP.search(stripped) or (_TIMESTAMP.search(head) if stripped != head else None)
     if ts is not None:
         date_text, hms, frac = ts.groups()
