@@ -2,12 +2,12 @@
 plain pandas merge_asof + groupby reference computing the same phase-by-stage table (busy, bubble,
 micro-batch size, power per phase and stage) in the same run.
 
-    python bench/report.py [--hours H] [--gpus 8,64] [--source synth|sim]
+    python bench/report.py [--hours H] [--gpus 8,64] [--source sim|synth]
 
 Each measurement runs in a fresh child process (peak RSS = its ru_maxrss). Runs come from the
-simulator when it can write them (--source sim, 8 GPUs), otherwise they are synthesised directly
-into a run store: PP8 x TP(n/8), 10 Hz NVML samples, per-stage decode lines, closed-loop requests
-over four load levels with markers. The two tables are checked to agree before timing is trusted.
+simulator by default (the microbatch-cap preset as PP8 x TP(n/8), four levels of H/4 each, 10 Hz
+NVML samples); --source synth writes a comparable run directly into a store instead. The two
+tables are checked to agree (max |difference| of busy/bubble fractions is printed).
 """
 
 from __future__ import annotations
@@ -86,6 +86,15 @@ def synthesise(path: Path, n_gpus: int, hours: float, seed: int = 0) -> None:
             "completion_tokens": np.full(k, 256), "ok": np.ones(k, dtype=bool), "phase": labels})
 
 
+def simulate(path: Path, n_gpus: int, hours: float) -> None:
+    from gputrace.sim.outputs import write_store
+    from gputrace.sim.run import run_scenario
+
+    result = run_scenario("microbatch-cap", 0, {"phase_s": hours * 3600 / 4, "tp_size": max(n_gpus // 8, 1),
+                                                "sample_period_s": PERIOD_NS / 1e9})
+    write_store(result, path)
+
+
 def child_report(run: str, out: str) -> dict[str, object]:
     from gputrace.analysis.run import analyse_store
     from gputrace.report.document import phase_stage_table
@@ -119,8 +128,9 @@ def child_reference(run: str) -> dict[str, object]:
     samples["win_ns"] = samples["ts_ns"] - PERIOD_NS
     samples = pd.merge_asof(samples.sort_values("win_ns"), marks, left_on="win_ns", right_on="m_ts")
     samples = samples[samples["kind"] == "phase"]
-    delta = pd.concat([pd.DataFrame({"t": reqs["start_ns"], "d": 1}),
-                       pd.DataFrame({"t": reqs["end_ns"], "d": -1})]).sort_values("t", kind="stable")
+    ends = reqs["end_ns"].fillna(samples["ts_ns"].max() + PERIOD_NS).astype("int64")  # unfinished
+    delta = pd.concat([pd.DataFrame({"t": reqs["start_ns"].astype("int64"), "d": 1}),
+                       pd.DataFrame({"t": ends, "d": -1})]).sort_values("t", kind="stable")
     delta["inflight"] = delta["d"].cumsum()
     delta = delta.groupby("t", as_index=False)["inflight"].last()
     samples = pd.merge_asof(samples.sort_values("win_ns"), delta, left_on="win_ns", right_on="t")
@@ -147,6 +157,13 @@ def run_child(args: list[str]) -> tuple[float, float, dict[str, object]]:
     return wall, float(result.pop("peak_rss_mb")), result
 
 
+def _median_run(runs: list[tuple[float, float, dict[str, object]]]) -> tuple[float, float, dict[str, object]]:
+    """The run with the median wall time; its peak memory is the largest of all runs."""
+    ordered = sorted(runs, key=lambda r: r[0])
+    wall, _, res = ordered[len(ordered) // 2]
+    return wall, max(r[1] for r in runs), res
+
+
 def compare_tables(a: list[dict[str, object]], b: list[dict[str, object]]) -> float:
     """The largest difference in busy or bubble fraction between the two tables."""
     kb = {(r["phase"], r["pp_rank"]): r for r in b}
@@ -159,6 +176,12 @@ def compare_tables(a: list[dict[str, object]], b: list[dict[str, object]]) -> fl
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--make":
+        # In its own process: Linux keeps a forked child's peak RSS across exec, so the parent
+        # must stay small while it starts the measured children.
+        n_gpus, hours, path = int(sys.argv[3]), float(sys.argv[4]), Path(sys.argv[5])
+        (simulate if sys.argv[2] == "sim" else synthesise)(path, n_gpus, hours)
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         kind, run = sys.argv[2], sys.argv[3]
         t0 = time.perf_counter()
@@ -170,19 +193,27 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hours", type=float, default=1.0)
     ap.add_argument("--gpus", default="8,64")
+    ap.add_argument("--source", choices=("sim", "synth"), default="sim")
+    ap.add_argument("--repeats", type=int, default=3, help="Runs of each, interleaved; medians shown.")
     args = ap.parse_args()
     print(f"{'run':>16} {'report s':>9} {'(table s)':>9} {'report MB':>10} {'pandas s':>9} "
           f"{'(table s)':>9} {'pandas MB':>10} {'speedup':>8} {'max |diff|':>10}")
     for n_gpus in (int(g) for g in args.gpus.split(",")):
         with tempfile.TemporaryDirectory() as tmp:
             run = Path(tmp) / "run"
-            synthesise(run, n_gpus, args.hours)
-            r_wall, r_mb, r_res = run_child(["--child", "report", str(run), str(Path(tmp) / "out")])
-            p_wall, p_mb, p_res = run_child(["--child", "reference", str(run)])
+            subprocess.run([sys.executable, __file__, "--make", args.source, str(n_gpus), str(args.hours),
+                            str(run)], check=True)
+            r_runs, p_runs = [], []
+            for _ in range(args.repeats):  # interleaved, so both see the same machine load
+                r_runs.append(run_child(["--child", "report", str(run), str(Path(tmp) / "out")]))
+                p_runs.append(run_child(["--child", "reference", str(run)]))
+            r_wall, r_mb, r_res = _median_run(r_runs)
+            p_wall, p_mb, p_res = _median_run(p_runs)
             diff = compare_tables(r_res["table"], p_res["table"])  # type: ignore[arg-type]
             print(f"{n_gpus:>3} GPUs x {args.hours:g} h {r_wall:>9.2f} {r_res['table_s']:>9.2f} "
                   f"{r_mb:>10.0f} {p_wall:>9.2f} {p_res['seconds']:>9.2f} {p_mb:>10.0f} "
                   f"{p_wall / r_wall:>7.2f}x {diff:>10.4f}")
+    print(f"medians of {args.repeats} interleaved runs; MB is the largest peak RSS of them")
     print("report s / pandas s: wall time of a fresh process each, including imports (the report also\n"
           "draws 5 figures and writes HTML, Markdown and JSON); (table s): reading the store and\n"
           "computing the phase-by-stage table only; MB: peak RSS; speedup = pandas s / report s")

@@ -134,14 +134,21 @@ def resample_window(ts_ns: np.ndarray, values: np.ndarray, grid_ns: np.ndarray, 
     """NVML-style window values (sample at t covers (t - P, t]) onto grid cells: each cell takes
     the first sample at or after its end, if that sample is within one period of it."""
     out = np.full(len(grid_ns), np.nan)
-    if len(ts_ns) == 0:
-        return out
-    i = np.searchsorted(ts_ns, grid_ns, side="left")
-    ok = i < len(ts_ns)
-    j = np.minimum(i, len(ts_ns) - 1)
-    ok &= (ts_ns[j] - grid_ns) < period_ns
-    out[ok] = values[j[ok]]
+    cells, rows = window_index(ts_ns, grid_ns, period_ns)
+    out[cells] = values[rows]
     return out
+
+
+def window_index(ts_ns: np.ndarray, grid_ns: np.ndarray, period_ns: int) -> tuple[np.ndarray, np.ndarray]:
+    """(cells, rows): grid cell ``cells[n]`` takes sample ``rows[n]`` (see resample_window); one
+    lookup serves every metric of a GPU."""
+    if len(ts_ns) == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    i = np.searchsorted(ts_ns, grid_ns, side="left")
+    j = np.minimum(i, len(ts_ns) - 1)
+    ok = (i < len(ts_ns)) & ((ts_ns[j] - grid_ns) < period_ns)
+    cells = np.flatnonzero(ok)
+    return cells, j[cells]
 
 
 def hold_last(ts_ns: np.ndarray, values: np.ndarray, grid_ns: np.ndarray, max_age_ns: float

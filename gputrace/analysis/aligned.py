@@ -22,9 +22,9 @@ from gputrace.analysis.align import (
     make_grid,
     pcie_capacity_bytes_per_s,
     place_log_events,
-    resample_window,
     sample_period_ns,
     stage_mapping,
+    window_index,
 )
 from gputrace.errors import AnalysisError
 from gputrace.store import Store
@@ -95,6 +95,20 @@ def _to_ref(clocks: ClockModel, hosts: np.ndarray, t: np.ndarray) -> np.ndarray:
     return out
 
 
+def _group_order(k: np.ndarray, ts: np.ndarray) -> np.ndarray:
+    """The permutation sorting rows by (k, ts). Sorting in the database costs seconds on millions
+    of rows; here a stable radix sort on the small GPU id suffices when each GPU's samples were
+    written in time order (as samplers write them), else a full lexsort."""
+    if len(k) == 0:
+        return np.zeros(0, dtype=np.int64)
+    small = k.astype(np.int16) if k.max() < np.iinfo(np.int16).max else k
+    order = np.argsort(small, kind="stable")
+    ks, tss = k[order], ts[order]
+    if np.all((np.diff(tss) >= 0) | (np.diff(ks) != 0)):
+        return order
+    return np.lexsort((ts, k))
+
+
 def _engine_config(store: Store) -> dict[str, Any]:
     rows = store.sql_arrow("SELECT * FROM engine_configs ORDER BY line_no").to_pylist()
     merged: dict[str, Any] = {}
@@ -110,6 +124,8 @@ def _engine_config(store: Store) -> dict[str, Any]:
 def align_store(store: Store) -> AlignedRun:
     """The aligned view of a run store; raises AnalysisError when it holds nothing to analyse."""
     notes: list[str] = []
+    # DuckDB draws its own progress bar on stdout for long queries; the report has its own.
+    store.sql("SET enable_progress_bar = false")
     probes = store.sql_arrow("SELECT host, local_send_ns, remote_ns, local_recv_ns FROM clock_probes")
     clocks = clock_model(np.asarray(probes.column("host").to_pylist(), dtype=object),
                          _num(probes, "local_send_ns"), _num(probes, "remote_ns"),
@@ -126,10 +142,11 @@ def align_store(store: Store) -> AlignedRun:
     samples = store.sql_arrow(
         f"SELECT k.k, s.ts_ns, s.lost, {cols} FROM gpu_samples s JOIN "
         "(SELECT host, gpu_index, row_number() OVER (ORDER BY host, gpu_index) - 1 AS k "
-        " FROM (SELECT DISTINCT host, gpu_index FROM gpu_samples)) k USING (host, gpu_index) "
-        "ORDER BY k.k, s.ts_ns")
-    k = _num(samples, "k").astype(np.int64) if samples.num_rows else np.zeros(0, np.int64)
+        " FROM (SELECT DISTINCT host, gpu_index FROM gpu_samples)) k USING (host, gpu_index)")
+    k_raw = _num(samples, "k").astype(np.int64) if samples.num_rows else np.zeros(0, np.int64)
     ts_raw = _num(samples, "ts_ns").astype(np.int64) if samples.num_rows else np.zeros(0, np.int64)
+    order = _group_order(k_raw, ts_raw)
+    k, ts_raw = k_raw[order], ts_raw[order]
     bounds = np.searchsorted(k, np.arange(len(gpu_keys) + 1))
     ts_by_gpu = []
     for i, (host, _) in enumerate(gpu_keys):
@@ -200,12 +217,13 @@ def align_store(store: Store) -> AlignedRun:
 
     gpu = {m: np.full((len(gpu_keys), len(grid)), np.nan) for m in GPU_METRICS}
     if samples.num_rows:
-        lost_all = np.asarray(samples.column("lost").to_numpy(zero_copy_only=False), dtype=bool)
+        lost_all = np.asarray(samples.column("lost").to_numpy(zero_copy_only=False), dtype=bool)[order]
+        lookups = [window_index(ts_by_gpu[i], grid, period) for i in range(len(gpu_keys))]
         for m in GPU_METRICS:
-            v_all = _num(samples, m).astype(np.float64)
+            v_all = _num(samples, m).astype(np.float64)[order]
             v_all[lost_all] = np.nan
-            for i in range(len(gpu_keys)):
-                gpu[m][i] = resample_window(ts_by_gpu[i], v_all[bounds[i]:bounds[i + 1]], grid, period)
+            for i, (cells, rows) in enumerate(lookups):
+                gpu[m][i, cells] = v_all[bounds[i]:bounds[i + 1]][rows]
 
     dev = {(d["host"], d["gpu_index"]): d for d in store.sql_arrow("SELECT * FROM devices").to_pylist()}
     power_limit = np.array([dev.get(key, {}).get("power_limit_w") or np.nan for key in gpu_keys], dtype=float)
