@@ -11,7 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from gputrace.engines import fastpath, sglang
+from gputrace.engines.common import METRIC_FIELDS, LogClock
 from gputrace.engines.ingest import ingest_log
 from gputrace.errors import SourceError
 from gputrace.model import EngineConfig
@@ -146,3 +150,50 @@ def test_import_command_with_engine_logs(tmp_path: Path) -> None:
         # The earliest vLLM stamp is "01-22 18:27:20"; its year comes from --date.
         assert vllm_first == [(int(dt.datetime(2025, 1, 22, 18, 27, 20, tzinfo=dt.UTC).timestamp()) * 10**9,)]
         assert store.count("engine_configs") == 4
+
+
+_CURRENT_FORMS = [
+    "[2026-06-24 15:38:02 PP3] Decode batch, #running-req: 12, #token: 998080, token usage: 0.59, "
+    "cuda graph: True, gen throughput (token/s): 205.21, #queue-req: 0",
+    "[2026-06-24 15:38:02.123 DP1 PP0 TP2] Decode batch [7], #running-req: 1, #token: 98, token usage: 0.00, "
+    "npu graph: False, gen throughput (token/s): 5.5, #queue-req: 3, ",
+    "[2026-04-05 20:02:51] Prefill batch, #new-seq: 1, #new-token: 158, #cached-token: 0, token usage: 0.08, "
+    "#running-req: 31, #queue-req: 0, cuda graph: True, input throughput (token/s): 559.53",
+    "[2026-08-23 09:06:04 TP0 EP0] Prefill batch [3], #new-seq: 1, #new-token: 8192, #cached-token: 0, "
+    "token usage: 0.01, #running-req: 0, #queue-req: 0, #pending-token: 157704, musa graph: False, "
+    "input throughput (token/s): 824.28",
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(_CURRENT_FORMS), st.integers(0, 400), st.integers(0, 6),
+                          st.text(alphabet=st.sampled_from(list("0123456789.,: []#-PTDEx\r")), max_size=6)),
+                min_size=1, max_size=8))
+def test_fast_path_agrees_line_by_line(edits: list[tuple[str, int, int, str]]) -> None:
+    """On current-form lines cut and overwritten at random, every line the fast path takes reads as
+    the per-line grammar reads it, and every line it rejects outright is no scheduler line."""
+    lines = []
+    for line, at, cut, insert in edits:
+        at = min(at, len(line))
+        lines.append(line[:at] + insert + line[at + cut:])
+    chunk = "\n".join(line.replace("\n", " ") for line in lines).encode() + b"\n"
+    clock = LogClock(tz="Europe/Berlin")
+    result = fastpath.scan_chunk(chunk, 0, clock)
+    texts = chunk.decode().split("\n")[:-1]
+    taken = result.columns["line_no"].to_pylist() if result.n_fast else []
+    left = {offset for offset, _ in result.leftovers}
+    assert len(taken) + len(left) + result.n_rejected == len(texts) == result.n_lines
+    for row, line_no in enumerate(taken):
+        expected = sglang.parse_line(texts[line_no], clock)
+        assert expected is not None, texts[line_no]
+        got = {name: result.columns[name][row].as_py() for name in result.columns}
+        assert got["kind"] == expected.kind
+        assert (got["log_ts_ns"], got["ts_resolution_ns"]) == (expected.log_ts_ns, expected.ts_resolution_ns)
+        for name in ("dp_rank", "pp_rank", "tp_rank", "ep_rank"):
+            assert got[name] == getattr(expected, name), name
+        for name, value in got.items():
+            if name in METRIC_FIELDS:
+                assert value == expected.values.get(name), (name, texts[line_no])
+    for offset, text in enumerate(texts):
+        if offset not in left and offset not in set(taken):
+            assert sglang.parse_line(text, clock) is None, text
