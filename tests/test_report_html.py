@@ -14,12 +14,13 @@ from typing import Any
 
 import aiohttp
 import pytest
-from analysis_synth import Level, SynthRun, build
 from conftest import require_binary
 
 from gputrace.analysis.run import analyse_store
 from gputrace.report.figures import FIGURES
 from gputrace.report.render import write_report
+from gputrace.sim.outputs import write_store
+from gputrace.sim.run import run_scenario
 from gputrace.store import Store
 
 ARTIFACTS = Path(__file__).parent / "artifacts"
@@ -95,11 +96,8 @@ async def _inspect(port: int, url: str, shot: Path) -> tuple[list[str], dict[str
 async def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     """report.html loads with no console error and every figure decoded (naturalWidth > 0)."""
     chromium = require_binary("/usr/bin/chromium", "chromium", "chromium-browser")
-    spec = SynthRun([Level("C=8", 8, 8, [0.3, 0.3, 0.35, 0.3], 2, 8),
-                     Level("C=32", 32, 32, [0.5, 0.5, 0.55, 0.5], 8, 8)], pp=4,
-                    engine={"max_running_requests": 32})
-    build(tmp_path / "run", spec)
-    with Store.open(tmp_path / "run", read_only=True) as store:
+    run = write_store(run_scenario("microbatch-cap", 0), tmp_path / "run")
+    with Store.open(run, read_only=True) as store:
         written = write_report(analyse_store(store), tmp_path / "out", ["html"])
     html_file = written[0]
     assert html_file.name == "report.html" and "src='http" not in html_file.read_text()
