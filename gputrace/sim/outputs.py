@@ -90,7 +90,8 @@ def request_records(result: SimResult) -> list[RequestRecord]:
     lat = result.params.client_latency_s
     out = []
     for req in result.requests:
-        done = req.finish_s is not None and req.generated >= req.output_tokens
+        finished = req.finish_s is not None and req.finish_s <= result.end_s
+        done = finished and req.generated >= req.output_tokens
         out.append(RequestRecord(
             host=CLIENT_HOST, request_id=f"sim-{req.rid:06d}", start_ns=result.ns(req.client_start_s),
             first_token_ns=result.ns(req.first_token_s + lat) if req.first_token_s is not None else None,
