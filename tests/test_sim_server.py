@@ -82,11 +82,15 @@ async def test_streaming_completion_without_include_usage_has_no_usage(server):
 
 
 async def test_bad_request_is_a_400(server):
-    """A body that is not a JSON object is refused with an OpenAI-style error."""
-    async with aiohttp.ClientSession() as s, s.post(server.url + "/v1/completions", data=b"[1]",
-                                                    headers={"Content-Type": "application/json"}) as r:
-        body = await r.json()
-    assert r.status == 400 and body["error"]["type"] == "invalid_request_error"
+    """A body that is not a JSON object, or a request longer than the context, is refused."""
+    async with aiohttp.ClientSession() as s:
+        async with s.post(server.url + "/v1/completions", data=b"[1]",
+                          headers={"Content-Type": "application/json"}) as r:
+            body = await r.json()
+        assert r.status == 400 and body["error"]["type"] == "invalid_request_error"
+        async with s.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 10**6}) as r:
+            body = await r.json()
+        assert r.status == 400 and "exceeds" in body["error"]["message"]
 
 
 async def test_load_writes_parsable_log_and_feed(server, tmp_path):

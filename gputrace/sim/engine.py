@@ -257,6 +257,8 @@ class PipelineEngine:
                     req.finish_s = t
                     self.trace.work_t.append(t)
                     self.trace.work_delta.append(-1)
+                    if req.listener is not None:
+                        req.listener.finished(t)
                     if self.on_complete is not None:
                         self.on_complete(req, t)
                     continue

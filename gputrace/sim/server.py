@@ -242,6 +242,11 @@ def build_app(sim: RealtimeSim) -> web.Application:
             error = {"message": f"bad request: {exc}", "type": "invalid_request_error"}
             return web.json_response({"error": error}, status=400)
         prompt_tokens = _count_tokens(_prompt_text(body))
+        limit = min(sim.p.context_len, sim.p.max_total_num_tokens)
+        if prompt_tokens + max_tokens > limit:
+            error = {"message": f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds "
+                                f"the {limit}-token limit", "type": "invalid_request_error"}
+            return web.json_response({"error": error}, status=400)
         req, stream = sim.submit(prompt_tokens, max_tokens)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-sim{req.rid}"
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens}
