@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,7 @@ class DemoPlan:
 
     @classmethod
     def for_mode(cls, quick: bool) -> DemoPlan:
-        return cls(level_s=4.0, max_tokens=128) if quick else cls()
+        return cls(level_s=4.0) if quick else cls()
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +161,9 @@ def run_demo(out: Path, quick: bool, say: Callable[[str], None]) -> tuple[DemoRu
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("GPUTRACE_DEMO", "1")
     plan = DemoPlan.for_mode(quick)
-    cap = run_one(out, "cap", "microbatch-cap", plan, say)
-    fixed = run_one(out, "fixed", "microbatch-fixed", plan, say)
+    # The two deployments are independent processes on loopback: run them side by side.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        cap_future = pool.submit(run_one, out, "cap", "microbatch-cap", plan, say)
+        fixed_future = pool.submit(run_one, out, "fixed", "microbatch-fixed", plan, say)
+        cap, fixed = cap_future.result(), fixed_future.result()
     return cap, fixed, compare(out, cap, fixed)
