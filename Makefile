@@ -12,7 +12,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# Each demo replaces the previous one's output.
 demo: $(STAMP)
+	rm -rf demo-out
 	$(VENV)/bin/gputrace demo --out demo-out
 
 # pytest exits 5 when it collected no tests: treat that as a failure, not a pass.
