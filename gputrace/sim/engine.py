@@ -283,8 +283,8 @@ class PipelineEngine:
         p = self.p
         tr = self.trace
         n_reqs = len(batch)
-        tokens = sum(n for _, n in batch)
-        ctx_tokens = sum(r.prefilled + r.generated for r, _ in batch) if p.context_token_s else 0
+        tokens = n_reqs if decode else sum([n for _, n in batch])
+        ctx_tokens = sum([r.prefilled + r.generated for r, _ in batch]) if p.context_token_s else 0
         # KV: decode needs one slot per request; retract the newest when the cache is full.
         if decode and self.kv_used + tokens > p.max_total_num_tokens:
             batch = self._retract(k, batch)
@@ -293,10 +293,8 @@ class PipelineEngine:
             if not batch:
                 return
         self.kv_used += tokens
-        for req, n in batch:
-            req.kv_tokens += n
         tr.st_t.append(t)
-        tr.st_slots_busy.append(sum(1 for s in self.slots if s))
+        tr.st_slots_busy.append(len(self.slots) - self.slots.count([]))
         tr.st_running.append(self.running)
         tr.st_waiting.append(len(self.waiting))
         tr.st_kv_used.append(self.kv_used)
@@ -345,6 +343,7 @@ class PipelineEngine:
                           done: float) -> None:
         emitted = 0
         for req, n in batch:
+            req.kv_tokens += n
             if not decode:
                 req.prefilled += n
                 if req.prefilled < req.prefill_target:
