@@ -673,9 +673,10 @@ def test_log_parser_counts_numbers_and_stamps() -> None:
 
 
 def test_invalid_date_is_none_not_an_error() -> None:
-    """An impossible logged date gives log_ts_ns None and still the event."""
-    parsed = parse_line(_decode("[2026-13-45 25:61:00 PP0]"), engine="sglang")
-    assert parsed is not None and parsed.log_ts_ns is None and parsed.pp_rank == 0
+    """An impossible (or int64-overflowing) logged date gives log_ts_ns None and still the event."""
+    for stamp in ("2026-13-45 25:61:00", "0026-06-24 15:38:02", "9999-01-01 00:00:00"):
+        parsed = parse_line(_decode(f"[{stamp} PP0]"), engine="sglang")
+        assert parsed is not None and parsed.log_ts_ns is None and parsed.pp_rank == 0
 
 
 def test_absurd_numbers_are_none() -> None:

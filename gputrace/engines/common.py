@@ -144,6 +144,8 @@ class LogClock:
 
     def seconds(self, year: int, month: int, day: int, hms: str) -> int | None:
         """Epoch seconds of a local ``HH:MM:SS`` on a date; None when it is not a valid time."""
+        if not 1970 <= year <= 2261:  # outside it, ns since the epoch leave int64: not a real stamp
+            return None
         key = (year, month, day, hms)
         cached = self._cache.get(key)
         if cached is not None:

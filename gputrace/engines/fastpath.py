@@ -98,9 +98,11 @@ class _Bytes:
 
     def digit_run(self, pos: np.ndarray) -> np.ndarray:
         """How many ASCII digits follow each position (16 means 16 or more)."""
-        first = _first_flagged_byte(self._non_digits(pos))
-        second = _first_flagged_byte(self._non_digits(pos + 8))
-        return np.where(first < 8, first, 8 + second)
+        run = _first_flagged_byte(self._non_digits(pos))
+        longer = np.flatnonzero(run == 8)
+        if len(longer):  # rare: only these rows need the next 8 bytes
+            run[longer] = 8 + _first_flagged_byte(self._non_digits(pos[longer] + 8))
+        return run
 
     def _non_digits(self, pos: np.ndarray) -> np.ndarray:
         """The high bit of each of the 8 bytes at ``pos`` set where that byte is not a digit."""
@@ -110,10 +112,12 @@ class _Bytes:
 
     def number(self, pos: np.ndarray, length: np.ndarray) -> np.ndarray:
         """The value of the ``length`` (0 to 16) digits at each position."""
-        high_len = np.maximum(length - 8, 0)
-        high = self._eight_digits(pos, high_len)
-        low = self._eight_digits(pos + high_len, np.minimum(length, 8))
-        value: np.ndarray = high * 100_000_000 + low
+        value = self._eight_digits(pos, np.minimum(length, 8))
+        longer = np.flatnonzero(length > 8)
+        if len(longer):  # rare: the first length-8 digits, then the last 8
+            high_len = length[longer] - 8
+            value[longer] = (self._eight_digits(pos[longer], high_len) * 100_000_000
+                             + self._eight_digits(pos[longer] + high_len, np.full(len(longer), 8)))
         return value
 
     def _eight_digits(self, pos: np.ndarray, length: np.ndarray) -> np.ndarray:
@@ -129,9 +133,11 @@ class _Bytes:
 
 def _first_flagged_byte(bits: np.ndarray) -> np.ndarray:
     """Index (0-7) of the lowest byte whose high bit is set; 8 when none is."""
-    lowest = bits & (~bits + np.uint64(1))
-    index = (np.rint(np.log2(np.where(bits == 0, 1, lowest).astype(np.float64))).astype(np.int64) - 7) // 8
-    return np.where(bits == 0, 8, index)
+    lowest = (bits & (~bits + np.uint64(1))) >> np.uint64(7)  # 1 << 8k for the lowest flagged byte k
+    with np.errstate(over="ignore"):
+        # Multiplying by 1 << 8k shifts this constant k bytes up; its top byte is then k.
+        index = (lowest * np.uint64(0x0001020304050607)) >> np.uint64(56)
+    return np.where(bits == 0, 8, index.astype(np.int64))
 
 
 _U0 = np.uint64(0)
