@@ -121,7 +121,7 @@ def test_ground_truth_is_consistent_with_samples_and_schedule(tmp_path):
 def test_ground_truth_names_each_scenarios_cause():
     """Each single-cause scenario shows its cause in every phase; healthy shows none."""
     for name, overrides in (("healthy", {}), ("stage-imbalance", {}), ("client-bound", {}),
-                            ("kv-bound", {}), ("pcie-bound", {})):
+                            ("kv-bound", {}), ("pcie-bound", {}), ("log-aliased", {})):
         result = run_scenario(name, 0, {"phase_s": 40.0, "drain_s": 2.0, **overrides})
         expected = list(SCENARIOS[name].causes)
         for ph in result.ground_truth["phases"]:

@@ -134,6 +134,9 @@ SCENARIOS: dict[str, Scenario] = {
                   "pcie_bandwidth_bytes_per_s": 0.2e9, "pcie_latency_s": 0.0002,
                   "pcie_gen": 1, "pcie_width": 1},
                  ("pcie_bound",)),
+        Scenario("log-aliased", "the healthy pipeline logged with SGLang's default "
+                 "--decode-log-interval 40: 8 slots divide it, so each stage keeps logging one slot",
+                 {**_FULL_PIPELINE, "decode_log_interval": 40}, ("log_sampling_aliased",)),
     )
 }
 
