@@ -1,7 +1,5 @@
-"""Serving-engine log grammars (SGLang, vLLM): text in, SchedulerEvent / EngineConfig records out.
-
-``LogParser`` is the stateful per-source front: it numbers lines, counts what it recognised per
-kind and what it did not, and turns each line (from a file or followed live) into a record.
+"""Serving-engine log grammars (SGLang, vLLM): text in, SchedulerEvent / EngineConfig out;
+``LogParser`` numbers and counts the lines of one source, from a file or followed live.
 """
 
 from __future__ import annotations

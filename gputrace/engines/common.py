@@ -1,7 +1,5 @@
-"""What every engine's line grammar shares: the parsed-line value, field values and log clocks.
-
-A ``ParsedLine`` is the engine-neutral result of one recognised line; it becomes a
-SchedulerEvent or an EngineConfig once the caller says which host, source and line it came from.
+"""What the engines' line grammars share: ParsedLine (one recognised line, engine-neutral, made a
+SchedulerEvent or EngineConfig by ``to_record``), value conversion and the log clock.
 """
 
 from __future__ import annotations

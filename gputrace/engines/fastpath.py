@@ -1,13 +1,12 @@
-"""Vectorised reading of SGLang's current default batch lines, one chunk of a file at a time.
-
-A line is taken here only when numpy has checked every byte of it against the exact current
-layout (``[date time(.mmm)( PPn ...)] Decode batch( [N]), #running-req: N, ...``): the fixed
-keys compared as 8-byte words, each value checked digit by digit, nothing left over at the end.
-Its fields are cut from the byte positions of those keys and the commas. Every other line
-(other versions, odd prefixes, startup lines, numbers too long for exact arithmetic) is handed
-back for gputrace.engines.sglang, which gives the same values (a test holds both paths to it).
-numpy releases the GIL, so chunks can be scanned in threads.
+"""Vectorised reading of SGLang's current default batch lines, one chunk of a file at a time;
+every other line is handed back for gputrace.engines.sglang, which reads it the same way.
 """
+
+# A line is taken only when numpy has checked every byte of it against the exact current layout
+# (``[date time(.mmm)( PPn ...)] Decode batch( [N]), #running-req: N, ...``): fixed keys compared
+# as 8-byte words, values checked digit by digit (SWAR), nothing left over at the end. Other
+# versions, odd prefixes, startup lines and numbers too long for exact arithmetic go the per-line
+# way; tests hold both paths to the same records. numpy releases the GIL: chunks scan in threads.
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Ingest an engine log file (plain or .gz) into a run store, in columnar batches.
-
-Lines in SGLang's current default form take a vectorised path (gputrace.engines.fastpath);
-every other line goes through the per-line grammar. Both give the same records (a test holds
-them to it); only the speed differs.
+"""Ingest an engine log file (plain or .gz) into a run store, in columnar batches: SGLang's
+current form through gputrace.engines.fastpath, every other line through the per-line grammar.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""SGLang's scheduler and startup lines, every known version (see shared/ENGINES.md), as ParsedLine.
-
-Fields are read by name, so unknown ones are ignored and missing ones are None; a line that
-is not a scheduler or configuration line gives None. No input makes these functions raise.
+"""SGLang's scheduler and startup lines, every known version, as ParsedLine: fields by name
+(unknown ignored, missing None); any other line gives None; no input makes it raise.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""vLLM's periodic stats line (V1 ``loggers.py`` and V0 ``metrics.py`` forms) as ParsedLine.
-
-vLLM stamps lines ``MM-DD HH:MM:SS`` without a year: the caller's date supplies it, else the
-event's log time is None. No input makes these functions raise.
+"""vLLM's periodic stats line (V1 ``loggers.py``, V0 ``metrics.py``) as ParsedLine; its stamps
+(``MM-DD HH:MM:SS``) take the year from the caller's date, else log time is None.
 """
 
 from __future__ import annotations
