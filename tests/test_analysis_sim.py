@@ -128,3 +128,18 @@ def test_log_sampling_aliased_run_wide(tmp_path: Path) -> None:
         assert {f.cause for f in a.findings if f.phase == pm.label} == want
         for stage, gs in zip(pm.stages, gt["stages"], strict=True):
             assert abs((stage.bubble_fraction or 0) - gs["bubble_fraction"]) <= 0.02
+
+
+def test_phases_detected_from_the_engine_log_alone(tmp_path: Path) -> None:
+    """With no requests and no markers, the sweep's levels are found from the engine's running +
+    queued requests, and the cap is still diagnosed at 32 and 64."""
+    result = run_scenario("microbatch-cap", 0)
+    with Store.open(write_store(result, tmp_path / "run")) as store:
+        store.sql("DELETE FROM requests")
+        store.sql("DELETE FROM markers")
+        a = analyse_store(store)
+    assert [p.target_concurrency for p in a.phases] == [1, 8, 32, 64]
+    assert a.phases[0].source == "detected from engine running + queued requests"
+    assert a.summary()["work_source"] == "engine running + queued requests (log)"
+    assert {f.phase for f in a.findings if f.cause == "microbatch_cap"} == {"load=32", "load=64"}
+    assert a.findings[0].cause == "microbatch_cap"

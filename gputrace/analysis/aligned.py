@@ -261,12 +261,18 @@ def align_store(store: Store) -> AlignedRun:
         stage_running[s] = np.where(seen, run_sum, 0.0)
         stage_queue[s] = np.where(seen, q_sum, 0.0)
 
+    if not ev.num_rows:
+        notes.append("no engine log: the micro-batch cap, underfilled pipeline, KV-cache and "
+                     "log-sampling causes cannot be diagnosed")
+    if not samples.num_rows:
+        notes.append("no GPU samples: busy and bubble fractions are not available")
     inflight = None
-    finished = ~np.isnan(requests["start_ns"])
-    if finished.any():
-        end = np.where(np.isnan(requests["end_ns"]), grid[-1], requests["end_ns"])[finished]
-        work = coverage_ratio(requests["start_ns"][finished], end, grid, period)
-        inflight = count_in_flight(requests["start_ns"][finished], end, grid)
+    started = ~np.isnan(requests["start_ns"])
+    if started.any():
+        # A request with no end was still in flight when the run stopped.
+        end = np.where(np.isnan(requests["end_ns"]), grid[-1], requests["end_ns"])[started]
+        work = coverage_ratio(requests["start_ns"][started], end, grid, period)
+        inflight = count_in_flight(requests["start_ns"][started], end, grid)
         work_source = "client requests in flight"
     elif ev.num_rows:
         work = ((stage_running + stage_queue) > 0).any(axis=0).astype(np.float64)

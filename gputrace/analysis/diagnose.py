@@ -80,6 +80,7 @@ def diagnose_phase(pm: PhaseMetrics, engine: dict[str, Any], pp_size: int,
     mb_mean = _vals(st, "microbatch_size_mean")
     queue = _vals(st, "queue_req_mean")
     mean_bubble = float(np.nanmean(bubble)) if not np.isnan(bubble).all() else 0.0
+    mean_busy = float(np.nanmean(busy)) if not np.isnan(busy).all() else None
     load = pm.inflight_mean if pm.inflight_mean is not None else pm.target_concurrency
     k, k_from = default_microbatch_cap(engine, pp_size)
     all_stages = list(range(pp_size))
@@ -119,7 +120,7 @@ def diagnose_phase(pm: PhaseMetrics, engine: dict[str, Any], pp_size: int,
              "engine_running_estimate": _r(engine_running, 1),
              "microbatches_in_flight": _r(pm.microbatches_in_flight, 2),
              "allowed_busy_fraction": _r(pm.allowed_busy_fraction),
-             "mean_busy_fraction": _r(float(np.nanmean(busy))), "mean_bubble_fraction": _r(mean_bubble)},
+             "mean_busy_fraction": _r(mean_busy), "mean_bubble_fraction": _r(mean_bubble)},
             0.9 if engine.get("max_running_requests") or engine.get("pp_max_micro_batch_size") else 0.6,
             f"--pp-max-micro-batch-size {want}",
             f"#running-req plateaus at K = {k} ({k_from}) while {load:.0f} requests are offered and "
@@ -196,7 +197,7 @@ def diagnose_phase(pm: PhaseMetrics, engine: dict[str, Any], pp_size: int,
         out.append(Finding(
             "pipeline_underfilled", pm.label, all_stages,
             {"microbatches_in_flight": _r(pm.microbatches_in_flight, 2), "pp_size": pp_size,
-             "allowed_busy_fraction": _r(allowed), "mean_busy_fraction": _r(float(np.nanmean(busy))),
+             "allowed_busy_fraction": _r(allowed), "mean_busy_fraction": _r(mean_busy),
              "mean_bubble_fraction": _r(mean_bubble), "offered_load": _r(load, 1)},
             0.7, f"keep at least {pp_size} micro-batches in flight: raise the offered concurrency, or "
                  "use fewer pipeline stages (more TP) for this load; --pp-async-batch-depth adds slots",

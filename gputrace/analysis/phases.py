@@ -80,10 +80,19 @@ def detect_phases(grid_ns: np.ndarray, load: np.ndarray, period_ns: int, what: s
         if i == n_s or abs(level[i] - cur) > max(1.0, rel_tol * cur):
             segs.append((start, i, cur))
             start = i
+    # Short blips are dropped; kept neighbours within the tolerance of each other, with only a
+    # short gap (up to two blips) between them, are one level (a ramp or a dip split it).
+    kept = [(a, b, lv) for a, b, lv in segs if lv >= 0.5 and (b - a) >= min_duration_s]
+    merged: list[tuple[int, int, float]] = []
+    for a, b, lv in kept:
+        if merged and a - merged[-1][1] <= 2 * min_duration_s and \
+                abs(merged[-1][2] - lv) <= max(1.0, rel_tol * max(merged[-1][2], lv)):
+            pa = merged[-1][0]
+            merged[-1] = (pa, b, float(np.median(level[pa:b])))
+        else:
+            merged.append((a, b, lv))
     out = []
-    for a, b, lv in segs:
-        if lv < 0.5 or (b - a) < min_duration_s:
-            continue
+    for a, b, lv in merged:
         c = round(lv)
         out.append(Phase(f"load={c}", int(t_s[a, 0] - period_ns), int(t_s[b - 1, -1]), c,
                          f"detected from {what}"))
