@@ -82,3 +82,16 @@ def test_phases_detected_without_markers(tmp_path: Path) -> None:
     assert [p.target_concurrency for p in a.phases] == [2, 12]
     assert a.phases[0].source == "detected from client requests in flight"
     assert isinstance(a.phases[0], Phase)
+
+
+def test_busy_and_bubble_live_api() -> None:
+    """The reusable estimate: per stage busy = mean utilization, bubble = mean max(0, work - util),
+    NaN samples left out, weights respected."""
+    from gputrace.analysis.metrics import busy_and_bubble
+
+    util = np.array([[0.5, 0.5, 1.0, np.nan], [0.0, 0.2, 0.2, 0.2]])
+    work = np.array([1.0, 1.0, 1.0, 0.0])
+    busy, bubble = busy_and_bubble(util, work)
+    assert np.allclose(busy, [2 / 3, 0.15]) and np.allclose(bubble, [1 / 3, (1 + 0.8 + 0.8) / 4])
+    busy_w, _ = busy_and_bubble(util, work, weights=np.array([1.0, 1.0, 0.0, 1.0]))
+    assert np.allclose(busy_w, [0.5, 0.4 / 3])
