@@ -78,6 +78,11 @@ def analyse_aligned(run: AlignedRun, th: Thresholds = DEFAULT_THRESHOLDS,
             progress(ph.label)
         metrics.append(phase_metrics(run, series, ph))
     findings = diagnose(metrics, run.engine, run.pp_size, th)
+    interval = run.engine.get("decode_log_interval")
+    if interval and int(interval) > 1 and not any(f.cause == "log_sampling_aliased" for f in findings):
+        notes.append(f"decode lines are logged every {int(interval)}th step (--decode-log-interval): "
+                     "micro-batch sizes are sampled; --decode-log-interval 1 (or a value coprime with "
+                     "the micro-batch slots) shows every step")
     return Analysis(run, series, phases, metrics, findings, notes)
 
 
