@@ -18,7 +18,7 @@ from gputrace.sim.params import SCENARIOS
 from gputrace.sim.run import run_scenario
 from gputrace.store import Store
 
-SEEDS = (0, 1)
+SEEDS = (0, 1, 2)
 _CACHE: dict[tuple[str, int], tuple[Analysis, dict]] = {}  # type: ignore[type-arg]
 
 
