@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from gputrace.analysis.aligned import align_store
 from gputrace.analysis.run import analyse_aligned
+from gputrace.errors import UsageError
+from gputrace.prometheus.cli_options import prometheus_flags, prometheus_run
 from gputrace.report.figures import FIGURES
 from gputrace.report.progress import LONG_RUN_S, report_progress
 from gputrace.report.render import parse_formats, write_report
@@ -13,15 +17,23 @@ from gputrace.store import Store
 
 
 @click.command("report")
-@click.argument("run", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.argument("run", required=False, type=click.Path(exists=True, file_okay=False, path_type=str))
 @click.option("--format", "formats", default="html,md,json", show_default=True,
               help="Comma-separated: html, md, json.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=str), default=None,
               help="Output directory (default: RUN/report).")
 @click.option("--progress/--no-progress", default=None, help="Force the progress bar on or off.")
-def command(run: str, formats: str, out_dir: str | None, progress: bool | None) -> None:
-    """Diagnose pipeline bubbles in a run and write the report."""
+@prometheus_flags
+def command(run: str | None, formats: str, out_dir: str | None, progress: bool | None, **prom: Any) -> None:
+    """Diagnose pipeline bubbles in a run (or a Prometheus time range) and write the report."""
     fmts = parse_formats(formats)
+    if run is not None and prom["prometheus_url"]:
+        raise UsageError("give a RUN directory or --prometheus, not both")
+    imported = prometheus_run(**prom)
+    if imported:
+        run, out_dir = imported[0], out_dir or imported[1]
+    elif run is None:
+        raise UsageError("give a RUN directory, or --prometheus URL --start T --end T")
     with Store.open(run, read_only=True) as store:
         aligned = align_store(store)
     duration_s = float(aligned.grid_ns[-1] - aligned.grid_ns[0]) / 1e9

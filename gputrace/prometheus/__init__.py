@@ -1,0 +1,1 @@
+"""Reading gputrace's metrics back from a Prometheus server (HTTP API) into a run store."""

@@ -1,0 +1,80 @@
+"""The `report --prometheus` flags and the step that turns them into a run store to report on."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from gputrace.errors import UsageError
+from gputrace.prometheus.client import PrometheusClient
+from gputrace.prometheus.source import import_prometheus, parse_matchers, parse_step_ms, parse_time_ms
+
+
+def prometheus_flags(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The flags of `report --prometheus` (all passed on as keyword arguments)."""
+    for option in reversed([
+        click.option("--prometheus", "prometheus_url", default=None, metavar="URL",
+                     help="Analyse what this Prometheus scraped from the agents and the collector."),
+        click.option("--start", "prom_start", default=None,
+                     help="With --prometheus: RFC 3339 or unix seconds."),
+        click.option("--end", "prom_end", default=None, help="With --prometheus: RFC 3339 or unix seconds."),
+        click.option("--step", "prom_step", default="1s", show_default=True,
+                     help="With --prometheus: query resolution (the scrape interval is a good choice)."),
+        click.option("--match", "prom_match", default=None,
+                     help='With --prometheus: label matchers, e.g. {run="x"} (run= selects the '
+                          "collector's series; host, job, instance select both)."),
+        click.option("--token-file", "prom_token_file", default=None, type=click.Path(dir_okay=False),
+                     help="With --prometheus: file holding a bearer token."),
+        click.option("--run-out", "prom_run_out", default=None, type=click.Path(file_okay=False),
+                     help="With --prometheus: keep the imported run store here (default: a temporary one)."),
+        click.option("--max-running-requests", "prom_max_running_requests", type=int, default=None,
+                     help="With --prometheus: the engine's setting (Prometheus does not carry it; the "
+                          "micro-batch cap diagnosis needs it or the next flag)."),
+        click.option("--pp-max-micro-batch-size", "prom_pp_max_micro_batch_size", type=int, default=None,
+                     help="With --prometheus: the engine's setting, when it was given."),
+    ]):
+        fn = option(fn)
+    return fn
+
+
+def prometheus_run(prometheus_url: str | None, prom_start: str | None, prom_end: str | None,
+                   prom_step: str, prom_match: str | None, prom_token_file: str | None,
+                   prom_run_out: str | None, prom_max_running_requests: int | None,
+                   prom_pp_max_micro_batch_size: int | None) -> tuple[str, str] | None:
+    """Import the Prometheus range into a run store: (run dir, default report dir), or None when
+    --prometheus was not given. A temporary store is removed when the command ends."""
+    if prometheus_url is None:
+        if prom_start or prom_end or prom_run_out:
+            raise UsageError("--start, --end and --run-out go with --prometheus URL")
+        return None
+    if prom_start is None or prom_end is None:
+        raise UsageError("--prometheus needs --start and --end")
+    start_ms, end_ms = parse_time_ms(prom_start, "--start"), parse_time_ms(prom_end, "--end")
+    if end_ms <= start_ms:
+        raise UsageError(f"--end {prom_end} is not after --start {prom_start}")
+    token = None
+    if prom_token_file:
+        try:
+            token = Path(prom_token_file).read_text().strip()
+        except OSError as exc:
+            raise UsageError(f"--token-file {prom_token_file}: {exc.strerror}") from exc
+    engine = {k: v for k, v in (("max_running_requests", prom_max_running_requests),
+                                ("pp_max_micro_batch_size", prom_pp_max_micro_batch_size)) if v}
+    client = PrometheusClient(prometheus_url, token)
+    if prom_run_out:
+        run_dir, default_out = Path(prom_run_out), str(Path(prom_run_out) / "report")
+    else:
+        tmp = tempfile.mkdtemp(prefix="gputrace-prometheus-")
+        click.get_current_context().call_on_close(lambda: shutil.rmtree(tmp, ignore_errors=True))
+        run_dir, default_out = Path(tmp) / "run", "report"
+    summary = import_prometheus(client, run_dir, start_ms, end_ms, parse_step_ms(prom_step),
+                                parse_matchers(prom_match), engine or None)
+    click.echo(f"read {summary.gpus} GPUs ({summary.gpu_samples} samples), {summary.ranks} engine ranks "
+               f"({summary.scheduler_events} lines) and {summary.markers} markers from {client.base_url} "
+               f"in {summary.queries} range queries ({summary.windows} per metric set)")
+    return str(run_dir), default_out

@@ -1,0 +1,125 @@
+"""Prometheus HTTP API ``query_range``, split into windows of at most 11,000 steps (the server's
+limit per series) and stitched back into one series per label set.
+
+Times are integer milliseconds: Prometheus evaluates at start + i * step with millisecond
+precision, so windows built on that grid meet without a duplicated or missing step.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gputrace.errors import SourceError, UsageError
+
+MAX_POINTS_PER_SERIES = 11_000
+"""Prometheus refuses a range query longer than this many steps per series."""
+
+LabelKey = tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Series:
+    """One stitched series: its labels (``__name__`` included), step times (ms) and values."""
+
+    labels: dict[str, str]
+    ts_ms: np.ndarray
+    values: np.ndarray
+
+
+def chunk_windows(start_ms: int, end_ms: int, step_ms: int,
+                  max_points: int = MAX_POINTS_PER_SERIES) -> list[tuple[int, int]]:
+    """[start, end] windows on the grid start + i * step, each at most ``max_points`` steps, the
+    next one starting one step after the previous one's end."""
+    if step_ms < 1:
+        raise UsageError(f"--step must be at least 1 ms (got {step_ms} ms)")
+    if end_ms < start_ms:
+        raise UsageError("--end is before --start")
+    if max_points < 1:
+        raise UsageError(f"max_points must be >= 1 (got {max_points})")
+    n = (end_ms - start_ms) // step_ms + 1
+    return [(start_ms + i * step_ms, start_ms + (min(i + max_points, n) - 1) * step_ms)
+            for i in range(0, n, max_points)]
+
+
+def _seconds(ms: int) -> str:
+    return f"{ms // 1000}.{ms % 1000:03d}"
+
+
+class PrometheusClient:
+    """A small synchronous client for the HTTP API (optionally with a bearer token)."""
+
+    def __init__(self, base_url: str, token: str | None = None, timeout_s: float = 60.0):
+        parsed = urllib.parse.urlsplit(base_url)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise UsageError(f"--prometheus {base_url!r}: give an http(s):// URL")
+        self.base_url = base_url.rstrip("/")
+        self.token = token
+        self.timeout_s = timeout_s
+        self.queries = 0  # range queries sent, for the import summary and tests
+
+    def get(self, path: str, params: Mapping[str, str]) -> Any:
+        """``data`` of one API call (POST, form-encoded: long selectors do not fit a URL)."""
+        body = urllib.parse.urlencode(params).encode()
+        req = urllib.request.Request(f"{self.base_url}{path}", data=body, method="POST",
+                                     headers={"Content-Type": "application/x-www-form-urlencoded"})
+        if self.token:
+            req.add_header("Authorization", f"Bearer {self.token}")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                doc = json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            detail = _api_error(exc)
+            raise SourceError(f"Prometheus {self.base_url}{path}: HTTP {exc.code}: {detail}") from exc
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise SourceError(f"Prometheus {self.base_url} unreachable: {reason}") from exc
+        except ValueError as exc:
+            raise SourceError(f"Prometheus {self.base_url}{path}: the answer is not JSON") from exc
+        if not isinstance(doc, dict) or doc.get("status") != "success":
+            err = doc.get("error") if isinstance(doc, dict) else None
+            raise SourceError(f"Prometheus {self.base_url}{path}: {err or 'unexpected answer'}")
+        return doc.get("data")
+
+    def query_range(self, expr: str, start_ms: int, end_ms: int, step_ms: int) -> list[Series]:
+        """One ``query_range`` call (the caller keeps it within the point limit)."""
+        self.queries += 1
+        data = self.get("/api/v1/query_range", {"query": expr, "start": _seconds(start_ms),
+                                                "end": _seconds(end_ms), "step": _seconds(step_ms)})
+        if not isinstance(data, dict) or data.get("resultType") != "matrix":
+            raise SourceError(f"Prometheus {self.base_url}: {expr}: expected a range vector")
+        out = []
+        for item in data.get("result", []):
+            pairs = item.get("values", [])
+            ts = np.rint(np.array([p[0] for p in pairs], dtype=np.float64) * 1000).astype(np.int64)
+            vals = np.array([p[1] for p in pairs], dtype=np.float64) if pairs else np.zeros(0)
+            out.append(Series(dict(item.get("metric", {})), ts, vals))
+        return out
+
+    def query_range_chunked(self, expr: str, start_ms: int, end_ms: int, step_ms: int,
+                            max_points: int = MAX_POINTS_PER_SERIES) -> list[Series]:
+        """``query_range`` over [start, end] in windows of at most ``max_points`` steps, stitched
+        per label set in time order."""
+        parts: dict[LabelKey, list[Series]] = {}
+        for lo, hi in chunk_windows(start_ms, end_ms, step_ms, max_points):
+            for s in self.query_range(expr, lo, hi, step_ms):
+                parts.setdefault(tuple(sorted(s.labels.items())), []).append(s)
+        return [Series(dict(key), np.concatenate([p.ts_ms for p in ps]),
+                       np.concatenate([p.values for p in ps])) for key, ps in parts.items()]
+
+
+def _api_error(exc: urllib.error.HTTPError) -> str:
+    """The API's own error text when the body carries one (Prometheus answers JSON on 4xx/5xx)."""
+    try:
+        doc = json.loads(exc.read())
+        return str(doc.get("error") or exc.reason)
+    except (ValueError, OSError, AttributeError):
+        return str(exc.reason)
+

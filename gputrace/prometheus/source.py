@@ -1,0 +1,305 @@
+"""A run store from a Prometheus that scraped gputrace's agents and collector: GPU samples, one
+engine line per rank and step, phase markers where the target concurrency changes, the topology
+from the agents' rank labels. Every time is Prometheus' evaluation time (one clock for all hosts).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gputrace.agent.metrics import GPU_GAUGES
+from gputrace.errors import SourceError, UsageError
+from gputrace.model import DeviceInfo, EngineConfig, Marker
+from gputrace.prometheus.client import MAX_POINTS_PER_SERIES, PrometheusClient, Series, chunk_windows
+from gputrace.store import Store
+from gputrace.topology import Placement, topology_to_meta
+
+GPU_FIELDS: dict[str, str] = {name: attr for name, _doc, attr, _scale in GPU_GAUGES}
+GPU_FIELDS["gputrace_gpu_energy_joules_total"] = "energy_j"
+GPU_INT_FIELDS = ("memory_used_bytes", "memory_total_bytes", "clock_event_reasons")
+ENGINE_FIELDS = {
+    "gputrace_engine_running_requests": "running_req",
+    "gputrace_engine_queue_requests": "queue_req",
+    "gputrace_engine_generation_tokens_per_second": "gen_throughput_tok_s",
+    "gputrace_engine_token_usage_ratio": "token_usage",
+}
+TARGET_METRIC = "gputrace_load_target_concurrency"
+
+# The labels each family carries: a --match matcher on one of these labels applies only to the
+# families that carry it (run= picks the collector's series, the agents have no run label); a
+# matcher on any other label (job, instance, ...) applies to every family.
+AGENT_LABELS = frozenset({"host", "gpu", "uuid", "model", "pp_rank", "tp_rank"})
+ENGINE_LABELS = frozenset({"host", "pp_rank", "tp_rank", "dp_rank", "run"})
+LOAD_LABELS = frozenset({"run"})
+_KNOWN_LABELS = AGENT_LABELS | ENGINE_LABELS | LOAD_LABELS
+
+_MATCHER = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)\s*(=~|!~|!=|=)\s*("(?:[^"\\]|\\.)*")\s*(,|$)')
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
+_DURATION_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000}
+
+
+@dataclass(frozen=True, slots=True)
+class Matcher:
+    """One label matcher of --match, its value kept quoted as given."""
+
+    label: str
+    op: str
+    quoted: str
+
+    def __str__(self) -> str:
+        return f"{self.label}{self.op}{self.quoted}"
+
+
+@dataclass
+class ImportSummary:
+    """What one import read and wrote."""
+
+    gpus: int = 0
+    ranks: int = 0
+    gpu_samples: int = 0
+    scheduler_events: int = 0
+    markers: int = 0
+    queries: int = 0
+    windows: int = 0
+    runs: list[str] = field(default_factory=list)
+
+
+# -- command-line values ----------------------------------------------------------------------
+
+def parse_time_ms(text: str, what: str) -> int:
+    """RFC 3339 (with a UTC offset) or unix seconds -> ms since the epoch."""
+    try:
+        return round(float(text) * 1000)
+    except ValueError:
+        pass
+    try:
+        dt = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise UsageError(f"{what} {text!r}: give RFC 3339 (2026-01-02T03:04:05Z) or unix seconds") from None
+    if dt.tzinfo is None:
+        raise UsageError(f"{what} {text!r}: RFC 3339 needs a UTC offset (Z or +hh:mm)")
+    return round(dt.timestamp() * 1000)
+
+
+def parse_step_ms(text: str) -> int:
+    """A Prometheus duration (``1s``, ``500ms``, ``1m30s``) or seconds (``0.5``) -> ms."""
+    text = text.strip()
+    try:
+        ms = float(text) * 1000
+    except ValueError:
+        parts = _DURATION.findall(text)
+        if not parts or "".join(n + u for n, u in parts) != text:
+            raise UsageError(f"--step {text!r}: give a duration such as 1s, 500ms or 2m") from None
+        ms = sum(float(n) * _DURATION_MS[u] for n, u in parts)
+    if not math.isfinite(ms) or ms < 1 or ms != int(ms):
+        raise UsageError(f"--step {text!r}: a whole number of milliseconds, at least 1 ms")
+    return int(ms)
+
+
+def parse_matchers(text: str | None) -> list[Matcher]:
+    """``{a="x", b=~"y.*"}`` (braces optional) -> matchers."""
+    if not text or not text.strip():
+        return []
+    body = text.strip()
+    if body.startswith("{") and body.endswith("}"):
+        body = body[1:-1]
+    out, pos = [], 0
+    while pos < len(body) and body[pos:].strip():
+        m = _MATCHER.match(body, pos)
+        if not m:
+            raise UsageError(f"--match {text!r}: expected label matchers such as {{run=\"x\"}} "
+                             f"(at {body[pos:]!r})")
+        out.append(Matcher(m.group(1), m.group(2), m.group(3)))
+        pos = m.end()
+    return out
+
+
+def selector(names: Sequence[str], matchers: Sequence[Matcher], family_labels: frozenset[str]) -> str:
+    """One selector for several metric names and the matchers that apply to their family."""
+    parts = ['__name__=~"' + "|".join(re.escape(n) for n in names) + '"']
+    parts += [str(m) for m in matchers if m.label in family_labels or m.label not in _KNOWN_LABELS]
+    return "{" + ", ".join(parts) + "}"
+
+
+# -- the import ---------------------------------------------------------------------------------
+
+def _place(series: Series, start_ms: int, step_ms: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(grid index, value) of the series' points that fall on the grid."""
+    k = (series.ts_ms - start_ms) // step_ms
+    ok = (k >= 0) & (k < n) & ((series.ts_ms - start_ms) % step_ms == 0)
+    return k[ok], series.values[ok]
+
+
+def _fill(target: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+    """Fill cells still empty: when several series map to one key (two scrape jobs, two runs),
+    the first one seen wins."""
+    empty = np.isnan(target[k])
+    target[k[empty]] = v[empty]
+
+
+def _int_label(labels: dict[str, str], name: str) -> int | None:
+    text = labels.get(name, "")
+    return int(text) if text.lstrip("-").isdigit() else None
+
+
+def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, end_ms: int, step_ms: int,
+                      matchers: Sequence[Matcher] = (), engine_config: dict[str, int] | None = None,
+                      max_points: int = MAX_POINTS_PER_SERIES, name: str | None = None) -> ImportSummary:
+    """Query [start, end] at ``step_ms`` and write a new run store at ``out``."""
+    windows = chunk_windows(start_ms, end_ms, step_ms, max_points)
+    n = (end_ms - start_ms) // step_ms + 1
+    grid_ns = (start_ms + step_ms * np.arange(n, dtype=np.int64)) * 1_000_000
+    summary = ImportSummary(windows=len(windows))
+
+    def fetch(names: Sequence[str], labels: frozenset[str]) -> list[Series]:
+        return client.query_range_chunked(selector(names, matchers, labels), start_ms, end_ms, step_ms,
+                                          max_points)
+
+    gpu_series = fetch([*GPU_FIELDS, "gputrace_gpu_lost"], AGENT_LABELS)
+    engine_series = fetch(list(ENGINE_FIELDS), ENGINE_LABELS)
+    target_series = fetch([TARGET_METRIC], LOAD_LABELS)
+    summary.queries = client.queries
+    if not gpu_series and not engine_series:
+        where = f" matching {{{', '.join(map(str, matchers))}}}" if matchers else ""
+        raise SourceError(f"Prometheus {client.base_url}: no gputrace GPU or engine series between "
+                          f"{start_ms / 1000:.3f} and {end_ms / 1000:.3f}{where}")
+
+    # GPUs: one array per (host, gpu) and field; the labels give the device and its stage.
+    gpus: dict[tuple[str, int], dict[str, np.ndarray]] = {}
+    devices: dict[tuple[str, int], DeviceInfo] = {}
+    placements: dict[tuple[str, int], Placement] = {}
+    for s in gpu_series:
+        gpu = _int_label(s.labels, "gpu")
+        if gpu is None:
+            continue
+        key = (s.labels.get("host", ""), gpu)
+        metric = s.labels.get("__name__", "")
+        fields = gpus.setdefault(key, {})
+        attr = "lost" if metric == "gputrace_gpu_lost" else GPU_FIELDS[metric]
+        _fill(fields.setdefault(attr, np.full(n, np.nan)), *_place(s, start_ms, step_ms, n))
+        devices.setdefault(key, DeviceInfo(key[0], gpu, uuid=s.labels.get("uuid") or None,
+                                           name=s.labels.get("model") or None))
+        pp, tp = _int_label(s.labels, "pp_rank"), _int_label(s.labels, "tp_rank")
+        if pp is not None:
+            placements.setdefault(key, Placement(key[0], gpu, pp, tp or 0))
+
+    # Engine ranks: one "decode" line per rank and step, placed exactly at the step.
+    ranks: dict[tuple[str, int, int, int], dict[str, np.ndarray]] = {}
+    runs: set[str] = set()
+    for s in engine_series:
+        rank = (s.labels.get("host", ""), _int_label(s.labels, "pp_rank") or 0,
+                _int_label(s.labels, "tp_rank") or 0, _int_label(s.labels, "dp_rank") or 0)
+        runs.add(s.labels.get("run", ""))
+        arr = ranks.setdefault(rank, {}).setdefault(ENGINE_FIELDS[s.labels["__name__"]], np.full(n, np.nan))
+        _fill(arr, *_place(s, start_ms, step_ms, n))
+
+    target = np.full(n, np.nan)
+    for s in sorted(target_series, key=lambda s: s.labels.get("run", "")):
+        runs.add(s.labels.get("run", ""))
+        _fill(target, *_place(s, start_ms, step_ms, n))
+
+    pp_size = max((p.pp_rank for p in placements.values()), default=-1) + 1
+    tp_size = max((p.tp_rank for p in placements.values()), default=-1) + 1
+    dp_size = max((k[3] for k in ranks), default=0) + 1
+    ordered = sorted(placements.values(), key=lambda p: (p.host, p.gpu_index))
+    topology = topology_to_meta(pp_size, tp_size, dp_size, ordered, "prometheus labels") if placements else {}
+    summary.runs = sorted(r for r in runs if r)
+    extra: dict[str, Any] = {
+        "source": "prometheus", "prometheus_url": client.base_url, "start_ms": start_ms, "end_ms": end_ms,
+        "step_ms": step_ms, "match": [str(m) for m in matchers], "runs": summary.runs,
+        "note": "times are Prometheus evaluation times at the step; engine values are the collector's "
+                "newest logged line per rank at each scrape; GPU values the agent's newest sample",
+    }
+    with Store.create(out, name=name or f"prometheus-{start_ms // 1000}", topology=topology,
+                      extra=extra) as store:
+        summary.gpus, summary.gpu_samples = len(gpus), _write_gpus(store, gpus, grid_ns)
+        summary.ranks = len(ranks)
+        summary.scheduler_events = _write_engine(store, ranks, grid_ns, step_ms, client.base_url)
+        store.append(list(devices.values()))
+        markers = target_markers(target, grid_ns)
+        store.append(markers)
+        summary.markers = len(markers)
+        if engine_config:
+            host = next(iter(sorted(ranks)), ("",))[0] or next(iter(sorted(gpus)), ("prometheus",))[0]
+            store.append([EngineConfig(host, "command line", "unknown", 0, pp_size=pp_size or None,
+                                       tp_size=tp_size or None, dp_size=dp_size,
+                                       max_running_requests=engine_config.get("max_running_requests"),
+                                       pp_max_micro_batch_size=engine_config.get("pp_max_micro_batch_size"))])
+    return summary
+
+
+def _int_column(v: np.ndarray) -> np.ma.MaskedArray[Any, Any]:
+    """Integers with NaN masked (stored as NULL)."""
+    nan = np.isnan(v)
+    return np.ma.MaskedArray(np.rint(np.where(nan, 0, v)).astype(np.int64), mask=nan)
+
+
+def _write_gpus(store: Store, gpus: dict[tuple[str, int], dict[str, np.ndarray]], grid_ns: np.ndarray) -> int:
+    total = 0
+    for (host, gpu), fields in sorted(gpus.items()):
+        values = {a: v for a, v in fields.items() if a != "lost"}
+        present = np.zeros(len(grid_ns), dtype=bool)
+        for v in values.values():
+            present |= ~np.isnan(v)
+        if not present.any():
+            continue
+        cols: dict[str, Any] = {"host": host, "gpu_index": gpu, "ts_ns": grid_ns[present]}
+        for attr, v in values.items():
+            cols[attr] = v[present]
+            if attr in GPU_INT_FIELDS:
+                cols[attr] = _int_column(v[present])
+        if "lost" in fields:
+            cols["lost"] = np.nan_to_num(fields["lost"][present]) > 0.5
+        total += store.append_columns("gpu_samples", cols)
+    return total
+
+
+def _write_engine(store: Store, ranks: dict[tuple[str, int, int, int], dict[str, np.ndarray]],
+                  grid_ns: np.ndarray, step_ms: int, url: str) -> int:
+    total = 0
+    for (host, pp, tp, dp), fields in sorted(ranks.items()):
+        present = np.zeros(len(grid_ns), dtype=bool)
+        for v in fields.values():
+            present |= ~np.isnan(v)
+        rows = int(present.sum())
+        if not rows:
+            continue
+        t = grid_ns[present]
+        cols: dict[str, Any] = {
+            "host": host, "source": f"prometheus {url}", "engine": "unknown", "kind": "decode",
+            "line_no": total + np.arange(rows, dtype=np.int64), "log_ts_ns": t,
+            "ts_resolution_ns": step_ms * 1_000_000, "recv_ts_ns": t,
+            "pp_rank": pp, "tp_rank": tp, "dp_rank": dp,
+        }
+        for attr, v in fields.items():
+            cols[attr] = v[present]
+            if attr in ("running_req", "queue_req"):
+                cols[attr] = _int_column(v[present])
+        total += store.append_columns("scheduler_events", cols)
+    return total
+
+
+def target_markers(target: np.ndarray, grid_ns: np.ndarray) -> list[Marker]:
+    """A "phase" marker ("C=<n>") where the target concurrency takes a new value, an "end" marker
+    where it disappears (the load finished)."""
+    out: list[Marker] = []
+    prev = math.nan
+    for i in range(len(target)):  # one step per sample; values change a handful of times
+        v = float(target[i])
+        if v == prev or (math.isnan(v) and math.isnan(prev)):
+            continue
+        t = int(grid_ns[i])
+        if math.isnan(v):
+            out.append(Marker("prometheus", t, "end", kind="end"))
+        else:
+            out.append(Marker("prometheus", t, f"C={round(v)}", kind="phase", target_concurrency=round(v)))
+        prev = v
+    return out

@@ -1,0 +1,228 @@
+"""`gputrace report --prometheus`: a real Prometheus scrapes a live simulator chain (agent and
+collector) through two load levels; the report built from Prometheus alone names the levels and the
+micro-batch cap, and range queries longer than Prometheus' 11,000-step limit are split and stitched."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import require_binary
+from hypothesis import given
+from hypothesis import strategies as st
+from live_chain import free_port, gputrace_argv, http_ok, process, sim_chain, wait_until
+
+from gputrace.errors import SourceError, UsageError
+from gputrace.prometheus.client import MAX_POINTS_PER_SERIES, PrometheusClient, chunk_windows
+from gputrace.prometheus.source import (
+    import_prometheus,
+    parse_matchers,
+    parse_step_ms,
+    parse_time_ms,
+    selector,
+)
+from gputrace.store import Store
+
+LEVELS = (1, 32)
+LEVEL_S = 9.0
+
+
+# -- pure parts --------------------------------------------------------------------------------
+
+@given(st.integers(0, 10**6), st.integers(0, 50_000), st.integers(1, 5_000), st.integers(1, 12_000))
+def test_chunk_windows_cover_every_step_once(start: int, n_steps: int, step: int, max_points: int) -> None:
+    """Windows hold at most max_points steps each and together every step of [start, end] once."""
+    end = start + n_steps * step + step // 2  # an end off the grid is not a step
+    windows = chunk_windows(start, end, step, max_points)
+    steps = np.concatenate([np.arange(lo, hi + 1, step) for lo, hi in windows])
+    assert all((hi - lo) // step + 1 <= max_points for lo, hi in windows)
+    assert np.array_equal(steps, np.arange(start, end + 1, step))
+
+
+def test_command_line_values() -> None:
+    """Times (RFC 3339 or unix seconds), steps and matchers parse; bad ones are usage errors."""
+    assert parse_time_ms("2026-01-02T03:04:05.250Z", "--start") == 1767323045250
+    assert parse_time_ms("2026-01-02T04:04:05.25+01:00", "--start") == 1767323045250
+    assert parse_time_ms("1767323045.25", "--start") == 1767323045250
+    assert [parse_step_ms(s) for s in ("1s", "500ms", "1m30s", "0.25", "2")] == [1000, 500, 90_000, 250, 2000]
+    m = parse_matchers('{run="a \\"b\\"", job=~"agent.*"}')
+    assert [str(x) for x in m] == ['run="a \\"b\\""', 'job=~"agent.*"']
+    # run= only narrows the collector's families; job= narrows every family
+    assert selector(["x"], m, frozenset({"host"})) == '{__name__=~"x", job=~"agent.*"}'
+    for bad in (lambda: parse_time_ms("2026-01-02T03:04:05", "--start"),
+                lambda: parse_time_ms("yesterday", "--end"), lambda: parse_step_ms("1x"),
+                lambda: parse_step_ms("0.0001"), lambda: parse_matchers("{run=x}"),
+                lambda: chunk_windows(10, 5, 1)):
+        with pytest.raises(UsageError):
+            bad()
+
+
+# -- against a real Prometheus ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Capture:
+    """A Prometheus that scraped a live chain through the load levels, and when that happened."""
+
+    prom: str
+    start_s: float
+    load_start_s: float
+    end_s: float
+    direct_run: Path
+
+
+@contextlib.contextmanager
+def prometheus(work: Path, targets: dict[str, int]) -> Iterator[str]:
+    """Prometheus scraping each loopback target every second; yields its base URL."""
+    binary = require_binary("/usr/bin/prometheus", "prometheus")
+    jobs = "".join(f'  - job_name: {job}\n    static_configs:\n      - targets: ["127.0.0.1:{port}"]\n'
+                   for job, port in targets.items())
+    config = work / "prometheus.yml"
+    config.write_text(f"global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n{jobs}")
+    port = free_port()
+    with process([binary, f"--config.file={config}", f"--storage.tsdb.path={work / 'prom-data'}",
+                  f"--web.listen-address=127.0.0.1:{port}"], work / "prometheus.out") as proc:
+        base = f"http://127.0.0.1:{port}"
+        wait_until(lambda: http_ok(f"{base}/-/ready"), what="Prometheus ready", proc=proc)
+        yield base
+
+
+def instant(prom: str, expr: str) -> list[dict[str, Any]]:
+    url = f"{prom}/api/v1/query?{urllib.parse.urlencode({'query': expr})}"
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        result: list[dict[str, Any]] = json.loads(resp.read())["data"]["result"]
+        return result
+
+
+@pytest.fixture(scope="module")
+def capture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Capture]:
+    """C=1 then C=32 on microbatch-cap with Prometheus scraping the agent and the collector."""
+    work = tmp_path_factory.mktemp("prom-capture")
+    with sim_chain(work / "chain", scenario="microbatch-cap") as c:
+        collector_port = free_port()
+        with prometheus(work, {"agent": c.agent_port, "collector": collector_port}) as prom:
+            # Prometheus applies its targets a few seconds after it starts: wait for the scrape
+            # loops (the collector's target reports up=0 until the run starts) before the load.
+            wait_until(lambda: len(instant(prom, "up")) == 2 and instant(prom, 'up{job="agent"} == 1'),
+                       timeout_s=30, what="Prometheus scraping both targets")
+            start_s = time.time()
+            run_argv = gputrace_argv(
+                "run", "--config", str(c.config), "--out", str(work / "run"),
+                "--listen", f"127.0.0.1:{collector_port}", "--url", c.engine_url, "--model", "default",
+                "--concurrency", ",".join(map(str, LEVELS)), "--duration-per-level", str(LEVEL_S),
+                "--max-tokens", "64", "--warmup", "0", "--no-report")
+            with process(run_argv, work / "run.out") as run:
+                wait_until(lambda: instant(prom, "gputrace_load_target_concurrency"), timeout_s=30,
+                           what="the collector's load gauge scraped", proc=run)
+                load_start_s = time.time()
+                run.wait(timeout=60)
+            assert run.returncode == 0, (work / "run.out").read_text()[-2000:]
+            # the collector is gone: Prometheus marks its series stale at the next scrape
+            wait_until(lambda: not instant(prom, "gputrace_load_target_concurrency"), timeout_s=10,
+                       what="the load gauge going stale")
+            yield Capture(prom, start_s, load_start_s, time.time(), work / "run")
+
+
+def rfc3339(t_s: float) -> str:
+    return datetime.fromtimestamp(t_s, UTC).isoformat().replace("+00:00", "Z")
+
+
+@pytest.mark.system
+@pytest.mark.slow
+def test_report_from_prometheus_names_levels_and_cap(capture: Capture, tmp_path: Path) -> None:
+    """The report from Prometheus alone has the two levels as phases and microbatch_cap (K = 8) at C=32."""
+    out = tmp_path / "report"
+    done = subprocess.run(gputrace_argv(
+        "report", "--prometheus", capture.prom, "--start", rfc3339(capture.start_s),
+        "--end", f"{capture.end_s:.3f}", "--step", "1s", "--max-running-requests", "64",
+        "--run-out", str(tmp_path / "run"), "--out", str(out), "--format", "json,md"),
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads((out / "findings.json").read_text())
+    phases = {p["label"]: p for p in doc["phases"]}
+    assert list(phases) == [f"C={c}" for c in LEVELS]
+    assert [p["target_concurrency"] for p in phases.values()] == list(LEVELS)
+    # Each level lasts LEVEL_S; its edges are known to the scrape interval (1 s) at each end.
+    for p in phases.values():
+        assert abs(p["duration_s"] - LEVEL_S) <= 2.0, p
+    cap = [f for f in doc["findings"] if f["cause"] == "microbatch_cap"]
+    assert [f["phase"] for f in cap] == ["C=32"], doc["findings"]
+    assert cap[0]["evidence"]["K"] == 8 and cap[0]["recommendation"].startswith("--pp-max-micro-batch-size")
+    assert cap[0]["evidence"]["microbatch_size_max"] <= 8
+    # The same run as captured directly: the bubble fraction per stage agrees at the capped level.
+    direct = tmp_path / "direct"
+    subprocess.run(gputrace_argv("report", str(capture.direct_run), "--out", str(direct), "--format", "json"),
+                   check=True, capture_output=True, timeout=120)
+    ref = json.loads((direct / "findings.json").read_text())
+
+    def bubbles(d: dict[str, Any]) -> np.ndarray:
+        return np.array([r["bubble_fraction"] for r in d["table"] if r["phase"] == "C=32"])
+    assert np.max(np.abs(bubbles(doc) - bubbles(ref))) < 0.05
+    with Store.open(tmp_path / "run", read_only=True) as store:
+        assert store.meta.extra["source"] == "prometheus"
+        assert store.meta.topology["pp_size"] == 8 and len(store.meta.topology["placements"]) == 8
+        assert store.count("devices") == 8
+
+
+@pytest.mark.system
+@pytest.mark.slow
+def test_range_longer_than_the_limit_is_split_and_stitched(capture: Capture, tmp_path: Path) -> None:
+    """At a 1 ms step the load window exceeds 11,000 steps: Prometheus refuses it in one query, the
+    chunked query and the import cover every step exactly once."""
+    client = PrometheusClient(capture.prom)
+    start_ms = int(capture.load_start_s * 1000)
+    end_ms = start_ms + 12_500  # 12,501 steps of 1 ms
+    expr = 'gputrace_gpu_power_watts{gpu="0"}'
+    with pytest.raises(SourceError, match="11,000"):
+        client.query_range(expr, start_ms, end_ms, 1)  # the limit is the server's, not ours
+    expected = np.arange(start_ms, end_ms + 1, 1)
+    queries = client.queries
+    (whole,) = client.query_range_chunked(expr, start_ms, end_ms, 1)
+    assert client.queries - queries == 2
+    assert np.array_equal(whole.ts_ms, expected)
+    (small,) = client.query_range_chunked(expr, start_ms, end_ms, 1, max_points=3_000)
+    assert np.array_equal(small.ts_ms, expected) and np.array_equal(small.values, whole.values)
+    # every scraped value shows up, held until the next scrape
+    (coarse,) = client.query_range(expr, start_ms, end_ms, 1000)
+    assert np.array_equal(whole.values[coarse.ts_ms - start_ms], coarse.values)
+
+    summary = import_prometheus(client, tmp_path / "run", start_ms, end_ms, 1,
+                                parse_matchers('{gpu="0"}'), max_points=MAX_POINTS_PER_SERIES)
+    assert summary.windows == 2 and summary.gpus == 1
+    with Store.open(tmp_path / "run", read_only=True) as store:
+        ts = store.columns("gpu_samples", order_by="ts_ns")["ts_ns"]
+        assert np.array_equal(ts, expected * 1_000_000)
+        ev = store.columns("scheduler_events", where="pp_rank = 0 AND tp_rank = 0", order_by="log_ts_ns")
+        assert len(ev["log_ts_ns"]) == len(np.unique(ev["log_ts_ns"])) == len(expected)
+
+
+@pytest.mark.system
+@pytest.mark.slow
+def test_errors_are_one_line(capture: Capture, tmp_path: Path) -> None:
+    """Unreachable Prometheus, a reversed range and a selection without series each give one clear line."""
+    start, end = f"{capture.start_s:.3f}", f"{capture.end_s:.3f}"
+    cases = [
+        (["--prometheus", f"http://127.0.0.1:{free_port()}", "--start", start, "--end", end], 1,
+         "unreachable"),
+        (["--prometheus", capture.prom, "--start", end, "--end", start], 2, "is not after --start"),
+        (["--prometheus", capture.prom, "--start", start, "--end", end, "--match", '{host="nope"}'], 1,
+         "no gputrace GPU or engine series"),
+        (["--prometheus", capture.prom, "--start", start], 2, "needs --start and --end"),
+        ([str(tmp_path), "--prometheus", capture.prom, "--start", start, "--end", end], 2, "not both"),
+    ]
+    for args, code, text in cases:
+        done = subprocess.run(gputrace_argv("report", *args, "--out", str(tmp_path / "out")),
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == code, (args, done.stderr)
+        lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and lines[0].startswith("gputrace: error:") and text in lines[0], done.stderr
