@@ -22,9 +22,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
-
 from gputrace.engines import fastpath
 from gputrace.engines.common import LogClock
 from gputrace.engines.ingest import ingest_log, read_chunks
@@ -109,10 +106,10 @@ def parse_and_store_apart(path: Path, root: Path) -> tuple[float, float, int]:
         results = [fastpath.scan_chunk(chunk, 0, clock) for chunk in read_chunks(log)]
     scan_s = time.perf_counter() - start
     parts = [r.columns for r in results if r.n_fast]
-    columns: dict[str, object] = dict(fastpath.join_chunks(parts))
+    columns: dict[str, object] = {name: chunks.combine_chunks()
+                                  for name, chunks in fastpath.join_chunks(parts).items()}
     n_rows = sum(r.n_fast for r in results)
-    for name in ("host", "source", "engine"):
-        columns[name] = pa.DictionaryArray.from_arrays(np.zeros(n_rows, dtype=np.int32), pa.array(["x"]))
+    columns.update(host="node0", source=str(path), engine="sglang")
     with Store.create(root / f"run-{time.monotonic_ns()}") as store:
         start = time.perf_counter()
         store.append_columns("scheduler_events", columns)

@@ -8,13 +8,13 @@ import datetime as dt
 import gzip
 import os
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import IO
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -133,7 +133,7 @@ def ingest_log(
     date: dt.date | str | None = None,
     *,
     fast: bool = True,
-    batch_rows: int = 500_000,
+    batch_rows: int = 250_000,
     chunk_bytes: int = CHUNK_BYTES,
 ) -> IngestStats:
     """Parse a whole log file and append its events and configuration lines to ``store``.
@@ -149,14 +149,7 @@ def ingest_log(
     with open_log(path) as stream:
         chunks = read_chunks(stream, chunk_bytes)
         if fast and engine == "sglang":
-            pending: list[dict[str, pa.Array]] = []
-            for chunk_result in _scan_in_threads(chunks, parser.clock):
-                _take_chunk(parser, chunk_result, events, configs, stats, pending)
-                if sum(len(p["line_no"]) for p in pending) >= batch_rows:
-                    stats.events_written += _flush_fast(store, pending, parser)
-                if len(events) >= batch_rows:
-                    stats.events_written += events.flush(store, host, source, engine)
-            stats.events_written += _flush_fast(store, pending, parser)
+            _ingest_fast(store, parser, chunks, events, configs, stats, batch_rows)
         else:
             for chunk in chunks:
                 for line in chunk_lines(chunk):
@@ -171,6 +164,42 @@ def ingest_log(
     stats.recognised = {k: counts.recognised.get(k, 0) for k in KINDS}
     stats.unrecognised = counts.unrecognised
     return stats
+
+
+def _ingest_fast(
+    store: Store,
+    parser: LogParser,
+    chunks: Iterator[bytes],
+    events: _EventColumns,
+    configs: list[EngineConfig],
+    stats: IngestStats,
+    batch_rows: int,
+) -> None:
+    """Scan chunks in worker threads while one writer thread appends the previous batch, so
+    parsing and the database's work overlap; one append in flight at a time keeps the order."""
+    pending: list[dict[str, pa.Array]] = []
+    with ThreadPoolExecutor(max_workers=1) as writer:
+        in_flight: Future[int] | None = None
+
+        def write(job: Callable[[], int]) -> None:
+            nonlocal in_flight
+            if in_flight is not None:
+                stats.events_written += in_flight.result()
+            in_flight = writer.submit(job)
+
+        for chunk_result in _scan_in_threads(chunks, parser.clock):
+            _take_chunk(parser, chunk_result, events, configs, stats, pending)
+            if sum(len(p["line_no"]) for p in pending) >= batch_rows:
+                write(partial(_flush_fast, store, list(pending), parser))
+                pending.clear()
+            if len(events) >= batch_rows:
+                write(partial(events.flush, store, parser.host, parser.source, parser.engine))
+                if in_flight is not None:  # the per-line rows' buffer is reused: wait for it
+                    stats.events_written += in_flight.result()
+                    in_flight = None
+        write(partial(_flush_fast, store, list(pending), parser))
+        if in_flight is not None:
+            stats.events_written += in_flight.result()
 
 
 def _scan_in_threads(chunks: Iterator[bytes], clock: LogClock) -> Iterator[fastpath.ChunkResult]:
@@ -193,12 +222,11 @@ def _flush_fast(store: Store, pending: list[dict[str, pa.Array]], parser: LogPar
     """Append queued fast-path rows as one batch (DuckDB writes big batches far faster)."""
     if not pending:
         return 0
-    columns: dict[str, object] = dict(fastpath.join_chunks(pending))
-    n_rows = sum(len(part["line_no"]) for part in pending)
-    for name, value in (("host", parser.host), ("source", parser.source), ("engine", parser.engine)):
-        # One dictionary entry for the whole batch: cheaper to build and to insert than strings.
-        columns[name] = pa.DictionaryArray.from_arrays(np.zeros(n_rows, dtype=np.int32), pa.array([value]))
-    pending.clear()
+    # One contiguous array per column, and the constant columns as scalars, insert fastest
+    # (measured: about 1.5x against per-chunk pieces and per-row strings).
+    columns: dict[str, object] = {
+        name: chunks.combine_chunks() for name, chunks in fastpath.join_chunks(pending).items()}
+    columns.update(host=parser.host, source=parser.source, engine=parser.engine)
     return store.append_columns("scheduler_events", columns)
 
 
