@@ -54,6 +54,7 @@ class CollectOptions:
     http_token: str | None = None  # required when listening beyond loopback
     insecure: bool = False
     log_from_start: bool = True  # read the log from its beginning (startup config lines included)
+    ready_timeout_s: float = 15.0  # how long start() waits for every source to be live
 
 
 @dataclass
@@ -80,6 +81,7 @@ class Collector:
         self.url: str | None = None
         self.client_host = socket.gethostname()
         self._failures: list[str] = []
+        self._ready: dict[str, asyncio.Event] = {}
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -93,12 +95,29 @@ class Collector:
         for ht in self._hosts:
             ht.transport = await connect_host(ht.host, host_key_policy=self.options.host_key_policy)
             if ht.host.log is not None:
+                self._ready[f"log {ht.host.name}"] = asyncio.Event()
                 ht.tasks.append(self._spawn(self._follow_log(ht), f"log {ht.host.name}"))
             if ht.host.agent:
                 ht.agent = AgentClient(await self._agent_url(ht), token=self.options.agent_token)
+                self._ready[f"agent {ht.host.name}"] = asyncio.Event()
                 ht.tasks.append(self._spawn(self._pull_agent(ht), f"agent {ht.host.name}"))
             ht.tasks.append(self._spawn(self._probe_clocks(ht), f"clock {ht.host.name}"))
         self._tasks.append(self._spawn(self._flush_loop(), "flush"))
+        await self._wait_ready()
+
+    async def _wait_ready(self) -> None:
+        """Return once every log follower has caught up and every agent answered once, so a load
+        started next is seen live from its first request (bounded: a silent source only warns)."""
+        waits = [asyncio.create_task(e.wait()) for e in self._ready.values()]
+        if not waits:
+            return
+        _, pending = await asyncio.wait(waits, timeout=self.options.ready_timeout_s)
+        for task in pending:
+            task.cancel()
+        late = [name for name, e in self._ready.items() if not e.is_set()]
+        if late:
+            log.warning("sources not ready yet; capturing anyway", sources=late,
+                        waited_s=self.options.ready_timeout_s)
 
     async def stop(self) -> None:
         """Stop every source, write what is buffered, close connections."""
@@ -161,7 +180,9 @@ class Collector:
         src = ht.host.log
         parser = LogParser(host=ht.host.name, source=f"{src.kind}:{src.target}", engine=src.engine,
                            tz=src.timezone)
-        async for batch in follow_log_batches(ht.transport, src, from_start=self.options.log_from_start):
+        ready = self._ready.setdefault(f"log {ht.host.name}", asyncio.Event())
+        async for batch in follow_log_batches(ht.transport, src, from_start=self.options.log_from_start,
+                                              on_caught_up=ready.set):
             for line in batch:
                 record = parser.feed(line.text, recv_ts_ns=line.recv_ts_ns)
                 if record is None:
@@ -178,7 +199,9 @@ class Collector:
             self.writer.add_many(_devices_from_info(ht.host.name, info))
         except SourceError as exc:
             log.warning("agent info unavailable", host=ht.host.name, error=str(exc))
+        ready = self._ready.setdefault(f"agent {ht.host.name}", asyncio.Event())
         async for batch in ht.agent.follow(poll_s=self.options.agent_poll_s):
+            ready.set()
             if ht.host.gpus is not None:
                 batch = [s for s in batch if s.gpu_index in ht.host.gpus]
             self.writer.add_many(batch)

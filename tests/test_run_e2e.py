@@ -87,10 +87,14 @@ def test_run_over_ssh_streams_agree_in_time(tmp_path: Path, sshd_server: SshServ
         (first_request_ns,) = store.sql("SELECT min(start_ns) FROM requests")[0]
         gpu = store.columns("gpu_samples", order_by="ts_ns")
         aligned = align_store(store)
-    busy = gpu["ts_ns"][(gpu["utilization_ratio"] > 0) & (gpu["ts_ns"] > step_ns - 1_000_000_000)]
-    # the sample whose window first holds a kernel: its window [ts - period, ts] contains the step
-    period_ns = int(np.median(np.diff(np.unique(gpu["ts_ns"]))))
-    first_gpu_ns = int(busy[0]) - period_ns
+
+    # The agent's per-tick records (every 20 ms) carry GPM SM activity over the tick; NVML's own
+    # utilization samples come every 1/6 s, too coarse to time a step to 50 ms.
+    ticks = (gpu["gpu_index"] == 0) & np.isnan(gpu["utilization_ratio"])
+    ts, active = gpu["ts_ns"][ticks], gpu["sm_active_ratio"][ticks]
+    period_ns = int(np.median(np.diff(ts)))
+    busy = ts[(active > 0) & (ts > step_ns - 1_000_000_000)]
+    first_gpu_ns = int(busy[0]) - period_ns // 2  # the first active tick window holds the step
     first_event_ns = min(int(ev.t_ns[0]) for ev in aligned.stage_events if len(ev.t_ns))
     offsets = {"request": first_request_ns - step_ns, "gpu": first_gpu_ns - step_ns,
                "log": first_event_ns - step_ns}

@@ -13,7 +13,7 @@ import json
 import random
 import re
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -25,6 +25,7 @@ from gputrace.logsetup import get_logger
 from gputrace.remote.transport import StreamedCommand, Transport
 
 log = get_logger("remote.follow")
+_READ_BYTES = 65536
 
 _RFC3339 = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)")
 _FILE_FOLLOWER_SOURCE = Path(__file__).with_name("file_follower.py").read_text()
@@ -349,13 +350,18 @@ async def follow_log_batches(
     from_start: bool = True,
     poll_s: float = 0.02,
     backoff: Backoff | None = None,
+    on_caught_up: Callable[[], None] | None = None,
 ) -> AsyncGenerator[list[FollowedLine], None]:
     """Follow ``source`` on ``transport``'s host forever; yields the lines of each chunk received.
 
     ``position`` resumes after a line seen before (``FollowedLine.position``); without one, start
     at the beginning (``from_start``) or at the end. Connection failures are retried with back-off;
     a HostKeyError, or a command that is missing on the host (exit 126/127), raises SourceError.
+    ``on_caught_up`` is called once, after the first read that did not fill the read buffer: the
+    follower is running and has read what the source held when it started (lines received from
+    then on carry live receive times).
     """
+    caught_up = on_caught_up is None
     decoder = _decoder_for(source, position, from_start, poll_s)
     backoff = backoff or Backoff()
     attempt = 0
@@ -365,11 +371,14 @@ async def follow_log_batches(
         try:
             stream = await transport.open_stream(decoder.argv(transport.python),
                                                  merge_stderr=decoder.merge_stderr)
-            while data := await stream.read():
+            while data := await stream.read(_READ_BYTES):
                 attempt = 0
                 lines = decoder.feed(data, time.time_ns())
                 if lines:
                     yield lines
+                if not caught_up and len(data) < _READ_BYTES and on_caught_up is not None:
+                    caught_up = True
+                    on_caught_up()
         except HostKeyError:
             raise
         except TransportError as exc:
