@@ -173,16 +173,7 @@ def _fields(raw: _Bytes, pos: np.ndarray, ok: np.ndarray,
     Returns the position after the last value."""
     for name, key, kind in layout:
         if kind == "bool":
-            start = pos.copy()
-            labelled = np.zeros(len(pos), dtype=bool)
-            for label in _GRAPH_LABELS:
-                here = ~labelled & raw.has(pos, label)
-                start = np.where(here, pos + len(label), start)
-                labelled |= here
-            is_true = raw.has(start, b"True")
-            ok &= labelled & (is_true | raw.has(start, b"False"))
-            cols[name] = is_true
-            pos = start + np.where(is_true, 4, 5)
+            cols[name], pos = _graph_field(raw, pos, ok)
             continue
         assert isinstance(key, bytes)
         ok &= raw.has(pos, key)
@@ -190,6 +181,32 @@ def _fields(raw: _Bytes, pos: np.ndarray, ok: np.ndarray,
         # The value ends at its first non-digit; the next key (or the line's end) is checked there.
         cols[name], pos = (_int_field if kind == "int" else _decimal_field)(raw, start, ok)
     return pos
+
+
+def _graph_field(raw: _Bytes, pos: np.ndarray, ok: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``, cuda graph: True`` (or cpu/npu/musa): the flag and where it ends."""
+    start = pos + len(_GRAPH_LABELS[0])
+    others = np.flatnonzero(~raw.has(pos, _GRAPH_LABELS[0]))
+    labelled = np.ones(len(pos), dtype=bool)
+    if len(others):  # only rows that are not "cuda" need the other labels tried
+        other_pos = pos[others]
+        other_start = np.zeros(len(others), dtype=np.int64)
+        found = np.zeros(len(others), dtype=bool)
+        for label in _GRAPH_LABELS[1:]:
+            here = ~found & raw.has(other_pos, label)
+            other_start = np.where(here, other_pos + len(label), other_start)
+            found |= here
+        start[others] = other_start
+        labelled[others] = found
+    word = raw.words[np.minimum(start, raw.size)]
+    is_true = (word & _KEEP_BYTES[4]) == _TRUE
+    is_false = (word & _KEEP_BYTES[5]) == _FALSE
+    ok &= labelled & (is_true | is_false)
+    return is_true, start + np.where(is_true, 4, 5)
+
+
+_TRUE = np.uint64(int.from_bytes(b"True", "little"))
+_FALSE = np.uint64(int.from_bytes(b"False", "little"))
 
 
 def _line_ends_cleanly(raw: _Bytes, pos: np.ndarray, line_end: np.ndarray) -> np.ndarray:
