@@ -203,7 +203,7 @@ def _ingest_fast(
 
 
 def _scan_in_threads(chunks: Iterator[bytes], clock: LogClock) -> Iterator[fastpath.ChunkResult]:
-    """Scan chunks in worker threads (Arrow releases the GIL), yielding results in file order.
+    """Scan chunks in worker threads (numpy releases the GIL), yielding results in file order.
 
     Line numbers are not known until earlier chunks are counted, so chunks are scanned with
     offsets from 0 and renumbered by the caller.
