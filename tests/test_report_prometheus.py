@@ -4,6 +4,7 @@ micro-batch cap, and range queries longer than Prometheus' 11,000-step limit are
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import subprocess
@@ -16,8 +17,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import numpy as np
 import pytest
+from aiohttp import web
 from conftest import require_binary
 from hypothesis import given
 from hypothesis import strategies as st
@@ -31,6 +34,7 @@ from gputrace.prometheus.source import (
     parse_step_ms,
     parse_time_ms,
     selector,
+    target_markers,
 )
 from gputrace.store import Store
 
@@ -66,6 +70,19 @@ def test_command_line_values() -> None:
                 lambda: chunk_windows(10, 5, 1)):
         with pytest.raises(UsageError):
             bad()
+
+
+def test_level_changes_become_markers() -> None:
+    """A level starts at the step showing it and the one before ends two steps earlier; an absent
+    level ends the last one."""
+    nan = np.nan
+    grid = np.arange(1, 14, dtype=np.int64) * 1_000_000_000
+    target = np.array([nan, nan, 1, 1, 1, 1, 32, 32, 32, 32, 32, nan, nan])
+    got = [(m.kind, m.label, m.target_concurrency, int(m.ts_ns // 1_000_000_000))
+           for m in target_markers(target, grid)]
+    assert got == [("phase", "C=1", 1, 3), ("end", "end", None, 5), ("phase", "C=32", 32, 7),
+                   ("end", "end", None, 10)]
+    assert target_markers(np.full(5, nan), grid[:5]) == []
 
 
 # -- against a real Prometheus ----------------------------------------------------------------
@@ -144,7 +161,7 @@ def test_report_from_prometheus_names_levels_and_cap(capture: Capture, tmp_path:
     out = tmp_path / "report"
     done = subprocess.run(gputrace_argv(
         "report", "--prometheus", capture.prom, "--start", rfc3339(capture.start_s),
-        "--end", f"{capture.end_s:.3f}", "--step", "1s", "--max-running-requests", "64",
+        "--end", f"{capture.end_s:.3f}", "--max-running-requests", "64",
         "--run-out", str(tmp_path / "run"), "--out", str(out), "--format", "json,md"),
         capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -152,9 +169,10 @@ def test_report_from_prometheus_names_levels_and_cap(capture: Capture, tmp_path:
     phases = {p["label"]: p for p in doc["phases"]}
     assert list(phases) == [f"C={c}" for c in LEVELS]
     assert [p["target_concurrency"] for p in phases.values()] == list(LEVELS)
-    # Each level lasts LEVEL_S; its edges are known to the scrape interval (1 s) at each end.
+    # Each level lasts LEVEL_S; a level shows up to 2 steps (2 s) late, and the 2 steps before the
+    # next change are left out of it.
     for p in phases.values():
-        assert abs(p["duration_s"] - LEVEL_S) <= 2.0, p
+        assert LEVEL_S - 4.0 <= p["duration_s"] <= LEVEL_S + 0.5, p
     cap = [f for f in doc["findings"] if f["cause"] == "microbatch_cap"]
     assert [f["phase"] for f in cap] == ["C=32"], doc["findings"]
     assert cap[0]["evidence"]["K"] == 8 and cap[0]["recommendation"].startswith("--pp-max-micro-batch-size")
@@ -170,6 +188,7 @@ def test_report_from_prometheus_names_levels_and_cap(capture: Capture, tmp_path:
     assert np.max(np.abs(bubbles(doc) - bubbles(ref))) < 0.05
     with Store.open(tmp_path / "run", read_only=True) as store:
         assert store.meta.extra["source"] == "prometheus"
+        assert store.meta.extra["step_ms"] == 1000  # --step auto: the scrape interval
         assert store.meta.topology["pp_size"] == 8 and len(store.meta.topology["placements"]) == 8
         assert store.count("devices") == 8
 
@@ -226,3 +245,43 @@ def test_errors_are_one_line(capture: Capture, tmp_path: Path) -> None:
         assert done.returncode == code, (args, done.stderr)
         lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
         assert len(lines) == 1 and lines[0].startswith("gputrace: error:") and text in lines[0], done.stderr
+
+
+@pytest.mark.system
+@pytest.mark.slow
+async def test_bearer_token_reaches_prometheus_behind_a_proxy(capture: Capture, tmp_path: Path) -> None:
+    """--token-file sends the bearer token an auth proxy in front of Prometheus asks for; without it
+    the refusal is one line."""
+    async def forward(request: web.Request) -> web.Response:
+        if request.headers.get("Authorization") != "Bearer s3cret":
+            return web.json_response({"status": "error", "error": "bad token"}, status=401)
+        async with aiohttp.ClientSession() as session, session.request(
+                request.method, f"{capture.prom}{request.rel_url}", data=await request.read(),
+                headers={"Content-Type": request.headers.get("Content-Type", "text/plain")}) as resp:
+            return web.Response(body=await resp.read(), status=resp.status, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", forward)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    try:
+        async def report(*extra: str) -> tuple[int, str]:
+            proc = await asyncio.create_subprocess_exec(*gputrace_argv(
+                "report", "--prometheus", f"http://127.0.0.1:{port}", "--start", f"{capture.start_s:.3f}",
+                "--end", f"{capture.end_s:.3f}", "--format", "json", "--out", str(tmp_path / "out"), *extra),
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            _, err = await asyncio.wait_for(proc.communicate(), timeout=90)
+            return int(proc.returncode or 0), err.decode()
+        code, err = await report()
+        assert code == 1 and "HTTP 401: bad token" in err, err
+        code, err = await report("--token-file", str(token))
+        assert code == 0, err[-2000:]
+        phases = json.loads((tmp_path / "out" / "findings.json").read_text())["phases"]
+        assert [p["label"] for p in phases] == [f"C={c}" for c in LEVELS]
+    finally:
+        await runner.cleanup()

@@ -11,8 +11,14 @@ from typing import Any
 import click
 
 from gputrace.errors import UsageError
-from gputrace.prometheus.client import PrometheusClient
-from gputrace.prometheus.source import import_prometheus, parse_matchers, parse_step_ms, parse_time_ms
+from gputrace.prometheus.client import MAX_POINTS_PER_SERIES, PrometheusClient
+from gputrace.prometheus.source import (
+    import_prometheus,
+    parse_matchers,
+    parse_step_ms,
+    parse_time_ms,
+    scrape_interval_ms,
+)
 
 
 def prometheus_flags(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -23,8 +29,9 @@ def prometheus_flags(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--start", "prom_start", default=None,
                      help="With --prometheus: RFC 3339 or unix seconds."),
         click.option("--end", "prom_end", default=None, help="With --prometheus: RFC 3339 or unix seconds."),
-        click.option("--step", "prom_step", default="1s", show_default=True,
-                     help="With --prometheus: query resolution (the scrape interval is a good choice)."),
+        click.option("--step", "prom_step", default="auto", show_default=True,
+                     help="With --prometheus: query resolution, e.g. 1s; auto: the shortest scrape "
+                          "interval of the server's targets, else 1s."),
         click.option("--match", "prom_match", default=None,
                      help='With --prometheus: label matchers, e.g. {run="x"} (run= selects the '
                           "collector's series; host, job, instance select both)."),
@@ -72,9 +79,11 @@ def prometheus_run(prometheus_url: str | None, prom_start: str | None, prom_end:
         tmp = tempfile.mkdtemp(prefix="gputrace-prometheus-")
         click.get_current_context().call_on_close(lambda: shutil.rmtree(tmp, ignore_errors=True))
         run_dir, default_out = Path(tmp) / "run", "report"
-    summary = import_prometheus(client, run_dir, start_ms, end_ms, parse_step_ms(prom_step),
-                                parse_matchers(prom_match), engine or None)
+    matchers = parse_matchers(prom_match)
+    step_ms = (scrape_interval_ms(client) or 1000) if prom_step == "auto" else parse_step_ms(prom_step)
+    summary = import_prometheus(client, run_dir, start_ms, end_ms, step_ms, matchers, engine or None)
     click.echo(f"read {summary.gpus} GPUs ({summary.gpu_samples} samples), {summary.ranks} engine ranks "
                f"({summary.scheduler_events} lines) and {summary.markers} markers from {client.base_url} "
-               f"in {summary.queries} range queries ({summary.windows} per metric set)")
+               f"at a {step_ms / 1000:g} s step in {summary.queries} range queries "
+               f"({summary.windows} window(s) of at most {MAX_POINTS_PER_SERIES} steps per metric)")
     return str(run_dir), default_out

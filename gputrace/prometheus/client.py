@@ -65,11 +65,14 @@ class PrometheusClient:
         self.timeout_s = timeout_s
         self.queries = 0  # range queries sent, for the import summary and tests
 
-    def get(self, path: str, params: Mapping[str, str]) -> Any:
-        """``data`` of one API call (POST, form-encoded: long selectors do not fit a URL)."""
-        body = urllib.parse.urlencode(params).encode()
-        req = urllib.request.Request(f"{self.base_url}{path}", data=body, method="POST",
-                                     headers={"Content-Type": "application/x-www-form-urlencoded"})
+    def get(self, path: str, params: Mapping[str, str], post: bool = False) -> Any:
+        """``data`` of one API call; queries go as a form POST (long selectors do not fit a URL)."""
+        query = urllib.parse.urlencode(params)
+        if post:
+            req = urllib.request.Request(f"{self.base_url}{path}", data=query.encode(), method="POST",
+                                         headers={"Content-Type": "application/x-www-form-urlencoded"})
+        else:
+            req = urllib.request.Request(f"{self.base_url}{path}?{query}")
         if self.token:
             req.add_header("Authorization", f"Bearer {self.token}")
         try:
@@ -91,8 +94,9 @@ class PrometheusClient:
     def query_range(self, expr: str, start_ms: int, end_ms: int, step_ms: int) -> list[Series]:
         """One ``query_range`` call (the caller keeps it within the point limit)."""
         self.queries += 1
-        data = self.get("/api/v1/query_range", {"query": expr, "start": _seconds(start_ms),
-                                                "end": _seconds(end_ms), "step": _seconds(step_ms)})
+        params = {"query": expr, "start": _seconds(start_ms), "end": _seconds(end_ms),
+                  "step": _seconds(step_ms)}
+        data = self.get("/api/v1/query_range", params, post=True)
         if not isinstance(data, dict) or data.get("resultType") != "matrix":
             raise SourceError(f"Prometheus {self.base_url}: {expr}: expected a range vector")
         out = []

@@ -5,6 +5,7 @@ from the agents' rank labels. Every time is Prometheus' evaluation time (one clo
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from collections.abc import Sequence
@@ -42,8 +43,9 @@ LOAD_LABELS = frozenset({"run"})
 _KNOWN_LABELS = AGENT_LABELS | ENGINE_LABELS | LOAD_LABELS
 
 _MATCHER = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)\s*(=~|!~|!=|=)\s*("(?:[^"\\]|\\.)*")\s*(,|$)')
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
-_DURATION_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000}
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w|y)")
+_DURATION_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, "w": 604_800_000,
+                "y": 31_536_000_000}
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +106,20 @@ def parse_step_ms(text: str) -> int:
     return int(ms)
 
 
+def scrape_interval_ms(client: PrometheusClient) -> int | None:
+    """The shortest scrape interval of the server's active targets (None when it does not say:
+    an older server, or a query front end such as Thanos without the targets API)."""
+    try:
+        data = client.get("/api/v1/targets", {"state": "active"})
+    except SourceError:
+        return None
+    intervals = []
+    for t in (data or {}).get("activeTargets", []) if isinstance(data, dict) else []:
+        with contextlib.suppress(UsageError, TypeError, KeyError):
+            intervals.append(parse_step_ms(t["scrapeInterval"]))
+    return min(intervals) if intervals else None
+
+
 def parse_matchers(text: str | None) -> list[Matcher]:
     """``{a="x", b=~"y.*"}`` (braces optional) -> matchers."""
     if not text or not text.strip():
@@ -160,8 +176,10 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
     summary = ImportSummary(windows=len(windows))
 
     def fetch(names: Sequence[str], labels: frozenset[str]) -> list[Series]:
-        return client.query_range_chunked(selector(names, matchers, labels), start_ms, end_ms, step_ms,
-                                          max_points)
+        # One metric per query: a window then holds (GPUs x 11,000) points, not (GPUs x metrics x
+        # 11,000), which keeps each answer to tens of MB of JSON on large deployments.
+        return [s for name in names for s in client.query_range_chunked(
+            selector([name], matchers, labels), start_ms, end_ms, step_ms, max_points)]
 
     gpu_series = fetch([*GPU_FIELDS, "gputrace_gpu_lost"], AGENT_LABELS)
     engine_series = fetch(list(ENGINE_FIELDS), ENGINE_LABELS)
@@ -273,10 +291,13 @@ def _write_engine(store: Store, ranks: dict[tuple[str, int, int, int], dict[str,
         if not rows:
             continue
         t = grid_ns[present]
+        step_ns = step_ms * 1_000_000
         cols: dict[str, Any] = {
             "host": host, "source": f"prometheus {url}", "engine": "unknown", "kind": "decode",
-            "line_no": total + np.arange(rows, dtype=np.int64), "log_ts_ns": t,
-            "ts_resolution_ns": step_ms * 1_000_000, "recv_ts_ns": t,
+            # The value at step t is the newest line at a scrape in (t - step, t]: the line goes
+            # in the middle of that step, as the GPU cell (t - step, t] it sits beside.
+            "line_no": total + np.arange(rows, dtype=np.int64), "log_ts_ns": t - step_ns,
+            "ts_resolution_ns": step_ns, "recv_ts_ns": t - step_ns // 2,
             "pp_rank": pp, "tp_rank": tp, "dp_rank": dp,
         }
         for attr, v in fields.items():
@@ -288,18 +309,27 @@ def _write_engine(store: Store, ranks: dict[tuple[str, int, int, int], dict[str,
 
 
 def target_markers(target: np.ndarray, grid_ns: np.ndarray) -> list[Marker]:
-    """A "phase" marker ("C=<n>") where the target concurrency takes a new value, an "end" marker
-    where it disappears (the load finished)."""
+    """A "phase" marker ("C=<n>") where the target concurrency takes a new value; an "end" marker
+    where a level stops (a new value, or none: the load finished).
+
+    A change shows at the first scrape after it, so it lies somewhere in the two steps before the
+    step that shows it: those steps may hold either level and are left out of both (the level
+    before ends two steps early; the new one starts at the step that shows it, whose cells come
+    after it).
+    """
     out: list[Marker] = []
-    prev = math.nan
-    for i in range(len(target)):  # one step per sample; values change a handful of times
-        v = float(target[i])
-        if v == prev or (math.isnan(v) and math.isnan(prev)):
-            continue
+    step = int(grid_ns[1] - grid_ns[0]) if len(grid_ns) > 1 else 0
+    prev = np.concatenate([[np.nan], target[:-1]])
+    changed = ~((target == prev) | (np.isnan(target) & np.isnan(prev)))
+    phase_start: int | None = None
+    for i in np.flatnonzero(changed):  # a handful of level changes
         t = int(grid_ns[i])
-        if math.isnan(v):
-            out.append(Marker("prometheus", t, "end", kind="end"))
-        else:
-            out.append(Marker("prometheus", t, f"C={round(v)}", kind="phase", target_concurrency=round(v)))
-        prev = v
+        if phase_start is not None:
+            out.append(Marker("prometheus", max(t - 2 * step, phase_start), "end", kind="end"))
+        if np.isnan(target[i]):
+            phase_start = None
+            continue
+        level = round(float(target[i]))
+        out.append(Marker("prometheus", t, f"C={level}", kind="phase", target_concurrency=level))
+        phase_start = t
     return out
