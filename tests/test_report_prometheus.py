@@ -26,6 +26,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from live_chain import free_port, gputrace_argv, http_ok, process, sim_chain, wait_until
 
+from gputrace.analysis.run import analyse_store
 from gputrace.errors import SourceError, UsageError
 from gputrace.prometheus.client import MAX_POINTS_PER_SERIES, PrometheusClient, chunk_windows
 from gputrace.prometheus.source import (
@@ -285,3 +286,21 @@ async def test_bearer_token_reaches_prometheus_behind_a_proxy(capture: Capture, 
         assert [p["label"] for p in phases] == [f"C={c}" for c in LEVELS]
     finally:
         await runner.cleanup()
+
+
+@pytest.mark.system
+@pytest.mark.slow
+def test_job_matcher_selects_the_collector_alone(capture: Capture, tmp_path: Path) -> None:
+    """A job= matcher narrows every family: the collector's series alone give the stages from the
+    engine's ranks, and the analysis still runs (no GPU figures)."""
+    client = PrometheusClient(capture.prom)
+    summary = import_prometheus(client, tmp_path / "run", int(capture.start_s * 1000),
+                                int(capture.end_s * 1000), 1000, parse_matchers('{job="collector"}'),
+                                {"max_running_requests": 64})
+    assert (summary.gpus, summary.ranks, summary.runs) == (0, 8, ["live"])
+    with Store.open(tmp_path / "run", read_only=True) as store:
+        assert store.meta.topology == {}
+        analysis = analyse_store(store)
+    assert analysis.run.pp_size == 8 and analysis.run.engine["pp_size"] == 8
+    assert [p.label for p in analysis.phases] == [f"C={c}" for c in LEVELS]
+    assert all(s.busy_fraction is None for m in analysis.metrics for s in m.stages)

@@ -33,6 +33,8 @@ ENGINE_FIELDS = {
     "gputrace_engine_token_usage_ratio": "token_usage",
 }
 TARGET_METRIC = "gputrace_load_target_concurrency"
+MAX_STEPS = 5_000_000
+"""Steps per import at most: each GPU metric is held as one float per step while stitching."""
 
 # The labels each family carries: a --match matcher on one of these labels applies only to the
 # families that carry it (run= picks the collector's series, the agents have no run label); a
@@ -172,6 +174,9 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
     """Query [start, end] at ``step_ms`` and write a new run store at ``out``."""
     windows = chunk_windows(start_ms, end_ms, step_ms, max_points)
     n = (end_ms - start_ms) // step_ms + 1
+    if n > MAX_STEPS:
+        raise UsageError(f"the range holds {n:,} steps of {step_ms} ms (at most {MAX_STEPS:,}): "
+                         "use a larger --step or a shorter range")
     grid_ns = (start_ms + step_ms * np.arange(n, dtype=np.int64)) * 1_000_000
     summary = ImportSummary(windows=len(windows))
 
@@ -209,7 +214,7 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
         if pp is not None:
             placements.setdefault(key, Placement(key[0], gpu, pp, tp or 0))
 
-    # Engine ranks: one "decode" line per rank and step, placed exactly at the step.
+    # Engine ranks: one "decode" line per rank and step.
     ranks: dict[tuple[str, int, int, int], dict[str, np.ndarray]] = {}
     runs: set[str] = set()
     for s in engine_series:
@@ -224,8 +229,11 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
         runs.add(s.labels.get("run", ""))
         _fill(target, *_place(s, start_ms, step_ms, n))
 
-    pp_size = max((p.pp_rank for p in placements.values()), default=-1) + 1
-    tp_size = max((p.tp_rank for p in placements.values()), default=-1) + 1
+    # The agents' rank labels give the mapping; without them the engine's ranks give the sizes.
+    pp_size = max((p.pp_rank for p in placements.values()), default=-1) + 1 or \
+        max((k[1] for k in ranks), default=-1) + 1
+    tp_size = max((p.tp_rank for p in placements.values()), default=-1) + 1 or \
+        max((k[2] for k in ranks), default=-1) + 1
     dp_size = max((k[3] for k in ranks), default=0) + 1
     ordered = sorted(placements.values(), key=lambda p: (p.host, p.gpu_index))
     topology = topology_to_meta(pp_size, tp_size, dp_size, ordered, "prometheus labels") if placements else {}
