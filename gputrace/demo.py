@@ -72,7 +72,7 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], what: str, timeout_s: fl
 
 
 @contextlib.contextmanager
-def _process(argv: list[str], log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+def child_process(argv: list[str], log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
     """A child process whose output goes to a log file; stopped with SIGTERM (then SIGKILL)."""
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT)
@@ -111,12 +111,12 @@ def run_one(out: Path, label: str, scenario: str, plan: DemoPlan,
     say(f"[{label}] simulated SGLang PP8 ({scenario}) on :{sim_port}, agent on :{agent_port}")
     sim_argv = _gputrace("sim", "serve", "--scenario", scenario, "--port", str(sim_port),
                          "--log", str(log_file), "--gpu-feed", str(feed), "--speed", str(plan.speed))
-    with _process(sim_argv, work / "sim.out") as sim:
+    with child_process(sim_argv, work / "sim.out") as sim:
         _wait_http(f"http://127.0.0.1:{sim_port}/v1/models", sim, "simulator")
         agent_argv = _gputrace("agent", "--backend", "sim", "--sim-feed", str(feed),
                                "--listen", f"127.0.0.1:{agent_port}", "--interval", "0.1",
                                "--host-name", SIM_HOST, "--topology", "pp=8,tp=1")
-        with _process(agent_argv, work / "agent.out") as agent:
+        with child_process(agent_argv, work / "agent.out") as agent:
             _wait_http(f"http://127.0.0.1:{agent_port}/healthz", agent, "agent")
             say(f"[{label}] sweeping C={','.join(map(str, plan.concurrency))}, "
                 f"{plan.level_s:.0f} s per level")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import signal
 import socket
 import subprocess
 import sys
@@ -15,6 +14,8 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from gputrace.demo import child_process
 
 HOST = "sim-node0"
 PP_SIZE = 8
@@ -56,21 +57,7 @@ def get_json(url: str) -> dict[str, object]:
         return doc
 
 
-@contextlib.contextmanager
-def process(argv: list[str], log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """A child process with its output in ``log_path``; SIGTERM (then SIGKILL) when the block ends."""
-    with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT)
-        try:
-            yield proc
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+process = child_process  # the demo's own way of running a child process
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,14 +17,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+from live_chain import free_port, http_ok, wait_until
 
 from gputrace.store import Store
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def decode_line(i: int, pp: int) -> str:
@@ -51,23 +45,6 @@ class LogWriter(threading.Thread):
                 self.written.append((i, time.time()))
                 i += 1
                 time.sleep(self.period_s)
-
-
-def wait_until(predicate, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError("condition not met in time")
-
-
-def http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as resp:
-            return bool(resp.status == 200)
-    except OSError:
-        return False
 
 
 @pytest.fixture

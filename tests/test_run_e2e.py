@@ -9,27 +9,18 @@ import json
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from live_chain import free_port, http_ok, wait_until
 from sshd import SshServer, sshd_server_fixture  # noqa: F401  (registers the sshd_server fixture)
-from test_collect import free_port, wait_until
 
 from gputrace.analysis.aligned import align_store
 from gputrace.store import Store
 
 STEP_TOLERANCE_NS = 50_000_000
-
-
-def http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as resp:
-            return bool(resp.status == 200)
-    except OSError:
-        return False
 
 
 @pytest.fixture
