@@ -21,7 +21,7 @@ from gputrace.store import Store
 @click.option("--format", "formats", default="html,md,json", show_default=True,
               help="Comma-separated: html, md, json.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=str), default=None,
-              help="Output directory (default: RUN/report).")
+              help="Output directory (default: RUN/report; with --prometheus: RUN_OUT/report or ./report).")
 @click.option("--progress/--no-progress", default=None, help="Force the progress bar on or off.")
 @prometheus_flags
 def command(run: str | None, formats: str, out_dir: str | None, progress: bool | None, **prom: Any) -> None:
