@@ -1,15 +1,22 @@
-"""The agent's ring buffer: implicit sequence numbers, expiry by age and by size."""
+"""The agent's ring buffer: implicit sequence numbers, expiry by age and by size; rows as records."""
 
 from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, fields
 
 import pytest
 
 from gputrace.agent.sampling import CursorTooOld, SampleRing
+from gputrace.agent.server import row_line
+from gputrace.gpu.sampler import ROW_INDEX, SampleRow, sample_row
+from gputrace.gpu.simulated import SimulatedSampler
 from gputrace.model import GpuSample
 
 
-def _batch(n: int, ts: int) -> list[GpuSample]:
-    return [GpuSample("h", i, ts) for i in range(n)]
+def _batch(n: int, ts: int) -> list[SampleRow]:
+    return [sample_row(GpuSample("h", i, ts)) for i in range(n)]
 
 
 def test_sequence_numbers_and_paging() -> None:
@@ -41,3 +48,18 @@ def test_expiry_by_size() -> None:
         ring.extend(_batch(2, t), t)
     assert len(ring) <= 5 and ring.newest_seq == 8
     assert [seq for seq, _ in ring.after(ring.oldest_seq() - 1, 10)][-1] == 8
+
+
+def test_sim_rows_are_whole_records_and_lines_keep_the_format() -> None:
+    """Every sim row holds every GpuSample field; its NDJSON line is the record's fields, then seq."""
+    sampler = SimulatedSampler("h", 3, pattern="square:0.5:0.5")
+    now = time.time_ns()
+    rows = sampler.sample_rows(now) + sampler.sample_rows(now + 400_000_000)
+    assert {len(row) for row in rows} == {len(fields(GpuSample))}
+    assert any(row[ROW_INDEX["utilization_ratio"]] is not None for row in rows)  # driver records too
+    for seq, row in enumerate(rows, 7):
+        record = GpuSample(*row)
+        assert sample_row(record) == row
+        line = json.loads(row_line(seq, row))
+        assert list(line) == [f.name for f in fields(GpuSample) if f.name != "seq"] + ["seq"]
+        assert line == {**asdict(record), "seq": seq}

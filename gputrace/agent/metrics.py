@@ -14,7 +14,8 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
 from gputrace.agent.sampling import LoopStats, SampleRing
-from gputrace.model import DeviceInfo, GpuSample
+from gputrace.gpu.sampler import ROW_INDEX, SampleRow
+from gputrace.model import DeviceInfo
 
 # (metric name, help, GpuSample field, scale): utilization comes from the newest driver sample
 GPU_GAUGES: tuple[tuple[str, str, str, float], ...] = (
@@ -76,6 +77,7 @@ DCGM_GAUGES: tuple[tuple[str, str, str, float], ...] = (
      "nvlink_rx_bytes_per_s", 1.0),
 )
 DCGM_LABELS = ("gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname")
+_ENERGY, _LOST = ROW_INDEX["energy_j"], ROW_INDEX["lost"]
 
 
 class GpuCollector(Collector):
@@ -125,9 +127,9 @@ class GpuCollector(Collector):
             s = latest.get(gpu)
             if s is None:
                 continue
-            if s.energy_j is not None:
-                energy.add_metric(labels, s.energy_j)
-            lost.add_metric(labels, 1.0 if s.lost else 0.0)
+            if s[_ENERGY] is not None:
+                energy.add_metric(labels, s[_ENERGY])
+            lost.add_metric(labels, 1.0 if s[_LOST] else 0.0)
         families += [energy, lost]
         if self.dcgm_compat:
             families += self._families(DCGM_GAUGES, self._dcgm_label_dicts, latest, sources)
@@ -148,16 +150,17 @@ class GpuCollector(Collector):
 
     @staticmethod
     def _families(spec: Sequence[tuple[str, str, str, float]], labels_by_gpu: Mapping[int, dict[str, str]],
-                  latest: Mapping[int, GpuSample],
-                  sources: Mapping[str, Mapping[int, GpuSample]]) -> list[Metric]:
+                  latest: Mapping[int, SampleRow],
+                  sources: Mapping[str, Mapping[int, SampleRow]]) -> list[Metric]:
         out: list[Metric] = []
         for name, doc, attr, scale in spec:
             fam = GaugeMetricFamily(name, doc)
             samples = fam.samples
             source = sources.get(attr, latest)
+            index = ROW_INDEX[attr]
             for gpu, labels in labels_by_gpu.items():
                 s = source.get(gpu)
-                value = getattr(s, attr) if s is not None else None
+                value = s[index] if s is not None else None
                 if value is not None:
                     samples.append(Sample(name, labels, value * scale))
             if samples:

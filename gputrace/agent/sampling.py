@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import islice
 
-from gputrace.gpu.sampler import Sampler
+from gputrace.gpu.sampler import ROW_INDEX, Sampler, SampleRow
 from gputrace.logsetup import get_logger
 from gputrace.model import GpuSample
 
@@ -28,22 +28,27 @@ class CursorTooOld(Exception):
         self.oldest_seq = oldest_seq
 
 
+_GPU, _TS, _UTIL, _MEMORY_UTIL, _LOST = (ROW_INDEX[name] for name in (
+    "gpu_index", "ts_ns", "utilization_ratio", "memory_utilization_ratio", "lost"))
+
+
 class SampleRing:
     """Samples numbered 1, 2, 3, ... kept for ``retention_ns`` (and at most ``max_samples``).
 
     Sequence numbers are implicit (the first held sample's seq plus the position) and expiry is
-    tracked per batch, so adding a batch costs no per-sample Python work.
+    tracked per batch, so adding a batch costs no per-sample Python work. Samples are held as rows
+    (see SampleRow); readers get GpuSample records or the rows themselves.
     """
 
     def __init__(self, retention_ns: int, max_samples: int = 1_000_000) -> None:
         self.retention_ns = retention_ns
         self.max_samples = max_samples
-        self._items: deque[GpuSample] = deque()
+        self._items: deque[SampleRow] = deque()
         self._batches: deque[tuple[int, int]] = deque()  # (batch size, added_ns), oldest first
         self._first_seq = 1  # seq of self._items[0]
         self._lock = threading.Lock()
 
-    def extend(self, samples: list[GpuSample], added_ns: int) -> None:
+    def extend(self, samples: list[SampleRow], added_ns: int) -> None:
         if not samples:
             return
         with self._lock:
@@ -68,6 +73,10 @@ class SampleRing:
 
     def after(self, since: int, limit: int) -> list[tuple[int, GpuSample]]:
         """Up to ``limit`` samples with seq > since; CursorTooOld when some of them were dropped."""
+        return [(seq, GpuSample(*row)) for seq, row in enumerate(self.rows_after(since, limit), since + 1)]
+
+    def rows_after(self, since: int, limit: int) -> list[SampleRow]:
+        """``after`` as rows: the first has seq since + 1, the next since + 2, ..."""
         with self._lock:
             oldest = self._first_seq
             if since < oldest - 1:
@@ -75,7 +84,7 @@ class SampleRing:
             start = since + 1 - oldest
             if start >= len(self._items):
                 return []
-            return list(enumerate(islice(self._items, start, start + limit), since + 1))
+            return list(islice(self._items, start, start + limit))
 
     def __len__(self) -> int:
         return len(self._items)
@@ -90,9 +99,10 @@ class LoopStats:
     errors: int = 0
     last_tick_ns: int | None = None
     last_sample_cost_s: float = 0.0
-    latest: dict[int, GpuSample] = field(default_factory=dict)  # newest tick record per GPU
-    latest_util: dict[int, GpuSample] = field(default_factory=dict)  # newest record with utilization
-    latest_memory_util: dict[int, GpuSample] = field(default_factory=dict)  # ... memory utilization
+    # rows (see SampleRow), by GPU index
+    latest: dict[int, SampleRow] = field(default_factory=dict)  # newest tick record
+    latest_util: dict[int, SampleRow] = field(default_factory=dict)  # newest record with utilization
+    latest_memory_util: dict[int, SampleRow] = field(default_factory=dict)  # ... memory utilization
 
 
 class SamplingLoop:
@@ -121,7 +131,7 @@ class SamplingLoop:
         started = time.perf_counter()
         now_ns = self._clock_ns()
         try:
-            samples = self.sampler.sample(now_ns)
+            samples = self.sampler.sample_rows(now_ns)
         except Exception as exc:  # a failing backend must not kill the agent: count, log, retry
             self.stats.errors += 1
             if self.stats.errors <= 10:
@@ -129,13 +139,15 @@ class SamplingLoop:
             return
         self.ring.extend(samples, now_ns)
         st = self.stats
-        for s in samples:
-            if s.utilization_ratio is not None or s.lost:
-                st.latest_util[s.gpu_index] = s
-            if s.memory_utilization_ratio is not None or s.lost:
-                st.latest_memory_util[s.gpu_index] = s
-            if s.ts_ns == now_ns:
-                st.latest[s.gpu_index] = s
+        latest, latest_util, latest_memory_util = st.latest, st.latest_util, st.latest_memory_util
+        for row in samples:
+            gpu, lost = row[_GPU], row[_LOST]
+            if row[_UTIL] is not None or lost:
+                latest_util[gpu] = row
+            if row[_MEMORY_UTIL] is not None or lost:
+                latest_memory_util[gpu] = row
+            if row[_TS] == now_ns:
+                latest[gpu] = row
         st.ticks += 1
         st.samples += len(samples)
         st.last_tick_ns = now_ns

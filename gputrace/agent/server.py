@@ -14,7 +14,7 @@ import ssl
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -24,7 +24,7 @@ from gputrace import __version__
 from gputrace.agent.metrics import GpuCollector
 from gputrace.agent.sampling import CursorTooOld, SampleRing, SamplingLoop
 from gputrace.errors import UsageError
-from gputrace.gpu.sampler import Sampler
+from gputrace.gpu.sampler import ROW_FIELDS, Sampler, SampleRow, sample_row
 from gputrace.logsetup import get_logger
 from gputrace.model import GpuSample
 
@@ -33,7 +33,6 @@ log = get_logger("agent.server")
 DEFAULT_PORT = 9402
 DEFAULT_PAGE_LIMIT = 1000
 MAX_PAGE_LIMIT = 10_000
-_SAMPLE_FIELDS = tuple(f.name for f in fields(GpuSample) if f.name != "seq")
 _UNAUTHENTICATED_PATHS = frozenset({"/healthz"})  # liveness probes carry no secret and reveal none
 
 
@@ -102,9 +101,15 @@ def _auth_middleware(token: str) -> Callable[..., Awaitable[web.StreamResponse]]
 
 def sample_line(seq: int, s: GpuSample) -> str:
     """One NDJSON line: the GpuSample's fields by name, with the ring's sequence number."""
-    row = {name: getattr(s, name) for name in _SAMPLE_FIELDS}
-    row["seq"] = seq
-    return json.dumps(row, separators=(",", ":"))
+    return row_line(seq, sample_row(s))
+
+
+def row_line(seq: int, row: SampleRow) -> str:
+    """``sample_line`` of the record a row stands for (the ring's seq comes last)."""
+    obj = dict(zip(ROW_FIELDS, row, strict=True))
+    del obj["seq"]
+    obj["seq"] = seq
+    return json.dumps(obj, separators=(",", ":"))
 
 
 class Agent:
@@ -155,11 +160,11 @@ class Agent:
             return web.json_response({"error": f"since must be >= 0 and limit in 1..{MAX_PAGE_LIMIT}"},
                                      status=400)
         try:
-            page = self.ring.after(since, limit)
+            page = self.ring.rows_after(since, limit)
         except CursorTooOld as exc:
             return web.json_response({"error": str(exc), "oldest_seq": exc.oldest_seq}, status=410,
                                      headers=self._headers())
-        body = "".join(sample_line(seq, s) + "\n" for seq, s in page)
+        body = "".join(row_line(seq, row) + "\n" for seq, row in enumerate(page, since + 1))
         return web.Response(text=body, content_type="application/x-ndjson", headers=self._headers())
 
     async def _time(self, request: web.Request) -> web.Response:

@@ -15,6 +15,7 @@ from typing import Any
 import pynvml
 
 from gputrace.errors import NvmlError
+from gputrace.gpu.sampler import SampleRow, sample_row
 from gputrace.logsetup import get_logger
 from gputrace.model import DeviceInfo, GpuSample
 
@@ -191,6 +192,10 @@ class NvmlSampler:
                               "the other GPUs keep sampling", gpu=dev.index, uuid=dev.info.uuid)
             out.append(GpuSample(self.host, dev.index, now_ns, lost=True))
         return out
+
+    def sample_rows(self, now_ns: int) -> list[SampleRow]:
+        # records first: their cost is small beside the NVML calls that fill them
+        return [sample_row(s) for s in self.sample(now_ns)]
 
     def _sample_device(self, dev: _Device, now_ns: int, out: list[GpuSample]) -> GpuSample:
         values: dict[str, Any] = {}

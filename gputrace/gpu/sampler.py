@@ -9,9 +9,25 @@ samples it puts the utilization on the tick record instead.
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import fields
+from operator import attrgetter
+from typing import Any, Protocol
 
 from gputrace.model import DeviceInfo, GpuSample
+
+# The agent keeps samples as rows: every GpuSample field's value in field order, so that
+# ``GpuSample(*row)`` is the record. A tuple of plain values costs a tenth of building the frozen
+# dataclass, and the garbage collector stops tracking it (it matters for a ring of 10^5-10^6).
+SampleRow = tuple[Any, ...]
+ROW_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(GpuSample))
+ROW_INDEX: dict[str, int] = {name: i for i, name in enumerate(ROW_FIELDS)}
+_row_of = attrgetter(*ROW_FIELDS)
+
+
+def sample_row(s: GpuSample) -> SampleRow:
+    """The row form of a record (``GpuSample(*sample_row(s)) == s``)."""
+    row: SampleRow = _row_of(s)
+    return row
 
 
 class Sampler(Protocol):
@@ -25,6 +41,10 @@ class Sampler(Protocol):
 
     def sample(self, now_ns: int) -> list[GpuSample]:
         """Every new reading since the previous call; ``now_ns`` stamps the tick records."""
+        ...
+
+    def sample_rows(self, now_ns: int) -> list[SampleRow]:
+        """``sample`` as rows (what the agent's loop calls; a backend may build them directly)."""
         ...
 
     def versions(self) -> dict[str, str | None]:

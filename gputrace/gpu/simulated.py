@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gputrace.errors import SourceError, UsageError
+from gputrace.gpu.sampler import SampleRow
 from gputrace.logsetup import get_logger
 from gputrace.model import DeviceInfo, GpuSample
 
@@ -45,14 +46,14 @@ class SimGpuModel:
 
 
 class Activity(Protocol):
-    """What the GPUs did: busy seconds and PCIe bytes of one GPU in a window."""
+    """What the GPUs did in a window, per GPU (every GPU at once: the windows are shared)."""
 
-    def busy_s(self, gpu: int, t0_ns: int, t1_ns: int) -> float: ...
+    def busy_all(self, t0_ns: int, t1_ns: int) -> list[float]:
+        """Busy seconds of each GPU in the window."""
+        ...
 
-    def pcie_bytes(self, gpu: int, t0_ns: int, t1_ns: int) -> tuple[float, float]: ...
-
-    def window(self, gpu: int, t0_ns: int, t1_ns: int) -> tuple[float, float, float]:
-        """(busy seconds, tx bytes, rx bytes) in one pass: the tick's hot path."""
+    def window_all(self, t0_ns: int, t1_ns: int) -> tuple[list[float], list[float], list[float]]:
+        """(busy seconds, tx bytes, rx bytes) of each GPU in the window: the tick's hot path."""
         ...
 
 
@@ -68,7 +69,7 @@ class PatternActivity:
         self.duty = 0.5
         self.gpu_count = max(gpu_count, 1)
         self.pcie_bytes_per_s = pcie_bytes_per_s
-        self._memo: dict[tuple[int, int], float] = {}
+        self._memo: dict[int, list[float]] = {}
         try:
             if kind == "constant":
                 self.level = float(arg) if arg else 0.8
@@ -83,36 +84,38 @@ class PatternActivity:
                              "constant[:LEVEL] or idle") from exc
         if not (0.0 <= self.level <= 1.0 and 0.0 <= self.duty <= 1.0 and self.period_ns > 0):
             raise UsageError(f"--sim-pattern {pattern!r}: levels are 0..1, the period positive")
+        # each GPU's square wave is shifted by its share of the period, like pipeline stages
+        self._offsets_ns = [g * self.period_ns // self.gpu_count for g in range(self.gpu_count)]
 
-    def _busy_until(self, gpu: int, t_ns: int) -> float:
-        # windows chain (each starts where the previous one ended): remember the last two ends
+    def _busy_until(self, t_ns: int) -> list[float]:
+        """Each GPU's busy seconds from the epoch to t_ns (square wave)."""
+        # windows chain (each starts where the previous one ended): remember the last few ends
         memo = self._memo
-        hit = memo.get((gpu, t_ns))
+        hit = memo.get(t_ns)
         if hit is not None:
             return hit
         period = self.period_ns
         busy_ns = self.duty * period
-        cycles, into = divmod(t_ns - gpu * period // self.gpu_count, period)
-        value = (cycles * busy_ns + (into if into < busy_ns else busy_ns)) / 1e9
-        if len(memo) > 4 * self.gpu_count:
+        values = []
+        for offset in self._offsets_ns:
+            cycles, into = divmod(t_ns - offset, period)
+            values.append((cycles * busy_ns + (into if into < busy_ns else busy_ns)) / 1e9)
+        if len(memo) > 4:
             memo.clear()
-        memo[(gpu, t_ns)] = value
-        return value
+        memo[t_ns] = values
+        return values
 
-    def busy_s(self, gpu: int, t0_ns: int, t1_ns: int) -> float:
+    def busy_all(self, t0_ns: int, t1_ns: int) -> list[float]:
         if self.kind == "constant":
-            return self.level * (t1_ns - t0_ns) / 1e9
+            return [self.level * (t1_ns - t0_ns) / 1e9] * self.gpu_count
         if self.kind == "idle":
-            return 0.0
-        return self._busy_until(gpu, t1_ns) - self._busy_until(gpu, t0_ns)
+            return [0.0] * self.gpu_count
+        return [b - a for a, b in zip(self._busy_until(t0_ns), self._busy_until(t1_ns), strict=True)]
 
-    def pcie_bytes(self, gpu: int, t0_ns: int, t1_ns: int) -> tuple[float, float]:
-        moved = self.busy_s(gpu, t0_ns, t1_ns) * self.pcie_bytes_per_s
-        return moved, moved
-
-    def window(self, gpu: int, t0_ns: int, t1_ns: int) -> tuple[float, float, float]:
-        busy = self.busy_s(gpu, t0_ns, t1_ns)
-        moved = busy * self.pcie_bytes_per_s
+    def window_all(self, t0_ns: int, t1_ns: int) -> tuple[list[float], list[float], list[float]]:
+        busy = self.busy_all(t0_ns, t1_ns)
+        rate = self.pcie_bytes_per_s
+        moved = [b * rate for b in busy]
         return busy, moved, moved
 
 
@@ -219,21 +222,15 @@ class FeedActivity:
             rx += irx * share
         return tx, rx
 
-    def window(self, gpu: int, t0_ns: int, t1_ns: int) -> tuple[float, float, float]:
-        busy = self.busy_s(gpu, t0_ns, t1_ns)
-        tx, rx = self.pcie_bytes(gpu, t0_ns, t1_ns)
-        return busy, tx, rx
+    def busy_all(self, t0_ns: int, t1_ns: int) -> list[float]:
+        return [self.busy_s(g, t0_ns, t1_ns) for g in range(self.gpu_count)]
+
+    def window_all(self, t0_ns: int, t1_ns: int) -> tuple[list[float], list[float], list[float]]:
+        pcie = [self.pcie_bytes(g, t0_ns, t1_ns) for g in range(self.gpu_count)]
+        return self.busy_all(t0_ns, t1_ns), [tx for tx, _ in pcie], [rx for _, rx in pcie]
 
     def close(self) -> None:
         self._file.close()
-
-
-@dataclass(slots=True)
-class _GpuState:
-    next_driver_ns: int
-    last_tick_ns: int | None = None
-    energy_j: float = 0.0
-    temperature_c: float = 32.0
 
 
 class SimulatedSampler:
@@ -267,8 +264,11 @@ class SimulatedSampler:
                                                                base.pattern_pcie_bytes_per_s)
         self.driver_period_ns = driver_period_ns
         now = time.time_ns()
-        first = now // driver_period_ns * driver_period_ns  # the driver has the last period already
-        self._state = [_GpuState(next_driver_ns=first) for _ in range(gpu_count)]
+        # every GPU is sampled at the same instants, so the driver periods and ticks are shared
+        self._next_driver_ns = now // driver_period_ns * driver_period_ns  # the last period is done
+        self._last_tick_ns: int | None = None
+        self._energy_j = [0.0] * gpu_count
+        self._temperature_c = [32.0] * gpu_count
         self._memory_used = int(base.memory_total_bytes * (0.9 if self.feed else 0.75))
 
     def devices(self) -> list[DeviceInfo]:
@@ -285,44 +285,53 @@ class SimulatedSampler:
                 "sim_source": f"feed:{self.feed.path}" if self.feed else "pattern"}
 
     def sample(self, now_ns: int) -> list[GpuSample]:
+        return [GpuSample(*row) for row in self.sample_rows(now_ns)]
+
+    def sample_rows(self, now_ns: int) -> list[SampleRow]:
         if self.feed is not None:
             self.feed.poll()
-        out: list[GpuSample] = []
-        append = out.append
-        m = self.model
-        busy_s_of, window_of = self.activity.busy_s, self.activity.window
+        activity = self.activity
         period = self.driver_period_ns
+        # the driver's own samples, one per period boundary passed (at most ~2 s of them)
+        t = max(self._next_driver_ns, now_ns - 12 * period - (now_ns % period))
+        driver: list[tuple[int, list[float]]] = []
+        while t <= now_ns:
+            driver.append((t, activity.busy_all(t - period, t)))
+            t += period
+        self._next_driver_ns = t
+        last = self._last_tick_ns
+        dt_ns = now_ns - last if last is not None else 100_000_000
+        self._last_tick_ns = now_ns
+        window = dt_ns if dt_ns > 20_000_000 else 20_000_000
+        busy_w, tx_w, rx_w = activity.window_all(now_ns - window, now_ns)
+        cooling = min(dt_ns / 20e9, 1.0)  # first-order thermal model, 20 s time constant
+        m = self.model
         host = self.host
         idle_w, span_w = m.idle_power_w, m.power_limit_w - m.idle_power_w
         sm_max, sm_idle, mem_clock = m.sm_clock_max_hz, m.sm_clock_idle_hz, m.memory_clock_hz
         used, total = self._memory_used, m.memory_total_bytes
-        oldest_driver = now_ns - 12 * period - (now_ns % period)  # at most ~2 s of driver samples
-        for g, st in enumerate(self._state):
-            # the driver's own samples, one per period boundary passed; NVML reports whole percents
-            t = st.next_driver_ns if st.next_driver_ns > oldest_driver else oldest_driver
-            while t <= now_ns:
-                util = int(busy_s_of(g, t - period, t) * 1e11 / period + 0.5) / 100
-                append(GpuSample(host, g, t, util, int(util * 55 + 0.5) / 100))
-                t += period
-            st.next_driver_ns = t
-            last = st.last_tick_ns
-            dt_ns = now_ns - last if last is not None else 100_000_000
-            st.last_tick_ns = now_ns
-            window = dt_ns if dt_ns > 20_000_000 else 20_000_000
-            busy_s, tx, rx = window_of(g, now_ns - window, now_ns)
-            busy = busy_s * 1e9 / window
+        energy, temperature = self._energy_j, self._temperature_c
+        out: list[SampleRow] = []
+        append = out.append
+        for g in range(self.gpu_count):
+            for t, busy_d in driver:  # NVML reports whole percents
+                util = int(busy_d[g] * 1e11 / period + 0.5) / 100
+                # a row of GpuSample(host, g, t, util, memory util): power_w .. seq None, lost False
+                append((host, g, t, util, int(util * 55 + 0.5) / 100, None, None, None, None, None, None,
+                        None, None, None, None, None, None, None, None, None, None, False))
+            busy = busy_w[g] * 1e9 / window
             if busy > 1.0:
                 busy = 1.0
             power = idle_w + span_w * busy
-            st.energy_j += power * dt_ns / 1e9
-            # first-order thermal model, 20 s time constant, towards 32..72 C by activity
-            st.temperature_c += (32.0 + 40.0 * busy - st.temperature_c) * min(dt_ns / 20e9, 1.0)
+            energy_j = energy[g] = energy[g] + power * dt_ns / 1e9
+            temp = temperature[g]
+            temp = temperature[g] = temp + (32.0 + 40.0 * busy - temp) * cooling  # towards 32..72 C
             active = busy > 0.01
-            # positional in GpuSample's field order: this runs per GPU per tick
-            append(GpuSample(
-                host, g, now_ns, None, None, power, st.energy_j, tx * 1e9 / window, rx * 1e9 / window,
-                sm_max if active else sm_idle, mem_clock, used, total, st.temperature_c,
-                0 if active else _IDLE_REASON, 0.9 * busy, 0.35 * busy, 0.55 * busy))
+            # every GpuSample field in order; the NVLink rates and seq None, lost False
+            append((host, g, now_ns, None, None, power, energy_j, tx_w[g] * 1e9 / window,
+                    rx_w[g] * 1e9 / window, sm_max if active else sm_idle, mem_clock, used, total, temp,
+                    0 if active else _IDLE_REASON, 0.9 * busy, 0.35 * busy, 0.55 * busy, None, None, None,
+                    False))
         if self.feed is not None:
             self.feed.prune(now_ns - 4 * 1_000_000_000)
         return out
