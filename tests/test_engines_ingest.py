@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gputrace.engines import fastpath, sglang
+from gputrace.engines import fastpath, ingest, sglang
 from gputrace.engines.common import METRIC_FIELDS, LogClock
 from gputrace.engines.ingest import ingest_log
 from gputrace.errors import SourceError
@@ -86,16 +86,23 @@ def _mixed_log(path: Path, n_lines: int, seed: int) -> None:
             out.write(data + (b"\n" if i < n_lines - 1 else b""))
 
 
-@pytest.mark.parametrize("tz", ["UTC", "Europe/Berlin"])
-def test_fast_path_equals_per_line_grammar(tmp_path: Path, tz: str) -> None:
-    """Every event, count and configuration record is the same with and without the fast path."""
+@pytest.mark.parametrize(("tz", "row_group_rows"), [("UTC", None), ("Europe/Berlin", None), ("UTC", 97)])
+def test_fast_path_equals_per_line_grammar(tmp_path: Path, tz: str, row_group_rows: int | None,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every event, count and configuration record is the same with and without the fast path,
+    also when fast rows are appended in small row groups cut across chunks."""
+    batching = {}
+    if row_group_rows is not None:  # many appends of whole groups, the rest carried over
+        monkeypatch.setattr(ingest, "ROW_GROUP_ROWS", row_group_rows)
+        batching = {"batch_rows": 250}
     log = tmp_path / "mixed.log"
     _mixed_log(log, 6000, seed=7)
     tables = {}
     stats = {}
     for fast in (True, False):
         with Store.create(tmp_path / f"run-{fast}") as store:
-            stats[fast] = ingest_log(store, log, host="n0", tz=tz, fast=fast, chunk_bytes=16384)
+            stats[fast] = ingest_log(store, log, host="n0", tz=tz, fast=fast, chunk_bytes=16384,
+                                     **batching)
             tables[fast] = store.arrow("scheduler_events", order_by="line_no")
             tables[f"cfg-{fast}"] = store.arrow("engine_configs", order_by="line_no")
     assert stats[True].fast_path_lines > 3000

@@ -22,7 +22,7 @@ from gputrace.engines import KINDS, LogParser, fastpath
 from gputrace.engines.common import METRIC_FIELDS, RANK_FIELDS, LogClock, ParsedLine
 from gputrace.errors import SourceError
 from gputrace.model import EngineConfig
-from gputrace.store import Store
+from gputrace.store import ROW_GROUP_ROWS, Store
 
 CHUNK_BYTES = 8 << 20
 _WORKERS = min(4, os.cpu_count() or 1)
@@ -133,13 +133,16 @@ def ingest_log(
     date: dt.date | str | None = None,
     *,
     fast: bool = True,
-    batch_rows: int = 250_000,
+    batch_rows: int = 2 * ROW_GROUP_ROWS,
     chunk_bytes: int = CHUNK_BYTES,
 ) -> IngestStats:
     """Parse a whole log file and append its events and configuration lines to ``store``.
 
     ``source`` names the log in the store (default: the file's path). ``fast=False`` forces the
-    per-line grammar for every line (the fast path's reference).
+    per-line grammar for every line (the fast path's reference). Rows are appended about
+    ``batch_rows`` at a time, fast-path rows in whole row groups of the store (each append is one
+    committed transaction, so a failure leaves every earlier batch readable); two groups a batch
+    let the database write on two threads while the next batch is parsed.
     """
     source = source or str(path)
     parser = LogParser(host=host, source=source, engine=engine, tz=tz, date=date)
@@ -176,8 +179,11 @@ def _ingest_fast(
     batch_rows: int,
 ) -> None:
     """Scan chunks in worker threads while one writer thread appends the previous batch, so
-    parsing and the database's work overlap; one append in flight at a time keeps the order."""
+    parsing and the database's work overlap; one append in flight at a time keeps the order.
+    Fast rows are appended in whole row groups (the rest waits for the next batch)."""
     pending: list[dict[str, pa.Array]] = []
+    pending_rows = 0
+    quantum = ROW_GROUP_ROWS
     with ThreadPoolExecutor(max_workers=1) as writer:
         in_flight: Future[int] | None = None
 
@@ -189,9 +195,13 @@ def _ingest_fast(
 
         for chunk_result in _scan_in_threads(chunks, parser.clock):
             _take_chunk(parser, chunk_result, events, configs, stats, pending)
-            if sum(len(p["line_no"]) for p in pending) >= batch_rows:
-                write(partial(_flush_fast, store, list(pending), parser))
-                pending.clear()
+            pending_rows += chunk_result.n_fast
+            if pending_rows >= max(batch_rows, quantum):
+                n_write = pending_rows - pending_rows % quantum
+                head, tail = _split_rows(pending, n_write)
+                write(partial(_flush_fast, store, head, parser))
+                pending = [tail] if pending_rows > n_write else []
+                pending_rows -= n_write
             if len(events) >= batch_rows:
                 write(partial(events.flush, store, parser.host, parser.source, parser.engine))
                 if in_flight is not None:  # the per-line rows' buffer is reused: wait for it
@@ -216,6 +226,30 @@ def _scan_in_threads(chunks: Iterator[bytes], clock: LogClock) -> Iterator[fastp
                 yield window.popleft().result()
         while window:
             yield window.popleft().result()
+
+
+def _split_rows(pending: list[dict[str, pa.Array]], n_rows: int) -> tuple[list[dict[str, pa.Array]],
+                                                                       dict[str, pa.Array]]:
+    """The first ``n_rows`` queued rows (slices, no copy), and the rest as one small copy."""
+    head: list[dict[str, pa.Array]] = []
+    taken = 0
+    tail_parts: list[dict[str, pa.Array]] = []
+    for part in pending:
+        size = len(part["line_no"])
+        if taken >= n_rows:
+            tail_parts.append(part)
+        elif taken + size <= n_rows:
+            head.append(part)
+        else:
+            cut = n_rows - taken
+            head.append({name: column.slice(0, cut) for name, column in part.items()})
+            tail_parts.append({name: column.slice(cut) for name, column in part.items()})
+        taken += size
+    tail: dict[str, pa.Array] = {}
+    if tail_parts:
+        tail = {name: column.combine_chunks()
+                for name, column in fastpath.join_chunks(tail_parts).items()}
+    return head, tail
 
 
 def _flush_fast(store: Store, pending: list[dict[str, pa.Array]], parser: LogParser) -> int:
