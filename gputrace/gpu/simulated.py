@@ -14,6 +14,8 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
+from itertools import pairwise
+from operator import sub
 from typing import Any, Protocol
 
 from gputrace.errors import SourceError, UsageError
@@ -45,15 +47,16 @@ class SimGpuModel:
     pattern_pcie_bytes_per_s: float = 2.0e9  # PCIe traffic at full activity for pattern mode
 
 
+# A tick's activity: per driver period, each GPU's busy seconds; and each GPU's busy seconds, tx
+# bytes and rx bytes in the tick's window.
+TickActivity = tuple[list[list[float]], list[float], list[float], list[float]]
+
+
 class Activity(Protocol):
-    """What the GPUs did in a window, per GPU (every GPU at once: the windows are shared)."""
+    """What the GPUs did, asked once per tick for every GPU and window (the windows are shared)."""
 
-    def busy_all(self, t0_ns: int, t1_ns: int) -> list[float]:
-        """Busy seconds of each GPU in the window."""
-        ...
-
-    def window_all(self, t0_ns: int, t1_ns: int) -> tuple[list[float], list[float], list[float]]:
-        """(busy seconds, tx bytes, rx bytes) of each GPU in the window: the tick's hot path."""
+    def windows(self, edges_ns: list[int], t0_ns: int, t1_ns: int) -> TickActivity:
+        """The periods between consecutive ``edges_ns`` (the driver's), and the window t0..t1."""
         ...
 
 
@@ -87,36 +90,39 @@ class PatternActivity:
         # each GPU's square wave is shifted by its share of the period, like pipeline stages
         self._offsets_ns = [g * self.period_ns // self.gpu_count for g in range(self.gpu_count)]
 
-    def _busy_until(self, t_ns: int) -> list[float]:
-        """Each GPU's busy seconds from the epoch to t_ns (square wave)."""
-        # windows chain (each starts where the previous one ended): remember the last few ends
-        memo = self._memo
-        hit = memo.get(t_ns)
-        if hit is not None:
-            return hit
-        period = self.period_ns
-        busy_ns = self.duty * period
-        values = []
-        for offset in self._offsets_ns:
-            cycles, into = divmod(t_ns - offset, period)
-            values.append((cycles * busy_ns + (into if into < busy_ns else busy_ns)) / 1e9)
-        if len(memo) > 4:
-            memo.clear()
-        memo[t_ns] = values
-        return values
-
-    def busy_all(self, t0_ns: int, t1_ns: int) -> list[float]:
-        if self.kind == "constant":
-            return [self.level * (t1_ns - t0_ns) / 1e9] * self.gpu_count
-        if self.kind == "idle":
-            return [0.0] * self.gpu_count
-        return [b - a for a, b in zip(self._busy_until(t0_ns), self._busy_until(t1_ns), strict=True)]
-
-    def window_all(self, t0_ns: int, t1_ns: int) -> tuple[list[float], list[float], list[float]]:
-        busy = self.busy_all(t0_ns, t1_ns)
-        rate = self.pcie_bytes_per_s
-        moved = [b * rate for b in busy]
-        return busy, moved, moved
+    def windows(self, edges_ns: list[int], t0_ns: int, t1_ns: int) -> TickActivity:
+        # one call, no helper calls or comprehensions (each a frame in 3.11): at 10 Hz the
+        # interpreter is cold at every tick and each frame entered costs microseconds
+        n = self.gpu_count
+        periods: list[list[float]] = []
+        if self.kind == "square":
+            # each GPU's busy seconds from the epoch to t (windows chain, so remember recent ends)
+            memo = self._memo
+            period = self.period_ns
+            busy_ns = self.duty * period
+            ends: list[list[float]] = []
+            for t_ns in (*edges_ns, t0_ns, t1_ns):
+                values = memo.get(t_ns)
+                if values is None:
+                    values = []
+                    append = values.append
+                    for offset in self._offsets_ns:
+                        cycles, into = divmod(t_ns - offset, period)
+                        append((cycles * busy_ns + (into if into < busy_ns else busy_ns)) / 1e9)
+                    if len(memo) > 4:
+                        memo.clear()
+                    memo[t_ns] = values
+                ends.append(values)
+            for i in range(len(edges_ns) - 1):
+                periods.append(list(map(sub, ends[i + 1], ends[i])))  # C loops: no frames
+            busy = list(map(sub, ends[-1], ends[-2]))
+        else:
+            level = self.level if self.kind == "constant" else 0.0
+            for i in range(len(edges_ns) - 1):
+                periods.append([level * (edges_ns[i + 1] - edges_ns[i]) / 1e9] * n)
+            busy = [level * (t1_ns - t0_ns) / 1e9] * n
+        moved = list(map(self.pcie_bytes_per_s.__mul__, busy))
+        return periods, busy, moved, moved
 
 
 class FeedActivity:
@@ -222,12 +228,12 @@ class FeedActivity:
             rx += irx * share
         return tx, rx
 
-    def busy_all(self, t0_ns: int, t1_ns: int) -> list[float]:
-        return [self.busy_s(g, t0_ns, t1_ns) for g in range(self.gpu_count)]
-
-    def window_all(self, t0_ns: int, t1_ns: int) -> tuple[list[float], list[float], list[float]]:
-        pcie = [self.pcie_bytes(g, t0_ns, t1_ns) for g in range(self.gpu_count)]
-        return self.busy_all(t0_ns, t1_ns), [tx for tx, _ in pcie], [rx for _, rx in pcie]
+    def windows(self, edges_ns: list[int], t0_ns: int, t1_ns: int) -> TickActivity:
+        gpus = range(self.gpu_count)
+        periods = [[self.busy_s(g, a, b) for g in gpus] for a, b in pairwise(edges_ns)]
+        pcie = [self.pcie_bytes(g, t0_ns, t1_ns) for g in gpus]
+        return (periods, [self.busy_s(g, t0_ns, t1_ns) for g in gpus], [tx for tx, _ in pcie],
+                [rx for _, rx in pcie])
 
     def close(self) -> None:
         self._file.close()
@@ -290,21 +296,25 @@ class SimulatedSampler:
     def sample_rows(self, now_ns: int) -> list[SampleRow]:
         if self.feed is not None:
             self.feed.poll()
-        activity = self.activity
         period = self.driver_period_ns
-        # the driver's own samples, one per period boundary passed (at most ~2 s of them)
-        t = max(self._next_driver_ns, now_ns - 12 * period - (now_ns % period))
-        driver: list[tuple[int, list[float]]] = []
-        while t <= now_ns:
-            driver.append((t, activity.busy_all(t - period, t)))
-            t += period
-        self._next_driver_ns = t
+        # the driver's own samples, one per period boundary passed (at most ~2 s of them): the
+        # periods end at edges[1:]
+        t = self._next_driver_ns
+        oldest = now_ns - 12 * period - (now_ns % period)
+        if t < oldest:
+            t = oldest
+        edges = list(range(t - period, now_ns + 1, period)) if t <= now_ns else []
+        if edges:
+            self._next_driver_ns = edges[-1] + period
         last = self._last_tick_ns
         dt_ns = now_ns - last if last is not None else 100_000_000
         self._last_tick_ns = now_ns
         window = dt_ns if dt_ns > 20_000_000 else 20_000_000
-        busy_w, tx_w, rx_w = activity.window_all(now_ns - window, now_ns)
-        cooling = min(dt_ns / 20e9, 1.0)  # first-order thermal model, 20 s time constant
+        periods, busy_w, tx_w, rx_w = self.activity.windows(edges, now_ns - window, now_ns)
+        driver = list(zip(edges[1:], periods, strict=True))
+        cooling = dt_ns / 20e9  # first-order thermal model, 20 s time constant
+        if cooling > 1.0:
+            cooling = 1.0
         m = self.model
         host = self.host
         idle_w, span_w = m.idle_power_w, m.power_limit_w - m.idle_power_w
