@@ -63,3 +63,18 @@ def test_sim_rows_are_whole_records_and_lines_keep_the_format() -> None:
         line = json.loads(row_line(seq, row))
         assert list(line) == [f.name for f in fields(GpuSample) if f.name != "seq"] + ["seq"]
         assert line == {**asdict(record), "seq": seq}
+
+
+def test_latest_per_gpu_follows_the_batches_in_order() -> None:
+    """Newest tick record per GPU, newest with (memory) utilization; a lost record counts for both."""
+    ring = SampleRing(retention_ns=10**12)
+    driver = sample_row(GpuSample("h", 0, 95, utilization_ratio=0.5, memory_utilization_ratio=0.25))
+    tick0, tick1 = sample_row(GpuSample("h", 0, 100, power_w=1.0)), sample_row(GpuSample("h", 1, 100))
+    ring.extend([driver, tick0, tick1], 100)
+    later = sample_row(GpuSample("h", 0, 200, power_w=2.0))
+    lost = sample_row(GpuSample("h", 1, 200, lost=True))
+    ring.extend([later, lost], 200)
+    latest, util, memory_util = ring.latest()
+    assert latest == {0: later, 1: lost}
+    assert util == {0: driver, 1: lost} and memory_util == {0: driver, 1: lost}
+    assert ring.newest_seq == 5 and len(ring) == 5

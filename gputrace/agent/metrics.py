@@ -113,10 +113,9 @@ class GpuCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         started = time.perf_counter()
-        latest = dict(self.stats.latest)
+        latest, latest_util, latest_memory_util = self.ring.latest()
         # utilization fields come from the newest driver sample carrying them, the rest from ticks
-        sources = {"utilization_ratio": dict(self.stats.latest_util),
-                   "memory_utilization_ratio": dict(self.stats.latest_memory_util)}
+        sources = {"utilization_ratio": latest_util, "memory_utilization_ratio": latest_memory_util}
         families: list[Metric] = []
         families += self._families(GPU_GAUGES, self._label_dicts, latest, sources)
         energy = CounterMetricFamily("gputrace_gpu_energy_joules", "Energy used since the driver "

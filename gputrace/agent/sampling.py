@@ -10,7 +10,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import islice
 
 from gputrace.gpu.sampler import ROW_INDEX, Sampler, SampleRow
@@ -32,30 +32,64 @@ _GPU, _TS, _UTIL, _MEMORY_UTIL, _LOST = (ROW_INDEX[name] for name in (
     "gpu_index", "ts_ns", "utilization_ratio", "memory_utilization_ratio", "lost"))
 
 
+# the loop files the ring's pending batches itself once this many wait (bounds the memory they hold
+# when nobody reads; readers file them anyway)
+_FILE_AFTER_TICKS = 64
+
+
 class SampleRing:
     """Samples numbered 1, 2, 3, ... kept for ``retention_ns`` (and at most ``max_samples``).
 
     Sequence numbers are implicit (the first held sample's seq plus the position) and expiry is
     tracked per batch, so adding a batch costs no per-sample Python work. Samples are held as rows
     (see SampleRow); readers get GpuSample records or the rows themselves.
+
+    It also keeps, per GPU, the newest tick record (ts_ns == the batch's added_ns) and the newest
+    records carrying utilization and memory utilization, for /metrics.
+
+    A batch is handed over by appending ``(rows, added_ns)`` to ``pending`` (one atomic C call: no
+    lock, no Python frame on the sampling thread, which is cold at every tick) and filed in order,
+    under the lock, by the next reader or by ``file_pending``; every reader sees every batch.
     """
 
     def __init__(self, retention_ns: int, max_samples: int = 1_000_000) -> None:
         self.retention_ns = retention_ns
         self.max_samples = max_samples
+        self.pending: deque[tuple[list[SampleRow], int]] = deque()
         self._items: deque[SampleRow] = deque()
         self._batches: deque[tuple[int, int]] = deque()  # (batch size, added_ns), oldest first
         self._first_seq = 1  # seq of self._items[0]
+        self._latest: dict[int, SampleRow] = {}
+        self._latest_util: dict[int, SampleRow] = {}
+        self._latest_memory_util: dict[int, SampleRow] = {}
         self._lock = threading.Lock()
 
     def extend(self, samples: list[SampleRow], added_ns: int) -> None:
-        if not samples:
-            return
+        self.pending.append((samples, added_ns))
+
+    def file_pending(self) -> None:
+        """File the batches handed over (readers do it first; the loop when many are waiting)."""
         with self._lock:
-            self._items.extend(samples)
-            self._batches.append((len(samples), added_ns))
+            self._file()
+
+    def _file(self) -> None:
+        pending, batches, items = self.pending, self._batches, self._items
+        latest, latest_util, latest_memory_util = self._latest, self._latest_util, self._latest_memory_util
+        while pending:
+            samples, added_ns = pending.popleft()
+            if not samples:
+                continue
+            for row in samples:
+                gpu, lost = row[_GPU], row[_LOST]
+                if row[_UTIL] is not None or lost:
+                    latest_util[gpu] = row
+                if row[_MEMORY_UTIL] is not None or lost:
+                    latest_memory_util[gpu] = row
+                if row[_TS] == added_ns:
+                    latest[gpu] = row
+            items.extend(samples)
+            batches.append((len(samples), added_ns))
             horizon = added_ns - self.retention_ns
-            batches, items = self._batches, self._items
             while batches and (batches[0][1] < horizon or len(items) > self.max_samples):
                 size, _ = batches.popleft()
                 for _ in range(size):
@@ -65,11 +99,15 @@ class SampleRing:
     @property
     def newest_seq(self) -> int:
         """The sequence number of the newest sample (0 before the first)."""
-        return self._first_seq + len(self._items) - 1
+        with self._lock:
+            self._file()
+            return self._first_seq + len(self._items) - 1
 
     def oldest_seq(self) -> int:
         """The seq of the oldest sample held (the next one to come when the ring is empty)."""
-        return self._first_seq
+        with self._lock:
+            self._file()
+            return self._first_seq
 
     def after(self, since: int, limit: int) -> list[tuple[int, GpuSample]]:
         """Up to ``limit`` samples with seq > since; CursorTooOld when some of them were dropped."""
@@ -78,6 +116,7 @@ class SampleRing:
     def rows_after(self, since: int, limit: int) -> list[SampleRow]:
         """``after`` as rows: the first has seq since + 1, the next since + 2, ..."""
         with self._lock:
+            self._file()
             oldest = self._first_seq
             if since < oldest - 1:
                 raise CursorTooOld(oldest)
@@ -86,8 +125,16 @@ class SampleRing:
                 return []
             return list(islice(self._items, start, start + limit))
 
+    def latest(self) -> tuple[dict[int, SampleRow], dict[int, SampleRow], dict[int, SampleRow]]:
+        """Per GPU: the newest tick record, the newest with utilization, with memory utilization."""
+        with self._lock:
+            self._file()
+            return dict(self._latest), dict(self._latest_util), dict(self._latest_memory_util)
+
     def __len__(self) -> int:
-        return len(self._items)
+        with self._lock:
+            self._file()
+            return len(self._items)
 
 
 @dataclass(slots=True)
@@ -99,10 +146,6 @@ class LoopStats:
     errors: int = 0
     last_tick_ns: int | None = None
     last_sample_cost_s: float = 0.0
-    # rows (see SampleRow), by GPU index
-    latest: dict[int, SampleRow] = field(default_factory=dict)  # newest tick record
-    latest_util: dict[int, SampleRow] = field(default_factory=dict)  # newest record with utilization
-    latest_memory_util: dict[int, SampleRow] = field(default_factory=dict)  # ... memory utilization
 
 
 class SamplingLoop:
@@ -137,17 +180,11 @@ class SamplingLoop:
             if self.stats.errors <= 10:
                 log.error("sampling failed", error=f"{type(exc).__name__}: {exc}", errors=self.stats.errors)
             return
-        self.ring.extend(samples, now_ns)
+        pending = self.ring.pending
+        pending.append((samples, now_ns))  # SampleRing.extend without its frame
+        if len(pending) >= _FILE_AFTER_TICKS:
+            self.ring.file_pending()
         st = self.stats
-        latest, latest_util, latest_memory_util = st.latest, st.latest_util, st.latest_memory_util
-        for row in samples:
-            gpu, lost = row[_GPU], row[_LOST]
-            if row[_UTIL] is not None or lost:
-                latest_util[gpu] = row
-            if row[_MEMORY_UTIL] is not None or lost:
-                latest_memory_util[gpu] = row
-            if row[_TS] == now_ns:
-                latest[gpu] = row
         st.ticks += 1
         st.samples += len(samples)
         st.last_tick_ns = now_ns
