@@ -106,11 +106,19 @@ class PatternActivity:
                 if values is None:
                     values = []
                     append = values.append
+                    # divmod(t_ns - offset, period) per GPU from one divmod of t_ns (offset < period):
+                    # the same integers, without a long division per GPU
+                    base_cycles, base_into = divmod(t_ns, period)
                     for offset in self._offsets_ns:
-                        cycles, into = divmod(t_ns - offset, period)
+                        into = base_into - offset
+                        if into < 0:
+                            into += period
+                            cycles = base_cycles - 1
+                        else:
+                            cycles = base_cycles
                         append((cycles * busy_ns + (into if into < busy_ns else busy_ns)) / 1e9)
                     if len(memo) > 4:
-                        memo.clear()
+                        del memo[next(iter(memo))]  # the oldest end; the newer ones are asked next
                     memo[t_ns] = values
                 ends.append(values)
             for i in range(len(edges_ns) - 1):
@@ -276,6 +284,9 @@ class SimulatedSampler:
         self._energy_j = [0.0] * gpu_count
         self._temperature_c = [32.0] * gpu_count
         self._memory_used = int(base.memory_total_bytes * (0.9 if self.feed else 0.75))
+        self._constants = (self.host, base.idle_power_w, base.power_limit_w - base.idle_power_w,
+                           base.sm_clock_max_hz, base.sm_clock_idle_hz, base.memory_clock_hz,
+                           self._memory_used, base.memory_total_bytes)  # what every tick row repeats
 
     def devices(self) -> list[DeviceInfo]:
         m = self.model
@@ -315,20 +326,18 @@ class SimulatedSampler:
         cooling = dt_ns / 20e9  # first-order thermal model, 20 s time constant
         if cooling > 1.0:
             cooling = 1.0
-        m = self.model
-        host = self.host
-        idle_w, span_w = m.idle_power_w, m.power_limit_w - m.idle_power_w
-        sm_max, sm_idle, mem_clock = m.sm_clock_max_hz, m.sm_clock_idle_hz, m.memory_clock_hz
-        used, total = self._memory_used, m.memory_total_bytes
+        host, idle_w, span_w, sm_max, sm_idle, mem_clock, used, total = self._constants
         energy, temperature = self._energy_j, self._temperature_c
+        same_bytes = tx_w is rx_w  # patterns move as much each way
         out: list[SampleRow] = []
         append = out.append
         for g in range(self.gpu_count):
-            for t, busy_d in driver:  # NVML reports whole percents
-                util = int(busy_d[g] * 1e11 / period + 0.5) / 100
-                # a row of GpuSample(host, g, t, util, memory util): power_w .. seq None, lost False
-                append((host, g, t, util, int(util * 55 + 0.5) / 100, None, None, None, None, None, None,
-                        None, None, None, None, None, None, None, None, None, None, False))
+            if driver:
+                for t, busy_d in driver:  # NVML reports whole percents
+                    util = int(busy_d[g] * 1e11 / period + 0.5) / 100
+                    # a row of GpuSample(host, g, t, util, memory util): power_w .. seq None, lost False
+                    append((host, g, t, util, int(util * 55 + 0.5) / 100, None, None, None, None, None,
+                            None, None, None, None, None, None, None, None, None, None, None, False))
             busy = busy_w[g] * 1e9 / window
             if busy > 1.0:
                 busy = 1.0
@@ -337,11 +346,12 @@ class SimulatedSampler:
             temp = temperature[g]
             temp = temperature[g] = temp + (32.0 + 40.0 * busy - temp) * cooling  # towards 32..72 C
             active = busy > 0.01
+            tx = tx_w[g] * 1e9 / window
             # every GpuSample field in order; the NVLink rates and seq None, lost False
-            append((host, g, now_ns, None, None, power, energy_j, tx_w[g] * 1e9 / window,
-                    rx_w[g] * 1e9 / window, sm_max if active else sm_idle, mem_clock, used, total, temp,
-                    0 if active else _IDLE_REASON, 0.9 * busy, 0.35 * busy, 0.55 * busy, None, None, None,
-                    False))
+            append((host, g, now_ns, None, None, power, energy_j, tx,
+                    tx if same_bytes else rx_w[g] * 1e9 / window, sm_max if active else sm_idle, mem_clock,
+                    used, total, temp, 0 if active else _IDLE_REASON, 0.9 * busy, 0.35 * busy, 0.55 * busy,
+                    None, None, None, False))
         if self.feed is not None:
             self.feed.prune(now_ns - 4 * 1_000_000_000)
         return out
