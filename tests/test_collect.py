@@ -142,3 +142,23 @@ def test_sigint_flushes_everything_and_serves_live(tmp_path: Path, agent_port: i
         assert store.meta.topology["pp_size"] == 8
     assert tokens == {i for i, _ in writer.written}
     assert markers == [("C=32", 32)]
+
+
+def test_run_wraps_a_command_that_marks_phases(tmp_path: Path, agent_port: int) -> None:
+    """`gputrace run -- CMD` collects while CMD runs; CMD's `gputrace mark` calls land as markers and
+    CMD's exit status is run's."""
+    log = tmp_path / "sglang.log"
+    log.write_text(decode_line(0, 0))
+    script = (f"{sys.executable} -m gputrace mark C=4 --concurrency 4 && sleep 1 && "
+              f"{sys.executable} -m gputrace mark end --kind end && exit 3")
+    done = subprocess.run(
+        [sys.executable, "-m", "gputrace", "run", "--config", str(write_config(tmp_path, log, agent_port)),
+         "--out", str(tmp_path / "run"), "--listen", f"127.0.0.1:{free_port()}", "--no-report",
+         "--", "sh", "-c", script],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr[-2000:]
+    with Store.open(tmp_path / "run", read_only=True) as store:
+        assert store.sql("SELECT label, kind, target_concurrency FROM markers ORDER BY ts_ns") == [
+            ("C=4", "phase", 4), ("end", "end", None)]
+        assert store.count("gpu_samples") > 0
+        assert store.sql("SELECT num_token FROM scheduler_events") == [(0,)]
