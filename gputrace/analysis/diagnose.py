@@ -123,8 +123,10 @@ def diagnose_phase(pm: PhaseMetrics, engine: dict[str, Any], pp_size: int,
              "mean_busy_fraction": _r(mean_busy), "mean_bubble_fraction": _r(mean_bubble)},
             0.9 if engine.get("max_running_requests") or engine.get("pp_max_micro_batch_size") else 0.6,
             f"--pp-max-micro-batch-size {want}",
-            f"#running-req plateaus at K = {k} ({k_from}) while {load:.0f} requests are offered and "
-            f"{queue_mean or 0:.0f} wait in the queue",
+            (f"#running-req plateaus at K = {k} ({k_from})" if at_k.sum() >= max(1, len(st) // 2)
+             else f"the engine runs {engine_running or 0:.0f} requests, K = {k} ({k_from}), split over "
+                  f"micro-batches of at most {float(np.nanmax(mb_max)):.0f}")
+            + f" while {load:.0f} requests are offered and {queue_mean or 0:.0f} wait in the queue",
             impact=mean_bubble + 1.0))
 
     # Stage imbalance: one stage is the bottleneck, the others wait for it.
