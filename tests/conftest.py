@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -21,3 +22,13 @@ def require_binary(*candidates: str) -> str:
         pytest.fail(reason + "; GPUTRACE_REQUIRE_SYSTEM_TESTS=1 makes this a failure")
     pytest.skip(reason)
     raise AssertionError("unreachable")
+
+
+def shared_data(relative: str) -> Path:
+    """A file of the team's shared data (``shared/data/...``): the checkout's sibling ``shared/``
+    when present (the freshest), else /work/shared, else the verbatim copy in tests/data/shared/."""
+    here = Path(__file__).resolve().parent
+    for root in (here.parents[1] / "shared" / "data", Path("/work/shared/data"), here / "data" / "shared"):
+        if (root / relative).is_file():
+            return root / relative
+    raise FileNotFoundError(f"shared data {relative} not found")

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import shared_data
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,9 +22,7 @@ from gputrace.errors import SourceError
 from gputrace.model import EngineConfig
 from gputrace.store import Store
 
-SGLANG_LINES = Path("/work/shared/data/sglang/real-lines.txt")
-if not SGLANG_LINES.exists():  # a checkout elsewhere keeps the data beside the repository
-    SGLANG_LINES = Path(__file__).resolve().parents[2] / "shared/data/sglang/real-lines.txt"
+SGLANG_LINES = shared_data("sglang/real-lines.txt")
 VLLM_LINES = SGLANG_LINES.parent.parent / "vllm" / "real-lines.txt"
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from pathlib import Path
 
 import pytest
+from conftest import shared_data
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,9 +15,7 @@ from gputrace.engines.common import LogClock
 from gputrace.errors import UsageError
 from gputrace.model import EngineConfig, SchedulerEvent
 
-REAL_LINES = Path("/work/shared/data/sglang/real-lines.txt")
-if not REAL_LINES.exists():  # a checkout elsewhere keeps the data beside the repository
-    REAL_LINES = Path(__file__).resolve().parents[2] / "shared/data/sglang/real-lines.txt"
+REAL_LINES = shared_data("sglang/real-lines.txt")
 
 RANKS = ("dp_rank", "pp_rank", "tp_rank", "ep_rank")
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import datetime as dt
-from pathlib import Path
 
 import pytest
+from conftest import shared_data
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -13,9 +13,7 @@ from gputrace.engines import LogParser, parse_line, vllm
 from gputrace.engines.common import LogClock
 from gputrace.model import SchedulerEvent
 
-REAL_LINES = Path("/work/shared/data/vllm/real-lines.txt")
-if not REAL_LINES.exists():  # a checkout elsewhere keeps the data beside the repository
-    REAL_LINES = Path(__file__).resolve().parents[2] / "shared/data/vllm/real-lines.txt"
+REAL_LINES = shared_data("vllm/real-lines.txt")
 
 RANKS = ("dp_rank", "pp_rank", "tp_rank", "ep_rank")
 

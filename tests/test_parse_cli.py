@@ -8,9 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-SGLANG_LINES = Path("/work/shared/data/sglang/real-lines.txt")
-if not SGLANG_LINES.exists():  # a checkout elsewhere keeps the data beside the repository
-    SGLANG_LINES = Path(__file__).resolve().parents[2] / "shared/data/sglang/real-lines.txt"
+from conftest import shared_data
+
+SGLANG_LINES = shared_data("sglang/real-lines.txt")
 VLLM_LINES = SGLANG_LINES.parent.parent / "vllm" / "real-lines.txt"
 
 KEYS = ["kind", "engine", "ts", "dp_rank", "pp_rank", "tp_rank", "ep_rank", "running_req", "queue_req",
