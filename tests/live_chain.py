@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from conftest import require_binary
+
 from gputrace.demo import child_process
 
 HOST = "sim-node0"
@@ -95,3 +97,18 @@ def sim_chain(work: Path, scenario: str = "microbatch-cap") -> Iterator[Chain]:
             yield Chain(f"http://127.0.0.1:{sim_port}", agent_port,
                         write_config(work / "gputrace.toml", log_file, agent_port), work)
 
+
+@contextlib.contextmanager
+def prometheus(work: Path, targets: dict[str, int]) -> Iterator[str]:
+    """Prometheus scraping each loopback target every second; yields its base URL."""
+    binary = require_binary("/usr/bin/prometheus", "prometheus")
+    jobs = "".join(f'  - job_name: {job}\n    static_configs:\n      - targets: ["127.0.0.1:{port}"]\n'
+                   for job, port in targets.items())
+    config = work / "prometheus.yml"
+    config.write_text(f"global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n{jobs}")
+    port = free_port()
+    with process([binary, f"--config.file={config}", f"--storage.tsdb.path={work / 'prom-data'}",
+                  f"--web.listen-address=127.0.0.1:{port}"], work / "prometheus.out") as proc:
+        base = f"http://127.0.0.1:{port}"
+        wait_until(lambda: http_ok(f"{base}/-/ready"), what="Prometheus ready", proc=proc)
+        yield base

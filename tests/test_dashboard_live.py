@@ -3,19 +3,16 @@ live chain: a simulated SGLang PP8 engine, its agent, and `gputrace run` driving
 
 from __future__ import annotations
 
-import contextlib
 import json
 import signal
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import require_binary
-from live_chain import HOST, free_port, gputrace_argv, http_ok, process, sim_chain, wait_until
+from live_chain import HOST, free_port, gputrace_argv, http_ok, process, prometheus, sim_chain, wait_until
 
 from gputrace.dashboard import dashboard_queries, variable_queries
 
@@ -28,22 +25,6 @@ def prom_get(base: str, path: str, params: dict[str, str]) -> Any:
         body = json.loads(resp.read())
     assert body["status"] == "success", body
     return body["data"]
-
-
-@contextlib.contextmanager
-def prometheus(work: Path, targets: dict[str, int]) -> Iterator[str]:
-    """Prometheus scraping each loopback target every second; yields its base URL."""
-    binary = require_binary("/usr/bin/prometheus", "prometheus")
-    jobs = "".join(f'  - job_name: {job}\n    static_configs:\n      - targets: ["127.0.0.1:{port}"]\n'
-                   for job, port in targets.items())
-    config = work / "prometheus.yml"
-    config.write_text(f"global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n{jobs}")
-    port = free_port()
-    with process([binary, f"--config.file={config}", f"--storage.tsdb.path={work / 'prom-data'}",
-                  f"--web.listen-address=127.0.0.1:{port}"], work / "prometheus.out") as proc:
-        base = f"http://127.0.0.1:{port}"
-        wait_until(lambda: http_ok(f"{base}/-/ready"), what="Prometheus ready", proc=proc)
-        yield base
 
 
 def test_every_dashboard_query_returns_series(tmp_path: Path) -> None:

@@ -5,7 +5,6 @@ micro-batch cap, and range queries longer than Prometheus' 11,000-step limit are
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import subprocess
 import time
@@ -21,10 +20,9 @@ import aiohttp
 import numpy as np
 import pytest
 from aiohttp import web
-from conftest import require_binary
 from hypothesis import given
 from hypothesis import strategies as st
-from live_chain import free_port, gputrace_argv, http_ok, process, sim_chain, wait_until
+from live_chain import free_port, gputrace_argv, process, prometheus, sim_chain, wait_until
 
 from gputrace.analysis.run import analyse_store
 from gputrace.errors import SourceError, UsageError
@@ -97,22 +95,6 @@ class Capture:
     load_start_s: float
     end_s: float
     direct_run: Path
-
-
-@contextlib.contextmanager
-def prometheus(work: Path, targets: dict[str, int]) -> Iterator[str]:
-    """Prometheus scraping each loopback target every second; yields its base URL."""
-    binary = require_binary("/usr/bin/prometheus", "prometheus")
-    jobs = "".join(f'  - job_name: {job}\n    static_configs:\n      - targets: ["127.0.0.1:{port}"]\n'
-                   for job, port in targets.items())
-    config = work / "prometheus.yml"
-    config.write_text(f"global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n{jobs}")
-    port = free_port()
-    with process([binary, f"--config.file={config}", f"--storage.tsdb.path={work / 'prom-data'}",
-                  f"--web.listen-address=127.0.0.1:{port}"], work / "prometheus.out") as proc:
-        base = f"http://127.0.0.1:{port}"
-        wait_until(lambda: http_ok(f"{base}/-/ready"), what="Prometheus ready", proc=proc)
-        yield base
 
 
 def instant(prom: str, expr: str) -> list[dict[str, Any]]:
