@@ -157,7 +157,9 @@ def test_report_from_prometheus_names_levels_and_cap(capture: Capture, tmp_path:
     for p in phases.values():
         assert LEVEL_S - 4.0 <= p["duration_s"] <= LEVEL_S + 0.5, p
     cap = [f for f in doc["findings"] if f["cause"] == "microbatch_cap"]
-    assert [f["phase"] for f in cap] == ["C=32"], doc["findings"]
+    c32 = [{k: r.get(k) for k in ("pp_rank", "microbatch_size_max", "microbatch_size_mean", "queue_req_mean")}
+           for r in doc["table"] if r["phase"] == "C=32"]
+    assert [f["phase"] for f in cap] == ["C=32"], (doc["findings"], c32)
     assert cap[0]["evidence"]["K"] == 8 and cap[0]["recommendation"].startswith("--pp-max-micro-batch-size")
     assert cap[0]["evidence"]["microbatch_size_max"] <= 8
     # The same run as captured directly: the bubble fraction per stage agrees at the capped level.

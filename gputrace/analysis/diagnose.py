@@ -103,9 +103,11 @@ def diagnose_phase(pm: PhaseMetrics, engine: dict[str, Any], pp_size: int,
     queue_mean = float(np.nanmax(queue)) if not np.isnan(queue).all() else None
     engine_running = (load - queue_mean) if load is not None and queue_mean is not None else None
     kk = k or 0
+    # offered - queued estimates the engine's running total; a queue sampled once a second (log
+    # interval, Prometheus scrape) catches requests mid-turnover, hence the +-20 % band
     at_k = (np.abs(mb_max - kk) <= th.cap_tolerance) if kk else np.zeros(len(st), bool)
     plateau = kk > 0 and (at_k.sum() >= max(1, len(st) // 2) or (
-        engine_running is not None and abs(engine_running - kk) <= max(1.0, 0.1 * kk)))
+        engine_running is not None and abs(engine_running - kk) <= max(1.5, 0.2 * kk)))
     waiting = queue_mean > 0.5 if queue_mean is not None else (
         load is not None and load > kk + 0.5 and mean_bubble > th.bubble_material)
     if kk and plateau and waiting and load is not None:
