@@ -4,6 +4,7 @@ live metrics, marks and status are served."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -77,8 +78,10 @@ def start_collector(cfg: Path, out: Path, port: int) -> subprocess.Popen[bytes]:
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
-def test_sigkill_keeps_all_but_the_last_second(tmp_path: Path, agent_port: int) -> None:
-    """Killed with SIGKILL mid-run, the store opens and holds every line written up to 1 s before."""
+@contextlib.contextmanager
+def collecting(tmp_path: Path, agent_port: int) -> Iterator[tuple[LogWriter, subprocess.Popen[bytes], int]]:
+    """A growing SGLang log and `gputrace collect` following it and the agent into tmp_path/run;
+    the writer stops when the block ends (the collector is the test's to stop)."""
     log = tmp_path / "sglang.log"
     log.touch()
     writer = LogWriter(log)
@@ -87,13 +90,19 @@ def test_sigkill_keeps_all_but_the_last_second(tmp_path: Path, agent_port: int) 
     proc = start_collector(write_config(tmp_path, log, agent_port), tmp_path / "run", port)
     try:
         wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/healthz"))
+        yield writer, proc, port
+    finally:
+        writer.stop_event.set()
+        writer.join()
+
+
+def test_sigkill_keeps_all_but_the_last_second(tmp_path: Path, agent_port: int) -> None:
+    """Killed with SIGKILL mid-run, the store opens and holds every line written up to 1 s before."""
+    with collecting(tmp_path, agent_port) as (writer, proc, _port):
         time.sleep(3.0)
         killed_at = time.time()
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
-    finally:
-        writer.stop_event.set()
-        writer.join()
     with Store.open(tmp_path / "run", read_only=True) as store:
         tokens = {int(r[0]) for r in store.sql("SELECT num_token FROM scheduler_events")}
         samples = store.count("gpu_samples")
@@ -105,14 +114,7 @@ def test_sigkill_keeps_all_but_the_last_second(tmp_path: Path, agent_port: int) 
 
 def test_sigint_flushes_everything_and_serves_live(tmp_path: Path, agent_port: int) -> None:
     """Live /metrics, /v1/status and /v1/mark work; after SIGINT every line and mark is stored."""
-    log = tmp_path / "sglang.log"
-    log.touch()
-    writer = LogWriter(log)
-    writer.start()
-    port = free_port()
-    proc = start_collector(write_config(tmp_path, log, agent_port), tmp_path / "run", port)
-    try:
-        wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/healthz"))
+    with collecting(tmp_path, agent_port) as (writer, proc, port):
         mark = subprocess.run([sys.executable, "-m", "gputrace", "mark", "C=32", "--concurrency", "32"],
                               env={**os.environ, "GPUTRACE_MARK_URL": f"http://127.0.0.1:{port}/v1/mark"},
                               capture_output=True, text=True, timeout=30)
@@ -129,9 +131,6 @@ def test_sigint_flushes_everything_and_serves_live(tmp_path: Path, agent_port: i
         assert status["phase"] == "C=32"
         assert [row["pp_rank"] for row in status["stages"]] == list(range(8))
         assert all(row["running_req"] == 8 for row in status["stages"])
-    finally:
-        writer.stop_event.set()
-        writer.join()
     time.sleep(1.0)  # let the follower read the last lines
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
