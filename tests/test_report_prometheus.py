@@ -122,8 +122,11 @@ def capture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Capture]:
                 "--concurrency", ",".join(map(str, LEVELS)), "--duration-per-level", str(LEVEL_S),
                 "--max-tokens", "64", "--warmup", "0", "--no-report")
             with process(run_argv, work / "run.out") as run:
-                wait_until(lambda: instant(prom, "gputrace_load_target_concurrency"), timeout_s=30,
-                           what="the collector's load gauge scraped", proc=run)
+                # the load gauge and the engine's first log lines reach the collector at different
+                # times, so they can land in different scrapes: the window starts once both have
+                wait_until(lambda: instant(prom, "gputrace_load_target_concurrency")
+                           and instant(prom, 'gputrace_engine_running_requests{pp_rank="0",tp_rank="0"}'),
+                           timeout_s=30, what="the collector's load and engine gauges scraped", proc=run)
                 load_start_s = time.time()
                 run.wait(timeout=60)
             assert run.returncode == 0, (work / "run.out").read_text()[-2000:]
