@@ -205,7 +205,7 @@ class Collector:
             if ht.host.gpus is not None:
                 batch = [s for s in batch if s.gpu_index in ht.host.gpus]
             self.writer.add_many(batch)
-            self.live.on_samples(batch)
+            self.live.on_samples(batch, clock_host=ht.host.name)
 
     async def _probe_clocks(self, ht: _HostTasks) -> None:
         while True:
@@ -214,7 +214,9 @@ class Collector:
                     self.writer.add(await probe_clock(ht.transport, ht.host.name))
             if ht.agent is not None:
                 with contextlib.suppress(GputraceError):
-                    self.writer.add(await ht.agent.probe_clock(ht.host.name))
+                    probe = await ht.agent.probe_clock(ht.host.name)
+                    self.writer.add(probe)
+                    self.live.on_clock_probe(probe)  # the agent's clock is the samples' clock
             await asyncio.sleep(self.options.probe_interval_s)
 
     async def _flush_loop(self) -> None:

@@ -2,7 +2,9 @@
 the load in flight; exported as Prometheus families at scrape time and as JSON for `watch`.
 
 The live bubble estimate per stage is the share of the last ``window_s`` in which the stage's GPUs
-idled (1 - NVML utilization) while the engine had requests running or waiting on that stage.
+idled while the engine had requests running or waiting on that stage: each utilization sample is
+set against whether the stage had work at the sample's time (the analysis' own ``busy_and_bubble``,
+on the collector's clock: sample times are corrected by the host's latest clock probe).
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gputrace.model import GpuSample, Marker, RequestRecord, SchedulerEvent
+from gputrace.analysis.metrics import busy_and_bubble
+from gputrace.model import ClockProbe, GpuSample, Marker, RequestRecord, SchedulerEvent
 from gputrace.topology import Placement
 
 RankKey = tuple[str, int, int, int]  # host, pp_rank, tp_rank, dp_rank
@@ -35,7 +39,7 @@ class EngineRank:
 
 @dataclass(slots=True)
 class GpuLive:
-    """Recent samples of one GPU: (collector receive ns, utilization, power, tx, rx)."""
+    """Recent samples of one GPU: (ns on the collector's clock, utilization, power, tx, rx)."""
 
     samples: deque[tuple[int, float | None, float | None, float | None, float | None]] = field(
         default_factory=lambda: deque(maxlen=4096))
@@ -44,12 +48,18 @@ class GpuLive:
 class LiveState:
     """Mutable live view, updated by the collector's tasks on one event loop."""
 
-    def __init__(self, run: str, placements: Iterable[Placement] = (), window_s: float = 10.0):
+    def __init__(self, run: str, placements: Iterable[Placement] = (), window_s: float = 10.0,
+                 clock_ns: Callable[[], int] = time.time_ns):
         self.run = run
         self.window_s = window_s
         self.placements = list(placements)
+        self.clock_ns = clock_ns
         self.engine: dict[RankKey, EngineRank] = {}
         self.gpus: dict[tuple[str, int], GpuLive] = {}
+        # per stage, when it gained or lost work (running or queued requests on any of its ranks):
+        # (ns on the collector's clock, has work), oldest first
+        self.stage_work: dict[int, deque[tuple[int, bool]]] = {}
+        self.clock_offset_ns: dict[str, int] = {}  # host clock - collector clock, from the probes
         self.inflight_probe: Callable[[], int] | None = None  # the in-process load generator's count
         self.target_concurrency: int | None = None
         self.phase: str | None = None
@@ -59,7 +69,8 @@ class LiveState:
     # -- updates --------------------------------------------------------------------------------
 
     def on_event(self, ev: SchedulerEvent) -> None:
-        key = (ev.host, ev.pp_rank or 0, ev.tp_rank or 0, ev.dp_rank or 0)
+        pp = ev.pp_rank or 0
+        key = (ev.host, pp, ev.tp_rank or 0, ev.dp_rank or 0)
         rank = self.engine.setdefault(key, EngineRank())
         if ev.running_req is not None:
             rank.running_req = ev.running_req
@@ -69,14 +80,25 @@ class LiveState:
             rank.gen_throughput_tok_s = ev.gen_throughput_tok_s
         if ev.token_usage is not None:
             rank.token_usage = ev.token_usage
-        rank.seen_ns = time.time_ns()
+        rank.seen_ns = ev.recv_ts_ns if ev.recv_ts_ns is not None else self.clock_ns()
         self.counts["scheduler_events"] += 1
+        has_work = any((r.running_req or 0) + (r.queue_req or 0) > 0
+                       for (_h, p, _t, _d), r in self.engine.items() if p == pp)
+        changes = self.stage_work.setdefault(pp, deque(maxlen=4096))
+        if not changes or changes[-1][1] != has_work:
+            changes.append((rank.seen_ns, has_work))
 
-    def on_samples(self, samples: Iterable[GpuSample]) -> None:
-        now = time.time_ns()
+    def on_clock_probe(self, probe: ClockProbe) -> None:
+        self.clock_offset_ns[probe.host] = probe.offset_ns
+
+    def on_samples(self, samples: Iterable[GpuSample], clock_host: str | None = None) -> None:
+        """``clock_host``: the configured host the samples came from (its probes' name), when the
+        agent calls itself something else."""
+        offsets = self.clock_offset_ns
         for s in samples:
             live = self.gpus.setdefault((s.host, s.gpu_index), GpuLive())
-            live.samples.append((now, s.utilization_ratio, s.power_w,
+            offset = offsets.get(clock_host or s.host, 0)
+            live.samples.append((s.ts_ns - offset, s.utilization_ratio, s.power_w,
                                  s.pcie_tx_bytes_per_s, s.pcie_rx_bytes_per_s))
             self.counts["gpu_samples"] += 1
 
@@ -101,7 +123,7 @@ class LiveState:
 
     def stages(self) -> list[dict[str, Any]]:
         """One row per pipeline stage: GPU means over the window, engine values, bubble estimate."""
-        cutoff = time.time_ns() - int(self.window_s * 1e9)
+        cutoff = self.clock_ns() - int(self.window_s * 1e9)
         by_stage: dict[int, list[Placement]] = {}
         for p in self.placements:
             by_stage.setdefault(p.pp_rank, []).append(p)
@@ -110,6 +132,7 @@ class LiveState:
         rows = []
         for pp in sorted(by_stage):
             util: list[float] = []
+            util_ns: list[int] = []
             power: list[float] = []
             tx: list[float] = []
             rx: list[float] = []
@@ -118,13 +141,15 @@ class LiveState:
                 for ts, u, w, t, r in live.samples if live else ():
                     if ts < cutoff:
                         continue
-                    for bucket, v in ((util, u), (power, w), (tx, t), (rx, r)):
+                    if u is not None:
+                        util.append(u)
+                        util_ns.append(ts)
+                    for bucket, v in ((power, w), (tx, t), (rx, r)):
                         if v is not None:
                             bucket.append(v)
             ranks = [r for (h, p, _t, _d), r in self.engine.items() if p == pp]
             running = _sum(r.running_req for r in ranks)
             queued = _sum(r.queue_req for r in ranks)
-            has_work = bool((running or 0) + (queued or 0))
             util_mean = _mean(util)
             rows.append({
                 "pp_rank": pp,
@@ -138,10 +163,21 @@ class LiveState:
                 "gen_throughput_tok_s": _sum(r.gen_throughput_tok_s for r in ranks),
                 "token_usage": max((r.token_usage for r in ranks if r.token_usage is not None),
                                    default=None),
-                "bubble_ratio": (1.0 - util_mean) if (util_mean is not None and has_work) else
-                                (0.0 if util_mean is not None else None),
+                "bubble_ratio": self._bubble(pp, util_ns, util),
             })
         return rows
+
+    def _bubble(self, pp: int, times_ns: list[int], utilization: list[float]) -> float | None:
+        """The stage's bubble over its samples in the window (None without samples)."""
+        if not utilization:
+            return None
+        changes = self.stage_work.get(pp, ())
+        change_ns = np.array([t for t, _ in changes], dtype=np.int64)
+        # work at a sample's time: the last change at or before it (none yet: no work)
+        states = np.array([0.0, *(float(w) for _, w in changes)])
+        work = states[np.searchsorted(change_ns, np.array(times_ns, dtype=np.int64), side="right")]
+        _busy, bubble = busy_and_bubble(np.array([utilization]), work)
+        return float(bubble[0])
 
     def status(self) -> dict[str, Any]:
         """The JSON `watch` reads from the collector's /v1/status."""

@@ -1,0 +1,86 @@
+"""The collector's live state: the per-stage bubble estimate sets each utilization sample against
+whether the stage had work at that time, on the collector's clock."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from gputrace.live import LiveCollector, LiveState
+from gputrace.model import ClockProbe, GpuSample, SchedulerEvent
+from gputrace.topology import Placement
+
+S = 1_000_000_000
+T0 = 1_800_000_000 * S  # collector clock at the start of the window
+
+
+def event(pp: int, running: int, queued: int, recv_s: float) -> SchedulerEvent:
+    return SchedulerEvent(host="node0", source="file:log", engine="sglang", kind="decode", line_no=1,
+                          pp_rank=pp, running_req=running, queue_req=queued,
+                          recv_ts_ns=T0 + int(recv_s * S))
+
+
+def samples(gpu: int, utilization: list[float], host_ahead_s: float = 0.0) -> list[GpuSample]:
+    """One sample a second from T0, stamped on a host clock ``host_ahead_s`` ahead of the collector."""
+    return [GpuSample(host="node0", gpu_index=gpu, ts_ns=T0 + int((i + host_ahead_s) * S),
+                      utilization_ratio=u) for i, u in enumerate(utilization)]
+
+
+def state(now_s: float = 10.0) -> LiveState:
+    return LiveState("run", [Placement("node0", 0, 0), Placement("node0", 1, 1)], window_s=20.0,
+                     clock_ns=lambda: T0 + int(now_s * S))
+
+
+def test_idle_before_the_load_is_not_a_bubble() -> None:
+    """Stage 0 idles with no work for 5 s, then runs half busy with work: bubble 0.25 over the
+    window (the old estimate, 1 - mean utilization while work is there now, said 0.75)."""
+    live = state()
+    live.on_event(event(0, 0, 0, 0.0))
+    live.on_event(event(0, 8, 24, 4.5))
+    live.on_event(event(1, 8, 0, 0.0))
+    live.on_samples(samples(0, [0.0] * 5 + [0.5] * 5))
+    live.on_samples(samples(1, [1.0] * 10))
+    rows = {r["pp_rank"]: r for r in live.stages()}
+    assert rows[0]["bubble_ratio"] == 0.25
+    assert rows[1]["bubble_ratio"] == 0.0
+    assert rows[0]["running_req"] == 8 and rows[0]["queue_req"] == 24
+
+
+def test_work_ending_ends_the_bubble() -> None:
+    """Work that ends at 3 s leaves the idle seconds after it out of the bubble."""
+    live = state()
+    live.on_event(event(0, 4, 0, 0.0))
+    live.on_event(event(0, 0, 0, 2.5))
+    live.on_samples(samples(0, [0.5] * 10))
+    (row, *_) = live.stages()
+    assert row["bubble_ratio"] == 0.5 * 3 / 10
+
+
+def test_sample_times_are_corrected_by_the_hosts_clock_probe() -> None:
+    """A host clock 2 s ahead: without its probe the samples fall 2 s late against the engine's
+    changes; with it they line up again."""
+    def estimate(probe: bool) -> float:
+        live = state(now_s=12.0)
+        live.on_event(event(0, 0, 0, 0.0))
+        live.on_event(event(0, 8, 0, 4.5))
+        if probe:  # the agent answered at the midpoint of a 2 ms round trip, 2 s ahead
+            live.on_clock_probe(ClockProbe("node0", T0, T0 + 1_000_000 + 2 * S, T0 + 2_000_000, via="agent"))
+        live.on_samples(samples(0, [0.0] * 5 + [0.5] * 5, host_ahead_s=2.0), clock_host="node0")
+        (row, *_) = live.stages()
+        value = row["bubble_ratio"]
+        assert value is not None
+        return float(value)
+    assert estimate(probe=True) == 0.25
+    assert estimate(probe=False) == (2 * 1.0 + 5 * 0.5) / 10  # two idle seconds counted as bubble
+
+
+def test_no_samples_no_estimate_and_the_gauge_carries_it() -> None:
+    """A stage without utilization samples has no estimate (no series); one with them is exported."""
+    live = state()
+    live.on_event(event(0, 8, 0, 0.0))
+    live.on_event(event(1, 8, 0, 0.0))
+    live.on_samples(samples(0, [0.25] * 10))
+    registry = CollectorRegistry()
+    registry.register(LiveCollector(live))
+    text = generate_latest(registry).decode()
+    assert 'gputrace_stage_bubble_ratio{pp_rank="0",run="run"} 0.75' in text
+    assert 'gputrace_stage_bubble_ratio{pp_rank="1"' not in text
