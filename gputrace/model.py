@@ -175,6 +175,18 @@ class RunMeta:
     extra: dict[str, object] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class LoadSample:
+    """The client's requests in flight at a moment, where only a gauge of them is known (a
+    Prometheus import of ``gputrace_load_inflight_requests``): the analysis takes the offered load
+    from these when the run has no request records. ``ts_ns`` is in the collector's clock."""
+
+    source: str
+    ts_ns: int
+    inflight_requests: float | None = None
+    target_concurrency: int | None = None
+
+
 RECORD_TABLES: dict[type, str] = {
     GpuSample: "gpu_samples",
     DeviceInfo: "devices",
@@ -183,5 +195,6 @@ RECORD_TABLES: dict[type, str] = {
     RequestRecord: "requests",
     Marker: "markers",
     ClockProbe: "clock_probes",
+    LoadSample: "load_samples",
 }
 """Each record type's table in the run store."""

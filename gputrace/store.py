@@ -95,6 +95,14 @@ def _to_arrow_column(values: Any, dtype: pa.DataType) -> pa.Array:
     return pa.array(list(values), type=dtype)
 
 
+def _create_missing_tables(con: duckdb.DuckDBPyConnection, temporary: bool) -> None:
+    have = {row[0] for row in con.execute("SELECT table_name FROM duckdb_tables()").fetchall()}
+    for table, cols in _TABLE_COLUMNS.items():
+        if table not in have:
+            ddl = ", ".join(f'"{n}" {_SQL_TYPES[t]}' for n, t in cols)
+            con.execute(f"CREATE {'TEMP ' if temporary else ''}TABLE {table} ({ddl})")
+
+
 def _constant_column(value: str | int, n_rows: int, dtype: pa.DataType) -> pa.Array:
     """A scalar given for a whole column (e.g. the host name of a batch)."""
     return pa.repeat(pa.scalar(value, type=dtype), n_rows)
@@ -160,9 +168,7 @@ class Store:
             extra=dict(extra or {}),
         )
         con = cls._connect(run_dir, read_only=False)
-        for table, cols in _TABLE_COLUMNS.items():
-            ddl = ", ".join(f'"{n}" {_SQL_TYPES[t]}' for n, t in cols)
-            con.execute(f"CREATE TABLE IF NOT EXISTS {table} ({ddl})")
+        _create_missing_tables(con, temporary=False)
         con.execute("CHECKPOINT")
         store = cls(run_dir, con, meta, read_only=False)
         store._write_meta()
@@ -191,6 +197,9 @@ class Store:
         known = {f.name for f in dataclasses.fields(RunMeta)}
         meta = RunMeta(**{k: v for k, v in raw.items() if k in known})
         con = cls._connect(run_dir, read_only=read_only)
+        # a table added to this schema version after the run was written: empty (and in memory
+        # only, when read-only)
+        _create_missing_tables(con, temporary=read_only)
         return cls(run_dir, con, meta, read_only)
 
     @staticmethod

@@ -68,6 +68,29 @@ def test_client_bound(tmp_path: Path) -> None:
     assert a.findings[0].evidence["target_concurrency"] == 32
 
 
+# The client's requests in flight as a gauge read once a second (what a Prometheus import gives),
+# in place of the request records.
+_REQUESTS_TO_GAUGE = """
+INSERT INTO load_samples (source, ts_ns, inflight_requests)
+SELECT 'gauge', g.t, (SELECT count(*) FROM requests r WHERE r.start_ns <= g.t AND r.end_ns > g.t)
+FROM range((SELECT min(start_ns) + 500000000 FROM requests), (SELECT max(end_ns) FROM requests),
+           1000000000) g(t);
+DELETE FROM requests;
+"""
+
+
+def test_client_bound_from_an_in_flight_gauge(tmp_path: Path) -> None:
+    """Without request records the gauge of the client's requests in flight still shows the
+    client keeping 8 of 32; without it either, the shortfall cannot be seen."""
+    spec = SynthRun([Level("C=32", 32, 8, [0.9] * 4, 2, 10)], pp=4)
+    a = _analyse(tmp_path / "gauge", spec, _REQUESTS_TO_GAUGE)
+    assert _causes(a) == {"client_bound"}
+    assert 7.5 <= a.findings[0].evidence["inflight_mean"] <= 8.5
+    assert any("from a gauge" in note for note in a.run.notes)
+    blind = _analyse(tmp_path / "none", spec, "DELETE FROM requests")
+    assert "client_bound" not in _causes(blind)
+
+
 def test_kv_cache_bound(tmp_path: Path) -> None:
     """Token usage near 1 while requests queue."""
     spec = SynthRun([Level("C=16", 16, 16, [0.95] * 4, 4, 10, queue=5, token_usage=0.97)], pp=4)

@@ -155,6 +155,9 @@ def test_report_from_prometheus_names_levels_and_cap(capture: Capture, tmp_path:
     phases = {p["label"]: p for p in doc["phases"]}
     assert list(phases) == [f"C={c}" for c in LEVELS]
     assert [p["target_concurrency"] for p in phases.values()] == list(LEVELS)
+    # the offered load comes from the client's in-flight gauge: the closed loop kept each level
+    for level, p in zip(LEVELS, phases.values(), strict=True):
+        assert 0.85 * level <= p["inflight_mean"] <= level + 0.01, p
     # Each level lasts LEVEL_S; a level shows up to 2 steps (2 s) late, and the 2 steps before the
     # next change are left out of it.
     for p in phases.values():
@@ -179,6 +182,7 @@ def test_report_from_prometheus_names_levels_and_cap(capture: Capture, tmp_path:
         assert store.meta.extra["step_ms"] == 1000  # --step auto: the scrape interval
         assert store.meta.topology["pp_size"] == 8 and len(store.meta.topology["placements"]) == 8
         assert store.count("devices") == 8
+        assert store.count("load_samples") >= 2 * LEVEL_S - 4
 
 
 @pytest.mark.system

@@ -39,7 +39,9 @@ def test_same_seed_gives_byte_identical_outputs(tmp_path):
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
     ta, tb = _tables(a / "run"), _tables(b / "run")
     for table in RECORD_TABLES.values():
-        assert ta[table].num_rows > 0, table
+        # the simulator writes every request; an in-flight gauge (load_samples) stands in for them
+        # only in imports that lack them
+        assert ta[table].num_rows > 0 or table == "load_samples", table
         assert ta[table].equals(tb[table]), table
 
 

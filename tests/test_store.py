@@ -146,3 +146,20 @@ def test_reads_after_count(tmp_path: Path) -> None:
         assert store.count("markers") == 1
         assert store.records(Marker)[0].label == "C=1"
         assert len(store.columns("markers")["ts_ns"]) == 1
+
+
+def test_a_table_added_later_reads_empty_in_an_older_run(tmp_path: Path) -> None:
+    """A run written before a table joined the schema opens: read-only the table is empty (in
+    memory only, the file untouched), writable it is created."""
+    with Store.create(tmp_path / "old") as store:
+        store.sql("DROP TABLE load_samples")
+    with Store.open(tmp_path / "old", read_only=True) as store:
+        assert store.count("load_samples") == 0
+    with Store.open(tmp_path / "old", read_only=True) as store:  # still not in the file
+        assert store.sql("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'load_samples' "
+                         "AND NOT temporary") == [(0,)]
+    with Store.open(tmp_path / "old") as store:
+        assert store.count("load_samples") == 0
+    with Store.open(tmp_path / "old", read_only=True) as store:
+        assert store.sql("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'load_samples' "
+                         "AND NOT temporary") == [(1,)]

@@ -268,6 +268,17 @@ def align_store(store: Store) -> AlignedRun:
         notes.append("no GPU samples: busy and bubble fractions are not available")
     inflight = None
     started = ~np.isnan(requests["start_ns"])
+    gauge = store.sql_arrow("SELECT ts_ns, inflight_requests FROM load_samples "
+                            "WHERE inflight_requests IS NOT NULL ORDER BY ts_ns")
+    if not started.any() and gauge.num_rows:
+        # no request records, but a gauge of the client's requests in flight (already in the
+        # collector's clock): it gives the offered load; the engine's state still gives the work
+        gauge_t = _num(gauge, "ts_ns").astype(np.int64)
+        gaps = np.diff(gauge_t)
+        max_age = 3 * float(np.median(gaps)) + 1e9 if len(gaps) else 5e9
+        inflight = hold_last(gauge_t, _num(gauge, "inflight_requests").astype(np.float64), grid, max_age)
+        notes.append("client requests in flight from a gauge sampled every "
+                     f"{float(np.median(gaps)) / 1e9 if len(gaps) else 0:g} s (no request records)")
     if started.any():
         # A request with no end was still in flight when the run stopped.
         end = np.where(np.isnan(requests["end_ns"]), grid[-1], requests["end_ns"])[started]
@@ -277,6 +288,9 @@ def align_store(store: Store) -> AlignedRun:
     elif ev.num_rows:
         work = ((stage_running + stage_queue) > 0).any(axis=0).astype(np.float64)
         work_source = "engine running + queued requests (log)"
+    elif inflight is not None:
+        work = (np.nan_to_num(inflight) > 0).astype(np.float64)
+        work_source = "client requests in flight (gauge)"
     else:
         work = np.ones(len(grid))
         work_source = "unknown: every cell counted as having work"

@@ -83,7 +83,8 @@ def prometheus_run(prometheus_url: str | None, prom_start: str | None, prom_end:
     step_ms = (scrape_interval_ms(client) or 1000) if prom_step == "auto" else parse_step_ms(prom_step)
     summary = import_prometheus(client, run_dir, start_ms, end_ms, step_ms, matchers, engine or None)
     click.echo(f"read {summary.gpus} GPUs ({summary.gpu_samples} samples), {summary.ranks} engine ranks "
-               f"({summary.scheduler_events} lines) and {summary.markers} markers from {client.base_url} "
+               f"({summary.scheduler_events} lines), {summary.load_samples} client in-flight samples and "
+               f"{summary.markers} markers from {client.base_url} "
                f"at a {step_ms / 1000:g} s step in {summary.queries} range queries "
                f"({summary.windows} window(s) of at most {MAX_POINTS_PER_SERIES} steps per metric)")
     return str(run_dir), default_out

@@ -33,6 +33,7 @@ ENGINE_FIELDS = {
     "gputrace_engine_token_usage_ratio": "token_usage",
 }
 TARGET_METRIC = "gputrace_load_target_concurrency"
+INFLIGHT_METRIC = "gputrace_load_inflight_requests"
 MAX_STEPS = 5_000_000
 """Steps per import at most: each GPU metric is held as one float per step while stitching."""
 
@@ -71,6 +72,7 @@ class ImportSummary:
     gpu_samples: int = 0
     scheduler_events: int = 0
     markers: int = 0
+    load_samples: int = 0
     queries: int = 0
     windows: int = 0
     runs: list[str] = field(default_factory=list)
@@ -189,6 +191,7 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
     gpu_series = fetch([*GPU_FIELDS, "gputrace_gpu_lost"], AGENT_LABELS)
     engine_series = fetch(list(ENGINE_FIELDS), ENGINE_LABELS)
     target_series = fetch([TARGET_METRIC], LOAD_LABELS)
+    inflight_series = fetch([INFLIGHT_METRIC], LOAD_LABELS)
     summary.queries = client.queries
     if not gpu_series and not engine_series:
         where = f" matching {{{', '.join(map(str, matchers))}}}" if matchers else ""
@@ -228,6 +231,9 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
     for s in sorted(target_series, key=lambda s: s.labels.get("run", "")):
         runs.add(s.labels.get("run", ""))
         _fill(target, *_place(s, start_ms, step_ms, n))
+    inflight = np.full(n, np.nan)
+    for s in sorted(inflight_series, key=lambda s: s.labels.get("run", "")):
+        _fill(inflight, *_place(s, start_ms, step_ms, n))
 
     # The agents' rank labels give the mapping; without them the engine's ranks give the sizes.
     pp_size = max((p.pp_rank for p in placements.values()), default=-1) + 1 or \
@@ -250,6 +256,7 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
         summary.ranks = len(ranks)
         summary.scheduler_events = _write_engine(store, ranks, grid_ns, step_ms, client.base_url)
         store.append(list(devices.values()))
+        summary.load_samples = _write_load(store, inflight, target, grid_ns, step_ms)
         markers = target_markers(target, grid_ns)
         store.append(markers)
         summary.markers = len(markers)
@@ -314,6 +321,18 @@ def _write_engine(store: Store, ranks: dict[tuple[str, int, int, int], dict[str,
                 cols[attr] = _int_column(v[present])
         total += store.append_columns("scheduler_events", cols)
     return total
+
+
+def _write_load(store: Store, inflight: np.ndarray, target: np.ndarray, grid_ns: np.ndarray,
+                step_ms: int) -> int:
+    """The client's in-flight gauge as load samples: the value at step t was scraped in
+    (t - step, t], so it is placed mid-step like the engine's lines."""
+    present = ~np.isnan(inflight)
+    if not present.any():
+        return 0
+    return store.append_columns("load_samples", {
+        "source": "prometheus " + INFLIGHT_METRIC, "ts_ns": grid_ns[present] - step_ms * 500_000,
+        "inflight_requests": inflight[present], "target_concurrency": _int_column(target[present])})
 
 
 def target_markers(target: np.ndarray, grid_ns: np.ndarray) -> list[Marker]:
