@@ -6,13 +6,16 @@ import json
 from pathlib import Path
 
 import pyarrow.parquet as pq
-from analysis_synth import Level, SynthRun, build
+import pytest
+from analysis_synth import T0, Level, SynthRun, build
 from click.testing import CliRunner
 
 from gputrace.cli import cli as main
+from gputrace.cli import main as cli_main
 from gputrace.errors import UsageError
 from gputrace.report.document import SCHEMA
 from gputrace.report.figures import FIGURES
+from gputrace.store import Store
 
 
 def _capped(path: Path) -> Path:
@@ -86,3 +89,55 @@ def test_export_parquet_and_perfetto(tmp_path: Path) -> None:
     assert {"stage 0", "stage 3"} <= names
     res = CliRunner().invoke(main, ["export", str(run)])
     assert isinstance(res.exception, UsageError)
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """The console entry point as a user runs it: (exit status, stdout, stderr)."""
+    with pytest.raises(SystemExit) as exited:
+        cli_main([*args])
+        raise SystemExit(0)
+    out = capsys.readouterr()
+    return int(exited.value.code or 0), out.out, out.err
+
+
+def test_a_run_spanning_years_is_refused_in_one_line_and_a_window_of_it_reports(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A log appended to for two years (one stray line long before the benchmark) would need a
+    grid of tens of millions of cells: the report says so in one line, with the spans, and
+    reports on the window given by --start/--end (the phase running at --start begins there)."""
+    run = _capped(tmp_path / "run")
+    with Store.open(run) as store:
+        store.sql("INSERT INTO scheduler_events (host, source, engine, kind, line_no, log_ts_ns, "
+                  "ts_resolution_ns, pp_rank, running_req, queue_req) VALUES ('node0', 'old.log', "
+                  f"'sglang', 'decode', 0, {T0 - 2 * 365 * 86_400 * 10**9}, 1000000000, 0, 1, 0)")
+    code, _, err = _cli(capsys, "report", str(run), "--out", str(tmp_path / "out"))
+    assert code == 1
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("gputrace: error:"), err
+    assert "spans 730.0 days" in lines[0] and "engine log lines 2023-12-01T" in lines[0]
+    assert "GPU samples 2025-11-30T" in lines[0] and "--start T --end T" in lines[0]
+
+    start_s, end_s = T0 / 1e9 + 3, T0 / 1e9 + 12  # the last 3 s of C=1 and the whole of C=32
+    res = CliRunner().invoke(main, ["report", str(run), "--out", str(tmp_path / "out"),
+                                    "--start", f"{start_s:.3f}", "--end", f"{end_s:.3f}", "--format", "json"])
+    assert res.exit_code == 0, res.output
+    assert "microbatch_cap [C=32]" in res.output
+    doc = json.loads((tmp_path / "out" / "findings.json").read_text())
+    phases = {p["label"]: p for p in doc["phases"]}
+    assert list(phases) == ["C=1", "C=32"]
+    assert phases["C=1"]["start_ns"] == start_s * 1e9 and abs(phases["C=1"]["duration_s"] - 3.0) < 0.01
+    assert abs(phases["C=32"]["duration_s"] - 6.0) < 0.2
+
+
+def test_window_flags_are_checked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An end before the start, a window holding no data, and --run-out without --prometheus are
+    one-line errors."""
+    run = _capped(tmp_path / "run")
+    cases = [(["--start", "2025-11-30T07:00:10Z", "--end", "2025-11-30T07:00:05Z"], 2,
+              "is not after --start"),
+             (["--start", "2020-01-01T00:00:00Z", "--end", "2020-01-02T00:00:00Z"], 1, "no GPU samples"),
+             (["--run-out", str(tmp_path / "x")], 2, "--run-out goes with --prometheus")]
+    for args, code, text in cases:
+        status, _, err = _cli(capsys, "report", str(run), *args)
+        assert status == code, (args, err)
+        assert err.startswith("gputrace: error:") and text in err, (args, err)

@@ -5,6 +5,7 @@ per-stage engine state on one grid (the NVML sample period), requests and marker
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,9 +122,46 @@ def _engine_config(store: Store) -> dict[str, Any]:
     return merged
 
 
-def align_store(store: Store) -> AlignedRun:
-    """The aligned view of a run store; raises AnalysisError when it holds nothing to analyse."""
+MAX_GRID_BYTES = 2 << 30
+"""The aligned arrays' size at most (a float per grid cell per GPU metric and per stage series): a
+run whose streams span far longer than a benchmark (a log appended to over weeks, files from
+different days) is refused with what it holds, to be analysed a window at a time."""
+_MARGIN_NS = 2_000_000_000  # beyond a window's edges: host clocks and NVML windows reach over them
+_EVENT_MARGIN_NS = 60_000_000_000  # log lines before the window give the state it starts in
+
+
+def _within(column: str, lo: int | None, hi: int | None, margin_ns: int) -> str:
+    """SQL: the column within [lo - margin, hi + margin] (TRUE when the window is open)."""
+    parts = ([f"{column} >= {int(lo) - margin_ns}"] if lo is not None else []) + \
+        ([f"{column} <= {int(hi) + margin_ns}"] if hi is not None else [])
+    return " AND ".join(parts) or "TRUE"
+
+
+def _markers_within(markers: list[dict[str, Any]], lo: int | None, hi: int | None) -> list[dict[str, Any]]:
+    """The markers inside the window; a phase still running at its start begins at the start."""
+    inside = [m for m in markers if (lo is None or m["ts_ns"] >= lo) and (hi is None or m["ts_ns"] <= hi)]
+    bounds_before = [m for m in markers if lo is not None and m["ts_ns"] < lo
+                     and m.get("kind") in ("phase", "end")]
+    if bounds_before and bounds_before[-1]["kind"] == "phase":
+        assert lo is not None
+        inside.insert(0, {**bounds_before[-1], "ts_ns": lo})
+    return inside
+
+
+def _iso(t_ns: float | None) -> str:
+    if t_ns is None:
+        return "the open end"
+    return dt.datetime.fromtimestamp(float(t_ns) / 1e9, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def align_store(store: Store, window_ns: tuple[int | None, int | None] = (None, None)) -> AlignedRun:
+    """The aligned view of a run store, or of the part of it within ``window_ns`` (collector
+    clock; None: open); raises AnalysisError when there is nothing to analyse, or too much at once."""
     notes: list[str] = []
+    lo, hi = window_ns
+    if lo is not None and hi is not None and hi <= lo:
+        raise AnalysisError("the window's end is not after its start")
+    gpu_where = _within("ts_ns", lo, hi, _MARGIN_NS)
     # DuckDB draws its own progress bar on stdout for long queries; the report has its own.
     store.sql("SET enable_progress_bar = false")
     probes = store.sql_arrow("SELECT host, local_send_ns, remote_ns, local_recv_ns FROM clock_probes")
@@ -135,14 +173,16 @@ def align_store(store: Store) -> AlignedRun:
     engine = _engine_config(store)
 
     # GPU samples: a dense GPU id computed in SQL so no strings cross per row.
-    keys_tbl = store.sql_arrow("SELECT DISTINCT host, gpu_index FROM gpu_samples ORDER BY host, gpu_index")
+    keys_tbl = store.sql_arrow(f"SELECT DISTINCT host, gpu_index FROM gpu_samples WHERE {gpu_where} "
+                               "ORDER BY host, gpu_index")
     gpu_keys = [(str(h), int(g)) for h, g in zip(keys_tbl.column("host").to_pylist(),
                                                  keys_tbl.column("gpu_index").to_pylist(), strict=True)]
     cols = ", ".join(f"s.{m}" for m in GPU_METRICS)
     samples = store.sql_arrow(
         f"SELECT k.k, s.ts_ns, s.lost, {cols} FROM gpu_samples s JOIN "
         "(SELECT host, gpu_index, row_number() OVER (ORDER BY host, gpu_index) - 1 AS k "
-        " FROM (SELECT DISTINCT host, gpu_index FROM gpu_samples)) k USING (host, gpu_index)")
+        f" FROM (SELECT DISTINCT host, gpu_index FROM gpu_samples WHERE {gpu_where})) k "
+        f"USING (host, gpu_index) WHERE {gpu_where.replace('ts_ns', 's.ts_ns')}")
     k_raw = _num(samples, "k").astype(np.int64) if samples.num_rows else np.zeros(0, np.int64)
     ts_raw = _num(samples, "ts_ns").astype(np.int64) if samples.num_rows else np.zeros(0, np.int64)
     order = _group_order(k_raw, ts_raw)
@@ -156,7 +196,9 @@ def align_store(store: Store) -> AlignedRun:
     ev = store.sql_arrow(
         "SELECT host, source, kind, line_no, log_ts_ns, ts_resolution_ns, recv_ts_ns, dp_rank, "
         "pp_rank, running_req, queue_req, token_usage, gen_throughput_tok_s FROM scheduler_events "
-        "WHERE coalesce(tp_rank, 0) = 0 AND kind IN ('decode', 'prefill')")
+        "WHERE coalesce(tp_rank, 0) = 0 AND kind IN ('decode', 'prefill') AND "
+        # the lines before the window still give the state it starts in
+        + _within("coalesce(log_ts_ns, recv_ts_ns)", lo, hi, _EVENT_MARGIN_NS))
     ev_host = np.asarray(ev.column("host").to_pylist(), dtype=object)
     ev_log = _num(ev, "log_ts_ns").astype(np.float64)
     ev_recv = _num(ev, "recv_ts_ns").astype(np.float64)
@@ -189,7 +231,9 @@ def align_store(store: Store) -> AlignedRun:
 
     # Requests and markers in the collector clock.
     rq = store.sql_arrow("SELECT host, start_ns, first_token_ns, end_ns, prompt_tokens, "
-                         "completion_tokens, ok, phase FROM requests")
+                         "completion_tokens, ok, phase FROM requests WHERE "
+                         + _within("coalesce(end_ns, start_ns)", lo, None, _MARGIN_NS) + " AND "
+                         + _within("start_ns", None, hi, _MARGIN_NS))
     rq_host = np.asarray(rq.column("host").to_pylist(), dtype=object)
     requests = {
         "start_ns": _to_ref(clocks, rq_host, _num(rq, "start_ns")),
@@ -200,20 +244,39 @@ def align_store(store: Store) -> AlignedRun:
         "ok": np.asarray(rq.column("ok").to_pylist(), dtype=bool),
         "phase": np.asarray([p or "" for p in rq.column("phase").to_pylist()], dtype=object),
     }
-    markers = sorted(
+    markers = _markers_within(sorted(
         ({**m, "ts_ns": int(clocks.to_reference(m["host"], np.array([m["ts_ns"]]))[0])}
-         for m in store.sql_arrow("SELECT * FROM markers").to_pylist()), key=lambda m: m["ts_ns"])
+         for m in store.sql_arrow("SELECT * FROM markers").to_pylist()), key=lambda m: m["ts_ns"]), lo, hi)
 
-    # The grid spans every stream.
+    # The grid spans every stream (within the window).
     period = sample_period_ns(ts_by_gpu) if any(len(t) > 1 for t in ts_by_gpu) else 1_000_000_000
-    starts = [t[0] - period for t in ts_by_gpu if len(t)] + ([np.nanmin(ev_t)] if ev.num_rows else [])
-    ends = [t[-1] for t in ts_by_gpu if len(t)] + ([np.nanmax(ev_t)] if ev.num_rows else [])
+    spans: list[tuple[str, float, float]] = []  # (stream, first, last)
+    if any(len(t) for t in ts_by_gpu):
+        spans.append(("GPU samples", min(t[0] for t in ts_by_gpu if len(t)) - period,
+                      max(t[-1] for t in ts_by_gpu if len(t))))
+    if ev.num_rows and not np.isnan(ev_t).all():
+        spans.append(("engine log lines", np.nanmin(ev_t), np.nanmax(ev_t)))
     if rq.num_rows:
-        starts.append(np.nanmin(requests["start_ns"]))
-        ends.append(np.nanmax(np.fmax(requests["end_ns"], requests["start_ns"])))
-    if not starts:
-        raise AnalysisError(f"{store.path}: no GPU samples, engine log lines or requests to analyse")
-    grid = make_grid(int(min(starts)), int(max(ends)), period)
+        spans.append(("requests", np.nanmin(requests["start_ns"]),
+                      np.nanmax(np.fmax(requests["end_ns"], requests["start_ns"]))))
+    if not spans:
+        where = "" if window_ns == (None, None) else f" between {_iso(lo)} and {_iso(hi)}"
+        raise AnalysisError(f"{store.path}: no GPU samples, engine log lines or requests{where} to analyse")
+    grid_start = int(min(first for _, first, _ in spans))
+    grid_end = int(max(last for _, _, last in spans))
+    grid_start, grid_end = max(grid_start, lo) if lo is not None else grid_start, \
+        min(grid_end, hi) if hi is not None else grid_end
+    if grid_end <= grid_start:
+        raise AnalysisError(f"{store.path}: no data between {_iso(lo)} and {_iso(hi)}")
+    n_cells = -(-(grid_end - grid_start) // period)
+    grid_bytes = 8 * n_cells * (len(GPU_METRICS) * max(len(gpu_keys), 1) + 4 * max(mapping.pp_size, 1) + 8)
+    if grid_bytes > MAX_GRID_BYTES:
+        held = "; ".join(f"{name} {_iso(first)} to {_iso(last)}" for name, first, last in spans)
+        raise AnalysisError(
+            f"{store.path}: the data spans {(grid_end - grid_start) / 86_400e9:.1f} days, {n_cells:,} "
+            f"cells of {period / 1e9:g} s, about {grid_bytes / 2**30:.0f} GiB to align at once ({held}): "
+            "analyse a window of it with gputrace report RUN --start T --end T")
+    grid = make_grid(grid_start, grid_end, period)
 
     gpu = {m: np.full((len(gpu_keys), len(grid)), np.nan) for m in GPU_METRICS}
     if samples.num_rows:
@@ -268,8 +331,8 @@ def align_store(store: Store) -> AlignedRun:
         notes.append("no GPU samples: busy and bubble fractions are not available")
     inflight = None
     started = ~np.isnan(requests["start_ns"])
-    gauge = store.sql_arrow("SELECT ts_ns, inflight_requests FROM load_samples "
-                            "WHERE inflight_requests IS NOT NULL ORDER BY ts_ns")
+    gauge = store.sql_arrow("SELECT ts_ns, inflight_requests FROM load_samples WHERE inflight_requests "
+                            f"IS NOT NULL AND {_within('ts_ns', lo, hi, _EVENT_MARGIN_NS)} ORDER BY ts_ns")
     if not started.any() and gauge.num_rows:
         # no request records, but a gauge of the client's requests in flight (already in the
         # collector's clock): it gives the offered load; the engine's state still gives the work

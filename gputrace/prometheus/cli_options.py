@@ -27,8 +27,9 @@ def prometheus_flags(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--prometheus", "prometheus_url", default=None, metavar="URL",
                      help="Analyse what this Prometheus scraped from the agents and the collector."),
         click.option("--start", "prom_start", default=None,
-                     help="With --prometheus: RFC 3339 or unix seconds."),
-        click.option("--end", "prom_end", default=None, help="With --prometheus: RFC 3339 or unix seconds."),
+                     help="Analyse from this time on: RFC 3339 or unix seconds (needed with --prometheus)."),
+        click.option("--end", "prom_end", default=None,
+                     help="Analyse up to this time: RFC 3339 or unix seconds (needed with --prometheus)."),
         click.option("--step", "prom_step", default="auto", show_default=True,
                      help="With --prometheus: query resolution, e.g. 1s; auto: the shortest scrape "
                           "interval of the server's targets, else 1s."),
@@ -49,6 +50,15 @@ def prometheus_flags(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
+def parse_window_ms(start: str | None, end: str | None) -> tuple[int | None, int | None]:
+    """--start and --end in ms since the epoch (None where not given); the end after the start."""
+    start_ms = parse_time_ms(start, "--start") if start is not None else None
+    end_ms = parse_time_ms(end, "--end") if end is not None else None
+    if start_ms is not None and end_ms is not None and end_ms <= start_ms:
+        raise UsageError(f"--end {end} is not after --start {start}")
+    return start_ms, end_ms
+
+
 def prometheus_run(prometheus_url: str | None, prom_start: str | None, prom_end: str | None,
                    prom_step: str, prom_match: str | None, prom_token_file: str | None,
                    prom_run_out: str | None, prom_max_running_requests: int | None,
@@ -56,14 +66,13 @@ def prometheus_run(prometheus_url: str | None, prom_start: str | None, prom_end:
     """Import the Prometheus range into a run store: (run dir, default report dir), or None when
     --prometheus was not given. A temporary store is removed when the command ends."""
     if prometheus_url is None:
-        if prom_start or prom_end or prom_run_out:
-            raise UsageError("--start, --end and --run-out go with --prometheus URL")
+        if prom_run_out:
+            raise UsageError("--run-out goes with --prometheus URL")
         return None
     if prom_start is None or prom_end is None:
         raise UsageError("--prometheus needs --start and --end")
-    start_ms, end_ms = parse_time_ms(prom_start, "--start"), parse_time_ms(prom_end, "--end")
-    if end_ms <= start_ms:
-        raise UsageError(f"--end {prom_end} is not after --start {prom_start}")
+    start_ms, end_ms = parse_window_ms(prom_start, prom_end)
+    assert start_ms is not None and end_ms is not None
     token = None
     if prom_token_file:
         try:
