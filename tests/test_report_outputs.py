@@ -141,3 +141,37 @@ def test_window_flags_are_checked(tmp_path: Path, capsys: pytest.CaptureFixture[
         status, _, err = _cli(capsys, "report", str(run), *args)
         assert status == code, (args, err)
         assert err.startswith("gputrace: error:") and text in err, (args, err)
+
+
+def test_vllm_stats_lines_are_analysed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A vLLM log alone (its periodic stats lines, MM-DD times dated at import): the phases come
+    from its running + waiting requests and the engine throughput from its generation throughput;
+    without --date the refusal says what is missing."""
+    log = tmp_path / "vllm.log"
+    lines = []
+    for i in range(120):  # every 10 s: 10 min at 8 requests, then 10 min at 32 (of which 8 wait)
+        minute, second = divmod(i * 10, 60)
+        running, waiting, gen = (8, 0, 240.0) if i < 60 else (24, 8, 600.0)
+        lines.append(f"(APIServer pid=7) INFO 06-16 10:{minute:02d}:{second:02d} [loggers.py:259] "
+                     "Engine 000: "
+                     f"Avg prompt throughput: 900.0 tokens/s, Avg generation throughput: {gen} tokens/s, "
+                     f"Running: {running} reqs, Waiting: {waiting} reqs, GPU KV cache usage: 20.0%, "
+                     "Prefix cache hit rate: 0.0%")
+    log.write_text("\n".join(lines) + "\n")
+    run = tmp_path / "run"
+    code, _, err = _cli(capsys, "import", "--run", str(run), "--vllm-log", str(log))
+    assert code == 0, err
+    code, _, err = _cli(capsys, "report", str(run), "--format", "json")
+    assert code == 1 and "120 engine log lines have no date" in err and "--date YYYY-MM-DD" in err, err
+
+    dated = tmp_path / "dated"
+    code, _, err = _cli(capsys, "import", "--run", str(dated), "--vllm-log", str(log), "--date", "2026-06-16")
+    assert code == 0, err
+    code, _, err = _cli(capsys, "report", str(dated), "--format", "json")
+    assert code == 0, err
+    doc = json.loads((dated / "report" / "findings.json").read_text())
+    levels = [(round(p["duration_s"] / 60), round(p["throughput_tok_s"])) for p in doc["phases"]]
+    assert len(levels) == 2, doc["phases"]
+    # each line's throughput covers the interval since the one before (the log's first covers none)
+    assert [m for m, _ in levels] == [10, 10], levels
+    assert all(abs(t - want) <= 0.03 * want for (_, t), want in zip(levels, (240, 600), strict=True)), levels

@@ -196,7 +196,7 @@ def align_store(store: Store, window_ns: tuple[int | None, int | None] = (None, 
     ev = store.sql_arrow(
         "SELECT host, source, kind, line_no, log_ts_ns, ts_resolution_ns, recv_ts_ns, dp_rank, "
         "pp_rank, running_req, queue_req, token_usage, gen_throughput_tok_s FROM scheduler_events "
-        "WHERE coalesce(tp_rank, 0) = 0 AND kind IN ('decode', 'prefill') AND "
+        "WHERE coalesce(tp_rank, 0) = 0 AND kind IN ('decode', 'prefill', 'stats') AND "
         # the lines before the window still give the state it starts in
         + _within("coalesce(log_ts_ns, recv_ts_ns)", lo, hi, _EVENT_MARGIN_NS))
     ev_host = np.asarray(ev.column("host").to_pylist(), dtype=object)
@@ -261,7 +261,12 @@ def align_store(store: Store, window_ns: tuple[int | None, int | None] = (None, 
                       np.nanmax(np.fmax(requests["end_ns"], requests["start_ns"]))))
     if not spans:
         where = "" if window_ns == (None, None) else f" between {_iso(lo)} and {_iso(hi)}"
-        raise AnalysisError(f"{store.path}: no GPU samples, engine log lines or requests{where} to analyse")
+        untimed = ""
+        if ev.num_rows:  # lines there, but none placed in time
+            untimed = (f" ({ev.num_rows} engine log lines have no date: a log printing times without "
+                       "the date or year needs gputrace import --date YYYY-MM-DD)")
+        raise AnalysisError(f"{store.path}: no GPU samples, engine log lines or requests{where} to "
+                            f"analyse{untimed}")
     grid_start = int(min(first for _, first, _ in spans))
     grid_end = int(max(last for _, _, last in spans))
     grid_start, grid_end = max(grid_start, lo) if lo is not None else grid_start, \

@@ -275,7 +275,8 @@ def phase_metrics(run: AlignedRun, series: StageSeries, phase: Phase) -> PhaseMe
     last = run.stage_events[-1] if run.stage_events else None
     gen = None
     if last is not None and phase.duration_s > 0:
-        tok = engine_tokens(last.t_ns, last.gen_throughput_tok_s, last.kind == "decode",
+        # SGLang's decode lines and vLLM's stats lines each give the throughput since the last one
+        tok = engine_tokens(last.t_ns, last.gen_throughput_tok_s, np.isin(last.kind, ("decode", "stats")),
                             phase.start_ns, phase.end_ns)
         gen = tok / phase.duration_s if tok is not None else None
     client_tput = _f(tokens / phase.duration_s) if phase.duration_s > 0 else None
