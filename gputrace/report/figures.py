@@ -20,9 +20,14 @@ MAX_COLUMNS = 1200
 """Time series are averaged down to at most this many columns: a figure has no more pixels."""
 
 
-def _downsample(values: np.ndarray, t_s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+HEATMAP_COLUMNS = 300
+"""The heatmap's columns at most: each one a readable block, not a pixel-wide stripe."""
+
+
+def _downsample(values: np.ndarray, t_s: np.ndarray, max_columns: int = MAX_COLUMNS,
+                min_step: int = 1) -> tuple[np.ndarray, np.ndarray]:
     n = values.shape[-1]
-    step = max(int(np.ceil(n / MAX_COLUMNS)), 1)
+    step = max(int(np.ceil(n / max_columns)), min_step, 1)
     m = n // step
     if step == 1 or m == 0:
         return values, t_s
@@ -58,11 +63,17 @@ def _phase_lines(ax: Axes, a: Analysis, with_labels: bool = True) -> None:
 
 def utilization_heatmap(a: Analysis) -> bytes:
     """Per-stage utilization over time with phase boundaries."""
-    util, t = _downsample(a.series.utilization, _time_axis(a))
+    raw = a.series.utilization
+    # NVML's utilization periods (1/6 s on most GPUs) can be longer than the grid's cells, leaving
+    # cells without a sample: a column spans at least two periods so each one holds a value.
+    filled = np.flatnonzero(~np.isnan(raw).all(axis=0)) if raw.size else np.zeros(0, dtype=np.int64)
+    gap = int(np.median(np.diff(filled))) if len(filled) > 1 else 1
+    util, t = _downsample(raw, _time_axis(a), HEATMAP_COLUMNS, min_step=2 * gap)
     fig, ax = plt.subplots(figsize=(10, 0.35 * a.run.pp_size + 1.6))
     if len(t):
         extent = (float(t[0]), float(t[-1]) if len(t) > 1 else float(t[0]) + 1, a.run.pp_size - 0.5, -0.5)
-        im = ax.imshow(np.nan_to_num(util, nan=0.0), aspect="auto", cmap="viridis", vmin=0, vmax=1,
+        cmap = plt.get_cmap("viridis").with_extremes(bad="lightgray")  # no sample: gray, not idle
+        im = ax.imshow(np.ma.masked_invalid(util), aspect="auto", cmap=cmap, vmin=0, vmax=1,
                        extent=extent, interpolation="nearest")
         fig.colorbar(im, ax=ax, label="utilization")
     ax.set_xlabel("time since start (s)")
@@ -103,7 +114,8 @@ def bubble_bars(a: Analysis) -> bytes:
     ax.set_xticks(np.arange(len(a.metrics)), [pm.label for pm in a.metrics])
     ax.set_ylim(0, 1)
     ax.set_ylabel("bubble fraction")
-    ax.legend(fontsize=7, ncol=4)
+    # beside the axes: bubble fractions are often high, and a legend inside would hide the bars
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     ax.set_title("Bubble fraction per stage and phase")
     return _png(fig)
 
