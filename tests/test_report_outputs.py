@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from analysis_synth import T0, Level, SynthRun, build
@@ -175,3 +176,20 @@ def test_vllm_stats_lines_are_analysed(tmp_path: Path, capsys: pytest.CaptureFix
     # each line's throughput covers the interval since the one before (the log's first covers none)
     assert [m for m, _ in levels] == [10, 10], levels
     assert all(abs(t - want) <= 0.03 * want for (_, t), want in zip(levels, (240, 600), strict=True)), levels
+
+
+def test_heatmap_columns_hold_a_value_where_nvml_periods_outlast_the_cells() -> None:
+    """Utilization every third cell (NVML's 1/6 s period on a finer grid): every column of the
+    heatmap holds the mean of its samples, none is empty (it was drawn as idle), and long runs are
+    cut to at most HEATMAP_COLUMNS columns."""
+    from gputrace.report.figures import HEATMAP_COLUMNS, heatmap_columns
+
+    n = 600
+    util = np.full((2, n), np.nan)
+    util[0, ::3], util[1, ::3] = 0.5, np.linspace(0, 1, n)[::3]
+    t = np.arange(n) * 0.067
+    cols, t_cols = heatmap_columns(util, t)
+    assert not np.isnan(cols).any() and np.allclose(cols[0], 0.5)
+    assert len(t_cols) == cols.shape[1] <= n // 6 and np.all(np.diff(cols[1]) > 0)
+    long, _ = heatmap_columns(np.full((1, 100_000), 0.25), np.arange(100_000) * 0.1)
+    assert long.shape[1] <= HEATMAP_COLUMNS and np.allclose(long, 0.25)

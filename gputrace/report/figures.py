@@ -61,14 +61,18 @@ def _phase_lines(ax: Axes, a: Analysis, with_labels: bool = True) -> None:
             ax.text(x, top, f" {ph.label}", va="bottom", ha="left", fontsize=7)
 
 
+def heatmap_columns(util: np.ndarray, t_s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(stages x columns, column times): at most HEATMAP_COLUMNS columns, each the mean of at least
+    two of NVML's utilization periods. Those (1/6 s on most GPUs) can be longer than the grid's
+    cells, which leaves cells without a sample; a column of such cells alone would show nothing."""
+    filled = np.flatnonzero(~np.isnan(util).all(axis=0)) if util.size else np.zeros(0, dtype=np.int64)
+    gap = int(np.median(np.diff(filled))) if len(filled) > 1 else 1
+    return _downsample(util, t_s, HEATMAP_COLUMNS, min_step=2 * gap)
+
+
 def utilization_heatmap(a: Analysis) -> bytes:
     """Per-stage utilization over time with phase boundaries."""
-    raw = a.series.utilization
-    # NVML's utilization periods (1/6 s on most GPUs) can be longer than the grid's cells, leaving
-    # cells without a sample: a column spans at least two periods so each one holds a value.
-    filled = np.flatnonzero(~np.isnan(raw).all(axis=0)) if raw.size else np.zeros(0, dtype=np.int64)
-    gap = int(np.median(np.diff(filled))) if len(filled) > 1 else 1
-    util, t = _downsample(raw, _time_axis(a), HEATMAP_COLUMNS, min_step=2 * gap)
+    util, t = heatmap_columns(a.series.utilization, _time_axis(a))
     fig, ax = plt.subplots(figsize=(10, 0.35 * a.run.pp_size + 1.6))
     if len(t):
         extent = (float(t[0]), float(t[-1]) if len(t) > 1 else float(t[0]) + 1, a.run.pp_size - 0.5, -0.5)
