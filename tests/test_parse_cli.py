@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import shared_data
 
 SGLANG_LINES = shared_data("sglang/real-lines.txt")
@@ -101,3 +102,52 @@ def test_binary_garbage_is_counted_not_fatal(tmp_path: Path) -> None:
     assert out.returncode == 0
     assert [o["running_req"] for o in _objects(out.stdout)] == [2]
     assert "3 lines read" in out.stderr.decode()
+
+
+def test_fast_path_gives_the_per_line_objects(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """SGLang's current batch lines go through the vectorised fast path: the NDJSON and the counts
+    are exactly what the per-line grammar gives, in file order, across chunks and every variant."""
+    import io
+
+    from gputrace.commands.parse import _parse_all
+
+    variants = [
+        "[2026-06-24 15:38:02 PP2] Decode batch, #running-req: 1, #token: 998080, token usage: 0.59, "
+        "cuda graph: True, gen throughput (token/s): 200.33, #queue-req: 0, ",
+        "[2026-06-24 15:38:02.125 DP1 PP0 TP3] Decode batch, #running-req: 12, #token: 4, token usage: "
+        "0.00, cpu graph: False, gen throughput (token/s): 0.10, #queue-req: 7",
+        "[2026-06-24 15:38:03 TP0 EP1] Decode batch [41], #running-req: 3, #token: 77, token usage: "
+        "1.00, cuda graph: True, gen throughput (token/s): 12.00, #queue-req: 0",
+        "[2026-06-24 15:38:03] Prefill batch, #new-seq: 2, #new-token: 8192, #cached-token: 0, token "
+        "usage: 0.31, #running-req: 5, #queue-req: 11, #pending-token: 900, cuda graph: False, "
+        "input throughput (token/s): 19000.55",
+        "[2026-06-24 15:38:04 PP7] Prefill batch, #new-seq: 1, #new-token: 16, #cached-token: 3, "
+        "token usage: 0.02, #running-req: 0, #queue-req: 0",
+        "[2026-06-24 15:38:04 PP1] Decode batch, #running-req: 1, #token: 5, token usage: 0.01, "
+        "cuda graph: True, gen throughput (token/s): 9.5, #queue-req: 0 trailing junk",
+        "[15:38:05 TP0] Decode batch. #running-req: 2, #token: 80, token usage: 0.00, gen throughput "
+        "(token/s): 40.00, #queue-req: 0",
+        '[2026-06-24 15:38:05] INFO:     10.0.0.7:40000 - "POST /v1/chat/completions HTTP/1.1" 200 OK',
+        "[2026-06-24 15:38:05 TP0] max_total_num_tokens=201681, chunked_prefill_size=8192, "
+        "max_prefill_tokens=16384, max_running_requests=2049, context_len=163840",
+        "\u00e9\u00e8 not a scheduler line",
+        "INFO 06-24 15:38:06 [loggers.py:87] Engine 000: Avg prompt throughput: 1254.4 tokens/s, Avg "
+        "generation throughput: 29.2 tokens/s, Running: 10 reqs, Waiting: 4 reqs, GPU KV cache usage: "
+        "57.9%, Prefix cache hit rate: 40.5%",
+    ]
+    log = tmp_path / "mixed.log"
+    # enough lines to cross the 1 MiB chunks several times, in a shuffled but fixed order
+    lines = [variants[(i * 7) % len(variants)] for i in range(30_000)]
+    log.write_text("\n".join(lines) + "\n")
+    for engine in ("auto", "sglang"):  # auto: vLLM lines among SGLang's are still read
+        for path in (log, SGLANG_LINES, VLLM_LINES):
+            fast, slow = io.StringIO(), io.StringIO()
+            _parse_all((str(path),), engine, fast, fast=True)
+            _parse_all((str(path),), engine, slow, fast=False)
+            assert fast.getvalue() == slow.getvalue(), (engine, path)
+    capsys.readouterr()
+    _parse_all((str(log),), "auto", io.StringIO(), fast=False)
+    summary = capsys.readouterr().err.strip()
+    assert "stats 2727" in summary  # the vLLM lines among SGLang's
+    out = _parse(str(log))
+    assert out.returncode == 0 and out.stderr.decode().strip() == summary

@@ -59,6 +59,7 @@ class ChunkResult:
     columns: dict[str, pa.Array] = field(default_factory=dict)
     n_fast: int = 0
     kinds: dict[str, int] = field(default_factory=dict)
+    line_starts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # fast rows'
     n_rejected: int = 0  # lines that cannot be scheduler lines: counted, never parsed
     leftovers: list[tuple[int, str]] = field(default_factory=list)  # (offset in chunk, line)
 
@@ -329,8 +330,9 @@ def _form(raw: _Bytes, kind: str, closer: np.ndarray, line_end: np.ndarray,
     return cols
 
 
-def scan_chunk(chunk: bytes, first_line_no: int, clock: LogClock) -> ChunkResult:
-    """Take the chunk's current-form batch lines; hand back the rest (numbered from the chunk)."""
+def scan_chunk(chunk: bytes, first_line_no: int, clock: LogClock, only_sglang: bool = True) -> ChunkResult:
+    """Take the chunk's current-form batch lines; hand back the rest (numbered from the chunk):
+    with ``only_sglang`` just those that may be SGLang's, else all (another grammar may read them)."""
     raw = _Bytes(chunk)
     newlines = np.flatnonzero(raw.b[: raw.size] == ord("\n"))
     line_end = newlines if chunk.endswith(b"\n") else np.append(newlines, raw.size)
@@ -361,12 +363,13 @@ def scan_chunk(chunk: bytes, first_line_no: int, clock: LogClock) -> ChunkResult
         result.kinds[kind] = len(good)
     for offset in np.flatnonzero(~taken).tolist():
         begin, end = int(starts[offset]), int(line_end[offset])
-        if _MAYBE_SGLANG.search(chunk, begin, end):
+        if not only_sglang or _MAYBE_SGLANG.search(chunk, begin, end):
             result.leftovers.append((offset, chunk[begin:end].decode("utf-8", errors="replace")))
         else:
             result.n_rejected += 1
     rows = np.flatnonzero(taken)
     result.n_fast = len(rows)
+    result.line_starts = starts[rows]
     # Every chunk yields the same columns and types, so chunks join without copying.
     cols: dict[str, pa.Array] = {
         "line_no": pa.array(rows + first_line_no),
