@@ -163,3 +163,22 @@ def test_a_table_added_later_reads_empty_in_an_older_run(tmp_path: Path) -> None
     with Store.open(tmp_path / "old", read_only=True) as store:
         assert store.sql("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'load_samples' "
                          "AND NOT temporary") == [(1,)]
+
+
+def test_row_groups_are_attached_at_their_size_and_odd_paths_open(tmp_path: Path) -> None:
+    """The file is attached with ROW_GROUP_ROWS (DuckDB does not keep it in the file), so a
+    100,000-row append fills whole groups of that size, in any session; a directory name with a
+    quote and spaces opens."""
+    from gputrace.store import ROW_GROUP_ROWS
+
+    run = tmp_path / "it's a run"
+    n = 100_000
+    for _ in range(2):  # the second append comes from a new session on the same file
+        with Store.open(run) if run.exists() else Store.create(run) as store:
+            store.append_columns("gpu_samples", {"host": "node0", "gpu_index": np.zeros(n, dtype=np.int64),
+                                                 "ts_ns": np.arange(n, dtype=np.int64)})
+    with Store.open(run, read_only=True) as store:
+        assert store.count("gpu_samples") == 2 * n
+        sizes = store.sql("SELECT row_group_id, max(count) FROM pragma_storage_info('gpu_samples') "
+                          "WHERE column_name = 'ts_ns' GROUP BY 1 ORDER BY 1")
+    assert max(size for _, size in sizes) == ROW_GROUP_ROWS == 65_536
