@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import time
 import types
 import typing
@@ -216,6 +217,12 @@ class Store:
             con.execute("USE run")
         except duckdb.Error as exc:
             con.close()
+            holder = re.search(r"Conflicting lock is held in .*?\(PID (\d+)\)", str(exc))
+            if holder:
+                raise StoreError(
+                    f"{run_dir}: the run is being written by process {holder.group(1)} (a running "
+                    "`gputrace collect` or `gputrace run`?): stop it with Ctrl-C, which flushes "
+                    "everything, then read the run") from exc
             raise StoreError(f"{run_dir / DB_FILE}: cannot open the database: {exc}") from exc
         return con
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import subprocess
@@ -182,3 +183,14 @@ def test_row_groups_are_attached_at_their_size_and_odd_paths_open(tmp_path: Path
         sizes = store.sql("SELECT row_group_id, max(count) FROM pragma_storage_info('gpu_samples') "
                           "WHERE column_name = 'ts_ns' GROUP BY 1 ORDER BY 1")
     assert max(size for _, size in sizes) == ROW_GROUP_ROWS == 65_536
+
+
+def test_a_run_being_written_is_named_as_such(tmp_path: Path) -> None:
+    """Reading a run another process still writes (a running collector) says so in one line,
+    with that process's id and what to do."""
+    with Store.create(tmp_path / "live"):
+        code = (f"from gputrace.store import Store\nStore.open({str(tmp_path / 'live')!r}, read_only=True)")
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert f"being written by process {os.getpid()}" in last and "Ctrl-C" in last, last
