@@ -137,3 +137,12 @@ def test_cli_prints_one_line_and_exits_2(tmp_path: Path) -> None:
     expected = f"gputrace: error: {path}: topology.pp_size: expected an integer, got a boolean True"
     assert out.stderr.strip() == expected
     assert "Traceback" not in out.stderr
+
+
+def test_the_readme_example_config_is_valid() -> None:
+    """examples/gputrace.toml, which the README points new users to, passes check-config."""
+    example = Path(__file__).resolve().parent.parent / "examples" / "gputrace.toml"
+    done = subprocess.run([sys.executable, "-m", "gputrace", "check-config", str(example)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "host node0: ssh ubuntu@10.0.0.5:22" in done.stdout and "C=1,8,32,64" in done.stdout
