@@ -203,3 +203,24 @@ def test_fast_path_agrees_line_by_line(edits: list[tuple[str, int, int, str]]) -
     for offset, text in enumerate(texts):
         if offset not in left and offset not in set(taken):
             assert sglang.parse_line(text, clock) is None, text
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_progress_reports_the_file_read_so_far(tmp_path: Path, compressed: bool) -> None:
+    """on_progress gets the bytes of the file read so far, rising chunk by chunk to its size
+    (compressed bytes for a .gz); `gputrace import --progress` draws the bar and imports the same."""
+    text = "".join(f"[2026-06-24 15:38:{i % 60:02d} PP{i % 8}] Decode batch, #running-req: 8, #token: "
+                   f"{i}, token usage: 0.01, cuda graph: True, gen throughput (token/s): 250.00, "
+                   "#queue-req: 24, \n" for i in range(20_000))
+    log = tmp_path / ("sched.log.gz" if compressed else "sched.log")
+    log.write_bytes(gzip.compress(text.encode()) if compressed else text.encode())
+    seen: list[int] = []
+    with Store.create(tmp_path / "run") as store:
+        stats = ingest_log(store, log, host="node0", chunk_bytes=64 << 10, on_progress=seen.append)
+    assert stats.events_written == 20_000
+    assert len(seen) >= 3 and seen == sorted(seen) and seen[-1] == log.stat().st_size
+    done = subprocess.run([sys.executable, "-m", "gputrace", "import", "--run", str(tmp_path / "cli"),
+                           "--sglang-log", str(log), "--progress"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "20000 events" in done.stdout

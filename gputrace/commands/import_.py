@@ -6,7 +6,21 @@ run when it does not exist and appends to it when it does.
 
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
 import click
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 
 from gputrace.engines.ingest import IngestStats, default_source, ingest_log
 from gputrace.gpu.smi_import import import_nvidia_smi_csv, import_nvidia_smi_dmon, parse_tz
@@ -23,13 +37,35 @@ def _echo_log_stats(engine: str, stats: IngestStats) -> None:
     )
 
 
+# Logs larger than this show a progress bar on a terminal (about 3 s of ingest on 2 cores).
+PROGRESS_MIN_BYTES = 64 << 20
+
+
 def _import_engine_logs(
-    store: Store, engine: str, paths: tuple[str, ...], host: str, timezone: str, date: str | None
+    store: Store, engine: str, paths: tuple[str, ...], host: str, timezone: str, date: str | None,
+    progress: bool | None,
 ) -> None:
     for path in paths:
-        stats = ingest_log(store, path, host=host, engine=engine, source=default_source(path),
-                           tz=timezone, date=date)
+        size = os.path.getsize(path) if os.path.isfile(path) else 0
+        show = progress if progress is not None else (size >= PROGRESS_MIN_BYTES and sys.stderr.isatty())
+        with _bytes_progress(f"{engine} log {os.path.basename(path)}", size, show) as advance:
+            stats = ingest_log(store, path, host=host, engine=engine, source=default_source(path),
+                               tz=timezone, date=date, on_progress=advance)
         _echo_log_stats(engine, stats)
+
+
+@contextmanager
+def _bytes_progress(what: str, total_bytes: int, enabled: bool) -> Iterator[Callable[[int], None]]:
+    """A progress bar on stderr over a file's bytes; a no-op callback when not enabled."""
+    if not enabled:
+        yield lambda _done: None
+        return
+    bar = Progress(TextColumn(f"[bold]import[/] {what}"), BarColumn(), DownloadColumn(),
+                   TransferSpeedColumn(), TimeRemainingColumn(), console=Console(stderr=True),
+                   transient=True)
+    with bar:
+        task = bar.add_task("", total=total_bytes or None)
+        yield lambda done: bar.update(task, completed=done)
 
 
 def _import_load_and_smi_files(
@@ -82,6 +118,9 @@ _FILE = click.Path(dir_okay=False, path_type=str)
               help="Timezone the engine and nvidia-smi printed local times in (IANA name).")
 @click.option("--date", default=None, metavar="YYYY-MM-DD",
               help="Date for log times printed without one (SGLang before 2024-10; vLLM's year).")
+@click.option("--progress/--no-progress", default=None,
+              help="Force the progress bar over engine logs on or off (default: on a terminal, "
+                   "for logs over 64 MiB).")
 def command(
     run_dir: str,
     host: str,
@@ -96,6 +135,7 @@ def command(
     smi_dmon_files: tuple[str, ...],
     timezone: str,
     date: str | None,
+    progress: bool | None,
 ) -> None:
     """Import files made elsewhere (engine logs, load results, nvidia-smi captures) into a run store."""
     files = {"aiperf": aiperf_files, "guidellm": guidellm_files, "requests": requests_files,
@@ -109,6 +149,6 @@ def command(
         click.core.ParameterSource.DEFAULT
     )
     with Store.create(run_dir, exist_ok=True) as store:
-        _import_engine_logs(store, "sglang", sglang_logs, host, timezone, date)
-        _import_engine_logs(store, "vllm", vllm_logs, host, timezone, date)
+        _import_engine_logs(store, "sglang", sglang_logs, host, timezone, date, progress)
+        _import_engine_logs(store, "vllm", vllm_logs, host, timezone, date, progress)
         _import_load_and_smi_files(store, host, host_given, timezone, files, nvidia_smi_fields, aiperf_phase)

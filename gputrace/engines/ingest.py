@@ -61,6 +61,14 @@ def open_log(path: str | os.PathLike[str]) -> IO[bytes]:
     return raw
 
 
+def _reporting(chunks: Iterator[bytes], raw: IO[bytes], on_progress: Callable[[int], None]
+               ) -> Iterator[bytes]:
+    """The chunks, calling ``on_progress`` with the file's position after each."""
+    for chunk in chunks:
+        yield chunk
+        on_progress(raw.tell())
+
+
 def read_chunks(stream: IO[bytes], chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
     """Whole lines in chunks of about ``chunk_bytes`` (the last line may lack its newline)."""
     tail = b""
@@ -135,6 +143,7 @@ def ingest_log(
     fast: bool = True,
     batch_rows: int = 2 * ROW_GROUP_ROWS,
     chunk_bytes: int = CHUNK_BYTES,
+    on_progress: Callable[[int], None] | None = None,
 ) -> IngestStats:
     """Parse a whole log file and append its events and configuration lines to ``store``.
 
@@ -142,7 +151,8 @@ def ingest_log(
     per-line grammar for every line (the fast path's reference). Rows are appended about
     ``batch_rows`` at a time, fast-path rows in whole row groups of the store (each append is one
     committed transaction, so a failure leaves every earlier batch readable); two groups a batch
-    let the database write on two threads while the next batch is parsed.
+    let the database write on two threads while the next batch is parsed. ``on_progress`` is
+    called with the bytes of the file read so far (compressed bytes for a .gz), chunk by chunk.
     """
     source = source or str(path)
     parser = LogParser(host=host, source=source, engine=engine, tz=tz, date=date)
@@ -151,6 +161,9 @@ def ingest_log(
     configs: list[EngineConfig] = []
     with open_log(path) as stream:
         chunks = read_chunks(stream, chunk_bytes)
+        if on_progress is not None:
+            raw: IO[bytes] = stream.fileobj if isinstance(stream, gzip.GzipFile) else stream
+            chunks = _reporting(chunks, raw, on_progress)
         if fast and engine == "sglang":
             _ingest_fast(store, parser, chunks, events, configs, stats, batch_rows)
         else:
