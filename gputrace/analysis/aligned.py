@@ -182,7 +182,7 @@ def align_store(store: Store, window_ns: tuple[int | None, int | None] = (None, 
         f"SELECT k.k, s.ts_ns, s.lost, {cols} FROM gpu_samples s JOIN "
         "(SELECT host, gpu_index, row_number() OVER (ORDER BY host, gpu_index) - 1 AS k "
         f" FROM (SELECT DISTINCT host, gpu_index FROM gpu_samples WHERE {gpu_where})) k "
-        f"USING (host, gpu_index) WHERE {gpu_where.replace('ts_ns', 's.ts_ns')}")
+        f"USING (host, gpu_index) WHERE {_within('s.ts_ns', lo, hi, _MARGIN_NS)}")
     k_raw = _num(samples, "k").astype(np.int64) if samples.num_rows else np.zeros(0, np.int64)
     ts_raw = _num(samples, "ts_ns").astype(np.int64) if samples.num_rows else np.zeros(0, np.int64)
     order = _group_order(k_raw, ts_raw)
