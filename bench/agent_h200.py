@@ -87,7 +87,8 @@ def run_probe(out: str) -> None:
     tryit("temperature_c", pynvml.nvmlDeviceGetTemperature, pynvml.NVML_TEMPERATURE_GPU)
     fields = {"POWER_INSTANT": pynvml.NVML_FI_DEV_POWER_INSTANT,
               "PCIE_COUNT_TX_BYTES": pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES,
-              "PCIE_COUNT_RX_BYTES": pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES}
+              "PCIE_COUNT_RX_BYTES": pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES,
+              "TOTAL_ENERGY_CONSUMPTION": pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION}
     try:
         vals = pynvml.nvmlDeviceGetFieldValues(h, list(fields.values()))
         res["fields"] = {k: "ok" if v.nvmlReturn == 0 else f"ERROR {v.nvmlReturn}"
@@ -129,6 +130,30 @@ def run_probe(out: str) -> None:
                           else f"ERROR {req.metrics[i].nvmlReturn}" for i, n in enumerate(names)}
     except pynvml.NVMLError as e:
         res["gpm_supported"] = f"ERROR {e}"
+    # what one call of each kind costs (median of 50, us): a tick's price is the sum of its calls
+    calls = {
+        "getSamples_gpu": (pynvml.nvmlDeviceGetSamples, pynvml.NVML_GPU_UTILIZATION_SAMPLES, 0),
+        "getFieldValues_4": (pynvml.nvmlDeviceGetFieldValues, list(fields.values())),
+        "getPowerUsage": (pynvml.nvmlDeviceGetPowerUsage,),
+        "getTotalEnergyConsumption": (pynvml.nvmlDeviceGetTotalEnergyConsumption,),
+        "getClockInfo_sm": (pynvml.nvmlDeviceGetClockInfo, pynvml.NVML_CLOCK_SM),
+        "getCurrentClocksEventReasons": (pynvml.nvmlDeviceGetCurrentClocksEventReasons,),
+        "getMemoryInfo": (pynvml.nvmlDeviceGetMemoryInfo,),
+        "getTemperature": (pynvml.nvmlDeviceGetTemperature, pynvml.NVML_TEMPERATURE_GPU),
+        "getUtilizationRates": (pynvml.nvmlDeviceGetUtilizationRates,),
+    }
+    cost_us: dict[str, object] = {}
+    for name, (fn, *args) in calls.items():
+        times = []
+        try:
+            for _ in range(50):
+                t0 = time.perf_counter()
+                fn(h, *args)
+                times.append(time.perf_counter() - t0)
+            cost_us[name] = round(statistics.median(times) * 1e6, 1)
+        except pynvml.NVMLError as e:
+            cost_us[name] = f"ERROR {e}"
+    res["call_cost_us"] = cost_us
     Path(out).write_text(json.dumps(res, indent=1, default=str))
 
 

@@ -45,6 +45,7 @@ class FakeGpu:
     instant_power_mw: int | None = 312_500
     pcie_counts: tuple[int, int, int] | None = None  # (timestamp us, tx bytes, rx bytes)
     energy_mj: int = 9_000_000
+    energy_field: bool = True  # NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION answered by field values
     gpm: dict[int, float] = field(default_factory=dict)
     calls: Counter[str] = field(default_factory=Counter)
     seen_args: list[int] = field(default_factory=list)
@@ -184,6 +185,9 @@ class FakeNvml:
                 ts, tx, rx = g.pcie_counts
                 v.timestamp = ts
                 v.value.ullVal = tx if fid == pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES else rx
+            elif fid == pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION and g.energy_field:
+                v.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+                v.value.ullVal = g.energy_mj
             else:
                 v.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
         return values
@@ -258,6 +262,46 @@ def test_tick_metrics_and_units(monkeypatch: pytest.MonkeyPatch) -> None:
     s2 = _tick(sampler.sample(NOW_NS + 1), 0, NOW_NS + 1)
     assert (s2.pcie_tx_bytes_per_s, s2.pcie_rx_bytes_per_s) == (1_000_000.0, 2_000_000.0)
     assert gpu.calls["nvmlDeviceGetPowerUsage"] == 0  # the instant field was there
+    assert gpu.calls["nvmlDeviceGetTotalEnergyConsumption"] == 0  # so was the energy field
+
+
+def test_slow_metrics_are_read_once_a_second_and_repeated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 10 Hz a tick costs the GPU 4 NVML calls (2 sample reads, field values, and GPM where
+    there is GPM; 2 more here); clocks, reasons, memory and temperature are read once a second
+    and every tick record carries their latest reading, while power follows every tick."""
+    gpu = FakeGpu(0, util_samples=[(1, 50)], pcie_counts=(1, 0, 0))
+    FakeNvml(monkeypatch, [gpu])
+    sampler = NvmlSampler("node1")
+    gpu.calls.clear()
+    ticks = []
+    for i in range(15):  # 100 ms ticks up to 1.4 s
+        if i == 12:
+            gpu.instant_power_mw = 400_000
+        gpu.util_samples.append((2 + i * 100_000, 50))  # a busy GPU: driver samples keep coming
+        ts = NOW_NS + i * 100_000_000
+        ticks.append(_tick(sampler.sample(ts), 0, ts))
+    assert all((t.temperature_c, t.sm_clock_hz, t.clock_event_reasons, t.memory_used_bytes)
+               == (61, 1.98e9, 0x4, 100 * 2**30) for t in ticks)
+    assert [t.power_w for t in ticks] == [312.5] * 12 + [400.0] * 3
+    per_tick = {"nvmlDeviceGetSamples": 2 * 15, "nvmlDeviceGetFieldValues": 15}
+    per_second = {"nvmlDeviceGetClockInfo": 2 * 2, "nvmlDeviceGetCurrentClocksEventReasons": 2,
+                  "nvmlDeviceGetMemoryInfo": 2, "nvmlDeviceGetTemperature": 2}
+    assert dict(gpu.calls) == per_tick | per_second  # at t = 0 and t = 1 s
+    gpu.energy_field = False  # an older driver: the energy call, every tick
+    for i in range(15, 18):
+        sampler.sample(NOW_NS + i * 100_000_000)
+    assert gpu.calls["nvmlDeviceGetTotalEnergyConsumption"] == 3
+
+
+def test_gpu_lost_during_a_slow_read_is_marked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPU_IS_LOST from a once-a-second call marks the GPU lost like any other call."""
+    gpu = FakeGpu(0, util_samples=[(1, 50)])
+    FakeNvml(monkeypatch, [gpu])
+    sampler = NvmlSampler("node1")
+    sampler.sample(NOW_NS)
+    gpu.fail["nvmlDeviceGetTemperature"] = pynvml.NVML_ERROR_GPU_IS_LOST
+    assert not _tick(sampler.sample(NOW_NS + 100_000_000), 0, NOW_NS + 100_000_000).lost
+    assert _tick(sampler.sample(NOW_NS + 10**9), 0, NOW_NS + 10**9).lost
 
 
 def test_not_supported_metrics_are_none_and_logged_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -427,3 +471,30 @@ async def test_agent_serves_nvml_backend_metrics(monkeypatch: pytest.MonkeyPatch
     assert values[("gputrace_gpu_lost", "0")] == 0.0 and values[("gputrace_gpu_lost", "1")] == 1.0
     assert ("gputrace_gpu_power_watts", "1") not in values  # a lost GPU's values are not exported
     assert values[("gputrace_gpu_power_watts", "0")] == 312.5
+
+
+def test_the_prepared_h200_probe_runs_against_the_fake(monkeypatch: pytest.MonkeyPatch,
+                                                        tmp_path: Any) -> None:
+    """bench/agent_h200.py's NVML probe (run only where a device is lent, where a crash would waste
+    the device time) completes on the fake and reports each call's cost and GPM's answers."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "agent_h200.py"
+    spec = importlib.util.spec_from_file_location("agent_h200", path)
+    assert spec is not None and spec.loader is not None
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    gpu = FakeGpu(0, util_samples=[(1_000_000, 40), (1_166_667, 90)], pcie_counts=(1, 0, 0),
+                  gpm={pynvml.NVML_GPM_METRIC_SM_UTIL: 42.0})
+    FakeNvml(monkeypatch, [gpu])
+    monkeypatch.setattr(pynvml, "nvmlGpmSampleAlloc", lambda: pynvml.c_nvmlGpmSample_t())
+    monkeypatch.setattr(probe.time, "sleep", lambda _s: None)
+    probe.run_probe(str(tmp_path / "probe.json"))
+    result = json.loads((tmp_path / "probe.json").read_text())
+    assert result["samples_gpu"]["median_period_us"] == 166_667
+    assert result["gpm"]["SM_UTIL"] == 42.0
+    assert set(result["fields"].values()) == {"ok"}
+    costs = result["call_cost_us"]
+    assert len(costs) == 9 and all(isinstance(v, float) for v in costs.values())

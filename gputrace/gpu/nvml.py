@@ -4,6 +4,11 @@ Utilization comes from ``nvmlDeviceGetSamples`` (every driver sample with its ow
 the GPU supports it, else ``nvmlDeviceGetUtilizationRates``. A metric a GPU does not support is None
 and logged once; NVML missing at start is a one-line NvmlError; a GPU lost mid-run is marked
 ``lost=True`` while the others keep sampling.
+
+Each tick costs NVML calls, and each call is a driver round trip (an ioctl), so a tick asks only
+for what moves at the tick's rate: the driver's utilization samples, one field-values call (instant
+power, energy, PCIe byte counters) and GPM. Clocks, clock event reasons, memory use and temperature
+are read once a second and repeated in each tick's record until the next reading.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ _START_CAUSES = {
 _SIM_HINT = "; to try gputrace without a GPU use `--backend sim`"
 # idle GPUs produce no driver samples; after this long without one, read the plain rates instead
 _STALE_SAMPLES_NS = 1_000_000_000
+# clocks, clock event reasons, memory use and temperature: read at most this often per GPU
+SLOW_METRICS_PERIOD_NS = 1_000_000_000
 # nvmlDeviceGetPcieThroughput blocks ~20 ms per counter: call it at most this often per GPU
 _PCIE_THROUGHPUT_MIN_PERIOD_NS = 1_000_000_000
 _GPM_METRICS = (  # (GpuSample field, metric id, scale to the field's unit)
@@ -52,6 +59,7 @@ _FIELDS = (  # nvmlDeviceGetFieldValues ids read in one call per tick
     ("power_instant", pynvml.NVML_FI_DEV_POWER_INSTANT),  # mW
     ("pcie_tx_count", pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES),  # cumulative bytes
     ("pcie_rx_count", pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES),
+    ("energy_count", pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION),  # mJ since the driver loaded
 )
 
 
@@ -73,6 +81,8 @@ class _Device:
     pcie_throughput_at_ns: int = 0
     gpm_prev: Any = None
     gpm_cur: Any = None
+    slow_read_ns: int | None = None  # when the slow metrics were last read
+    slow_values: dict[str, Any] = field(default_factory=dict)
 
 
 def _decode(value: Any) -> str:
@@ -212,23 +222,33 @@ class NvmlSampler:
         if power_mw is None:
             power_mw = self._call(dev, "power", "nvmlDeviceGetPowerUsage")
         values["power_w"] = power_mw / 1000.0 if power_mw is not None else None
-        energy_mj = self._call(dev, "energy", "nvmlDeviceGetTotalEnergyConsumption")
+        energy_mj = fields.get("energy_count")
+        if energy_mj is None:
+            energy_mj = self._call(dev, "energy", "nvmlDeviceGetTotalEnergyConsumption")
         values["energy_j"] = energy_mj / 1000.0 if energy_mj is not None else None
+        if dev.slow_read_ns is None or now_ns - dev.slow_read_ns >= SLOW_METRICS_PERIOD_NS:
+            dev.slow_values = self._slow_metrics(dev)
+            dev.slow_read_ns = now_ns
+        values.update(dev.slow_values)
+        values.update(self._gpm(dev))
+        self._pcie(dev, fields, values, now_ns)
+        return GpuSample(self.host, dev.index, now_ns, **values)
+
+    def _slow_metrics(self, dev: _Device) -> dict[str, Any]:
+        """Clocks, clock event reasons, memory use and temperature (they move slowly)."""
+        values: dict[str, Any] = {}
         sm_mhz = self._call(dev, "sm_clock", "nvmlDeviceGetClockInfo", pynvml.NVML_CLOCK_SM)
         values["sm_clock_hz"] = sm_mhz * 1e6 if sm_mhz is not None else None
         mem_mhz = self._call(dev, "memory_clock", "nvmlDeviceGetClockInfo", pynvml.NVML_CLOCK_MEM)
         values["memory_clock_hz"] = mem_mhz * 1e6 if mem_mhz is not None else None
-        values["clock_event_reasons"] = self._call(dev, "clock_event_reasons",
-                                                   _CLOCK_EVENTS_FN)
+        values["clock_event_reasons"] = self._call(dev, "clock_event_reasons", _CLOCK_EVENTS_FN)
         memory = self._call(dev, "memory", "nvmlDeviceGetMemoryInfo")
         if memory is not None:
             values["memory_used_bytes"] = int(memory.used)
             values["memory_total_bytes"] = int(memory.total)
         values["temperature_c"] = self._call(dev, "temperature", "nvmlDeviceGetTemperature",
                                              pynvml.NVML_TEMPERATURE_GPU)
-        values.update(self._gpm(dev))
-        self._pcie(dev, fields, values, now_ns)
-        return GpuSample(self.host, dev.index, now_ns, **values)
+        return values
 
     def _driver_samples(self, dev: _Device, out: list[GpuSample]) -> bool:
         """Append one record per new driver sample (own timestamp); True if any GPU sample came."""
