@@ -266,9 +266,9 @@ def test_tick_metrics_and_units(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_slow_metrics_are_read_once_a_second_and_repeated(monkeypatch: pytest.MonkeyPatch) -> None:
-    """At 10 Hz a tick costs the GPU 4 NVML calls (2 sample reads, field values, and GPM where
-    there is GPM; 2 more here); clocks, reasons, memory and temperature are read once a second
-    and every tick record carries their latest reading, while power follows every tick."""
+    """A tick costs a GPU 3 NVML calls (2 sample reads, one field-values call; GPM adds 2, and
+    there were 11): clocks, reasons, memory and temperature are read once a second and every tick
+    record carries their latest reading, while power follows every tick."""
     gpu = FakeGpu(0, util_samples=[(1, 50)], pcie_counts=(1, 0, 0))
     FakeNvml(monkeypatch, [gpu])
     sampler = NvmlSampler("node1")
