@@ -130,6 +130,27 @@ def test_a_run_spanning_years_is_refused_in_one_line_and_a_window_of_it_reports(
     assert abs(phases["C=32"]["duration_s"] - 6.0) < 0.2
 
 
+def test_compare_takes_a_window_of_each_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """compare refuses the two-year run in one line naming its window flags, compares windows of
+    each run (here the same run: nothing changes), and checks each window's order."""
+    run = _capped(tmp_path / "run")
+    with Store.open(run) as store:
+        store.sql("INSERT INTO scheduler_events (host, source, engine, kind, line_no, log_ts_ns, "
+                  "ts_resolution_ns, pp_rank, running_req, queue_req) VALUES ('node0', 'old.log', "
+                  f"'sglang', 'decode', 0, {T0 - 2 * 365 * 86_400 * 10**9}, 1000000000, 0, 1, 0)")
+    code, _, err = _cli(capsys, "compare", str(run), str(run))
+    assert code == 1 and len(err.strip().splitlines()) == 1 and "--start-a/--end-a" in err, err
+    start, end = f"{T0 / 1e9 + 3:.3f}", f"{T0 / 1e9 + 12:.3f}"
+    res = CliRunner().invoke(main, ["compare", str(run), str(run), "--start-a", start, "--end-a", end,
+                                    "--start-b", start, "--end-b", end, "--out", str(tmp_path / "cmp"),
+                                    "--format", "json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert [p["label"] for p in doc["phases"]] == ["C=1", "C=32"]
+    status, _, err = _cli(capsys, "compare", str(run), str(run), "--start-b", end, "--end-b", start)
+    assert status == 2 and "--end-b" in err and "is not after --start-b" in err, err
+
+
 def test_window_flags_are_checked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """An end before the start, a window holding no data, and --run-out without --prometheus are
     one-line errors."""

@@ -280,7 +280,8 @@ def align_store(store: Store, window_ns: tuple[int | None, int | None] = (None, 
         raise AnalysisError(
             f"{store.path}: the data spans {(grid_end - grid_start) / 86_400e9:.1f} days, {n_cells:,} "
             f"cells of {period / 1e9:g} s, about {grid_bytes / 2**30:.0f} GiB to align at once ({held}): "
-            "analyse a window of it with gputrace report RUN --start T --end T")
+            "analyse a window of it with gputrace report RUN --start T --end T (compare: "
+            "--start-a/--end-a, --start-b/--end-b)")
     grid = make_grid(grid_start, grid_end, period)
 
     gpu = {m: np.full((len(gpu_keys), len(grid)), np.nan) for m in GPU_METRICS}

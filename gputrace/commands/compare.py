@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import click
 
+from gputrace.analysis.aligned import align_store
 from gputrace.analysis.compare import compare_analyses
-from gputrace.analysis.run import analyse_store
+from gputrace.analysis.run import analyse_aligned
+from gputrace.prometheus.cli_options import window_ns
 from gputrace.report.compare_render import render_compare_markdown, write_compare
 from gputrace.report.render import parse_formats
 from gputrace.store import Store
@@ -18,13 +20,25 @@ from gputrace.store import Store
               help="Write compare.{html,md,json} here (default: print Markdown only).")
 @click.option("--format", "formats", default="html,md,json", show_default=True,
               help="Comma-separated: html, md, json (with --out).")
-def command(run_a: str, run_b: str, out_dir: str | None, formats: str) -> None:
-    """Compare run B against run A (before/after) phase by phase."""
+@click.option("--start-a", default=None, metavar="T",
+              help="Compare only run A from T (ISO 8601 or epoch seconds; as report's --start).")
+@click.option("--end-a", default=None, metavar="T", help="... until T.")
+@click.option("--start-b", default=None, metavar="T", help="Compare only run B from T.")
+@click.option("--end-b", default=None, metavar="T", help="... until T.")
+def command(run_a: str, run_b: str, out_dir: str | None, formats: str, start_a: str | None,
+            end_a: str | None, start_b: str | None, end_b: str | None) -> None:
+    """Compare run B against run A (before/after) phase by phase.
+
+    Each run can be cut to a window (--start-a/--end-a, --start-b/--end-b): a phase running at a
+    window's start begins there.
+    """
     fmts = parse_formats(formats)
+    window_a = window_ns(start_a, end_a, ("--start-a", "--end-a"))
+    window_b = window_ns(start_b, end_b, ("--start-b", "--end-b"))
     with Store.open(run_a, read_only=True) as sa:
-        a = analyse_store(sa)
+        a = analyse_aligned(align_store(sa, window_a))
     with Store.open(run_b, read_only=True) as sb:
-        b = analyse_store(sb)
+        b = analyse_aligned(align_store(sb, window_b))
     doc = compare_analyses(a, b)
     click.echo(render_compare_markdown(doc), nl=False)
     if out_dir:

@@ -9,7 +9,7 @@ import click
 from gputrace.analysis.aligned import align_store
 from gputrace.analysis.run import analyse_aligned
 from gputrace.errors import UsageError
-from gputrace.prometheus.cli_options import parse_window_ms, prometheus_flags, prometheus_run
+from gputrace.prometheus.cli_options import prometheus_flags, prometheus_run, window_ns
 from gputrace.report.figures import FIGURES
 from gputrace.report.progress import LONG_RUN_S, report_progress
 from gputrace.report.render import parse_formats, write_report
@@ -30,17 +30,15 @@ def command(run: str | None, formats: str, out_dir: str | None, progress: bool |
     if run is not None and prom["prometheus_url"]:
         raise UsageError("give a RUN directory or --prometheus, not both")
     imported = prometheus_run(**prom)
-    window_ns: tuple[int | None, int | None] = (None, None)
+    window: tuple[int | None, int | None] = (None, None)
     if imported:
         run, out_dir = imported[0], out_dir or imported[1]
     elif run is None:
         raise UsageError("give a RUN directory, or --prometheus URL --start T --end T")
     else:  # a window of the run (its own clock: the collector's)
-        start_ms, end_ms = parse_window_ms(prom["prom_start"], prom["prom_end"])
-        window_ns = (None if start_ms is None else start_ms * 1_000_000,
-                     None if end_ms is None else end_ms * 1_000_000)
+        window = window_ns(prom["prom_start"], prom["prom_end"])
     with Store.open(run, read_only=True) as store:
-        aligned = align_store(store, window_ns)
+        aligned = align_store(store, window)
     duration_s = float(aligned.grid_ns[-1] - aligned.grid_ns[0]) / 1e9
     enabled = progress if progress is not None else duration_s > LONG_RUN_S
     n_phases = max(len(aligned.markers), 1)

@@ -50,13 +50,24 @@ def prometheus_flags(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-def parse_window_ms(start: str | None, end: str | None) -> tuple[int | None, int | None]:
-    """--start and --end in ms since the epoch (None where not given); the end after the start."""
-    start_ms = parse_time_ms(start, "--start") if start is not None else None
-    end_ms = parse_time_ms(end, "--end") if end is not None else None
+def parse_window_ms(start: str | None, end: str | None, flags: tuple[str, str] = ("--start", "--end")
+                    ) -> tuple[int | None, int | None]:
+    """--start and --end (or the ``flags`` named) in ms since the epoch (None where not given);
+    the end after the start."""
+    start_flag, end_flag = flags
+    start_ms = parse_time_ms(start, start_flag) if start is not None else None
+    end_ms = parse_time_ms(end, end_flag) if end is not None else None
     if start_ms is not None and end_ms is not None and end_ms <= start_ms:
-        raise UsageError(f"--end {end} is not after --start {start}")
+        raise UsageError(f"{end_flag} {end} is not after {start_flag} {start}")
     return start_ms, end_ms
+
+
+def window_ns(start: str | None, end: str | None, flags: tuple[str, str] = ("--start", "--end")
+              ) -> tuple[int | None, int | None]:
+    """``parse_window_ms`` in ns, for align_store."""
+    start_ms, end_ms = parse_window_ms(start, end, flags)
+    return (None if start_ms is None else start_ms * 1_000_000,
+            None if end_ms is None else end_ms * 1_000_000)
 
 
 def prometheus_run(prometheus_url: str | None, prom_start: str | None, prom_end: str | None,
