@@ -60,8 +60,14 @@ def _batch_line(rnd: random.Random) -> str:
     return f"{_prefix(rnd)} {body}"
 
 
-def _mixed_log(path: Path, n_lines: int, seed: int) -> None:
-    """Current-form lines with every variable part, plus every other kind of line around them."""
+_RUNTIME_PREFIXES = ["2026-06-24T15:38:02.123456789Z stdout F ", "2026-06-24T15:38:02Z ",
+                     "\t2026-06-24T15:38:02.5-0700  stderr  P  ", "2026-06-24T15:38:02Z stdoutF ",
+                     "2026-06-24 15:38:02Z stdout F "]
+
+
+def _mixed_log(path: Path, n_lines: int, seed: int, runtime_prefix: bool = False) -> None:
+    """Current-form lines with every variable part, plus every other kind of line around them;
+    with ``runtime_prefix``, most lines in a container runtime's prefix (some malformed)."""
     rnd = random.Random(seed)
     real = [line for line in SGLANG_LINES.read_text(encoding="utf-8").split("\n") if line]
     odd = ["[2026-13-40 25:00:00 PP1] Decode batch, #running-req: 1, #token: 2, token usage: 0.10, "
@@ -77,6 +83,8 @@ def _mixed_log(path: Path, n_lines: int, seed: int) -> None:
                 line = rnd.choice(real)
             else:
                 line = rnd.choice(odd)
+            if runtime_prefix and rnd.random() < 0.95:
+                line = rnd.choice(_RUNTIME_PREFIXES[:2] * 8 + _RUNTIME_PREFIXES[2:]) + line
             data = line.encode()
             if rnd.random() < 0.01:
                 data += b"\r"
@@ -85,17 +93,19 @@ def _mixed_log(path: Path, n_lines: int, seed: int) -> None:
             out.write(data + (b"\n" if i < n_lines - 1 else b""))
 
 
-@pytest.mark.parametrize(("tz", "row_group_rows"), [("UTC", None), ("Europe/Berlin", None), ("UTC", 97)])
+@pytest.mark.parametrize(("tz", "row_group_rows", "runtime_prefix"), [
+    ("UTC", None, False), ("Europe/Berlin", None, False), ("UTC", 97, False), ("UTC", None, True)])
 def test_fast_path_equals_per_line_grammar(tmp_path: Path, tz: str, row_group_rows: int | None,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+                                           runtime_prefix: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every event, count and configuration record is the same with and without the fast path,
-    also when fast rows are appended in small row groups cut across chunks."""
+    also when fast rows are appended in small row groups cut across chunks, and in a container's
+    log (its runtime's prefix on most lines, a few malformed)."""
     batching = {}
     if row_group_rows is not None:  # many appends of whole groups, the rest carried over
         monkeypatch.setattr(ingest, "ROW_GROUP_ROWS", row_group_rows)
         batching = {"batch_rows": 250}
     log = tmp_path / "mixed.log"
-    _mixed_log(log, 6000, seed=7)
+    _mixed_log(log, 6000, seed=7, runtime_prefix=runtime_prefix)
     tables = {}
     stats = {}
     for fast in (True, False):
@@ -168,6 +178,8 @@ _CURRENT_FORMS = [
     "[2026-08-23 09:06:04 TP0 EP0] Prefill batch [3], #new-seq: 1, #new-token: 8192, #cached-token: 0, "
     "token usage: 0.01, #running-req: 0, #queue-req: 0, #pending-token: 157704, musa graph: False, "
     "input throughput (token/s): 824.28",
+    "2026-06-24T15:38:02.123456789Z stdout F [2026-06-24 15:38:02 PP3] Decode batch, #running-req: 12, "
+    "#token: 998080, token usage: 0.59, cuda graph: True, gen throughput (token/s): 205.21, #queue-req: 0",
 ]
 
 

@@ -139,8 +139,14 @@ def test_fast_path_gives_the_per_line_objects(tmp_path: Path, capsys: pytest.Cap
     # enough lines to cross the 1 MiB chunks several times, in a shuffled but fixed order
     lines = [variants[(i * 7) % len(variants)] for i in range(30_000)]
     log.write_text("\n".join(lines) + "\n")
+    # the same lines as a container runtime logs them (CRI files, `docker logs -t`), a few without
+    runtime = ["2026-06-24T15:38:02.123456789Z stdout F ", "2026-06-24T15:38:02Z ",
+               " 2026-06-24T15:38:02.5+02:00 stderr P ", "2026-06-24T15:38:02Z stdout F", ""]
+    container_log = tmp_path / "container.log"
+    container_log.write_text("\n".join(runtime[i % 13 % len(runtime)] + line
+                                       for i, line in enumerate(lines)) + "\n")
     for engine in ("auto", "sglang"):  # auto: vLLM lines among SGLang's are still read
-        for path in (log, SGLANG_LINES, VLLM_LINES):
+        for path in (log, container_log, SGLANG_LINES, VLLM_LINES):
             fast, slow = io.StringIO(), io.StringIO()
             _parse_all((str(path),), engine, fast, fast=True)
             _parse_all((str(path),), engine, slow, fast=False)

@@ -22,6 +22,12 @@ from gputrace.engines.sglang import _RANK, _RANK_FIELDS
 # A line without any of these cannot be an SGLang scheduler or configuration line.
 _MAYBE_SGLANG = re.compile(rb"batch|#running-req: |max_total_num_tokens=|server_args=ServerArgs\(")
 _RANK_TEXT = re.compile(r"(?: (?:DP|PP|ATTN_CP|MOE_DP|TP|EP)\d+)*")
+# A container runtime's prefix in front of SGLang's ``[``: CRI (``<RFC3339> stdout F ``, as in
+# /var/log/pods) or ``docker logs -t`` / ``kubectl logs --timestamps``. It matches a subset of
+# what the per-line grammar strips (sglang._RUNTIME_PREFIX), so a line it strips reads the same.
+_RUNTIME_LINE_PREFIX = re.compile(
+    rb"(?m)^[ \t]*\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?(?:Z|[+-]\d\d:?\d\d)?[ \t]+"
+    rb"(?:(?:stdout|stderr)[ \t]+[FP][ \t]+)?(?=\[)")
 _MAX_INT_DIGITS = 15  # exact in int64 (longer ones, never counts, go the per-line way)
 _MAX_DEC_DIGITS = 15  # an exact integer mantissa in float64
 _MAX_RANK_TEXT = 64
@@ -333,10 +339,19 @@ def _form(raw: _Bytes, kind: str, closer: np.ndarray, line_end: np.ndarray,
 def scan_chunk(chunk: bytes, first_line_no: int, clock: LogClock, only_sglang: bool = True) -> ChunkResult:
     """Take the chunk's current-form batch lines; hand back the rest (numbered from the chunk):
     with ``only_sglang`` just those that may be SGLang's, else all (another grammar may read them)."""
+    original = chunk
+    if chunk[:1] != b"[" and _RUNTIME_LINE_PREFIX.match(chunk):  # a container's log: strip them all
+        chunk = _RUNTIME_LINE_PREFIX.sub(b"", chunk)
     raw = _Bytes(chunk)
     newlines = np.flatnonzero(raw.b[: raw.size] == ord("\n"))
     line_end = newlines if chunk.endswith(b"\n") else np.append(newlines, raw.size)
     starts = np.concatenate(([0], newlines + 1))[: len(line_end)]
+    # where each line lies in the chunk as given (lines handed back are the lines as given)
+    src_starts, src_ends = starts, line_end
+    if chunk is not original:
+        src_newlines = np.flatnonzero(np.frombuffer(original, dtype=np.uint8) == ord("\n"))
+        src_ends = src_newlines if original.endswith(b"\n") else np.append(src_newlines, len(original))
+        src_starts = np.concatenate(([0], src_newlines + 1))[: len(src_ends)]
     result = ChunkResult(n_lines=len(line_end))
     ok, ts_ns, ts_known, resolution, rank_start = _timestamps(raw, starts, clock)
     closer = raw.next_at(raw.closers, rank_start)
@@ -362,14 +377,15 @@ def scan_chunk(chunk: bytes, first_line_no: int, clock: LogClock, only_sglang: b
             present[name][good] = True
         result.kinds[kind] = len(good)
     for offset in np.flatnonzero(~taken).tolist():
-        begin, end = int(starts[offset]), int(line_end[offset])
-        if not only_sglang or _MAYBE_SGLANG.search(chunk, begin, end):
-            result.leftovers.append((offset, chunk[begin:end].decode("utf-8", errors="replace")))
+        begin, end = int(src_starts[offset]), int(src_ends[offset])
+        if not only_sglang or _MAYBE_SGLANG.search(original, begin, end):
+            result.leftovers.append((offset, original[begin:end].decode("utf-8", errors="replace")))
         else:
             result.n_rejected += 1
     rows = np.flatnonzero(taken)
     result.n_fast = len(rows)
-    result.line_starts = starts[rows]
+    # each fast row's "[" in the chunk as given: as far before its line's end as in the chunk read
+    result.line_starts = src_ends[rows] - (line_end[rows] - starts[rows])
     # Every chunk yields the same columns and types, so chunks join without copying.
     cols: dict[str, pa.Array] = {
         "line_no": pa.array(rows + first_line_no),
