@@ -46,14 +46,18 @@ def _number(rnd: random.Random, decimal: bool) -> str:
 def _batch_line(rnd: random.Random) -> str:
     graph = f"{rnd.choice(['cuda', 'cpu', 'npu', 'musa'])} graph: {rnd.choice(['True', 'False'])}"
     it = f" [{rnd.randint(0, 999)}]" if rnd.random() < 0.2 else ""
+    sep = rnd.choice([",", ",", "."])  # "Decode batch." from 2024-06 to 2025-10
+    spec = rnd.choice(["", "", f"accept len: {_number(rnd, True)}, ",
+                       f"accept len: {_number(rnd, True)}, accept rate: {_number(rnd, True)}, ",
+                       "accept len: 3, "])  # speculative decoding (an integer one goes per line)
     if rnd.random() < 0.7:
-        body = (f"Decode batch{it}, #running-req: {_number(rnd, False)}, #token: {_number(rnd, False)}, "
-                f"token usage: {_number(rnd, True)}, {graph}, "
+        body = (f"Decode batch{it}{sep} #running-req: {_number(rnd, False)}, #token: {_number(rnd, False)}, "
+                f"token usage: {_number(rnd, True)}, {spec}{graph}, "
                 f"gen throughput (token/s): {_number(rnd, True)}, "
                 f"#queue-req: {_number(rnd, False)}" + rnd.choice(["", "", ", "]))
     else:
         pending = f"#pending-token: {_number(rnd, False)}, " if rnd.random() < 0.5 else ""
-        body = (f"Prefill batch{it}, #new-seq: {_number(rnd, False)}, #new-token: {_number(rnd, False)}, "
+        body = (f"Prefill batch{it}{sep} #new-seq: {_number(rnd, False)}, #new-token: {_number(rnd, False)}, "
                 f"#cached-token: {_number(rnd, False)}, token usage: {_number(rnd, True)}, "
                 f"#running-req: {_number(rnd, False)}, #queue-req: {_number(rnd, False)}, {pending}{graph}, "
                 f"input throughput (token/s): {_number(rnd, True)}")
@@ -178,6 +182,9 @@ _CURRENT_FORMS = [
     "[2026-08-23 09:06:04 TP0 EP0] Prefill batch [3], #new-seq: 1, #new-token: 8192, #cached-token: 0, "
     "token usage: 0.01, #running-req: 0, #queue-req: 0, #pending-token: 157704, musa graph: False, "
     "input throughput (token/s): 824.28",
+    "[2025-05-31 18:31:21 DP0 TP0] Decode batch. #running-req: 8, #token: 37217, token usage: 0.13, "
+    "accept len: 2.90, accept rate: 0.71, cuda graph: True, gen throughput (token/s): 171.01, "
+    "#queue-req: 0, ",
     "2026-06-24T15:38:02.123456789Z stdout F [2026-06-24 15:38:02 PP3] Decode batch, #running-req: 12, "
     "#token: 998080, token usage: 0.59, cuda graph: True, gen throughput (token/s): 205.21, #queue-req: 0",
 ]

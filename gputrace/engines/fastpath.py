@@ -3,10 +3,12 @@ every other line is handed back for gputrace.engines.sglang, which reads it the 
 """
 
 # A line is taken only when numpy has checked every byte of it against the exact current layout
-# (``[date time(.mmm)( PPn ...)] Decode batch( [N]), #running-req: N, ...``): fixed keys compared
-# as 8-byte words, values checked digit by digit (SWAR), nothing left over at the end. Other
-# versions, odd prefixes, startup lines and numbers too long for exact arithmetic go the per-line
-# way; tests hold both paths to the same records. numpy releases the GIL: chunks scan in threads.
+# (``[date time(.mmm)( PPn ...)] Decode batch( [N])[,.] #running-req: N, ...``, speculative
+# decoding's ``accept len``/``accept rate`` skipped, a container runtime's prefix stripped): fixed
+# keys compared as 8-byte words, values checked digit by digit (SWAR), nothing left over at the
+# end. Other versions, odd prefixes, startup lines and numbers too long for exact arithmetic go
+# the per-line way; tests hold both paths to the same records. numpy releases the GIL: chunks scan
+# in threads.
 
 from __future__ import annotations
 
@@ -34,10 +36,14 @@ _MAX_RANK_TEXT = 64
 _GRAPH_LABELS = (b", cuda graph: ", b", cpu graph: ", b", npu graph: ", b", musa graph: ")
 _GRAPH = "graph"
 # Each form's fields in order: (SchedulerEvent field, key before the value, kind of value).
-_DECODE = (
+_DECODE_HEAD = (
     ("running_req", b", #running-req: ", "int"),
     ("num_token", b", #token: ", "int"),
     ("token_usage", b", token usage: ", "dec"),
+)
+# speculative decoding's fields between token usage and the graph flag (values not kept)
+_SPECULATIVE = (b", accept len: ", b", accept rate: ")
+_DECODE_TAIL = (
     ("cuda_graph", _GRAPH, "bool"),
     ("gen_throughput_tok_s", b", gen throughput (token/s): ", "dec"),
     ("queue_req", b", #queue-req: ", "int"),
@@ -175,15 +181,20 @@ def _decimal_field(raw: _Bytes, start: np.ndarray, ok: np.ndarray) -> tuple[np.n
 
 
 def _fields(raw: _Bytes, pos: np.ndarray, ok: np.ndarray,
-            layout: tuple[tuple[str, bytes | str, str], ...], cols: dict[str, np.ndarray]) -> np.ndarray:
+            layout: tuple[tuple[str, bytes | str, str], ...], cols: dict[str, np.ndarray],
+            loose_first: np.ndarray | None = None) -> np.ndarray:
     """Check and cut the fields of ``layout`` from ``pos``; clears ``ok`` for rows that differ.
-    Returns the position after the last value."""
-    for name, key, kind in layout:
+    Rows in ``loose_first`` have ``.`` for the first key's ``,``. Returns the position after the
+    last value."""
+    for i, (name, key, kind) in enumerate(layout):
         if kind == "bool":
             cols[name], pos = _graph_field(raw, pos, ok)
             continue
         assert isinstance(key, bytes)
-        ok &= raw.has(pos, key)
+        if i == 0 and loose_first is not None and loose_first.any():
+            ok &= np.where(loose_first, raw.has(pos + 1, key[1:]), raw.has(pos, key))
+        else:
+            ok &= raw.has(pos, key)
         start = pos + len(key)
         # The value ends at its first non-digit; the next key (or the line's end) is checked there.
         cols[name], pos = (_int_field if kind == "int" else _decimal_field)(raw, start, ok)
@@ -322,10 +333,19 @@ def _form(raw: _Bytes, kind: str, closer: np.ndarray, line_end: np.ndarray,
     ok &= ~has_iter | ((raw.at(after + 1) == ord("[")) & iter_ok & (raw.at(iter_end) == ord("]")))
     pos = np.where(has_iter, iter_end + 1, after)
     cols: dict[str, np.ndarray] = {}
+    # ``Decode batch. #running-req``: a period before the first field (2024-06 to 2025-10)
+    period = raw.at(pos) == ord(".")
     if kind == "decode":
-        pos = _fields(raw, pos, ok, _DECODE, cols)
+        pos = _fields(raw, pos, ok, _DECODE_HEAD, cols, loose_first=period)
+        for key in _SPECULATIVE:
+            here = raw.has(pos, key)
+            value_ok = np.ones(len(pos), dtype=bool)
+            _, end = _decimal_field(raw, pos + len(key), value_ok)
+            ok &= ~here | value_ok
+            pos = np.where(here, end, pos)
+        pos = _fields(raw, pos, ok, _DECODE_TAIL, cols)
     else:
-        pos = _fields(raw, pos, ok, _PREFILL_HEAD, cols)
+        pos = _fields(raw, pos, ok, _PREFILL_HEAD, cols, loose_first=period)
         has_pending = raw.has(pos, _PENDING)
         pending_ok = np.ones(len(pos), dtype=bool)
         _, pending_end = _int_field(raw, pos + len(_PENDING), pending_ok)
