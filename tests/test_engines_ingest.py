@@ -56,11 +56,13 @@ def _batch_line(rnd: random.Random) -> str:
                 f"gen throughput (token/s): {_number(rnd, True)}, "
                 f"#queue-req: {_number(rnd, False)}" + rnd.choice(["", "", ", "]))
     else:
-        pending = f"#pending-token: {_number(rnd, False)}, " if rnd.random() < 0.5 else ""
+        pending = f", #pending-token: {_number(rnd, False)}" if rnd.random() < 0.5 else ""
+        # before 2026 prefill lines could end after the queue (or pending tokens), often with ", "
+        tail = rnd.choice([f", {graph}, input throughput (token/s): {_number(rnd, True)}"] * 3
+                          + ["", ", ", f", {graph}"])
         body = (f"Prefill batch{it}{sep} #new-seq: {_number(rnd, False)}, #new-token: {_number(rnd, False)}, "
                 f"#cached-token: {_number(rnd, False)}, token usage: {_number(rnd, True)}, "
-                f"#running-req: {_number(rnd, False)}, #queue-req: {_number(rnd, False)}, {pending}{graph}, "
-                f"input throughput (token/s): {_number(rnd, True)}")
+                f"#running-req: {_number(rnd, False)}, #queue-req: {_number(rnd, False)}{pending}{tail}")
     return f"{_prefix(rnd)} {body}"
 
 
@@ -118,7 +120,7 @@ def test_fast_path_equals_per_line_grammar(tmp_path: Path, tz: str, row_group_ro
                                      **batching)
             tables[fast] = store.arrow("scheduler_events", order_by="line_no")
             tables[f"cfg-{fast}"] = store.arrow("engine_configs", order_by="line_no")
-    assert stats[True].fast_path_lines > 3000
+    assert stats[True].fast_path_lines > 2500  # most of the 4,800 batch lines
     assert stats[True].as_dict() == stats[False].as_dict()
     assert tables[True].num_rows == stats[True].events_written > 4000
     for name in tables[False].column_names:
@@ -185,6 +187,8 @@ _CURRENT_FORMS = [
     "[2025-05-31 18:31:21 DP0 TP0] Decode batch. #running-req: 8, #token: 37217, token usage: 0.13, "
     "accept len: 2.90, accept rate: 0.71, cuda graph: True, gen throughput (token/s): 171.01, "
     "#queue-req: 0, ",
+    "[2025-09-03 18:33:18 TP0] Prefill batch. #new-seq: 1, #new-token: 103, #cached-token: 1, "
+    "token usage: 0.00, #running-req: 0, #queue-req: 0, ",
     "2026-06-24T15:38:02.123456789Z stdout F [2026-06-24 15:38:02 PP3] Decode batch, #running-req: 12, "
     "#token: 998080, token usage: 0.59, cuda graph: True, gen throughput (token/s): 205.21, #queue-req: 0",
 ]

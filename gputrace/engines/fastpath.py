@@ -321,8 +321,9 @@ def _ranks(raw: _Bytes, start: np.ndarray, end: np.ndarray, ok: np.ndarray) -> d
 
 
 def _form(raw: _Bytes, kind: str, closer: np.ndarray, line_end: np.ndarray,
-          ok: np.ndarray) -> dict[str, np.ndarray]:
-    """Check and cut one form's words and fields after the prefix's closing bracket."""
+          ok: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Check and cut one form's words and fields after the prefix's closing bracket: the values,
+    and for fields a row may lack, where they were there."""
     words = b"] Decode batch" if kind == "decode" else b"] Prefill batch"
     ok &= raw.has(closer, words)
     after = closer + len(words)
@@ -333,6 +334,7 @@ def _form(raw: _Bytes, kind: str, closer: np.ndarray, line_end: np.ndarray,
     ok &= ~has_iter | ((raw.at(after + 1) == ord("[")) & iter_ok & (raw.at(iter_end) == ord("]")))
     pos = np.where(has_iter, iter_end + 1, after)
     cols: dict[str, np.ndarray] = {}
+    present: dict[str, np.ndarray] = {}
     # ``Decode batch. #running-req``: a period before the first field (2024-06 to 2025-10)
     period = raw.at(pos) == ord(".")
     if kind == "decode":
@@ -351,9 +353,15 @@ def _form(raw: _Bytes, kind: str, closer: np.ndarray, line_end: np.ndarray,
         _, pending_end = _int_field(raw, pos + len(_PENDING), pending_ok)
         ok &= ~has_pending | pending_ok
         pos = np.where(has_pending, pending_end, pos)
-        pos = _fields(raw, pos, ok, _PREFILL_TAIL, cols)
+        # before 2026 a prefill line could end here, without the graph flag and input throughput
+        has_tail = ~_line_ends_cleanly(raw, pos, line_end)
+        tail_ok = np.ones(len(pos), dtype=bool)
+        tail_end = _fields(raw, pos, tail_ok, _PREFILL_TAIL, cols)
+        ok &= ~has_tail | tail_ok
+        pos = np.where(has_tail, tail_end, pos)
+        present = {name: has_tail for name, _, _ in _PREFILL_TAIL}
     ok &= _line_ends_cleanly(raw, pos, line_end)
-    return cols
+    return cols, present
 
 
 def scan_chunk(chunk: bytes, first_line_no: int, clock: LogClock, only_sglang: bool = True) -> ChunkResult:
@@ -388,13 +396,13 @@ def scan_chunk(chunk: bytes, first_line_no: int, clock: LogClock, only_sglang: b
         if not len(rows):
             continue
         row_ok = np.ones(len(rows), dtype=bool)
-        form_values = _form(raw, kind, closer[rows], line_end[rows], row_ok)
+        form_values, form_present = _form(raw, kind, closer[rows], line_end[rows], row_ok)
         good = rows[row_ok]
         taken[good] = True
         is_decode[good] = kind == "decode"
         for name, column in form_values.items():
             values[name][good] = column[row_ok]
-            present[name][good] = True
+            present[name][good] = form_present[name][row_ok] if name in form_present else True
         result.kinds[kind] = len(good)
     for offset in np.flatnonzero(~taken).tolist():
         begin, end = int(src_starts[offset]), int(src_ends[offset])
