@@ -340,11 +340,13 @@ def _form(raw: _Bytes, kind: str, closer: np.ndarray, line_end: np.ndarray,
     if kind == "decode":
         pos = _fields(raw, pos, ok, _DECODE_HEAD, cols, loose_first=period)
         for key in _SPECULATIVE:
-            here = raw.has(pos, key)
-            value_ok = np.ones(len(pos), dtype=bool)
-            _, end = _decimal_field(raw, pos + len(key), value_ok)
-            ok &= ~here | value_ok
-            pos = np.where(here, end, pos)
+            here = np.flatnonzero(raw.has(pos, key))
+            if len(here):  # only these rows pay for reading the value
+                value_ok = np.ones(len(here), dtype=bool)
+                _, end = _decimal_field(raw, pos[here] + len(key), value_ok)
+                ok[here] &= value_ok
+                pos = pos.copy()
+                pos[here] = end
         pos = _fields(raw, pos, ok, _DECODE_TAIL, cols)
     else:
         pos = _fields(raw, pos, ok, _PREFILL_HEAD, cols, loose_first=period)
