@@ -339,7 +339,7 @@ def _form(raw: _Bytes, kind: str, closer: np.ndarray, line_end: np.ndarray,
     period = raw.at(pos) == ord(".")
     if kind == "decode":
         pos = _fields(raw, pos, ok, _DECODE_HEAD, cols, loose_first=period)
-        for key in _SPECULATIVE:
+        for key in _SPECULATIVE if raw.has(pos, b", accept").any() else ():
             here = np.flatnonzero(raw.has(pos, key))
             if len(here):  # only these rows pay for reading the value
                 value_ok = np.ones(len(here), dtype=bool)
