@@ -51,8 +51,9 @@ def _batch_line(rnd: random.Random) -> str:
                        f"accept len: {_number(rnd, True)}, accept rate: {_number(rnd, True)}, ",
                        "accept len: 3, "])  # speculative decoding (an integer one goes per line)
     if rnd.random() < 0.7:
+        graph_flag = rnd.choice([f"{graph}, "] * 4 + [""])  # no graph flag before 2025-05
         body = (f"Decode batch{it}{sep} #running-req: {_number(rnd, False)}, #token: {_number(rnd, False)}, "
-                f"token usage: {_number(rnd, True)}, {spec}{graph}, "
+                f"token usage: {_number(rnd, True)}, {spec}{graph_flag}"
                 f"gen throughput (token/s): {_number(rnd, True)}, "
                 f"#queue-req: {_number(rnd, False)}" + rnd.choice(["", "", ", "]))
     else:
@@ -189,6 +190,8 @@ _CURRENT_FORMS = [
     "#queue-req: 0, ",
     "[2025-09-03 18:33:18 TP0] Prefill batch. #new-seq: 1, #new-token: 103, #cached-token: 1, "
     "token usage: 0.00, #running-req: 0, #queue-req: 0, ",
+    "[2024-11-29 10:28:26 TP0] Decode batch. #running-req: 3, #token: 6144, token usage: 0.01, "
+    "gen throughput (token/s): 19.65, #queue-req: 70",
     "2026-06-24T15:38:02.123456789Z stdout F [2026-06-24 15:38:02 PP3] Decode batch, #running-req: 12, "
     "#token: 998080, token usage: 0.59, cuda graph: True, gen throughput (token/s): 205.21, #queue-req: 0",
 ]

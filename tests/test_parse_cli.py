@@ -131,6 +131,8 @@ def test_fast_path_gives_the_per_line_objects(tmp_path: Path, capsys: pytest.Cap
         "cuda graph: True, gen throughput (token/s): 1.06, #queue-req: 0, ",
         "[2025-09-03 18:33:18 TP0] Prefill batch. #new-seq: 1, #new-token: 103, #cached-token: 1, "
         "token usage: 0.00, #running-req: 0, #queue-req: 0, ",
+        "[2024-11-29 10:28:26 TP0] Decode batch. #running-req: 3, #token: 6144, token usage: 0.01, "
+        "gen throughput (token/s): 19.65, #queue-req: 70",
         "[15:38:05 TP0] Decode batch. #running-req: 2, #token: 80, token usage: 0.00, gen throughput "
         "(token/s): 40.00, #queue-req: 0",
         '[2026-06-24 15:38:05] INFO:     10.0.0.7:40000 - "POST /v1/chat/completions HTTP/1.1" 200 OK',

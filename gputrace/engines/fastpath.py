@@ -347,7 +347,14 @@ def _form(raw: _Bytes, kind: str, closer: np.ndarray, line_end: np.ndarray,
                 ok[here] &= value_ok
                 pos = pos.copy()
                 pos[here] = end
-        pos = _fields(raw, pos, ok, _DECODE_TAIL, cols)
+        # the graph flag came in 2025-05: before, the throughput follows
+        has_graph = ~raw.has(pos, b", gen th")  # one word; the whole key is checked below
+        graph_ok = np.ones(len(pos), dtype=bool)
+        cols["cuda_graph"], graph_end = _graph_field(raw, pos, graph_ok)
+        ok &= ~has_graph | graph_ok
+        pos = np.where(has_graph, graph_end, pos)
+        present["cuda_graph"] = has_graph
+        pos = _fields(raw, pos, ok, _DECODE_TAIL[1:], cols)
     else:
         pos = _fields(raw, pos, ok, _PREFILL_HEAD, cols, loose_first=period)
         has_pending = raw.has(pos, _PENDING)
