@@ -133,6 +133,12 @@ def test_fast_path_gives_the_per_line_objects(tmp_path: Path, capsys: pytest.Cap
         "token usage: 0.00, #running-req: 0, #queue-req: 0, ",
         "[2024-11-29 10:28:26 TP0] Decode batch. #running-req: 3, #token: 6144, token usage: 0.01, "
         "gen throughput (token/s): 19.65, #queue-req: 70",
+        "[2026-08-23 09:05:37 TP0 EP0] Decode batch, #running-req: 1, #full token: 165376, full token "
+        "usage: 0.02, #swa token: 768, swa token usage: 0.00, accept len: 5.30, accept rate: 0.86, cuda "
+        "graph: True, gen throughput (token/s): 167.04, #queue-req: 0",
+        "[2026-08-23 09:06:04 TP0 EP0] Prefill batch, #new-seq: 1, #new-token: 8192, #cached-token: 0, "
+        "full token usage: 0.00, swa token usage: 0.01, #running-req: 0, #queue-req: 0, #pending-token: "
+        "157704, cuda graph: False, input throughput (token/s): 824.28",
         "[15:38:05 TP0] Decode batch. #running-req: 2, #token: 80, token usage: 0.00, gen throughput "
         "(token/s): 40.00, #queue-req: 0",
         '[2026-06-24 15:38:05] INFO:     10.0.0.7:40000 - "POST /v1/chat/completions HTTP/1.1" 200 OK',

@@ -36,10 +36,19 @@ _MAX_RANK_TEXT = 64
 _GRAPH_LABELS = (b", cuda graph: ", b", cpu graph: ", b", npu graph: ", b", musa graph: ")
 _GRAPH = "graph"
 # Each form's fields in order: (SchedulerEvent field, key before the value, kind of value).
-_DECODE_HEAD = (
-    ("running_req", b", #running-req: ", "int"),
-    ("num_token", b", #token: ", "int"),
-    ("token_usage", b", token usage: ", "dec"),
+# Names starting with "_" are checked and cut, not kept (the per-line grammar ignores them too).
+_DECODE_HEAD = (("running_req", b", #running-req: ", "int"),)
+# The KV cache: one pool, or a hybrid model's full-attention pool (read as the usage) and its
+# sliding-window or mamba pool.
+_DECODE_USAGE = (
+    (("num_token", b", #token: ", "int"), ("token_usage", b", token usage: ", "dec")),
+    (("num_token", b", #full token: ", "int"), ("token_usage", b", full token usage: ", "dec"),
+     ("_swa_token", b", #swa token: ", "int"), ("_swa_usage", b", swa token usage: ", "dec")),
+)
+_PREFILL_USAGE = (
+    (("token_usage", b", token usage: ", "dec"),),
+    (("token_usage", b", full token usage: ", "dec"), ("_swa_usage", b", swa token usage: ", "dec")),
+    (("token_usage", b", full token usage: ", "dec"), ("_mamba_usage", b", mamba usage: ", "dec")),
 )
 # speculative decoding's fields between token usage and the graph flag (values not kept)
 _SPECULATIVE = (b", accept len: ", b", accept rate: ")
@@ -52,7 +61,8 @@ _PREFILL_HEAD = (
     ("new_seq", b", #new-seq: ", "int"),
     ("new_token", b", #new-token: ", "int"),
     ("cached_token", b", #cached-token: ", "int"),
-    ("token_usage", b", token usage: ", "dec"),
+)
+_PREFILL_QUEUES = (
     ("running_req", b", #running-req: ", "int"),
     ("queue_req", b", #queue-req: ", "int"),
 )
@@ -201,6 +211,37 @@ def _fields(raw: _Bytes, pos: np.ndarray, ok: np.ndarray,
     return pos
 
 
+def _one_of(raw: _Bytes, pos: np.ndarray, ok: np.ndarray,
+            layouts: tuple[tuple[tuple[str, bytes | str, str], ...], ...],
+            cols: dict[str, np.ndarray]) -> np.ndarray:
+    """Each row reads as the first of ``layouts`` that fits it (the first is the usual form, read
+    on every row; only rows it does not fit try the others); clears ``ok`` for rows none fits."""
+    first, *others = layouts
+    done = np.ones(len(pos), dtype=bool)
+    got: dict[str, np.ndarray] = {}
+    end = _fields(raw, pos, done, first, got)
+    cols.update((name, values) for name, values in got.items() if not name.startswith("_"))
+    rest = np.flatnonzero(~done)
+    for layout in others:
+        if not len(rest):
+            break
+        rows = rest[raw.has(pos[rest], layout[0][1])]  # type: ignore[arg-type]  # keys are bytes
+        if not len(rows):
+            continue
+        fits = np.ones(len(rows), dtype=bool)
+        got = {}
+        layout_end = _fields(raw, pos[rows], fits, layout, got)
+        good = rows[fits]
+        done[good] = True
+        end[good] = layout_end[fits]
+        for name, values in got.items():
+            if not name.startswith("_"):
+                cols[name][good] = values[fits]
+        rest = np.flatnonzero(~done)
+    ok &= done
+    return end
+
+
 def _graph_field(raw: _Bytes, pos: np.ndarray, ok: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``, cuda graph: True`` (or cpu/npu/musa): the flag and where it ends."""
     start = pos + len(_GRAPH_LABELS[0])
@@ -339,7 +380,8 @@ def _form(raw: _Bytes, kind: str, closer: np.ndarray, line_end: np.ndarray,
     period = raw.at(pos) == ord(".")
     if kind == "decode":
         pos = _fields(raw, pos, ok, _DECODE_HEAD, cols, loose_first=period)
-        for key in _SPECULATIVE if raw.has(pos, b", accept").any() else ():
+        pos = _one_of(raw, pos, ok, _DECODE_USAGE, cols)
+        for key in _SPECULATIVE if (raw.at(pos + 2) == ord("a")).any() else ():
             here = np.flatnonzero(raw.has(pos, key))
             if len(here):  # only these rows pay for reading the value
                 value_ok = np.ones(len(here), dtype=bool)
@@ -347,16 +389,22 @@ def _form(raw: _Bytes, kind: str, closer: np.ndarray, line_end: np.ndarray,
                 ok[here] &= value_ok
                 pos = pos.copy()
                 pos[here] = end
-        # the graph flag came in 2025-05: before, the throughput follows
-        has_graph = ~raw.has(pos, b", gen th")  # one word; the whole key is checked below
+        # the graph flag came in 2025-05: before, the throughput follows (one word compared on the
+        # rows without a flag; the whole key is checked below)
         graph_ok = np.ones(len(pos), dtype=bool)
         cols["cuda_graph"], graph_end = _graph_field(raw, pos, graph_ok)
+        has_graph = np.ones(len(pos), dtype=bool)
+        flagless = np.flatnonzero(~graph_ok)
+        if len(flagless):
+            has_graph[flagless[raw.has(pos[flagless], b", gen th")]] = False
         ok &= ~has_graph | graph_ok
         pos = np.where(has_graph, graph_end, pos)
         present["cuda_graph"] = has_graph
         pos = _fields(raw, pos, ok, _DECODE_TAIL[1:], cols)
     else:
         pos = _fields(raw, pos, ok, _PREFILL_HEAD, cols, loose_first=period)
+        pos = _one_of(raw, pos, ok, _PREFILL_USAGE, cols)
+        pos = _fields(raw, pos, ok, _PREFILL_QUEUES, cols)
         has_pending = raw.has(pos, _PENDING)
         pending_ok = np.ones(len(pos), dtype=bool)
         _, pending_end = _int_field(raw, pos + len(_PENDING), pending_ok)
