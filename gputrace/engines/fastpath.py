@@ -13,6 +13,7 @@ every other line is handed back for gputrace.engines.sglang, which reads it the 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,8 +53,7 @@ _PREFILL_USAGE = (
 )
 # speculative decoding's fields between token usage and the graph flag (values not kept)
 _SPECULATIVE = (b", accept len: ", b", accept rate: ")
-_DECODE_TAIL = (
-    ("cuda_graph", _GRAPH, "bool"),
+_DECODE_TAIL = (  # after the graph flag, which decode lines before 2025-05 lack
     ("gen_throughput_tok_s", b", gen throughput (token/s): ", "dec"),
     ("queue_req", b", #queue-req: ", "int"),
 )
@@ -242,6 +242,22 @@ def _one_of(raw: _Bytes, pos: np.ndarray, ok: np.ndarray,
     return end
 
 
+def _skip_optional(raw: _Bytes, pos: np.ndarray, ok: np.ndarray, key: bytes,
+                   read: Callable[[_Bytes, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
+                   ) -> np.ndarray:
+    """Past ``key`` and its value on the rows that have them (the value is checked, not kept; only
+    those rows pay for reading it); clears ``ok`` where the value is not one ``read`` takes."""
+    here = np.flatnonzero(raw.has(pos, key))
+    if not len(here):
+        return pos
+    value_ok = np.ones(len(here), dtype=bool)
+    _, end = read(raw, pos[here] + len(key), value_ok)
+    ok[here] &= value_ok
+    pos = pos.copy()
+    pos[here] = end
+    return pos
+
+
 def _graph_field(raw: _Bytes, pos: np.ndarray, ok: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``, cuda graph: True`` (or cpu/npu/musa): the flag and where it ends."""
     start = pos + len(_GRAPH_LABELS[0])
@@ -382,13 +398,7 @@ def _form(raw: _Bytes, kind: str, closer: np.ndarray, line_end: np.ndarray,
         pos = _fields(raw, pos, ok, _DECODE_HEAD, cols, loose_first=period)
         pos = _one_of(raw, pos, ok, _DECODE_USAGE, cols)
         for key in _SPECULATIVE if (raw.at(pos + 2) == ord("a")).any() else ():
-            here = np.flatnonzero(raw.has(pos, key))
-            if len(here):  # only these rows pay for reading the value
-                value_ok = np.ones(len(here), dtype=bool)
-                _, end = _decimal_field(raw, pos[here] + len(key), value_ok)
-                ok[here] &= value_ok
-                pos = pos.copy()
-                pos[here] = end
+            pos = _skip_optional(raw, pos, ok, key, _decimal_field)
         # the graph flag came in 2025-05: before, the throughput follows (one word compared on the
         # rows without a flag; the whole key is checked below)
         graph_ok = np.ones(len(pos), dtype=bool)
@@ -400,16 +410,12 @@ def _form(raw: _Bytes, kind: str, closer: np.ndarray, line_end: np.ndarray,
         ok &= ~has_graph | graph_ok
         pos = np.where(has_graph, graph_end, pos)
         present["cuda_graph"] = has_graph
-        pos = _fields(raw, pos, ok, _DECODE_TAIL[1:], cols)
+        pos = _fields(raw, pos, ok, _DECODE_TAIL, cols)
     else:
         pos = _fields(raw, pos, ok, _PREFILL_HEAD, cols, loose_first=period)
         pos = _one_of(raw, pos, ok, _PREFILL_USAGE, cols)
         pos = _fields(raw, pos, ok, _PREFILL_QUEUES, cols)
-        has_pending = raw.has(pos, _PENDING)
-        pending_ok = np.ones(len(pos), dtype=bool)
-        _, pending_end = _int_field(raw, pos + len(_PENDING), pending_ok)
-        ok &= ~has_pending | pending_ok
-        pos = np.where(has_pending, pending_end, pos)
+        pos = _skip_optional(raw, pos, ok, _PENDING, _int_field)
         # before 2026 a prefill line could end here, without the graph flag and input throughput
         has_tail = ~_line_ends_cleanly(raw, pos, line_end)
         tail_ok = np.ones(len(pos), dtype=bool)
