@@ -101,6 +101,7 @@ class LoadConfig:
     prompts_file: str | None = None
     temperature: float = 0.0
     stream: bool = True
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,6 +277,7 @@ def _parse_load(path: Path, table: Any) -> LoadConfig:
         prompts_file=sec.get("prompts_file", str),
         temperature=sec.get("temperature", float, 0.0),
         stream=sec.get("stream", bool, True),
+        ignore_eos=sec.get("ignore_eos", bool, False),
     )
     if not load.url.startswith(("http://", "https://")):
         sec.fail(sec.key("url"), f"must start with http:// or https://, got {load.url!r}")

@@ -146,3 +146,18 @@ def test_the_readme_example_config_is_valid() -> None:
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "host node0: ssh ubuntu@10.0.0.5:22" in done.stdout and "C=1,8,32,64" in done.stdout
+
+
+def test_ignore_eos_reaches_the_load_spec(tmp_path: Path) -> None:
+    """`ignore_eos` in [load] and `gputrace run --ignore-eos` both make the built-in load send it;
+    the flag overrides the table either way."""
+    from gputrace.commands.run import load_spec_from
+
+    plain = load_config(write(tmp_path, GOOD))
+    assert not load_spec_from(plain, None, None, None, None, None, None, None, None, None).ignore_eos
+    assert load_spec_from(plain, None, None, None, None, None, None, None, None, None,
+                          ignore_eos=True).ignore_eos
+    table = load_config(write(tmp_path, GOOD + "ignore_eos = true\n"))
+    assert load_spec_from(table, None, None, None, None, None, None, None, None, None).ignore_eos
+    assert not load_spec_from(table, None, None, None, None, None, None, None, None, None,
+                              ignore_eos=False).ignore_eos

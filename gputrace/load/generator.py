@@ -132,6 +132,7 @@ def spec_from_config(load: LoadConfig, **overrides: Any) -> LoadSpec:
         "duration_per_level_s": load.duration_per_level_s,
         "temperature": load.temperature,
         "stream": load.stream,
+        "ignore_eos": load.ignore_eos,
     }
     if load.prompts_file:
         fields["prompts"] = load_prompts(load.prompts_file)
