@@ -638,6 +638,29 @@ def test_server_args_line() -> None:
     assert fields["enable_metrics"] is True
 
 
+def test_server_args_dict_line() -> None:
+    """SGLang 0.5.x logs the resolved arguments as a dict (``server_args={...}``): the same fields
+    are read; values that are object reprs are kept as logged."""
+    line = (
+        "[2026-12-01 09:08:28] server_args={'model_path': '/work/model', 'tokenizer_mode': 'auto', "
+        "'tp_size': 1, 'pp_size': 2, 'dp_size': 1, 'max_running_requests': 8, "
+        "'pp_max_micro_batch_size': 16, 'pp_async_batch_depth': 0, 'chunked_prefill_size': 8192, "
+        "'decode_log_interval': 1, 'lora_paths': ['x', 'y'], 'json_model_override_args': '{\"a\": 1}', "
+        "'speculative': <SpecConfig object at 0x7f>, 'enable_metrics': True, 'nested': {'a': [1, 2]}}"
+    )
+    record = LogParser(host="n0", source="s.log").feed(line)
+    assert isinstance(record, EngineConfig)
+    assert (record.tp_size, record.pp_size, record.dp_size) == (1, 2, 1)
+    assert (record.max_running_requests, record.pp_max_micro_batch_size) == (8, 16)
+    assert (record.pp_async_batch_depth, record.chunked_prefill_size, record.decode_log_interval) == (
+        0, 8192, 1)
+    fields = json.loads(record.fields_json)
+    assert fields["lora_paths"] == ["x", "y"]
+    assert fields["json_model_override_args"] == '{"a": 1}'
+    assert fields["speculative"] == "<SpecConfig object at 0x7f>"
+    assert fields["nested"] == {"a": [1, 2]} and fields["enable_metrics"] is True
+
+
 def test_server_args_old_micro_batch_flag() -> None:
     """Before 2025-10 the cap was logged as max_micro_batch_size; it fills pp_max_micro_batch_size."""
     record = LogParser(host="n0", source="s").feed(

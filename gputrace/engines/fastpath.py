@@ -23,7 +23,7 @@ from gputrace.engines.common import LogClock
 from gputrace.engines.sglang import _RANK, _RANK_FIELDS
 
 # A line without any of these cannot be an SGLang scheduler or configuration line.
-_MAYBE_SGLANG = re.compile(rb"batch|#running-req: |max_total_num_tokens=|server_args=ServerArgs\(")
+_MAYBE_SGLANG = re.compile(rb"batch|#running-req: |max_total_num_tokens=|server_args=(?:ServerArgs\(|\{)")
 _RANK_TEXT = re.compile(r"(?: (?:DP|PP|ATTN_CP|MOE_DP|TP|EP)\d+)*")
 # A container runtime's prefix in front of SGLang's ``[``: CRI (``<RFC3339> stdout F ``, as in
 # /var/log/pods) or ``docker logs -t`` / ``kubectl logs --timestamps``. It matches a subset of

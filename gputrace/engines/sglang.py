@@ -20,6 +20,7 @@ _MARKER = re.compile(
     r"(?: \[\d+\])?[.,](?: |$)"
     r"|(?<!\w)(?P<config>max_total_num_tokens=)"
     r"|(?<!\w)(?P<args>server_args=ServerArgs\()"
+    r"|(?<!\w)(?P<args_dict>server_args=\{)"  # 0.5.x logs the resolved arguments as a dict
 )
 # v0.1 logged decode steps with no prefix and no "Decode batch" words.
 _BARE_DECODE = re.compile(r"^\s*(?:\[[^\]]*\]\s*)?(?=#running-req: \d)")
@@ -134,6 +135,8 @@ def _config_line(line: str, marker: re.Match[str], clock: LogClock) -> ParsedLin
         body = line[marker.end():].rstrip()
         body = body.removesuffix(")")
         fields = _python_kwargs(body)
+    elif marker.group("args_dict"):
+        fields = _python_dict(line[marker.end():].rstrip().removesuffix("}"))
     else:
         fields = _simple_kwargs(line[marker.start():])
     if not fields:
@@ -173,6 +176,22 @@ def _python_kwargs(text: str) -> dict[str, object]:
             out[key] = ast.literal_eval(value.strip())
         except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
             out[key] = value.strip()  # an object repr, kept as logged
+    return out
+
+
+def _python_dict(text: str) -> dict[str, object]:
+    """The items of a dict repr's body (``'k': 'v', 'n': 1, 'xs': [1, 2]``), values that are object
+    reprs kept as logged."""
+    out: dict[str, object] = {}
+    for part in _split_top_level(text):
+        key, sep, value = part.strip().partition(": ")
+        key = key.strip()
+        if not (sep and len(key) >= 2 and key[0] == key[-1] and key[0] in "'\"" and key[1:-1].isidentifier()):
+            continue
+        try:
+            out[key[1:-1]] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            out[key[1:-1]] = value.strip()
     return out
 
 

@@ -23,6 +23,7 @@ _KEYS: dict[str, tuple[str, type, float]] = {  # field, type, divisor
     "Waiting": ("queue_req", int, 1.0),
     "Pending": ("queue_req", int, 1.0),  # V0's name for requests waiting to be scheduled
     "GPU KV cache usage": ("token_usage", float, 100.0),  # logged in percent; stored as a ratio
+    "CPU KV cache usage": ("token_usage", float, 100.0),  # vLLM's CPU build names its cache so
 }
 
 
