@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test check lint typecheck bench clean
+.PHONY: demo test check lint typecheck bench clean engines engine-fixtures
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,15 @@ test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
+# Real SGLang and vLLM on the CPU (PP=2, dummy weights, a tiny local model) for the engine tier:
+# their own environment, apart from .venv (they pin their own torch and transformers). Idempotent.
+engines:
+	$(PYTHON) tests/engines/setup_env.py --venv .venv-engines
+
+# Re-record tests/data/engines/ from real runs of both engines at both settings (about 10 min).
+engine-fixtures: $(STAMP) engines
+	$(PY) tests/engines/record_fixtures.py
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check gputrace tests bench
 
@@ -34,4 +43,4 @@ bench: $(STAMP)
 	for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) demo-out .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) demo-out .pytest_cache .mypy_cache .ruff_cache  # .venv-engines stays: rm -rf it by hand

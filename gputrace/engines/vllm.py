@@ -1,5 +1,7 @@
-"""vLLM's periodic stats line (V1 ``loggers.py``, V0 ``metrics.py``) as ParsedLine; its stamps
-(``MM-DD HH:MM:SS``) take the year from the caller's date, else log time is None.
+"""vLLM's periodic stats line (V1 ``loggers.py``, V0 ``metrics.py``) and its configuration lines
+(``non-default args: {...}``, ``Initializing a V1 LLM engine (vX) with config: ...``) as
+ParsedLine; its stamps (``MM-DD HH:MM:SS``) take the year from the caller's date, else log time
+is None.
 """
 
 from __future__ import annotations
@@ -7,10 +9,14 @@ from __future__ import annotations
 import re
 
 from gputrace.engines.common import LogClock, ParsedLine, Value, convert_value
+from gputrace.engines.reprs import python_dict, python_kwargs
 
 ENGINE = "vllm"
 
 _MARKER = re.compile(r"(?<!\w)Avg prompt throughput: ")
+# The engine's arguments as given (a dict) and its resolved configuration (``k=v, ...``).
+_CONFIG_MARKER = re.compile(r"(?<!\w)(?:non-default args: (?P<args>\{)|"
+                            r"Initializing a V1 LLM engine \(v[^)]*\) with config: (?P<config>))")
 _TIMESTAMP = re.compile(
     r"(?<![\d:.-])(?:(\d{4})-)?(\d\d)-(\d\d) (\d\d:\d\d:\d\d)(?:[.,](\d{1,9}))?(?![\d:])"
 )
@@ -31,7 +37,7 @@ def parse_line(line: str, clock: LogClock) -> ParsedLine | None:
     """One vLLM log line -> ParsedLine (kind "stats"), or None when it is not a stats line."""
     marker = _MARKER.search(line)
     if marker is None:
-        return None
+        return _config_line(line, clock)
     values: dict[str, Value] = {}
     for key, text in _FIELD.findall(line, marker.start()):
         spec = _KEYS.get(key.strip())
@@ -46,17 +52,7 @@ def parse_line(line: str, clock: LogClock) -> ParsedLine | None:
     if not values:
         return None
     head = line[: marker.start()]
-    ts_text: str | None = None
-    log_ts_ns: int | None = None
-    resolution: int | None = None
-    ts = _TIMESTAMP.search(head)
-    if ts is not None:
-        year, month, day, hms, frac = ts.groups()
-        ts_text = ts.group(0)
-        if year is not None:
-            log_ts_ns, resolution = clock.to_ns(f"{year}-{month}-{day}", hms, frac)
-        else:
-            log_ts_ns, resolution = clock.month_day_to_ns(int(month), int(day), hms, frac)
+    ts_text, log_ts_ns, resolution = _stamp(head, clock)
     engine_index = _ENGINE_INDEX.search(head)
     # Under data parallelism vLLM V1 runs one engine core per DP rank, numbered as logged.
     dp_rank = int(engine_index.group(1)) if engine_index else None
@@ -64,3 +60,29 @@ def parse_line(line: str, clock: LogClock) -> ParsedLine | None:
         engine=ENGINE, kind="stats", ts_text=ts_text, log_ts_ns=log_ts_ns,
         ts_resolution_ns=resolution, dp_rank=dp_rank, values=values,
     )
+
+
+def _stamp(head: str, clock: LogClock) -> tuple[str | None, int | None, int | None]:
+    """(stamp text, epoch ns or None, resolution ns) of the text before a message."""
+    ts = _TIMESTAMP.search(head)
+    if ts is None:
+        return None, None, None
+    year, month, day, hms, frac = ts.groups()
+    if year is not None:
+        log_ts_ns, resolution = clock.to_ns(f"{year}-{month}-{day}", hms, frac)
+    else:
+        log_ts_ns, resolution = clock.month_day_to_ns(int(month), int(day), hms, frac)
+    return ts.group(0), log_ts_ns, resolution
+
+
+def _config_line(line: str, clock: LogClock) -> ParsedLine | None:
+    marker = _CONFIG_MARKER.search(line)
+    if marker is None:
+        return None
+    body = line[marker.end():].rstrip()
+    fields = python_dict(body.removesuffix("}")) if marker.group("args") else python_kwargs(body)
+    if not fields:
+        return None
+    ts_text, log_ts_ns, resolution = _stamp(line[: marker.start()], clock)
+    return ParsedLine(engine=ENGINE, kind="config", ts_text=ts_text, log_ts_ns=log_ts_ns,
+                      ts_resolution_ns=resolution, config=fields)

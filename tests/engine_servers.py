@@ -1,0 +1,263 @@
+"""Real serving engines (SGLang, vLLM) started on this machine's CPU with PP=2, for the engine tier
+and for recording the fixtures in tests/data/engines/. The environment is `.venv-engines` (made by
+`make engines`); each engine runs in its own process group on 127.0.0.1 and is stopped by group."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ENGINES_VENV = Path(os.environ.get("GPUTRACE_ENGINES_VENV", REPO / ".venv-engines"))
+MODEL_DIR = ENGINES_VENV / "model"
+READY_TIMEOUT_S = 420.0  # SGLang is ready in about 60 s here, vLLM in about 90 s; CI shares the cores
+VERSIONS = {"sglang": "0.5.23", "vllm": "0.32.0"}
+PP_SIZE = 2
+ADMISSION_LIMIT = 8  # max_running_requests / max_num_seqs at the default setting
+# What each engine logs once it has served its own warm-up request: the test's counters start after.
+READY_LINES = {"sglang": "The server is fired up and ready to roll", "vllm": "Application startup complete"}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSetting:
+    """One way to start an engine: a name for the fixture folder and the flags beyond the base."""
+
+    engine: str  # "sglang" | "vllm"
+    name: str  # "default", "k16", ...
+    extra_args: tuple[str, ...] = ()
+
+    @property
+    def fixture_name(self) -> str:
+        return f"{self.engine}-{VERSIONS[self.engine]}-pp{PP_SIZE}"
+
+
+# The settings the fixtures are recorded at: the defaults, and the change each engine invites.
+SETTINGS: tuple[EngineSetting, ...] = (
+    EngineSetting("sglang", "default"),
+    EngineSetting("sglang", "k16", ("--pp-max-micro-batch-size", "16")),
+    EngineSetting("vllm", "default"),
+    EngineSetting("vllm", "seqs4", ("--max-num-seqs", "4")),
+)
+
+
+def engines_available() -> str | None:
+    """None when .venv-engines and its model are there, else the reason they are not."""
+    python = ENGINES_VENV / "bin" / "python"
+    if not python.exists():
+        return f"{ENGINES_VENV} is absent: run `make engines`"
+    if not (MODEL_DIR / "config.json").exists():
+        return f"{MODEL_DIR} has no model: run `make engines`"
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _without_flag(args: list[str], flag: str) -> list[str]:
+    """``args`` less ``flag`` and its value, so a setting's own value wins."""
+    out: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == flag:
+            skip = True
+        else:
+            out.append(arg)
+    return out
+
+
+def engine_command(setting: EngineSetting, port: int) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment that start ``setting`` on ``port``."""
+    python = str(ENGINES_VENV / "bin" / "python")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    for name in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"):
+        env.pop(name, None)
+    if setting.engine == "sglang":
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = "0|1"
+        base = ["--model-path", str(MODEL_DIR), "--device", "cpu", "--load-format", "dummy",
+                "--pp-size", str(PP_SIZE), "--attention-backend", "torch_native",
+                "--sampling-backend", "pytorch", "--grammar-backend", "none",
+                "--max-total-tokens", "16384", "--context-length", "512", "--enable-metrics",
+                "--decode-log-interval", "1", "--max-running-requests", str(ADMISSION_LIMIT),
+                "--host", "127.0.0.1", "--port", str(port)]
+        argv = [python, "-m", "sglang.launch_server"]
+    elif setting.engine == "vllm":
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+        base = ["--model", str(MODEL_DIR), "--load-format", "dummy",
+                "--pipeline-parallel-size", str(PP_SIZE), "--max-num-seqs", str(ADMISSION_LIMIT),
+                "--max-model-len", "512", "--host", "127.0.0.1", "--port", str(port)]
+        argv = [python, "-m", "vllm.entrypoints.openai.api_server"]
+    else:
+        raise ValueError(f"unknown engine {setting.engine!r}")
+    for i in range(0, len(setting.extra_args), 2):
+        base = _without_flag(base, setting.extra_args[i])
+    return [*argv, *base, *setting.extra_args], env
+
+
+@dataclass
+class RunningEngine:
+    setting: EngineSetting
+    port: int
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen[bytes]
+    model: str = ""
+    ready_s: float = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def metrics_text(self, timeout_s: float = 5.0) -> str:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=timeout_s) as resp:
+            return str(resp.read().decode())
+
+
+def _get_json(url: str, timeout_s: float = 5.0) -> object:
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        return json.loads(resp.read())
+
+
+def _wait_ready(engine: RunningEngine, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if engine.proc.poll() is not None:
+            tail = engine.log_path.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"{engine.setting.engine} exited with {engine.proc.returncode}:\n{tail}")
+        try:
+            models = _get_json(f"{engine.url}/v1/models")
+            data = models.get("data") if isinstance(models, dict) else None
+            ready_line = READY_LINES[engine.setting.engine]
+            if data and ready_line in engine.log_path.read_text(errors="replace"):
+                engine.model = str(data[0]["id"])
+                return
+        except (OSError, ValueError, urllib.error.URLError):
+            pass
+        time.sleep(1.0)
+    tail = engine.log_path.read_text(errors="replace")[-3000:]
+    raise RuntimeError(f"{engine.setting.engine} not ready after {timeout_s:.0f} s:\n{tail}")
+
+
+def stop_process_group(proc: subprocess.Popen[bytes], grace_s: float = 20.0) -> None:
+    """SIGTERM the engine's whole group (its ranks are children), SIGKILL what is left."""
+    if proc.poll() is None or _group_alive(proc.pid):
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and _group_alive(proc.pid):
+            proc.poll()
+            time.sleep(0.2)
+        if _group_alive(proc.pid):
+            with suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextmanager
+def running_engine(setting: EngineSetting, log_path: Path,
+                   ready_timeout_s: float = READY_TIMEOUT_S) -> Iterator[RunningEngine]:
+    """Start ``setting`` with its log (stdout and stderr) going to ``log_path``; stop it on exit."""
+    port = free_port()
+    argv, env = engine_command(setting, port)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    with log_path.open("wb") as log_file:
+        proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                cwd=str(log_path.parent), start_new_session=True)
+    engine = RunningEngine(setting, port, argv, log_path, proc)
+    try:
+        _wait_ready(engine, ready_timeout_s)
+        engine.ready_s = time.monotonic() - started
+        yield engine
+    finally:
+        stop_process_group(proc)
+
+
+# The series kept from each /metrics scrape (the gauges that say what the scheduler holds).
+WATCHED_METRICS = (
+    "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:gen_throughput", "sglang:token_usage",
+    "sglang:num_used_tokens", "sglang:realtime_tokens_total", "sglang:prompt_tokens_total",
+    "sglang:generation_tokens_total", "sglang:num_requests_total",
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
+)
+
+
+def watched_samples(text: str) -> list[dict[str, object]]:
+    """The watched series of one /metrics text: name, labels and value per sample."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: list[dict[str, object]] = []
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in WATCHED_METRICS:
+                out.append({"name": sample.name, "labels": dict(sample.labels), "value": sample.value})
+    return out
+
+
+class MetricsScraper:
+    """Scrapes an engine's /metrics about once a second in a thread, as the test's own view of
+    what the engine held: one {"ts_ns", "samples"} per scrape."""
+
+    def __init__(self, engine: RunningEngine, period_s: float = 1.0):
+        import threading
+
+        self.engine, self.period_s = engine, period_s
+        self.snapshots: list[dict[str, object]] = []
+        self.errors = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="metrics-scraper", daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                text = self.engine.metrics_text()
+                self.snapshots.append({"ts_ns": time.time_ns(), "samples": watched_samples(text)})
+            except (OSError, ValueError):
+                self.errors += 1
+            self._stop.wait(self.period_s)
+
+    def __enter__(self) -> MetricsScraper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def series(self, name: str, **labels: str) -> list[tuple[int, float]]:
+        """(ts_ns, value) of one series over the scrapes (summed over samples matching labels)."""
+        out = []
+        for snap in self.snapshots:
+            values = [float(s["value"]) for s in snap["samples"]  # type: ignore[attr-defined]
+                      if s["name"] == name and all(s["labels"].get(k) == v for k, v in labels.items())]
+            if values:
+                out.append((int(snap["ts_ns"]), sum(values)))  # type: ignore[call-overload]
+        return out

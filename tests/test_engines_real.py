@@ -1,0 +1,217 @@
+"""The engine tier: real SGLang and vLLM servers on this machine's CPU with PP=2 (dummy weights,
+a tiny Llama), captured by `gputrace run` with the built-in load sweeping C = 1, 4, 16 across the
+engine's admission limit of 8. What is asserted is the engine's own truth (its /metrics, scraped by
+the test; its log file; its token counters), never gputrace's reading of it.
+
+Skipped with the reason when `.venv-engines` is absent (`make engines`);
+GPUTRACE_REQUIRE_ENGINE_TESTS=1 makes that a failure. Each engine starts once per module."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from engine_fixtures import fixture_dir, line_signature
+from engine_servers import (
+    ADMISSION_LIMIT,
+    EngineSetting,
+    MetricsScraper,
+    RunningEngine,
+    engines_available,
+    free_port,
+    running_engine,
+)
+
+from gputrace.store import Store
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+CONCURRENCY = (1, 4, 16)
+LEVEL_S = {"sglang": 15.0, "vllm": 25.0}
+MAX_TOKENS = {"sglang": 16, "vllm": 48}
+# Lines the engines write that gputrace must capture, counted by the test's own patterns.
+SGLANG_BATCH = re.compile(r"\] (?:Prefill|Decode) batch[,.]")
+SGLANG_RANK = re.compile(r"^\[[^\]]*\bPP(\d+)\b[^\]]*\]")
+VLLM_STATS = re.compile(r"Avg prompt throughput: ")
+
+
+def _require_engines() -> None:
+    reason = engines_available()
+    if reason is None:
+        return
+    if os.environ.get("GPUTRACE_REQUIRE_ENGINE_TESTS") == "1":
+        pytest.fail(reason + "; GPUTRACE_REQUIRE_ENGINE_TESTS=1 makes this a failure")
+    pytest.skip(reason)
+
+
+@dataclass
+class Capture:
+    """One real engine captured by `gputrace run`: the engine, the test's own scrapes, the run."""
+
+    engine: RunningEngine
+    scraper: MetricsScraper
+    run_dir: Path
+    run_stderr: str
+    log_text: str
+
+    def phases(self) -> dict[str, tuple[int, int]]:
+        """Phase label -> (start_ns, end_ns) from the run's markers (collector clock)."""
+        with Store.open(self.run_dir, read_only=True) as store:
+            rows = store.sql("SELECT ts_ns, label, kind FROM markers ORDER BY ts_ns")
+        out: dict[str, tuple[int, int]] = {}
+        for i, (ts, label, kind) in enumerate(rows):
+            if kind == "phase":
+                end = rows[i + 1][0] if i + 1 < len(rows) else time.time_ns()
+                out[label] = (int(ts), int(end))
+        return out
+
+    def metric_in(self, name: str, window: tuple[int, int], **labels: str) -> list[float]:
+        """The test's scrapes of one series inside a window (its second half: the level settled)."""
+        start, end = window
+        settled = start + (end - start) // 2
+        return [v for ts, v in self.scraper.series(name, **labels) if settled <= ts <= end]
+
+
+def _capture(setting: EngineSetting, tmp: Path) -> Iterator[Capture]:
+    _require_engines()
+    log_path = tmp / f"{setting.engine}.log"
+    with running_engine(setting, log_path) as engine:
+        cfg = tmp / "gputrace.toml"
+        cfg.write_text(
+            f'[run]\nname = "{setting.engine}-tier"\n\n[[hosts]]\nname = "engine-host"\n\n'
+            f'[hosts.log]\nkind = "file"\npath = {json.dumps(str(log_path))}\n'
+            f'engine = "{setting.engine}"\n\n[topology]\npp_size = 2\n')
+        run_dir = tmp / "run"
+        argv = [sys.executable, "-m", "gputrace", "run", "--config", str(cfg), "--out", str(run_dir),
+                "--listen", f"127.0.0.1:{free_port()}", "--url", engine.url, "--model", engine.model,
+                "--concurrency", ",".join(map(str, CONCURRENCY)),
+                "--duration-per-level", str(LEVEL_S[setting.engine]),
+                "--max-tokens", str(MAX_TOKENS[setting.engine]), "--ignore-eos", "--warmup", "0",
+                "--no-report"]
+        with MetricsScraper(engine) as scraper:
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+            # the log as it stood when the collector stopped: what it could have read
+            log_text = log_path.read_text(errors="replace")
+        assert out.returncode == 0, out.stderr[-3000:]
+        yield Capture(engine, scraper, run_dir, out.stderr, log_text)
+
+
+@pytest.fixture(scope="module")
+def sglang_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Capture]:
+    yield from _capture(EngineSetting("sglang", "default"), tmp_path_factory.mktemp("sglang"))
+
+
+@pytest.fixture(scope="module")
+def vllm_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Capture]:
+    yield from _capture(EngineSetting("vllm", "default"), tmp_path_factory.mktemp("vllm"))
+
+
+def _store_requests(run_dir: Path) -> list[tuple[str, bool, int | None, int | None]]:
+    with Store.open(run_dir, read_only=True) as store:
+        return [(str(p), bool(ok), pt, ct) for p, ok, pt, ct in store.sql(
+            "SELECT phase, ok, prompt_tokens, completion_tokens FROM requests")]
+
+
+def _counter_delta(capture: Capture, name: str) -> float:
+    series = capture.scraper.series(name)
+    assert len(series) >= 2, f"{name} not scraped"
+    return series[-1][1] - series[0][1]
+
+
+# SGLang
+
+
+def test_sglang_requests_wait_at_the_pool_limit(sglang_run: Capture) -> None:
+    """At C=16 with max_running_requests 8, SGLang's own /metrics shows about 8 waiting and at
+    most 8 running in all; at C=1 none waits."""
+    phases = sglang_run.phases()
+    assert set(phases) == {f"C={c}" for c in CONCURRENCY}
+    queued = sglang_run.metric_in("sglang:num_queue_reqs", phases["C=16"], pp_rank="0")
+    running = sglang_run.metric_in("sglang:num_running_reqs", phases["C=16"], pp_rank="0")
+    assert queued and running, "no /metrics scrapes in the C=16 phase"
+    assert statistics.median(queued) >= ADMISSION_LIMIT - 2, queued
+    assert max(running) <= ADMISSION_LIMIT, running
+    assert max(sglang_run.metric_in("sglang:num_queue_reqs", phases["C=1"], pp_rank="0")) == 0
+
+
+def test_sglang_every_batch_line_is_stored_with_its_rank(sglang_run: Capture) -> None:
+    """The store holds one scheduler event per batch line the engine wrote, per PP rank."""
+    written: Counter[int] = Counter()
+    for line in sglang_run.log_text.splitlines():
+        if SGLANG_BATCH.search(line):
+            rank = SGLANG_RANK.match(line)
+            assert rank is not None, line
+            written[int(rank.group(1))] += 1
+    assert set(written) == {0, 1}
+    with Store.open(sglang_run.run_dir, read_only=True) as store:
+        stored = Counter({int(r): int(n) for r, n in store.sql(
+            "SELECT pp_rank, count(*) FROM scheduler_events WHERE kind IN ('prefill', 'decode') "
+            "GROUP BY 1")})
+    assert stored == written
+
+
+def test_sglang_request_records_match_the_engine_counters(sglang_run: Capture) -> None:
+    """Every request the client sent is a record; the tokens they carry are the engine's own
+    counts (generation and prompt token counters over the run)."""
+    rows = _store_requests(sglang_run.run_dir)
+    assert rows and all(ok for _, ok, _, _ in rows)
+    assert {p for p, *_ in rows} == {f"C={c}" for c in CONCURRENCY}
+    assert all(ct == MAX_TOKENS["sglang"] for *_, ct in rows)  # --ignore-eos
+    assert sum(ct or 0 for *_, ct in rows) == _counter_delta(sglang_run, "sglang:generation_tokens_total")
+    assert sum(pt or 0 for _, _, pt, _ in rows) == _counter_delta(sglang_run, "sglang:prompt_tokens_total")
+
+
+def test_sglang_capture_parses_as_the_fixture_does(sglang_run: Capture) -> None:
+    """Format drift: a fresh capture's lines have the kinds and fields the recorded fixture has."""
+    recorded = fixture_dir("sglang", "default") / "engine.log"
+    assert line_signature("sglang", sglang_run.log_text) == line_signature("sglang", recorded.read_text())
+
+
+# vLLM
+
+
+def test_vllm_requests_wait_at_max_num_seqs(vllm_run: Capture) -> None:
+    """At C=16 with max_num_seqs 8, vLLM's own /metrics shows 8 running and about 8 waiting."""
+    phases = vllm_run.phases()
+    assert set(phases) == {f"C={c}" for c in CONCURRENCY}
+    waiting = vllm_run.metric_in("vllm:num_requests_waiting", phases["C=16"])
+    running = vllm_run.metric_in("vllm:num_requests_running", phases["C=16"])
+    assert waiting and running, "no /metrics scrapes in the C=16 phase"
+    assert statistics.median(waiting) >= ADMISSION_LIMIT - 2, waiting
+    assert max(running) <= ADMISSION_LIMIT, running
+    assert max(vllm_run.metric_in("vllm:num_requests_waiting", vllm_run.phases()["C=1"])) == 0
+
+
+def test_vllm_every_stats_line_is_stored(vllm_run: Capture) -> None:
+    """The store holds one stats event per stats line vLLM wrote."""
+    written = sum(1 for line in vllm_run.log_text.splitlines() if VLLM_STATS.search(line))
+    assert written >= 3
+    with Store.open(vllm_run.run_dir, read_only=True) as store:
+        (stored,) = store.sql("SELECT count(*) FROM scheduler_events WHERE kind = 'stats'")[0]
+    assert stored == written
+
+
+def test_vllm_request_records_match_the_engine_counters(vllm_run: Capture) -> None:
+    """Every request is a record, and their tokens are vLLM's own generation/prompt counts."""
+    rows = _store_requests(vllm_run.run_dir)
+    assert rows and all(ok for _, ok, _, _ in rows)
+    assert all(ct == MAX_TOKENS["vllm"] for *_, ct in rows)
+    assert sum(ct or 0 for *_, ct in rows) == _counter_delta(vllm_run, "vllm:generation_tokens_total")
+    assert sum(pt or 0 for _, _, pt, _ in rows) == _counter_delta(vllm_run, "vllm:prompt_tokens_total")
+    assert len(rows) == _counter_delta(vllm_run, "vllm:request_success_total")
+
+
+def test_vllm_capture_parses_as_the_fixture_does(vllm_run: Capture) -> None:
+    """Format drift: a fresh vLLM capture's lines have the kinds and fields of the fixture's."""
+    recorded = fixture_dir("vllm", "default") / "engine.log"
+    assert line_signature("vllm", vllm_run.log_text) == line_signature("vllm", recorded.read_text())
