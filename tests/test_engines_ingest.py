@@ -261,3 +261,25 @@ def test_progress_reports_the_file_read_so_far(tmp_path: Path, compressed: bool)
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "20000 events" in done.stdout
+
+
+REAL_ENGINE_SGLANG_LOGS = sorted((Path(__file__).parent / "data" / "engines").glob("sglang-*/*/engine.log"))
+
+
+@pytest.mark.parametrize("log", REAL_ENGINE_SGLANG_LOGS,
+                         ids=lambda p: f"{p.parent.parent.name}-{p.parent.name}")
+def test_fast_path_equals_per_line_grammar_on_a_real_engine_log(tmp_path: Path, log: Path) -> None:
+    """A real SGLang 0.5.23 log (tests/data/engines/) ingests to the same events and configuration
+    records with and without the fast path, and its batch lines take the fast path."""
+    tables = {}
+    stats = {}
+    for fast in (True, False):
+        with Store.create(tmp_path / f"run-{fast}") as store:
+            stats[fast] = ingest_log(store, log, host="n0", fast=fast, chunk_bytes=65536)
+            tables[fast] = store.arrow("scheduler_events", order_by="line_no")
+            tables[f"cfg-{fast}"] = store.arrow("engine_configs", order_by="line_no")
+    assert stats[True].as_dict() == stats[False].as_dict()
+    assert stats[True].fast_path_lines >= 0.9 * stats[True].events_written > 1000
+    for name in tables[False].column_names:
+        assert tables[True].column(name).equals(tables[False].column(name)), name
+    assert tables["cfg-True"].equals(tables["cfg-False"]) and tables["cfg-True"].num_rows >= 1

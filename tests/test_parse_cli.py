@@ -104,6 +104,10 @@ def test_binary_garbage_is_counted_not_fatal(tmp_path: Path) -> None:
     assert "3 lines read" in out.stderr.decode()
 
 
+# The recorded real-engine runs (tests/data/engines/, SGLang 0.5.23 and vLLM 0.32.0 at PP=2).
+REAL_ENGINE_LOGS = sorted((Path(__file__).parent / "data" / "engines").glob("*/*/engine.log"))
+
+
 def test_fast_path_gives_the_per_line_objects(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """SGLang's current batch lines go through the vectorised fast path: the NDJSON and the counts
     are exactly what the per-line grammar gives, in file order, across chunks and every variant."""
@@ -161,7 +165,7 @@ def test_fast_path_gives_the_per_line_objects(tmp_path: Path, capsys: pytest.Cap
     container_log.write_text("\n".join(runtime[i % 13 % len(runtime)] + line
                                        for i, line in enumerate(lines)) + "\n")
     for engine in ("auto", "sglang"):  # auto: vLLM lines among SGLang's are still read
-        for path in (log, container_log, SGLANG_LINES, VLLM_LINES):
+        for path in (log, container_log, SGLANG_LINES, VLLM_LINES, *REAL_ENGINE_LOGS):
             fast, slow = io.StringIO(), io.StringIO()
             _parse_all((str(path),), engine, fast, fast=True)
             _parse_all((str(path),), engine, slow, fast=False)
