@@ -112,3 +112,34 @@ def test_log_sampling_aliased(tmp_path: Path) -> None:
     a = _analyse(tmp_path / "r", spec)
     assert _causes(a) == {"log_sampling_aliased"}
     assert "--decode-log-interval 1" in a.findings[0].recommendation
+
+
+def test_request_pool_at_its_limit_is_the_bound_not_k(tmp_path: Path) -> None:
+    """SGLang PP2, max_running_requests 8 (K = 4 by default), 16 offered: two micro-batches of 4
+    run and 8 wait, as real SGLang 0.5.23 did. The pool is the bound (raising K admits nothing):
+    `--max-running-requests 16`, and no K finding."""
+    spec = SynthRun([Level("C=16", 16, 16, [0.95] * 2, 4, 10, queue=8, token_usage=0.1)], pp=2,
+                    engine={"max_running_requests": 8})
+    a = _analyse(tmp_path / "r", spec)
+    assert "microbatch_cap" not in _causes(a)
+    (bound,) = [f for f in a.findings if f.cause == "admission_bound"]
+    assert bound.recommendation == "--max-running-requests 16"
+    assert (bound.evidence["admission_limit"], bound.evidence["engine_running_estimate"]) == (8, 8.0)
+
+
+def test_admission_bound_names_the_kv_setting_when_the_cache_would_not_hold_it(tmp_path: Path) -> None:
+    """At token usage 0.6 with 8 running, 16 would need about 1.2 of the cache: the finding says so
+    and names the KV settings before the limit."""
+    spec = SynthRun([Level("C=16", 16, 16, [0.95] * 2, 4, 10, queue=8, token_usage=0.6)], pp=2,
+                    engine={"max_running_requests": 8})
+    (bound,) = [f for f in _analyse(tmp_path / "r", spec).findings if f.cause == "admission_bound"]
+    assert "--mem-fraction-static" in bound.recommendation and "would not fit" in bound.recommendation
+    assert bound.evidence["token_usage_projected"] == 1.2
+
+
+def test_k_binds_only_while_the_pool_has_rows(tmp_path: Path) -> None:
+    """Micro-batches at K = 4 with requests waiting and the pool (64) far from full: the cap."""
+    spec = SynthRun([Level("C=16", 16, 16, [0.5] * 2, 4, 10, queue=8)], pp=2,
+                    engine={"max_running_requests": 64, "pp_max_micro_batch_size": 4})
+    a = _analyse(tmp_path / "r", spec)
+    assert "admission_bound" not in _causes(a) and "microbatch_cap" in _causes(a)

@@ -189,7 +189,6 @@ def test_vllm_cpu_kv_cache_usage_is_read(imported, name: str) -> None:  # type: 
 # Disagreements with the engines, each fixed by the issue named
 
 
-@pytest.mark.xfail(strict=True, reason="[diagnosis]: the request pool, not K, bounds SGLang")
 @pytest.mark.parametrize("name", ["default", "k16"])
 def test_sglang_at_c16_names_the_request_pool_not_k(imported, name: str) -> None:  # type: ignore[no-untyped-def]
     """SGLang at C=16 with max_running_requests 8: 8 run, 8 wait, whatever K is (a rerun with
@@ -197,21 +196,27 @@ def test_sglang_at_c16_names_the_request_pool_not_k(imported, name: str) -> None
     must name --max-running-requests, and no finding may recommend raising K."""
     findings = [f for f in _analysis(imported("sglang", name)).findings if f.phase in ("C=16", "*")]
     assert not any(f.cause == "microbatch_cap" for f in findings), [f.cause for f in findings]
-    assert any("--max-running-requests" in f.recommendation for f in findings), findings
+    bound = [f for f in findings if f.cause == "admission_bound"]
+    assert bound and bound[0].recommendation == "--max-running-requests 16", findings
+    assert bound[0].evidence["admission_limit"] == ADMISSION_LIMIT
 
 
-@pytest.mark.xfail(strict=True, reason="[diagnosis]: vLLM's max_num_seqs as an admission bound")
-def test_vllm_at_c16_names_max_num_seqs(imported) -> None:  # type: ignore[no-untyped-def]
-    """vLLM at C=16 with max_num_seqs 8 keeps 8 waiting: the finding names --max-num-seqs."""
-    findings = [f for f in _analysis(imported("vllm", "default")).findings if f.phase in ("C=16", "*")]
-    assert any("--max-num-seqs" in f.recommendation for f in findings), findings
+@pytest.mark.parametrize(("name", "limit"), [("default", 8), ("seqs4", 4)])
+def test_vllm_at_c16_names_max_num_seqs(imported, name: str, limit: int) -> None:  # type: ignore[no-untyped-def]
+    """vLLM at C=16 keeps 16 - max_num_seqs waiting: the finding names --max-num-seqs 16."""
+    findings = [f for f in _analysis(imported("vllm", name)).findings if f.phase in ("C=16", "*")]
+    bound = [f for f in findings if f.cause == "admission_bound"]
+    assert bound and bound[0].recommendation == "--max-num-seqs 16", findings
+    assert bound[0].evidence["admission_limit"] == limit
+    assert not any(f.cause == "microbatch_cap" for f in findings)
 
 
-@pytest.mark.xfail(strict=True, reason="[diagnosis]: engine tok/s from lines spread within their second")
-def test_sglang_engine_throughput_matches_the_client(imported) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("name", ["default", "k16"])
+def test_sglang_engine_throughput_matches_the_client(imported, name: str) -> None:  # type: ignore[no-untyped-def]
     """The engine's tok/s read from the imported log is within 5 % of the client's in every phase
-    with load (one-second stamps spread lines within their second and inflate it today)."""
-    for pm in _load_phases(_analysis(imported("sglang", "default"))):
+    with load: tokens are counted from the last stage's lines (integrating the logged throughput
+    over lines spread within their one-second stamps read 8-56 % high)."""
+    for pm in _load_phases(_analysis(imported("sglang", name))):
         assert pm.engine_gen_throughput_tok_s is not None and pm.client_throughput_tok_s
         assert pm.engine_gen_throughput_tok_s == pytest.approx(pm.client_throughput_tok_s, rel=0.05), pm.label
 
@@ -238,15 +243,18 @@ def test_vllm_log_without_date_loses_no_event(tmp_path: Path) -> None:
         assert store.sql("SELECT count(*) FROM scheduler_events WHERE log_ts_ns IS NULL")[0][0] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="[metrics]: vLLM's 10 s stats windows integrated at phase edges, PP2")
-def test_vllm_engine_throughput_matches_the_client(imported) -> None:  # type: ignore[no-untyped-def]
+# seqs4's C=1 windows read 61, 82 and 119 tok/s against the client's steady 98: vLLM's own
+# 10 s figures wander that much there, so that recording is held to 10 %.
+@pytest.mark.parametrize(("name", "rel"), [("default", 0.05), ("seqs4", 0.10)])
+def test_vllm_engine_throughput_matches_the_client(imported, name: str, rel: float) -> None:  # type: ignore[no-untyped-def]
     """vLLM's tok/s from its stats lines is within 5 % of the client's in every phase, with the
-    engine's own PP2 topology (its unranked lines are engine-wide, not stage 0's)."""
-    analysis = _analysis(imported("vllm", "default"))
+    engine's own PP2 topology (its unranked lines are engine-wide): each 10 s window that straddles
+    a phase edge is split by the rates on either side, not by time."""
+    analysis = _analysis(imported("vllm", name))
     assert analysis.run.pp_size == 2
     for pm in _load_phases(analysis):
         assert pm.engine_gen_throughput_tok_s is not None and pm.client_throughput_tok_s
-        assert pm.engine_gen_throughput_tok_s == pytest.approx(pm.client_throughput_tok_s, rel=0.05), pm.label
+        assert pm.engine_gen_throughput_tok_s == pytest.approx(pm.client_throughput_tok_s, rel=rel), pm.label
 
 
 @pytest.mark.parametrize("engine", [

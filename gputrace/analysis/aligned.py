@@ -44,6 +44,7 @@ class StageEvents:
     queue_req: np.ndarray
     token_usage: np.ndarray
     gen_throughput_tok_s: np.ndarray
+    new_seq: np.ndarray  # prefill lines: requests whose first token this prefill makes
 
 
 @dataclass
@@ -119,6 +120,10 @@ def _engine_config(store: Store) -> dict[str, Any]:
                 merged[k] = v
         with contextlib.suppress(ValueError):
             merged.setdefault("fields", {}).update(json.loads(row.get("fields_json") or "{}"))
+    if "engine" not in merged:  # no configuration line: the engine whose lines the run holds
+        kinds = store.sql("SELECT engine, count(*) FROM scheduler_events GROUP BY 1 ORDER BY 2 DESC LIMIT 1")
+        if kinds:
+            merged["engine"] = kinds[0][0]
     return merged
 
 
@@ -195,7 +200,7 @@ def align_store(store: Store, window_ns: tuple[int | None, int | None] = (None, 
     # Engine events, attention-TP rank 0 of each stage.
     ev = store.sql_arrow(
         "SELECT host, source, kind, line_no, log_ts_ns, ts_resolution_ns, recv_ts_ns, dp_rank, "
-        "pp_rank, running_req, queue_req, token_usage, gen_throughput_tok_s FROM scheduler_events "
+        "pp_rank, running_req, queue_req, token_usage, gen_throughput_tok_s, new_seq FROM scheduler_events "
         "WHERE coalesce(tp_rank, 0) = 0 AND kind IN ('decode', 'prefill', 'stats') AND "
         # the lines before the window still give the state it starts in
         + _within("coalesce(log_ts_ns, recv_ts_ns)", lo, hi, _EVENT_MARGIN_NS))
@@ -308,7 +313,7 @@ def align_store(store: Store, window_ns: tuple[int | None, int | None] = (None, 
     ev_dp = np.nan_to_num(_num(ev, "dp_rank").astype(np.float64), nan=0).astype(np.int64)
     kinds = np.asarray(ev.column("kind").to_pylist(), dtype=object)
     cols_ev = {c: _num(ev, c).astype(np.float64) for c in
-               ("running_req", "queue_req", "token_usage", "gen_throughput_tok_s")}
+               ("running_req", "queue_req", "token_usage", "gen_throughput_tok_s", "new_seq")}
     for s in range(pp):
         sel = np.flatnonzero((ev_pp == s) & ~np.isnan(ev_t))
         sel = sel[np.argsort(ev_t[sel], kind="stable")]

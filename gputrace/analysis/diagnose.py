@@ -12,8 +12,13 @@ import numpy as np
 
 from gputrace.analysis.metrics import PhaseMetrics, StageMetrics
 
-CAUSES = ("microbatch_cap", "pipeline_underfilled", "stage_imbalance", "client_bound",
+CAUSES = ("admission_bound", "microbatch_cap", "pipeline_underfilled", "stage_imbalance", "client_bound",
           "kv_cache_bound", "pcie_bound", "throttling", "log_sampling_aliased")
+
+# The engine-wide admission limit's flag, and the flags that size the KV cache, per engine.
+ADMISSION_FLAG = {"sglang": "--max-running-requests", "vllm": "--max-num-seqs"}
+KV_FLAGS = {"sglang": "--mem-fraction-static or --max-total-tokens",
+            "vllm": "--gpu-memory-utilization (VLLM_CPU_KVCACHE_SPACE on the CPU build)"}
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,9 @@ class Thresholds:
     imbalance_gap: float = 0.08  # busiest stage minus median stage busy share
     imbalance_ratio: float = 1.15
     client_shortfall: float = 0.85  # in flight below this share of the target
+    # the engine's running total within max(1.5, this share) of its admission limit is "at" it: the
+    # total is offered minus queued, and a queue sampled once a second catches requests mid-turnover
+    limit_tolerance: float = 0.2
     kv_usage: float = 0.9
     pcie_transfer_per_busy: float = 0.4  # hand-off time at link speed per unit of kernel time
     throttled_share: float = 0.1
@@ -69,6 +77,53 @@ def _r(x: float | None, nd: int = 3) -> float | None:
     return None if x is None or not np.isfinite(x) else round(float(x), nd)
 
 
+def engine_kind(engine: dict[str, Any]) -> str:
+    """"sglang" or "vllm" from the run's engine configuration (SGLang when unknown)."""
+    kind = str(engine.get("engine") or "sglang")
+    return kind if kind in ADMISSION_FLAG else "sglang"
+
+
+def at_limit(running: float | None, limit: int | None, th: Thresholds) -> bool:
+    """Whether an engine-wide running total is at its admission limit."""
+    return running is not None and limit is not None and \
+        running >= limit - max(1.5, th.limit_tolerance * limit)
+
+
+def admission_bound(pm: PhaseMetrics, engine: dict[str, Any], load: float | None,
+                    queue_mean: float | None, engine_running: float | None,
+                    th: Thresholds) -> Finding | None:
+    """The engine runs as many requests as it admits (SGLang's request pool, vLLM's max_num_seqs)
+    while requests wait: raise the limit to the offered load, if the KV cache holds that many."""
+    limit = int(engine["max_running_requests"]) if engine.get("max_running_requests") else None
+    if load is None or queue_mean is None or queue_mean <= 0.5 or not at_limit(engine_running, limit, th):
+        return None
+    assert limit is not None and engine_running is not None
+    kind = engine_kind(engine)
+    want = max(int(np.ceil(load)), limit + 1)
+    usage = _vals(pm.stages, "token_usage_max")
+    usage_max = float(np.nanmax(usage)) if not np.isnan(usage).all() else None
+    projected = usage_max * want / max(engine_running, 1.0) if usage_max is not None else None
+    kv_short = projected is not None and projected >= th.kv_usage
+    flag = ADMISSION_FLAG[kind]
+    if kv_short:
+        recommendation = (f"{flag} {want} would not fit the KV cache (token usage {usage_max:.2f} at "
+                          f"{engine_running:.0f} running, about {projected:.2f} at {want}): give the cache "
+                          f"more memory first ({KV_FLAGS[kind]}), then {flag} {want}")
+    else:
+        recommendation = f"{flag} {want}"
+        if usage_max is None:
+            recommendation += " (KV headroom unknown: no token usage logged)"
+    return Finding(
+        "admission_bound", pm.label, list(range(len(pm.stages))),
+        {"engine": kind, "admission_limit": limit, "limit_flag": flag, "offered_load": _r(load, 1),
+         "engine_running_estimate": _r(engine_running, 1), "queue_req_mean": _r(queue_mean, 2),
+         "token_usage_max": _r(usage_max), "token_usage_projected": _r(projected)},
+        0.9, recommendation,
+        f"the engine runs {engine_running:.0f} requests, its limit ({flag.lstrip('-').replace('-', '_')} "
+        f"= {limit}), while {load:.0f} are offered and {queue_mean:.0f} wait",
+        impact=1.5, details={"knob": flag, "value": want})
+
+
 def diagnose_phase(pm: PhaseMetrics, engine: dict[str, Any], pp_size: int,
                    th: Thresholds = Thresholds()) -> list[Finding]:
     """The findings of one phase."""
@@ -110,7 +165,15 @@ def diagnose_phase(pm: PhaseMetrics, engine: dict[str, Any], pp_size: int,
         engine_running is not None and abs(engine_running - kk) <= max(1.5, 0.2 * kk)))
     waiting = queue_mean > 0.5 if queue_mean is not None else (
         load is not None and load > kk + 0.5 and mean_bubble > th.bubble_material)
-    if kk and plateau and waiting and load is not None:
+    # K binds only while the request pool has free rows: at the pool's limit, raising K admits
+    # nothing (SGLang's get_num_allocatable_reqs takes the smaller of the two).
+    mrr = int(engine["max_running_requests"]) if engine.get("max_running_requests") else None
+    pool_full = at_limit(engine_running, mrr, th)
+    bound = admission_bound(pm, engine, load, queue_mean, engine_running, th)
+    if bound is not None:
+        out.append(bound)
+    if engine_kind(engine) == "sglang" and kk and plateau and waiting and load is not None \
+            and not pool_full:
         mrr = engine.get("max_running_requests")
         want = int(max(mrr or 0, pm.target_concurrency or 0, round(load)))
         out.append(Finding(
@@ -190,7 +253,7 @@ def diagnose_phase(pm: PhaseMetrics, engine: dict[str, Any], pp_size: int,
     # The cap is the cause only when the engine got the load and nothing else held admission
     # back: a short client or a full KV cache also leaves requests queued at a plateau.
     if any(f.cause in ("client_bound", "kv_cache_bound") for f in out):
-        out = [f for f in out if f.cause != "microbatch_cap"]
+        out = [f for f in out if f.cause not in ("microbatch_cap", "admission_bound")]
 
     # Too few micro-batches for the pipeline depth (stages in lockstep), when nothing above
     # explains the bubble. A pipeline whose slots are all filled keeps some bubble (hand-offs,

@@ -109,7 +109,7 @@ class PhaseMetrics:
     requests_completed: int
     throughput_tok_s: float | None  # the engine's, else the client's
     client_throughput_tok_s: float | None  # requests' completion tokens emitted in the phase
-    engine_gen_throughput_tok_s: float | None  # the last stage's logged gen throughput, integrated
+    engine_gen_throughput_tok_s: float | None  # from the engine's log (engine_throughput)
     unfinished_requests: int  # requests of the phase with no end (their tokens are unknown)
     ttft_s_p50: float | None
     ttft_s_p90: float | None
@@ -178,18 +178,80 @@ def tokens_emitted(first_token_ns: np.ndarray, end_ns: np.ndarray, completion_to
 
 
 def engine_tokens(t_ns: np.ndarray, gen_tok_s: np.ndarray, is_decode: np.ndarray, start_ns: int,
-                  stop_ns: int) -> float | None:
-    """Tokens a stage generated in [start, stop) from its decode lines: each line's throughput
-    covers the time since the stage's previous decode line (SGLang resets its counter per line)."""
+                  stop_ns: int, grid_ns: np.ndarray | None = None, work: np.ndarray | None = None
+                  ) -> float | None:
+    """Tokens a stage generated in [start, stop) from its throughput lines. Each line's rate covers
+    the time since the previous line (SGLang resets its counter per line; vLLM averages over its
+    10 s window); the first line's window is taken to be the usual gap between lines.
+
+    A window that straddles an edge gives the part inside the share of its tokens that the time
+    there, weighted by ``work`` on the grid (no tokens come while no request is in), makes at the
+    rate of the neighbouring window on that side: a 10 s window half in a phase at 300 tok/s and
+    half in one at 700 gives the first 30 %, not 50 %."""
     sel = is_decode & ~np.isnan(gen_tok_s)
-    t, rate = t_ns[sel], gen_tok_s[sel]
-    lo, hi = np.searchsorted(t, [start_ns, stop_ns])
-    if hi - lo < 2:
+    t, rate = t_ns[sel].astype(np.float64), gen_tok_s[sel]
+    if len(t) < 2:
         return None
-    prev = np.concatenate([[t[lo]], t[lo:hi - 1]]) if lo == 0 else t[lo - 1:hi - 1]
-    # rate x gap = the tokens since the previous line, idle time included, so no gap is special.
-    span = t[lo:hi] - np.maximum(prev, start_ns)
-    return float(np.sum(rate[lo:hi] * span) / 1e9)
+    prev = np.concatenate([[t[0] - float(np.median(np.diff(t)))], t[:-1]])
+    lo, hi = np.maximum(prev, start_ns), np.maximum(np.minimum(t, stop_ns), np.maximum(prev, start_ns))
+    if grid_ns is not None and work is not None and len(grid_ns):
+        cum = np.concatenate([[0.0], np.cumsum(np.nan_to_num(work))])
+        step = float(np.median(np.diff(grid_ns))) if len(grid_ns) > 1 else 1.0
+
+        def span(a: np.ndarray, b: np.ndarray) -> np.ndarray:  # work-weighted time in (a, b]
+            return np.asarray(step * (cum[np.searchsorted(grid_ns, b, "right")]
+                                      - cum[np.searchsorted(grid_ns, a, "right")]))
+    else:
+        def span(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+            return np.asarray(np.clip(b - a, 0, None))
+    inside = span(lo, hi)
+    outside = np.clip(span(prev, t) - inside, 0, None)
+    rate_before = np.concatenate([[rate[0]], rate[:-1]])
+    rate_after = np.concatenate([rate[1:], [rate[-1]]])
+    enters = (prev < start_ns) & (t > start_ns) & (t <= stop_ns)  # the inside part comes after
+    leaves = (prev >= start_ns) & (prev < stop_ns) & (t > stop_ns)  # the inside part comes first
+    rate_in = np.where(enters, rate_after, np.where(leaves, rate_before, rate))
+    rate_out = np.where(enters, rate_before, np.where(leaves, rate_after, rate))
+    made_in, made_out = inside * rate_in, outside * rate_out
+    total = made_in + made_out
+    with np.errstate(all="ignore"):
+        share = np.nan_to_num(np.where(total > 0, made_in / total, inside / (inside + outside)))
+    if np.count_nonzero(share) < 2:
+        return None
+    # rate x window = the window's tokens, idle time included, so no gap is special.
+    return float(np.sum(rate * (t - prev) * share) / 1e9)
+
+
+def counted_tokens(kind: np.ndarray, running_req: np.ndarray, new_seq: np.ndarray) -> float | None:
+    """Tokens SGLang generated, counted from one stage's lines logged at --decode-log-interval 1: a
+    decode line is one step of its micro-batch (a token per request), a prefill line gives each new
+    request its first token. Unlike the logged throughput, this does not depend on where the lines
+    fall within their one-second stamps."""
+    decode = kind == "decode"
+    if not decode.any():
+        return None
+    return float(np.nansum(running_req[decode]) + np.nansum(new_seq[kind == "prefill"]))
+
+
+def engine_throughput(run: AlignedRun, start_ns: int, stop_ns: int) -> float | None:
+    """The engine's generated tokens per second in [start, stop) from its log: SGLang's last stage's
+    lines counted (each micro-batch passes it once), vLLM's engine-wide stats lines (filed under
+    stage 0) integrated; None without such lines."""
+    duration_s = (stop_ns - start_ns) / 1e9
+    logging = [ev for ev in run.stage_events if len(ev.t_ns)]
+    if duration_s <= 0 or not logging:
+        return None
+    ev = logging[-1]
+    interval = run.engine.get("decode_log_interval")
+    lo, hi = np.searchsorted(ev.t_ns, [start_ns, stop_ns])
+    # Every step logged: count them. A sampled log (interval > 1) gives each line the throughput
+    # over its interval, which integrates without the sampling's noise.
+    if interval == 1 and run.engine.get("engine", "sglang") == "sglang":
+        tokens = counted_tokens(ev.kind[lo:hi], ev.running_req[lo:hi], ev.new_seq[lo:hi])
+    else:
+        tokens = engine_tokens(ev.t_ns, ev.gen_throughput_tok_s, np.isin(ev.kind, ("decode", "stats")),
+                               start_ns, stop_ns, run.grid_ns, run.work_ratio)
+    return tokens / duration_s if tokens is not None else None
 
 
 def _wmean(values: np.ndarray, w: np.ndarray) -> float | None:
@@ -272,13 +334,7 @@ def phase_metrics(run: AlignedRun, series: StageSeries, phase: Phase) -> PhaseMe
         running = max(load - queued, float(np.mean(mb_sizes)))
         mb_in_flight = min(float(slots), running / float(np.mean(mb_sizes)))
         allowed = min(1.0, mb_in_flight / run.pp_size)
-    last = run.stage_events[-1] if run.stage_events else None
-    gen = None
-    if last is not None and phase.duration_s > 0:
-        # SGLang's decode lines and vLLM's stats lines each give the throughput since the last one
-        tok = engine_tokens(last.t_ns, last.gen_throughput_tok_s, np.isin(last.kind, ("decode", "stats")),
-                            phase.start_ns, phase.end_ns)
-        gen = tok / phase.duration_s if tok is not None else None
+    gen = engine_throughput(run, phase.start_ns, phase.end_ns)
     client_tput = _f(tokens / phase.duration_s) if phase.duration_s > 0 else None
     unfinished = int((in_phase & np.isnan(rq["end_ns"])).sum())
     return PhaseMetrics(
