@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import json
 import signal
 import socket
@@ -178,8 +179,9 @@ class Collector:
     async def _follow_log(self, ht: _HostTasks) -> None:
         assert ht.host.log is not None and ht.transport is not None
         src = ht.host.log
+        # a line followed live was written by now: that dates vLLM's stamps, which have no year
         parser = LogParser(host=ht.host.name, source=f"{src.kind}:{src.target}", engine=src.engine,
-                           tz=src.timezone)
+                           tz=src.timezone, year_until=lambda: dt.datetime.now(dt.UTC).date())
         ready = self._ready.setdefault(f"log {ht.host.name}", asyncio.Event())
         async for batch in follow_log_batches(ht.transport, src, from_start=self.options.log_from_start,
                                               on_caught_up=ready.set):

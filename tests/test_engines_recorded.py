@@ -9,19 +9,20 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import re
 import signal
 import statistics
 import subprocess
 import sys
-import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
 import pytest
 from engine_fixtures import client_requests, fixture_dir, metrics_series
 from engine_servers import ADMISSION_LIMIT, SETTINGS
-from live_chain import free_port
+from live_chain import free_port, wait_until
 
 from gputrace.analysis.aligned import align_store
 from gputrace.analysis.metrics import PhaseMetrics
@@ -33,7 +34,7 @@ RECORDED = [(s.engine, s.name) for s in SETTINGS]
 SGLANG_BATCH = re.compile(r"\] (?:Prefill|Decode) batch[,.]")
 SGLANG_RANK = re.compile(r"^\[[^\]]*\bPP(\d+)\b[^\]]*\]")
 VLLM_STATS = re.compile(r"Avg prompt throughput: ")
-VLLM_STAMP = re.compile(r"^\w+ (\d\d)-(\d\d) (\d\d:\d\d:\d\d)")
+VLLM_STAMP = re.compile(r"\b[A-Z]+ (\d\d)-(\d\d) (\d\d:\d\d:\d\d)")
 
 
 def _ids(params: list[tuple[str, str]]) -> list[str]:
@@ -231,16 +232,24 @@ def test_vllm_configuration_is_read_from_its_startup_lines(imported, name: str, 
     assert _analysis(imported("vllm", name)).run.pp_size == 2
 
 
-@pytest.mark.xfail(strict=True, reason="[metrics]: vLLM's stamps lack the year: from the run, or refuse")
 def test_vllm_log_without_date_loses_no_event(tmp_path: Path) -> None:
-    """Imported without --date, vLLM's lines keep a time, or the import refuses naming --date;
-    today every event is stored with no time and later dropped without a word."""
-    out = _import(tmp_path / "run", "vllm", "default", None)
-    if out.returncode != 0:
-        assert "--date" in out.stderr
-        return
+    """Imported without --date, vLLM's lines (stamped MM-DD) are dated by the file's last change,
+    which the import says along with --date; no event is left without a time (they were stored
+    with none and dropped from the analysis without a word)."""
+    log = tmp_path / "engine.log"
+    log.write_text((fixture_dir("vllm", "default") / "engine.log").read_text())
+    recorded = dt.datetime.fromisoformat(_record_date("vllm", "default"))
+    written = recorded.replace(tzinfo=dt.UTC).timestamp() + 3600
+    os.utime(log, (written, written))
+    out = subprocess.run([sys.executable, "-m", "gputrace", "import", "--run", str(tmp_path / "run"),
+                          "--vllm-log", str(log), "--no-progress"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "no year" in out.stderr and "--date" in out.stderr
     with Store.open(tmp_path / "run", read_only=True) as store:
         assert store.sql("SELECT count(*) FROM scheduler_events WHERE log_ts_ns IS NULL")[0][0] == 0
+        (first,) = store.sql("SELECT min(log_ts_ns) FROM scheduler_events")[0]
+    assert dt.datetime.fromtimestamp(first / 1e9, dt.UTC).date() == recorded.date()
 
 
 # seqs4's C=1 windows read 61, 82 and 119 tok/s against the client's steady 98: vLLM's own
@@ -259,9 +268,7 @@ def test_vllm_engine_throughput_matches_the_client(imported, name: str, rel: flo
 
 @pytest.mark.parametrize("engine", [
     "sglang",
-    pytest.param("vllm", marks=pytest.mark.xfail(
-        strict=True, reason="[robust]: vLLM's lines in a followed file before the follow (no year in "
-        "their stamps) all get the follow's start instant")),
+    "vllm",
 ])
 def test_lines_in_the_file_before_the_follow_keep_their_times(tmp_path: Path, engine: str) -> None:
     """A collector started on a finished log (as on a running engine's) places its lines at their
@@ -272,10 +279,13 @@ def test_lines_in_the_file_before_the_follow_keep_their_times(tmp_path: Path, en
     cfg = tmp_path / "gputrace.toml"
     cfg.write_text(f'[[hosts]]\nname = "engine-host"\n\n[hosts.log]\nkind = "file"\n'
                    f'path = {json.dumps(str(log))}\nengine = "{engine}"\n')
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "gputrace", "collect", "--config", str(cfg),
-                             "--out", str(tmp_path / "run"), "--listen", f"127.0.0.1:{free_port()}"],
+                             "--out", str(tmp_path / "run"), "--listen", f"127.0.0.1:{port}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    time.sleep(6.0)
+    lines = sum(1 for line in text.splitlines() if (SGLANG_BATCH if engine == "sglang" else VLLM_STATS)
+                .search(line))
+    wait_until(lambda: _status_count(port, "scheduler_events") >= lines, timeout_s=60)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err[-2000:]
@@ -286,6 +296,15 @@ def test_lines_in_the_file_before_the_follow_keep_their_times(tmp_path: Path, en
     assert (max(times) - min(times)) / 1e9 == pytest.approx(logged, abs=2.0)
 
 
+def _status_count(port: int, name: str) -> int:
+    """A count from the collector's /v1/status (0 while it does not answer yet)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/status", timeout=2) as resp:
+            return int(json.loads(resp.read())["counts"].get(name, 0))
+    except (OSError, ValueError):
+        return 0
+
+
 def _logged_span_s(engine: str, text: str) -> float:
     """Seconds between the first and last scheduler line's own stamps."""
     stamps = []
@@ -293,7 +312,7 @@ def _logged_span_s(engine: str, text: str) -> float:
         if engine == "sglang" and SGLANG_BATCH.search(line):
             stamps.append(dt.datetime.strptime(line[1:20], "%Y-%m-%d %H:%M:%S"))
         elif engine == "vllm" and VLLM_STATS.search(line):
-            m = VLLM_STAMP.match(line)
+            m = VLLM_STAMP.search(line)
             assert m is not None, line
             stamps.append(dt.datetime.strptime(f"2026-{m.group(1)}-{m.group(2)} {m.group(3)}",
                                                "%Y-%m-%d %H:%M:%S"))

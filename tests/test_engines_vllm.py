@@ -181,3 +181,17 @@ def test_startup_lines_give_the_configuration() -> None:
     assert fields["compilation_config"] == {"level": 3, "splitting_ops": ["a", "b"]}
     assert fields["dtype"] == "torch.bfloat16" and fields["enable_prefix_caching"] is True
     assert parser.counts.recognised["config"] == 2
+
+
+def test_a_stamp_without_a_year_takes_the_latest_year_not_after_the_log() -> None:
+    """With no --date, a clock told when the log was written up to (today for a live follow, the
+    file's last change for an import) dates MM-DD stamps: 12-31 read on 2027-01-02 is in 2026."""
+    line = ("INFO 12-31 23:59:58 [loggers.py:1] Engine 000: Avg prompt throughput: 1.0 tokens/s, "
+            "Avg generation throughput: 2.0 tokens/s, Running: 1 reqs, Waiting: 0 reqs")
+    cases = ((dt.date(2027, 1, 2), 2026), (dt.date(2026, 12, 31), 2026), (dt.date(2026, 12, 30), 2026),
+             (dt.date(2026, 6, 1), 2025))
+    for until, year in cases:
+        parser = LogParser(host="h", source="v", engine="vllm", year_until=lambda until=until: until)
+        record = parser.feed(line)
+        assert isinstance(record, SchedulerEvent) and record.log_ts_ns is not None
+        assert dt.datetime.fromtimestamp(record.log_ts_ns / 1e9, dt.UTC).year == year, until

@@ -6,6 +6,7 @@ run when it does not exist and appends to it when it does.
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -48,9 +49,16 @@ def _import_engine_logs(
     for path in paths:
         size = os.path.getsize(path) if os.path.isfile(path) else 0
         show = progress if progress is not None else (size >= PROGRESS_MIN_BYTES and sys.stderr.isatty())
+        year_until = None
+        if engine == "vllm" and date is None and os.path.isfile(path):
+            # vLLM stamps MM-DD: the year is the one in which the file was last written
+            last_write = dt.datetime.fromtimestamp(os.path.getmtime(path), dt.UTC).date()
+            year_until = lambda last_write=last_write: last_write  # noqa: E731
+            click.echo(f"{path}: vLLM's times have no year: dated up to the file's last change "
+                       f"({last_write.isoformat()}); --date YYYY-MM-DD sets the year", err=True)
         with _bytes_progress(f"{engine} log {os.path.basename(path)}", size, show) as advance:
             stats = ingest_log(store, path, host=host, engine=engine, source=default_source(path),
-                               tz=timezone, date=date, on_progress=advance)
+                               tz=timezone, date=date, year_until=year_until, on_progress=advance)
         _echo_log_stats(engine, stats)
 
 

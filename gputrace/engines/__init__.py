@@ -75,11 +75,12 @@ class LogParser:
         tz: str = "UTC",
         date: dt.date | str | None = None,
         first_line_no: int = 1,
+        year_until: Callable[[], dt.date] | None = None,
     ):
         self.host = host
         self.source = source
         self.engine = engine
-        self.clock = LogClock(tz, date)
+        self.clock = LogClock(tz, date, year_until)
         self._grammar = grammar(engine)
         self.next_line_no = first_line_no
         self.counts = ParseCounts()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -124,10 +125,14 @@ class LogClock:
     """Turns logged wall-clock text into ns since the epoch, for one timezone.
 
     ``date`` stands in for logs whose timestamps lack the date (SGLang before 2024-10) or the
-    year (vLLM's ``MM-DD``); without it such lines get ``log_ts_ns`` None.
+    year (vLLM's ``MM-DD``); without it such lines get ``log_ts_ns`` None, unless ``year_until``
+    gives the day the log was written up to (today, for a log followed live; the file's last
+    change, for an import): an ``MM-DD`` stamp then takes the latest year that does not put it
+    after that day.
     """
 
-    def __init__(self, tz: str = "UTC", date: dt.date | str | None = None):
+    def __init__(self, tz: str = "UTC", date: dt.date | str | None = None,
+                 year_until: Callable[[], dt.date] | None = None):
         try:
             self.tz = dt.UTC if tz.upper() in ("UTC", "Z") else ZoneInfo(tz)
         except (ZoneInfoNotFoundError, ValueError) as exc:
@@ -139,6 +144,7 @@ class LogClock:
             except ValueError as exc:
                 raise UsageError(f"--date {date!r} is not a YYYY-MM-DD date") from exc
         self.date = date
+        self.year_until = year_until
         self._cache: dict[tuple[int, int, int, str], int] = {}
 
     def seconds(self, year: int, month: int, day: int, hms: str) -> int | None:
@@ -178,9 +184,14 @@ class LogClock:
     def month_day_to_ns(self, month: int, day: int, hms: str, frac: str | None) -> tuple[int | None, int]:
         """For ``MM-DD HH:MM:SS`` stamps: the year comes from ``date`` (None without it)."""
         resolution = 10 ** (9 - len(frac)) if frac else 1_000_000_000
-        if self.date is None:
+        if self.date is not None:
+            year = self.date.year
+        elif self.year_until is not None:
+            until = self.year_until() + dt.timedelta(days=1)  # a stamp in a timezone ahead of it
+            year = until.year if (month, day) <= (until.month, until.day) else until.year - 1
+        else:
             return None, resolution
-        secs = self.seconds(self.date.year, month, day, hms)
+        secs = self.seconds(year, month, day, hms)
         if secs is None:
             return None, resolution
         frac_ns = int(frac.ljust(9, "0")[:9]) if frac else 0

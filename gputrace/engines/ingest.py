@@ -140,6 +140,7 @@ def ingest_log(
     tz: str = "UTC",
     date: dt.date | str | None = None,
     *,
+    year_until: Callable[[], dt.date] | None = None,
     fast: bool = True,
     batch_rows: int = 2 * ROW_GROUP_ROWS,
     chunk_bytes: int = CHUNK_BYTES,
@@ -147,7 +148,8 @@ def ingest_log(
 ) -> IngestStats:
     """Parse a whole log file and append its events and configuration lines to ``store``.
 
-    ``source`` names the log in the store (default: the file's path). ``fast=False`` forces the
+    ``source`` names the log in the store (default: the file's path); ``year_until`` dates stamps
+    without a year (vLLM's) by the day the log was written up to. ``fast=False`` forces the
     per-line grammar for every line (the fast path's reference). Rows are appended about
     ``batch_rows`` at a time, fast-path rows in whole row groups of the store (each append is one
     committed transaction, so a failure leaves every earlier batch readable); two groups a batch
@@ -155,7 +157,7 @@ def ingest_log(
     called with the bytes of the file read so far (compressed bytes for a .gz), chunk by chunk.
     """
     source = source or str(path)
-    parser = LogParser(host=host, source=source, engine=engine, tz=tz, date=date)
+    parser = LogParser(host=host, source=source, engine=engine, tz=tz, date=date, year_until=year_until)
     stats = IngestStats(path=str(path), source=source)
     events = _EventColumns()
     configs: list[EngineConfig] = []
