@@ -165,6 +165,21 @@ def test_report_is_written(imported, tmp_path: Path, engine: str, name: str) -> 
     assert {p.name for p in tmp_path.iterdir()} >= {"report.html", "report.md", "findings.json"}
 
 
+def test_a_run_without_gpu_samples_says_cannot_tell_not_healthy(imported, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The CPU engines give no GPU samples: the report says it cannot tell how busy the stages
+    were and what to add, and nowhere that a phase is healthy."""
+    findings = _analysis(imported("vllm", "default")).findings
+    missing = [f for f in findings if f.cause == "cannot_tell"]
+    assert [f.evidence["missing"] for f in missing] == ["gpu_samples"] and missing[0].phase == "*"
+    assert findings[-1].cause == "cannot_tell"  # after every cause that was found
+    out = subprocess.run([sys.executable, "-m", "gputrace", "report", str(imported("vllm", "default")),
+                          "--out", str(tmp_path), "--format", "md", "--no-progress"],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = (tmp_path / "report.md").read_text()
+    assert "cannot tell how busy the stages were" in text and "healthy" not in text
+
+
 @pytest.mark.parametrize("name", ["default", "k16"])
 def test_sglang_arguments_are_read_from_the_server_args_dict(imported, name: str) -> None:  # type: ignore[no-untyped-def]
     """0.5.23 logs `server_args={...}`: pp_size, the request pool, K and the log interval are read."""

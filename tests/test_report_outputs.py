@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -168,7 +170,7 @@ def test_window_flags_are_checked(tmp_path: Path, capsys: pytest.CaptureFixture[
 def test_vllm_stats_lines_are_analysed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A vLLM log alone (its periodic stats lines, MM-DD times dated at import): the phases come
     from its running + waiting requests and the engine throughput from its generation throughput;
-    without --date the refusal says what is missing."""
+    without --date the year is the one of the file's last change, and the import says so."""
     log = tmp_path / "vllm.log"
     lines = []
     for i in range(120):  # every 10 s: 10 min at 8 requests, then 10 min at 32 (of which 8 wait)
@@ -180,11 +182,15 @@ def test_vllm_stats_lines_are_analysed(tmp_path: Path, capsys: pytest.CaptureFix
                      f"Running: {running} reqs, Waiting: {waiting} reqs, GPU KV cache usage: 20.0%, "
                      "Prefix cache hit rate: 0.0%")
     log.write_text("\n".join(lines) + "\n")
+    written = dt.datetime(2026, 7, 1, tzinfo=dt.UTC).timestamp()
+    os.utime(log, (written, written))
     run = tmp_path / "run"
     code, _, err = _cli(capsys, "import", "--run", str(run), "--vllm-log", str(log))
     assert code == 0, err
-    code, _, err = _cli(capsys, "report", str(run), "--format", "json")
-    assert code == 1 and "120 engine log lines have no date" in err and "--date YYYY-MM-DD" in err, err
+    assert "no year: dated up to the file's last change (2026-07-01)" in err and "--date" in err, err
+    with Store.open(run, read_only=True) as store:
+        (first,) = store.sql("SELECT min(log_ts_ns) FROM scheduler_events")[0]
+    assert dt.datetime.fromtimestamp(first / 1e9, dt.UTC) == dt.datetime(2026, 6, 16, 10, 0, tzinfo=dt.UTC)
 
     dated = tmp_path / "dated"
     code, _, err = _cli(capsys, "import", "--run", str(dated), "--vllm-log", str(log), "--date", "2026-06-16")

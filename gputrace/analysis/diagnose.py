@@ -13,7 +13,7 @@ import numpy as np
 from gputrace.analysis.metrics import PhaseMetrics, StageMetrics
 
 CAUSES = ("admission_bound", "microbatch_cap", "pipeline_underfilled", "stage_imbalance", "client_bound",
-          "kv_cache_bound", "pcie_bound", "throttling", "log_sampling_aliased")
+          "kv_cache_bound", "pcie_bound", "throttling", "log_sampling_aliased", "cannot_tell")
 
 # The engine-wide admission limit's flag, and the flags that size the KV cache, per engine.
 ADMISSION_FLAG = {"sglang": "--max-running-requests", "vllm": "--max-num-seqs"}
@@ -298,9 +298,30 @@ def diagnose_log_sampling(phases: Sequence[PhaseMetrics], engine: dict[str, Any]
         "stage logs the same slot every time", impact=0.05)
 
 
+def cannot_tell(phases: Sequence[PhaseMetrics], pp_size: int) -> list[Finding]:
+    """What the run lacks for the causes it could not look at: never "healthy" for want of data."""
+    out: list[Finding] = []
+    stages = list(range(pp_size))
+    if phases and all(s.busy_fraction is None for pm in phases for s in pm.stages):
+        out.append(Finding(
+            "cannot_tell", "*", stages, {"missing": "gpu_samples"}, 1.0,
+            "run `gputrace agent` on each GPU host (or import nvidia-smi or DCGM data) with the capture",
+            "cannot tell how busy the stages were or how much they idled: the run has no GPU samples "
+            "(stage imbalance, PCIe and throttling need them too)", impact=0.0))
+    for pm in phases:
+        if all(s.log_lines == 0 for s in pm.stages):
+            out.append(Finding(
+                "cannot_tell", pm.label, stages, {"missing": "scheduler_lines"}, 1.0,
+                "follow the engine's log during the run (SGLang with --decode-log-interval 1)",
+                "cannot tell what the engine ran in this phase: no scheduler lines (admission, "
+                "micro-batch, KV-cache and pipeline-fill causes need them)", impact=0.0))
+    return out
+
+
 def diagnose(phases: Sequence[PhaseMetrics], engine: dict[str, Any], pp_size: int,
              th: Thresholds = Thresholds()) -> list[Finding]:
-    """All findings of a run, most important first (by confidence times stage-time lost)."""
+    """All findings of a run, most important first (by confidence times stage-time lost); what the
+    run lacks for a diagnosis comes last, as "cannot tell"."""
     found: list[Finding] = []
     for pm in phases:
         found.extend(diagnose_phase(pm, engine, pp_size, th))
@@ -308,4 +329,4 @@ def diagnose(phases: Sequence[PhaseMetrics], engine: dict[str, Any], pp_size: in
     if aliased:
         found.append(aliased)
     found.sort(key=lambda f: -(f.confidence * f.impact))
-    return found
+    return found + cannot_tell(phases, pp_size)
