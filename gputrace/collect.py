@@ -34,10 +34,11 @@ from gputrace.remote.connect import connect_host
 from gputrace.remote.follow import follow_log_batches
 from gputrace.remote.ssh import HostKeyPolicy
 from gputrace.remote.transport import Transport
-from gputrace.store import BatchingWriter, Store
+from gputrace.store import REJECTS_FILE, BatchingWriter, Store
 from gputrace.topology import placements_from_config, topology_to_meta
 
 log = get_logger("collect")
+MAX_CONCURRENCY = 1 << 31  # a phase's target: far above any real load, well inside int64
 
 DEFAULT_LISTEN = "127.0.0.1:9401"
 
@@ -75,7 +76,7 @@ class Collector:
         self.options = options or CollectOptions()
         self.placements = placements_from_config(cfg)
         self.live = LiveState(store.meta.name, self.placements)
-        self.writer = BatchingWriter(store, flush_s=self.options.flush_s)
+        self.writer = BatchingWriter(store, flush_s=self.options.flush_s, on_reject=self._rejected)
         self._hosts = [_HostTasks(h) for h in cfg.hosts]
         self._tasks: list[asyncio.Task[None]] = []
         self._runner: web.AppRunner | None = None
@@ -226,6 +227,14 @@ class Collector:
             await asyncio.sleep(min(self.options.flush_s, 0.25))
             self.writer.maybe_flush()
 
+    def _rejected(self, record: Any, reason: str) -> None:
+        """A record the store could not hold: counted; logged the first time per record type."""
+        self.live.counts["rejected_records"] += 1
+        name = type(record).__name__
+        if self.writer.rejected.get(name) == 1:
+            log.warning("record set aside", record_type=name, reason=reason,
+                        rejects_file=str(self.store.path / REJECTS_FILE))
+
     # -- records from the load side (same process) ----------------------------------------------
 
     def add_load_record(self, record: RequestRecord | Marker) -> None:
@@ -299,13 +308,22 @@ def marker_from_json(body: Any, default_host: str) -> Marker:
     if kind not in ("phase", "end", "note"):
         raise ValueError("kind must be phase, end or note")
     target = body.get("target_concurrency")
-    if target is not None and not isinstance(target, int):
-        raise ValueError("target_concurrency must be an integer")
+    # bool is an int in Python: true as a concurrency reached the store and stopped its writer
+    if target is not None and (isinstance(target, bool) or not isinstance(target, int)
+                               or not 0 <= target <= MAX_CONCURRENCY):
+        raise ValueError(f"target_concurrency must be an integer from 0 to {MAX_CONCURRENCY}")
     ts_ns = body.get("ts_ns") or time.time_ns()
-    if not isinstance(ts_ns, int):
-        raise ValueError("ts_ns must be an integer")
-    host = body.get("host") or default_host
-    return Marker(host=str(host), ts_ns=ts_ns, label=label, kind=kind, target_concurrency=target)
+    if isinstance(ts_ns, bool) or not isinstance(ts_ns, int) or not 0 < ts_ns < 2**63:
+        raise ValueError("ts_ns must be an integer of nanoseconds since the epoch")
+    host = str(body.get("host") or default_host)
+    for name, text in (("label", label), ("host", host)):
+        if not text.isprintable() or len(text) > 200:
+            raise ValueError(f"{name} must be printable text of at most 200 characters")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{name} is not valid Unicode (a lone surrogate)") from None
+    return Marker(host=host, ts_ns=ts_ns, label=label, kind=kind, target_concurrency=target)
 
 
 def _devices_from_info(host: str, info: dict[str, Any]) -> list[DeviceInfo]:

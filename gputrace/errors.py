@@ -38,6 +38,11 @@ class StoreError(GputraceError):
     """The run store cannot be created, opened or written."""
 
 
+class RecordError(StoreError):
+    """A record holds a value its column cannot store (an integer past int64, a bool where a
+    count belongs, text that is not valid Unicode): that record is set aside, the rest written."""
+
+
 class SchemaVersionError(StoreError):
     """The run store was written by a newer gputrace with a newer schema."""
 

@@ -23,12 +23,13 @@ import numpy as np
 import pyarrow as pa
 
 from gputrace import __version__
-from gputrace.errors import SchemaVersionError, StoreError
+from gputrace.errors import RecordError, SchemaVersionError, StoreError
 from gputrace.model import RECORD_TABLES, RunMeta
 
 SCHEMA_VERSION = 1
 DB_FILE = "run.duckdb"
 META_FILE = "meta.json"
+REJECTS_FILE = "rejects.ndjson"  # records set aside because a value did not fit its column
 # DuckDB stores a table in row groups of this many rows (the file is attached with it: DuckDB
 # does not keep the size in the file). An append of at least a group is written straight to the
 # file; a smaller one goes through the write-ahead log and a checkpoint. Half DuckDB's default
@@ -99,6 +100,21 @@ def _to_arrow_column(values: Any, dtype: pa.DataType) -> pa.Array:
             values = values.data
         return pa.array(values, type=dtype, mask=mask, from_pandas=False)
     return pa.array(list(values), type=dtype)
+
+
+# What converting a bad Python value to its Arrow column raises.
+_VALUE_ERRORS = (pa.ArrowException, OverflowError, UnicodeError, TypeError, ValueError)
+
+
+def _unstorable(record: Any, schema: pa.Schema) -> str | None:
+    """Why one record cannot be stored (the first field that does not fit), or None."""
+    for f in schema:
+        value = getattr(record, f.name, None)
+        try:
+            pa.array([value], type=f.type)
+        except _VALUE_ERRORS as exc:
+            return f"{f.name}={value!a}: {exc}"
+    return None
 
 
 def _create_missing_tables(con: duckdb.DuckDBPyConnection, temporary: bool) -> None:
@@ -250,7 +266,28 @@ class Store:
             raise StoreError(f"{record_type.__name__} is not a storable record type")
         names = table_columns(table)
         columns = {n: [getattr(r, n) for r in records] for n in names}
-        return self.append_columns(table, columns)
+        try:
+            return self.append_columns(table, columns)
+        except _VALUE_ERRORS as exc:
+            raise RecordError(f"{table}: a value cannot be stored: {exc}") from exc
+
+    def append_valid(self, records: Sequence[Any]) -> tuple[int, list[tuple[Any, str]]]:
+        """Append what can be stored of one type's records, as one batch; returns the rows written
+        and each record set aside with the reason (its value does not fit its column)."""
+        try:
+            return self.append(records), []
+        except RecordError:
+            pass
+        schema = _arrow_schema(RECORD_TABLES[type(records[0])])
+        good: list[Any] = []
+        rejected: list[tuple[Any, str]] = []
+        for record in records:  # only on the rare failing batch: find its bad records
+            reason = _unstorable(record, schema)
+            if reason is None:
+                good.append(record)
+            else:
+                rejected.append((record, reason))
+        return (self.append(good) if good else 0), rejected
 
     def append_columns(self, table: str, columns: Mapping[str, Any]) -> int:
         """Append a batch given as columns (numpy arrays, Arrow arrays or lists).
@@ -373,13 +410,16 @@ class BatchingWriter:
     ``flush_s`` of data is lost if the process is killed.
     """
 
-    def __init__(self, store: Store, flush_s: float = 0.5, max_rows: int = 50_000):
+    def __init__(self, store: Store, flush_s: float = 0.5, max_rows: int = 50_000,
+                 on_reject: typing.Callable[[Any, str], None] | None = None):
         self.store = store
         self.flush_s = flush_s
         self.max_rows = max_rows
+        self.on_reject = on_reject
         self._buffers: dict[type, list[Any]] = {}
         self._last_flush = time.monotonic()
         self.rows_written = 0
+        self.rejected: dict[str, int] = {}  # per record type: set aside, not stored
 
     def add(self, record: Any) -> None:
         buf = self._buffers.setdefault(type(record), [])
@@ -396,8 +436,23 @@ class BatchingWriter:
             self.flush()
 
     def flush(self) -> None:
+        """Append every buffer. A record whose value cannot be stored is set aside (counted in
+        ``rejected``, handed to ``on_reject``, written to the run's rejects file) and the rest of
+        its batch is written: one bad value must not stop the writer (it did: the batch stayed in
+        the buffer, every later flush failed on it)."""
         for buf in self._buffers.values():
             if buf:
-                self.rows_written += self.store.append(buf)
+                written, rejected = self.store.append_valid(buf)
+                self.rows_written += written
                 buf.clear()
+                for record, reason in rejected:
+                    self._reject(record, reason)
         self._last_flush = time.monotonic()
+
+    def _reject(self, record: Any, reason: str) -> None:
+        name = type(record).__name__
+        self.rejected[name] = self.rejected.get(name, 0) + 1
+        with (self.store.path / REJECTS_FILE).open("a", encoding="utf-8") as fh:
+            fh.write(json.dumps({"type": name, "reason": reason, "record": ascii(record)}) + "\n")
+        if self.on_reject is not None:
+            self.on_reject(record, reason)

@@ -161,3 +161,22 @@ def test_run_wraps_a_command_that_marks_phases(tmp_path: Path, agent_port: int) 
             ("C=4", "phase", 4), ("end", "end", None)]
         assert store.count("gpu_samples") > 0
         assert store.sql("SELECT num_token FROM scheduler_events") == [(0,)]
+
+
+@pytest.mark.parametrize(("body", "reason"), [
+    ({"label": "C=8", "target_concurrency": True}, "target_concurrency"),
+    ({"label": "C=8", "target_concurrency": 2**63}, "target_concurrency"),
+    ({"label": "C=8", "target_concurrency": -1}, "target_concurrency"),
+    ({"label": "C=8", "ts_ns": 2**63}, "ts_ns"),
+    ({"label": "C=8", "ts_ns": True}, "ts_ns"),
+    ({"label": "\ud800"}, "label"),
+    ({"label": "C=8", "host": "a\nb"}, "host"),
+])
+def test_a_bad_mark_is_refused_where_it_enters(body: dict[str, object], reason: str) -> None:
+    """A mark whose value the store could not hold is refused with the field named (the collector
+    answers 400 with it), never passed on to the writer ([robust] #1)."""
+    from gputrace.collect import marker_from_json
+
+    with pytest.raises(ValueError, match=reason):
+        marker_from_json(body, default_host="client")
+    assert marker_from_json({"label": "C=8", "target_concurrency": 8}, "client").target_concurrency == 8

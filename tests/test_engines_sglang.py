@@ -732,3 +732,13 @@ def test_mutated_real_lines_never_raise(line: str, data: st.DataObject) -> None:
     result = sglang.parse_line(mutated, clock)
     assert result is None or result.kind in ("prefill", "decode", "config")
     LogParser(host="h", source="s").feed(mutated)
+
+
+def test_a_setting_past_int64_is_not_a_setting() -> None:
+    """`max_total_num_tokens=99999999999999999999999` (seen stopping a collector's writer): the typed
+    field is None, the other settings of the line are read, the value stays in fields_json."""
+    record = LogParser(host="n0", source="s").feed(
+        "[2026-01-01 00:00:00 PP0] max_total_num_tokens=99999999999999999999999, max_running_requests=8")
+    assert isinstance(record, EngineConfig)
+    assert (record.max_total_num_tokens, record.max_running_requests) == (None, 8)
+    assert json.loads(record.fields_json)["max_total_num_tokens"] == 99999999999999999999999

@@ -287,3 +287,18 @@ async def test_drain_abandons_requests_after_the_last_level(server: Server) -> N
     assert result.wall_s < 5.0  # 1000 tokens at 20/s would take 50 s per request
     assert [m.kind for m in result.markers] == ["phase", "end"]
     assert all(not r.ok or r.completion_tokens for r in result.requests)
+
+
+def test_token_counts_that_are_not_counts_are_none() -> None:
+    """`usage` values a server should not send (a string, a bool, 2^63) become None at the client,
+    never a record the store cannot hold; malformed choices do not crash the parse ([robust] #1, #8)."""
+    import json as _json
+
+    from gputrace.load.generator import _parse_completion, token_count
+
+    assert [token_count(v) for v in (12, "12", True, 2**63, -1, 1.5, None)] == [12, None, None, None, None,
+                                                                                None, None]
+    body = _json.dumps({"choices": [1], "usage": {"prompt_tokens": "7", "completion_tokens": 2**63}})
+    assert _parse_completion(body.encode()) == (None, 0, None)
+    body = _json.dumps({"choices": [{"message": {"content": "a b c"}}], "usage": {"prompt_tokens": 5}})
+    assert _parse_completion(body.encode()) == (5, 3, None)

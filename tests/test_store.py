@@ -194,3 +194,43 @@ def test_a_run_being_written_is_named_as_such(tmp_path: Path) -> None:
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
     assert f"being written by process {os.getpid()}" in last and "Ctrl-C" in last, last
+
+
+BAD_MARKERS = [  # what reached the store in the wild ([robust] #1)
+    Marker("c", 1, "x", target_concurrency=True),  # type: ignore[arg-type]
+    Marker("c", 1, "x", target_concurrency=2**63),
+    Marker("c", 2**63, "x"),
+    Marker("c", 1, "\ud800"),
+]
+
+
+def test_one_bad_value_is_set_aside_and_writing_goes_on(tmp_path: Path) -> None:
+    """A record whose value does not fit its column (a bool count, an integer past int64, a lone
+    surrogate) is set aside: counted, kept in rejects.ndjson with the reason, handed to on_reject;
+    the good records of its batch and every later batch are written."""
+    seen: list[str] = []
+    with Store.create(tmp_path / "run") as store:
+        writer = BatchingWriter(store, flush_s=0, on_reject=lambda record, reason: seen.append(reason))
+        for i, bad in enumerate(BAD_MARKERS):
+            writer.add(Marker("c", 10 + i, f"good-{i}"))
+            writer.add(bad)
+            writer.add(GpuSample("h", 0, 100 + i, utilization_ratio=0.5))
+            writer.flush()
+        writer.add(Marker("c", 99, "after"))
+        writer.flush()
+        assert store.count("markers") == len(BAD_MARKERS) + 1
+        assert store.count("gpu_samples") == len(BAD_MARKERS)
+    assert writer.rejected == {"Marker": len(BAD_MARKERS)} and len(seen) == len(BAD_MARKERS)
+    rejects = [json.loads(line) for line in (tmp_path / "run" / "rejects.ndjson").read_text().splitlines()]
+    assert [r["type"] for r in rejects] == ["Marker"] * len(BAD_MARKERS)
+    assert "target_concurrency=True" in rejects[0]["reason"]
+    assert "ts_ns=9223372036854775808" in rejects[2]["reason"]
+    assert "label='\\ud800'" in rejects[3]["record"]  # kept as ASCII: the file itself must be writable
+
+
+def test_append_of_a_bad_value_says_which_column(tmp_path: Path) -> None:
+    """Store.append raises RecordError (a StoreError) for a value its column cannot hold."""
+    from gputrace.errors import RecordError
+
+    with Store.create(tmp_path / "run") as store, pytest.raises(RecordError, match="markers"):
+        store.append([Marker("c", 1, "x", target_concurrency=2**63)])

@@ -97,7 +97,9 @@ class ParsedLine:
 def _config_int(cfg: dict[str, object], keys: tuple[str, ...]) -> int | None:
     for key in keys:
         value = cfg.get(key)
-        if isinstance(value, int) and not isinstance(value, bool):
+        # past int64 it is no setting (a garbled line) and no column could hold it: None, while
+        # fields_json keeps it as logged
+        if isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63:
             return value
     return None
 

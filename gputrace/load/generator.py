@@ -513,16 +513,17 @@ async def _read_sse(resp: aiohttp.ClientResponse) -> tuple[int | None, int | Non
                 error = str(err.get("message", err) if isinstance(err, dict) else err)[:200]
                 continue
             choices = event.get("choices")
-            if choices:
-                delta = choices[0].get("delta") or {}
+            if choices and isinstance(choices, list) and isinstance(choices[0], dict):
+                delta = choices[0].get("delta")
+                delta = delta if isinstance(delta, dict) else {}
                 if delta.get("content") or delta.get("reasoning_content"):
                     counted += 1
                     if first_ns is None:
                         first_ns = now
             usage = event.get("usage")
-            if usage:
-                prompt_tokens = usage.get("prompt_tokens")
-                usage_completion = usage.get("completion_tokens")
+            if usage and isinstance(usage, dict):
+                prompt_tokens = token_count(usage.get("prompt_tokens"))
+                usage_completion = token_count(usage.get("completion_tokens"))
     if not done and error is None:
         # The server closed the stream early (crashed, restarted): the request did not complete.
         error = f"stream ended before 'data: [DONE]' after {counted} chunks"
@@ -538,14 +539,25 @@ def _parse_completion(body: bytes) -> tuple[int | None, int | None, str | None]:
     if "error" in obj:
         err = obj["error"]
         return None, None, str(err.get("message", err) if isinstance(err, dict) else err)[:200]
-    usage = obj.get("usage") or {}
-    completion = usage.get("completion_tokens")
+    usage = obj.get("usage")
+    usage = usage if isinstance(usage, dict) else {}
+    completion = token_count(usage.get("completion_tokens"))
     if completion is None:
         # No usage block: estimate from the text (whitespace words); better than nothing.
-        choices = obj.get("choices") or [{}]
-        text = (choices[0].get("message") or {}).get("content") or ""
-        completion = len(text.split())
-    return usage.get("prompt_tokens"), completion, None
+        choices = obj.get("choices")
+        first = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+        message = first.get("message")
+        text = message.get("content") if isinstance(message, dict) else None
+        completion = len(text.split()) if isinstance(text, str) else 0
+    return token_count(usage.get("prompt_tokens")), completion, None
+
+
+def token_count(value: object) -> int | None:
+    """A server's token count, or None when it is not one (a string, a bool, past any real count:
+    such values reached the store and stopped its writer)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**53:
+        return None
+    return value
 
 
 async def run_load(spec: LoadSpec, on_record: RecordSink | None = None) -> LoadResult:
