@@ -220,3 +220,18 @@ def test_heatmap_columns_hold_a_value_where_nvml_periods_outlast_the_cells() -> 
     assert len(t_cols) == cols.shape[1] <= n // 6 and np.all(np.diff(cols[1]) > 0)
     long, _ = heatmap_columns(np.full((1, 100_000), 0.25), np.arange(100_000) * 0.1)
     assert long.shape[1] <= HEATMAP_COLUMNS and np.allclose(long, 0.25)
+
+
+def test_markdown_shows_names_and_labels_as_text(tmp_path: Path) -> None:
+    """A run name and marker labels holding HTML or a table's | are shown as text in report.md
+    (they were embedded raw; report.html escaped them) ([robust] #11)."""
+    run = tmp_path / "run"
+    build(run, SynthRun([Level("<script>alert(1)</script>|C=1", 1, 1, [0.125] * 4, 1, 6),
+                         Level("C=32", 32, 32, [0.25] * 4, 16, 6, queue=16)], pp=4))
+    meta = json.loads((run / "meta.json").read_text())
+    (run / "meta.json").write_text(json.dumps({**meta, "name": "<img src=x onerror=alert(2)>"}))
+    res = CliRunner().invoke(main, ["report", str(run), "--out", str(tmp_path / "out"), "--format", "md"])
+    assert res.exit_code == 0, res.output
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "<script>" not in md and "<img" not in md
+    assert "&lt;img src=x onerror=alert(2)&gt;" in md and "&lt;script&gt;alert(1)&lt;/script&gt;\\|C=1" in md

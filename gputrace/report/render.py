@@ -96,22 +96,34 @@ def render_html(a: Analysis, doc: dict[str, Any], figures: dict[str, bytes]) -> 
     return "\n".join(parts)
 
 
+def _md(text: object) -> str:
+    """Text from the run (names, labels, notes) as Markdown that renders as that text: HTML in it
+    would be live in most Markdown viewers, a | would cut a table cell."""
+    return html.escape(str(text), quote=False).replace("|", "\\|").replace("\n", " ")
+
+
+def _md_code(text: object) -> str:
+    """Text for a `code span`: a backtick would end it."""
+    return str(text).replace("`", "'").replace("\n", " ")
+
+
 def render_markdown(a: Analysis, doc: dict[str, Any], figure_files: dict[str, str]) -> str:
-    out = [f"# Bubble diagnosis: {doc['summary']['run']}", "", "## Summary", ""]
-    out += [f"- {line}" for line in _summary_lines(doc)]
+    out = [f"# Bubble diagnosis: {_md(doc['summary']['run'])}", "", "## Summary", ""]
+    out += [f"- {_md(line)}" for line in _summary_lines(doc)]
     out += ["", "## Findings", ""]
     if not doc["findings"]:
         out.append("No finding: every phase is healthy.")
     for f in doc["findings"]:
         head, summary, ev = _finding_text(f)
-        out += [f"- **{head}**: {summary}  ", f"  evidence: {ev}  ", f"  change: `{f['recommendation']}`"]
+        out += [f"- **{_md(head)}**: {_md(summary)}  ", f"  evidence: {_md(ev)}  ",
+                f"  change: `{_md_code(f['recommendation'])}`"]
     out += ["", "## Phase by stage", "", "| " + " | ".join(h for _, h in TABLE_COLUMNS) + " |",
             "|" + "---|" * len(TABLE_COLUMNS)]
     for row in doc["table"]:
-        out.append("| " + " | ".join(fmt(row.get(k), k) for k, _ in TABLE_COLUMNS) + " |")
+        out.append("| " + " | ".join(_md(fmt(row.get(k), k)) for k, _ in TABLE_COLUMNS) + " |")
     out += ["", "## Stage mapping", "", "| host | gpu | pp_rank | tp_rank | dp_rank |",
             "|---|---|---|---|---|"]
-    out += [f"| {p['host']} | {p['gpu_index']} | {p['pp_rank']} | {p['tp_rank']} | {p['dp_rank']} |"
+    out += [f"| {_md(p['host'])} | {p['gpu_index']} | {p['pp_rank']} | {p['tp_rank']} | {p['dp_rank']} |"
             for p in doc["mapping"]]
     out += ["", "## Figures", ""]
     for name, file in figure_files.items():
