@@ -252,6 +252,9 @@ class Collector:
         if not is_loopback(host) and not (self.options.http_token or self.options.insecure):
             raise UsageError(f"--listen {listen}: listening beyond loopback needs a token "
                              "(--token-file) or --insecure")
+        if not is_loopback(host) and not self.options.http_token:
+            log.warning("collector endpoints open to the network without authentication (--insecure): "
+                        "anyone who reaches the port can post marks", listen=listen)
         registry = CollectorRegistry(auto_describe=True)
         registry.register(LiveCollector(self.live))
         app = web.Application(middlewares=[self._auth] if self.options.http_token else [])
@@ -275,8 +278,9 @@ class Collector:
                     handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
         import hmac
 
-        given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), (self.options.http_token or "").encode()):
+        # the whole header, scheme included, as the agent compares it
+        given = request.headers.get("Authorization", "").strip()
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.options.http_token}".encode()):
             return web.json_response({"error": "missing or wrong bearer token"}, status=401)
         return await handler(request)
 

@@ -80,6 +80,9 @@ def check_exposure(settings: AgentSettings) -> None:
     if not is_loopback(settings.listen_host) and settings.token is None and not settings.insecure:
         raise UsageError(f"refusing to listen on {settings.listen_host} (not loopback) without "
                          "--token-file; pass --insecure to expose the agent without authentication")
+    if not is_loopback(settings.listen_host) and settings.token is None:
+        log.warning("agent open to the network without authentication (--insecure)",
+                    listen=settings.listen_host)
 
 
 def _auth_middleware(token: str) -> Callable[..., Awaitable[web.StreamResponse]]:

@@ -12,6 +12,7 @@ from gputrace.agent.server import DEFAULT_PORT, Agent, AgentSettings, check_expo
 from gputrace.errors import UsageError
 from gputrace.gpu.sampler import Sampler
 from gputrace.logsetup import get_logger
+from gputrace.token_file import read_token
 from gputrace.topology import sglang_node_placements
 
 log = get_logger("agent")
@@ -98,12 +99,7 @@ def command(listen: str, interval: float, buffer_: str, backend: str, sim_feed: 
         raise UsageError("--interval must be between 0.001 and 60 seconds")
     if sim_feed and backend != "sim":
         raise UsageError("--sim-feed needs --backend sim")
-    token = None
-    if token_file:
-        with open(token_file, encoding="utf-8") as f:
-            token = f.read().strip()
-        if not token:
-            raise UsageError(f"--token-file {token_file}: the file is empty")
+    token = read_token(token_file)
     settings = AgentSettings(listen_host=host, port=port, interval_s=interval,
                              buffer_s=parse_duration_s(buffer_), token=token, insecure=insecure,
                              tls_cert=tls_cert, tls_key=tls_key, dcgm_compat=dcgm_compat,

@@ -10,17 +10,15 @@ import click
 from gputrace.collect import DEFAULT_LISTEN, CollectOptions, Collector, install_stop_signals, open_run_store
 from gputrace.config import load_config
 from gputrace.remote.connect import host_key_policy_from_flags
-
-
-def read_token(path: str | None) -> str | None:
-    return Path(path).read_text().strip() if path else None
+from gputrace.token_file import read_token
 
 
 def collect_options(listen: str, accept_new: bool, insecure_skip: bool, agent_token_file: str | None,
                     token_file: str | None, insecure: bool) -> CollectOptions:
     return CollectOptions(listen=listen or None,
                           host_key_policy=host_key_policy_from_flags(accept_new, insecure_skip),
-                          agent_token=read_token(agent_token_file), http_token=read_token(token_file),
+                          agent_token=read_token(agent_token_file, "--agent-token-file"),
+                          http_token=read_token(token_file),
                           insecure=insecure)
 
 
