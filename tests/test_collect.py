@@ -180,3 +180,33 @@ def test_a_bad_mark_is_refused_where_it_enters(body: dict[str, object], reason: 
     with pytest.raises(ValueError, match=reason):
         marker_from_json(body, default_host="client")
     assert marker_from_json({"label": "C=8", "target_concurrency": 8}, "client").target_concurrency == 8
+
+
+def test_a_log_path_that_does_not_exist_is_said_at_start(tmp_path: Path) -> None:
+    """A log file that is not there is not silent ([robust] #6): check-config warns and the
+    collector logs that it waits for the file (it may be created later); when it appears, its
+    lines are read."""
+    log = tmp_path / "later.log"
+    cfg = tmp_path / "gputrace.toml"
+    cfg.write_text(f'[[hosts]]\nname = "h"\n\n[hosts.log]\nkind = "file"\npath = {json.dumps(str(log))}\n')
+    checked = subprocess.run([sys.executable, "-m", "gputrace", "check-config", str(cfg)],
+                             capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0 and f"{log} does not exist (yet)" in checked.stdout
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "gputrace", "collect", "--config", str(cfg), "--out",
+                             str(tmp_path / "run"), "--listen", f"127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    seen: list[str] = []
+    reader = threading.Thread(target=lambda: seen.extend(proc.stderr), daemon=True)  # type: ignore[arg-type]
+    reader.start()
+    wait_until(lambda: any("log_file_missing" in line for line in seen), timeout_s=30)
+    log.write_text(decode_line(0, 0))
+    wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/healthz"), timeout_s=30)
+    wait_until(lambda: json.loads(urllib.request.urlopen(
+        f"http://127.0.0.1:{port}/v1/status", timeout=5).read())["counts"]["scheduler_events"] == 1,
+        timeout_s=30)
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+    reader.join(timeout=10)
+    assert proc.returncode == 0

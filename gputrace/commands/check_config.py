@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import click
 
 from gputrace.config import load_config
@@ -25,5 +27,10 @@ def command(path: str) -> None:
             where = f"ssh {user}{h.ssh.host}:{h.ssh.port}"
         log = f"{h.log.kind} {h.log.target!r} ({h.log.engine})" if h.log else "no log source"
         click.echo(f"  host {h.name}: {where}; agent {h.agent or 'none'}; {log}")
+        if h.ssh is None and h.log is not None and h.log.kind == "file" and \
+                not os.path.exists(os.path.expanduser(h.log.target)):
+            # not an error: the collector may start before the engine creates its log
+            click.echo(f"  warning: host {h.name}: {h.log.target} does not exist (yet); the collector "
+                       "waits for it, so check the path if the engine is already running")
     if cfg.load:
         click.echo(f"  load: {cfg.load.url} C={','.join(map(str, cfg.load.concurrency))}")

@@ -92,10 +92,14 @@ class Follower:
 
     def run(self, want_inode: int, offset: int) -> None:
         self.write(SYNC)
+        told = False
         while self.fd < 0:
             try:
                 self.fd = os.open(self.path, os.O_RDONLY)
             except FileNotFoundError:
+                if not told:  # say it once: a wrong path must not look like an idle engine
+                    self.frame(b"W", 0, 0)
+                    told = True
                 time.sleep(self.poll_s)
         st = os.fstat(self.fd)
         self.inode, pos = st.st_ino, offset

@@ -175,6 +175,10 @@ class _FileDecoder:
                 self._flush_pending(out, recv_ts_ns)
                 log.info("log_truncated", path=self.path, inode=inode, at_offset=off)
                 self.offset = self._next = 0
+            elif kind == b"W":
+                log.warning("log_file_missing", path=self.path,
+                            why="no such file on the host yet: following it once it appears; "
+                                "check the path if the engine is already running")
             elif kind == b"L":
                 log.warning("log_rotated_file_gone", path=self.path, inode=inode, after_offset=off,
                             why="the rotated file was removed before it was read to the end")
