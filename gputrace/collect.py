@@ -12,7 +12,7 @@ import json
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -346,7 +346,19 @@ def install_stop_signals(stop: asyncio.Event) -> None:
         loop.add_signal_handler(sig, stop.set)
 
 
-def open_run_store(out: Path, cfg: Config) -> Store:
-    """A new run directory for a capture (refuses to overwrite an existing run)."""
-    return Store.create(out, name=cfg.run_name or out.name,
-                        config=json.loads(json.dumps(dict(cfg.raw), default=str)))
+@contextlib.contextmanager
+def open_run_store(out: Path, cfg: Config) -> Iterator[Store]:
+    """A new run directory for a capture (refuses to overwrite an existing run). A capture that
+    fails before anything was stored (a refused listen, a host key, an unreachable host) leaves no
+    run behind, so the retry can use the same --out."""
+    store = Store.create(out, name=cfg.run_name or out.name,
+                         config=json.loads(json.dumps(dict(cfg.raw), default=str)))
+    try:
+        yield store
+    except BaseException:
+        if store.is_empty():
+            store.discard()
+        else:
+            store.close()
+        raise
+    store.close()

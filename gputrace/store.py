@@ -372,6 +372,23 @@ class Store:
         table = RECORD_TABLES[record_type]
         return [record_type(**row) for row in self.arrow(table, where).to_pylist()]
 
+    def is_empty(self) -> bool:
+        """No row in any table: nothing was captured or imported into this run."""
+        return all(self.count(table) == 0 for table in _TABLE_COLUMNS)
+
+    def discard(self) -> None:
+        """Close and delete a run that holds nothing (a capture that failed to start), so the retry
+        can use the same directory; a run with any row is kept. The directory itself goes only
+        when nothing else is in it."""
+        if not self.is_empty():
+            raise StoreError(f"{self.path}: holds data; not discarded")
+        self.close()
+        for name in os.listdir(self.path):
+            if name in (META_FILE, REJECTS_FILE) or name.startswith(DB_FILE):
+                (self.path / name).unlink()
+        if not os.listdir(self.path):
+            self.path.rmdir()
+
     def count(self, table: str) -> int:
         _schema(table)
         rows = self._con.execute(f"SELECT count(*) FROM {table}").fetchall()

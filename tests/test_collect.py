@@ -210,3 +210,23 @@ def test_a_log_path_that_does_not_exist_is_said_at_start(tmp_path: Path) -> None
     proc.wait(timeout=60)
     reader.join(timeout=10)
     assert proc.returncode == 0
+
+
+def test_a_capture_refused_at_start_leaves_no_run_behind(tmp_path: Path) -> None:
+    """`collect` refused before anything was captured (here: listening beyond loopback without a
+    token) removes the run directory it made, so the same --out works on the retry ([robust] #15)."""
+    cfg = tmp_path / "gputrace.toml"
+    cfg.write_text('[[hosts]]\nname = "h"\n')
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "gputrace", "collect", "--config", str(cfg), "--out", str(out)]
+    refused = subprocess.run([*argv, "--listen", "0.0.0.0:0"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "needs a token" in refused.stderr
+    assert not out.exists()
+    port = free_port()
+    retry = subprocess.Popen([*argv, "--listen", f"127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/healthz"), timeout_s=30)
+    retry.send_signal(signal.SIGINT)
+    _, err = retry.communicate(timeout=60)
+    assert retry.returncode == 0, err
+    assert (out / "meta.json").exists()

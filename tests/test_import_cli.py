@@ -50,3 +50,24 @@ def test_import_wrong_file_is_one_line(tmp_path: Path) -> None:
     assert proc.returncode == 2
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("gputrace: error: ") and "not an AIPerf profile_export.jsonl" in line
+
+
+def test_a_failed_import_into_a_new_run_leaves_none_behind(tmp_path: Path) -> None:
+    """`import --run NEW` that fails before importing anything removes the run it made, so the
+    retry works with the same --run ([robust] #15); a run that existed is kept as it was."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    argv = [sys.executable, "-m", "gputrace", "import", "--run", str(run)]
+    out = subprocess.run([*argv, "--sglang-log", str(tmp_path / "nope.log")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "cannot read the log" in out.stderr
+    assert not run.exists()
+    log = tmp_path / "ok.log"
+    log.write_text("[2026-01-01 00:00:00 PP0] Decode batch, #running-req: 1, #token: 1, token usage: 0.00, "
+                   "cuda graph: True, gen throughput (token/s): 1.00, #queue-req: 0\n")
+    assert subprocess.run([*argv, "--sglang-log", str(log)], capture_output=True, timeout=60).returncode == 0
+    again = subprocess.run([*argv, "--sglang-log", str(tmp_path / "nope.log")], capture_output=True,
+                           timeout=60)
+    assert again.returncode == 1 and (run / "meta.json").exists()

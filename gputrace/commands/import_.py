@@ -11,6 +11,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import click
 from rich.console import Console
@@ -156,7 +157,17 @@ def command(
     host_given = click.get_current_context().get_parameter_source("host") is not (
         click.core.ParameterSource.DEFAULT
     )
-    with Store.create(run_dir, exist_ok=True) as store:
+    new_run = not (Path(run_dir) / "meta.json").exists()
+    store = Store.create(run_dir, exist_ok=True)
+    try:
         _import_engine_logs(store, "sglang", sglang_logs, host, timezone, date, progress)
         _import_engine_logs(store, "vllm", vllm_logs, host, timezone, date, progress)
         _import_load_and_smi_files(store, host, host_given, timezone, files, nvidia_smi_fields, aiperf_phase)
+    except BaseException:
+        # a failed import into a run it created leaves none behind, so the retry can use --run
+        if new_run and store.is_empty():
+            store.discard()
+            raise
+        store.close()
+        raise
+    store.close()
