@@ -8,6 +8,7 @@ GPUTRACE_REQUIRE_ENGINE_TESTS=1 makes that a failure. Each engine starts once pe
 
 from __future__ import annotations
 
+import calendar
 import json
 import os
 import re
@@ -181,15 +182,40 @@ def test_sglang_capture_parses_as_the_fixture_does(sglang_run: Capture) -> None:
 # vLLM
 
 
+VLLM_STATS_STATE = re.compile(r" (\d\d)-(\d\d) (\d\d:\d\d:\d\d) .*Running: (\d+) reqs, Waiting: (\d+) reqs")
+
+
+def _vllm_logged(capture: Capture, window: tuple[int, int]) -> list[tuple[int, int]]:
+    """(running, waiting) of vLLM's own stats lines stamped inside a window (its second half)."""
+    start, end = window
+    settled = start + (end - start) // 2
+    year = time.gmtime(start / 1e9).tm_year
+    out = []
+    for line in capture.log_text.splitlines():
+        m = VLLM_STATS_STATE.search(line)
+        if m is None:
+            continue
+        stamp = time.strptime(f"{year}-{m.group(1)}-{m.group(2)} {m.group(3)}", "%Y-%m-%d %H:%M:%S")
+        t_ns = int(calendar.timegm(stamp)) * 10**9
+        if settled <= t_ns <= end + 10**9:
+            out.append((int(m.group(4)), int(m.group(5))))
+    return out
+
+
 def test_vllm_requests_wait_at_max_num_seqs(vllm_run: Capture) -> None:
-    """At C=16 with max_num_seqs 8, vLLM's own /metrics shows 8 running and about 8 waiting."""
+    """At C=16 with max_num_seqs 8, vLLM itself shows about 8 waiting and never more than 8
+    running: its /metrics scrapes and its stats lines. (Under a loaded machine its waiting gauge
+    was once seen at 0 in every scrape of the level while its stats line said 7 waiting, so
+    either of the engine's two views counts; running is held to the limit in both.)"""
     phases = vllm_run.phases()
     assert set(phases) == {f"C={c}" for c in CONCURRENCY}
     waiting = vllm_run.metric_in("vllm:num_requests_waiting", phases["C=16"])
     running = vllm_run.metric_in("vllm:num_requests_running", phases["C=16"])
-    assert waiting and running, "no /metrics scrapes in the C=16 phase"
-    assert statistics.median(waiting) >= ADMISSION_LIMIT - 2, waiting
-    assert max(running) <= ADMISSION_LIMIT, running
+    logged = _vllm_logged(vllm_run, phases["C=16"])
+    assert waiting and running and logged, (waiting, running, logged)
+    seen_waiting = max(statistics.median(waiting), max(w for _, w in logged))
+    assert seen_waiting >= ADMISSION_LIMIT - 2, (waiting, running, logged)
+    assert max(running) <= ADMISSION_LIMIT and max(r for r, _ in logged) <= ADMISSION_LIMIT
     assert max(vllm_run.metric_in("vllm:num_requests_waiting", vllm_run.phases()["C=1"])) == 0
 
 
