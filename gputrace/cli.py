@@ -68,14 +68,30 @@ def cli(debug: bool, log_format: str) -> None:
     configure_logging(log_format, "debug" if debug else "info")
 
 
+def _own_args(argv: list[str]) -> list[str]:
+    """The arguments before a ``--`` (what follows is a wrapped command's)."""
+    return argv[:argv.index("--")] if "--" in argv else argv
+
+
 def _debug_requested(argv: list[str]) -> bool:
-    return "--debug" in argv or os.environ.get("GPUTRACE_DEBUG") == "1"
+    return "--debug" in _own_args(argv) or os.environ.get("GPUTRACE_DEBUG") == "1"
+
+
+def _with_debug_first(argv: list[str]) -> list[str]:
+    """``--debug`` anywhere before ``--`` moved to the front, where the group takes it (after a
+    subcommand click rejected it, once the traceback had been shown)."""
+    own = _own_args(argv)
+    if "--debug" not in own:
+        return argv
+    return ["--debug", *[a for a in own if a != "--debug"], *argv[len(own):]]
 
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point; maps every failure to one line and an exit status."""
     args = sys.argv[1:] if argv is None else argv
     debug = _debug_requested(args)
+    # bare `gputrace` shows its help as help, not as an error
+    args = _with_debug_first(args) if args else ["--help"]
     configure_logging("console", "info")
     try:
         cli.main(args=args, prog_name="gputrace", standalone_mode=False)

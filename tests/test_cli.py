@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 from gputrace import __version__
 
@@ -43,3 +44,30 @@ def test_unknown_command_is_usage_error() -> None:
     assert out.returncode == 2
     assert out.stderr.startswith("gputrace: error: ")
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_bare_gputrace_prints_its_help_as_help() -> None:
+    """`gputrace` alone prints the help on stdout and exits 0 (it printed it as an error)."""
+    out = run_cli()
+    assert out.returncode == 0 and out.stdout.startswith("Usage: gputrace") and "error" not in out.stderr
+
+
+def test_debug_works_anywhere_before_a_wrapped_command() -> None:
+    """`--debug` after the subcommand gives the traceback and the one-line error, not 'no such option'."""
+    out = run_cli("check-config", "/nonexistent.toml", "--debug")
+    assert out.returncode == 2
+    assert "Traceback" in out.stderr and out.stderr.strip().endswith("/nonexistent.toml: no such file")
+    assert "No such option" not in out.stderr
+
+
+def test_nothing_recognised_is_said_and_fails(tmp_path: Path) -> None:
+    """`parse` and `import` of a file with no engine line say so and exit 1 (they exited 0, the
+    import with an empty run)."""
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(b"\x00\xff binary \x89PNG\n" * 50)
+    parsed = run_cli("parse", str(junk))
+    assert parsed.returncode == 1
+    assert "no engine scheduler, stats or configuration line recognised" in parsed.stderr
+    imported = run_cli("import", "--run", str(tmp_path / "run"), "--sglang-log", str(junk))
+    assert imported.returncode == 1 and "no sglang line recognised in its 50 lines" in imported.stderr
+    assert not (tmp_path / "run").exists()

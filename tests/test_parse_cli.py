@@ -81,9 +81,10 @@ def test_stdin_and_gzip(tmp_path: Path) -> None:
 
 
 def test_engine_choice_limits_the_grammar() -> None:
-    """--engine vllm reads no SGLang line."""
+    """--engine vllm reads no SGLang line (and says that it recognised nothing)."""
     out = _parse("--engine", "vllm", str(SGLANG_LINES))
-    assert out.returncode == 0 and out.stdout == b""
+    assert out.returncode == 1 and out.stdout == b""
+    assert b"no vllm scheduler, stats or configuration line recognised" in out.stderr
 
 
 def test_missing_file_is_a_usage_error(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ from rich.progress import (
 )
 
 from gputrace.engines.ingest import IngestStats, default_source, ingest_log
+from gputrace.errors import SourceError
 from gputrace.gpu.smi_import import import_nvidia_smi_csv, import_nvidia_smi_dmon, parse_tz
 from gputrace.load.importers import ImportResult, import_aiperf, import_guidellm, import_requests_jsonl
 from gputrace.store import Store
@@ -61,6 +62,10 @@ def _import_engine_logs(
             stats = ingest_log(store, path, host=host, engine=engine, source=default_source(path),
                                tz=timezone, date=date, year_until=year_until, on_progress=advance)
         _echo_log_stats(engine, stats)
+        if not any(stats.recognised.values()):
+            other = "vllm" if engine == "sglang" else "sglang"
+            raise SourceError(f"{path}: no {engine} line recognised in its {stats.lines} lines: is it the "
+                              f"engine's log (a {other} log goes in with --{other}-log)?")
 
 
 @contextmanager

@@ -14,7 +14,7 @@ import numpy as np
 from gputrace.engines import ENGINES, KINDS, LogParser, fastpath
 from gputrace.engines.common import METRIC_FIELDS, RANK_FIELDS
 from gputrace.engines.ingest import chunk_lines, open_log, read_chunks
-from gputrace.errors import UsageError
+from gputrace.errors import SourceError, UsageError
 
 
 def _chunks_of(path: str) -> Iterator[bytes]:
@@ -74,13 +74,18 @@ def command(paths: tuple[str, ...], engine: str) -> None:
         if path != "-" and not os.path.isfile(path):
             raise UsageError(f"{path}: no such file")
     try:
-        _parse_all(paths, engine, sys.stdout)
+        lines, recognised = _parse_all(paths, engine, sys.stdout)
     except BrokenPipeError:
         # The reader went away (``| head``): stop quietly, as line tools do.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return
+    if not recognised:
+        raise SourceError(f"no {'engine' if engine == 'auto' else engine} scheduler, stats or configuration "
+                          f"line recognised in {lines} lines: is it a serving engine's log?")
 
 
-def _parse_all(paths: tuple[str, ...], engine: str, out: IO[str], fast: bool = True) -> None:
+def _parse_all(paths: tuple[str, ...], engine: str, out: IO[str], fast: bool = True) -> tuple[int, int]:
+    """Parse every file to ``out``; (lines read, lines recognised)."""
     total_lines = total_unrecognised = 0
     totals = dict.fromkeys(KINDS, 0)
     for path in paths:
@@ -103,6 +108,7 @@ def _parse_all(paths: tuple[str, ...], engine: str, out: IO[str], fast: bool = T
                        err=True)
     out.flush()
     click.echo(f"total: {_summary(total_lines, totals, total_unrecognised)}", err=True)
+    return total_lines, sum(totals.values())
 
 
 def _summary(lines: int, recognised: dict[str, int], unrecognised: int) -> str:

@@ -73,7 +73,9 @@ async def _run_command(argv: list[str], mark_url: str, stop: asyncio.Event) -> i
 @click.option("--max-tokens", type=int, default=None, help="Built-in load: max_tokens per request.")
 @click.option("--requests-per-level", type=int, default=None)
 @click.option("--duration-per-level", type=float, default=None, help="Seconds per level.")
-@click.option("--warmup", type=float, default=None, help="Seconds of warm-up before each level.")
+@click.option("--warmup", type=float, default=None,
+              help="Built-in load: seconds of warm-up at the first level's concurrency, once, "
+                   "before the sweep.")
 @click.option("--stream/--no-stream", default=None)
 @click.option("--drain", type=float, default=None,
               help="Built-in load: abandon requests still running this many seconds after the last level.")
