@@ -193,7 +193,8 @@ def engine_tokens(t_ns: np.ndarray, gen_tok_s: np.ndarray, is_decode: np.ndarray
     if len(t) < 2:
         return None
     prev = np.concatenate([[t[0] - float(np.median(np.diff(t)))], t[:-1]])
-    lo, hi = np.maximum(prev, start_ns), np.maximum(np.minimum(t, stop_ns), np.maximum(prev, start_ns))
+    lo = np.maximum(prev, start_ns)
+    hi = np.maximum(np.minimum(t, stop_ns), lo)  # (lo, hi]: the part of each window inside
     if grid_ns is not None and work is not None and len(grid_ns):
         cum = np.concatenate([[0.0], np.cumsum(np.nan_to_num(work))])
         step = float(np.median(np.diff(grid_ns))) if len(grid_ns) > 1 else 1.0
