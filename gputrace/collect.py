@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import signal
@@ -203,10 +204,21 @@ class Collector:
         except SourceError as exc:
             log.warning("agent info unavailable", host=ht.host.name, error=str(exc))
         ready = self._ready.setdefault(f"agent {ht.host.name}", asyncio.Event())
+        told = False
         async for batch in ht.agent.follow(poll_s=self.options.agent_poll_s):
             ready.set()
             if ht.host.gpus is not None:
                 batch = [s for s in batch if s.gpu_index in ht.host.gpus]
+            # Samples belong to the host the collector reached the agent through: an agent whose
+            # --host-name differs from [[hosts]].name had every sample dropped from the stages.
+            other = {s.host for s in batch if s.host != ht.host.name}
+            if other:
+                if not told:
+                    log.warning("agent names its host differently: its samples are filed under the "
+                                "configured name", agent_host=sorted(other), host=ht.host.name)
+                    told = True
+                batch = [s if s.host == ht.host.name else dataclasses.replace(s, host=ht.host.name)
+                         for s in batch]
             self.writer.add_many(batch)
             self.live.on_samples(batch, clock_host=ht.host.name)
 

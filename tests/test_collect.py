@@ -230,3 +230,37 @@ def test_a_capture_refused_at_start_leaves_no_run_behind(tmp_path: Path) -> None
     _, err = retry.communicate(timeout=60)
     assert retry.returncode == 0, err
     assert (out / "meta.json").exists()
+
+
+def test_samples_of_an_agent_named_otherwise_are_filed_under_the_configured_host(tmp_path: Path) -> None:
+    """An agent started with another --host-name than [[hosts]].name (its default is the machine's
+    hostname) has its samples filed under the configured host, which its devices and the stage
+    mapping use: every stage gets its busy figure ([robust] #4: every sample was dropped and the
+    report said 'healthy')."""
+    from gputrace.analysis.run import analyse_store
+
+    agent_port = free_port()
+    agent = subprocess.Popen([sys.executable, "-m", "gputrace", "agent", "--backend", "sim",
+                              "--sim-gpus", "8", "--sim-pattern", "square:1:0.5",
+                              "--listen", f"127.0.0.1:{agent_port}", "--interval", "0.1",
+                              "--host-name", "gpu-box-17"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: http_ok(f"http://127.0.0.1:{agent_port}/healthz"))
+        log = tmp_path / "sglang.log"
+        log.write_text("".join(decode_line(i, i % 8) for i in range(64)))
+        port = free_port()
+        proc = start_collector(write_config(tmp_path, log, agent_port), tmp_path / "run", port)
+        wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/healthz"))
+        time.sleep(3.0)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err.decode()
+    finally:
+        agent.terminate()
+        agent.wait(timeout=10)
+    assert b"agent names its host differently" in err
+    with Store.open(tmp_path / "run", read_only=True) as store:
+        assert store.sql("SELECT DISTINCT host FROM gpu_samples") == [("node0",)]
+        analysis = analyse_store(store)
+    assert all(s.busy_fraction is not None for pm in analysis.metrics for s in pm.stages)
