@@ -105,3 +105,17 @@ def test_interrupted_load_keeps_finished_requests(
     assert parsed.bad == 0
     assert [m.label for m in parsed.records if isinstance(m, Marker)] == ["C=4"]
     assert sum(isinstance(r, RequestRecord) for r in parsed.records) >= 8
+
+
+def test_a_dead_server_fails_the_load_with_the_reason(tmp_path: Path) -> None:
+    """`gputrace load` against nothing, even at one level of C=1, prints why the requests failed
+    and exits 1 ([robust] #8: it exited 0 and never said why); every request is a record."""
+    out_file = tmp_path / "requests.jsonl"
+    argv = [sys.executable, "-m", "gputrace", "load", "--url", "http://127.0.0.1:1", "--model", "m",
+            "--concurrency", "1", "--requests-per-level", "3", "--out", str(out_file)]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert "failed: 3 x ClientConnectorError" in out.stdout
+    assert out.stderr.strip().splitlines()[-1].startswith("gputrace: error: every request failed (3), e.g.: ")
+    records = [json.loads(line) for line in out_file.read_text().splitlines()]
+    assert sum(1 for r in records if r["type"] == "request" and not r["ok"] and r["error"]) == 3

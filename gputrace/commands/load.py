@@ -8,8 +8,8 @@ import os
 import click
 from rich.console import Console
 
-from gputrace.errors import UsageError
-from gputrace.load.console import print_summary, run_with_progress
+from gputrace.errors import SourceError, UsageError
+from gputrace.load.console import failure_reasons, print_summary, run_with_progress
 from gputrace.load.generator import DEFAULT_PROMPTS, LoadGenerator, LoadSpec, load_prompts
 from gputrace.load.jsonl import JsonlWriter
 
@@ -99,3 +99,6 @@ def command(
             writer.close()
             click.echo(f"wrote {writer.lines} records to {out}", err=True)
     print_summary(result, Console())
+    if result.requests and not any(r.ok for r in result.requests):
+        (error, _), *_ = failure_reasons(result)
+        raise SourceError(f"every request failed ({len(result.requests)}), e.g.: {error}")

@@ -4,9 +4,11 @@ table (throughput, latency percentiles, ok/failed, the in-flight count actually 
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Sequence
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -99,3 +101,11 @@ def print_summary(result: LoadResult, console: Console) -> None:
             f"on average (min {lv.inflight_min}), not {lv.target_concurrency}"
             + (f"; {lv.failed} requests failed" if lv.failed else "")
         )
+    for error, count in failure_reasons(result):
+        console.print(f"[bold red]failed:[/] {count} x {escape(error)}")
+
+
+def failure_reasons(result: LoadResult, top: int = 3) -> list[tuple[str, int]]:
+    """The most frequent errors of the failed requests, with their counts."""
+    errors = Counter(r.error or "failed without an error message" for r in result.requests if not r.ok)
+    return errors.most_common(top)
