@@ -34,10 +34,17 @@ COMMAND_MODULES = _command_modules()
 
 
 class _LazyGroup(click.Group):
-    """Imports a command's module only when that command runs (keeps startup fast)."""
+    """Imports a command's module only when that command runs; the listing in --help comes from
+    gputrace.commands.SUMMARIES, so it imports none (keeps startup fast)."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return [_command_name(m) for m in COMMAND_MODULES]
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, commands_pkg.SUMMARIES.get(name, "")) for name in self.list_commands(ctx)]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         by_name = {_command_name(m): m for m in COMMAND_MODULES}
