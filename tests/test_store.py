@@ -234,3 +234,19 @@ def test_append_of_a_bad_value_says_which_column(tmp_path: Path) -> None:
 
     with Store.create(tmp_path / "run") as store, pytest.raises(RecordError, match="markers"):
         store.append([Marker("c", 1, "x", target_concurrency=2**63)])
+
+
+def test_the_readme_query_example_runs_with_the_installed_package(tmp_path: Path) -> None:
+    """The README's way to query a run with SQL works with what `pip install` brings (the DuckDB
+    command-line program is not among it) ([ux])."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = readme.index("python -c 'import duckdb")
+    command = readme[start:readme.index("'\n", start) + 1].replace("\n    ", " ")
+    with Store.create(tmp_path / "runs" / "NAME") as store:
+        store.append([GpuSample("h", 0, 1, utilization_ratio=0.25),
+                      GpuSample("h", 0, 2, utilization_ratio=0.75)])
+    code = command.removeprefix("python -c ").strip("'")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "0.5" in out.stdout

@@ -47,7 +47,7 @@ def summary_table(cap: DemoRun, fixed: DemoRun) -> tuple[Table, list[str], list[
 @click.command("demo")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("demo-out"),
               show_default=True, help="Directory for both runs, their reports and the comparison.")
-@click.option("--quick", is_flag=True, help="Shorter load levels (under 45 s in all).")
+@click.option("--quick", is_flag=True, help="Shorter load levels: 4 s each, about 50 s in all.")
 def command(out: Path, quick: bool) -> None:
     """Run the whole chain on loopback against a simulated SGLang PP8 deployment: the simulator's
     OpenAI-compatible server, an agent with simulated GPUs, the collector and the load generator,
