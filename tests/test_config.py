@@ -161,3 +161,15 @@ def test_ignore_eos_reaches_the_load_spec(tmp_path: Path) -> None:
     assert load_spec_from(table, None, None, None, None, None, None, None, None, None).ignore_eos
     assert not load_spec_from(table, None, None, None, None, None, None, None, None, None,
                               ignore_eos=False).ignore_eos
+
+
+def test_check_config_says_when_the_gpus_do_not_cover_the_topology(tmp_path: Path) -> None:
+    """gpus = [0, 1, 2, 3] for PP8 x TP1: check-config says that four stages would have no GPU."""
+    short = GOOD.replace("gpus = [0, 1, 2, 3, 4, 5, 6, 7]", "gpus = [0, 1, 2, 3]")
+    out = subprocess.run([sys.executable, "-m", "gputrace", "check-config", str(write(tmp_path, short))],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    assert "warning: the hosts list 4 GPUs, but pp x tp x dp = 8 x 1 x 1 = 8" in out.stdout
+    full = subprocess.run([sys.executable, "-m", "gputrace", "check-config", str(write(tmp_path, GOOD))],
+                          capture_output=True, text=True, timeout=60)
+    assert "warning" not in full.stdout

@@ -32,5 +32,12 @@ def command(path: str) -> None:
             # not an error: the collector may start before the engine creates its log
             click.echo(f"  warning: host {h.name}: {h.log.target} does not exist (yet); the collector "
                        "waits for it, so check the path if the engine is already running")
+    listed = [h for h in cfg.hosts if h.gpus is not None]
+    need = topo.pp_size * topo.tp_size * topo.dp_size
+    have = sum(len(h.gpus or ()) for h in listed)
+    if listed and not topo.placements and len(listed) == len(cfg.hosts) and have < need:
+        click.echo(f"  warning: the hosts list {have} GPUs, but pp x tp x dp = {topo.pp_size} x "
+                   f"{topo.tp_size} x {topo.dp_size} = {need}: stages without a GPU get no busy figure "
+                   "(list every host's GPUs, or give [[topology.map]])")
     if cfg.load:
         click.echo(f"  load: {cfg.load.url} C={','.join(map(str, cfg.load.concurrency))}")
