@@ -88,3 +88,12 @@ def test_help_lists_every_command_without_importing_them() -> None:
     assert "HEAVY []" in out.stdout, out.stdout[-500:]
     for name, line in commands_pkg.SUMMARIES.items():
         assert f"{name}  " in out.stdout and line in out.stdout
+
+
+def test_watch_without_a_terminal_says_it_needs_one() -> None:
+    """`watch` with its output in a pipe exits 2 with one line naming /v1/status (it printed
+    nothing and ran until killed)."""
+    out = run_cli("watch", "--collector", "http://127.0.0.1:9")
+    assert out.returncode == 2
+    assert out.stderr.strip() == ("gputrace: error: watch draws a live view and needs a terminal; without "
+                                  "one, read http://127.0.0.1:9/v1/status (JSON) or the collector's /metrics")

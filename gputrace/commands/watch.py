@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ import click
 
 from gputrace.collect import DEFAULT_LISTEN, CollectOptions, Collector, open_run_store
 from gputrace.config import load_config
-from gputrace.errors import SourceError
+from gputrace.errors import SourceError, UsageError
 from gputrace.watch import watch
 
 
@@ -25,6 +26,11 @@ from gputrace.watch import watch
 def command(collector_url: str, config_path: str | None, refresh: float) -> None:
     """Show one row per pipeline stage: utilization, power, PCIe, running and queued requests,
     tok/s and the live bubble estimate. `q` or Ctrl-C quits."""
+    if not sys.stdout.isatty():
+        # a live view redrawn in place means nothing in a pipe or a file (it printed nothing and
+        # ran until killed)
+        raise UsageError(f"watch draws a live view and needs a terminal; without one, read "
+                         f"{collector_url.rstrip('/')}/v1/status (JSON) or the collector's /metrics")
     if config_path:
         asyncio.run(_watch_config(config_path, refresh))
     else:
