@@ -119,5 +119,6 @@ async def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     assert errors == []
     assert len(page["imgs"]) == len(FIGURES)
     assert all(i["complete"] and i["w"] > 0 and i["h"] > 0 for i in page["imgs"]), page["imgs"]
-    assert page["h2"][:3] == ["Summary", "Findings", "Phase by stage"]
+    # the verdict paragraph comes before these; per-phase figures once, then per stage
+    assert page["h2"][:4] == ["Summary", "Findings", "Phases", "Phase by stage"]
     assert (ARTIFACTS / "report_html.png").stat().st_size > 10_000

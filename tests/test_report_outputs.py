@@ -235,3 +235,22 @@ def test_markdown_shows_names_and_labels_as_text(tmp_path: Path) -> None:
     md = (tmp_path / "out" / "report.md").read_text()
     assert "<script>" not in md and "<img" not in md
     assert "&lt;img src=x onerror=alert(2)&gt;" in md and "&lt;script&gt;alert(1)&lt;/script&gt;\\|C=1" in md
+
+
+def test_the_report_opens_with_the_verdict_and_shows_each_phase_once(tmp_path: Path) -> None:
+    """report.md and report.html start with one paragraph: the top finding, its change; a per-phase
+    table gives the requests completed, failed and unfinished and TTFT/ITL ([ux])."""
+    run = _capped(tmp_path / "run")
+    res = CliRunner().invoke(main, ["report", str(run), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    md = (tmp_path / "out" / "report.md").read_text()
+    first = md.split("\n\n")[1]
+    assert first.startswith("Verdict: microbatch_cap in phase C=32: ")
+    assert "Next step: --pp-max-micro" in first
+    assert md.index(first) < md.index("## Summary") < md.index("## Findings") < md.index("## Phases")
+    phases = md[md.index("## Phases"):md.index("## Phase by stage")]
+    assert "| phase | C | in flight | tok/s | client tok/s | completed | failed | unfinished | TTFT p50 s" \
+        in phases
+    assert phases.count("\n| C=") == 2
+    html = (tmp_path / "out" / "report.html").read_text()
+    assert html.index("class='verdict'>Verdict: microbatch_cap") < html.index("<h2>Summary</h2>")

@@ -107,6 +107,7 @@ class PhaseMetrics:
     inflight_mean: float | None  # client requests in flight (time average)
     work_share: float  # share of the phase in which the engine had requests
     requests_completed: int
+    requests_failed: int  # ended with an error (abandoned at drain included)
     throughput_tok_s: float | None  # the engine's, else the client's
     client_throughput_tok_s: float | None  # requests' completion tokens emitted in the phase
     engine_gen_throughput_tok_s: float | None  # from the engine's log (engine_throughput)
@@ -343,6 +344,7 @@ def phase_metrics(run: AlignedRun, series: StageSeries, phase: Phase) -> PhaseMe
         source=phase.source, target_concurrency=phase.target_concurrency, inflight_mean=inflight,
         work_share=float(np.sum(work * w) / np.sum(w)) if len(w) else 0.0,
         requests_completed=int(done.sum()),
+        requests_failed=int((in_phase & ~rq["ok"]).sum()),
         throughput_tok_s=gen if gen is not None else client_tput,
         client_throughput_tok_s=client_tput, engine_gen_throughput_tok_s=gen,
         unfinished_requests=unfinished,

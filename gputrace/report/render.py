@@ -21,6 +21,7 @@ CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px;color
 table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ccc;padding:3px 6px;text-align:right}
 th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}
 .finding{border-left:4px solid #c33;padding:4px 10px;margin:8px 0;background:#fff6f6}
+.verdict{font-size:1.15em;border-left:4px solid #36c;padding:6px 12px;background:#f4f8ff}
 .ok{border-left:4px solid #393;padding:4px 10px;background:#f6fff6}code{background:#eee;padding:1px 3px}
 img{max-width:100%;display:block;margin:6px 0 18px}"""
 
@@ -55,6 +56,36 @@ def _summary_lines(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+PHASE_COLUMNS = (
+    ("label", "phase"), ("target_concurrency", "C"), ("inflight_mean", "in flight"),
+    ("throughput_tok_s", "tok/s"), ("client_throughput_tok_s", "client tok/s"),
+    ("requests_completed", "completed"), ("requests_failed", "failed"),
+    ("unfinished_requests", "unfinished"), ("ttft_s_p50", "TTFT p50 s"), ("ttft_s_p90", "TTFT p90 s"),
+    ("itl_s_mean", "ITL mean s"), ("itl_s_p90", "ITL p90 s"),
+)
+"""(key, header) of the per-phase table: the load and what the requests got, once per phase."""
+
+
+def verdict(doc: dict[str, Any]) -> str:
+    """The report's first paragraph: the top finding and the change it calls for."""
+    causes = [f for f in doc["findings"] if f["cause"] != "cannot_tell"]
+    missing = [f for f in doc["findings"] if f["cause"] == "cannot_tell"]
+    if causes:
+        top = causes[0]
+        where = "the whole run" if top["phase"] == "*" else f"phase {top['phase']}"
+        text = (f"Verdict: {top['cause']} in {where}: {top['summary']}. Next step: "
+                f"{top['recommendation']}.")
+        if len(causes) > 1:
+            text += f" {len(causes) - 1} more finding{'s' if len(causes) > 2 else ''} below."
+    elif missing:
+        text = "Verdict: no cause found in what the run holds, and it lacks data to look for some."
+    else:
+        text = "Verdict: no cause found: every phase is healthy."
+    if missing:
+        text += " " + " ".join(f"Note: {f['summary']} ({f['recommendation']})." for f in missing)
+    return text
+
+
 def _finding_text(f: dict[str, Any]) -> tuple[str, str, str]:
     head = f"{f['cause']} (phase {f['phase']}, stages {', '.join(map(str, f['stages']))}, " \
            f"confidence {f['confidence']:.2f})"
@@ -66,7 +97,8 @@ def render_html(a: Analysis, doc: dict[str, Any], figures: dict[str, bytes]) -> 
     e = html.escape
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>gputrace report: "
              f"{e(doc['summary']['run'])}</title><style>{CSS}</style></head><body>",
-             f"<h1>Bubble diagnosis: {e(doc['summary']['run'])}</h1><h2>Summary</h2><ul>"]
+             f"<h1>Bubble diagnosis: {e(doc['summary']['run'])}</h1>",
+             f"<p class='verdict'>{e(verdict(doc))}</p><h2>Summary</h2><ul>"]
     parts += [f"<li>{e(line)}</li>" for line in _summary_lines(doc)]
     parts.append("</ul><h2>Findings</h2>")
     if not doc["findings"]:
@@ -76,7 +108,13 @@ def render_html(a: Analysis, doc: dict[str, Any], figures: dict[str, bytes]) -> 
         parts.append(f"<div class='finding'><b>{e(head)}</b><br>{e(summary)}<br>"
                      f"<small>evidence: {e(ev)}</small><br>"
                      f"change: <code>{e(f['recommendation'])}</code></div>")
-    parts.append("<h2>Phase by stage</h2><table><tr>")
+    parts.append("<h2>Phases</h2><table><tr>")
+    parts += [f"<th>{e(h)}</th>" for _, h in PHASE_COLUMNS]
+    parts.append("</tr>")
+    for ph in doc["phases"]:
+        cells = "".join(f"<td>{e(fmt(ph.get(k), k))}</td>" for k, _ in PHASE_COLUMNS)
+        parts.append(f"<tr>{cells}</tr>")
+    parts.append("</table><h2>Phase by stage</h2><table><tr>")
     parts += [f"<th>{e(h)}</th>" for _, h in TABLE_COLUMNS]
     parts.append("</tr>")
     for row in doc["table"]:
@@ -108,7 +146,8 @@ def _md_code(text: object) -> str:
 
 
 def render_markdown(a: Analysis, doc: dict[str, Any], figure_files: dict[str, str]) -> str:
-    out = [f"# Bubble diagnosis: {_md(doc['summary']['run'])}", "", "## Summary", ""]
+    out = [f"# Bubble diagnosis: {_md(doc['summary']['run'])}", "", _md(verdict(doc)), "",
+           "## Summary", ""]
     out += [f"- {_md(line)}" for line in _summary_lines(doc)]
     out += ["", "## Findings", ""]
     if not doc["findings"]:
@@ -117,6 +156,10 @@ def render_markdown(a: Analysis, doc: dict[str, Any], figure_files: dict[str, st
         head, summary, ev = _finding_text(f)
         out += [f"- **{_md(head)}**: {_md(summary)}  ", f"  evidence: {_md(ev)}  ",
                 f"  change: `{_md_code(f['recommendation'])}`"]
+    out += ["", "## Phases", "", "| " + " | ".join(h for _, h in PHASE_COLUMNS) + " |",
+            "|" + "---|" * len(PHASE_COLUMNS)]
+    out += ["| " + " | ".join(_md(fmt(ph.get(k), k)) for k, _ in PHASE_COLUMNS) + " |"
+            for ph in doc["phases"]]
     out += ["", "## Phase by stage", "", "| " + " | ".join(h for _, h in TABLE_COLUMNS) + " |",
             "|" + "---|" * len(TABLE_COLUMNS)]
     for row in doc["table"]:
