@@ -168,3 +168,24 @@ def test_missing_file_is_one_line(tmp_path: Path) -> None:
     """A path that does not exist is a ConfigError, not a traceback."""
     with pytest.raises(ConfigError, match="cannot read"):
         parse_aiperf(tmp_path / "nope.jsonl", host="h")
+
+
+def test_rows_with_values_no_column_holds_are_skipped_not_the_file(tmp_path: Path) -> None:
+    """A requests JSONL with a start time past int64 and a lone surrogate in an id: those two rows
+    are counted as bad with the reason, the good one is imported ([robust] #3)."""
+    import json
+
+    from gputrace.load.importers import import_requests_jsonl
+    from gputrace.store import Store
+
+    path = tmp_path / "r.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in (
+        {"type": "request", "host": "c", "request_id": "a", "start_ns": 1, "end_ns": 2},
+        {"type": "request", "host": "c", "request_id": "b", "start_ns": 2**64, "end_ns": 2},
+        {"type": "request", "host": "c", "request_id": "\ud800", "start_ns": 3},
+    )) + "\n")
+    with Store.create(tmp_path / "run") as store:
+        result = import_requests_jsonl(store, path)
+        assert store.count("requests") == 1
+    assert result.written["requests"] == 1 and result.bad == 2
+    assert any("start_ns=18446744073709551616" in p for p in result.problems)

@@ -139,3 +139,20 @@ def test_parse_tz() -> None:
     assert parse_tz("Europe/Berlin").utcoffset(dt.datetime(2024, 1, 1)) == dt.timedelta(hours=1)
     with pytest.raises(ConfigError):
         parse_tz("Mars/Olympus")
+
+
+def test_a_row_with_a_value_no_column_holds_is_one_bad_row(tmp_path: Path) -> None:
+    """An nvidia-smi CSV row whose GPU index is 2^63 is skipped with the reason; the other rows
+    are imported ([robust] #3: 0 rows and `unexpected OverflowError` before)."""
+    lines = (DATA / "nvidia_smi_query.csv").read_text().splitlines()
+    header, first, second = lines[0], lines[1], lines[2]
+    index_at = [c.strip() for c in header.split(",")].index("index")
+    cells = first.split(",")
+    cells[index_at] = " 9223372036854775808"
+    csv = tmp_path / "smi.csv"
+    csv.write_text("\n".join([header, ",".join(cells), second]) + "\n")
+    with Store.create(tmp_path / "run") as store:
+        result = import_nvidia_smi_csv(store, csv, host="gpu-node-1")
+        assert store.count("gpu_samples") == 1
+    assert result.written["gpu_samples"] == 1 and result.bad == 1
+    assert "cannot be stored: gpu_index=9223372036854775808" in result.problems[0]

@@ -70,11 +70,25 @@ def write_parsed(store: Store, path: str | os.PathLike[str], kind: str, parsed: 
     written = {"requests": 0, "markers": 0, "gpu_samples": 0}
     names = {RequestRecord: "requests", Marker: "markers", GpuSample: "gpu_samples"}
     for record_type, records in by_type.items():
-        written[names[record_type]] += store.append(records)
+        # a row whose value no column can hold (an integer past int64, a lone surrogate) is one
+        # bad row: it cost the whole file before
+        n, rejected = store.append_valid(records)
+        written[names[record_type]] += n
+        for record, reason in rejected:
+            parsed.skip(f"{names[record_type]} {_where(record)}", f"cannot be stored: {reason}")
     result = ImportResult(str(path), kind, written, parsed.bad, tuple(parsed.problems))
     if parsed.bad:
         log.warning("bad rows skipped", file=str(path), kind=kind, bad=parsed.bad, first=parsed.problems[0])
     return result
+
+
+def _where(record: Record) -> str:
+    """A short name for a record in a message (its request id, label or GPU)."""
+    if isinstance(record, RequestRecord):
+        return f"request {record.request_id!a}"
+    if isinstance(record, Marker):
+        return f"marker {record.label!a}"
+    return f"GPU {record.gpu_index!a}"
 
 
 def _read_text(path: str | os.PathLike[str]) -> str:
