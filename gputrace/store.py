@@ -102,6 +102,22 @@ def _to_arrow_column(values: Any, dtype: pa.DataType) -> pa.Array:
     return pa.array(list(values), type=dtype)
 
 
+def _meta_from_json(raw: dict[str, Any], meta_path: Path) -> RunMeta:
+    """RunMeta from meta.json's object; a missing or mistyped field is a StoreError naming it."""
+    fields = {f.name: f for f in dataclasses.fields(RunMeta)}
+    values = {k: v for k, v in raw.items() if k in fields}
+    missing = [name for name, f in fields.items() if name not in values
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise StoreError(f"{meta_path}: {', '.join(missing)} missing")
+    for name in ("config", "topology", "extra"):
+        if name in values and not isinstance(values[name], dict):
+            raise StoreError(f"{meta_path}: {name} must be a JSON object")
+    if not isinstance(values.get("name"), str):
+        raise StoreError(f"{meta_path}: name must be a string")
+    return RunMeta(**values)
+
+
 # What converting a bad Python value to its Arrow column raises.
 _VALUE_ERRORS = (pa.ArrowException, OverflowError, UnicodeError, TypeError, ValueError)
 
@@ -193,8 +209,11 @@ class Store:
             raw = json.loads(meta_path.read_text())
         except FileNotFoundError:
             raise StoreError(f"{run_dir}: not a gputrace run (no {META_FILE})") from None
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:
             raise StoreError(f"{meta_path}: unreadable: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise StoreError(f"{meta_path}: not a run's meta.json (a JSON object is expected, "
+                             f"found {type(raw).__name__})")
         version = raw.get("schema_version")
         if not isinstance(version, int):
             raise StoreError(f"{meta_path}: schema_version missing or not an integer")
@@ -204,8 +223,7 @@ class Store:
                 f"{raw.get('gputrace_version', '?')}; this gputrace ({__version__}) reads up to "
                 f"schema {SCHEMA_VERSION}: upgrade gputrace"
             )
-        known = {f.name for f in dataclasses.fields(RunMeta)}
-        meta = RunMeta(**{k: v for k, v in raw.items() if k in known})
+        meta = _meta_from_json(raw, meta_path)
         con = cls._connect(run_dir, read_only=read_only)
         # a table added to this schema version after the run was written: empty (and in memory
         # only, when read-only)

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from gputrace.config import Config
-from gputrace.errors import ConfigError
+from gputrace.errors import ConfigError, StoreError
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,4 +95,11 @@ def topology_to_meta(pp_size: int, tp_size: int, dp_size: int,
 def placements_from_meta(topology: Mapping[str, Any]) -> list[Placement]:
     """Inverse of :func:`topology_to_meta`."""
     rows: Sequence[Mapping[str, Any]] = topology.get("placements", [])
-    return [Placement(**row) for row in rows]
+    out = []
+    for i, row in enumerate(rows if isinstance(rows, list) else [rows]):
+        try:
+            out.append(Placement(**row))
+        except TypeError as exc:  # not a mapping, or keys that are not a placement's
+            raise StoreError(f"meta.json topology.placements[{i}]: not a placement ({row!a}): "
+                             f"{exc}") from None
+    return out

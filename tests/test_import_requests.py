@@ -189,3 +189,14 @@ def test_rows_with_values_no_column_holds_are_skipped_not_the_file(tmp_path: Pat
         assert store.count("requests") == 1
     assert result.written["requests"] == 1 and result.bad == 2
     assert any("start_ns=18446744073709551616" in p for p in result.problems)
+
+
+def test_guidellm_json_nested_past_any_report_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A JSON file nested 100,000 deep is not a guidellm report: a ConfigError, not RecursionError."""
+    from gputrace.errors import ConfigError
+    from gputrace.load.importers import parse_guidellm
+
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ConfigError, match="not a guidellm JSON report"):
+        parse_guidellm(deep, host="c")

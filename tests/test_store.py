@@ -250,3 +250,27 @@ def test_the_readme_query_example_runs_with_the_installed_package(tmp_path: Path
                          timeout=60)
     assert out.returncode == 0, out.stderr
     assert "0.5" in out.stdout
+
+
+@pytest.mark.parametrize(("meta", "message"), [
+    ([1, 2], "a JSON object is expected, found list"),
+    ({"schema_version": 1, "created_ns": 1, "gputrace_version": "x"}, "name missing"),
+    ({"schema_version": 1, "created_ns": 1, "gputrace_version": "x", "name": "r", "topology": [1]},
+     "topology must be a JSON object"),
+])
+def test_a_broken_meta_json_is_one_clear_error(tmp_path: Path, meta: object, message: str) -> None:
+    """meta.json that is an array, lacks its name or has a topology that is not an object: a
+    StoreError naming the file and what is wrong (it was `unexpected AttributeError/TypeError`)."""
+    with Store.create(tmp_path / "run"):
+        pass
+    (tmp_path / "run" / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(StoreError, match=message):
+        Store.open(tmp_path / "run")
+
+
+def test_placements_that_are_not_placements_are_one_clear_error() -> None:
+    """A topology whose placements are not objects with a placement's keys says which one."""
+    from gputrace.topology import placements_from_meta
+
+    with pytest.raises(StoreError, match=r"topology.placements\[1\]: not a placement"):
+        placements_from_meta({"placements": [{"host": "h", "gpu_index": 0, "pp_rank": 0}, 1]})

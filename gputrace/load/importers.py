@@ -303,7 +303,7 @@ def parse_guidellm(path: str | os.PathLike[str], host: str) -> Parsed:
     text = _read_text(path)
     try:
         report = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than any report
         raise ConfigError(
             f"{path}: not a guidellm JSON report (not JSON; YAML and CSV reports are not read)"
         ) from None
