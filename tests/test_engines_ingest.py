@@ -283,3 +283,20 @@ def test_fast_path_equals_per_line_grammar_on_a_real_engine_log(tmp_path: Path, 
     for name in tables[False].column_names:
         assert tables[True].column(name).equals(tables[False].column(name)), name
     assert tables["cfg-True"].equals(tables["cfg-False"]) and tables["cfg-True"].num_rows >= 1
+
+
+def test_a_line_past_the_cap_is_cut_and_memory_stays_bounded() -> None:
+    """read_chunks on a stream with a 50 KB line and no newline in 200 KB: the long lines are cut
+    at max_line_bytes and the rest of them skipped; no chunk grows past chunk + cap ([robust] #13:
+    a 2 GB file without newlines grew past 1.9 GB)."""
+    import io
+
+    from gputrace.engines.ingest import chunk_lines, read_chunks
+
+    good = b"[2026-01-01 00:00:00 PP0] Decode batch, #running-req: 1, #queue-req: 0\n"
+    data = good + b"x" * 50_000 + b"\n" + good + b"y" * 200_000 + good
+    chunks = list(read_chunks(io.BytesIO(data), chunk_bytes=4096, max_line_bytes=1000))
+    assert max(len(c) for c in chunks) <= 4096 + 1000 + 1
+    lines = [line for c in chunks for line in chunk_lines(c)]
+    assert lines[0] == good.decode().rstrip("\n") and lines[1] == "x" * 1000 and lines[2] == lines[0]
+    assert lines[3] == "y" * 1000 and len(lines) == 4  # the last good line is in the skipped tail

@@ -435,3 +435,28 @@ async def test_login_script_noise_before_the_follower_is_skipped(tmp_path: Path)
     await collector.wait_for(2)
     await collector.stop()
     assert collector.texts == ["one", "two"]
+
+
+def test_a_followed_line_past_the_cap_is_cut_and_positions_count_every_byte() -> None:
+    """A followed file writing 3 MiB without a newline: the follower keeps at most MAX_LINE_BYTES
+    of it (memory grew with the file), emits its head as one line when the newline comes, and the
+    resume position after the next line is the file's true byte offset ([robust] #13)."""
+    from gputrace.engines.ingest import MAX_LINE_BYTES
+    from gputrace.remote.follow import _FileDecoder
+
+    decoder = _FileDecoder("/var/log/x.log", None, True, 0.1)
+    head = b"\n:gputrace-follow-v1:\n" + b"O 7 0 0\n"
+    blob = b"z" * (1 << 20)
+    frames = [head]
+    offset = 0
+    for _ in range(3):
+        frames.append(b"D 7 %d %d\n" % (offset, len(blob)) + blob)
+        offset += len(blob)
+    tail = b"\n[2026-01-01 00:00:00 PP0] Decode batch, #running-req: 1\n"
+    frames.append(b"D 7 %d %d\n" % (offset, len(tail)) + tail)
+    out = []
+    for frame in frames:
+        out += decoder.feed(frame, recv_ts_ns=1)
+        assert len(decoder._pending) <= MAX_LINE_BYTES
+    assert [len(line.text) for line in out] == [MAX_LINE_BYTES, len(tail) - 2]
+    assert out[-1].position.offset == offset + len(tail)

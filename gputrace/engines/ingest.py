@@ -24,6 +24,8 @@ from gputrace.errors import SourceError
 from gputrace.model import EngineConfig
 from gputrace.store import ROW_GROUP_ROWS, Store
 
+# No engine writes a line this long (SGLang's server_args line is a few KB): past it a line is cut.
+MAX_LINE_BYTES = 1 << 20
 CHUNK_BYTES = 8 << 20
 _WORKERS = min(4, os.cpu_count() or 1)
 _EVENT_INT_COLUMNS = ("line_no", "log_ts_ns", "ts_resolution_ns", *RANK_FIELDS)
@@ -69,21 +71,39 @@ def _reporting(chunks: Iterator[bytes], raw: IO[bytes], on_progress: Callable[[i
         on_progress(raw.tell())
 
 
-def read_chunks(stream: IO[bytes], chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
-    """Whole lines in chunks of about ``chunk_bytes`` (the last line may lack its newline)."""
+def read_chunks(stream: IO[bytes], chunk_bytes: int = CHUNK_BYTES,
+                max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[bytes]:
+    """Whole lines in chunks of about ``chunk_bytes`` (the last line may lack its newline). A line
+    longer than ``max_line_bytes`` is cut there and the rest of it skipped, so memory stays
+    bounded on a file without newlines (a 2 GB one grew past 1.9 GB and ended in MemoryError)."""
     tail = b""
+    skipping = False  # inside a line already cut: drop up to its newline
     while True:
         block = stream.read(chunk_bytes)
         if not block:
             if tail:
                 yield tail
             return
+        if skipping:
+            end = block.find(b"\n")
+            if end < 0:
+                continue
+            block, skipping = block[end + 1:], False
         block = tail + block
         cut = block.rfind(b"\n")
         if cut < 0:
-            tail = block
+            if len(block) > max_line_bytes:
+                yield block[:max_line_bytes] + b"\n"
+                tail, skipping = b"", True
+            else:
+                tail = block
             continue
         tail = block[cut + 1:]
+        if len(tail) > max_line_bytes:
+            tail, skipping = tail[:max_line_bytes] + b"\n", True
+            yield block[: cut + 1] + tail
+            tail = b""
+            continue
         yield block[: cut + 1]
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Protocol
 
 from gputrace.config import LogSource
+from gputrace.engines.ingest import MAX_LINE_BYTES
 from gputrace.errors import HostKeyError, SourceError, TransportError
 from gputrace.logsetup import get_logger
 from gputrace.remote.transport import StreamedCommand, Transport
@@ -118,6 +119,7 @@ class _FileDecoder:
         self._frames = bytearray()
         self._synced = False
         self._pending = b""  # a partial line, from byte self.offset of self.inode
+        self._dropped = 0  # bytes of that line past MAX_LINE_BYTES, not kept
         self._next = self.offset  # the offset the next data frame should start at
 
     def argv(self, python: str) -> list[str]:
@@ -128,11 +130,13 @@ class _FileDecoder:
         self._frames.clear()
         self._synced = False
         self._pending = b""
+        self._dropped = 0
 
     def _flush_pending(self, out: list[FollowedLine], recv_ts_ns: int) -> None:
         # The file ended without a newline (rotated or truncated under a partial line).
         if self._pending:
-            self.offset += len(self._pending)
+            self.offset += len(self._pending) + self._dropped
+            self._dropped = 0
             out.append(FollowedLine(_text(self._pending), recv_ts_ns, FilePosition(self.inode, self.offset)))
             self._pending = b""
 
@@ -171,6 +175,7 @@ class _FileDecoder:
                 if inode != self.inode:
                     self._flush_pending(out, recv_ts_ns)
                 self.inode, self.offset, self._next, self._pending = inode, off, off, b""
+                self._dropped = 0
             elif kind == b"T":
                 self._flush_pending(out, recv_ts_ns)
                 log.info("log_truncated", path=self.path, inode=inode, at_offset=off)
@@ -197,9 +202,17 @@ class _FileDecoder:
         self._pending = parts.pop()
         offset = self.offset
         for raw in parts:
-            offset += len(raw) + 1
-            out.append(FollowedLine(_text(raw), recv_ts_ns, FilePosition(inode, offset)))
+            offset += len(raw) + 1 + self._dropped  # positions count every byte, cut ones too
+            self._dropped = 0
+            out.append(FollowedLine(_text(raw[:MAX_LINE_BYTES]), recv_ts_ns, FilePosition(inode, offset)))
         self.offset = offset
+        if len(self._pending) > MAX_LINE_BYTES:
+            # a "line" no engine writes (a file without newlines): keep its head, drop the rest,
+            # so memory stays bounded (it grew with the file)
+            if not self._dropped:
+                log.warning("log_line_cut", path=self.path, max_bytes=MAX_LINE_BYTES)
+            self._dropped += len(self._pending) - MAX_LINE_BYTES
+            self._pending = self._pending[:MAX_LINE_BYTES]
 
 
 class _LineDecoder:
@@ -215,8 +228,9 @@ class _LineDecoder:
 
     def _lines(self, data: bytes) -> list[bytes]:
         parts = (self._pending + data).split(b"\n")
-        self._pending = parts.pop()
-        return parts
+        # past the cap a line is cut (memory grew with a stream that sends no newline)
+        self._pending = parts.pop()[:MAX_LINE_BYTES]
+        return [part[:MAX_LINE_BYTES] for part in parts]
 
 
 class _JournalDecoder(_LineDecoder):
