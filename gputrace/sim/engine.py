@@ -327,6 +327,10 @@ class PipelineEngine:
                 sent = (end if end > link_free[s] else link_free[s]) + xfer
                 link_free[s] = sent
                 arrive = sent + lat
+        if p.synchronous_forward:
+            # stage 0's forward runs on the scheduler's own thread: its loop goes on (and takes in
+            # new requests, for the next slot) only once that forward is done
+            self.now = max(self.now, stage_free[0])
         n_st = p.pp_size
         tr.iv_stage.extend(range(n_st))
         tr.iv_reqs.extend([n_reqs] * n_st)

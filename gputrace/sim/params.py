@@ -42,6 +42,9 @@ class SimParams:
     context_token_s: float = 3.85e-8  # attention: per context token the batch holds
     stage_cost_multipliers: tuple[float, ...] = ()  # per stage (uneven layer split); () = all 1
     sched_overhead_s: float = 0.00005  # stage 0's CPU time per loop iteration
+    # SGLang on the CPU runs each forward inside its scheduler loop (on a GPU the launch is
+    # asynchronous): requests that arrive during rank 0's forward go to the next slot it visits
+    synchronous_forward: bool = False
     # -- activation hand-off between stages over PCIe ------------------------------------------
     activation_bytes_per_token: int = 16384  # hidden 8192 x bf16
     pcie_bandwidth_bytes_per_s: float = 25e9
