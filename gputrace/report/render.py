@@ -93,6 +93,19 @@ def _finding_text(f: dict[str, Any]) -> tuple[str, str, str]:
     return head, f["summary"], ev
 
 
+def _html_table(columns: Sequence[tuple[str, str]], rows: Sequence[dict[str, Any]]) -> str:
+    e = html.escape
+    head = "".join(f"<th>{e(h)}</th>" for _, h in columns)
+    body = "".join("<tr>" + "".join(f"<td>{e(fmt(row.get(k), k))}</td>" for k, _ in columns) + "</tr>"
+                   for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _md_table(columns: Sequence[tuple[str, str]], rows: Sequence[dict[str, Any]]) -> list[str]:
+    return ["| " + " | ".join(h for _, h in columns) + " |", "|" + "---|" * len(columns),
+            *("| " + " | ".join(_md(fmt(row.get(k), k)) for k, _ in columns) + " |" for row in rows)]
+
+
 def render_html(a: Analysis, doc: dict[str, Any], figures: dict[str, bytes]) -> str:
     e = html.escape
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>gputrace report: "
@@ -108,19 +121,9 @@ def render_html(a: Analysis, doc: dict[str, Any], figures: dict[str, bytes]) -> 
         parts.append(f"<div class='finding'><b>{e(head)}</b><br>{e(summary)}<br>"
                      f"<small>evidence: {e(ev)}</small><br>"
                      f"change: <code>{e(f['recommendation'])}</code></div>")
-    parts.append("<h2>Phases</h2><table><tr>")
-    parts += [f"<th>{e(h)}</th>" for _, h in PHASE_COLUMNS]
-    parts.append("</tr>")
-    for ph in doc["phases"]:
-        cells = "".join(f"<td>{e(fmt(ph.get(k), k))}</td>" for k, _ in PHASE_COLUMNS)
-        parts.append(f"<tr>{cells}</tr>")
-    parts.append("</table><h2>Phase by stage</h2><table><tr>")
-    parts += [f"<th>{e(h)}</th>" for _, h in TABLE_COLUMNS]
-    parts.append("</tr>")
-    for row in doc["table"]:
-        cells = "".join(f"<td>{e(fmt(row.get(k), k))}</td>" for k, _ in TABLE_COLUMNS)
-        parts.append(f"<tr>{cells}</tr>")
-    parts.append("</table><h2>Stage mapping</h2><table><tr><th>host</th><th>gpu</th><th>pp_rank</th>"
+    parts.append("<h2>Phases</h2>" + _html_table(PHASE_COLUMNS, doc["phases"]))
+    parts.append("<h2>Phase by stage</h2>" + _html_table(TABLE_COLUMNS, doc["table"]))
+    parts.append("<h2>Stage mapping</h2><table><tr><th>host</th><th>gpu</th><th>pp_rank</th>"
                  "<th>tp_rank</th><th>dp_rank</th></tr>")
     for p in doc["mapping"]:
         parts.append(f"<tr><td>{e(p['host'])}</td><td>{p['gpu_index']}</td><td>{p['pp_rank']}</td>"
@@ -156,14 +159,8 @@ def render_markdown(a: Analysis, doc: dict[str, Any], figure_files: dict[str, st
         head, summary, ev = _finding_text(f)
         out += [f"- **{_md(head)}**: {_md(summary)}  ", f"  evidence: {_md(ev)}  ",
                 f"  change: `{_md_code(f['recommendation'])}`"]
-    out += ["", "## Phases", "", "| " + " | ".join(h for _, h in PHASE_COLUMNS) + " |",
-            "|" + "---|" * len(PHASE_COLUMNS)]
-    out += ["| " + " | ".join(_md(fmt(ph.get(k), k)) for k, _ in PHASE_COLUMNS) + " |"
-            for ph in doc["phases"]]
-    out += ["", "## Phase by stage", "", "| " + " | ".join(h for _, h in TABLE_COLUMNS) + " |",
-            "|" + "---|" * len(TABLE_COLUMNS)]
-    for row in doc["table"]:
-        out.append("| " + " | ".join(_md(fmt(row.get(k), k)) for k, _ in TABLE_COLUMNS) + " |")
+    out += ["", "## Phases", "", *_md_table(PHASE_COLUMNS, doc["phases"])]
+    out += ["", "## Phase by stage", "", *_md_table(TABLE_COLUMNS, doc["table"])]
     out += ["", "## Stage mapping", "", "| host | gpu | pp_rank | tp_rank | dp_rank |",
             "|---|---|---|---|---|"]
     out += [f"| {_md(p['host'])} | {p['gpu_index']} | {p['pp_rank']} | {p['tp_rank']} | {p['dp_rank']} |"
