@@ -333,12 +333,12 @@ def marker_from_json(body: Any, default_host: str) -> Marker:
         raise ValueError("ts_ns must be an integer of nanoseconds since the epoch")
     host = str(body.get("host") or default_host)
     for name, text in (("label", label), ("host", host)):
-        if not text.isprintable() or len(text) > 200:
-            raise ValueError(f"{name} must be printable text of at most 200 characters")
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:
             raise ValueError(f"{name} is not valid Unicode (a lone surrogate)") from None
+        if not text.isprintable() or len(text) > 200:
+            raise ValueError(f"{name} must be printable text of at most 200 characters")
     return Marker(host=host, ts_ns=ts_ns, label=label, kind=kind, target_concurrency=target)
 
 

@@ -48,13 +48,14 @@ class LogWriter(threading.Thread):
                 time.sleep(self.period_s)
 
 
-@pytest.fixture
-def agent_port(tmp_path: Path) -> Iterator[int]:
+@contextlib.contextmanager
+def sim_agent(host_name: str) -> Iterator[int]:
+    """An agent with 8 simulated GPUs at 10 Hz calling its host ``host_name``; yields its port."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "gputrace", "agent", "--backend", "sim",
                              "--sim-gpus", "8", "--sim-pattern", "square:1:0.5",
                              "--listen", f"127.0.0.1:{port}", "--interval", "0.1",
-                             "--host-name", "node0"],
+                             "--host-name", host_name],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/healthz"))
@@ -62,6 +63,12 @@ def agent_port(tmp_path: Path) -> Iterator[int]:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+@pytest.fixture
+def agent_port(tmp_path: Path) -> Iterator[int]:
+    with sim_agent("node0") as port:
+        yield port
 
 
 def write_config(tmp_path: Path, log: Path, agent_port: int) -> Path:
@@ -239,14 +246,7 @@ def test_samples_of_an_agent_named_otherwise_are_filed_under_the_configured_host
     report said 'healthy')."""
     from gputrace.analysis.run import analyse_store
 
-    agent_port = free_port()
-    agent = subprocess.Popen([sys.executable, "-m", "gputrace", "agent", "--backend", "sim",
-                              "--sim-gpus", "8", "--sim-pattern", "square:1:0.5",
-                              "--listen", f"127.0.0.1:{agent_port}", "--interval", "0.1",
-                              "--host-name", "gpu-box-17"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_until(lambda: http_ok(f"http://127.0.0.1:{agent_port}/healthz"))
+    with sim_agent("gpu-box-17") as agent_port:
         log = tmp_path / "sglang.log"
         log.write_text("".join(decode_line(i, i % 8) for i in range(64)))
         port = free_port()
@@ -256,9 +256,6 @@ def test_samples_of_an_agent_named_otherwise_are_filed_under_the_configured_host
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
         assert proc.returncode == 0, err.decode()
-    finally:
-        agent.terminate()
-        agent.wait(timeout=10)
     assert b"agent names its host differently" in err
     with Store.open(tmp_path / "run", read_only=True) as store:
         assert store.sql("SELECT DISTINCT host FROM gpu_samples") == [("node0",)]

@@ -174,7 +174,6 @@ def diagnose_phase(pm: PhaseMetrics, engine: dict[str, Any], pp_size: int,
         out.append(bound)
     if engine_kind(engine) == "sglang" and kk and plateau and waiting and load is not None \
             and not pool_full:
-        mrr = engine.get("max_running_requests")
         want = int(max(mrr or 0, pm.target_concurrency or 0, round(load)))
         out.append(Finding(
             "microbatch_cap", pm.label, [int(i) for i in np.flatnonzero(at_k)] or all_stages,
