@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import tempfile
 import time
@@ -102,19 +105,23 @@ async def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     html_file = written[0]
     assert html_file.name == "report.html" and "src='http" not in html_file.read_text()
     ARTIFACTS.mkdir(exist_ok=True)
-    with tempfile.TemporaryDirectory() as profile:
+    # Chromium's helper processes can still write into the profile after the browser exits (CI
+    # once failed on "Directory not empty" there): stop the whole group, and let cleanup be lenient
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
         proc = subprocess.Popen([chromium, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         try:
             port = _devtools_port(Path(profile), proc)
             errors, page = await asyncio.wait_for(
                 _inspect(port, html_file.as_uri(), ARTIFACTS / "report_html.png"), 90)
         finally:
-            proc.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
             try:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     assert errors == []
     assert len(page["imgs"]) == len(FIGURES)
