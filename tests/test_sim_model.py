@@ -61,9 +61,12 @@ def test_parser_recognises_every_simulated_line(scenario, tmp_path):
     assert unrecognised == 0
     assert len(events) + len(configs) == len(result.log_lines)
     kinds = {e.kind for e in events}
-    assert kinds == {"decode", "prefill"}
     p = result.params
-    assert {e.pp_rank for e in events} == set(range(p.pp_size))
+    if p.engine == "vllm":  # one stats line per interval for the whole engine, no PP rank
+        assert kinds == {"stats"} and {e.pp_rank for e in events} == {None}
+    else:
+        assert kinds == {"decode", "prefill"}
+        assert {e.pp_rank for e in events} == set(range(p.pp_size))
     assert any(c.pp_size == p.pp_size and c.max_running_requests == p.max_running_requests for c in configs)
     # The store holds what the per-line parser gives, each event stamped with its line's time.
     write_store(result, tmp_path / "run")
@@ -86,8 +89,9 @@ def test_prefix_carries_tp_rank_when_tp_above_one():
 
 
 def test_ground_truth_is_consistent_with_samples_and_schedule(tmp_path):
-    """busy + bubble + idle-without-work = 1; the samples' utilization agrees with busy; under the
-    cap at C=32 each stage is busy about (micro-batches in flight / pp_size)."""
+    """busy + bubble + idle-without-work = 1; the samples' utilization agrees with busy; with K = 2
+    below the pool of 64, at C=32 every one of the 8 slots holds K: 16 run, the rest wait, and
+    each stage's log says #running-req 2 (one micro-batch, never the engine's total)."""
     result = run_scenario("microbatch-cap", 0, SHORT_CAP)
     write_store(result, tmp_path / "run")
     with Store.open(tmp_path / "run", read_only=True) as store:
@@ -108,15 +112,15 @@ def test_ground_truth_is_consistent_with_samples_and_schedule(tmp_path):
                 assert busy + bubble == pytest.approx(1.0, abs=0.01)
     c32 = next(ph for ph in gt["phases"] if ph["label"] == "C=32")
     assert c32["causes"] == ["microbatch_cap"]
-    in_flight = c32["microbatches_in_flight"]
-    assert in_flight == pytest.approx(1.0, abs=0.05)
+    k = result.params.micro_batch_cap
+    assert k == 2 and c32["running_max"] == k * pp and c32["queue_mean"] > 8
+    assert c32["microbatches_in_flight"] == pytest.approx(pp, abs=0.1)
     for st in c32["stages"]:
-        assert st["busy_fraction"] == pytest.approx(in_flight / pp, rel=0.1)
-        assert st["max_microbatch_size"] == 8
-    # The log says what the model did: #running-req 8 on every stage during C=32.
+        assert st["max_microbatch_size"] == k
+    # The log says what the model did: #running-req 2 on every stage during C=32, a queue behind.
     in_c32 = [e for e in events if c32["start_ns"] + 10**9 < e.recv_ts_ns < c32["end_ns"]]
     assert {e.pp_rank for e in in_c32} == set(range(pp))
-    assert {e.running_req for e in in_c32} == {8}
+    assert {e.running_req for e in in_c32} == {k}
     assert all(e.queue_req and e.queue_req > 0 for e in in_c32)
 
 
@@ -151,7 +155,7 @@ def test_store_layout_follows_the_ground_truth_conventions(tmp_path):
         cfg = store.sql("SELECT pp_size, tp_size, max_running_requests, pp_max_micro_batch_size, "
                         "pp_async_batch_depth, decode_log_interval FROM engine_configs "
                         "WHERE pp_size IS NOT NULL")
-        assert cfg == [(8, 1, 64, 64, 0, 9)]
+        assert cfg == [(8, 1, 64, result.params.pp_max_micro_batch_size, 0, 9)]
         ev = store.sql("SELECT count(*), min(ts_resolution_ns), count(recv_ts_ns), "
                        "max(recv_ts_ns - log_ts_ns) FROM scheduler_events")[0]
         assert ev[0] > 0 and ev[1] == 10**9 and ev[2] == ev[0] and 0 <= ev[3] < 10**9

@@ -17,7 +17,7 @@ SPEED = 20.0
 
 @pytest.fixture
 async def server(tmp_path):
-    params = scenario_params("microbatch-cap", {"max_tokens": 16})
+    params = scenario_params("motivating", {"max_tokens": 16})
     srv = await start_sim_server(params, log_path=tmp_path / "sched.log", feed_path=tmp_path / "gpu.feed",
                                  speed=SPEED)
     yield srv
@@ -94,7 +94,8 @@ async def test_bad_request_is_a_400(server):
 
 
 async def test_load_writes_parsable_log_and_feed(server, tmp_path):
-    """Concurrent requests run under the cap (8 at once); the log and feed files follow as they run."""
+    """24 concurrent requests run in micro-batches of at most K = 64 // 8 = 8 (three of them); the
+    log and feed files follow as they run."""
     async def one(s: aiohttp.ClientSession) -> int:
         payload = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 16}
         async with s.post(server.url + "/v1/chat/completions", json=payload) as r:

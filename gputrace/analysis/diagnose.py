@@ -124,152 +124,252 @@ def admission_bound(pm: PhaseMetrics, engine: dict[str, Any], load: float | None
         impact=1.5, details={"knob": flag, "value": want})
 
 
-def diagnose_phase(pm: PhaseMetrics, engine: dict[str, Any], pp_size: int,
-                   th: Thresholds = Thresholds()) -> list[Finding]:
-    """The findings of one phase."""
-    out: list[Finding] = []
+@dataclass(frozen=True)
+class PhaseContext:
+    """What every rule reads about one phase, derived once."""
+
+    pm: PhaseMetrics
+    engine: dict[str, Any]
+    pp_size: int
+    th: Thresholds
+    busy: np.ndarray
+    mean_bubble: float
+    mean_busy: float | None
+    load: float | None  # requests offered: the client's in flight, else its target
+    queue_mean: float | None  # the engine's waiting queue (the busiest stage's view)
+    engine_running: float | None  # offered minus queued: the engine's running total
+    pool_full: bool  # the running total at the engine's admission limit
+
+    @property
+    def stages(self) -> list[int]:
+        return list(range(self.pp_size))
+
+    @property
+    def slots(self) -> int:
+        return self.pp_size + int(self.engine.get("pp_async_batch_depth") or 0)
+
+    def spread_cap(self) -> int | None:
+        """The K that spreads the load over every slot: ceil(load / slots)."""
+        return None if self.load is None else max(int(np.ceil(round(self.load, 1) / self.slots)), 1)
+
+
+def phase_context(pm: PhaseMetrics, engine: dict[str, Any], pp_size: int, th: Thresholds) -> PhaseContext:
     st = pm.stages
     busy = _vals(st, "busy_fraction")
     bubble = _vals(st, "bubble_fraction")
-    mb_max = _vals(st, "microbatch_size_max")
-    mb_mean = _vals(st, "microbatch_size_mean")
     queue = _vals(st, "queue_req_mean")
-    mean_bubble = float(np.nanmean(bubble)) if not np.isnan(bubble).all() else 0.0
-    mean_busy = float(np.nanmean(busy)) if not np.isnan(busy).all() else None
     load = pm.inflight_mean if pm.inflight_mean is not None else pm.target_concurrency
-    k, k_from = default_microbatch_cap(engine, pp_size)
-    all_stages = list(range(pp_size))
-
-    # Client-bound: the generator cannot keep the level it was asked for.
-    if pm.target_concurrency and pm.inflight_mean is not None and \
-            pm.inflight_mean < th.client_shortfall * pm.target_concurrency:
-        short = 1 - pm.inflight_mean / pm.target_concurrency
-        out.append(Finding(
-            "client_bound", pm.label, all_stages,
-            {"target_concurrency": pm.target_concurrency, "inflight_mean": _r(pm.inflight_mean, 2),
-             "mean_bubble_fraction": _r(mean_bubble)},
-            min(0.95, 0.5 + short), "the load generator keeps fewer requests in flight than asked: "
-            "give it more workers/connections or remove its think time before reading the bubbles",
-            f"client kept {pm.inflight_mean:.1f} of {pm.target_concurrency} requests in flight",
-            impact=mean_bubble * short + 0.5))
-
-    # Micro-batch cap: #running-req plateaus at K (per stage, or the engine's total) while
-    # requests wait in the queue.
     queue_mean = float(np.nanmax(queue)) if not np.isnan(queue).all() else None
-    engine_running = (load - queue_mean) if load is not None and queue_mean is not None else None
-    kk = k or 0
     # offered - queued estimates the engine's running total; a queue sampled once a second (log
-    # interval, Prometheus scrape) catches requests mid-turnover, hence the +-20 % band
-    at_k = (np.abs(mb_max - kk) <= th.cap_tolerance) if kk else np.zeros(len(st), bool)
-    plateau = kk > 0 and (at_k.sum() >= max(1, len(st) // 2) or (
-        engine_running is not None and abs(engine_running - kk) <= max(1.5, 0.2 * kk)))
-    waiting = queue_mean > 0.5 if queue_mean is not None else (
-        load is not None and load > kk + 0.5 and mean_bubble > th.bubble_material)
-    # K binds only while the request pool has free rows: at the pool's limit, raising K admits
-    # nothing (SGLang's get_num_allocatable_reqs takes the smaller of the two).
+    # interval, Prometheus scrape) catches requests mid-turnover, hence at_limit's band
+    engine_running = (load - queue_mean) if load is not None and queue_mean is not None else None
     mrr = int(engine["max_running_requests"]) if engine.get("max_running_requests") else None
-    pool_full = at_limit(engine_running, mrr, th)
-    bound = admission_bound(pm, engine, load, queue_mean, engine_running, th)
-    if bound is not None:
-        out.append(bound)
-    if engine_kind(engine) == "sglang" and kk and plateau and waiting and load is not None \
-            and not pool_full:
-        want = int(max(mrr or 0, pm.target_concurrency or 0, round(load)))
-        out.append(Finding(
-            "microbatch_cap", pm.label, [int(i) for i in np.flatnonzero(at_k)] or all_stages,
-            {"K": k, "K_from": k_from, "max_running_requests": mrr, "pp_size": pp_size,
-             "microbatch_size_max": _r(float(np.nanmax(mb_max)), 1),
-             "microbatch_size_mean": _r(float(np.nanmean(mb_mean)), 2),
-             "offered_load": _r(load, 1), "queue_req_mean": _r(queue_mean, 2),
-             "engine_running_estimate": _r(engine_running, 1),
-             "microbatches_in_flight": _r(pm.microbatches_in_flight, 2),
-             "allowed_busy_fraction": _r(pm.allowed_busy_fraction),
-             "mean_busy_fraction": _r(mean_busy), "mean_bubble_fraction": _r(mean_bubble)},
-            0.9 if engine.get("max_running_requests") or engine.get("pp_max_micro_batch_size") else 0.6,
-            f"--pp-max-micro-batch-size {want}",
-            (f"#running-req plateaus at K = {k} ({k_from})" if at_k.sum() >= max(1, len(st) // 2)
-             else f"the engine runs {engine_running or 0:.0f} requests, K = {k} ({k_from}), split over "
-                  f"micro-batches of at most {float(np.nanmax(mb_max)):.0f}")
-            + f" while {load:.0f} requests are offered and {queue_mean or 0:.0f} wait in the queue",
-            impact=mean_bubble + 1.0))
+    return PhaseContext(
+        pm=pm, engine=engine, pp_size=pp_size, th=th, busy=busy,
+        mean_bubble=float(np.nanmean(bubble)) if not np.isnan(bubble).all() else 0.0,
+        mean_busy=float(np.nanmean(busy)) if not np.isnan(busy).all() else None,
+        load=load, queue_mean=queue_mean, engine_running=engine_running,
+        pool_full=at_limit(engine_running, mrr, th))
 
-    # Stage imbalance: one stage is the bottleneck, the others wait for it.
-    if np.sum(~np.isnan(busy)) >= 2:
-        med = float(np.nanmedian(busy))
-        top = int(np.nanargmax(busy))
-        if busy[top] - med > th.imbalance_gap and busy[top] > th.imbalance_ratio * med:
-            slow = [int(i) for i in np.flatnonzero(busy - med > th.imbalance_gap)]
-            out.append(Finding(
-                "stage_imbalance", pm.label, slow,
-                {"busy_fraction_by_stage": [_r(b) for b in busy], "median_busy_fraction": _r(med),
-                 "busiest_stage": top, "busiest_busy_fraction": _r(float(busy[top]))},
-                min(0.95, 0.5 + (busy[top] - med)),
-                "rebalance the layer split (SGLANG_PP_LAYER_PARTITION) to move layers off stage "
-                + ", ".join(map(str, slow)),
-                f"stage {top} is busy {busy[top]:.0%} against a median of {med:.0%}",
-                impact=float(busy[top] - med) + 0.3))
 
-    # KV-cache bound: admission stalls on token usage (not a bubble of the pipeline).
+def rule_client_bound(c: PhaseContext) -> Finding | None:
+    """The generator cannot keep the level it was asked for."""
+    pm, th = c.pm, c.th
+    if not (pm.target_concurrency and pm.inflight_mean is not None and
+            pm.inflight_mean < th.client_shortfall * pm.target_concurrency):
+        return None
+    short = 1 - pm.inflight_mean / pm.target_concurrency
+    return Finding(
+        "client_bound", pm.label, c.stages,
+        {"target_concurrency": pm.target_concurrency, "inflight_mean": _r(pm.inflight_mean, 2),
+         "mean_bubble_fraction": _r(c.mean_bubble)},
+        min(0.95, 0.5 + short), "the load generator keeps fewer requests in flight than asked: "
+        "give it more workers/connections or remove its think time before reading the bubbles",
+        f"client kept {pm.inflight_mean:.1f} of {pm.target_concurrency} requests in flight",
+        impact=c.mean_bubble * short + 0.5, details={"knob": "client", "value": pm.target_concurrency})
+
+
+def rule_admission_bound(c: PhaseContext) -> Finding | None:
+    return admission_bound(c.pm, c.engine, c.load, c.queue_mean, c.engine_running, c.th)
+
+
+def rule_microbatch_cap(c: PhaseContext) -> Finding | None:
+    """K binds while the request pool has free rows: every micro-batch at K, requests waiting.
+    At the pool's limit raising K admits nothing (SGLang's get_num_allocatable_reqs takes the
+    smaller of the two), so the pool rule speaks there instead."""
+    pm, th = c.pm, c.th
+    k, k_from = default_microbatch_cap(c.engine, c.pp_size)
+    if engine_kind(c.engine) != "sglang" or not k or c.load is None or c.pool_full:
+        return None
+    mb_max = _vals(pm.stages, "microbatch_size_max")
+    at_k = np.abs(mb_max - k) <= th.cap_tolerance
+    plateau = at_k.sum() >= max(1, len(pm.stages) // 2) or (
+        c.engine_running is not None and abs(c.engine_running - k) <= max(1.5, 0.2 * k))
+    waiting = c.queue_mean > 0.5 if c.queue_mean is not None else (
+        c.load > k + 0.5 and c.mean_bubble > th.bubble_material)
+    if not (plateau and waiting):
+        return None
+    mrr = int(c.engine["max_running_requests"]) if c.engine.get("max_running_requests") else None
+    want = max(c.spread_cap() or k + 1, k + 1)
+    return Finding(
+        "microbatch_cap", pm.label, [int(i) for i in np.flatnonzero(at_k)] or c.stages,
+        {"K": k, "K_from": k_from, "max_running_requests": mrr, "pp_size": c.pp_size,
+         "microbatch_slots": c.slots, "microbatch_size_max": _r(float(np.nanmax(mb_max)), 1),
+         "microbatch_size_mean": _r(float(np.nanmean(_vals(pm.stages, "microbatch_size_mean"))), 2),
+         "offered_load": _r(c.load, 1), "queue_req_mean": _r(c.queue_mean, 2),
+         "engine_running_estimate": _r(c.engine_running, 1),
+         "microbatches_in_flight": _r(pm.microbatches_in_flight, 2),
+         "allowed_busy_fraction": _r(pm.allowed_busy_fraction),
+         "mean_busy_fraction": _r(c.mean_busy), "mean_bubble_fraction": _r(c.mean_bubble)},
+        0.9 if c.engine.get("max_running_requests") or c.engine.get("pp_max_micro_batch_size") else 0.6,
+        f"--pp-max-micro-batch-size {want} (ceil({c.load:.0f} offered / {c.slots} micro-batch slots))",
+        f"every micro-batch holds K = {k} ({k_from}): the engine runs about "
+        f"{c.engine_running or k * c.slots:.0f} of its {mrr or '?'} pool rows while {c.load:.0f} requests "
+        f"are offered and {c.queue_mean or 0:.0f} wait in the queue",
+        impact=c.mean_bubble + 1.0, details={"knob": "--pp-max-micro-batch-size", "value": want})
+
+
+def rule_stage_imbalance(c: PhaseContext) -> Finding | None:
+    """One stage is the bottleneck, the others wait for it."""
+    busy, th = c.busy, c.th
+    if np.sum(~np.isnan(busy)) < 2:
+        return None
+    med = float(np.nanmedian(busy))
+    top = int(np.nanargmax(busy))
+    if not (busy[top] - med > th.imbalance_gap and busy[top] > th.imbalance_ratio * med):
+        return None
+    slow = [int(i) for i in np.flatnonzero(busy - med > th.imbalance_gap)]
+    return Finding(
+        "stage_imbalance", c.pm.label, slow,
+        {"busy_fraction_by_stage": [_r(b) for b in busy], "median_busy_fraction": _r(med),
+         "busiest_stage": top, "busiest_busy_fraction": _r(float(busy[top]))},
+        min(0.95, 0.5 + (busy[top] - med)),
+        "rebalance the layer split (SGLANG_PP_LAYER_PARTITION) to move layers off stage "
+        + ", ".join(map(str, slow)),
+        f"stage {top} is busy {busy[top]:.0%} against a median of {med:.0%}",
+        impact=float(busy[top] - med) + 0.3, details={"knob": "SGLANG_PP_LAYER_PARTITION", "value": None})
+
+
+def rule_kv_cache_bound(c: PhaseContext) -> Finding | None:
+    """Admission stalls on token usage (not a bubble of the pipeline)."""
+    st, th = c.pm.stages, c.th
     usage = _vals(st, "token_usage_max")
     q_max = _vals(st, "queue_req_max")
-    if not np.isnan(usage).all() and np.nanmax(usage) >= th.kv_usage and np.nanmax(np.nan_to_num(q_max)) > 0:
-        out.append(Finding(
-            "kv_cache_bound", pm.label, all_stages,
-            {"token_usage_max": _r(float(np.nanmax(usage))),
-             "token_usage_mean": _r(float(np.nanmean(_vals(st, "token_usage_mean")))),
-             "queue_req_mean": _r(queue_mean, 2), "queue_req_max": _r(float(np.nanmax(q_max)), 0)},
-            0.8, "more KV cache (--mem-fraction-static, --max-total-tokens) or shorter contexts; "
-                 "requests wait for cache, not for the pipeline",
-            f"token usage reaches {np.nanmax(usage):.2f} while requests queue", impact=mean_bubble + 0.3))
+    if np.isnan(usage).all() or np.nanmax(usage) < th.kv_usage or np.nanmax(np.nan_to_num(q_max)) <= 0:
+        return None
+    kind = engine_kind(c.engine)
+    usage_max = float(np.nanmax(usage))
+    capacity = c.engine.get("max_total_num_tokens")
+    want = None
+    if capacity and c.load and c.engine_running:
+        # the tokens the running requests hold, scaled to the offered load
+        want = int(np.ceil(int(capacity) * usage_max * c.load / max(c.engine_running, 1.0)))
+    flag = "--max-total-tokens" if kind == "sglang" else "--gpu-memory-utilization"
+    size = f" (about {want} tokens for {c.load:.0f} requests)" if want and kind == "sglang" else ""
+    return Finding(
+        "kv_cache_bound", c.pm.label, c.stages,
+        {"token_usage_max": _r(usage_max),
+         "token_usage_mean": _r(float(np.nanmean(_vals(st, "token_usage_mean")))),
+         "queue_req_mean": _r(c.queue_mean, 2), "queue_req_max": _r(float(np.nanmax(q_max)), 0),
+         "kv_capacity_tokens": capacity, "kv_tokens_wanted": want},
+        0.8, f"more KV cache ({KV_FLAGS[kind]}){size} or shorter contexts; requests wait for cache, "
+             "not for the pipeline",
+        f"token usage reaches {usage_max:.2f} while requests queue", impact=c.mean_bubble + 0.3,
+        details={"knob": flag, "value": want if kind == "sglang" else None})
 
-    # PCIe-bound hand-offs: moving activations takes as long as a good share of the compute.
+
+def rule_pcie_bound(c: PhaseContext) -> Finding | None:
+    """Moving activations takes as long as a good share of the compute."""
+    st, th = c.pm.stages, c.th
     hop = _vals(st, "pcie_transfer_per_busy")
-    if not np.isnan(hop).all() and np.nanmax(hop) >= th.pcie_transfer_per_busy:
-        hot = [int(i) for i in np.flatnonzero(hop >= th.pcie_transfer_per_busy)]
-        out.append(Finding(
-            "pcie_bound", pm.label, hot,
-            {"pcie_transfer_per_busy_by_stage": [_r(p) for p in hop],
-             "pcie_link_share_mean_by_stage": [_r(p) for p in _vals(st, "pcie_link_share_mean")],
-             "pcie_link_share_p95_max": _r(float(np.nanmax(_vals(st, "pcie_link_share_p95"))))},
-            0.75, "the stage hand-offs saturate PCIe: use NVLink-connected GPUs for adjacent stages, "
-                  "fewer stages, or more TP within a node",
-            f"hand-offs need {np.nanmax(hop):.0%} of the compute time at full PCIe link speed",
-            impact=mean_bubble + 0.3))
+    if np.isnan(hop).all() or np.nanmax(hop) < th.pcie_transfer_per_busy:
+        return None
+    hot = [int(i) for i in np.flatnonzero(hop >= th.pcie_transfer_per_busy)]
+    return Finding(
+        "pcie_bound", c.pm.label, hot,
+        {"pcie_transfer_per_busy_by_stage": [_r(p) for p in hop],
+         "pcie_link_share_mean_by_stage": [_r(p) for p in _vals(st, "pcie_link_share_mean")],
+         "pcie_link_share_p95_max": _r(float(np.nanmax(_vals(st, "pcie_link_share_p95"))))},
+        0.75, "the stage hand-offs saturate PCIe: use NVLink-connected GPUs for adjacent stages, "
+              "fewer stages, or more TP within a node",
+        f"hand-offs need {np.nanmax(hop):.0%} of the compute time at full PCIe link speed",
+        impact=c.mean_bubble + 0.3, details={"knob": "link", "value": None})
 
-    # Throttling: clock-event reasons say power or thermal slowdown.
+
+def rule_throttling(c: PhaseContext) -> Finding | None:
+    """Clock-event reasons say power or thermal slowdown."""
+    st, th = c.pm.stages, c.th
     thr = _vals(st, "throttled_fraction")
-    if not np.isnan(thr).all() and np.nanmax(thr) >= th.throttled_share:
-        hot = [int(i) for i in np.flatnonzero(thr >= th.throttled_share)]
-        out.append(Finding(
-            "throttling", pm.label, hot,
-            {"throttled_fraction_by_stage": [_r(t) for t in thr],
-             "power_limit_share_p95_by_stage": [_r(p) for p in _vals(st, "power_limit_share_p95")],
-             "sm_clock_mhz_by_stage": [_r(c / 1e6, 0) for c in _vals(st, "sm_clock_hz_mean")]},
-            0.8, "the GPUs slow down for power or temperature: check cooling and power limits "
-                 "(nvidia-smi -q -d PERFORMANCE)",
-            f"clocks throttled {np.nanmax(thr):.0%} of the phase", impact=float(np.nanmax(thr)) * 0.5))
+    if np.isnan(thr).all() or np.nanmax(thr) < th.throttled_share:
+        return None
+    hot = [int(i) for i in np.flatnonzero(thr >= th.throttled_share)]
+    return Finding(
+        "throttling", c.pm.label, hot,
+        {"throttled_fraction_by_stage": [_r(t) for t in thr],
+         "power_limit_share_p95_by_stage": [_r(p) for p in _vals(st, "power_limit_share_p95")],
+         "sm_clock_mhz_by_stage": [_r(hz / 1e6, 0) for hz in _vals(st, "sm_clock_hz_mean")]},
+        0.8, "the GPUs slow down for power or temperature: check cooling and power limits "
+             "(nvidia-smi -q -d PERFORMANCE)",
+        f"clocks throttled {np.nanmax(thr):.0%} of the phase", impact=float(np.nanmax(thr)) * 0.5,
+        details={"knob": "cooling/power", "value": None})
 
-    # The cap is the cause only when the engine got the load and nothing else held admission
-    # back: a short client or a full KV cache also leaves requests queued at a plateau.
+
+def rule_pipeline_underfilled(c: PhaseContext) -> Finding | None:
+    """Fewer micro-batches in flight than stages, when nothing else explains the bubble. A
+    pipeline whose slots are all filled keeps some bubble (hand-offs, uneven steps): that is its
+    cost, not a cause. The knob depends on why: a K that lets the load bunch into few
+    micro-batches (SGLang), or too little load for the depth."""
+    pm, th = c.pm, c.th
+    allowed = pm.allowed_busy_fraction
+    if c.mean_bubble <= th.bubble_material or allowed is None or allowed >= th.underfilled_allowed_max:
+        return None
+    k, _ = default_microbatch_cap(c.engine, c.pp_size)
+    spread = c.spread_cap()
+    bunched = engine_kind(c.engine) == "sglang" and k is not None and spread is not None and \
+        c.load is not None and c.load >= c.pp_size - 0.5 and spread < k
+    evidence = {"microbatches_in_flight": _r(pm.microbatches_in_flight, 2), "pp_size": c.pp_size,
+                "allowed_busy_fraction": _r(allowed), "mean_busy_fraction": _r(c.mean_busy),
+                "mean_bubble_fraction": _r(c.mean_bubble), "offered_load": _r(c.load, 1),
+                "K": k, "reason": "bunched" if bunched else "light_load"}
+    in_flight = f"{pm.microbatches_in_flight or 0:.1f} micro-batches in flight for {c.pp_size} stages"
+    if bunched:
+        assert spread is not None and c.load is not None
+        return Finding(
+            "pipeline_underfilled", pm.label, c.stages, evidence, 0.7,
+            f"--pp-max-micro-batch-size {spread} (ceil({c.load:.0f} offered / {c.slots} slots)) "
+            f"spreads the load over every stage; K = {k} lets requests that arrive together share "
+            "few micro-batches",
+            f"{in_flight}: {c.load:.0f} requests bunched in micro-batches of up to K = {k}; the "
+            f"schedule allows {allowed:.0%} busy",
+            impact=c.mean_bubble, details={"knob": "--pp-max-micro-batch-size", "value": spread})
+    return Finding(
+        "pipeline_underfilled", pm.label, c.stages, evidence, 0.7,
+        f"offer at least {c.pp_size} requests (one micro-batch per stage), or use fewer pipeline "
+        "stages (more TP) for this load: with fewer requests than stages the idle stages are the "
+        "price of the depth, not a setting",
+        f"{in_flight} at a load of {c.load or 0:.0f}: the schedule allows {allowed:.0%} busy",
+        impact=c.mean_bubble, details={"knob": "concurrency", "value": c.pp_size})
+
+
+# The rules of a phase in the order they are tried; pipeline_underfilled runs last, only where
+# none of them explains the bubble.
+RULES = (rule_client_bound, rule_admission_bound, rule_microbatch_cap, rule_stage_imbalance,
+         rule_kv_cache_bound, rule_pcie_bound, rule_throttling)
+
+
+def diagnose_phase(pm: PhaseMetrics, engine: dict[str, Any], pp_size: int,
+                   th: Thresholds = Thresholds()) -> list[Finding]:
+    """The findings of one phase."""
+    ctx = phase_context(pm, engine, pp_size, th)
+    out = [f for f in (rule(ctx) for rule in RULES) if f is not None]
+    # Admission is the cause only when the engine got the load and nothing else held it back: a
+    # short client or a full KV cache also leaves requests queued at a plateau.
     if any(f.cause in ("client_bound", "kv_cache_bound") for f in out):
         out = [f for f in out if f.cause not in ("microbatch_cap", "admission_bound")]
-
-    # Too few micro-batches for the pipeline depth (stages in lockstep), when nothing above
-    # explains the bubble. A pipeline whose slots are all filled keeps some bubble (hand-offs,
-    # uneven steps): that is its cost, not a cause.
-    allowed = pm.allowed_busy_fraction
-    if not out and mean_bubble > th.bubble_material and allowed is not None and \
-            allowed < th.underfilled_allowed_max:
-        out.append(Finding(
-            "pipeline_underfilled", pm.label, all_stages,
-            {"microbatches_in_flight": _r(pm.microbatches_in_flight, 2), "pp_size": pp_size,
-             "allowed_busy_fraction": _r(allowed), "mean_busy_fraction": _r(mean_busy),
-             "mean_bubble_fraction": _r(mean_bubble), "offered_load": _r(load, 1)},
-            0.7, f"keep at least {pp_size} micro-batches in flight: raise the offered concurrency, or "
-                 "use fewer pipeline stages (more TP) for this load; --pp-async-batch-depth adds slots",
-            f"{pm.microbatches_in_flight or 0:.1f} micro-batches in flight for {pp_size} stages: "
-            f"the schedule allows {allowed:.0%} busy",
-            impact=mean_bubble))
+    if not out:
+        underfilled = rule_pipeline_underfilled(ctx)
+        if underfilled is not None:
+            out.append(underfilled)
     return out
 
 
@@ -295,6 +395,24 @@ def diagnose_log_sampling(phases: Sequence[PhaseMetrics], engine: dict[str, Any]
         f"{slots}) for diagnosis runs",
         f"--decode-log-interval {interval} is a multiple of the {slots} micro-batch slots: each "
         "stage logs the same slot every time", impact=0.05)
+
+
+def note_k_trade_offs(found: list[Finding], phases: Sequence[PhaseMetrics], engine: dict[str, Any],
+                      pp_size: int) -> None:
+    """A K chosen for one phase's load caps the engine at K x slots: say so where another phase of
+    the run offered more (that phase would then queue behind K)."""
+    slots = pp_size + int(engine.get("pp_async_batch_depth") or 0)
+    loads = {pm.label: pm.inflight_mean if pm.inflight_mean is not None else pm.target_concurrency
+             for pm in phases}
+    for f in found:
+        if f.details.get("knob") != "--pp-max-micro-batch-size" or not f.details.get("value"):
+            continue
+        bound = int(f.details["value"]) * slots
+        higher = [f"{label} ({load:.0f})" for label, load in loads.items()
+                  if label != f.phase and load is not None and load > bound + 0.5]
+        if higher:
+            f.recommendation += (f"; at this K the engine admits at most {bound} (K x {slots} slots), "
+                                 f"fewer than offered in {', '.join(higher)}")
 
 
 def cannot_tell(phases: Sequence[PhaseMetrics], pp_size: int) -> list[Finding]:
@@ -324,6 +442,7 @@ def diagnose(phases: Sequence[PhaseMetrics], engine: dict[str, Any], pp_size: in
     found: list[Finding] = []
     for pm in phases:
         found.extend(diagnose_phase(pm, engine, pp_size, th))
+    note_k_trade_offs(found, phases, engine, pp_size)
     aliased = diagnose_log_sampling(phases, engine, pp_size)
     if aliased:
         found.append(aliased)

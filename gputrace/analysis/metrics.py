@@ -197,12 +197,18 @@ def engine_tokens(t_ns: np.ndarray, gen_tok_s: np.ndarray, is_decode: np.ndarray
     lo = np.maximum(prev, start_ns)
     hi = np.maximum(np.minimum(t, stop_ns), lo)  # (lo, hi]: the part of each window inside
     if grid_ns is not None and work is not None and len(grid_ns):
-        cum = np.concatenate([[0.0], np.cumsum(np.nan_to_num(work))])
+        w = np.nan_to_num(work)
         step = float(np.median(np.diff(grid_ns))) if len(grid_ns) > 1 else 1.0
+        cum = np.concatenate([[0.0], np.cumsum(w)]) * step
+
+        def work_time(x: np.ndarray) -> np.ndarray:  # work-weighted time up to x, linear in a cell:
+            # lines closer together than a cell (4 micro-batches logged every 60 ms) keep their share
+            cell = np.clip(np.searchsorted(grid_ns, x, "right") - 1, 0, len(grid_ns) - 1)
+            into = np.clip(x - grid_ns[cell], 0.0, step)
+            return np.asarray(np.where(x < grid_ns[0], 0.0, cum[cell] + w[cell] * into))
 
         def span(a: np.ndarray, b: np.ndarray) -> np.ndarray:  # work-weighted time in (a, b]
-            return np.asarray(step * (cum[np.searchsorted(grid_ns, b, "right")]
-                                      - cum[np.searchsorted(grid_ns, a, "right")]))
+            return np.asarray(np.clip(work_time(b) - work_time(a), 0, None))
     else:
         def span(a: np.ndarray, b: np.ndarray) -> np.ndarray:
             return np.asarray(np.clip(b - a, 0, None))

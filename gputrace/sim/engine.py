@@ -1,12 +1,15 @@
-"""The discrete-event model of an SGLang pipeline-parallel engine: stage 0's micro-batch loop,
-admission under the micro-batch cap, prefill chunks, KV capacity, per-stage steps and PCIe hand-offs.
+"""The discrete-event model of a pipeline-parallel engine (SGLang, or vLLM with ``engine="vllm"``):
+stage 0's micro-batch loop, admission, prefill chunks, KV capacity, per-stage steps and PCIe hand-offs.
 
 Times are float seconds from the run's start. Stage 0 visits the ``pp_size + pp_async_batch_depth``
 micro-batch slots in order (as SGLang's ``event_loop_pp`` does): a slot with running requests
 waits for its previous step's outputs to come back from the last stage; on its turn a slot runs
 a prefill of newly admitted requests when it may admit any, else one decode step of its
-requests. Each stage runs micro-batches in the order they were issued, so a batch's times
-through all stages are known when it is issued (a flow shop).
+requests. SGLang admits per slot: min(K - the slot's running, the request pool's free rows); the
+pool (max_running_requests) is the engine-wide bound. vLLM keeps pp_size batches in flight (its
+batch queue), admits engine-wide up to max_num_seqs and mixes new prefills into a decode step.
+Each stage runs micro-batches in the order they were issued, so a batch's times through all
+stages are known when it is issued (a flow shop).
 """
 
 from __future__ import annotations
@@ -75,6 +78,9 @@ class EngineTrace:
     # work present in the engine: +1 at arrival, -1 at completion
     work_t: list[float] = field(default_factory=list)
     work_delta: list[int] = field(default_factory=list)
+    # prompt tokens computed (time stage 0 issued them, count): vLLM's prompt throughput
+    pf_t: list[float] = field(default_factory=list)
+    pf_n: list[int] = field(default_factory=list)
     # kv admission stalls (time) and retractions
     kv_stall_t: list[float] = field(default_factory=list)
     retractions: int = 0
@@ -110,6 +116,7 @@ class PipelineEngine:
         self.kv_used = 0
         self.kv_reserved = 0  # future tokens promised to running requests
         self.cap = p.micro_batch_cap
+        self.vllm = p.engine == "vllm"
         self.mults = [p.stage_multiplier(s) for s in range(p.pp_size)]
         # per-stage log counters
         self._decode_steps = [0] * p.pp_size
@@ -165,15 +172,15 @@ class PipelineEngine:
         self._process_until(t)
         self.now = t + p.sched_overhead_s
         chunk = self._prefill_chunk(k, t)
-        if chunk:
-            self._issue(k, t, chunk, decode=False)
+        if chunk and not self.vllm:
+            self._issue(k, t, chunk)  # SGLang: a prefill turn decodes nothing of this slot
             return True
-        slot = self.slots[k]
-        if slot:
-            batch = [r for r in slot if r.prefilled >= r.prefill_target]
-            if batch:
-                self._issue(k, t, [(r, 1) for r in batch], decode=True)
-                return True
+        prefilling = {id(r) for r, _ in chunk}
+        decodes = [(r, 1) for r in self.slots[k]
+                   if r.prefilled >= r.prefill_target and id(r) not in prefilling]
+        if chunk or decodes:
+            self._issue(k, t, decodes + chunk)
+            return True
         return False
 
     def _skip_empty(self, k: int, t: float) -> bool:
@@ -228,10 +235,13 @@ class PipelineEngine:
     # -- admission -----------------------------------------------------------------------------
 
     def _room(self, k: int) -> int:
+        """Requests slot k may admit: SGLang's get_num_allocatable_reqs (its K less its running,
+        bounded by the pool's free rows); vLLM's max_num_seqs less the engine's running."""
         p = self.p
-        if p.cap_scope == "engine":
-            return min(self.cap, p.max_running_requests) - self.running
-        return min(self.cap - len(self.slots[k]), p.max_running_requests - self.running)
+        free_rows = p.max_running_requests - self.running
+        if self.vllm:
+            return free_rows
+        return min(self.cap - len(self.slots[k]), free_rows)
 
     def _kv_fits(self, need: int) -> bool:
         return self.kv_used + self.kv_reserved + need <= self.p.max_total_num_tokens
@@ -279,11 +289,14 @@ class PipelineEngine:
 
     # -- issuing a batch through the pipeline --------------------------------------------------
 
-    def _issue(self, k: int, t: float, batch: list[tuple[SimRequest, int]], decode: bool) -> None:
+    def _issue(self, k: int, t: float, batch: list[tuple[SimRequest, int]]) -> None:
+        """One step of slot k through every stage: its decodes (n = 1) and prefill chunks."""
         p = self.p
         tr = self.trace
         n_reqs = len(batch)
-        tokens = n_reqs if decode else sum([n for _, n in batch])
+        prompt = sum([n for r, n in batch if r.prefilled < r.prefill_target])
+        decode = prompt == 0
+        tokens = sum([n for _, n in batch])
         ctx_tokens = sum([r.prefilled + r.generated for r, _ in batch]) if p.context_token_s else 0
         # KV: decode needs one slot per request; retract the newest when the cache is full.
         if decode and self.kv_used + tokens > p.max_total_num_tokens:
@@ -293,6 +306,9 @@ class PipelineEngine:
             if not batch:
                 return
         self.kv_used += tokens
+        if prompt:
+            tr.pf_t.append(t)
+            tr.pf_n.append(prompt)
         tr.st_t.append(t)
         tr.st_slots_busy.append(len(self.slots) - self.slots.count([]))
         tr.st_running.append(self.running)
@@ -302,10 +318,10 @@ class PipelineEngine:
         xfer = act_bytes / p.pcie_bandwidth_bytes_per_s
         lat = p.pcie_latency_s
         stage_free, link_free, last = self.stage_free, self.link_free, p.pp_size - 1
-        per_token = p.decode_token_s if decode else p.prefill_token_s
-        base = p.launch_s + max(p.weight_read_s, per_token * tokens) + p.context_token_s * ctx_tokens
+        compute = p.decode_token_s * (tokens - prompt) + p.prefill_token_s * prompt
+        base = p.launch_s + max(p.weight_read_s, compute) + p.context_token_s * ctx_tokens
         starts, ends = tr.iv_start, tr.iv_end
-        log = self.on_log is not None
+        log = self.on_log is not None and not self.vllm  # vLLM logs engine-wide stats instead
         gen_tokens, steps, interval = self._gen_tokens, self._decode_steps, p.decode_log_interval
         arrive = t
         end = t
@@ -341,14 +357,13 @@ class PipelineEngine:
         tr.iv_tx_bytes.append(0)
         done = end + p.pcie_latency_s
         self.slot_ready[k] = done
-        self._advance_requests(k, batch, decode, done)
+        self._advance_requests(k, batch, done)
 
-    def _advance_requests(self, k: int, batch: list[tuple[SimRequest, int]], decode: bool,
-                          done: float) -> None:
+    def _advance_requests(self, k: int, batch: list[tuple[SimRequest, int]], done: float) -> None:
         emitted = 0
         for req, n in batch:
             req.kv_tokens += n
-            if not decode:
+            if req.prefilled < req.prefill_target:
                 req.prefilled += n
                 if req.prefilled < req.prefill_target:
                     continue

@@ -95,3 +95,37 @@ def startup_lines(p: SimParams, ts_ns: int, prefix: LinePrefix) -> list[str]:
         for tp in range(p.tp_size):
             lines.append(f"{prefix.rank(ts_ns, pp, tp)} {startup_message(p)}")
     return lines
+
+
+# -- vLLM (V1): the stats line every VLLM_LOG_STATS_INTERVAL and the two configuration lines --------
+
+VLLM_VERSION = "0.32.0"
+VLLM_STATS_INTERVAL_S = 10.0
+
+
+def vllm_prefix(ts_ns: int, process: str) -> str:
+    """``(APIServer pid=1000) INFO 01-15 10:00:13``: vLLM's stamp has no year and no sub-second."""
+    when = dt.datetime.fromtimestamp(ts_ns // 1_000_000_000, dt.UTC)
+    pid = 1000 if process == "APIServer" else 1014
+    return f"({process} pid={pid}) INFO {when:%m-%d %H:%M:%S}"
+
+
+def vllm_stats_message(prompt_tok_s: float, gen_tok_s: float, running: int, waiting: int,
+                       kv_usage: float) -> str:
+    return (f"[loggers.py:335] Engine 000: Avg prompt throughput: {prompt_tok_s:.1f} tokens/s, "
+            f"Avg generation throughput: {gen_tok_s:.1f} tokens/s, Running: {running} reqs, "
+            f"Waiting: {waiting} reqs, GPU KV cache usage: {kv_usage * 100:.1f}%, "
+            f"Prefix cache hit rate: 0.0%")
+
+
+def vllm_startup_lines(p: SimParams, ts_ns: int) -> list[str]:
+    """``non-default args: {...}`` from the API server, then the engine core's configuration."""
+    args = {"model": p.model_path, "pipeline_parallel_size": p.pp_size, "max_num_seqs": p.max_running_requests}
+    if p.tp_size > 1:
+        args["tensor_parallel_size"] = p.tp_size
+    config = (f"model={p.model_path!r}, tokenizer={p.model_path!r}, dtype=torch.bfloat16, "
+              f"max_seq_len={p.context_len}, tensor_parallel_size={p.tp_size}, "
+              f"pipeline_parallel_size={p.pp_size}, data_parallel_size=1, seed={p.seed}")
+    return [f"{vllm_prefix(ts_ns, 'APIServer')} [api_utils.py:286] non-default args: {args!r}",
+            f"{vllm_prefix(ts_ns, 'EngineCore')} [core.py:133] Initializing a V1 LLM engine "
+            f"(v{VLLM_VERSION}) with config: {config}"]

@@ -5,6 +5,7 @@ and a complete run store (the log lines parsed by gputrace's own SGLang parser, 
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import os
 import tempfile
 from pathlib import Path
@@ -52,10 +53,16 @@ def write_gpu_csv(result: SimResult, path: str | os.PathLike[str],
     return len(cols["ts_ns"])
 
 
+def run_date(result: SimResult) -> dt.date:
+    """The virtual run's (UTC) date: vLLM's stamps carry month and day only."""
+    return dt.datetime.fromtimestamp(result.start_ns / 1e9, dt.UTC).date()
+
+
 def parse_log(result: SimResult) -> tuple[list[SchedulerEvent], list[EngineConfig], int]:
     """The log lines through gputrace's SGLang parser, stamped with their exact emission time
     (as if followed live on the same host); also the count of lines it did not recognise."""
-    parser = LogParser(host=SIM_HOST, source=LOG_SOURCE, engine="sglang")
+    p = result.params
+    parser = LogParser(host=SIM_HOST, source=LOG_SOURCE, engine=p.engine, date=run_date(result))
     events: list[SchedulerEvent] = []
     configs: list[EngineConfig] = []
     for line, ts_ns in zip(result.log_lines, result.log_ts_ns, strict=True):
@@ -73,9 +80,11 @@ def import_log(store: Store, result: SimResult) -> int:
     with tempfile.TemporaryDirectory(prefix="gputrace-sim-") as tmp:
         log = Path(tmp) / "scheduler.log"
         write_log(result, log)
-        stats = ingest_log(store, log, host=SIM_HOST, engine="sglang", source=LOG_SOURCE)
+        engine = result.params.engine
+        stats = ingest_log(store, log, host=SIM_HOST, engine=engine, source=LOG_SOURCE,
+                           date=run_date(result))
         if stats.unrecognised:
-            raise SourceError(f"simulator: {stats.unrecognised} log lines the SGLang parser does not know")
+            raise SourceError(f"simulator: {stats.unrecognised} log lines the {engine} parser does not know")
         recv = Path(tmp) / "recv.parquet"
         n_lines = len(result.log_ts_ns)
         pq.write_table(pa.table({"line_no": np.arange(1, n_lines + 1, dtype=np.int64),

@@ -14,19 +14,22 @@ from typing import Any
 from gputrace.errors import ConfigError, UsageError
 
 
+ENGINES = ("sglang", "vllm")
+
+
 @dataclass(frozen=True, slots=True)
 class SimParams:
     """One simulated deployment and the load offered to it. Times in seconds."""
 
     # -- the deployment (SGLang server arguments) ---------------------------------------------
+    engine: str = "sglang"  # "sglang": per-micro-batch admission; "vllm": engine-wide max_num_seqs
     pp_size: int = 8
     tp_size: int = 1
+    # SGLang: the request pool's rows (the engine-wide bound); vLLM: max_num_seqs
     max_running_requests: int = 64
-    pp_max_micro_batch_size: int | None = None  # None: SGLang's default max(mrr // pp_size, 1)
+    # K, the bound of each micro-batch (SGLang only); None: SGLang's default max(mrr // pp_size, 1)
+    pp_max_micro_batch_size: int | None = None
     pp_async_batch_depth: int = 0
-    # "engine": the cap bounds the requests the engine runs at once (what the motivating
-    # measurement shows: #running-req 8 while requests queue); "microbatch": each slot on its own.
-    cap_scope: str = "engine"
     chunked_prefill_size: int = 8192
     max_prefill_tokens: int = 16384
     max_total_num_tokens: int = 600_000  # KV-cache capacity in tokens (per stage, all layers of it)
@@ -77,14 +80,17 @@ class SimParams:
 
     @property
     def micro_batch_cap(self) -> int:
-        """SGLang's effective pp_max_micro_batch_size."""
+        """SGLang's effective pp_max_micro_batch_size (vLLM has none: its max_num_seqs)."""
+        if self.engine == "vllm":
+            return self.max_running_requests
         if self.pp_max_micro_batch_size is not None:
             return self.pp_max_micro_batch_size
         return max(self.max_running_requests // self.pp_size, 1)
 
     @property
     def slots(self) -> int:
-        """Micro-batch slots of SGLang's PP loop: pp_size + pp_async_batch_depth."""
+        """Micro-batches in flight at most: SGLang's PP loop slots (pp_size + pp_async_batch_depth),
+        vLLM's batch queue (pp_size)."""
         return self.pp_size + self.pp_async_batch_depth
 
     def stage_multiplier(self, stage: int) -> float:
@@ -105,18 +111,28 @@ class Scenario:
 # Where the pipeline stays full: SGLang's per-micro-batch cap of 8 (64 // 8) with 64 requests in
 # flight fills all 8 slots. The single-cause scenarios below change one thing from it.
 _FULL_PIPELINE: dict[str, Any] = {
-    "cap_scope": "microbatch", "input_tokens": 256, "input_tokens_jitter": 0.3,
+    "input_tokens": 256, "input_tokens_jitter": 0.3,
     "max_tokens": 1024, "output_tokens_jitter": 0.5, "concurrency": (64,), "phase_s": 120.0,
 }
 
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
-        Scenario("microbatch-cap", "PP8 TP1, max_running_requests 64: the default cap of 8 per "
-                 "micro-batch holds the engine at 8 running requests while the rest queue",
-                 {}, ("microbatch_cap",)),
-        Scenario("microbatch-fixed", "the same deployment with --pp-max-micro-batch-size 64",
-                 {"pp_max_micro_batch_size": 64}, ()),
+        Scenario("motivating", "the deployment that started gputrace, with its defaults: PP8 TP1, "
+                 "max_running_requests 64 (K = 64 // 8 = 8 per micro-batch); below 64 requests the "
+                 "load fills fewer micro-batches than stages", {}, ("pipeline_underfilled",)),
+        Scenario("microbatch-cap", "--pp-max-micro-batch-size 2 below a pool of 64: every micro-batch "
+                 "at K = 2, 16 running, the pool's other rows free while requests wait",
+                 {"pp_max_micro_batch_size": 2}, ("microbatch_cap",)),
+        Scenario("microbatch-fixed", "the same deployment with K back at its default of 8",
+                 {"pp_max_micro_batch_size": 8}, ("pipeline_underfilled",)),
+        Scenario("pool-bound", "max_running_requests 32 under a load of 64: every slot full at its "
+                 "default K of 4, the pool is the bound and requests wait",
+                 {**_FULL_PIPELINE, "max_running_requests": 32}, ("admission_bound",)),
+        Scenario("bunched", "--pp-max-micro-batch-size 64 at a load of 32: requests that arrive together "
+                 "share one or two micro-batches, most stages idle",
+                 {**_FULL_PIPELINE, "pp_max_micro_batch_size": 64, "concurrency": (32,)},
+                 ("pipeline_underfilled",)),
         Scenario("healthy", "64 requests fill every micro-batch slot: no bubbles",
                  _FULL_PIPELINE, ()),
         Scenario("stage-imbalance", "stage 3 holds 60 % more layers than the others",
@@ -140,6 +156,9 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("log-aliased", "the healthy pipeline logged with SGLang's default "
                  "--decode-log-interval 40: 8 slots divide it, so each stage keeps logging one slot",
                  {**_FULL_PIPELINE, "decode_log_interval": 40}, ("log_sampling_aliased",)),
+        Scenario("vllm-admission", "vLLM, PP8, --max-num-seqs 32 under a load of 64: the engine runs "
+                 "32, its limit, and the rest wait",
+                 {**_FULL_PIPELINE, "engine": "vllm", "max_running_requests": 32}, ("admission_bound",)),
     )
 }
 
@@ -198,7 +217,9 @@ def _validate(p: SimParams) -> None:
         (p.pp_max_micro_batch_size is None or p.pp_max_micro_batch_size >= 1,
          "pp_max_micro_batch_size must be >= 1"),
         (p.pp_async_batch_depth >= 0, "pp_async_batch_depth must be >= 0"),
-        (p.cap_scope in ("engine", "microbatch"), "cap_scope must be 'engine' or 'microbatch'"),
+        (p.engine in ENGINES, f"engine must be one of {', '.join(ENGINES)}"),
+        (p.engine == "sglang" or (p.pp_max_micro_batch_size is None and not p.pp_async_batch_depth),
+         "pp_max_micro_batch_size and pp_async_batch_depth are SGLang settings (engine = sglang)"),
         (p.decode_log_interval >= 1, "decode_log_interval must be >= 1"),
         (bool(p.concurrency) and min(p.concurrency) >= 1, "concurrency needs levels >= 1"),
         (p.phase_s > 0 and p.sample_period_s > 0, "phase_s and sample_period_s must be > 0"),

@@ -12,7 +12,17 @@ import numpy as np
 
 from gputrace.sim.client import ClosedLoopClient, Phase, plan_phases
 from gputrace.sim.engine import PipelineEngine, SimRequest
-from gputrace.sim.logfmt import LinePrefix, decode_message, parse_start_ns, prefill_message, startup_lines
+from gputrace.sim.logfmt import (
+    VLLM_STATS_INTERVAL_S,
+    LinePrefix,
+    decode_message,
+    parse_start_ns,
+    prefill_message,
+    startup_lines,
+    vllm_prefix,
+    vllm_startup_lines,
+    vllm_stats_message,
+)
 from gputrace.sim.params import SCENARIOS, SimParams, scenario_params
 
 STARTUP_LEAD_S = 5.0  # the configuration lines come this long before the first phase
@@ -95,6 +105,9 @@ def run_scenario(name: str, seed: int = 0, overrides: Mapping[str, Any] | None =
 
 def _format_log(result: SimResult, records: list[tuple[float, int, int, str, dict[str, Any]]]) -> None:
     p = result.params
+    if p.engine == "vllm":
+        _format_vllm_log(result)
+        return
     prefix = LinePrefix(p.pp_size, p.tp_size)
     t0 = result.ns(-STARTUP_LEAD_S)
     for line in startup_lines(p, t0, prefix):
@@ -109,3 +122,36 @@ def _format_log(result: SimResult, records: list[tuple[float, int, int, str, dic
         message = decode_message(fields) if kind == "decode" else prefill_message(fields)
         result.log_lines.append(f"{prefix.rank(ts_ns, stage)} {message}")
         result.log_ts_ns.append(ts_ns)
+
+
+def _format_vllm_log(result: SimResult) -> None:
+    """vLLM's lines: the configuration, then every stats interval the averages over that window
+    and the scheduler's state at its last step (lines stop when a window and the one before it
+    saw nothing, as vLLM's logger does)."""
+    p = result.params
+    tr = result.engine.trace
+    t0 = result.ns(-STARTUP_LEAD_S)
+    for line in vllm_startup_lines(p, t0):
+        result.log_lines.append(line)
+        result.log_ts_ns.append(t0)
+    tok_t, tok_n = np.asarray(tr.tok_t), np.asarray(tr.tok_n, dtype=np.float64)
+    pf_t, pf_n = np.asarray(tr.pf_t), np.asarray(tr.pf_n, dtype=np.float64)
+    st_t = np.asarray(tr.st_t)
+    step = VLLM_STATS_INTERVAL_S
+    quiet_before = True
+    t = -STARTUP_LEAD_S + step
+    while t <= result.end_s:
+        gen = float(tok_n[(tok_t > t - step) & (tok_t <= t)].sum())
+        prompt = float(pf_n[(pf_t > t - step) & (pf_t <= t)].sum())
+        last = int(np.searchsorted(st_t, t, side="right")) - 1
+        running, waiting, kv = (tr.st_running[last], tr.st_waiting[last], tr.st_kv_used[last]) \
+            if last >= 0 else (0, 0, 0)
+        quiet = gen == 0 and prompt == 0 and running == 0 and waiting == 0
+        if not (quiet and quiet_before):
+            ts_ns = result.ns(t)
+            message = vllm_stats_message(prompt / step, gen / step, running, waiting,
+                                         kv / p.max_total_num_tokens)
+            result.log_lines.append(f"{vllm_prefix(ts_ns, 'APIServer')} {message}")
+            result.log_ts_ns.append(ts_ns)
+        quiet_before = quiet
+        t += step

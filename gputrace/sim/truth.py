@@ -4,11 +4,14 @@ true busy and bubble fractions and micro-batch sizes, the throughput, and the ca
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from gputrace.sim.samples import cumulative
+
+from gputrace.sim.params import SimParams
 
 if TYPE_CHECKING:
     from gputrace.sim.run import SimResult
@@ -121,38 +124,45 @@ def _pcie_hop_share(result: SimResult, a: float, b: float) -> float:
     return round(float(hop.mean() / step.mean()), 4)
 
 
+def _load(p: SimParams, ph: dict[str, Any]) -> int:
+    """The requests the engine is offered in a phase: the client's level (or its own cap)."""
+    target = int(ph["target_concurrency"])
+    return min(target, p.client_max_inflight) if p.client_max_inflight else target
+
+
+def spread_cap(p: SimParams, load: int) -> int:
+    """The K that spreads ``load`` requests over every micro-batch slot: ceil(load / slots)."""
+    return max(-(-load // p.slots), 1)
+
+
 def phase_causes(result: SimResult, ph: dict[str, Any]) -> list[str]:
-    """The causes present in one phase, from what the model did in it."""
+    """The causes present in one phase, from what the model did in it (the engine's semantics:
+    SGLang's K bounds each micro-batch, its pool and vLLM's max_num_seqs the engine)."""
     p = result.params
     causes: list[str] = []
     stages = ph["stages"]
     busy = np.array([s["busy_fraction"] for s in stages])
     bubble = float(np.mean([s["bubble_fraction"] for s in stages]))
     k = p.micro_batch_cap
-    limit = min(k, p.max_running_requests)
     mb_max = max((s["max_microbatch_size"] or 0) for s in stages)
+    queued = (ph["queue_mean"] or 0) > 0.5
     client_bound = ph["client_inflight_mean"] < CLIENT_SHORTFALL * ph["target_concurrency"]
     kv_bound = ph["kv_admission_stalls"] > 0 and ph["token_usage_max"] >= KV_USAGE_HIGH
-    # The cap is the cause only when the engine got the load and nothing else held it back.
-    if p.cap_scope == "engine":
-        capped = k < p.max_running_requests and ph["running_max"] >= limit and (ph["queue_mean"] or 0) > 0.5
-    else:
-        capped = (k < p.max_running_requests and mb_max >= k and ph["target_concurrency"] > k
-                  and (ph["microbatches_in_flight"] or 0) < UNDERFILLED_SHARE * p.pp_size)
-    capped = capped and not client_bound and not kv_bound
-    pcie_bound = ph["pcie_hop_share"] >= PCIE_HOP_SHARE
-    mults = np.array([p.stage_multiplier(s) for s in range(p.pp_size)])
-    imbalanced = mults.max() >= IMBALANCE_RATIO * float(np.median(mults)) and \
-        busy.max() - float(np.median(busy)) > BUBBLE_MATERIAL
-    if capped:
+    held_elsewhere = client_bound or kv_bound
+    pool_full = ph["running_max"] >= p.max_running_requests
+    if queued and pool_full and not held_elsewhere:
+        causes.append("admission_bound")
+    elif p.engine == "sglang" and queued and not pool_full and mb_max >= k and not held_elsewhere:
         causes.append("microbatch_cap")
     if client_bound:
         causes.append("client_bound")
     if kv_bound:
         causes.append("kv_cache_bound")
-    if pcie_bound:
+    if ph["pcie_hop_share"] >= PCIE_HOP_SHARE:
         causes.append("pcie_bound")
-    if imbalanced:
+    mults = np.array([p.stage_multiplier(s) for s in range(p.pp_size)])
+    if mults.max() >= IMBALANCE_RATIO * float(np.median(mults)) and \
+            busy.max() - float(np.median(busy)) > BUBBLE_MATERIAL:
         causes.append("stage_imbalance")
     underfilled = (ph["microbatches_in_flight"] or 0) < UNDERFILLED_SHARE * p.pp_size and \
         bubble > BUBBLE_MATERIAL
@@ -161,3 +171,74 @@ def phase_causes(result: SimResult, ph: dict[str, Any]) -> list[str]:
     if p.decode_log_interval > 1 and p.decode_log_interval % p.slots == 0:
         causes.append("log_sampling_aliased")
     return causes
+
+
+def underfill_reason(p: SimParams, load: int) -> str:
+    """Why a pipeline holds fewer micro-batches than stages: "bunched" when a smaller K would
+    spread the load over every slot, else "light_load" (fewer requests than stages)."""
+    return "bunched" if p.engine == "sglang" and load >= p.pp_size and spread_cap(p, load) < p.micro_batch_cap \
+        else "light_load"
+
+
+def fix_for(p: SimParams, cause: str, ph: dict[str, Any]) -> dict[str, Any] | None:
+    """The change that removes ``cause`` in phase ``ph``: the engine setting (flag and value) and
+    the simulator parameters that make it; None where no setting of the engine removes it."""
+    load = _load(p, ph)
+    flag_pool = "--max-num-seqs" if p.engine == "vllm" else "--max-running-requests"
+    if cause == "admission_bound":
+        return {"knob": flag_pool, "value": load, "params": {"max_running_requests": load}}
+    if cause == "microbatch_cap":
+        want = spread_cap(p, load)
+        return {"knob": "--pp-max-micro-batch-size", "value": want, "params": {"pp_max_micro_batch_size": want}}
+    if cause == "pipeline_underfilled" and underfill_reason(p, load) == "bunched":
+        want = spread_cap(p, load)
+        return {"knob": "--pp-max-micro-batch-size", "value": want, "params": {"pp_max_micro_batch_size": want}}
+    if cause == "stage_imbalance":
+        mean = float(np.mean([p.stage_multiplier(s) for s in range(p.pp_size)]))
+        return {"knob": "SGLANG_PP_LAYER_PARTITION", "value": None,
+                "params": {"stage_cost_multipliers": (round(mean, 6),) * p.pp_size}}
+    if cause == "client_bound":
+        return {"knob": "client", "value": ph["target_concurrency"], "params": {"client_max_inflight": None}}
+    if cause == "kv_cache_bound":
+        per_request = round(p.input_tokens * (1 + p.input_tokens_jitter)) + p.max_tokens
+        want = load * per_request
+        return {"knob": "--max-total-tokens", "value": want, "params": {"max_total_num_tokens": want}}
+    if cause == "pcie_bound":
+        return {"knob": "link", "value": None,
+                "params": {"pcie_bandwidth_bytes_per_s": 25e9, "pcie_latency_s": 0.00002}}
+    if cause == "log_sampling_aliased":
+        return {"knob": "--decode-log-interval", "value": 1, "params": {"decode_log_interval": 1}}
+    return None
+
+
+def scenario_fixes(result: SimResult) -> list[dict[str, Any]]:
+    """For each cause the ground truth names (per phase), its fix run in the simulator with the
+    same seed: the phase's throughput with the change and whether the cause is gone."""
+    from gputrace.sim.run import run_params  # the fix is a second run of the same model
+
+    p = result.params
+    truth = result.ground_truth
+    plans: dict[str, dict[str, Any]] = {}
+    for ph in truth["phases"]:
+        for cause in ph["causes"]:
+            fix = fix_for(p, cause, ph)
+            if fix is None:
+                continue
+            key = repr(sorted(fix["params"].items()))
+            plan = plans.setdefault(key, {**fix, "causes": set(), "phases": []})
+            plan["causes"].add(cause)
+            plan["phases"].append(ph["label"])
+    out = []
+    for plan in plans.values():
+        fixed = run_params(dataclasses.replace(p, **plan["params"]), result.scenario)
+        before = {ph["label"]: ph for ph in truth["phases"]}
+        after = {ph["label"]: ph for ph in fixed.ground_truth["phases"]}
+        out.append({
+            "causes": sorted(plan["causes"]), "knob": plan["knob"], "value": plan["value"],
+            "params": {k: list(v) if isinstance(v, tuple) else v for k, v in plan["params"].items()},
+            "phases": {label: {"throughput_tok_s": before[label]["throughput_tok_s"],
+                               "fixed_throughput_tok_s": after[label]["throughput_tok_s"],
+                               "causes_after": after[label]["causes"]}
+                       for label in plan["phases"]},
+        })
+    return out
