@@ -1,7 +1,8 @@
 """`gputrace demo`: the whole chain on loopback with no GPU: the simulator's real-time SGLang PP8
 server, an agent with the simulated backend, and `gputrace run` (collector + load generator +
-report), as real processes; once with SGLang's default micro-batch cap and once with the fix,
-then the comparison.
+report), as real processes. Three runs of the motivating deployment: its defaults; gputrace's own
+top recommendation from the first run's findings, applied; and the change people try first
+(--pp-max-micro-batch-size 64); then the comparisons.
 """
 
 from __future__ import annotations
@@ -40,12 +41,47 @@ class DemoPlan:
         return cls(level_s=4.0) if quick else cls()
 
 
+SCENARIO = "motivating"
+# The engine flags a finding can name, as the simulator's parameters that make them.
+FLAG_PARAMS = {"--pp-max-micro-batch-size": "pp_max_micro_batch_size",
+               "--max-running-requests": "max_running_requests",
+               "--decode-log-interval": "decode_log_interval",
+               "--pp-async-batch-depth": "pp_async_batch_depth"}
+FIRST_TRY = {"pp_max_micro_batch_size": 64}  # what people set first when the log says 8 running
+
+
 @dataclass(frozen=True, slots=True)
 class DemoRun:
     label: str
     scenario: str
     run_dir: Path
     report_dir: Path
+    overrides: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Recommendation:
+    """The first finding of a run whose change the simulated engine can make."""
+
+    cause: str
+    phase: str
+    knob: str
+    value: int
+    text: str
+
+    @property
+    def overrides(self) -> dict[str, Any]:
+        return {FLAG_PARAMS[self.knob]: self.value}
+
+
+def top_recommendation(doc: dict[str, Any]) -> Recommendation | None:
+    """From findings.json (ranked most important first): the first with an engine flag and value."""
+    for f in doc.get("findings", []):
+        details = f.get("change") or {}
+        knob, value = details.get("knob"), details.get("value")
+        if knob in FLAG_PARAMS and isinstance(value, int) and value > 0:
+            return Recommendation(f["cause"], f["phase"], knob, value, f.get("recommendation", ""))
+    return None
 
 
 def free_port() -> int:
@@ -99,8 +135,10 @@ def write_config(path: Path, log_file: Path, agent_port: int, pp_size: int = 8) 
 
 
 def run_one(out: Path, label: str, scenario: str, plan: DemoPlan,
-            say: Callable[[str], None]) -> DemoRun:
-    """Serve the scenario, capture a sweep against it with `gputrace run`, write its report."""
+            say: Callable[[str], None], overrides: dict[str, Any] | None = None) -> DemoRun:
+    """Serve the scenario (with ``overrides``), capture a sweep against it with `gputrace run`,
+    write its report."""
+    sets = [f"--set={key}={value}" for key, value in (overrides or {}).items()]
     work = out / "work" / label
     work.mkdir(parents=True, exist_ok=True)
     log_file, feed = work / "sglang.log", work / "gpu-feed.ndjson"
@@ -108,9 +146,10 @@ def run_one(out: Path, label: str, scenario: str, plan: DemoPlan,
     config = work / f"{label}.toml"
     write_config(config, log_file, agent_port)
     run_dir = out / label
-    say(f"[{label}] simulated SGLang PP8 ({scenario}) on :{sim_port}, agent on :{agent_port}")
+    changed = ", ".join(f"{k}={v}" for k, v in (overrides or {}).items()) or "defaults"
+    say(f"[{label}] simulated SGLang PP8 ({scenario}, {changed}) on :{sim_port}, agent on :{agent_port}")
     sim_argv = _gputrace("sim", "serve", "--scenario", scenario, "--port", str(sim_port),
-                         "--log", str(log_file), "--gpu-feed", str(feed), "--speed", str(plan.speed))
+                         "--log", str(log_file), "--gpu-feed", str(feed), "--speed", str(plan.speed), *sets)
     with child_process(sim_argv, work / "sim.out") as sim:
         _wait_http(f"http://127.0.0.1:{sim_port}/v1/models", sim, "simulator")
         agent_argv = _gputrace("agent", "--backend", "sim", "--sim-feed", str(feed),
@@ -134,11 +173,11 @@ def run_one(out: Path, label: str, scenario: str, plan: DemoPlan,
                 tail = (work / "run.out").read_text(errors="replace").strip().splitlines()[-5:]
                 raise SourceError(f"demo: `gputrace run` for {label} failed (status {status}): "
                                   + " | ".join(tail))
-    return DemoRun(label, scenario, run_dir, run_dir / "report")
+    return DemoRun(label, scenario, run_dir, run_dir / "report", tuple((overrides or {}).items()))
 
 
 def compare(out: Path, a: DemoRun, b: DemoRun) -> Path:
-    target = out / "compare"
+    target = out / f"compare-{a.label}-{b.label}"
     status = subprocess.run(_gputrace("compare", str(a.run_dir), str(b.run_dir), "--out", str(target)),
                             capture_output=True, text=True, check=False)
     if status.returncode != 0:
@@ -155,15 +194,39 @@ def findings_of(run: DemoRun) -> dict[str, Any]:
     return doc
 
 
-def run_demo(out: Path, quick: bool, say: Callable[[str], None]) -> tuple[DemoRun, DemoRun, Path]:
+@dataclass(frozen=True, slots=True)
+class DemoResult:
+    defaults: DemoRun
+    recommended: DemoRun | None  # None when the defaults' run had no finding to apply
+    recommendation: Recommendation | None
+    first_try: DemoRun
+    comparisons: tuple[Path, ...]
+
+    @property
+    def runs(self) -> list[DemoRun]:
+        return [r for r in (self.defaults, self.recommended, self.first_try) if r is not None]
+
+
+def run_demo(out: Path, quick: bool, say: Callable[[str], None]) -> DemoResult:
     if out.exists() and any(out.iterdir()):
         raise UsageError(f"--out {out}: not empty; choose another directory or remove it")
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("GPUTRACE_DEMO", "1")
     plan = DemoPlan.for_mode(quick)
-    # The two deployments are independent processes on loopback: run them side by side.
+    # The deployments are independent processes on loopback: the defaults and the first try run
+    # side by side; gputrace's recommendation needs the defaults' findings first.
     with ThreadPoolExecutor(max_workers=2) as pool:
-        cap_future = pool.submit(run_one, out, "cap", "microbatch-cap", plan, say)
-        fixed_future = pool.submit(run_one, out, "fixed", "microbatch-fixed", plan, say)
-        cap, fixed = cap_future.result(), fixed_future.result()
-    return cap, fixed, compare(out, cap, fixed)
+        defaults_future = pool.submit(run_one, out, "defaults", SCENARIO, plan, say)
+        first_future = pool.submit(run_one, out, "k64", SCENARIO, plan, say, FIRST_TRY)
+        defaults = defaults_future.result()
+        rec = top_recommendation(findings_of(defaults))
+        recommended = None
+        if rec is None:
+            say("[recommended] the defaults' run has no finding with a setting to change")
+        else:
+            say(f"[recommended] gputrace's top recommendation: {rec.knob} {rec.value} "
+                f"({rec.cause} at {rec.phase})")
+            recommended = run_one(out, "recommended", SCENARIO, plan, say, rec.overrides)
+        first_try = first_future.result()
+    comparisons = [compare(out, defaults, run) for run in (recommended, first_try) if run is not None]
+    return DemoResult(defaults, recommended, rec, first_try, tuple(comparisons))

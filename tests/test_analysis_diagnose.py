@@ -26,16 +26,26 @@ def _causes(a: Analysis) -> set[str]:
 
 
 def test_microbatch_cap_first_with_k(tmp_path: Path) -> None:
-    """PP8, max_running_requests 64, 32 in flight, #running-req 8 everywhere and 24 queued: the
-    cap, K = 8."""
-    spec = SynthRun([Level("C=32", 32, 32, [0.125] * 8, 8, 10, queue=24)], pp=8)
+    """PP8, max_running_requests 64, --pp-max-micro-batch-size 2, 32 in flight: #running-req 2
+    everywhere (8 slots of 2: 16 running) and 16 queued while the pool has 48 free rows: the cap,
+    K = 2, raised to ceil(32 / 8 slots) = 4."""
+    spec = SynthRun([Level("C=32", 32, 32, [0.9] * 8, 2, 10, queue=16)], pp=8,
+                    engine={"max_running_requests": 64, "pp_max_micro_batch_size": 2})
     a = _analyse(tmp_path / "r", spec)
     first = a.findings[0]
-    assert first.cause == "microbatch_cap" and first.evidence["K"] == 8
-    assert first.evidence["K_from"] == "max_running_requests // pp_size = 64 // 8"
-    assert first.recommendation.startswith("--pp-max-micro-batch-size ")
-    assert first.details["knob"] == "--pp-max-micro-batch-size" and first.details["value"] > 8
+    assert first.cause == "microbatch_cap" and first.evidence["K"] == 2
+    assert first.evidence["K_from"] == "--pp-max-micro-batch-size"
+    assert first.recommendation.startswith("--pp-max-micro-batch-size 4 ")
+    assert first.details == {"knob": "--pp-max-micro-batch-size", "value": 4}
     assert _causes(a) == {"microbatch_cap"}
+
+
+def test_one_micro_batch_at_k_with_free_slots_is_not_the_cap(tmp_path: Path) -> None:
+    """#running-req 8 = K on every stage with 24 queued, but only 8 running of a pool of 64: a slot
+    with room admits at its turn, so K cannot be what holds them (SGLang's K bounds each
+    micro-batch, not the engine); no microbatch_cap finding."""
+    spec = SynthRun([Level("C=32", 32, 32, [0.125] * 8, 8, 10, queue=24)], pp=8)
+    assert "microbatch_cap" not in _causes(_analyse(tmp_path / "r", spec))
 
 
 def test_no_cap_when_flag_raised(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
-"""`gputrace demo --quick`: the whole chain as real processes; the default cap is diagnosed, the fix
-is not, and both reports and the comparison are written."""
+"""`gputrace demo --quick`: the whole chain as real processes, three runs of the motivating
+deployment (defaults, gputrace's own top recommendation applied, K = 64), their reports and the
+comparisons ([diagnosis] Must show 4)."""
 
 from __future__ import annotations
 
@@ -10,23 +11,37 @@ from pathlib import Path
 
 import pytest
 
+from gputrace.demo import FIRST_TRY, top_recommendation
+
+
+def _phases(doc: dict) -> dict[str, float]:  # type: ignore[type-arg]
+    return {p["label"]: p["throughput_tok_s"] for p in doc["phases"]}
+
 
 @pytest.mark.slow
-def test_quick_demo_diagnoses_the_cap_and_not_the_fix(tmp_path: Path) -> None:
-    """The cap run's findings include microbatch_cap (K = 64 // 8); the fixed run's do not."""
+def test_quick_demo_applies_its_own_recommendation(tmp_path: Path) -> None:
+    """The defaults' findings name a change with a value; the second run applies exactly that (as
+    its log's configuration says) and is faster at the phase the finding named; the K = 64 run
+    runs with K 64; the table and the recommendation's measured effect are printed."""
     out = tmp_path / "demo"
     done = subprocess.run([sys.executable, "-m", "gputrace", "demo", "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
-    cap = json.loads((out / "cap" / "report" / "findings.json").read_text())
-    fixed = json.loads((out / "fixed" / "report" / "findings.json").read_text())
-    cap_causes = {f["cause"] for f in cap["findings"]}
-    assert "microbatch_cap" in cap_causes
-    first_cap = next(f for f in cap["findings"] if f["cause"] == "microbatch_cap")
-    assert first_cap["evidence"]["K"] == 8
-    assert "--pp-max-micro-batch-size" in first_cap["recommendation"]
-    assert "microbatch_cap" not in {f["cause"] for f in fixed["findings"]}
-    for run in ("cap", "fixed"):
+    docs = {run: json.loads((out / run / "report" / "findings.json").read_text())
+            for run in ("defaults", "recommended", "k64")}
+    rec = top_recommendation(docs["defaults"])
+    assert rec is not None and rec.knob == "--pp-max-micro-batch-size"
+    assert rec.cause == "pipeline_underfilled"  # the default K bunches the load below 64
+    assert 1 <= rec.value < 8
+    # the recommended run's engine logged the recommended setting, the first try K = 64
+    assert docs["recommended"]["summary"]["engine"]["pp_max_micro_batch_size"] == rec.value
+    assert docs["k64"]["summary"]["engine"]["pp_max_micro_batch_size"] == FIRST_TRY["pp_max_micro_batch_size"]
+    before, after = _phases(docs["defaults"])[rec.phase], _phases(docs["recommended"])[rec.phase]
+    assert after > before, (rec, before, after)
+    gain = after / before - 1
+    assert f"at {rec.phase} ({gain:+.0%})" in done.stdout.replace("\n", " ")
+    assert "vs defaults" in done.stdout
+    for run in docs:
         assert (out / run / "report" / "report.html").stat().st_size > 10_000
-    assert any((out / "compare").iterdir())
-    assert "microbatch_cap" in done.stdout
+    assert any((out / "compare-defaults-recommended").iterdir())
+    assert any((out / "compare-defaults-k64").iterdir())

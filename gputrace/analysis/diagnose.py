@@ -97,6 +97,9 @@ def admission_bound(pm: PhaseMetrics, engine: dict[str, Any], load: float | None
     limit = int(engine["max_running_requests"]) if engine.get("max_running_requests") else None
     if load is None or queue_mean is None or queue_mean <= 0.5 or not at_limit(engine_running, limit, th):
         return None
+    assert limit is not None
+    if load <= limit + 0.5:
+        return None  # offered no more than the limit admits: the queue is turnover, not a bound
     assert limit is not None and engine_running is not None
     kind = engine_kind(engine)
     want = max(int(np.ceil(load)), limit + 1)
@@ -149,8 +152,10 @@ class PhaseContext:
         return self.pp_size + int(self.engine.get("pp_async_batch_depth") or 0)
 
     def spread_cap(self) -> int | None:
-        """The K that spreads the load over every slot: ceil(load / slots)."""
-        return None if self.load is None else max(int(np.ceil(round(self.load, 1) / self.slots)), 1)
+        """The K that spreads the load over every slot: ceil(load / slots), the load being the
+        client's level where known (its in-flight mean runs a little over it at turnover)."""
+        load = self.pm.target_concurrency or self.load
+        return None if load is None else max(int(np.ceil(round(load, 1) / self.slots)), 1)
 
 
 def phase_context(pm: PhaseMetrics, engine: dict[str, Any], pp_size: int, th: Thresholds) -> PhaseContext:
@@ -207,7 +212,11 @@ def rule_microbatch_cap(c: PhaseContext) -> Finding | None:
         c.engine_running is not None and abs(c.engine_running - k) <= max(1.5, 0.2 * k))
     waiting = c.queue_mean > 0.5 if c.queue_mean is not None else (
         c.load > k + 0.5 and c.mean_bubble > th.bubble_material)
-    if not (plateau and waiting):
+    # K binds only once every slot holds K (a slot with room admits at its turn): the engine runs
+    # K x slots; fewer running with a queue is requests between turns, not the cap
+    every_slot_at_k = c.engine_running is None or \
+        c.engine_running >= k * c.slots - max(1.5, th.limit_tolerance * k * c.slots)
+    if not (plateau and waiting and every_slot_at_k):
         return None
     mrr = int(c.engine["max_running_requests"]) if c.engine.get("max_running_requests") else None
     want = max(c.spread_cap() or k + 1, k + 1)
@@ -413,6 +422,8 @@ def note_k_trade_offs(found: list[Finding], phases: Sequence[PhaseMetrics], engi
         if higher:
             f.recommendation += (f"; at this K the engine admits at most {bound} (K x {slots} slots), "
                                  f"fewer than offered in {', '.join(higher)}")
+            f.details["caps_phases"] = len(higher)
+            f.impact /= 1 + 2 * len(higher)  # a change that costs other phases ranks lower
 
 
 def cannot_tell(phases: Sequence[PhaseMetrics], pp_size: int) -> list[Finding]:

@@ -10,7 +10,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from gputrace.demo import DemoRun, findings_of, run_demo
+from gputrace.demo import DemoResult, findings_of, run_demo
 
 
 def _phase_rows(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -27,40 +27,74 @@ def _fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def summary_table(cap: DemoRun, fixed: DemoRun) -> tuple[Table, list[str], list[str]]:
-    cap_doc, fixed_doc = findings_of(cap), findings_of(fixed)
-    a, b = _phase_rows(cap_doc), _phase_rows(fixed_doc)
-    table = Table(title="gputrace demo: SGLang PP8, default micro-batch cap vs --pp-max-micro-batch-size 64")
-    for col in ("phase", "cap tok/s", "cap bubble", "fixed tok/s", "fixed bubble", "gain"):
-        table.add_column(col, justify="right")
-    for label in [p for p in a if p in b] or list(a):
-        ra, rb = a[label], b.get(label, {})
-        gain = (rb["tok_s"] / ra["tok_s"]) if ra.get("tok_s") and rb.get("tok_s") else None
-        table.add_row(label, _fmt(ra.get("tok_s"), ".0f"), _fmt(ra.get("bubble"), ".0%"),
-                      _fmt(rb.get("tok_s"), ".0f"), _fmt(rb.get("bubble"), ".0%"),
-                      _fmt(gain, ".2f") + ("x" if gain else ""))
-    causes = [f"{f['cause']} [{f['phase']}]" for f in cap_doc.get("findings", [])]
-    fixed_causes = [f"{f['cause']} [{f['phase']}]" for f in fixed_doc.get("findings", [])]
-    return table, causes, fixed_causes
+RUN_TITLES = {"defaults": "defaults", "recommended": "gputrace's recommendation", "k64": "K=64 (first try)"}
+
+
+def summary_table(result: DemoResult) -> tuple[Table, dict[str, list[str]]]:
+    """Per phase: each run's throughput and bubble, and its gain over the defaults; the findings
+    that remain in each run."""
+    docs = {run.label: findings_of(run) for run in result.runs}
+    rows = {label: _phase_rows(doc) for label, doc in docs.items()}
+    base = rows["defaults"]
+    table = Table(title="gputrace demo: the motivating SGLang PP8 deployment (max_running_requests 64)")
+    table.add_column("phase", justify="right")
+    for run in result.runs:
+        name = RUN_TITLES.get(run.label, run.label)
+        table.add_column(f"{name} tok/s", justify="right")
+        table.add_column("bubble", justify="right")
+        if run.label != "defaults":
+            table.add_column("vs defaults", justify="right")
+    for label in base:
+        cells = [label]
+        for run in result.runs:
+            row = rows[run.label].get(label, {})
+            cells += [_fmt(row.get("tok_s"), ".0f"), _fmt(row.get("bubble"), ".0%")]
+            if run.label != "defaults":
+                gain = _gain(base[label].get("tok_s"), row.get("tok_s"))
+                cells.append(_fmt(gain, "+.0%"))
+        table.add_row(*cells)
+    remaining = {label: [f"{f['cause']} [{f['phase']}]" for f in doc.get("findings", [])]
+                 for label, doc in docs.items()}
+    return table, remaining
+
+
+def _gain(before: float | None, after: float | None) -> float | None:
+    return after / before - 1 if before and after else None
+
+
+def recommendation_effect(result: DemoResult) -> str:
+    """What gputrace's recommendation did at the phase its finding named, measured."""
+    rec, run = result.recommendation, result.recommended
+    if rec is None or run is None:
+        return "gputrace's recommendation: none (no finding with a setting to change)"
+    before = _phase_rows(findings_of(result.defaults)).get(rec.phase, {}).get("tok_s")
+    after = _phase_rows(findings_of(run)).get(rec.phase, {}).get("tok_s")
+    gain = _gain(before, after)
+    return (f"gputrace's recommendation: {rec.knob} {rec.value} (from {rec.cause} at {rec.phase}): "
+            f"{_fmt(before, '.0f')} -> {_fmt(after, '.0f')} tok/s at {rec.phase} ({_fmt(gain, '+.0%')})")
 
 
 @click.command("demo")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("demo-out"),
-              show_default=True, help="Directory for both runs, their reports and the comparison.")
-@click.option("--quick", is_flag=True, help="Shorter load levels: 4 s each, about 50 s in all.")
+              show_default=True, help="Directory for the three runs, their reports and the comparisons.")
+@click.option("--quick", is_flag=True, help="Shorter load levels: 4 s each, about 2 minutes in all.")
 def command(out: Path, quick: bool) -> None:
     """Run the whole chain on loopback against a simulated SGLang PP8 deployment: the simulator's
-    OpenAI-compatible server, an agent with simulated GPUs, the collector and the load generator,
-    twice (default micro-batch cap, then the fix), then both reports and their comparison."""
+    OpenAI-compatible server, an agent with simulated GPUs, the collector and the load generator.
+    Three runs: the defaults; gputrace's top recommendation from the defaults' findings, applied;
+    and --pp-max-micro-batch-size 64 (the change people try first); then their comparisons."""
     console = Console(stderr=True)
     started = time.monotonic()
-    cap, fixed, compare_dir = run_demo(out, quick, lambda msg: console.print(msg, highlight=False))
-    table, causes, fixed_causes = summary_table(cap, fixed)
-    out_console = Console()
+    result = run_demo(out, quick, lambda msg: console.print(msg, highlight=False))
+    table, remaining = summary_table(result)
+    out_console = Console(width=200)
     out_console.print(table)
-    out_console.print(f"findings with the default cap: {', '.join(causes) or 'none'}")
-    out_console.print(f"findings after the fix:        {', '.join(fixed_causes) or 'none'}")
-    for run in (cap, fixed):
-        out_console.print(f"{run.label:>6} report: {run.report_dir / 'report.html'}")
-    out_console.print(f"comparison:    {compare_dir}")
+    out_console.print(recommendation_effect(result))
+    for run in result.runs:
+        name = RUN_TITLES.get(run.label, run.label)
+        out_console.print(f"findings, {name}: {', '.join(remaining[run.label]) or 'none'}")
+    for run in result.runs:
+        out_console.print(f"{run.label:>11} report: {run.report_dir / 'report.html'}")
+    for path in result.comparisons:
+        out_console.print(f"comparison: {path}")
     out_console.print(f"done in {time.monotonic() - started:.0f} s")

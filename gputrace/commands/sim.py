@@ -66,7 +66,7 @@ def command(ctx: click.Context, scenario: str | None, out_dir: str | None, seed:
 
 
 @command.command("serve")
-@click.option("--scenario", type=click.Choice(sorted(SCENARIOS)), default="microbatch-cap", show_default=True)
+@click.option("--scenario", type=click.Choice(sorted(SCENARIOS)), default="motivating", show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=30000, show_default=True, help="0 picks a free port.")
 @click.option("--log", "log_path", type=click.Path(dir_okay=False), required=True,
@@ -91,5 +91,8 @@ def serve(scenario: str, host: str, port: int, log_path: str, gpu_feed: str | No
     if speed <= 0:
         raise UsageError("--speed must be > 0")
     params = scenario_params(scenario, {**_overrides(params_file, sets), "seed": seed})
+    if params.engine != "sglang":
+        raise UsageError("sim serve: only the SGLang model serves in real time; the vLLM model runs in "
+                         "virtual time (gputrace sim --scenario ... --set engine=vllm)")
     serve_forever(params, host=host, port=port, log_path=log_path, feed_path=gpu_feed, speed=speed,
                   announce=lambda url: click.echo(f"gputrace sim serve: {scenario} on {url}", err=True))

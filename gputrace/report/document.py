@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+from gputrace.analysis.diagnose import Finding
 from gputrace.analysis.run import Analysis
 
 SCHEMA = "gputrace.findings/1"
@@ -37,13 +38,21 @@ def phase_stage_table(a: Analysis) -> list[dict[str, Any]]:
     return rows
 
 
+def finding_entry(f: Finding) -> dict[str, Any]:
+    """A finding as findings.json gives it: ``change`` is the setting it names (knob and value,
+    the value None where it is not one number), for tools that apply or compare it."""
+    entry = {k: v for k, v in f.to_dict().items() if k not in ("impact", "details")}
+    if f.details.get("knob"):
+        entry["change"] = {"knob": f.details["knob"], "value": f.details.get("value")}
+    return entry
+
+
 def build_document(a: Analysis) -> dict[str, Any]:
     """The findings.json document."""
     return {
         "schema": SCHEMA,
         "summary": a.summary(),
-        "findings": [{k: v for k, v in f.to_dict().items() if k not in ("impact", "details")}
-                     for f in a.findings],
+        "findings": [finding_entry(f) for f in a.findings],
         "phases": [{k: v for k, v in pm.to_dict().items() if k != "stages"} for pm in a.metrics],
         "table": phase_stage_table(a),
         "mapping": [asdict(p) for p in a.run.mapping.placements],

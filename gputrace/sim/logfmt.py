@@ -120,7 +120,8 @@ def vllm_stats_message(prompt_tok_s: float, gen_tok_s: float, running: int, wait
 
 def vllm_startup_lines(p: SimParams, ts_ns: int) -> list[str]:
     """``non-default args: {...}`` from the API server, then the engine core's configuration."""
-    args = {"model": p.model_path, "pipeline_parallel_size": p.pp_size, "max_num_seqs": p.max_running_requests}
+    args = {"model": p.model_path, "pipeline_parallel_size": p.pp_size,
+            "max_num_seqs": p.max_running_requests}
     if p.tp_size > 1:
         args["tensor_parallel_size"] = p.tp_size
     config = (f"model={p.model_path!r}, tokenizer={p.model_path!r}, dtype=torch.bfloat16, "

@@ -13,7 +13,6 @@ from typing import Any
 
 from gputrace.errors import ConfigError, UsageError
 
-
 ENGINES = ("sglang", "vllm")
 
 

@@ -9,9 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gputrace.sim.samples import cumulative
-
 from gputrace.sim.params import SimParams
+from gputrace.sim.samples import cumulative
 
 if TYPE_CHECKING:
     from gputrace.sim.run import SimResult
@@ -176,8 +175,8 @@ def phase_causes(result: SimResult, ph: dict[str, Any]) -> list[str]:
 def underfill_reason(p: SimParams, load: int) -> str:
     """Why a pipeline holds fewer micro-batches than stages: "bunched" when a smaller K would
     spread the load over every slot, else "light_load" (fewer requests than stages)."""
-    return "bunched" if p.engine == "sglang" and load >= p.pp_size and spread_cap(p, load) < p.micro_batch_cap \
-        else "light_load"
+    spreads = p.engine == "sglang" and load >= p.pp_size and spread_cap(p, load) < p.micro_batch_cap
+    return "bunched" if spreads else "light_load"
 
 
 def fix_for(p: SimParams, cause: str, ph: dict[str, Any]) -> dict[str, Any] | None:
@@ -187,12 +186,11 @@ def fix_for(p: SimParams, cause: str, ph: dict[str, Any]) -> dict[str, Any] | No
     flag_pool = "--max-num-seqs" if p.engine == "vllm" else "--max-running-requests"
     if cause == "admission_bound":
         return {"knob": flag_pool, "value": load, "params": {"max_running_requests": load}}
-    if cause == "microbatch_cap":
-        want = spread_cap(p, load)
-        return {"knob": "--pp-max-micro-batch-size", "value": want, "params": {"pp_max_micro_batch_size": want}}
-    if cause == "pipeline_underfilled" and underfill_reason(p, load) == "bunched":
-        want = spread_cap(p, load)
-        return {"knob": "--pp-max-micro-batch-size", "value": want, "params": {"pp_max_micro_batch_size": want}}
+    bunched = cause == "pipeline_underfilled" and underfill_reason(p, load) == "bunched"
+    if cause == "microbatch_cap" or bunched:
+        want = spread_cap(p, load)  # K that spreads the load over every slot
+        return {"knob": "--pp-max-micro-batch-size", "value": want,
+                "params": {"pp_max_micro_batch_size": want}}
     if cause == "stage_imbalance":
         mean = float(np.mean([p.stage_multiplier(s) for s in range(p.pp_size)]))
         return {"knob": "SGLANG_PP_LAYER_PARTITION", "value": None,
