@@ -70,9 +70,10 @@ class RateLimitedWarning:
         self._unlogged = 0
 
 
-def fd_limit() -> int:
-    """This process's soft limit on open files."""
-    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+def fd_limit() -> int | None:
+    """This process's soft limit on open files (None: unlimited)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return None if soft == resource.RLIM_INFINITY or soft < 0 else soft
 
 
 class _Refused(asyncio.Protocol):
@@ -94,7 +95,9 @@ class HttpListener:
     def __init__(self, app: web.Application, name: str, limits: HttpLimits | None = None) -> None:
         self.limits = limits or HttpLimits()
         self.name = name
-        self.max_connections = max(_MIN_CONNECTIONS, min(self.limits.max_connections, fd_limit() // 2))
+        fds = fd_limit()
+        cap = self.limits.max_connections if fds is None else min(self.limits.max_connections, fds // 2)
+        self.max_connections = max(_MIN_CONNECTIONS, cap)
         self.refused = 0
         self._busy: set[RequestHandler] = set()  # aiohttp answers one request at a time per connection
         self._served: set[RequestHandler] = set()  # connections that completed a request header
@@ -122,8 +125,10 @@ class HttpListener:
         await self._runner.setup()
         loop = asyncio.get_running_loop()
         try:
-            self._server = await loop.create_server(self._accept, host, port, ssl=ssl_context,
-                                                    backlog=128, reuse_address=True)
+            # a TLS handshake is held to the header deadline too (asyncio's default is 60 s)
+            self._server = await loop.create_server(
+                self._accept, host, port, ssl=ssl_context, backlog=128, reuse_address=True,
+                ssl_handshake_timeout=self.limits.header_timeout_s if ssl_context is not None else None)
         except OSError:
             await self._runner.cleanup()
             raise
@@ -186,9 +191,10 @@ class HttpListener:
         except TimeoutError:
             if not deadline.expired():
                 raise
-            return web.json_response({"error": f"request not read and answered within "
-                                               f"{self.limits.request_timeout_s:g} s"}, status=408,
-                                     headers={"Connection": "close"})
+            timed_out = web.json_response({"error": f"request not read and answered within "
+                                                    f"{self.limits.request_timeout_s:g} s"}, status=408)
+            timed_out.force_close()  # the rest of its body may still come: not another request
+            return timed_out
         finally:
             self._busy.discard(conn)
 
