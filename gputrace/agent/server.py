@@ -177,7 +177,7 @@ class Agent:
         except CursorTooOld as exc:
             return web.json_response({"error": str(exc), "oldest_seq": exc.oldest_seq}, status=410,
                                      headers=self._headers())
-        # Encoding a full page takes about 160 ms: on the event loop it held every other answer
+        # Encoding a full page takes 120-160 ms: on the event loop it held every other answer
         # (/healthz p99 3 s under 10 such clients); one thread, since with the GIL more threads
         # would only take more turns from the loop
         body = await asyncio.get_running_loop().run_in_executor(self._encoder, page_body, since, page)
