@@ -27,6 +27,7 @@ from gputrace.agent.server import is_loopback, parse_listen
 from gputrace.config import Config, HostConfig
 from gputrace.engines import LogParser
 from gputrace.errors import GputraceError, SourceError, UsageError
+from gputrace.httpserver import HttpLimits, HttpListener
 from gputrace.live import LiveCollector, LiveState
 from gputrace.logsetup import get_logger
 from gputrace.model import DeviceInfo, Marker, RequestRecord, SchedulerEvent
@@ -58,6 +59,7 @@ class CollectOptions:
     insecure: bool = False
     log_from_start: bool = True  # read the log from its beginning (startup config lines included)
     ready_timeout_s: float = 15.0  # how long start() waits for every source to be live
+    http_limits: HttpLimits = field(default_factory=HttpLimits)
 
 
 @dataclass
@@ -80,7 +82,7 @@ class Collector:
         self.writer = BatchingWriter(store, flush_s=self.options.flush_s, on_reject=self._rejected)
         self._hosts = [_HostTasks(h) for h in cfg.hosts]
         self._tasks: list[asyncio.Task[None]] = []
-        self._runner: web.AppRunner | None = None
+        self._listener: HttpListener | None = None
         self.url: str | None = None
         self.client_host = socket.gethostname()
         self._failures: list[str] = []
@@ -136,8 +138,8 @@ class Collector:
             if ht.transport is not None:
                 with contextlib.suppress(Exception):
                     await ht.transport.close()
-        if self._runner is not None:
-            await self._runner.cleanup()
+        if self._listener is not None:
+            await self._listener.stop()
         self.store.update_meta(extra={"collector": {"counts": dict(self.live.counts),
                                                     "failures": self._failures,
                                                     "stopped_ns": time.time_ns()}})
@@ -274,14 +276,12 @@ class Collector:
         app.router.add_post("/v1/mark", self._mark)
         app.router.add_get("/v1/status", self._status)
         app.router.add_get("/healthz", self._healthz)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
+        listener = HttpListener(app, "collector", self.options.http_limits)
         try:
-            await site.start()
+            bound = await listener.start(host, port)
         except OSError as exc:
             raise UsageError(f"--listen {listen}: cannot listen: {exc.strerror}") from exc
-        bound = self._runner.addresses[0][1]
+        self._listener = listener
         self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{bound}"
         log.info("collector listening", url=self.url)
 

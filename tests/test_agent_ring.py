@@ -78,3 +78,23 @@ def test_latest_per_gpu_follows_the_batches_in_order() -> None:
     assert latest == {0: later, 1: lost}
     assert util == {0: driver, 1: lost} and memory_util == {0: driver, 1: lost}
     assert ring.newest_seq == 5 and len(ring) == 5
+
+
+def test_a_seq_is_found_by_bisection_with_the_same_rows_as_a_scan() -> None:
+    """Batches of uneven sizes, expired by size thousands of times (the front of the batch list cut
+    off and its rows freed): every cursor and limit pages exactly the rows a scan of everything
+    added gives, across batch edges."""
+    ring = SampleRing(retention_ns=10**15, max_samples=300)
+    added: list[SampleRow] = []  # the row with seq n is added[n - 1]
+    for t in range(1, 4001):
+        batch = [sample_row(GpuSample("h", i, t)) for i in range(t % 7)]  # 0..6 rows, some empty
+        ring.extend(batch, t)
+        added += batch
+        if t % 997 == 0 or t == 4000:
+            oldest, newest = ring.oldest_seq(), ring.newest_seq
+            assert newest == len(added) and 300 - 6 <= len(ring) <= 300
+            for since in range(oldest - 1, newest + 2):
+                for limit in (1, 5, 13, 400):
+                    assert ring.rows_after(since, limit) == added[since:since + limit], (since, limit)
+            with pytest.raises(CursorTooOld):
+                ring.rows_after(oldest - 2, 10)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from live_chain import free_port, http_ok, wait_until
+from slow_clients import fd_limit_of, get_within, half_sent_requests, raise_own_fd_limit
 
 from gputrace.store import Store
 
@@ -261,3 +262,30 @@ def test_samples_of_an_agent_named_otherwise_are_filed_under_the_configured_host
         assert store.sql("SELECT DISTINCT host FROM gpu_samples") == [("node0",)]
         analysis = analyse_store(store)
     assert all(s.busy_fraction is not None for pm in analysis.metrics for s in pm.stages)
+
+
+def test_half_sent_requests_do_not_freeze_the_collector_http(tmp_path: Path) -> None:
+    """The collector's /healthz, /v1/mark and /v1/status sit behind the agent's limits ([robust]
+    #9): held to 1,024 open files, 1,100 half-sent requests leave a whole one answered and log
+    one line, not a traceback per connection."""
+    raise_own_fd_limit(1100 + 100)
+    cfg = tmp_path / "gputrace.toml"
+    cfg.write_text('[[hosts]]\nname = "h"\n')
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "gputrace", "--log-format", "json", "collect",
+                             "--config", str(cfg), "--out", str(tmp_path / "run"),
+                             "--listen", f"127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=fd_limit_of(1024))
+    try:
+        wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/healthz"), timeout_s=30, proc=proc)
+        with half_sent_requests(port, 1100):
+            status, _ = get_within(port, "/v1/status", timeout_s=5.0)
+            assert status == 200
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
+    events = [json.loads(line)["event"] for line in err.splitlines() if line.startswith("{")]
+    assert events.count("connections at the cap: closing the oldest idle ones") == 1, err[-2000:]
+    assert "Traceback" not in err
