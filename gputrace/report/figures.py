@@ -112,6 +112,13 @@ def _phase_lines(ax: Axes, a: Analysis) -> None:
                 clip_on=False)
 
 
+def _no_data(ax: Axes, text: str) -> None:
+    """Say why the axes are empty, with no value scale (it would be made up)."""
+    ax.set_yticks([])
+    ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", fontsize=12,
+            bbox={"facecolor": "white", "edgecolor": "#999", "boxstyle": "round,pad=0.4"}, zorder=5)
+
+
 def _finish_time_axes(ax: Axes, a: Analysis, title: str) -> None:
     ax.set_xlim(*time_limits(a))
     ax.set_xlabel("time since start (s)")
@@ -171,15 +178,16 @@ def utilization_heatmap(a: Analysis) -> Figure:
                        extent=extent, interpolation="nearest")
     else:
         ax.set_ylim(pp - 0.5, -0.5)
-        ax.text(0.5, 0.5, "no GPU utilization samples in the run", transform=ax.transAxes,
-                ha="center", va="center")
         im = ScalarMappable(norm=Normalize(0, 1), cmap=cmap)
     pos = ax.get_position()
     cax = fig.add_axes((pos.x1 + 0.15 / WIDTH_IN, pos.y0, 0.22 / WIDTH_IN, pos.height))
-    fig.colorbar(im, cax=cax, label="utilization (gray: no sample)")
+    fig.colorbar(im, cax=cax, label="utilization")
     ax.set_ylabel("pp stage")
     ax.set_yticks(range(pp))
-    _finish_time_axes(ax, a, "GPU utilization per pipeline stage")
+    if np.isnan(util).all():
+        ax.text(0.5, 0.5, "no GPU utilization samples in the run", transform=ax.transAxes, ha="center",
+                va="center", fontsize=12, bbox={"facecolor": "white", "edgecolor": "#999"}, zorder=5)
+    _finish_time_axes(ax, a, "GPU utilization per pipeline stage (gray: no sample)")
     return fig
 
 
@@ -238,13 +246,15 @@ def bubble_bars(a: Analysis) -> Figure:
     colors = _stage_colors(pp)
     width = 0.8 / max(pp, 1)
     for s in range(pp):
-        y = [v if (v := pm.stages[s].bubble_fraction) is not None else 0.0 for pm in a.metrics]
+        y = [v if (v := pm.stages[s].bubble_fraction) is not None else np.nan for pm in a.metrics]
         ax.bar(np.arange(len(a.metrics)) + s * width - 0.4 + width / 2, y, width, color=colors[s],
                label=f"stage {s}")
     ax.set_xticks(np.arange(len(a.metrics)), [pm.label for pm in a.metrics])
     ax.set_ylim(0, 1)
     ax.set_ylabel("bubble fraction")
     ax.set_xlabel("phase")
+    if all(st.bubble_fraction is None for pm in a.metrics for st in pm.stages):
+        _no_data(ax, "no bubble fractions: they need GPU samples")  # not 0: unknown
     _legend_beside(ax)  # bubble fractions are often high: a legend inside would hide the bars
     ax.set_title("Bubble fraction per stage and phase")
     fig.subplots_adjust(left=LEFT_IN / WIDTH_IN, right=1 - RIGHT_IN / WIDTH_IN)
@@ -261,12 +271,12 @@ def _series_figure(a: Analysis, series: list[tuple[np.ndarray, str, str]], ylabe
     for values, ls, _ in series:
         v, t = sample_columns(values / scale, t_all, MAX_COLUMNS // 2)
         column_s = float(t[1] - t[0]) if len(t) > 1 else 0.0
-        max_gap_s = max(GAP_PERIODS * a.sample_period_ns() / 1e9, 1.5 * column_s)
+        sample_s = (a.sample_period_ns() or a.run.period_ns) / 1e9
+        max_gap_s = max(GAP_PERIODS * sample_s, 1.5 * column_s)
         for s in range(v.shape[0]):
             ax.plot(*gap_broken(t, v[s], max_gap_s), lw=1.2, ls=ls, color=colors[s], alpha=0.9)
     if empty:
-        ax.text(0.5, 0.5, "no samples of this metric in the run", transform=ax.transAxes,
-                ha="center", va="center")
+        _no_data(ax, "no samples of this metric in the run")
     else:
         handles = [Line2D([], [], color=colors[s], lw=2, label=f"stage {s}") for s in range(a.run.pp_size)]
         if len(series) > 1:
@@ -340,9 +350,10 @@ TIME_FIGURES = ("utilization_heatmap", "power", "pcie")
 
 FIGURES: dict[str, tuple[str, Callable[[Analysis], bytes]]] = {
     "utilization_heatmap": ("Per-stage utilization over time", _rendered(utilization_heatmap)),
-    "running_vs_load": ("Running requests per stage vs offered load", _rendered(running_vs_load)),
-    "bubble_fraction": ("Bubble fraction per stage per phase", _rendered(bubble_bars)),
     "power": ("Power", _rendered(power_figure)),
     "pcie": ("PCIe", _rendered(pcie_figure)),
+    "running_vs_load": ("Running requests per stage vs offered load", _rendered(running_vs_load)),
+    "bubble_fraction": ("Bubble fraction per stage per phase", _rendered(bubble_bars)),
 }
-"""name -> (caption, function giving PNG bytes): the figures in report order."""
+"""name -> (caption, function giving PNG bytes): the figures in report order, those over time
+first and together, so their shared time axis can be read down the page."""

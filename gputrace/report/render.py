@@ -39,10 +39,13 @@ def render_figures(a: Analysis, progress: Callable[[str], None] | None = None) -
 
 def _summary_lines(doc: dict[str, Any]) -> list[str]:
     s = doc["summary"]
-    period = f"sample period {s['sample_period_ms']:.0f} ms"
-    if abs(s["grid_period_ms"] - s["sample_period_ms"]) > 0.1 * s["sample_period_ms"]:
-        period += f" (aligned on a {s['grid_period_ms']:.0f} ms grid: NVML's utilization samples " \
-                  "come between the ticks)"
+    if s["sample_period_ms"] is None:
+        period = f"no GPU samples (aligned on a {s['grid_period_ms']:.0f} ms grid)"
+    else:
+        period = f"sample period {s['sample_period_ms']:.0f} ms"
+        if abs(s["grid_period_ms"] - s["sample_period_ms"]) > 0.1 * s["sample_period_ms"]:
+            period += f" (aligned on a {s['grid_period_ms']:.0f} ms grid: NVML's utilization samples " \
+                      "come between the ticks)"
     lines = [
         f"run {s['run']}: {s['gpus']} GPUs, PP{s['pp_size']} x TP{s['tp_size']}, "
         f"{s['duration_s']:.0f} s, {period}",
@@ -69,6 +72,9 @@ PHASE_COLUMNS = (
     ("itl_s_mean", "ITL mean s"), ("itl_s_p90", "ITL p90 s"), ("allowed_busy_fraction", "allowed busy"),
 )
 """(key, header) of the per-phase table: the load and what the requests got, once per phase."""
+
+
+NO_MAPPING = "No GPU placements: the run has no GPU samples or topology (stages are the engine log's)."
 
 
 def verdict(doc: dict[str, Any]) -> str:
@@ -153,7 +159,10 @@ def render_html(a: Analysis, doc: dict[str, Any], figures: dict[str, bytes]) -> 
     for p in doc["mapping"]:
         parts.append(f"<tr><td>{e(p['host'])}</td><td>{p['gpu_index']}</td><td>{p['pp_rank']}</td>"
                      f"<td>{p['tp_rank']}</td><td>{p['dp_rank']}</td></tr>")
-    parts.append("</table><h2>Figures</h2>")
+    parts.append("</table>")
+    if not doc["mapping"]:
+        parts.append(f"<p class='note'>{e(NO_MAPPING)}</p>")
+    parts.append("<h2>Figures</h2>")
     for name, png in figures.items():
         caption = FIGURES[name][0]
         parts.append(f"<h3>{e(caption)}</h3><img alt='{e(caption)}' id='fig-{name}' "
@@ -192,6 +201,8 @@ def render_markdown(a: Analysis, doc: dict[str, Any], figure_files: dict[str, st
             "|---|---|---|---|---|"]
     out += [f"| {_md(p['host'])} | {p['gpu_index']} | {p['pp_rank']} | {p['tp_rank']} | {p['dp_rank']} |"
             for p in doc["mapping"]]
+    if not doc["mapping"]:
+        out += ["", NO_MAPPING]
     out += ["", "## Figures", ""]
     for name, file in figure_files.items():
         out += [f"### {FIGURES[name][0]}", "", f"![{FIGURES[name][0]}]({file})", ""]
