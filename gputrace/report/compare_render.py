@@ -19,7 +19,7 @@ td:first-child,th:first-child{text-align:left}
 .warning{border-left:4px solid #d80;padding:6px 12px;background:#fff8e6;font-weight:bold}
 .resolved{border-left:4px solid #393;padding:4px 10px;margin:6px 0;background:#f6fff6}
 .new{border-left:4px solid #c33;padding:4px 10px;margin:6px 0;background:#fff6f6}
-table.runs td{text-align:left}"""
+table.runs td,table.runs th{text-align:left}"""
 """Only what the page uses: each class here is on some element of it."""
 
 
