@@ -1,5 +1,5 @@
-"""The HTML report in headless Chromium (DevTools protocol over a websocket): no console error,
-every figure rendered; a screenshot is kept in tests/artifacts/."""
+"""The HTML report and comparison in headless Chromium (DevTools protocol over a websocket): no
+console error, every figure rendered; screenshots are kept in tests/artifacts/."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,9 @@ import aiohttp
 import pytest
 from conftest import require_binary
 
+from gputrace.analysis.compare import compare_analyses
 from gputrace.analysis.run import analyse_store
+from gputrace.report.compare_render import write_compare
 from gputrace.report.figures import FIGURES
 from gputrace.report.render import write_report
 from gputrace.sim.outputs import write_store
@@ -95,6 +98,27 @@ async def _inspect(port: int, url: str, shot: Path) -> tuple[list[str], dict[str
             return errors, page
 
 
+@contextlib.contextmanager
+def _chromium(chromium: str) -> Iterator[int]:
+    """A headless Chromium; yields its DevTools port."""
+    # Chromium's helper processes can still write into the profile after the browser exits (CI
+    # once failed on "Directory not empty" there): stop the whole group, and let cleanup be lenient
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
+        proc = subprocess.Popen([chromium, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            yield _devtools_port(Path(profile), proc)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
 @pytest.mark.system
 async def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     """report.html loads with no console error and every figure decoded (naturalWidth > 0)."""
@@ -105,27 +129,34 @@ async def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     html_file = written[0]
     assert html_file.name == "report.html" and "src='http" not in html_file.read_text()
     ARTIFACTS.mkdir(exist_ok=True)
-    # Chromium's helper processes can still write into the profile after the browser exits (CI
-    # once failed on "Directory not empty" there): stop the whole group, and let cleanup be lenient
-    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
-        proc = subprocess.Popen([chromium, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        try:
-            port = _devtools_port(Path(profile), proc)
-            errors, page = await asyncio.wait_for(
-                _inspect(port, html_file.as_uri(), ARTIFACTS / "report_html.png"), 90)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    with _chromium(chromium) as port:
+        errors, page = await asyncio.wait_for(
+            _inspect(port, html_file.as_uri(), ARTIFACTS / "report_html.png"), 90)
     assert errors == []
     assert len(page["imgs"]) == len(FIGURES)
     assert all(i["complete"] and i["w"] > 0 and i["h"] > 0 for i in page["imgs"]), page["imgs"]
     # the verdict paragraph comes before these; per-phase figures once, then per stage
     assert page["h2"][:4] == ["Summary", "Findings", "Phases", "Phase by stage"]
     assert (ARTIFACTS / "report_html.png").stat().st_size > 10_000
+    assert all(i["w"] >= 1200 for i in page["imgs"]), page["imgs"]  # legible at the page's width
+
+
+@pytest.mark.system
+async def test_compare_renders_in_headless_chromium(tmp_path: Path) -> None:
+    """compare.html of the cap against its fix loads with no console error, in the order a reader
+    wants it (what changed, the two runs, per phase); a screenshot is kept in tests/artifacts/."""
+    chromium = require_binary("/usr/bin/chromium", "chromium", "chromium-browser")
+    analyses = {}
+    for name in ("microbatch-cap", "microbatch-fixed"):
+        with Store.open(write_store(run_scenario(name, 0), tmp_path / name), read_only=True) as store:
+            analyses[name] = analyse_store(store)
+    doc = compare_analyses(analyses["microbatch-cap"], analyses["microbatch-fixed"])
+    html_file = write_compare(doc, tmp_path / "cmp", ["html"])[0]
+    ARTIFACTS.mkdir(exist_ok=True)
+    with _chromium(chromium) as port:
+        errors, page = await asyncio.wait_for(
+            _inspect(port, html_file.as_uri(), ARTIFACTS / "compare_html.png"), 90)
+    assert errors == []
+    assert page["h2"] == ["What changed", "The two runs", "Per phase"]
+    assert "Resolved in phase" in html_file.read_text()
+    assert (ARTIFACTS / "compare_html.png").stat().st_size > 10_000

@@ -73,6 +73,9 @@ class AlignedRun:
     log_placement: str
     clocks: ClockModel
     notes: list[str] = field(default_factory=list)
+    # per GPU, the spacing of one series' samples (power, the agent's tick): the grid's period is
+    # finer where NVML's own utilization samples interleave with the ticks
+    sample_period_ns_by_gpu: list[int | None] = field(default_factory=list)
 
     @property
     def pp_size(self) -> int:
@@ -290,14 +293,12 @@ def align_store(store: Store, window_ns: tuple[int | None, int | None] = (None, 
     grid = make_grid(grid_start, grid_end, period)
 
     gpu = {m: np.full((len(gpu_keys), len(grid)), np.nan) for m in GPU_METRICS}
+    series_periods: list[int | None] = [None] * len(gpu_keys)
     if samples.num_rows:
         lost_all = np.asarray(samples.column("lost").to_numpy(zero_copy_only=False), dtype=bool)[order]
-        lookups = [window_index(ts_by_gpu[i], grid, period) for i in range(len(gpu_keys))]
-        for m in GPU_METRICS:
-            v_all = _num(samples, m).astype(np.float64)[order]
-            v_all[lost_all] = np.nan
-            for i, (cells, rows) in enumerate(lookups):
-                gpu[m][i, cells] = v_all[bounds[i]:bounds[i + 1]][rows]
+        values = {m: _num(samples, m).astype(np.float64)[order] for m in GPU_METRICS}
+        _fill_gpu_metrics(gpu, values, lost_all, ts_by_gpu, bounds, grid, period)
+        series_periods = _series_periods(ts_by_gpu, bounds, values["power_w"], values["utilization_ratio"])
 
     dev = {(d["host"], d["gpu_index"]): d for d in store.sql_arrow("SELECT * FROM devices").to_pylist()}
     power_limit = np.array([dev.get(key, {}).get("power_limit_w") or np.nan for key in gpu_keys], dtype=float)
@@ -376,4 +377,45 @@ def align_store(store: Store, window_ns: tuple[int | None, int | None] = (None, 
         stage_events=stage_events, stage_running=stage_running, stage_queue=stage_queue,
         stage_token_usage=stage_usage, work_ratio=work, work_source=work_source, inflight=inflight,
         requests=requests, markers=markers, engine=engine, log_placement=log_placement,
-        clocks=clocks, notes=notes)
+        clocks=clocks, notes=notes, sample_period_ns_by_gpu=series_periods)
+
+
+def _fill_gpu_metrics(gpu: dict[str, np.ndarray], values: dict[str, np.ndarray], lost: np.ndarray,
+                      ts_by_gpu: list[np.ndarray], bounds: np.ndarray, grid: np.ndarray, period: int) -> None:
+    """Each metric onto the grid from the rows that hold it. An agent's rows interleave (ticks with
+    power, PCIe, clocks; NVML's own utilization samples between them): a cell looked up over all
+    rows took whichever came first, and lost the other metric (a third of the utilization samples
+    in the demo). A lost row still claims its cell, as a gap. Metrics held by the same rows share
+    one lookup."""
+    lookups: list[tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]] = []
+    for m, v_all in values.items():
+        held = ~np.isnan(v_all) | lost
+        found = next((rows for mask, rows in lookups if np.array_equal(mask, held)), None)
+        if found is None:
+            found = []
+            for i, ts in enumerate(ts_by_gpu):
+                idx = np.flatnonzero(held[bounds[i]:bounds[i + 1]])
+                cells, rows = window_index(ts[idx], grid, period)
+                found.append((cells, idx[rows]))
+            lookups.append((held, found))
+        v_all = np.where(lost, np.nan, v_all)
+        for i, (cells, rows) in enumerate(found):
+            gpu[m][i, cells] = v_all[bounds[i]:bounds[i + 1]][rows]
+
+
+def _series_periods(ts_by_gpu: list[np.ndarray], bounds: np.ndarray, power_w: np.ndarray,
+                    utilization: np.ndarray) -> list[int | None]:
+    """Per GPU, the median spacing of its power samples (else of its utilization samples): one
+    series' own period, which all rows together (ticks and NVML's utilization samples) understate."""
+    out: list[int | None] = []
+    for i, ts in enumerate(ts_by_gpu):
+        period = None
+        for values in (power_w, utilization):
+            held = ts[~np.isnan(values[bounds[i]:bounds[i + 1]])]
+            spacing = np.diff(held)
+            spacing = spacing[spacing > 0]
+            if len(spacing):
+                period = int(np.median(spacing))
+                break
+        out.append(period)
+    return out

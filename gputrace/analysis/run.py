@@ -31,12 +31,20 @@ class Analysis:
     findings: list[Finding]
     notes: list[str] = field(default_factory=list)
 
+    def sample_period_ns(self) -> float | None:
+        """The GPUs' sample period: the median of each GPU's own (one series' spacing); None
+        without GPU samples."""
+        periods = [p for p in self.run.sample_period_ns_by_gpu if p]
+        return float(np.median(periods)) if periods else None
+
     def summary(self) -> dict[str, Any]:
         """Run-level facts the report shows first."""
         r = self.run
+        period_ns = self.sample_period_ns()
         return {
             "run": r.name, "pp_size": r.pp_size, "tp_size": r.mapping.tp_size,
-            "gpus": len(r.gpu_keys), "sample_period_ms": r.period_ns / 1e6,
+            "gpus": len(r.gpu_keys), "sample_period_ms": None if period_ns is None else period_ns / 1e6,
+            "grid_period_ms": r.period_ns / 1e6,
             "duration_s": float((r.grid_ns[-1] - r.grid_ns[0] + r.period_ns) / 1e9),
             "mapping_source": r.mapping.source, "log_placement": r.log_placement,
             "work_source": r.work_source, "phase_source": self.phases[0].source if self.phases else None,

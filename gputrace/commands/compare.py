@@ -5,10 +5,10 @@ from __future__ import annotations
 import click
 
 from gputrace.analysis.aligned import align_store
-from gputrace.analysis.compare import compare_analyses
+from gputrace.analysis.compare import RunRef, compare_analyses
 from gputrace.analysis.run import analyse_aligned
 from gputrace.prometheus.cli_options import window_ns
-from gputrace.report.compare_render import render_compare_markdown, write_compare
+from gputrace.report.compare_render import render_compare_markdown, same_run_consequence, write_compare
 from gputrace.report.render import parse_formats
 from gputrace.store import Store
 
@@ -37,9 +37,14 @@ def command(run_a: str, run_b: str, out_dir: str | None, formats: str, start_a: 
     window_b = window_ns(start_b, end_b, ("--start-b", "--end-b"))
     with Store.open(run_a, read_only=True) as sa:
         a = analyse_aligned(align_store(sa, window_a))
+        ref_a = RunRef(run_a, f"{sa.meta.name}@{sa.meta.created_ns}", window_a)
     with Store.open(run_b, read_only=True) as sb:
         b = analyse_aligned(align_store(sb, window_b))
-    doc = compare_analyses(a, b)
+        ref_b = RunRef(run_b, f"{sb.meta.name}@{sb.meta.created_ns}", window_b)
+    doc = compare_analyses(a, b, ref_a, ref_b)
+    if doc["same_run"]:
+        click.echo(f"warning: run A and run B are {doc['same_run']}: {same_run_consequence(doc)}",
+                   err=True)
     click.echo(render_compare_markdown(doc), nl=False)
     if out_dir:
         for path in write_compare(doc, out_dir, fmts):

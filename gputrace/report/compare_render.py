@@ -1,13 +1,26 @@
-"""Render a comparison document as HTML (self-contained), Markdown and JSON."""
+"""Render a comparison document as HTML (self-contained), Markdown and JSON: a warning when both
+sides are one run, what the change resolved and introduced in words, both runs' key figures side
+by side, and links to both reports."""
 
 from __future__ import annotations
 
 import html
 import json
+import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
-from gputrace.report.render import CSS
+CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px;color:#222}
+table{border-collapse:collapse;font-size:13px;margin:6px 0 14px}
+td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#f3f3f3}
+td:first-child,th:first-child{text-align:left}
+.warning{border-left:4px solid #d80;padding:6px 12px;background:#fff8e6;font-weight:bold}
+.resolved{border-left:4px solid #393;padding:4px 10px;margin:6px 0;background:#f6fff6}
+.new{border-left:4px solid #c33;padding:4px 10px;margin:6px 0;background:#fff6f6}
+table.runs td,table.runs th{text-align:left}"""
+"""Only what the page uses: each class here is on some element of it."""
 
 
 def _pct(x: float | None) -> str:
@@ -18,47 +31,128 @@ def _num(x: float | None, nd: int = 1) -> str:
     return "n/a" if x is None else f"{x:.{nd}f}"
 
 
-def _rows(doc: dict[str, Any]) -> list[list[str]]:
-    rows = []
-    for p in doc["phases"]:
-        gain = p["throughput_gain"]
-        rows.append([
-            p["label"], _num(p["throughput_tok_s_a"]), _num(p["throughput_tok_s_b"]),
-            "n/a" if gain is None else f"x{gain:.2f}",
-            " ".join(_pct(x) for x in p["bubble_fraction_a"]),
-            " ".join(_pct(x) for x in p["bubble_fraction_b"]),
-            ", ".join(p["findings_resolved"]) or "-", ", ".join(p["findings_new"]) or "-",
-        ])
-    return rows
+def _gain(x: float | None) -> str:
+    return "n/a" if x is None else f"x{x:.2f}"
 
 
-HEADERS = ["phase", "tok/s A", "tok/s B", "gain", "bubble per stage A", "bubble per stage B",
-           "resolved", "new"]
+def same_run_consequence(doc: dict[str, Any]) -> str:
+    """What a comparison of a run with itself can show."""
+    if "different windows" in (doc["same_run"] or ""):
+        return "any difference comes from the windows compared, not from a change"
+    return "nothing can differ between them; compare a run before a change with one after it"
+
+
+def _where(phase: str) -> str:
+    return "the whole run" if phase == "*" else f"phase {phase}"
+
+
+def change_lines(doc: dict[str, Any]) -> list[tuple[str, str]]:
+    """(kind, sentence) per finding resolved ('resolved') or introduced ('new') by B, in words."""
+    out = []
+    groups = [(p["resolved"], p["new"]) for p in doc["phases"]] + [(doc["run_resolved"], doc["run_new"])]
+    for resolved, new in groups:
+        out += [("resolved", f"Resolved in {_where(f['phase'])}: {f['cause']} (run A: {f['summary']}).")
+                for f in resolved]
+        out += [("new", f"New in {_where(f['phase'])}: {f['cause']} (run B: {f['summary']}; "
+                        f"change: {f['recommendation']}).") for f in new]
+    return sorted(out, key=lambda kv: kv[0] != "resolved")  # resolved first, each in phase order
+
+
+def _top(f: dict[str, Any] | None) -> str:
+    if f is None:
+        return "none: no cause found"
+    return f"{f['cause']} in {_where(f['phase'])}: {f['summary']}"
+
+
+PHASE_HEADERS = ["phase", "tok/s A", "tok/s B", "gain", "bubble A", "bubble B", "TTFT p50 A s",
+                 "TTFT p50 B s", "resolved", "new"]
+
+
+def _phase_rows(doc: dict[str, Any]) -> list[list[str]]:
+    return [[p["label"], _num(p["throughput_tok_s_a"]), _num(p["throughput_tok_s_b"]),
+             _gain(p["throughput_gain"]), _pct(p["bubble_fraction_mean_a"]),
+             _pct(p["bubble_fraction_mean_b"]), _num(p["ttft_s_p50_a"], 3), _num(p["ttft_s_p50_b"], 3),
+             ", ".join(p["findings_resolved"]) or "-", ", ".join(p["findings_new"]) or "-"]
+            for p in doc["phases"]]
+
+
+def _report_path(run_dir: str | None) -> Path | None:
+    return Path(run_dir) / "report" / "report.html" if run_dir else None
+
+
+def _run_rows(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
+    return [("run", doc["run_a"], doc["run_b"]),
+            ("directory", doc["run_a_dir"] or "n/a", doc["run_b_dir"] or "n/a"),
+            ("top finding", _top(doc["top_finding_a"]), _top(doc["top_finding_b"]))]
+
+
+def _footer(doc: dict[str, Any]) -> list[str]:
+    out = []
+    if doc["unmatched_a"] or doc["unmatched_b"]:
+        out.append(f"Phases only in A: {', '.join(doc['unmatched_a']) or '-'}; "
+                   f"only in B: {', '.join(doc['unmatched_b']) or '-'} (compared by label).")
+    out.append("Bubble: the mean over the stages; per stage in compare.json.")
+    return out
+
+
+def _md_row(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
 
 
 def render_compare_markdown(doc: dict[str, Any]) -> str:
-    out = [f"# Comparison: {doc['run_a']} (A) vs {doc['run_b']} (B)", "",
-           "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
-    out += ["| " + " | ".join(r) + " |" for r in _rows(doc)]
-    out += ["", f"Run-wide findings resolved: {', '.join(doc['run_findings_resolved']) or '-'}; "
-                f"new: {', '.join(doc['run_findings_new']) or '-'}"]
-    if doc["unmatched_a"] or doc["unmatched_b"]:
-        out.append(f"Phases only in A: {', '.join(doc['unmatched_a']) or '-'}; "
-                   f"only in B: {', '.join(doc['unmatched_b']) or '-'}")
+    out = [f"# Comparison: {doc['run_a']} (A) vs {doc['run_b']} (B)", ""]
+    if doc["same_run"]:
+        out += [f"**Warning: run A and run B are {doc['same_run']}: {same_run_consequence(doc)}.**", ""]
+    changes = change_lines(doc)
+    out += [f"- {text}" for _, text in changes] or ["No finding resolved or new."]
+    out += ["", _md_row(["", "A", "B"]), "|---|---|---|"]
+    out += [_md_row(r) for r in _run_rows(doc)]
+    for label, run_dir in (("A", doc["run_a_dir"]), ("B", doc["run_b_dir"])):
+        report = _report_path(run_dir)
+        if report is not None:
+            out.append(f"\nReport {label}: {report}" + ("" if report.exists() else " (not written yet)"))
+    out += ["", _md_row(PHASE_HEADERS), "|" + "---|" * len(PHASE_HEADERS)]
+    out += [_md_row(r) for r in _phase_rows(doc)]
+    out += ["", *_footer(doc)]
     return "\n".join(out) + "\n"
 
 
-def render_compare_html(doc: dict[str, Any]) -> str:
+def _link(run_dir: str | None, out_dir: Path | None) -> str:
     e = html.escape
-    parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>gputrace compare</title>"
-             f"<style>{CSS}</style></head><body><h1>Comparison: {e(doc['run_a'])} (A) vs "
-             f"{e(doc['run_b'])} (B)</h1><table><tr>"]
-    parts += [f"<th>{e(h)}</th>" for h in HEADERS]
-    parts.append("</tr>")
-    parts += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in _rows(doc)]
-    resolved = ", ".join(doc["run_findings_resolved"]) or "-"
-    new = ", ".join(doc["run_findings_new"]) or "-"
-    parts.append(f"</table><p>Run-wide findings resolved: {e(resolved)}; new: {e(new)}</p></body></html>")
+    report = _report_path(run_dir)
+    if report is None:
+        return "n/a"
+    if not report.exists():
+        return f"no report yet: <code>gputrace report {e(str(run_dir))}</code>"
+    href = quote(Path(os.path.relpath(report.resolve(), out_dir.resolve())).as_posix()) if out_dir \
+        else report.resolve().as_uri()
+    return f"<a href='{e(href)}'>{e(str(report))}</a>"
+
+
+def render_compare_html(doc: dict[str, Any], out_dir: str | Path | None = None) -> str:
+    """The page; links to the reports are relative to ``out_dir`` (where the page is written)."""
+    e = html.escape
+    where = Path(out_dir) if out_dir is not None else None
+    parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>gputrace compare: "
+             f"{e(doc['run_a'])} vs {e(doc['run_b'])}</title><style>{CSS}</style></head><body>"
+             f"<h1>Comparison: {e(doc['run_a'])} (A) vs {e(doc['run_b'])} (B)</h1>"]
+    if doc["same_run"]:
+        parts.append(f"<p class='warning'>Warning: run A and run B are {e(doc['same_run'])}: "
+                     f"{e(same_run_consequence(doc))}.</p>")
+    parts.append("<h2>What changed</h2>")
+    changes = change_lines(doc)
+    parts += [f"<p class='{kind}'>{e(text)}</p>" for kind, text in changes] or \
+        ["<p>No finding resolved or new.</p>"]
+    parts.append("<h2>The two runs</h2><table class='runs'><tr><th></th><th>A</th><th>B</th></tr>")
+    parts += [f"<tr><td>{e(k)}</td><td>{e(va)}</td><td>{e(vb)}</td></tr>" for k, va, vb in _run_rows(doc)]
+    parts.append(f"<tr><td>report</td><td>{_link(doc['run_a_dir'], where)}</td>"
+                 f"<td>{_link(doc['run_b_dir'], where)}</td></tr></table>")
+    parts.append("<h2>Per phase</h2><table><tr>" + "".join(f"<th>{e(h)}</th>" for h in PHASE_HEADERS)
+                 + "</tr>")
+    parts += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in _phase_rows(doc)]
+    parts.append("</table>")
+    parts += [f"<p>{e(line)}</p>" for line in _footer(doc)]
+    parts.append("</body></html>")
     return "\n".join(parts)
 
 
@@ -73,6 +167,6 @@ def write_compare(doc: dict[str, Any], out_dir: str | Path, formats: list[str]) 
         (out / "compare.md").write_text(render_compare_markdown(doc))
         written.append(out / "compare.md")
     if "html" in formats:
-        (out / "compare.html").write_text(render_compare_html(doc))
+        (out / "compare.html").write_text(render_compare_html(doc, out))
         written.append(out / "compare.html")
     return written

@@ -11,17 +11,30 @@ from gputrace.analysis.run import Analysis
 
 SCHEMA = "gputrace.findings/1"
 
-TABLE_COLUMNS = (
+STAGE_COLUMNS = (
     ("phase", "phase"), ("pp_rank", "stage"), ("busy_fraction", "busy"),
-    ("bubble_fraction", "bubble"), ("utilization_p50", "util p50"), ("utilization_p90", "util p90"),
-    ("microbatch_size_mean", "#running (mean)"), ("microbatch_size_max", "#running (max)"),
-    ("offered_load", "offered"), ("queue_req_mean", "queue"), ("token_usage_max", "token usage max"),
-    ("power_w_mean", "power W"), ("power_limit_share_mean", "power/limit"),
-    ("pcie_tx_bytes_per_s_mean", "PCIe TX B/s"), ("pcie_rx_bytes_per_s_mean", "PCIe RX B/s"),
-    ("pcie_link_share_p95", "PCIe/link p95"), ("allowed_busy_fraction", "allowed busy"),
-    ("throughput_tok_s", "tok/s"),
+    ("bubble_fraction", "bubble"), ("microbatch_size_mean", "#running mean"),
+    ("microbatch_size_max", "#running max"), ("queue_req_mean", "queue"), ("power_w_mean", "power W"),
+    ("power_limit_share_mean", "power/limit"), ("pcie_link_share_p95", "PCIe/link p95"),
+    ("throttled_fraction", "throttled"),
 )
-"""(key, header) of the phase-by-stage table, in display order."""
+"""(key, header) of the report's phase-by-stage table, in display order: only what differs from
+stage to stage (the per-phase values are in the phases table; every per-stage value, these and
+the rest, is in findings.json's ``table``). A field added to StageMetrics reaches that JSON by
+itself, and the report with one more pair here."""
+
+STAGE_NOTE = ("load, throughput and allowed busy are per phase (the Phases table); utilization "
+              "percentiles, token usage, PCIe bytes/s and clocks per stage are in findings.json (table)")
+"""Said under the phase-by-stage table: where the values it leaves out are."""
+
+
+def shown_columns(columns: tuple[tuple[str, str], ...], rows: list[dict[str, Any]]
+                  ) -> tuple[list[tuple[str, str]], list[str]]:
+    """(the columns with a value in some row, the headers of those with none): a run without GPU
+    samples has no power or PCIe, and a column of n/a says nothing."""
+    keep = [c for c in columns
+            if c[0] in ("phase", "pp_rank") or any(row.get(c[0]) is not None for row in rows)]
+    return keep, [h for k, h in columns if (k, h) not in keep]
 
 
 def phase_stage_table(a: Analysis) -> list[dict[str, Any]]:
@@ -67,6 +80,8 @@ def fmt(value: Any, key: str = "") -> str:
     if isinstance(value, float):
         if key.endswith("fraction") or key.endswith("share_mean") or key.endswith("share_p95") \
                 or key.startswith("utilization"):
+            if 1e-6 <= abs(value) < 0.0005:  # a link 0.035 % used is not "0.0%"
+                return f"{value * 100:.2g}%"
             return f"{value:.1%}"
         if key.endswith("bytes_per_s_mean"):
             for unit, div in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):

@@ -1,9 +1,15 @@
-"""The report's figures as PNG bytes (matplotlib, Agg): utilization heatmap, running requests vs
-offered load, bubble fraction per stage and phase, power, PCIe."""
+"""The report's figures (matplotlib, Agg): utilization heatmap, running requests vs offered load,
+bubble fraction per stage and phase, power, PCIe. The three figures over time share one time axis:
+the same x range and the same axes position in figures of the same width, so they line up when
+shown one above the other."""
 
 from __future__ import annotations
 
 import io
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import matplotlib
 
@@ -12,160 +18,342 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # Agg is chosen above, before pyplot loads
 import numpy as np
 from matplotlib.axes import Axes
+from matplotlib.cm import ScalarMappable
+from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.transforms import blended_transform_factory
 
+from gputrace.analysis.diagnose import default_microbatch_cap, engine_kind
 from gputrace.analysis.run import Analysis
 
 MAX_COLUMNS = 1200
 """Time series are averaged down to at most this many columns: a figure has no more pixels."""
 
-
 HEATMAP_COLUMNS = 300
 """The heatmap's columns at most: each one a readable block, not a pixel-wide stripe."""
+
+WIDTH_IN, DPI = 13.0, 100
+"""Every figure 1,300 px wide: legible at the report's width without zooming."""
+
+# the time figures' axes, in inches from the figure's edges: the same in each so their x axes line
+# up; the right margin holds the heatmap's colour bar and the line plots' legends
+LEFT_IN, RIGHT_IN, BOTTOM_IN, TOP_IN = 1.0, 2.3, 0.65, 0.6
+
+GAP_PERIODS = 4
+"""A line is broken only where its samples stop for longer than this many sample periods (and
+1.5 of its columns): shorter holes are cells between samples, not a gap in the capture."""
+
+STYLE: dict[Any, Any] = {"font.size": 11, "axes.titlesize": 13, "axes.labelsize": 11, "legend.fontsize": 9,
+         "xtick.labelsize": 10, "ytick.labelsize": 10}
+
+MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*")
+LINESTYLES = ("-", "--", "-.", ":")
 
 
 def _downsample(values: np.ndarray, t_s: np.ndarray, max_columns: int = MAX_COLUMNS,
                 min_step: int = 1) -> tuple[np.ndarray, np.ndarray]:
     n = values.shape[-1]
     step = max(int(np.ceil(n / max_columns)), min_step, 1)
-    m = n // step
-    if step == 1 or m == 0:
+    if step == 1 or n == 0:
         return values, t_s
-    v = values[..., : m * step].reshape(*values.shape[:-1], m, step)
-    with np.errstate(all="ignore"):
-        import warnings
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            out = np.nanmean(v, axis=-1)
-    return np.asarray(out), t_s[: m * step].reshape(m, step).mean(axis=1)
+    pad = -n % step  # the last column takes the cells left over, so the figure reaches the end
+    if pad:
+        cell_s = float(t_s[-1] - t_s[-2]) if n > 1 else 0.0
+        values = np.concatenate([values, np.full((*values.shape[:-1], pad), np.nan)], axis=-1)
+        t_s = np.concatenate([t_s, t_s[-1] + cell_s * np.arange(1, pad + 1)])
+    m = (n + pad) // step
+    v = values.reshape(*values.shape[:-1], m, step)
+    with warnings.catch_warnings():  # an all-NaN column stays NaN: no sample there
+        warnings.simplefilter("ignore", RuntimeWarning)
+        out = np.nanmean(v, axis=-1)
+    return np.asarray(out), t_s.reshape(m, step).mean(axis=1)
 
 
-def _png(fig: Figure) -> bytes:
+def figure_png(fig: Figure) -> bytes:
+    """The figure as PNG bytes, at its own size (no tight crop: that would move the axes)."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    fig.savefig(buf, format="png", dpi=DPI)
     plt.close(fig)
     return buf.getvalue()
+
+
+@contextmanager
+def _style() -> Iterator[None]:
+    with plt.rc_context(STYLE):
+        yield
 
 
 def _time_axis(a: Analysis) -> np.ndarray:
     return np.asarray(a.run.grid_ns - a.run.grid_ns[0], dtype=np.float64) / 1e9
 
 
-def _phase_lines(ax: Axes, a: Analysis, with_labels: bool = True) -> None:
+def time_limits(a: Analysis) -> tuple[float, float]:
+    """The x range of every figure over time: the grid's first cell's start to its last cell's end."""
+    t = _time_axis(a)
+    return -a.run.period_ns / 1e9, float(t[-1]) if len(t) else 1.0
+
+
+def _time_figure(height_in: float) -> tuple[Figure, Axes]:
+    fig = plt.figure(figsize=(WIDTH_IN, height_in))
+    ax = fig.add_axes((LEFT_IN / WIDTH_IN, BOTTOM_IN / height_in,
+                       1 - (LEFT_IN + RIGHT_IN) / WIDTH_IN, 1 - (BOTTOM_IN + TOP_IN) / height_in))
+    return fig, ax
+
+
+def _phase_lines(ax: Axes, a: Analysis) -> None:
+    """A dashed line at each phase's start, its label just above the axes."""
     t0 = a.run.grid_ns[0]
-    top = ax.get_ylim()[1]
+    above = blended_transform_factory(ax.transData, ax.transAxes)
     for ph in a.phases:
         x = (ph.start_ns - t0) / 1e9
         ax.axvline(x, color="black", lw=0.8, ls="--")
-        if with_labels:
-            ax.text(x, top, f" {ph.label}", va="bottom", ha="left", fontsize=7)
+        ax.text(x, 1.01, f" {ph.label}", transform=above, va="bottom", ha="left", fontsize=9,
+                clip_on=False)
+
+
+def _no_data(ax: Axes, text: str) -> None:
+    """Say why the axes are empty, with no value scale (it would be made up)."""
+    ax.set_yticks([])
+    ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", fontsize=12,
+            bbox={"facecolor": "white", "edgecolor": "#999", "boxstyle": "round,pad=0.4"}, zorder=5)
+
+
+def _finish_time_axes(ax: Axes, a: Analysis, title: str) -> None:
+    ax.set_xlim(*time_limits(a))
+    ax.set_xlabel("time since start (s)")
+    _phase_lines(ax, a)
+    ax.set_title(title, pad=18)
+
+
+def _stage_colors(pp: int) -> list[tuple[float, float, float, float]]:
+    cmap = plt.get_cmap("tab10" if pp <= 10 else "tab20")
+    return [cmap(s % cmap.N) for s in range(pp)]
+
+
+def _legend_beside(ax: Axes, handles: list[Line2D] | None = None, rows: int = 14) -> None:
+    """The legend in the right margin, so it hides no data."""
+    n = len(handles) if handles is not None else len(ax.get_legend_handles_labels()[0])
+    kw = {"handles": handles} if handles is not None else {}
+    ax.legend(**kw, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0,
+              ncol=max(1, -(-n // rows)), frameon=False)
+
+
+def sample_columns(values: np.ndarray, t_s: np.ndarray, max_columns: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rows x columns, column times): at most ``max_columns`` columns, each the mean of at least two
+    of the samples' periods. Those (NVML's utilization: 1/6 s on most GPUs; the agent's ticks) can
+    be longer than the grid's cells, which leaves cells without a sample; a column of such cells
+    alone would show nothing, and single samples alternate with the steps each window caught."""
+    filled = np.flatnonzero(~np.isnan(values).all(axis=0)) if values.size else np.zeros(0, dtype=np.int64)
+    gap = int(np.median(np.diff(filled))) if len(filled) > 1 else 1
+    return _downsample(values, t_s, max_columns, min_step=2 * gap)
 
 
 def heatmap_columns(util: np.ndarray, t_s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(stages x columns, column times): at most HEATMAP_COLUMNS columns, each the mean of at least
-    two of NVML's utilization periods. Those (1/6 s on most GPUs) can be longer than the grid's
-    cells, which leaves cells without a sample; a column of such cells alone would show nothing."""
-    filled = np.flatnonzero(~np.isnan(util).all(axis=0)) if util.size else np.zeros(0, dtype=np.int64)
-    gap = int(np.median(np.diff(filled))) if len(filled) > 1 else 1
-    return _downsample(util, t_s, HEATMAP_COLUMNS, min_step=2 * gap)
+    """The heatmap's columns (see sample_columns): at most HEATMAP_COLUMNS."""
+    return sample_columns(util, t_s, HEATMAP_COLUMNS)
 
 
-def utilization_heatmap(a: Analysis) -> bytes:
+def gap_broken(t_s: np.ndarray, values: np.ndarray, max_gap_s: float) -> tuple[np.ndarray, np.ndarray]:
+    """One series as a line: its cells without a sample dropped (left in, they break the line at
+    every other cell where samples interleave), a NaN put back only where the samples stop for
+    longer than ``max_gap_s``, so real gaps still show."""
+    held = np.isfinite(values)
+    t, v = t_s[held], values[held]
+    breaks = np.flatnonzero(np.diff(t) > max_gap_s) + 1
+    return np.insert(t, breaks, np.nan), np.insert(v, breaks, np.nan)
+
+
+def utilization_heatmap(a: Analysis) -> Figure:
     """Per-stage utilization over time with phase boundaries."""
+    pp = max(a.run.pp_size, 1)
+    fig, ax = _time_figure(0.32 * pp + BOTTOM_IN + TOP_IN + 1.0)
     util, t = heatmap_columns(a.series.utilization, _time_axis(a))
-    fig, ax = plt.subplots(figsize=(10, 0.35 * a.run.pp_size + 1.6))
-    if len(t):
-        extent = (float(t[0]), float(t[-1]) if len(t) > 1 else float(t[0]) + 1, a.run.pp_size - 0.5, -0.5)
-        cmap = plt.get_cmap("viridis").with_extremes(bad="lightgray")  # no sample: gray, not idle
+    cmap = plt.get_cmap("viridis").with_extremes(bad="lightgray")  # no sample: gray, not idle
+    im: ScalarMappable
+    if len(t) and not np.isnan(util).all():
+        half = (float(t[1] - t[0]) if len(t) > 1 else a.run.period_ns / 1e9) / 2
+        extent = (float(t[0]) - half, float(t[-1]) + half, pp - 0.5, -0.5)
         im = ax.imshow(np.ma.masked_invalid(util), aspect="auto", cmap=cmap, vmin=0, vmax=1,
                        extent=extent, interpolation="nearest")
-        fig.colorbar(im, ax=ax, label="utilization")
-    ax.set_xlabel("time since start (s)")
+    else:
+        ax.set_ylim(pp - 0.5, -0.5)
+        im = ScalarMappable(norm=Normalize(0, 1), cmap=cmap)
+    pos = ax.get_position()
+    cax = fig.add_axes((pos.x1 + 0.15 / WIDTH_IN, pos.y0, 0.22 / WIDTH_IN, pos.height))
+    fig.colorbar(im, cax=cax, label="utilization")
     ax.set_ylabel("pp stage")
-    ax.set_yticks(range(a.run.pp_size))
-    _phase_lines(ax, a)
-    ax.set_title("GPU utilization per pipeline stage", pad=14)
-    return _png(fig)
+    ax.set_yticks(range(pp))
+    if np.isnan(util).all():
+        ax.text(0.5, 0.5, "no GPU utilization samples in the run", transform=ax.transAxes, ha="center",
+                va="center", fontsize=12, bbox={"facecolor": "white", "edgecolor": "#999"}, zorder=5)
+    _finish_time_axes(ax, a, "GPU utilization per pipeline stage (gray: no sample)")
+    return fig
 
 
-def running_vs_load(a: Analysis) -> bytes:
-    """Micro-batch size (#running-req) per stage against the offered load of each phase."""
-    fig, ax = plt.subplots(figsize=(6, 4))
+def _reference_lines(ax: Axes, a: Analysis) -> None:
+    """K (SGLang's micro-batch cap) and the pool (max_running_requests) as horizontal lines."""
+    engine = a.run.engine
+    if engine_kind(engine) == "sglang":
+        k, k_from = default_microbatch_cap(engine, max(a.run.pp_size, 1))
+        if k is not None:
+            ax.axhline(k, color="#c33", lw=1.6, ls="-.",
+                       label=f"K = {k}: micro-batch cap\n({k_from.split(' = ')[0]})")
+            ax.annotate(f"K = {k}", (0.005, k), xycoords=("axes fraction", "data"), va="bottom",
+                        color="#c33", fontsize=10)
+    pool = engine.get("max_running_requests")
+    if pool:
+        ax.axhline(int(pool), color="#555", lw=1.6, ls=(0, (6, 3)),
+                   label=f"pool = {int(pool)}: request pool\n(max_running_requests)")
+        ax.annotate(f"pool = {int(pool)}", (0.005, int(pool)), xycoords=("axes fraction", "data"),
+                    va="bottom", color="#555", fontsize=10)
+
+
+def running_vs_load(a: Analysis) -> Figure:
+    """Micro-batch size (#running-req) per stage against the offered load of each phase, with the
+    cap K and the request pool: where the stages' lines meet K, the cap binds."""
+    fig, ax = plt.subplots(figsize=(WIDTH_IN, 5.5))
     xs = [pm.inflight_mean if pm.inflight_mean is not None else (pm.target_concurrency or 0)
           for pm in a.metrics]
     order = np.argsort(xs)
     x = np.array(xs, dtype=float)[order]
-    for s in range(a.run.pp_size):
-        y = np.array([a.metrics[i].stages[s].microbatch_size_mean or np.nan for i in order], dtype=float)
-        ax.plot(x, y, marker="o", lw=1, label=f"stage {s}")
+    pp = a.run.pp_size
+    colors = _stage_colors(pp)
+    for s in range(pp):
+        y = np.array([v if (v := a.metrics[i].stages[s].microbatch_size_mean) is not None else np.nan
+                      for i in order], dtype=float)
+        # stages often coincide: hollow markers shrinking with the stage stay visible one inside
+        # another, and line styles differ where the lines lie on each other
+        ax.plot(x, y, marker=MARKERS[s % len(MARKERS)], markersize=5 + 9 * (pp - 1 - s) / max(pp - 1, 1),
+                markerfacecolor="none", markeredgewidth=1.4, color=colors[s],
+                ls=LINESTYLES[s % len(LINESTYLES)], lw=1.3, alpha=0.85, label=f"stage {s}")
     if len(x):
-        ax.plot(x, x, color="gray", ls=":", label="offered load")
+        ax.plot(x, x, color="gray", ls=":", lw=1.2, label="offered load (y = x)")
+    _reference_lines(ax, a)
     ax.set_xlabel("requests in flight (offered load)")
     ax.set_ylabel("#running-req per stage (micro-batch)")
-    ax.legend(fontsize=7, ncol=2)
+    ax.set_ylim(bottom=0)
+    _legend_beside(ax)
     ax.set_title("Running requests per stage vs offered load")
-    return _png(fig)
+    fig.subplots_adjust(left=LEFT_IN / WIDTH_IN, right=1 - 3.6 / WIDTH_IN)
+    return fig
 
 
-def bubble_bars(a: Analysis) -> bytes:
+def bubble_bars(a: Analysis) -> Figure:
     """Bubble fraction per stage, grouped by phase."""
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(a.metrics) + 2), 4))
+    fig, ax = plt.subplots(figsize=(WIDTH_IN, 4.8))
     pp = a.run.pp_size
+    colors = _stage_colors(pp)
     width = 0.8 / max(pp, 1)
     for s in range(pp):
-        y = [pm.stages[s].bubble_fraction or 0.0 for pm in a.metrics]
-        ax.bar(np.arange(len(a.metrics)) + s * width - 0.4 + width / 2, y, width, label=f"stage {s}")
+        y = [v if (v := pm.stages[s].bubble_fraction) is not None else np.nan for pm in a.metrics]
+        ax.bar(np.arange(len(a.metrics)) + s * width - 0.4 + width / 2, y, width, color=colors[s],
+               label=f"stage {s}")
     ax.set_xticks(np.arange(len(a.metrics)), [pm.label for pm in a.metrics])
     ax.set_ylim(0, 1)
     ax.set_ylabel("bubble fraction")
-    # beside the axes: bubble fractions are often high, and a legend inside would hide the bars
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    ax.set_xlabel("phase")
+    if all(st.bubble_fraction is None for pm in a.metrics for st in pm.stages):
+        _no_data(ax, "no bubble fractions: they need GPU samples")  # not 0: unknown
+    _legend_beside(ax)  # bubble fractions are often high: a legend inside would hide the bars
     ax.set_title("Bubble fraction per stage and phase")
-    return _png(fig)
+    fig.subplots_adjust(left=LEFT_IN / WIDTH_IN, right=1 - RIGHT_IN / WIDTH_IN)
+    return fig
 
 
-def _series_figure(a: Analysis, values: np.ndarray, ylabel: str, title: str,
-                   extra: np.ndarray | None = None, extra_label: str = "") -> bytes:
-    v, t = _downsample(values, _time_axis(a))
-    fig, ax = plt.subplots(figsize=(10, 3.2))
-    if np.isnan(values).all():
-        ax.text(0.5, 0.5, "no samples of this metric in the run", transform=ax.transAxes, ha="center")
-    for s in range(v.shape[0]):
-        ax.plot(t, v[s], lw=0.7, label=f"stage {s}")
-    if extra is not None:
-        e, _ = _downsample(extra, _time_axis(a))
-        for s in range(e.shape[0]):
-            ax.plot(t, e[s], lw=0.7, ls="--", label=f"{extra_label} {s}" if s == 0 else None)
-    ax.set_xlabel("time since start (s)")
+def _series_figure(a: Analysis, series: list[tuple[np.ndarray, str, str]], ylabel: str, title: str,
+                   scale: float = 1.0) -> Figure:
+    """Lines per stage over time; ``series`` is (values (pp x cells), line style, direction name)."""
+    fig, ax = _time_figure(3.8)
+    t_all = _time_axis(a)
+    colors = _stage_colors(a.run.pp_size)
+    empty = all(np.isnan(values).all() for values, _, _ in series)
+    for values, ls, _ in series:
+        v, t = sample_columns(values / scale, t_all, MAX_COLUMNS // 2)
+        column_s = float(t[1] - t[0]) if len(t) > 1 else 0.0
+        sample_s = (a.sample_period_ns() or a.run.period_ns) / 1e9
+        max_gap_s = max(GAP_PERIODS * sample_s, 1.5 * column_s)
+        for s in range(v.shape[0]):
+            ax.plot(*gap_broken(t, v[s], max_gap_s), lw=1.2, ls=ls, color=colors[s], alpha=0.9)
+    if empty:
+        _no_data(ax, "no samples of this metric in the run")
+    else:
+        handles = [Line2D([], [], color=colors[s], lw=2, label=f"stage {s}") for s in range(a.run.pp_size)]
+        if len(series) > 1:
+            handles += [Line2D([], [], color="black", ls=ls, lw=1.2, label=name) for _, ls, name in series]
+        _legend_beside(ax, handles)
+        ax.set_ylim(bottom=0)
     ax.set_ylabel(ylabel)
-    _phase_lines(ax, a)
-    if not np.isnan(values).all():
-        ax.legend(fontsize=6, ncol=4, loc="upper right")
-    ax.set_title(title, pad=14)
-    return _png(fig)
+    _finish_time_axes(ax, a, title)
+    return fig
 
 
-def power_figure(a: Analysis) -> bytes:
-    """Power per stage as a share of the power limit."""
+def power_figure(a: Analysis) -> Figure:
+    """Power per stage as a share of the power limit (in watts where no limit is known)."""
     if np.isnan(a.series.power_share).all():
-        return _series_figure(a, a.series.power_w, "power (W)", "Power per stage (no limit known)")
-    return _series_figure(a, a.series.power_share, "power / limit", "Power per stage (share of limit)")
+        return _series_figure(a, [(a.series.power_w, "-", "power")], "power (W)",
+                              "Power per stage (no power limit known)")
+    return _series_figure(a, [(a.series.power_share, "-", "power")], "power / limit",
+                          "Power per stage (share of the power limit)")
 
 
-def pcie_figure(a: Analysis) -> bytes:
-    """PCIe TX (solid) and RX (dashed) per stage against the link's capacity."""
-    if np.isnan(a.series.pcie_tx_share).all():
-        return _series_figure(a, a.series.pcie_tx_bytes_per_s / 1e9, "GB/s", "PCIe TX per stage",
-                              a.series.pcie_rx_bytes_per_s / 1e9, "RX")
-    return _series_figure(a, a.series.pcie_tx_share, "share of link capacity",
-                          "PCIe TX (solid) / RX (dashed) per stage", a.series.pcie_rx_share, "RX")
+def _rate_unit(peak_bytes_per_s: float) -> tuple[float, str]:
+    for div, unit in ((1e9, "GB/s"), (1e6, "MB/s"), (1e3, "kB/s")):
+        if peak_bytes_per_s >= div:
+            return div, unit
+    return 1.0, "B/s"
 
 
-FIGURES = {
-    "utilization_heatmap": ("Per-stage utilization over time", utilization_heatmap),
-    "running_vs_load": ("Running requests per stage vs offered load", running_vs_load),
-    "bubble_fraction": ("Bubble fraction per stage per phase", bubble_bars),
-    "power": ("Power", power_figure),
-    "pcie": ("PCIe", pcie_figure),
+def _nanmax(*arrays: np.ndarray) -> float | None:
+    finite = [x[np.isfinite(x)] for x in arrays]
+    peaks = [float(x.max()) for x in finite if x.size]
+    return max(peaks) if peaks else None
+
+
+def pcie_figure(a: Analysis) -> Figure:
+    """PCIe TX (solid) and RX (dashed) per stage in bytes/s, in the unit the peak reads best in;
+    the title gives the peak as a share of the link (it is often well under 1 %)."""
+    tx, rx = a.series.pcie_tx_bytes_per_s, a.series.pcie_rx_bytes_per_s
+    peak = _nanmax(tx, rx)
+    div, unit = _rate_unit(peak or 0.0)
+    share = _nanmax(a.series.pcie_tx_share, a.series.pcie_rx_share)
+    title = "PCIe traffic per stage"
+    if share is not None:
+        title += f" (peak {share:.2%} of the link's capacity)"
+    return _series_figure(a, [(tx, "-", "TX (GPU sends)"), (rx, "--", "RX (GPU receives)")],
+                          f"PCIe ({unit})", title, scale=div)
+
+
+def _rendered(build: Callable[[Analysis], Figure]) -> Callable[[Analysis], bytes]:
+    def render(a: Analysis) -> bytes:
+        with _style():
+            return figure_png(build(a))
+    return render
+
+
+def build_figure(name: str, a: Analysis) -> Figure:
+    """The named figure, unrendered (the caller closes it): for checks of its axes."""
+    with _style():
+        return BUILDERS[name](a)
+
+
+BUILDERS: dict[str, Callable[[Analysis], Figure]] = {
+    "utilization_heatmap": utilization_heatmap,
+    "running_vs_load": running_vs_load,
+    "bubble_fraction": bubble_bars,
+    "power": power_figure,
+    "pcie": pcie_figure,
 }
-"""name -> (caption, function): the figures in report order."""
+
+TIME_FIGURES = ("utilization_heatmap", "power", "pcie")
+"""The figures over time: they share one x range and axes position."""
+
+FIGURES: dict[str, tuple[str, Callable[[Analysis], bytes]]] = {
+    "utilization_heatmap": ("Per-stage utilization over time", _rendered(utilization_heatmap)),
+    "power": ("Power", _rendered(power_figure)),
+    "pcie": ("PCIe", _rendered(pcie_figure)),
+    "running_vs_load": ("Running requests per stage vs offered load", _rendered(running_vs_load)),
+    "bubble_fraction": ("Bubble fraction per stage per phase", _rendered(bubble_bars)),
+}
+"""name -> (caption, function giving PNG bytes): the figures in report order, those over time
+first and together, so their shared time axis can be read down the page."""

@@ -12,7 +12,7 @@ from typing import Any
 
 from gputrace.analysis.run import Analysis
 from gputrace.errors import UsageError
-from gputrace.report.document import TABLE_COLUMNS, build_document, fmt
+from gputrace.report.document import STAGE_COLUMNS, STAGE_NOTE, build_document, fmt, shown_columns
 from gputrace.report.figures import FIGURES
 
 FORMATS = ("html", "md", "json")
@@ -20,6 +20,7 @@ FORMATS = ("html", "md", "json")
 CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px;color:#222}
 table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ccc;padding:3px 6px;text-align:right}
 th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}
+tr.phase-start td{border-top:2px solid #888}.note{color:#555;font-size:.9em}
 .finding{border-left:4px solid #c33;padding:4px 10px;margin:8px 0;background:#fff6f6}
 .verdict{font-size:1.15em;border-left:4px solid #36c;padding:6px 12px;background:#f4f8ff}
 .ok{border-left:4px solid #393;padding:4px 10px;background:#f6fff6}code{background:#eee;padding:1px 3px}
@@ -38,9 +39,16 @@ def render_figures(a: Analysis, progress: Callable[[str], None] | None = None) -
 
 def _summary_lines(doc: dict[str, Any]) -> list[str]:
     s = doc["summary"]
+    if s["sample_period_ms"] is None:
+        period = f"no GPU samples (aligned on a {s['grid_period_ms']:.0f} ms grid)"
+    else:
+        period = f"sample period {s['sample_period_ms']:.0f} ms"
+        if abs(s["grid_period_ms"] - s["sample_period_ms"]) > 0.1 * s["sample_period_ms"]:
+            period += f" (aligned on a {s['grid_period_ms']:.0f} ms grid: NVML's utilization samples " \
+                      "come between the ticks)"
     lines = [
         f"run {s['run']}: {s['gpus']} GPUs, PP{s['pp_size']} x TP{s['tp_size']}, "
-        f"{s['duration_s']:.0f} s, sample period {s['sample_period_ms']:.0f} ms",
+        f"{s['duration_s']:.0f} s, {period}",
         f"stage mapping: {s['mapping_source']}",
         f"phases: {s['phase_source']}; engine work from: {s['work_source']}",
         f"log events placed by: {s['log_placement']}",
@@ -61,9 +69,12 @@ PHASE_COLUMNS = (
     ("throughput_tok_s", "tok/s"), ("client_throughput_tok_s", "client tok/s"),
     ("requests_completed", "completed"), ("requests_failed", "failed"),
     ("unfinished_requests", "unfinished"), ("ttft_s_p50", "TTFT p50 s"), ("ttft_s_p90", "TTFT p90 s"),
-    ("itl_s_mean", "ITL mean s"), ("itl_s_p90", "ITL p90 s"),
+    ("itl_s_mean", "ITL mean s"), ("itl_s_p90", "ITL p90 s"), ("allowed_busy_fraction", "allowed busy"),
 )
 """(key, header) of the per-phase table: the load and what the requests got, once per phase."""
+
+
+NO_MAPPING = "No GPU placements: the run has no GPU samples or topology (stages are the engine log's)."
 
 
 def verdict(doc: dict[str, Any]) -> str:
@@ -93,17 +104,35 @@ def _finding_text(f: dict[str, Any]) -> tuple[str, str, str]:
     return head, f["summary"], ev
 
 
-def _html_table(columns: Sequence[tuple[str, str]], rows: Sequence[dict[str, Any]]) -> str:
+def _html_table(columns: Sequence[tuple[str, str]], rows: Sequence[dict[str, Any]],
+                group: str | None = None) -> str:
+    """A table; with ``group``, that column's value is shown only where it changes (and the row
+    starts a group)."""
     e = html.escape
     head = "".join(f"<th>{e(h)}</th>" for _, h in columns)
-    body = "".join("<tr>" + "".join(f"<td>{e(fmt(row.get(k), k))}</td>" for k, _ in columns) + "</tr>"
-                   for row in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
+    body = []
+    for i, row in enumerate(rows):
+        starts = group is not None and (i == 0 or rows[i - 1].get(group) != row.get(group))
+        cells = "".join(f"<td>{'' if k == group and not starts else e(fmt(row.get(k), k))}</td>"
+                        for k, _ in columns)
+        body.append(f"<tr class='phase-start'>{cells}</tr>" if starts and i else f"<tr>{cells}</tr>")
+    return f"<table><tr>{head}</tr>{''.join(body)}</table>"
 
 
-def _md_table(columns: Sequence[tuple[str, str]], rows: Sequence[dict[str, Any]]) -> list[str]:
+def _md_table(columns: Sequence[tuple[str, str]], rows: Sequence[dict[str, Any]],
+              group: str | None = None) -> list[str]:
+    def cell(i: int, k: str) -> str:
+        repeat = group == k and i and rows[i - 1].get(k) == rows[i].get(k)
+        return "" if repeat else _md(fmt(rows[i].get(k), k))
     return ["| " + " | ".join(h for _, h in columns) + " |", "|" + "---|" * len(columns),
-            *("| " + " | ".join(_md(fmt(row.get(k), k)) for k, _ in columns) + " |" for row in rows)]
+            *("| " + " | ".join(cell(i, k) for k, _ in columns) + " |" for i in range(len(rows)))]
+
+
+def _stage_note(missing: Sequence[str]) -> str:
+    note = f"Per stage only: {STAGE_NOTE}."
+    if missing:
+        note += f" Not in this run: {', '.join(missing)}."
+    return note
 
 
 def render_html(a: Analysis, doc: dict[str, Any], figures: dict[str, bytes]) -> str:
@@ -122,13 +151,18 @@ def render_html(a: Analysis, doc: dict[str, Any], figures: dict[str, bytes]) -> 
                      f"<small>evidence: {e(ev)}</small><br>"
                      f"change: <code>{e(f['recommendation'])}</code></div>")
     parts.append("<h2>Phases</h2>" + _html_table(PHASE_COLUMNS, doc["phases"]))
-    parts.append("<h2>Phase by stage</h2>" + _html_table(TABLE_COLUMNS, doc["table"]))
+    columns, missing = shown_columns(STAGE_COLUMNS, doc["table"])
+    parts.append("<h2>Phase by stage</h2>" + _html_table(columns, doc["table"], group="phase")
+                 + f"<p class='note'>{e(_stage_note(missing))}</p>")
     parts.append("<h2>Stage mapping</h2><table><tr><th>host</th><th>gpu</th><th>pp_rank</th>"
                  "<th>tp_rank</th><th>dp_rank</th></tr>")
     for p in doc["mapping"]:
         parts.append(f"<tr><td>{e(p['host'])}</td><td>{p['gpu_index']}</td><td>{p['pp_rank']}</td>"
                      f"<td>{p['tp_rank']}</td><td>{p['dp_rank']}</td></tr>")
-    parts.append("</table><h2>Figures</h2>")
+    parts.append("</table>")
+    if not doc["mapping"]:
+        parts.append(f"<p class='note'>{e(NO_MAPPING)}</p>")
+    parts.append("<h2>Figures</h2>")
     for name, png in figures.items():
         caption = FIGURES[name][0]
         parts.append(f"<h3>{e(caption)}</h3><img alt='{e(caption)}' id='fig-{name}' "
@@ -160,11 +194,15 @@ def render_markdown(a: Analysis, doc: dict[str, Any], figure_files: dict[str, st
         out += [f"- **{_md(head)}**: {_md(summary)}  ", f"  evidence: {_md(ev)}  ",
                 f"  change: `{_md_code(f['recommendation'])}`"]
     out += ["", "## Phases", "", *_md_table(PHASE_COLUMNS, doc["phases"])]
-    out += ["", "## Phase by stage", "", *_md_table(TABLE_COLUMNS, doc["table"])]
+    columns, missing = shown_columns(STAGE_COLUMNS, doc["table"])
+    out += ["", "## Phase by stage", "", *_md_table(columns, doc["table"], group="phase"), "",
+            _md(_stage_note(missing))]
     out += ["", "## Stage mapping", "", "| host | gpu | pp_rank | tp_rank | dp_rank |",
             "|---|---|---|---|---|"]
     out += [f"| {_md(p['host'])} | {p['gpu_index']} | {p['pp_rank']} | {p['tp_rank']} | {p['dp_rank']} |"
             for p in doc["mapping"]]
+    if not doc["mapping"]:
+        out += ["", NO_MAPPING]
     out += ["", "## Figures", ""]
     for name, file in figure_files.items():
         out += [f"### {FIGURES[name][0]}", "", f"![{FIGURES[name][0]}]({file})", ""]

@@ -1,0 +1,92 @@
+"""compare.html and compare.md as a reader sees them ([ux]): what the change resolved and brought
+in words, both runs' key figures side by side, links to both reports, a warning when a run is
+compared with itself, and no CSS the page does not use."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+from analysis_synth import Level, SynthRun, build
+from click.testing import CliRunner
+
+from gputrace.cli import cli as main
+from gputrace.report.compare_render import CSS
+
+
+def _capped(path: Path) -> Path:
+    build(path, SynthRun([Level("C=1", 1, 1, [0.125] * 4, 1, 6),
+                          Level("C=32", 32, 32, [0.25] * 4, 16, 6, queue=16)], pp=4))
+    return path
+
+
+def _fixed(path: Path) -> Path:
+    build(path, SynthRun([Level("C=1", 1, 1, [0.125] * 4, 1, 6),
+                          Level("C=32", 32, 32, [0.95] * 4, 8, 6)], pp=4,
+                         engine={"max_running_requests": 64, "pp_max_micro_batch_size": 64}))
+    return path
+
+
+def _compare(a: Path, b: Path, out: Path) -> tuple[str, str]:
+    """(compare.html, the command's stdout and stderr)."""
+    res = CliRunner().invoke(main, ["compare", str(a), str(b), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    return (out / "compare.html").read_text(), res.output
+
+
+def _classes_used(page: str) -> set[str]:
+    return {c for attr in re.findall(r"class='([^']*)'", page) for c in attr.split()}
+
+
+def test_compare_says_what_changed_and_shows_both_runs(tmp_path: Path) -> None:
+    """The cap resolved in C=32 is said in words with run A's own summary; tok/s and bubble of
+    both runs sit side by side; both reports are linked relative to the page; the top finding
+    of each run is named."""
+    a, b = _capped(tmp_path / "a"), _fixed(tmp_path / "b")
+    for run in (a, b):
+        assert CliRunner().invoke(main, ["report", str(run), "--format", "html"]).exit_code == 0
+    page, out = _compare(a, b, tmp_path / "cmp")
+    assert "Resolved in phase C=32: microbatch_cap (run A: #running-req plateaus at K = 16" in page
+    assert "<th>tok/s A</th><th>tok/s B</th>" in page and "<th>bubble A</th><th>bubble B</th>" in page
+    doc = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    c32 = next(p for p in doc["phases"] if p["label"] == "C=32")
+    assert f"<td>{c32['throughput_tok_s_a']:.1f}</td><td>{c32['throughput_tok_s_b']:.1f}</td>" in page
+    assert "href='../a/report/report.html'" in page and "href='../b/report/report.html'" in page
+    assert doc["top_finding_a"]["cause"] == "microbatch_cap" and "microbatch_cap in phase C=32" in page
+    assert "warning" not in _classes_used(page) and doc["same_run"] is None
+    assert "- Resolved in phase C=32: microbatch_cap" in out
+
+    back, _ = _compare(b, a, tmp_path / "back")  # the other way round, the cap is new
+    assert "New in phase C=32: microbatch_cap (run B: #running-req plateaus at K = 16" in back
+    assert "change: --pp-max-micro-batch-size" in back
+
+
+def test_a_run_compared_with_itself_is_warned_about(tmp_path: Path) -> None:
+    """The same directory, or a copy of it (same run id), gives a warning on the page, in
+    compare.md and on stderr."""
+    a = _capped(tmp_path / "a")
+    page, out = _compare(a, a, tmp_path / "self")
+    assert "class='warning'>Warning: run A and run B are the same run directory" in page
+    assert "warning: run A and run B are the same run directory" in out
+    md = (tmp_path / "self" / "compare.md").read_text()
+    assert "**Warning: run A and run B are the same run directory" in md
+    shutil.copytree(a, tmp_path / "copy")
+    page, _ = _compare(a, tmp_path / "copy", tmp_path / "copied")
+    assert "Warning: run A and run B are the same run id (" in page
+    assert "no report yet: <code>gputrace report" in page  # no report written for these
+
+
+def test_compare_css_holds_only_what_the_pages_use(tmp_path: Path) -> None:
+    """Each class the stylesheet styles is on an element of some compare page (resolved, new,
+    same-run warning); there are no image or finding-box rules left over from the report."""
+    a, b = _capped(tmp_path / "a"), _fixed(tmp_path / "b")
+    used: set[str] = set()
+    for x, y, name in ((a, b, "ab"), (b, a, "ba"), (a, a, "aa")):
+        page, _ = _compare(x, y, tmp_path / name)
+        assert f"<style>{CSS}</style>" in page
+        used |= _classes_used(page)
+    styled = set(re.findall(r"\.([a-z][\w-]*)", CSS))
+    assert styled and styled <= used, styled - used
+    assert "img" not in CSS and ".finding" not in CSS and ".verdict" not in CSS
