@@ -31,7 +31,7 @@ from gputrace.errors import AnalysisError
 from gputrace.store import Store
 
 GPU_METRICS = ("utilization_ratio", "power_w", "pcie_tx_bytes_per_s", "pcie_rx_bytes_per_s",
-               "sm_clock_hz", "clock_event_reasons")
+               "sm_clock_hz", "clock_event_reasons", "sm_active_ratio")
 
 
 @dataclass

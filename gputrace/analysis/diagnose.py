@@ -403,7 +403,8 @@ def diagnose_log_sampling(phases: Sequence[PhaseMetrics], engine: dict[str, Any]
         "--decode-log-interval 1 (or a value coprime with "
         f"{slots}) for diagnosis runs",
         f"--decode-log-interval {interval} is a multiple of the {slots} micro-batch slots: each "
-        "stage logs the same slot every time", impact=0.05)
+        "stage logs the same slot every time", impact=0.05,
+        details={"knob": "--decode-log-interval", "value": 1})
 
 
 def note_k_trade_offs(found: list[Finding], phases: Sequence[PhaseMetrics], engine: dict[str, Any],

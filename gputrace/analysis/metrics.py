@@ -30,6 +30,7 @@ class StageSeries:
     pcie_rx_share: np.ndarray
     sm_clock_hz: np.ndarray
     throttled: np.ndarray
+    sm_active: np.ndarray  # GPM SM activity; NaN where the GPU has none (before Hopper, or off)
 
 
 def _stage_mean(run: AlignedRun, values: np.ndarray) -> np.ndarray:
@@ -58,7 +59,21 @@ def stage_series(run: AlignedRun) -> StageSeries:
         pcie_rx_share=_stage_mean(run, g["pcie_rx_bytes_per_s"] / run.pcie_capacity_bytes_per_s[:, None]),
         sm_clock_hz=_stage_mean(run, g["sm_clock_hz"]),
         throttled=_stage_mean(run, throttled.astype(np.float64)),
+        sm_active=_stage_mean(run, g["sm_active_ratio"]),
     )
+
+
+# Where utilization.gpu reads this much above SM activity, it counts kernels that wait (NCCL's
+# receive spins a kernel on a PP rank waiting for its input): the report says so.
+SPIN_GAP = 0.2
+BUSY_SIGNALS = {"utilization": "utilization.gpu (NVML)", "sm_active": "SM activity (GPM)"}
+
+
+def busy_signal(sm_active: np.ndarray, w: np.ndarray) -> str:
+    """Which series gives a stage's busy figure in a phase: SM activity where the GPU has it
+    (kernels that only wait, like NCCL's spinning receive, do not count in it), else NVML
+    utilization (the share of time any kernel ran)."""
+    return "sm_active" if _wmean(sm_active, w) is not None else "utilization"
 
 
 @dataclass
@@ -92,6 +107,8 @@ class StageMetrics:
     throttled_fraction: float | None
     log_lines: int
     distinct_microbatch_sizes: int
+    busy_signal: str = "utilization.gpu (NVML)"  # the series busy and bubble came from (BUSY_SIGNALS)
+    sm_active_mean: float | None = None
 
 
 @dataclass
@@ -289,10 +306,14 @@ def phase_metrics(run: AlignedRun, series: StageSeries, phase: Phase) -> PhaseMe
     inflight = _wmean(run.inflight[cells], w) if run.inflight is not None else None
 
     stages: list[StageMetrics] = []
-    busy_all, bubble_all = busy_and_bubble(series.utilization[:, cells], work, w)
+    signals = [busy_signal(series.sm_active[s, cells], w) for s in range(run.pp_size)]
+    busy_rows = np.array([series.sm_active[s, cells] if sig == "sm_active" else series.utilization[s, cells]
+                          for s, sig in enumerate(signals)]).reshape(run.pp_size, -1)
+    busy_all, bubble_all = busy_and_bubble(busy_rows, work, w)
     for s in range(run.pp_size):
         util = series.utilization[s, cells]
         has_util = not np.isnan(util).all()
+        has_busy = not np.isnan(busy_rows[s]).all()
         ev = run.stage_events[s]
         lo, hi = np.searchsorted(ev.t_ns, [phase.start_ns, phase.end_ns])
         kinds = ev.kind[lo:hi]
@@ -305,8 +326,8 @@ def phase_metrics(run: AlignedRun, series: StageSeries, phase: Phase) -> PhaseMe
         share = np.fmax(series.pcie_tx_share[s, cells], series.pcie_rx_share[s, cells])
         stages.append(StageMetrics(
             pp_rank=s,
-            busy_fraction=_f(busy_all[s]) if has_util else None,
-            bubble_fraction=_f(bubble_all[s]) if has_util else None,
+            busy_fraction=_f(busy_all[s]) if has_busy else None,
+            bubble_fraction=_f(bubble_all[s]) if has_busy else None,
             utilization_mean=_wmean(util, w) if has_util else None,
             utilization_p50=_pct(util, 50), utilization_p90=_pct(util, 90), utilization_p99=_pct(util, 99),
             microbatch_size_mean=_f(np.mean(mb)) if len(mb) else None,
@@ -329,6 +350,7 @@ def phase_metrics(run: AlignedRun, series: StageSeries, phase: Phase) -> PhaseMe
             throttled_fraction=_wmean(series.throttled[s, cells], w),
             log_lines=int(hi - lo),
             distinct_microbatch_sizes=len(np.unique(mb)),
+            busy_signal=BUSY_SIGNALS[signals[s]], sm_active_mean=_wmean(series.sm_active[s, cells], w),
         ))
 
     # Micro-batches in flight = requests the engine runs (offered minus queued) / micro-batch size.

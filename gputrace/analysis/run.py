@@ -10,7 +10,14 @@ import numpy as np
 
 from gputrace.analysis.aligned import AlignedRun, align_store
 from gputrace.analysis.diagnose import Finding, Thresholds, diagnose
-from gputrace.analysis.metrics import PhaseMetrics, StageSeries, phase_metrics, stage_series
+from gputrace.analysis.metrics import (
+    BUSY_SIGNALS,
+    SPIN_GAP,
+    PhaseMetrics,
+    StageSeries,
+    phase_metrics,
+    stage_series,
+)
 from gputrace.analysis.phases import (
     Phase,
     detect_phases,
@@ -71,6 +78,26 @@ def find_phases(run: AlignedRun) -> list[Phase]:
 DEFAULT_THRESHOLDS = Thresholds()
 
 
+def busy_signal_notes(metrics: list[PhaseMetrics]) -> list[str]:
+    """Where a stage's busy figure is SM activity because utilization.gpu read far above it: say
+    so, with both figures (per phase, the stages named)."""
+    notes = []
+    for pm in metrics:
+        spun = [st for st in pm.stages if st.busy_signal == BUSY_SIGNALS["sm_active"]
+                and st.utilization_mean is not None and st.sm_active_mean is not None
+                and st.utilization_mean - st.sm_active_mean > SPIN_GAP]
+        if not spun:
+            continue
+        util = max(st.utilization_mean or 0.0 for st in spun)
+        sm = max(st.sm_active_mean or 0.0 for st in spun)
+        notes.append(
+            f"{pm.label}: stages {', '.join(str(st.pp_rank) for st in spun)} read utilization.gpu up to "
+            f"{util:.0%} but SM activity at most {sm:.0%}: NCCL's waiting kernels (a PP rank waiting "
+            "to receive) count as busy in utilization.gpu, so their busy and bubble figures use SM "
+            "activity (GPM) instead")
+    return notes
+
+
 def analyse_aligned(run: AlignedRun, th: Thresholds = DEFAULT_THRESHOLDS,
                     progress: Callable[[str], None] | None = None) -> Analysis:
     """Phases, metrics and findings of an aligned run."""
@@ -86,6 +113,7 @@ def analyse_aligned(run: AlignedRun, th: Thresholds = DEFAULT_THRESHOLDS,
             progress(ph.label)
         metrics.append(phase_metrics(run, series, ph))
     findings = diagnose(metrics, run.engine, run.pp_size, th)
+    notes.extend(busy_signal_notes(metrics))
     interval = run.engine.get("decode_log_interval")
     if interval and int(interval) > 1 and not any(f.cause == "log_sampling_aliased" for f in findings):
         notes.append(f"decode lines are logged every {int(interval)}th step (--decode-log-interval): "

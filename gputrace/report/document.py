@@ -13,7 +13,7 @@ SCHEMA = "gputrace.findings/1"
 
 STAGE_COLUMNS = (
     ("phase", "phase"), ("pp_rank", "stage"), ("busy_fraction", "busy"),
-    ("bubble_fraction", "bubble"), ("microbatch_size_mean", "#running mean"),
+    ("bubble_fraction", "bubble"), ("busy_signal", "busy from"), ("microbatch_size_mean", "#running mean"),
     ("microbatch_size_max", "#running max"), ("queue_req_mean", "queue"), ("power_w_mean", "power W"),
     ("power_limit_share_mean", "power/limit"), ("pcie_link_share_p95", "PCIe/link p95"),
     ("throttled_fraction", "throttled"),

@@ -21,6 +21,7 @@ from gputrace.errors import SourceError
 from gputrace.model import ClockProbe, DeviceInfo, EngineConfig, Marker, RequestRecord, SchedulerEvent
 from gputrace.sim.run import SimResult
 from gputrace.sim.samples import gpu_sample_columns, smi_csv_lines
+from gputrace.sim.truth import work_intervals
 from gputrace.store import Store
 from gputrace.topology import single_node_placements, topology_to_meta
 
@@ -39,8 +40,10 @@ def write_log(result: SimResult, path: str | os.PathLike[str]) -> int:
 
 def sample_columns(result: SimResult) -> dict[str, Any]:
     tr = result.engine.trace
+    spans = work_intervals(np.asarray(tr.work_t, dtype=np.float64), np.asarray(tr.work_delta, dtype=np.int64))
     return gpu_sample_columns(result.params, result.start_ns, result.end_s, result.intervals,
-                              np.asarray(tr.st_t, dtype=np.float64), np.asarray(tr.st_kv_used), SIM_HOST)
+                              np.asarray(tr.st_t, dtype=np.float64), np.asarray(tr.st_kv_used), SIM_HOST,
+                              work_spans=spans)
 
 
 def write_gpu_csv(result: SimResult, path: str | os.PathLike[str],

@@ -72,6 +72,10 @@ class SimParams:
     weights_bytes_per_gpu: int = 18_000_000_000
     kv_bytes_per_token_per_gpu: int = 40_960
     sample_period_s: float = 0.1
+    # NCCL P2P receive on one node spins a kernel while a rank waits for its input: utilization.gpu
+    # then reads ~100 % while the engine has work (the non-zero ranks even when idle: sglang PR
+    # #10489); SM activity and power still follow the compute. False: a transport that waits idle.
+    nccl_spin: bool = False
     power_noise_w: float = 3.0
     # -- the run -------------------------------------------------------------------------------
     seed: int = 0

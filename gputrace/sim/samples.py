@@ -38,32 +38,43 @@ def cumulative(starts: np.ndarray, ends: np.ndarray, xs: np.ndarray,
 
 
 def gpu_sample_columns(p: SimParams, start_ns: int, end_s: float, intervals: dict[str, np.ndarray],
-                       kv_t_s: np.ndarray, kv_used: np.ndarray, host: str
+                       kv_t_s: np.ndarray, kv_used: np.ndarray, host: str,
+                       work_spans: tuple[np.ndarray, np.ndarray] | None = None
                        ) -> dict[str, np.ndarray | list[str]]:
-    """The gpu_samples table of a run (every GPU every ``sample_period_s``), as columns."""
+    """The gpu_samples table of a run (every GPU every ``sample_period_s``), as columns.
+    ``work_spans`` (starts, ends): when the engine held requests, for NCCL's spinning receive."""
     period = p.sample_period_s
     times = np.arange(1, int(end_s / period) + 1, dtype=np.float64) * period
+    edges = np.concatenate(([0.0], times))
+    if p.nccl_spin and work_spans is not None and work_spans[0].size:
+        ends = np.minimum(work_spans[1], end_s + period)
+        has_work = np.clip(np.diff(cumulative(work_spans[0], ends, edges)) / period, 0.0, 1.0)
+    else:
+        has_work = np.zeros(times.size)
     rng = np.random.default_rng(p.seed + 7919)
     cols: dict[str, list[np.ndarray]] = {}
     kv_at = _step_values(kv_t_s, kv_used.astype(np.float64), times)
     for stage in range(p.pp_size):
         sel = intervals["stage"] == stage
         st, en = intervals["start_s"][sel], intervals["end_s"][sel]
-        busy = np.diff(cumulative(st, en, np.concatenate(([0.0], times))))
-        util = np.clip(busy / period, 0.0, 1.0)
+        busy = np.diff(cumulative(st, en, edges))
+        compute = np.clip(busy / period, 0.0, 1.0)  # the share of the period a kernel computed
+        util = compute
+        if p.nccl_spin:  # a waiting rank's receive kernel counts in utilization.gpu, not in SMs
+            util = np.ones(times.size) if stage > 0 else np.maximum(compute, has_work)
         tx = np.diff(cumulative(st, en, np.concatenate(([0.0], times)), intervals["tx_bytes"][sel])) / period
         rx = np.diff(cumulative(st, en, np.concatenate(([0.0], times)), intervals["rx_bytes"][sel])) / period
         for tp in range(p.tp_size):
             gpu = stage * p.tp_size + tp
             noise = rng.normal(0.0, p.power_noise_w, times.size) if p.power_noise_w else 0.0
-            power = np.clip(p.idle_power_w + (p.power_limit_w - p.idle_power_w) * 0.85 * util + noise,
+            power = np.clip(p.idle_power_w + (p.power_limit_w - p.idle_power_w) * 0.85 * compute + noise,
                             p.idle_power_w * 0.9, p.power_limit_w)
             energy = np.cumsum(power * period) + 1.0e6 * (gpu + 1)
             mem_used = p.weights_bytes_per_gpu + kv_at * p.kv_bytes_per_token_per_gpu
             _add(cols, "gpu_index", np.full(times.size, gpu, dtype=np.int64))
             _add(cols, "ts_ns", start_ns + np.round(times * 1e9).astype(np.int64))
             _add(cols, "utilization_ratio", np.round(util, 4))
-            _add(cols, "memory_utilization_ratio", np.round(util * 0.55, 4))
+            _add(cols, "memory_utilization_ratio", np.round(compute * 0.55, 4))
             _add(cols, "power_w", np.round(power, 2))
             _add(cols, "energy_j", np.round(energy, 1))
             _add(cols, "pcie_tx_bytes_per_s", np.round(tx))
@@ -74,8 +85,9 @@ def gpu_sample_columns(p: SimParams, start_ns: int, end_s: float, intervals: dic
             _add(cols, "memory_total_bytes", np.full(times.size, p.memory_total_bytes, dtype=np.int64))
             _add(cols, "temperature_c", np.round(32.0 + 0.12 * (power - p.idle_power_w), 1))
             _add(cols, "clock_event_reasons", np.where(util > 0, 0, _GPU_IDLE_REASON).astype(np.int64))
-            _add(cols, "sm_active_ratio", np.round(util * 0.92, 4))
-            _add(cols, "tensor_active_ratio", np.round(util * 0.6, 4))
+            # SM activity: the compute share (a decode step's kernels are taken to fill the SMs)
+            _add(cols, "sm_active_ratio", np.round(compute, 4))
+            _add(cols, "tensor_active_ratio", np.round(compute * 0.6, 4))
     out: dict[str, np.ndarray | list[str]] = {k: np.concatenate(v) for k, v in cols.items()}
     n_rows = len(out["ts_ns"])
     out["host"] = [host] * n_rows
