@@ -104,7 +104,8 @@ class Collector:
                 self._ready[f"log {ht.host.name}"] = asyncio.Event()
                 ht.tasks.append(self._spawn(self._follow_log(ht), f"log {ht.host.name}"))
             if ht.host.agent:
-                ht.agent = AgentClient(await self._agent_url(ht), token=self.options.agent_token)
+                ht.agent = AgentClient(await self._agent_url(ht), token=self.options.agent_token,
+                                       on_bad_line=self._bad_sample_line)
                 self._ready[f"agent {ht.host.name}"] = asyncio.Event()
                 ht.tasks.append(self._spawn(self._pull_agent(ht), f"agent {ht.host.name}"))
             ht.tasks.append(self._spawn(self._probe_clocks(ht), f"clock {ht.host.name}"))
@@ -285,6 +286,9 @@ class Collector:
     def status(self) -> dict[str, Any]:
         """/v1/status: the live view, the store's state and the current problems."""
         return {**self.live.status(), "store": self.writer.health(), "problems": self.problems()}
+
+    def _bad_sample_line(self, reason: str) -> None:
+        self.live.counts["bad_sample_lines"] += 1
 
     def _rejected(self, record: Any, reason: str) -> None:
         """A record the store could not hold: counted; logged the first time per record type."""

@@ -361,6 +361,7 @@ async def test_requests_abandoned_at_the_drain_are_counted_apart(server: Server,
     from rich.console import Console
 
     from gputrace.analysis.run import analyse_store
+    from gputrace.commands.load import no_request_completed
     from gputrace.load.console import failure_reasons, print_summary
     from gputrace.store import Store
 
@@ -375,6 +376,8 @@ async def test_requests_abandoned_at_the_drain_are_counted_apart(server: Server,
     console = Console(record=True, width=200)
     print_summary(result, console)
     assert "abandoned: 4 requests still running when the drain time" in console.export_text()
+    assert no_request_completed(result) == ("no request completed: 4 abandoned when the drain time "
+                                            "after the last level ran out")
     with Store.create(tmp_path / "run") as store:
         store.append(result.requests)
         store.append(result.markers)

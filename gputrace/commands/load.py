@@ -109,5 +109,6 @@ def no_request_completed(result: LoadResult) -> str:
     if not result.abandoned:
         return f"every request failed ({len(result.requests)}), e.g.: {reasons[0][0]}"
     failed = len(result.requests) - result.abandoned
-    return (f"no request completed: {failed} failed{', e.g.: ' + reasons[0][0] if reasons else ''}; "
-            f"{result.abandoned} abandoned when the drain time ran out")
+    parts = [f"{failed} failed, e.g.: {reasons[0][0]}"] if failed and reasons else []
+    parts.append(f"{result.abandoned} abandoned when the drain time after the last level ran out")
+    return "no request completed: " + "; ".join(parts)
