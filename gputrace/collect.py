@@ -26,7 +26,7 @@ from gputrace.agent.client import AgentClient
 from gputrace.agent.server import is_loopback, parse_listen
 from gputrace.config import Config, HostConfig
 from gputrace.engines import LogParser
-from gputrace.errors import GputraceError, SourceError, UsageError
+from gputrace.errors import GputraceError, SourceError, StoreWriteError, UsageError
 from gputrace.httpserver import HttpLimits, HttpListener
 from gputrace.live import LiveCollector, LiveState
 from gputrace.logsetup import get_logger
@@ -87,6 +87,9 @@ class Collector:
         self.client_host = socket.gethostname()
         self._failures: list[str] = []
         self._ready: dict[str, asyncio.Event] = {}
+        # per source, what keeps it from delivering (a log file not there, a lost connection, a
+        # task that ended): {"source", "reason", "since_ns", "until_ns"}; the open ones are current
+        self._problems: list[dict[str, Any]] = []
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -103,7 +106,8 @@ class Collector:
                 self._ready[f"log {ht.host.name}"] = asyncio.Event()
                 ht.tasks.append(self._spawn(self._follow_log(ht), f"log {ht.host.name}"))
             if ht.host.agent:
-                ht.agent = AgentClient(await self._agent_url(ht), token=self.options.agent_token)
+                ht.agent = AgentClient(await self._agent_url(ht), token=self.options.agent_token,
+                                       on_bad_line=self._bad_sample_line)
                 self._ready[f"agent {ht.host.name}"] = asyncio.Event()
                 ht.tasks.append(self._spawn(self._pull_agent(ht), f"agent {ht.host.name}"))
             ht.tasks.append(self._spawn(self._probe_clocks(ht), f"clock {ht.host.name}"))
@@ -131,7 +135,9 @@ class Collector:
         for task in [t for ht in self._hosts for t in ht.tasks] + self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        self.writer.flush()
+        if not self.writer.flush():
+            log.error("the store could not be written: records lost", rows=self.writer.backlog_rows,
+                      error=self.writer.write_error)
         for ht in self._hosts:
             if ht.agent is not None:
                 await ht.agent.close()
@@ -140,9 +146,19 @@ class Collector:
                     await ht.transport.close()
         if self._listener is not None:
             await self._listener.stop()
-        self.store.update_meta(extra={"collector": {"counts": dict(self.live.counts),
-                                                    "failures": self._failures,
-                                                    "stopped_ns": time.time_ns()}})
+        stopped_ns = time.time_ns()
+        writer = self.writer
+        outages = [*writer.outages]
+        if writer.write_error is not None:
+            outages.append({"error": writer.write_error, "since_ns": writer.failing_since_ns,
+                            "until_ns": None, "lost_rows": writer.backlog_rows})
+        try:
+            self.store.update_meta(extra={"collector": {
+                "counts": dict(self.live.counts), "failures": self._failures,
+                "source_problems": self._problems, "store_outages": outages,
+                "dropped_records": dict(writer.dropped), "stopped_ns": stopped_ns}})
+        except StoreWriteError as exc:
+            log.error("meta.json not updated", error=str(exc))
         log.info("collector stopped", run=str(self.store.path), **self.live.counts)
 
     async def run_until(self, stop: asyncio.Event) -> None:
@@ -160,9 +176,11 @@ class Collector:
                 raise
             except GputraceError as exc:
                 self._failures.append(f"{name}: {exc}")
+                self._source_problem(name, f"stopped: {exc}")
                 log.error("source failed", source=name, error=str(exc))
             except Exception as exc:  # a bug in one source must not stop the others
                 self._failures.append(f"{name}: {type(exc).__name__}: {exc}")
+                self._source_problem(name, f"stopped: {type(exc).__name__}: {exc}")
                 log.exception("source crashed", source=name)
         return asyncio.create_task(guarded(), name=name)
 
@@ -186,9 +204,12 @@ class Collector:
         # a line followed live was written by now: that dates vLLM's stamps, which have no year
         parser = LogParser(host=ht.host.name, source=f"{src.kind}:{src.target}", engine=src.engine,
                            tz=src.timezone, year_until=lambda: dt.datetime.now(dt.UTC).date())
-        ready = self._ready.setdefault(f"log {ht.host.name}", asyncio.Event())
+        name = f"log {ht.host.name}"
+        ready = self._ready.setdefault(name, asyncio.Event())
         async for batch in follow_log_batches(ht.transport, src, from_start=self.options.log_from_start,
-                                              on_caught_up=ready.set):
+                                              on_caught_up=ready.set,
+                                              on_problem=lambda why: self._source_problem(name, why)):
+            self.live.counts["log_lines"] += len(batch)
             for line in batch:
                 record = parser.feed(line.text, recv_ts_ns=line.recv_ts_ns)
                 if record is None:
@@ -240,6 +261,36 @@ class Collector:
         while True:
             await asyncio.sleep(min(self.options.flush_s, 0.25))
             self.writer.maybe_flush()
+
+    def _source_problem(self, source: str, reason: str | None) -> None:
+        """``source`` has a problem from now on (``reason``), or none any more (None)."""
+        now = time.time_ns()
+        for problem in self._problems:
+            if problem["source"] == source and problem["until_ns"] is None:
+                if problem["reason"] == reason:
+                    return
+                problem["until_ns"] = now
+        if reason is not None:
+            self._problems.append({"source": source, "reason": reason, "since_ns": now, "until_ns": None})
+
+    def problems(self) -> list[dict[str, Any]]:
+        """What keeps the capture from being complete right now: failing sources, the store."""
+        current = [{"source": p["source"], "reason": p["reason"], "since_ns": p["since_ns"]}
+                   for p in self._problems if p["until_ns"] is None]
+        if self.writer.write_error is not None:
+            dropped = sum(self.writer.dropped.values())
+            current.append({"source": "store", "since_ns": self.writer.failing_since_ns,
+                            "reason": f"cannot write ({self.writer.write_error}): "
+                                      f"{self.writer.backlog_rows} records waiting in memory, "
+                                      f"{dropped} dropped"})
+        return current
+
+    def status(self) -> dict[str, Any]:
+        """/v1/status: the live view, the store's state and the current problems."""
+        return {**self.live.status(), "store": self.writer.health(), "problems": self.problems()}
+
+    def _bad_sample_line(self, reason: str) -> None:
+        self.live.counts["bad_sample_lines"] += 1
 
     def _rejected(self, record: Any, reason: str) -> None:
         """A record the store could not hold: counted; logged the first time per record type."""
@@ -301,16 +352,23 @@ class Collector:
             body = await request.json()
             marker = marker_from_json(body, default_host=self.client_host)
         except (ValueError, TypeError, KeyError) as exc:
+            self.live.counts["bad_marks"] += 1
             return web.json_response({"error": f"bad marker: {exc}"}, status=400)
         self.add_load_record(marker)
-        self.writer.flush()  # a mark is rare and users expect it on disk at once
-        return web.json_response({"ok": True, "ts_ns": marker.ts_ns})
+        # a mark is rare and users expect it on disk at once; while the store cannot be written it
+        # waits in the backlog with the rest
+        stored = self.writer.flush()
+        return web.json_response({"ok": True, "ts_ns": marker.ts_ns, "stored": stored})
 
     async def _status(self, request: web.Request) -> web.Response:
-        return web.json_response(self.live.status())
+        return web.json_response(self.status())
 
     async def _healthz(self, request: web.Request) -> web.Response:
-        return web.json_response({"ok": True, "failures": self._failures})
+        """200 while every source delivers and the store takes what they send; 503 with the
+        problems otherwise (a full disk said ok while every sample was kept in memory only)."""
+        problems = self.problems()
+        return web.json_response({"ok": not problems, "problems": problems, "failures": self._failures},
+                                 status=503 if problems else 200)
 
 
 def marker_from_json(body: Any, default_host: str) -> Marker:

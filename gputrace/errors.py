@@ -4,7 +4,9 @@ GputraceError                      base; ``exit_code`` is what the CLI exits wit
  ├── UsageError         (exit 2)   bad command-line use
  │    └── ConfigError   (exit 2)   gputrace.toml (or another input file) is invalid
  ├── StoreError         (exit 1)   the run store cannot be created, opened or written
- │    └── SchemaVersionError       the store was written by a newer gputrace
+ │    ├── SchemaVersionError       the store was written by a newer gputrace
+ │    ├── RecordError              a record holds a value its column cannot store
+ │    └── StoreWriteError          a write failed (disk full, I/O): the same write may work later
  ├── SourceError        (exit 1)   a data source failed (log, agent, load endpoint)
  │    ├── NvmlError                NVML or the driver is missing or failing
  │    └── TransportError           a local or SSH transport failed
@@ -41,6 +43,11 @@ class StoreError(GputraceError):
 class RecordError(StoreError):
     """A record holds a value its column cannot store (an integer past int64, a bool where a
     count belongs, text that is not valid Unicode): that record is set aside, the rest written."""
+
+
+class StoreWriteError(StoreError):
+    """A write failed for a reason outside the records (the disk is full, an I/O error): nothing
+    of that batch was stored, and the same write may succeed once the cause is gone."""
 
 
 class SchemaVersionError(StoreError):

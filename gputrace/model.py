@@ -111,6 +111,16 @@ class EngineConfig:
     fields_json: str = "{}"
 
 
+ABANDONED_PREFIX = "abandoned:"
+"""How ``RequestRecord.error`` starts for a request the client stopped waiting for (the drain time
+after the last level ran out): it did not fail, its end is not known."""
+
+
+def is_abandoned(error: str | None) -> bool:
+    """Whether a request's error says it was abandoned, not failed."""
+    return error is not None and error.startswith(ABANDONED_PREFIX)
+
+
 @dataclass(frozen=True, slots=True)
 class RequestRecord:
     """One client request: when it started, produced its first token, and ended."""

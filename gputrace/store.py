@@ -23,7 +23,9 @@ import numpy as np
 import pyarrow as pa
 
 from gputrace import __version__
-from gputrace.errors import RecordError, SchemaVersionError, StoreError
+from gputrace.backoff import Backoff
+from gputrace.errors import RecordError, SchemaVersionError, StoreError, StoreWriteError
+from gputrace.logsetup import get_logger
 from gputrace.model import RECORD_TABLES, RunMeta
 
 SCHEMA_VERSION = 1
@@ -39,6 +41,12 @@ REJECTS_FILE = "rejects.ndjson"  # records set aside because a value did not fit
 ROW_GROUP_ROWS = 65_536
 
 R = TypeVar("R")
+log = get_logger("store")
+
+# What DuckDB raises when a write fails for a reason outside the data (measured on a full tmpfs:
+# IOException for a direct write or a failed checkpoint, TransactionException for a WAL commit).
+_WRITE_FAILURES: tuple[type[duckdb.Error], ...] = (
+    duckdb.IOException, duckdb.TransactionException, duckdb.OutOfMemoryException, duckdb.FatalException)
 
 _SQL_TYPES: dict[type, str] = {int: "BIGINT", float: "DOUBLE", str: "VARCHAR", bool: "BOOLEAN"}
 _ARROW_TYPES: dict[type, pa.DataType] = {
@@ -133,6 +141,10 @@ def _unstorable(record: Any, schema: pa.Schema) -> str | None:
     return None
 
 
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
 def _create_missing_tables(con: duckdb.DuckDBPyConnection, temporary: bool) -> None:
     have = {row[0] for row in con.execute(
         "SELECT table_name FROM duckdb_tables() WHERE database_name = 'run'").fetchall()}
@@ -160,6 +172,9 @@ class Store:
         self._con = con
         self.meta = meta
         self.read_only = read_only
+        # A checkpoint that failed (disk full) invalidates the attached database until it is
+        # attached again; what was committed is in the WAL and comes back on the new attach.
+        self._invalidated = False
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -269,8 +284,21 @@ class Store:
 
     def _write_meta(self) -> None:
         tmp = self.path / (META_FILE + ".tmp")
-        tmp.write_text(json.dumps(dataclasses.asdict(self.meta), indent=2, default=str) + "\n")
-        os.replace(tmp, self.path / META_FILE)
+        try:
+            tmp.write_text(json.dumps(dataclasses.asdict(self.meta), indent=2, default=str) + "\n")
+            os.replace(tmp, self.path / META_FILE)
+        except OSError as exc:
+            raise StoreWriteError(f"{self.path / META_FILE}: cannot write: {exc.strerror}") from exc
+
+    def _reattach(self) -> None:
+        """A fresh connection after the database was invalidated by a failed checkpoint."""
+        self._con.close()
+        try:
+            self._con = self._connect(self.path, read_only=False)
+        except StoreError as exc:
+            raise StoreWriteError(str(exc)) from exc
+        self._invalidated = False
+        log.info("store reattached after a failed write", run=str(self.path))
 
     # -- writes --------------------------------------------------------------------------------
 
@@ -342,6 +370,8 @@ class Store:
                 select.append(f"CAST(? AS {_SQL_TYPES[sql_types[f.name]]})")
                 params.append(value)
         batch = pa.Table.from_arrays(arrays, schema=pa.schema(fields))
+        if self._invalidated:
+            self._reattach()
         try:
             self._con.register("_gputrace_batch", batch)
             try:
@@ -349,6 +379,9 @@ class Store:
                                   params)
             finally:
                 self._con.unregister("_gputrace_batch")
+        except _WRITE_FAILURES as exc:
+            self._invalidated = self._invalidated or "invalidated" in str(exc)
+            raise StoreWriteError(f"{self.path}: cannot write to {table}: {_first_line(exc)}") from exc
         except duckdb.Error as exc:
             raise StoreError(f"{self.path}: append to {table} failed: {exc}") from exc
         return n_rows
@@ -438,28 +471,56 @@ class Store:
         return written
 
 
+# Per record type, rows kept in memory while the store cannot be written. A GpuSample with its
+# fields set takes 540 bytes there (tracemalloc, 100k samples), so a full backlog of samples is
+# about 135 MB: 5 minutes of 8 GPUs at 100 Hz.
+MAX_BACKLOG_ROWS = 250_000
+_WRITE_RETRY = Backoff(initial_s=0.25, max_s=5.0)  # a disk freed is written to within 5 s
+
+
 class BatchingWriter:
     """Buffers records per type and appends them to the store at most every ``flush_s``.
 
     The collector calls :meth:`add` as data arrives and :meth:`maybe_flush` on a timer; at most
-    ``flush_s`` of data is lost if the process is killed.
+    ``flush_s`` of data is lost if the process is killed. When the store cannot be written (a full
+    disk) the buffers stay as a backlog and the write is retried with back-off; each type's backlog
+    holds at most ``max_backlog_rows``, and rows past it are dropped and counted in ``dropped``.
+    Once a write succeeds the backlog goes in and the writer carries on.
     """
 
     def __init__(self, store: Store, flush_s: float = 0.5, max_rows: int = 50_000,
-                 on_reject: typing.Callable[[Any, str], None] | None = None):
+                 on_reject: typing.Callable[[Any, str], None] | None = None,
+                 max_backlog_rows: int = MAX_BACKLOG_ROWS, retry: Backoff = _WRITE_RETRY):
         self.store = store
         self.flush_s = flush_s
         self.max_rows = max_rows
+        self.max_backlog_rows = max(max_backlog_rows, max_rows)
         self.on_reject = on_reject
+        self.retry = retry
         self._buffers: dict[type, list[Any]] = {}
         self._last_flush = time.monotonic()
         self.rows_written = 0
         self.rejected: dict[str, int] = {}  # per record type: set aside, not stored
+        self.dropped: dict[str, int] = {}  # per record type: past the backlog while writes failed
+        self.write_error: str | None = None  # why writing fails, while it does
+        self.failing_since_ns: int | None = None
+        self.outages: list[dict[str, Any]] = []  # every spell of failed writes, for meta.json
+        self._failed_attempts = 0
+        self._retry_at = 0.0  # monotonic time of the next attempt while failing
+        self._dropping: set[str] = set()  # record types dropped in this spell (logged once each)
+
+    @property
+    def backlog_rows(self) -> int:
+        return sum(len(buf) for buf in self._buffers.values())
 
     def add(self, record: Any) -> None:
         buf = self._buffers.setdefault(type(record), [])
+        if len(buf) >= self.max_backlog_rows:
+            self._drop(record)
+            return
         buf.append(record)
-        if len(buf) >= self.max_rows:
+        # while writes fail the back-off decides when to try again, not every add
+        if len(buf) >= self.max_rows and self.write_error is None:
             self.flush()
 
     def add_many(self, records: Iterable[Any]) -> None:
@@ -467,27 +528,83 @@ class BatchingWriter:
             self.add(record)
 
     def maybe_flush(self) -> None:
-        if time.monotonic() - self._last_flush >= self.flush_s:
+        now = time.monotonic()
+        if self.write_error is not None:
+            due = now >= self._retry_at
+        else:
+            due = now - self._last_flush >= self.flush_s
+        if due:
             self.flush()
 
-    def flush(self) -> None:
-        """Append every buffer. A record whose value cannot be stored is set aside (counted in
+    def flush(self) -> bool:
+        """Append every buffer; False when the store could not be written (the rest stays buffered
+        for the next attempt). A record whose value cannot be stored is set aside (counted in
         ``rejected``, handed to ``on_reject``, written to the run's rejects file) and the rest of
         its batch is written: one bad value must not stop the writer (it did: the batch stayed in
         the buffer, every later flush failed on it)."""
         for buf in self._buffers.values():
-            if buf:
+            if not buf:
+                continue
+            try:
                 written, rejected = self.store.append_valid(buf)
-                self.rows_written += written
-                buf.clear()
-                for record, reason in rejected:
-                    self._reject(record, reason)
+            except StoreWriteError as exc:
+                self._write_failed(exc)
+                return False
+            self.rows_written += written
+            buf.clear()
+            for record, reason in rejected:
+                self._reject(record, reason)
         self._last_flush = time.monotonic()
+        if self.write_error is not None:
+            self._write_recovered()
+        return True
+
+    def health(self) -> dict[str, Any]:
+        """The writer's state for /healthz and /v1/status."""
+        return {"writing": self.write_error is None, "error": self.write_error,
+                "failing_since_ns": self.failing_since_ns, "backlog_rows": self.backlog_rows,
+                "max_backlog_rows": self.max_backlog_rows, "dropped": dict(self.dropped),
+                "rows_written": self.rows_written, "rejected": dict(self.rejected)}
+
+    def _write_failed(self, exc: StoreWriteError) -> None:
+        delay_s = self.retry.delay_s(self._failed_attempts)
+        self._failed_attempts += 1
+        self._retry_at = time.monotonic() + delay_s
+        if self.write_error is None:
+            self.failing_since_ns = time.time_ns()
+            log.error("store not writable: keeping records in memory and retrying", error=str(exc),
+                      backlog_rows=self.backlog_rows, max_backlog_rows=self.max_backlog_rows)
+        self.write_error = str(exc)
+
+    def _write_recovered(self) -> None:
+        since = self.failing_since_ns or time.time_ns()
+        outage = {"error": self.write_error, "since_ns": since, "until_ns": time.time_ns(),
+                  "attempts": self._failed_attempts, "dropped": dict(self.dropped)}
+        self.outages.append(outage)
+        log.info("store writable again: backlog written", failed_s=round((time.time_ns() - since) / 1e9, 1),
+                 attempts=self._failed_attempts, dropped=sum(self.dropped.values()))
+        self.write_error = self.failing_since_ns = None
+        self._failed_attempts = 0
+        self._retry_at = 0.0
+        self._dropping.clear()
+
+    def _drop(self, record: Any) -> None:
+        name = type(record).__name__
+        if name not in self._dropping:
+            self._dropping.add(name)
+            log.error("store backlog full: records dropped until the store is writable", record_type=name,
+                      max_backlog_rows=self.max_backlog_rows, error=self.write_error)
+        self.dropped[name] = self.dropped.get(name, 0) + 1
 
     def _reject(self, record: Any, reason: str) -> None:
         name = type(record).__name__
         self.rejected[name] = self.rejected.get(name, 0) + 1
-        with (self.store.path / REJECTS_FILE).open("a", encoding="utf-8") as fh:
-            fh.write(json.dumps({"type": name, "reason": reason, "record": ascii(record)}) + "\n")
+        try:
+            with (self.store.path / REJECTS_FILE).open("a", encoding="utf-8") as fh:
+                fh.write(json.dumps({"type": name, "reason": reason, "record": ascii(record)}) + "\n")
+        except OSError as exc:  # counted all the same; the file is only the details
+            if self.rejected[name] == 1:
+                log.warning("rejects file not written", file=str(self.store.path / REJECTS_FILE),
+                            error=exc.strerror)
         if self.on_reject is not None:
             self.on_reject(record, reason)

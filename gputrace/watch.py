@@ -62,6 +62,10 @@ def render_status(status: dict[str, Any], error: str | None = None) -> Group:
     foot = Text(f"samples {counts.get('gpu_samples', 0)}  log events {counts.get('scheduler_events', 0)}"
                 f"  requests {counts.get('requests', 0)}   q or Ctrl-C quits", style="dim")
     parts: list[Any] = [head, table, foot]
+    for problem in status.get("problems", []):
+        # a failing source or a store that cannot be written: the capture is not complete
+        parts.append(Text(f"failing: {problem.get('source', '?')}: {problem.get('reason', '?')}",
+                          style="bold red"))
     if error:
         parts.append(Text(error, style="bold red"))
     return Group(*parts)

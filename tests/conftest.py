@@ -4,8 +4,11 @@ a missing binary fails the test instead."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,3 +35,41 @@ def shared_data(relative: str) -> Path:
         if (root / relative).is_file():
             return root / relative
     raise FileNotFoundError(f"shared data {relative} not found")
+
+
+class SmallDisk:
+    """A real filesystem of a few MiB (tmpfs) that a test fills up and frees again."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.filler = root / "filler"
+
+    def fill(self) -> None:
+        """Write the filler until the filesystem refuses another byte (ENOSPC)."""
+        fd = os.open(self.filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        try:
+            for size in (1 << 16, 1 << 10, 1):  # then what is left under a block, to the last byte
+                with contextlib.suppress(OSError):
+                    while os.write(fd, b"\0" * size):
+                        pass
+        finally:
+            os.close(fd)
+
+    def free(self) -> None:
+        self.filler.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[SmallDisk]:
+    """An 8 MiB tmpfs mounted for the test (skipped where mounting is not permitted: not root, or
+    a container without CAP_SYS_ADMIN)."""
+    root = tmp_path / "small-disk"
+    root.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(root)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here to fill a disk: {mounted.stderr.strip() or 'not root'}")
+    try:
+        yield SmallDisk(root)
+    finally:
+        subprocess.run(["umount", "-l", str(root)], capture_output=True)

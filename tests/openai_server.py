@@ -24,6 +24,10 @@ class ServerBehaviour:
     send_usage: bool = True  # False: a server that ignores include_usage (tokens must be counted)
     tokens_per_chunk: int = 1
     cut_after_tokens: int | None = None  # close the stream early, as a crashing server does
+    # answers no server should send, that the client must survive: "choices" (each chunk's or the
+    # answer's "choices": [1]), "usage" (the usage counts as strings)
+    malformed: str | None = None
+    raw_answer: bytes | None = None  # send exactly these bytes as the 200 answer's body
 
 
 @dataclass
@@ -101,14 +105,20 @@ async def _answer(
     rid = f"chatcmpl-{n}"
     created = int(time.time())
     model = body.get("model", "default")
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens,
-             "total_tokens": prompt_tokens + max_tokens}
+    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens,
+                             "total_tokens": prompt_tokens + max_tokens}
+    if b.malformed == "usage":
+        usage = {k: str(v) for k, v in usage.items()}
+    if b.raw_answer is not None:
+        kind = "text/event-stream" if body.get("stream") else "application/json"
+        return web.Response(body=b.raw_answer, headers={"Content-Type": kind})
     if not body.get("stream"):
         await asyncio.sleep(b.ttft_s + b.token_interval_s * max_tokens)
         message = {"role": "assistant", "content": " ".join(["tok"] * max_tokens)}
         answer = {
             "id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": message, "finish_reason": "length"}],
+            "choices": [1] if b.malformed == "choices" else
+            [{"index": 0, "message": message, "finish_reason": "length"}],
         }
         if b.send_usage:
             answer["usage"] = usage
@@ -117,8 +127,10 @@ async def _answer(
     await resp.prepare(request)
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        choice: Any = 1 if b.malformed == "choices" else {"index": 0, "delta": delta, "logprobs": None,
+                                                          "finish_reason": finish}
         obj = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-               "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+               "choices": [choice]}
         return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
     await asyncio.sleep(b.ttft_s)

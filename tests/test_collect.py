@@ -12,12 +12,15 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
+from conftest import SmallDisk
 from live_chain import free_port, http_ok, wait_until
 from slow_clients import fd_limit_of, get_within, half_sent_requests, raise_own_fd_limit
 
@@ -289,3 +292,90 @@ def test_half_sent_requests_do_not_freeze_the_collector_http(tmp_path: Path) -> 
     events = [json.loads(line)["event"] for line in err.splitlines() if line.startswith("{")]
     assert events.count("connections at the cap: closing the oldest idle ones") == 1, err[-2000:]
     assert "Traceback" not in err
+
+
+def http_answer(url: str) -> tuple[int, dict[str, Any]]:
+    """(status, JSON body) of a GET, 5xx answers included; (0, {}) while nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+    except OSError:
+        return 0, {}
+
+
+def test_a_full_disk_is_reported_and_the_backlog_written_when_space_returns(
+        tmp_path: Path, small_disk: SmallDisk, agent_port: int) -> None:
+    """[robust] #2: with the run on a disk that fills up, /healthz answers 503 with the reason and
+    /v1/status shows it (it said ok while samples piled up in memory); once space returns the
+    collector writes its backlog and carries on: every sample it counted is on disk."""
+    log = tmp_path / "sglang.log"
+    log.touch()
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = start_collector(write_config(tmp_path, log, agent_port), small_disk.root / "run", port)
+    try:
+        wait_until(lambda: http_ok(f"{base}/healthz"), timeout_s=30)
+        small_disk.fill()
+        wait_until(lambda: http_answer(f"{base}/healthz")[0] == 503, timeout_s=30)
+        _, health = http_answer(f"{base}/healthz")
+        assert [p["source"] for p in health["problems"]] == ["store"]
+        assert "No space left on device" in health["problems"][0]["reason"]
+        wait_until(lambda: http_answer(f"{base}/v1/status")[1]["store"]["backlog_rows"] > 0, timeout_s=30)
+        _, status = http_answer(f"{base}/v1/status")
+        assert status["store"]["writing"] is False and "No space left" in status["store"]["error"]
+        assert status["problems"][0]["source"] == "store"
+        small_disk.free()
+        wait_until(lambda: http_ok(f"{base}/healthz"), timeout_s=30)
+        time.sleep(1.0)  # samples written after the recovery too
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    with Store.open(small_disk.root / "run", read_only=True) as store:
+        collector = store.meta.extra["collector"]
+        assert store.count("gpu_samples") == collector["counts"]["gpu_samples"] > 0
+    assert collector["dropped_records"] == {}
+    assert ["No space left on device" in o["error"] for o in collector["store_outages"]] == [True]
+
+
+def test_a_missing_log_shows_as_failing_in_health_status_watch_and_report(
+        tmp_path: Path, agent_port: int) -> None:
+    """[robust] #6: while a followed log file does not exist, /healthz answers 503 and /v1/status
+    names the source and the reason, `watch` draws it, and the report notes it (all said ok)."""
+    from rich.console import Console
+
+    from gputrace.analysis.run import analyse_store
+    from gputrace.report.render import write_report
+    from gputrace.watch import render_status
+
+    missing = tmp_path / "nowhere" / "sglang.log"
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = start_collector(write_config(tmp_path, missing, agent_port), tmp_path / "run", port)
+    try:
+        wait_until(lambda: http_answer(f"{base}/healthz")[0] == 503, timeout_s=30)
+        _, health = http_answer(f"{base}/healthz")
+        assert health["ok"] is False
+        assert [(p["source"], str(missing) in p["reason"])
+                for p in health["problems"]] == [("log node0", True)]
+        wait_until(lambda: http_answer(f"{base}/v1/status")[1]["counts"]["gpu_samples"] > 0, timeout_s=30)
+        _, status = http_answer(f"{base}/v1/status")
+        assert status["problems"] == health["problems"]
+        time.sleep(1.0)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    console = Console(record=True, width=200)
+    console.print(render_status(status))
+    assert f"failing: log node0: {missing}: no such file" in console.export_text()
+    with Store.open(tmp_path / "run", read_only=True) as store:
+        problems = store.meta.extra["collector"]["source_problems"]
+        assert [(p["source"], p["until_ns"]) for p in problems] == [("log node0", None)]
+        write_report(analyse_store(store), tmp_path / "report", formats=["md", "json"])
+    note = f"capture problem: log node0: {missing}: no such file"
+    assert note in (tmp_path / "report" / "report.md").read_text()
+    notes = json.loads((tmp_path / "report" / "findings.json").read_text())["notes"]
+    assert any(n.startswith(note) for n in notes)

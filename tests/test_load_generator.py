@@ -3,6 +3,7 @@ protocol (tests/openai_server.py) and counts the requests it holds at once."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -302,3 +303,83 @@ def test_token_counts_that_are_not_counts_are_none() -> None:
     assert _parse_completion(body.encode()) == (None, 0, None)
     body = _json.dumps({"choices": [{"message": {"content": "a b c"}}], "usage": {"prompt_tokens": 5}})
     assert _parse_completion(body.encode()) == (5, 3, None)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize(("malformed", "said"), [
+    ("choices", ["choices[0] not an object"]),
+    ("usage", ["usage.completion_tokens not a token count", "usage.prompt_tokens not a token count"])])
+async def test_malformed_answers_are_records_and_the_summary_says_so(
+        server: Server, malformed: str, said: list[str], stream: bool) -> None:
+    """Answers with `"choices": [1]` or usage counts as strings ([robust] #8: AttributeError in the
+    workers, no records; the summary died): every request is a record, the summary prints and
+    names what was not as the protocol says."""
+    from rich.console import Console
+
+    from gputrace.load.console import print_summary
+
+    url, _ = await server(malformed=malformed)
+    spec = LoadSpec(url=url, model="m", concurrency=(2,), max_tokens=4, requests_per_level=6, stream=stream)
+    result = await run_load(spec)
+    assert len(result.requests) == 6
+    assert result.malformed == dict.fromkeys(said, 6)
+    console = Console(record=True, width=200)
+    print_summary(result, console)
+    text = console.export_text()
+    assert all(f"6 answers with {what}" in text for what in said)
+
+
+@pytest.mark.parametrize(("raw", "stream", "error"), [
+    (b"[" * 100_000, False, "malformed answer: RecursionError"),
+    (b"data: " + b"[" * 100_000 + b"\n\n", True, "malformed answer: RecursionError"),
+    (b'{"error": "\\ud800 boom"}', False, "\\ud800 boom"),
+    (b'data: {"error": {"message": "\\udfff"}}\n\ndata: [DONE]\n\n', True, "\\udfff"),
+    (b"\xff\xfe", False, "JSONDecodeError"),
+])
+async def test_hostile_answers_fail_their_request_and_the_run_goes_on(
+        server: Server, raw: bytes, stream: bool, error: str) -> None:
+    """A deeply nested answer failed the worker silently and the run never ended; an error text
+    with a lone surrogate stopped the summary: each is now one failed request with a printable
+    error, and the run ends."""
+    from rich.console import Console
+
+    from gputrace.load.console import print_summary
+
+    url, _ = await server(raw_answer=raw)
+    spec = LoadSpec(url=url, model="m", concurrency=(2,), max_tokens=4, requests_per_level=4, stream=stream)
+    result = await asyncio.wait_for(run_load(spec), timeout=30)
+    assert len(result.requests) == 4
+    assert all(not r.ok and r.error is not None and r.error.startswith(error) for r in result.requests)
+    assert all(r.error is not None and r.error.isprintable() for r in result.requests)
+    print_summary(result, Console(record=True, width=200))
+
+
+async def test_requests_abandoned_at_the_drain_are_counted_apart(server: Server, tmp_path: Path) -> None:
+    """Requests still running when the drain time runs out are abandoned, not failed ([robust] #8):
+    the level, the summary and the analysis count them apart, and findings' unfinished_requests
+    says how many (it said 0 when 63 of 89 were abandoned)."""
+    from rich.console import Console
+
+    from gputrace.analysis.run import analyse_store
+    from gputrace.commands.load import no_request_completed
+    from gputrace.load.console import failure_reasons, print_summary
+    from gputrace.store import Store
+
+    url, _ = await server(token_interval_s=0.05, ttft_s=0.01)
+    spec = LoadSpec(url=url, model="m", concurrency=(4,), max_tokens=1000, duration_per_level_s=0.5,
+                    drain_s=0.2)
+    result = await run_load(spec)
+    assert result.abandoned == 4 == len(result.requests)
+    (level,) = result.levels
+    assert (level.ok, level.failed, level.abandoned) == (0, 0, 4)
+    assert failure_reasons(result) == []
+    console = Console(record=True, width=200)
+    print_summary(result, console)
+    assert "abandoned: 4 requests still running when the drain time" in console.export_text()
+    assert no_request_completed(result) == ("no request completed: 4 abandoned when the drain time "
+                                            "after the last level ran out")
+    with Store.create(tmp_path / "run") as store:
+        store.append(result.requests)
+        store.append(result.markers)
+        (phase,) = analyse_store(store).metrics
+    assert (phase.requests_failed, phase.unfinished_requests, phase.requests_completed) == (0, 4, 0)

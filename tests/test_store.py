@@ -13,7 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import SmallDisk
 
+from gputrace.backoff import Backoff
 from gputrace.errors import SchemaVersionError, StoreError
 from gputrace.model import ClockProbe, GpuSample, Marker, SchedulerEvent
 from gputrace.store import SCHEMA_VERSION, BatchingWriter, Store
@@ -274,3 +276,81 @@ def test_placements_that_are_not_placements_are_one_clear_error() -> None:
 
     with pytest.raises(StoreError, match=r"topology.placements\[1\]: not a placement"):
         placements_from_meta({"placements": [{"host": "h", "gpu_index": 0, "pp_rank": 0}, 1]})
+
+
+def _samples(first: int, n: int) -> list[GpuSample]:
+    return [GpuSample(host="h", gpu_index=0, ts_ns=i, seq=i, utilization_ratio=0.5)
+            for i in range(first, first + n)]
+
+
+_FAST_RETRY = Backoff(initial_s=0.01, max_s=0.05)
+
+
+def _flush_until_writing(writer: BatchingWriter, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while writer.write_error is not None and time.monotonic() < deadline:
+        writer.maybe_flush()
+        time.sleep(0.01)
+    assert writer.write_error is None, f"still not writing after {timeout_s} s: {writer.write_error}"
+
+
+def test_a_full_disk_keeps_the_rows_and_writes_them_when_space_returns(small_disk: SmallDisk) -> None:
+    """[robust] #2: on a full disk the writer keeps its rows, says why and retries with back-off
+    (the first failed commit ended it for good); once space returns the backlog is written."""
+    with Store.create(small_disk.root / "run") as store:
+        writer = BatchingWriter(store, flush_s=0, retry=_FAST_RETRY)
+        writer.add_many(_samples(0, 1000))
+        assert writer.flush()
+        small_disk.fill()
+        writer.add_many(_samples(1000, 20_000))
+        assert not writer.flush()
+        for _ in range(5):  # retried on the timer, and still failing while the disk is full
+            time.sleep(0.06)
+            writer.maybe_flush()
+        health = writer.health()
+        assert health["writing"] is False
+        assert "No space left on device" in health["error"]
+        assert health["backlog_rows"] == 20_000 and health["dropped"] == {}
+        assert store.count("gpu_samples") == 1000
+        small_disk.free()
+        _flush_until_writing(writer)
+        assert store.count("gpu_samples") == 21_000
+        writer.add_many(_samples(21_000, 10))
+        assert writer.flush()
+        assert store.count("gpu_samples") == 21_010
+        assert [o["error"] for o in writer.outages] == [health["error"]]
+
+
+def test_a_checkpoint_that_fails_on_a_full_disk_is_recovered_from(small_disk: SmallDisk) -> None:
+    """A commit whose checkpoint fails invalidates DuckDB's database; the store attaches it again
+    and every committed row is still there."""
+    with Store.create(small_disk.root / "run") as store:
+        store.sql("SET checkpoint_threshold = '100KB'")  # every commit of this size checkpoints
+        writer = BatchingWriter(store, flush_s=0, retry=_FAST_RETRY)
+        writer.add_many(_samples(0, 3000))
+        assert writer.flush()
+        small_disk.fill()
+        writer.add_many(_samples(3000, 27_000))
+        assert not writer.flush()
+        assert writer.write_error is not None and "invalidated" in writer.write_error
+        small_disk.free()
+        _flush_until_writing(writer)
+        assert store.count("gpu_samples") == 30_000
+    with Store.open(small_disk.root / "run", read_only=True) as store:
+        assert store.count("gpu_samples") == 30_000
+
+
+def test_rows_past_the_backlog_are_dropped_and_counted(small_disk: SmallDisk) -> None:
+    """While the disk is full each type keeps at most max_backlog_rows; the rest are counted as
+    dropped (never silently), and a rare type (a marker) is not crowded out by samples."""
+    with Store.create(small_disk.root / "run") as store:
+        writer = BatchingWriter(store, flush_s=0, max_rows=1000, max_backlog_rows=5000, retry=_FAST_RETRY)
+        small_disk.fill()
+        writer.add_many(_samples(0, 8000))
+        writer.add(Marker(host="h", ts_ns=1, label="C=1", target_concurrency=1))
+        assert writer.dropped == {"GpuSample": 3000}
+        assert writer.health()["backlog_rows"] == 5001
+        small_disk.free()
+        _flush_until_writing(writer)
+        assert store.count("gpu_samples") == 5000 and store.count("markers") == 1
+        assert store.count("gpu_samples") + writer.dropped["GpuSample"] == 8000

@@ -12,8 +12,9 @@ import asyncio
 import json
 import ssl
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, fields
+import typing
+from collections.abc import AsyncIterator, Callable
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 import aiohttp
@@ -25,6 +26,37 @@ from gputrace.model import ClockProbe, GpuSample
 log = get_logger("agent.client")
 
 _FIELDS = frozenset(f.name for f in fields(GpuSample))
+_HINTS = typing.get_type_hints(GpuSample)
+# per field: the type its value must have, and whether None (not available) is allowed
+_KINDS: dict[str, tuple[type, bool]] = {
+    f.name: (next(t for t in typing.get_args(_HINTS[f.name]) or (_HINTS[f.name],) if t is not type(None)),
+             f.default is not MISSING)
+    for f in fields(GpuSample)}
+_INT64 = 1 << 63
+
+
+def _value_problem(kind: type, optional: bool, value: object) -> str | None:
+    """Why one JSON value cannot be its field's (a string where a count belongs reached the live
+    view and stopped the agent source; a seq as text stopped the cursor), or None."""
+    if value is None:
+        return None if optional else "missing"
+    if kind is str:
+        if not isinstance(value, str):
+            return "not a string"
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return "not valid Unicode"
+        return None
+    if kind is bool:
+        return None if isinstance(value, bool) else "not true or false"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return "not a number"
+    if kind is int and not (isinstance(value, int) and -_INT64 <= value < _INT64):
+        return "not a 64-bit integer"
+    if isinstance(value, int) and not -_INT64 <= value < _INT64:
+        return "out of range"
+    return None
 
 
 @dataclass(slots=True)
@@ -45,7 +77,12 @@ def parse_sample_line(line: str) -> GpuSample:
     row = json.loads(line)
     if not isinstance(row, dict):
         raise ValueError("not a JSON object")
-    return GpuSample(**{k: v for k, v in row.items() if k in _FIELDS})
+    values = {k: v for k, v in row.items() if k in _FIELDS}
+    for name, (kind, optional) in _KINDS.items():
+        problem = _value_problem(kind, optional, values.get(name))
+        if problem is not None:
+            raise ValueError(f"{name}: {problem}")
+    return GpuSample(**values)
 
 
 class AgentClient:
@@ -53,8 +90,10 @@ class AgentClient:
 
     def __init__(self, base_url: str, *, token: str | None = None,
                  ssl_context: ssl.SSLContext | None = None, page_limit: int = 5000,
-                 timeout_s: float = 10.0, since: int = 0) -> None:
+                 timeout_s: float = 10.0, since: int = 0,
+                 on_bad_line: Callable[[str], None] | None = None) -> None:
         self.base_url = base_url.rstrip("/")
+        self.on_bad_line = on_bad_line  # told why, for each line of a page that is not a sample
         self.page_limit = page_limit
         self.since = since  # the seq of the last sample received
         self.instance: str | None = None
@@ -129,9 +168,12 @@ class AgentClient:
                 continue
             try:
                 s = parse_sample_line(line)
-            except (ValueError, TypeError) as exc:
+            except (ValueError, TypeError, RecursionError) as exc:
                 self.stats.bad_lines += 1
-                log.warning("bad sample line from agent skipped", agent=self.base_url, error=str(exc))
+                if self.stats.bad_lines == 1:  # a broken agent sends them by the page: said once
+                    log.warning("bad sample line from agent skipped", agent=self.base_url, error=str(exc))
+                if self.on_bad_line is not None:
+                    self.on_bad_line(str(exc))
                 continue
             out.append(s)
             if s.seq is not None:

@@ -28,6 +28,7 @@ from gputrace.analysis.align import (
     window_index,
 )
 from gputrace.errors import AnalysisError
+from gputrace.model import ABANDONED_PREFIX
 from gputrace.store import Store
 
 GPU_METRICS = ("utilization_ratio", "power_w", "pcie_tx_bytes_per_s", "pcie_rx_bytes_per_s",
@@ -239,9 +240,10 @@ def align_store(store: Store, window_ns: tuple[int | None, int | None] = (None, 
 
     # Requests and markers in the collector clock.
     rq = store.sql_arrow("SELECT host, start_ns, first_token_ns, end_ns, prompt_tokens, "
-                         "completion_tokens, ok, phase FROM requests WHERE "
+                         "completion_tokens, ok, phase, starts_with(coalesce(error, ''), ?) AS abandoned "
+                         "FROM requests WHERE "
                          + _within("coalesce(end_ns, start_ns)", lo, None, _MARGIN_NS) + " AND "
-                         + _within("start_ns", None, hi, _MARGIN_NS))
+                         + _within("start_ns", None, hi, _MARGIN_NS), [ABANDONED_PREFIX])
     rq_host = np.asarray(rq.column("host").to_pylist(), dtype=object)
     requests = {
         "start_ns": _to_ref(clocks, rq_host, _num(rq, "start_ns")),
@@ -251,6 +253,8 @@ def align_store(store: Store, window_ns: tuple[int | None, int | None] = (None, 
         "completion_tokens": _num(rq, "completion_tokens").astype(np.float64),
         "ok": np.asarray(rq.column("ok").to_pylist(), dtype=bool),
         "phase": np.asarray([p or "" for p in rq.column("phase").to_pylist()], dtype=object),
+        # the client stopped waiting (drain): neither completed nor failed, its end unknown
+        "abandoned": np.asarray(rq.column("abandoned").to_pylist(), dtype=bool),
     }
     markers = _markers_within(sorted(
         ({**m, "ts_ns": int(clocks.to_reference(m["host"], np.array([m["ts_ns"]]))[0])}

@@ -124,11 +124,11 @@ class PhaseMetrics:
     inflight_mean: float | None  # client requests in flight (time average)
     work_share: float  # share of the phase in which the engine had requests
     requests_completed: int
-    requests_failed: int  # ended with an error (abandoned at drain included)
+    requests_failed: int  # ended with an error (not the abandoned: those are unfinished)
     throughput_tok_s: float | None  # the engine's, else the client's
     client_throughput_tok_s: float | None  # requests' completion tokens emitted in the phase
     engine_gen_throughput_tok_s: float | None  # from the engine's log (engine_throughput)
-    unfinished_requests: int  # requests of the phase with no end (their tokens are unknown)
+    unfinished_requests: int  # with no end, or abandoned at the drain (their tokens are unknown)
     ttft_s_p50: float | None
     ttft_s_p90: float | None
     itl_s_mean: float | None
@@ -366,13 +366,15 @@ def phase_metrics(run: AlignedRun, series: StageSeries, phase: Phase) -> PhaseMe
         allowed = min(1.0, mb_in_flight / run.pp_size)
     gen = engine_throughput(run, phase.start_ns, phase.end_ns)
     client_tput = _f(tokens / phase.duration_s) if phase.duration_s > 0 else None
-    unfinished = int((in_phase & np.isnan(rq["end_ns"])).sum())
+    # abandoned at the drain: the client stopped waiting, so neither failed nor complete
+    abandoned = rq.get("abandoned", np.zeros(len(rq["ok"]), dtype=bool))
+    unfinished = int((in_phase & (np.isnan(rq["end_ns"]) | abandoned)).sum())
     return PhaseMetrics(
         label=phase.label, start_ns=phase.start_ns, end_ns=phase.end_ns, duration_s=phase.duration_s,
         source=phase.source, target_concurrency=phase.target_concurrency, inflight_mean=inflight,
         work_share=float(np.sum(work * w) / np.sum(w)) if len(w) else 0.0,
         requests_completed=int(done.sum()),
-        requests_failed=int((in_phase & ~rq["ok"]).sum()),
+        requests_failed=int((in_phase & ~rq["ok"] & ~abandoned).sum()),
         throughput_tok_s=gen if gen is not None else client_tput,
         client_throughput_tok_s=client_tput, engine_gen_throughput_tok_s=gen,
         unfinished_requests=unfinished,

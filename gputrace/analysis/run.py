@@ -122,9 +122,36 @@ def analyse_aligned(run: AlignedRun, th: Thresholds = DEFAULT_THRESHOLDS,
     return Analysis(run, series, phases, metrics, findings, notes)
 
 
+def capture_problem_notes(extra: dict[str, Any]) -> list[str]:
+    """One note per problem the collector had while capturing (``meta.extra["collector"]``): a
+    source that delivered nothing for a while, a store that could not be written. A run with a
+    gap must say so: a log path that did not exist gave a report with no word of it."""
+    collector = extra.get("collector")
+    if not isinstance(collector, dict):
+        return []
+    notes = []
+    for p in collector.get("source_problems") or []:
+        if isinstance(p, dict):
+            until = p.get("until_ns")
+            span = ("until the end of the capture" if until is None else
+                    f"for {(int(until) - int(p.get('since_ns') or until)) / 1e9:.0f} s")
+            notes.append(f"capture problem: {p.get('source')}: {p.get('reason')} ({span})")
+    for o in collector.get("store_outages") or []:
+        if isinstance(o, dict):
+            lost = f"; {o['lost_rows']} records lost at the end" if o.get("lost_rows") else ""
+            notes.append(f"capture problem: the store could not be written ({o.get('error')}){lost}")
+    dropped = collector.get("dropped_records") or {}
+    if isinstance(dropped, dict) and dropped:
+        notes.append("capture problem: records dropped while the store could not be written: "
+                     + ", ".join(f"{n} {name}" for name, n in sorted(dropped.items())))
+    return notes
+
+
 def analyse_store(store: Store, th: Thresholds = DEFAULT_THRESHOLDS,
                   progress: Callable[[str], None] | None = None) -> Analysis:
     """Read, align and diagnose a run store."""
     if progress:
         progress("align")
-    return analyse_aligned(align_store(store), th, progress)
+    analysis = analyse_aligned(align_store(store), th, progress)
+    analysis.notes.extend(capture_problem_notes(store.meta.extra))
+    return analysis

@@ -10,7 +10,7 @@ from rich.console import Console
 
 from gputrace.errors import SourceError, UsageError
 from gputrace.load.console import failure_reasons, print_summary, run_with_progress
-from gputrace.load.generator import DEFAULT_PROMPTS, LoadGenerator, LoadSpec, load_prompts
+from gputrace.load.generator import DEFAULT_PROMPTS, LoadGenerator, LoadResult, LoadSpec, load_prompts
 from gputrace.load.jsonl import JsonlWriter
 
 
@@ -100,5 +100,15 @@ def command(
             click.echo(f"wrote {writer.lines} records to {out}", err=True)
     print_summary(result, Console())
     if result.requests and not any(r.ok for r in result.requests):
-        (error, _), *_ = failure_reasons(result)
-        raise SourceError(f"every request failed ({len(result.requests)}), e.g.: {error}")
+        raise SourceError(no_request_completed(result))
+
+
+def no_request_completed(result: LoadResult) -> str:
+    """Why a sweep in which no request completed failed, in one line."""
+    reasons = failure_reasons(result)
+    if not result.abandoned:
+        return f"every request failed ({len(result.requests)}), e.g.: {reasons[0][0]}"
+    failed = len(result.requests) - result.abandoned
+    parts = [f"{failed} failed, e.g.: {reasons[0][0]}"] if failed and reasons else []
+    parts.append(f"{result.abandoned} abandoned when the drain time after the last level ran out")
+    return "no request completed: " + "; ".join(parts)

@@ -58,7 +58,7 @@ async def _watch_config(path: str, refresh: float) -> None:
         await collector.start()
         try:
             async def status() -> dict[str, Any]:
-                return collector.live.status()
+                return collector.status()
             await watch(status, refresh)
         finally:
             await collector.stop()

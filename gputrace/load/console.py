@@ -14,6 +14,7 @@ from rich.table import Table
 
 from gputrace.load.generator import LoadGenerator, LoadResult
 from gputrace.load.stats import LAG_WARN_MS, LevelStats
+from gputrace.model import is_abandoned
 
 _REFRESH_S = 0.25
 
@@ -103,9 +104,15 @@ def print_summary(result: LoadResult, console: Console) -> None:
         )
     for error, count in failure_reasons(result):
         console.print(f"[bold red]failed:[/] {count} x {escape(error)}")
+    if result.abandoned:
+        console.print(f"[bold yellow]abandoned:[/] {result.abandoned} requests still running when the drain "
+                      "time after the last level ran out (not counted as failed; their end is unknown)")
+    for what, count in sorted(result.malformed.items()):
+        console.print(f"[bold yellow]warning:[/] {count} answers with {escape(what)} (read as not available)")
 
 
 def failure_reasons(result: LoadResult, top: int = 3) -> list[tuple[str, int]]:
-    """The most frequent errors of the failed requests, with their counts."""
-    errors = Counter(r.error or "failed without an error message" for r in result.requests if not r.ok)
+    """The most frequent errors of the failed requests (not the abandoned), with their counts."""
+    errors = Counter(r.error or "failed without an error message" for r in result.requests
+                     if not r.ok and not is_abandoned(r.error))
     return errors.most_common(top)

@@ -9,6 +9,7 @@ import os
 import secrets
 import socket
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,7 @@ from gputrace.config import LoadConfig
 from gputrace.errors import ConfigError, SourceError, UsageError
 from gputrace.load.stats import LevelStats, level_stats
 from gputrace.logsetup import get_logger
-from gputrace.model import Marker, RequestRecord
+from gputrace.model import ABANDONED_PREFIX, Marker, RequestRecord, is_abandoned
 
 log = get_logger("load")
 
@@ -40,6 +41,10 @@ _BACKOFF_MIN_S = 0.05
 _BACKOFF_MAX_S = 1.0
 
 RecordSink = Callable[[RequestRecord | Marker], None]
+_ERROR_CHARS = 300
+# What parsing a hostile answer can raise beyond ValueError (deep nesting, a JSON type where
+# another belongs): the request fails with it; the worker goes on (it died and the run hung).
+_MALFORMED = (RecursionError, TypeError, AttributeError, KeyError, IndexError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +183,13 @@ class LoadResult:
     levels: list[LevelStats]
     wall_s: float
     cpu_s: float  # this process's CPU seconds during the run
+    malformed: dict[str, int] = field(default_factory=dict)  # answer fields that were not what the
+    # protocol says (read as not available), with how many answers had each
+
+    @property
+    def abandoned(self) -> int:
+        """Requests still running when the drain time ran out (neither completed nor failed)."""
+        return sum(1 for r in self.requests if is_abandoned(r.error))
 
     def records(self) -> list[RequestRecord | Marker]:
         """Markers and requests in time order (for ``write_jsonl`` or a store)."""
@@ -201,6 +213,8 @@ class LoadGenerator:
         self.phase: str | None = None
         self.completed = 0
         self.failed = 0
+        self.abandoned = 0
+        self.malformed: Counter[str] = Counter()  # answer fields not as the protocol says
         self._payloads = _payloads(spec)
         self._levels = self._plan()
         self._level_idx = -1
@@ -299,6 +313,7 @@ class LoadGenerator:
             levels=levels,
             wall_s=time.monotonic() - wall0,
             cpu_s=time.process_time() - cpu0,
+            malformed=dict(self.malformed),
         )
 
     def _start_level(self, idx: int) -> None:
@@ -374,6 +389,9 @@ class LoadGenerator:
                     self.completed += 1
                     backoff = 0.0
                     continue
+                if is_abandoned(record.error):
+                    self.abandoned += 1
+                    return
                 self.failed += 1
                 # Back off after a failure so a refusing server is not hammered; the gap shows as
                 # fewer requests in flight, which is what the level's figures must then report.
@@ -398,18 +416,24 @@ class LoadGenerator:
                     body = await resp.read()
                     error = f"HTTP {resp.status}: {body[:200].decode(errors='replace').strip()}"
                 elif self.spec.stream:
-                    first_ns, prompt_tokens, completion_tokens, error = await _read_sse(resp)
+                    first_ns, prompt_tokens, completion_tokens, error = await _read_sse(resp, self.malformed)
                 else:
-                    prompt_tokens, completion_tokens, error = _parse_completion(await resp.read())
+                    prompt_tokens, completion_tokens, error = _parse_completion(await resp.read(),
+                                                                                self.malformed)
         except asyncio.CancelledError:
             if not self._finished:
                 raise
             # only the drain timer cancels a request after the last level: record it, then stop
-            error = "abandoned: still running when the drain time after the last level ran out"
+            error = f"{ABANDONED_PREFIX} still running when the drain time after the last level ran out"
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             error = f"{type(exc).__name__}: {exc}".strip()
             if isinstance(exc, aiohttp.ClientConnectorError):
                 self._note_connect_failure(exc)
+        except _MALFORMED as exc:
+            error = f"malformed answer: {type(exc).__name__}: {exc}"
+        except Exception as exc:  # every request ends as a record, whatever went wrong in between
+            log.exception("request failed in the client", request=seq)
+            error = f"client error: {type(exc).__name__}: {exc}"
         finally:
             end_ns = time.time_ns()
             self.inflight -= 1
@@ -424,7 +448,7 @@ class LoadGenerator:
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             ok=error is None,
-            error=error,
+            error=None if error is None else printable(error),
             phase=phase,
         )
 
@@ -483,8 +507,32 @@ class LoadGenerator:
             self._lag_ts.append(time.time_ns())
 
 
-async def _read_sse(resp: aiohttp.ClientResponse) -> tuple[int | None, int | None, int | None, str | None]:
-    """Reads an SSE chat stream: (first token ns, prompt tokens, completion tokens, error)."""
+def printable(text: str) -> str:
+    """An error text from a server, safe to print and store: a lone surrogate from its JSON stopped
+    the summary (UnicodeEncodeError) and cannot be stored; cut to a few lines' length."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")[:_ERROR_CHARS]
+
+
+def _note(malformed: Counter[str] | None, what: str) -> None:
+    if malformed is not None:
+        malformed[what] += 1
+
+
+async def _read_sse(resp: aiohttp.ClientResponse, malformed: Counter[str] | None = None
+                    ) -> tuple[int | None, int | None, int | None, str | None]:
+    """Reads an SSE chat stream: (first token ns, prompt tokens, completion tokens, error). Fields
+    not as the protocol says are read as not available and counted in ``malformed``, once per
+    answer."""
+    odd: Counter[str] = Counter()
+    try:
+        return await _read_sse_events(resp, odd)
+    finally:
+        if malformed is not None:
+            malformed.update(odd.keys())
+
+
+async def _read_sse_events(resp: aiohttp.ClientResponse, malformed: Counter[str]
+                           ) -> tuple[int | None, int | None, int | None, str | None]:
     first_ns: int | None = None
     prompt_tokens: int | None = None
     usage_completion: int | None = None
@@ -520,10 +568,12 @@ async def _read_sse(resp: aiohttp.ClientResponse) -> tuple[int | None, int | Non
                     counted += 1
                     if first_ns is None:
                         first_ns = now
+            elif choices:
+                _note(malformed, "choices[0] not an object")
             usage = event.get("usage")
             if usage and isinstance(usage, dict):
-                prompt_tokens = token_count(usage.get("prompt_tokens"))
-                usage_completion = token_count(usage.get("completion_tokens"))
+                prompt_tokens = _usage_count(usage, "prompt_tokens", malformed)
+                usage_completion = _usage_count(usage, "completion_tokens", malformed)
     if not done and error is None:
         # The server closed the stream early (crashed, restarted): the request did not complete.
         error = f"stream ended before 'data: [DONE]' after {counted} chunks"
@@ -531,7 +581,8 @@ async def _read_sse(resp: aiohttp.ClientResponse) -> tuple[int | None, int | Non
     return first_ns, prompt_tokens, completion, error
 
 
-def _parse_completion(body: bytes) -> tuple[int | None, int | None, str | None]:
+def _parse_completion(body: bytes, malformed: Counter[str] | None = None
+                      ) -> tuple[int | None, int | None, str | None]:
     """A non-streaming response: (prompt tokens, completion tokens, error)."""
     obj = json.loads(body)
     if not isinstance(obj, dict):
@@ -541,15 +592,25 @@ def _parse_completion(body: bytes) -> tuple[int | None, int | None, str | None]:
         return None, None, str(err.get("message", err) if isinstance(err, dict) else err)[:200]
     usage = obj.get("usage")
     usage = usage if isinstance(usage, dict) else {}
-    completion = token_count(usage.get("completion_tokens"))
+    completion = _usage_count(usage, "completion_tokens", malformed)
+    choices = obj.get("choices")
+    first = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+    if choices and not first:
+        _note(malformed, "choices[0] not an object")
     if completion is None:
         # No usage block: estimate from the text (whitespace words); better than nothing.
-        choices = obj.get("choices")
-        first = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
         message = first.get("message")
         text = message.get("content") if isinstance(message, dict) else None
         completion = len(text.split()) if isinstance(text, str) else 0
-    return token_count(usage.get("prompt_tokens")), completion, None
+    return _usage_count(usage, "prompt_tokens", malformed), completion, None
+
+
+def _usage_count(usage: dict[str, Any], key: str, malformed: Counter[str] | None) -> int | None:
+    value = usage.get(key)
+    count = token_count(value)
+    if count is None and value is not None:
+        _note(malformed, f"usage.{key} not a token count")
+    return count
 
 
 def token_count(value: object) -> int | None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gputrace.model import Marker, RequestRecord
+from gputrace.model import Marker, RequestRecord, is_abandoned
 
 MIN_HOLD_NS = 1_000_000
 """A count must be held this long to set ``inflight_min``: between one request's end and the next
@@ -30,7 +30,7 @@ class LevelStats:
     start_ns: int
     end_ns: int
     ok: int
-    failed: int
+    failed: int  # ended with an error (the abandoned are not failures: counted on their own)
     output_tokens: int
     aggregate_tok_s: float | None  # completion tokens generated inside the level's window per second
     request_tok_s_p50: float | None  # median of completion tokens / (end - start) per request
@@ -40,6 +40,7 @@ class LevelStats:
     inflight_min: int | None  # the lowest count held for at least MIN_HOLD_NS in the steady part
     steady_start_ns: int | None = None  # when the count first reached the target in this level
     loop_lag_p99_ms: float | None = None  # the client's event-loop lag (None when not measured)
+    abandoned: int = 0  # still running when the drain time after the last level ran out
 
     @property
     def duration_s(self) -> float:
@@ -126,6 +127,7 @@ def level_stats(
     end = _f([r.end_ns for r in requests])
     tokens = _f([r.completion_tokens for r in requests])
     ok = np.array([r.ok for r in requests], dtype=bool)
+    abandoned = np.array([is_abandoned(r.error) for r in requests], dtype=bool)
     phase = np.array([r.phase or "" for r in requests], dtype=object)
     # Without a first-token time (non-streaming) the tokens are spread from the request's start.
     gen_from = np.where(np.isfinite(first), first, start)
@@ -157,7 +159,7 @@ def level_stats(
                 start_ns=t0,
                 end_ns=t1,
                 ok=int(good.sum()),
-                failed=int((mine & ~ok).sum()),
+                failed=int((mine & ~ok & ~abandoned).sum()),
                 output_tokens=int(np.nansum(n_tok)),
                 aggregate_tok_s=(
                     _tokens_in_window(gen_from, end, tokens, t0, t1) / duration_s if duration_s > 0 else None
@@ -169,6 +171,7 @@ def level_stats(
                 inflight_min=low,
                 steady_start_ns=steady_t0,
                 loop_lag_p99_ms=lag_p99,
+                abandoned=int((mine & abandoned).sum()),
             )
         )
     return out

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import re
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -19,6 +18,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Protocol
 
+from gputrace.backoff import Backoff
 from gputrace.config import LogSource
 from gputrace.engines.ingest import MAX_LINE_BYTES
 from gputrace.errors import HostKeyError, SourceError, TransportError
@@ -76,24 +76,11 @@ class FollowedLine:
     source_ts_ns: int | None = None  # the source's own timestamp (journald, docker), host clock
 
 
-@dataclass(frozen=True, slots=True)
-class Backoff:
-    """Exponential back-off with jitter between reconnection attempts."""
-
-    initial_s: float = 0.2
-    max_s: float = 30.0
-    factor: float = 2.0
-    jitter: float = 0.5  # each delay is drawn from [1 - jitter, 1] times the nominal one
-
-    def delay_s(self, attempt: int) -> float:
-        nominal = min(self.max_s, self.initial_s * self.factor ** min(attempt, 64))
-        return nominal * random.uniform(1.0 - self.jitter, 1.0)
-
-
 class _Decoder(Protocol):
     """Turns one source's stream into lines and knows how to resume it."""
 
     merge_stderr: bool
+    problem: str | None  # why the source yields nothing right now (a file not there), else None
 
     def argv(self, python: str) -> list[str]: ...
 
@@ -113,6 +100,7 @@ class _FileDecoder:
 
     def __init__(self, path: str, position: FilePosition | None, from_start: bool, poll_s: float) -> None:
         self.path = path
+        self.problem: str | None = None
         self.poll_s = poll_s
         start = (0, 0 if from_start else -1)  # offset -1: the end of the file
         self.inode, self.offset = (position.inode, position.offset) if position else start
@@ -172,6 +160,7 @@ class _FileDecoder:
             if kind == b"D":
                 self._data(inode, off, bytes(frames[eol + 1:eol + 1 + length]), recv_ts_ns, out)
             elif kind == b"O":
+                self.problem = None
                 if inode != self.inode:
                     self._flush_pending(out, recv_ts_ns)
                 self.inode, self.offset, self._next, self._pending = inode, off, off, b""
@@ -181,6 +170,7 @@ class _FileDecoder:
                 log.info("log_truncated", path=self.path, inode=inode, at_offset=off)
                 self.offset = self._next = 0
             elif kind == b"W":
+                self.problem = f"{self.path}: no such file on the host (followed once it appears)"
                 log.warning("log_file_missing", path=self.path,
                             why="no such file on the host yet: following it once it appears; "
                                 "check the path if the engine is already running")
@@ -219,6 +209,7 @@ class _LineDecoder:
     """Base for sources whose output is plain lines."""
 
     merge_stderr = True
+    problem: str | None = None  # a stream of lines has no state of its own to report
 
     def __init__(self) -> None:
         self._pending = b""
@@ -369,6 +360,7 @@ async def follow_log_batches(
     poll_s: float = 0.02,
     backoff: Backoff | None = None,
     on_caught_up: Callable[[], None] | None = None,
+    on_problem: Callable[[str | None], None] | None = None,
 ) -> AsyncGenerator[list[FollowedLine], None]:
     """Follow ``source`` on ``transport``'s host forever; yields the lines of each chunk received.
 
@@ -377,13 +369,22 @@ async def follow_log_batches(
     a HostKeyError, or a command that is missing on the host (exit 126/127), raises SourceError.
     ``on_caught_up`` is called once, after the first read that did not fill the read buffer: the
     follower is running and has read what the source held when it started (lines received from
-    then on carry live receive times).
+    then on carry live receive times). ``on_problem`` is told why the source yields nothing (a
+    file that is not there, a lost connection) when that starts, and None when it is over.
     """
     caught_up = on_caught_up is None
     decoder = _decoder_for(source, position, from_start, poll_s)
     backoff = backoff or Backoff()
     attempt = 0
     where = f"{transport.host}: {source.kind} {source.target!r}"
+    told: str | None = None
+
+    def tell(problem: str | None) -> None:
+        nonlocal told
+        if problem != told and on_problem is not None:
+            on_problem(problem)
+        told = problem
+
     while True:
         stream: StreamedCommand | None = None
         try:
@@ -392,6 +393,7 @@ async def follow_log_batches(
             while data := await stream.read(_READ_BYTES):
                 attempt = 0
                 lines = decoder.feed(data, time.time_ns())
+                tell(decoder.problem)
                 if lines:
                     yield lines
                 if not caught_up and len(data) < _READ_BYTES and on_caught_up is not None:
@@ -401,6 +403,7 @@ async def follow_log_batches(
             raise
         except TransportError as exc:
             log.warning("follow_disconnected", source=where, error=str(exc))
+            tell(f"disconnected ({exc}): reconnecting")
         finally:
             if stream is not None:
                 await stream.close()
@@ -408,6 +411,9 @@ async def follow_log_batches(
         if status in (126, 127):
             raise SourceError(f"{where}: the follower cannot run on the host (exit {status}): "
                               f"{stream.stderr_tail().strip() if stream else ''}")
+        if status:
+            tail = stream.stderr_tail().strip()[-200:] if stream is not None else ""
+            tell(f"the follower exited with status {status}{': ' + tail if tail else ''}; restarting it")
         decoder.restart()
         delay_s = backoff.delay_s(attempt)
         attempt += 1
