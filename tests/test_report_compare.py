@@ -18,7 +18,8 @@ from gputrace.report.compare_render import CSS
 
 def _capped(path: Path) -> Path:
     build(path, SynthRun([Level("C=1", 1, 1, [0.125] * 4, 1, 6),
-                          Level("C=32", 32, 32, [0.25] * 4, 16, 6, queue=16)], pp=4))
+                          Level("C=32", 32, 32, [0.9] * 4, 4, 6, queue=16)], pp=4,
+                         engine={"max_running_requests": 64, "pp_max_micro_batch_size": 4}))
     return path
 
 
@@ -48,7 +49,7 @@ def test_compare_says_what_changed_and_shows_both_runs(tmp_path: Path) -> None:
     for run in (a, b):
         assert CliRunner().invoke(main, ["report", str(run), "--format", "html"]).exit_code == 0
     page, out = _compare(a, b, tmp_path / "cmp")
-    assert "Resolved in phase C=32: microbatch_cap (run A: #running-req plateaus at K = 16" in page
+    assert "Resolved in phase C=32: microbatch_cap (run A: every micro-batch holds K = 4" in page
     assert "<th>tok/s A</th><th>tok/s B</th>" in page and "<th>bubble A</th><th>bubble B</th>" in page
     doc = json.loads((tmp_path / "cmp" / "compare.json").read_text())
     c32 = next(p for p in doc["phases"] if p["label"] == "C=32")
@@ -59,7 +60,7 @@ def test_compare_says_what_changed_and_shows_both_runs(tmp_path: Path) -> None:
     assert "- Resolved in phase C=32: microbatch_cap" in out
 
     back, _ = _compare(b, a, tmp_path / "back")  # the other way round, the cap is new
-    assert "New in phase C=32: microbatch_cap (run B: #running-req plateaus at K = 16" in back
+    assert "New in phase C=32: microbatch_cap (run B: every micro-batch holds K = 4" in back
     assert "change: --pp-max-micro-batch-size" in back
 
 

@@ -37,7 +37,8 @@ def _agent_like(path: Path) -> Path:
     (no utilization), NVML's utilization samples every 1/6 s between them, and a 2 s gap in the
     ticks."""
     build(path, SynthRun([Level("C=1", 1, 1, [0.125] * 4, 1, 6),
-                          Level("C=32", 32, 32, [0.25] * 4, 16, 6, queue=16)], pp=4))
+                          Level("C=32", 32, 32, [0.9] * 4, 4, 6, queue=16)], pp=4,
+                         engine={"max_running_requests": 64, "pp_max_micro_batch_size": 4}))
     with Store.open(path) as store:
         store.sql("UPDATE gpu_samples SET utilization_ratio = NULL, pcie_tx_bytes_per_s = "
                   "4e6 + 1e6 * gpu_index, pcie_rx_bytes_per_s = 1e6")
@@ -91,13 +92,13 @@ def test_time_figures_share_one_x_range_and_axes_position(analysis: Analysis) ->
 
 
 def test_running_vs_load_has_k_and_pool_lines_and_distinct_stage_markers(analysis: Analysis) -> None:
-    """K (64 // 4 = 16 here) and the pool (64) as horizontal lines named with their values; each
-    stage's markers differ in shape and size, so coinciding stages stay visible."""
+    """K (--pp-max-micro-batch-size 4 here) and the pool (64) as horizontal lines named with their
+    values; each stage's markers differ in shape and size, so coinciding stages stay visible."""
     ax = build_figure("running_vs_load", analysis).axes[0]
     by_label = {ln.get_label(): ln for ln in ax.lines}
-    k_line = next(ln for label, ln in by_label.items() if label.startswith("K = 16"))
+    k_line = next(ln for label, ln in by_label.items() if label.startswith("K = 4"))
     pool_line = next(ln for label, ln in by_label.items() if label.startswith("pool = 64"))
-    assert list(k_line.get_ydata()) == [16, 16] and list(pool_line.get_ydata()) == [64, 64]
+    assert list(k_line.get_ydata()) == [4, 4] and list(pool_line.get_ydata()) == [64, 64]
     stages = [by_label[f"stage {s}"] for s in range(4)]
     assert len({(ln.get_marker(), ln.get_markersize()) for ln in stages}) == 4
 
@@ -167,7 +168,7 @@ def test_phase_by_stage_table_holds_only_per_stage_values(agent_run: Path, tmp_p
     md = (tmp_path / "report.md").read_text()
     stage = md[md.index("## Phase by stage"):md.index("## Stage mapping")]
     header = stage.splitlines()[2]
-    assert header.startswith("| phase | stage | busy | bubble | #running mean | #running max |")
+    assert header.startswith("| phase | stage | busy | bubble | busy from | #running mean | #running max |")
     for per_phase in ("offered", "tok/s", "allowed busy", "C |"):
         assert per_phase not in header, per_phase
     assert stage.count("| C=32 |") == 1 and stage.count("| C=1 |") == 1

@@ -23,7 +23,8 @@ from gputrace.store import Store
 
 def _capped(path: Path) -> Path:
     build(path, SynthRun([Level("C=1", 1, 1, [0.125] * 4, 1, 6),
-                          Level("C=32", 32, 32, [0.25] * 4, 16, 6, queue=16)], pp=4))
+                          Level("C=32", 32, 32, [0.9] * 4, 4, 6, queue=16)], pp=4,
+                         engine={"max_running_requests": 64, "pp_max_micro_batch_size": 4}))
     return path
 
 
@@ -44,7 +45,7 @@ def test_report_writes_three_formats(tmp_path: Path) -> None:
     doc = json.loads((out / "findings.json").read_text())
     assert doc["schema"] == SCHEMA
     assert set(doc) == {"schema", "summary", "findings", "phases", "table", "mapping", "notes"}
-    assert doc["findings"][0]["cause"] == "microbatch_cap" and doc["findings"][0]["evidence"]["K"] == 16
+    assert doc["findings"][0]["cause"] == "microbatch_cap" and doc["findings"][0]["evidence"]["K"] == 4
     assert len(doc["table"]) == 2 * 4 and {"busy_fraction", "bubble_fraction"} <= set(doc["table"][0])
     md = (out / "report.md").read_text()
     for name in FIGURES:
@@ -227,7 +228,8 @@ def test_markdown_shows_names_and_labels_as_text(tmp_path: Path) -> None:
     (they were embedded raw; report.html escaped them) ([robust] #11)."""
     run = tmp_path / "run"
     build(run, SynthRun([Level("<script>alert(1)</script>|C=1", 1, 1, [0.125] * 4, 1, 6),
-                         Level("C=32", 32, 32, [0.25] * 4, 16, 6, queue=16)], pp=4))
+                         Level("C=32", 32, 32, [0.9] * 4, 4, 6, queue=16)], pp=4,
+                         engine={"max_running_requests": 64, "pp_max_micro_batch_size": 4}))
     meta = json.loads((run / "meta.json").read_text())
     (run / "meta.json").write_text(json.dumps({**meta, "name": "<img src=x onerror=alert(2)>"}))
     res = CliRunner().invoke(main, ["report", str(run), "--out", str(tmp_path / "out"), "--format", "md"])

@@ -143,11 +143,12 @@ def rfc3339(t_s: float) -> str:
 @pytest.mark.system
 @pytest.mark.slow
 def test_report_from_prometheus_names_levels_and_cap(capture: Capture, tmp_path: Path) -> None:
-    """The report from Prometheus alone has the two levels as phases and microbatch_cap (K = 8) at C=32."""
+    """The report from Prometheus alone has the two levels as phases and microbatch_cap (K = 2, given
+    with the pool since Prometheus does not carry the engine's settings) at C=32."""
     out = tmp_path / "report"
     done = subprocess.run(gputrace_argv(
         "report", "--prometheus", capture.prom, "--start", rfc3339(capture.start_s),
-        "--end", f"{capture.end_s:.3f}", "--max-running-requests", "64",
+        "--end", f"{capture.end_s:.3f}", "--max-running-requests", "64", "--pp-max-micro-batch-size", "2",
         "--run-out", str(tmp_path / "run"), "--out", str(out), "--format", "json,md"),
         capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -166,8 +167,8 @@ def test_report_from_prometheus_names_levels_and_cap(capture: Capture, tmp_path:
     c32 = [{k: r.get(k) for k in ("pp_rank", "microbatch_size_max", "microbatch_size_mean", "queue_req_mean")}
            for r in doc["table"] if r["phase"] == "C=32"]
     assert [f["phase"] for f in cap] == ["C=32"], (doc["findings"], c32)
-    assert cap[0]["evidence"]["K"] == 8 and cap[0]["recommendation"].startswith("--pp-max-micro-batch-size")
-    assert cap[0]["evidence"]["microbatch_size_max"] <= 8
+    assert cap[0]["evidence"]["K"] == 2 and cap[0]["recommendation"].startswith("--pp-max-micro-batch-size")
+    assert cap[0]["evidence"]["microbatch_size_max"] <= 2
     # The same run as captured directly: the bubble fraction per stage agrees at the capped level.
     direct = tmp_path / "direct"
     subprocess.run(gputrace_argv("report", str(capture.direct_run), "--out", str(direct), "--format", "json"),
