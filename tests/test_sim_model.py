@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import collections
+import re
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -243,3 +246,30 @@ def test_nccl_spin_fills_utilization_but_not_sm_activity(tmp_path):
             assert util > 0.99 if spinning else abs(util - st["busy_fraction"]) < 0.01
         power[spinning] = float(np.asarray(cols["power_w"])[inside].mean())
     assert abs(power[True] - power[False]) < 2.0  # spinning draws no compute power
+
+
+def test_the_device_timer_tail_gives_each_ranks_true_compute_share():
+    """[sim] Must show 4, the engine's own figure: with device_timer (SGLang's
+    SGLANG_ENABLE_METRICS_DEVICE_TIMER=1) each batch line ends with `fwd occupancy: X%, fwd+idle
+    occupancy: Y%`; the forward time they add up to over a phase is the rank's true busy share,
+    NCCL spin or not, and the parser still reads every line."""
+    result = run_scenario("bunched", 0, {"pp_max_micro_batch_size": 64, "concurrency": (32,), "phase_s": 20.0,
+                                         "drain_s": 2.0, "nccl_spin": True, "device_timer": True,
+                                         "decode_log_interval": 1})
+    _, _, unrecognised = parse_log(result)
+    assert unrecognised == 0
+    tail = re.compile(r"PP(\d)\] .*fwd occupancy: ([\d.]+)%, fwd\+idle occupancy: ([\d.]+)%$")
+    ph = result.ground_truth["phases"][0]
+    last: dict[int, int] = {}
+    fwd_ns: dict[int, float] = collections.defaultdict(float)
+    for line, ts in zip(result.log_lines, result.log_ts_ns, strict=True):
+        m = tail.search(line)
+        if m is None:
+            continue
+        rank = int(m.group(1))
+        if rank in last and ph["start_ns"] <= last[rank] and ts <= ph["end_ns"]:
+            fwd_ns[rank] += float(m.group(2)) / 100 * (ts - last[rank])
+        last[rank] = ts
+    span_ns = ph["end_ns"] - ph["start_ns"]
+    for st in ph["stages"]:
+        assert abs(fwd_ns[st["pp_rank"]] / span_ns - st["busy_fraction"]) < 0.02, (st, fwd_ns[st["pp_rank"]])

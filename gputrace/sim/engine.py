@@ -124,6 +124,9 @@ class PipelineEngine:
         self._gen_since = [0.0] * p.pp_size
         self._in_tokens = [0] * p.pp_size
         self._in_since = [0.0] * p.pp_size
+        # the device timer's window per rank: forward seconds since its previous line
+        self._fwd_s = [0.0] * p.pp_size
+        self._fwd_since = [0.0] * p.pp_size
 
     # -- driving -------------------------------------------------------------------------------
 
@@ -332,6 +335,7 @@ class PipelineEngine:
             starts.append(start)
             ends.append(end)
             if log:
+                self._fwd_s[s] += end - start
                 if not decode:
                     self._log_prefill(s, start, k, batch, tokens)
                 else:
@@ -415,6 +419,7 @@ class PipelineEngine:
             "gen_throughput": self._gen_tokens[s] / gap, "queue_req": len(self.waiting)}
         self._gen_tokens[s] = 0
         self._gen_since[s] = end
+        self._occupancy(s, end, fields)
         self.on_log(end, s, "decode", fields)
 
     def _log_prefill(self, s: int, start: float, k: int, batch: list[tuple[SimRequest, int]],
@@ -431,4 +436,20 @@ class PipelineEngine:
             "input_throughput": self._in_tokens[s] / gap}
         self._in_tokens[s] = 0
         self._in_since[s] = start
+        # the step this line announces has not run yet: its forward counts in the next window
+        self._fwd_s[s] -= self.trace.iv_end[-1] - self.trace.iv_start[-1]
+        self._occupancy(s, start, fields)
+        self._fwd_s[s] += self.trace.iv_end[-1] - self.trace.iv_start[-1]
         self.on_log(start, s, "prefill", fields)
+
+    def _occupancy(self, s: int, t: float, fields: dict[str, float | int | bool]) -> None:
+        """The device timer's share: forward time over the wall time since the rank's last line
+        (idle with no work counted in fwd+idle)."""
+        if not self.p.device_timer:
+            return
+        wall = t - self._fwd_since[s]
+        share = min(self._fwd_s[s] / wall, 1.0) if wall > 0 else 0.0
+        fields["fwd_occupancy"] = share
+        fields["fwd_idle_occupancy"] = share if self.running or self.waiting else 1.0
+        self._fwd_s[s] = 0.0
+        self._fwd_since[s] = t

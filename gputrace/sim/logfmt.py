@@ -46,7 +46,8 @@ class LinePrefix:
 def decode_message(f: dict[str, float | int | bool]) -> str:
     return (f"Decode batch, #running-req: {f['running_req']}, #token: {f['num_token']}, "
             f"token usage: {f['token_usage']:.2f}, cuda graph: {bool(f['cuda_graph'])}, "
-            f"gen throughput (token/s): {f['gen_throughput']:.2f}, #queue-req: {f['queue_req']}")
+            f"gen throughput (token/s): {f['gen_throughput']:.2f}, #queue-req: {f['queue_req']}"
+            + _occupancy_tail(f))
 
 
 def prefill_message(f: dict[str, float | int | bool]) -> str:
@@ -54,7 +55,15 @@ def prefill_message(f: dict[str, float | int | bool]) -> str:
             f"#cached-token: {f['cached_token']}, token usage: {f['token_usage']:.2f}, "
             f"#running-req: {f['running_req']}, #queue-req: {f['queue_req']}, "
             f"#pending-token: {f['pending_token']}, cuda graph: False, "
-            f"input throughput (token/s): {f['input_throughput']:.2f}")
+            f"input throughput (token/s): {f['input_throughput']:.2f}" + _occupancy_tail(f))
+
+
+def _occupancy_tail(f: dict[str, float | int | bool]) -> str:
+    """SGLang 0.5.23's device-timer suffix (metrics_reporter's _ForwardOccupancyLogWindow)."""
+    if "fwd_occupancy" not in f:
+        return ""
+    return (f", fwd occupancy: {f['fwd_occupancy'] * 100:.2f}%, "
+            f"fwd+idle occupancy: {f['fwd_idle_occupancy'] * 100:.2f}%")
 
 
 def server_args_message(p: SimParams) -> str:

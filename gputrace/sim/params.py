@@ -34,6 +34,9 @@ class SimParams:
     max_total_num_tokens: int = 600_000  # KV-cache capacity in tokens (per stage, all layers of it)
     context_len: int = 32768
     decode_log_interval: int = 9  # coprime with the slot count, as the report recommends
+    # SGLANG_ENABLE_METRICS_DEVICE_TIMER=1: batch lines end with `fwd occupancy: X%, fwd+idle
+    # occupancy: Y%` (the rank's forward time over the wall time since its previous line)
+    device_timer: bool = False
     cuda_graph_max_bs: int = 160
     model_path: str = "meta-llama/Llama-3.1-70B-Instruct"
     # -- cost model of one stage step (before the stage's multiplier) ---------------------------
