@@ -1,6 +1,7 @@
 """Simulator speed: a one-hour PP8 run sampled at 10 Hz, generated in virtual time into a run store.
 
-    python bench/sim.py [--scenario microbatch-cap] [--hours 1] [--period 0.1]
+    python bench/sim.py [--scenario motivating] [--hours 1] [--period 0.1]
+    python bench/sim.py --calibration [--fit]     (the motivating figures: see bench/calibration.py)
 
 Prints the wall time of the engine model and of the run store write (GPU samples, the log
 imported through gputrace's SGLang import path, every other table), and the ratio of simulated
@@ -41,10 +42,17 @@ def naive_utilization(starts: np.ndarray, ends: np.ndarray, times: np.ndarray, p
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--scenario", default="microbatch-cap")
+    ap.add_argument("--scenario", default="motivating")
+    ap.add_argument("--calibration", action="store_true", help="the motivating figures, simulated")
+    ap.add_argument("--fit", action="store_true", help="with --calibration: search the MoE cost grid")
     ap.add_argument("--hours", type=float, default=1.0)
     ap.add_argument("--period", type=float, default=0.1, help="sample period in seconds (0.1 = 10 Hz)")
     args = ap.parse_args()
+    if args.calibration:
+        import calibration  # bench/calibration.py, beside this file
+
+        calibration.main(["--fit"] if args.fit else [])
+        return
     from gputrace.sim import SCENARIOS
 
     n_levels = len(SCENARIOS[args.scenario].overrides.get("concurrency", (1, 8, 32, 64)))

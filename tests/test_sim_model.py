@@ -273,3 +273,21 @@ def test_the_device_timer_tail_gives_each_ranks_true_compute_share():
     span_ns = ph["end_ns"] - ph["start_ns"]
     for st in ph["stages"]:
         assert abs(fwd_ns[st["pp_rank"]] / span_ns - st["busy_fraction"]) < 0.02, (st, fwd_ns[st["pp_rank"]])
+
+
+def test_a_burst_level_ends_when_its_last_request_finishes():
+    """client_mode "burst" (how the motivating figures were measured): each level sends its C
+    requests at once; it ends when the last one is back, the next level starts then, and the
+    throughput is all the level's tokens over that wall time."""
+    result = run_scenario("motivating", 0, {"client_mode": "burst", "concurrency": (1, 8), "max_tokens": 64,
+                                            "drain_s": 0.0})
+    p = result.params
+    for phase, truth in zip(result.phases, result.ground_truth["phases"], strict=True):
+        mine = [r for r in result.requests if r.phase == phase.label]
+        assert len(mine) == phase.target_concurrency
+        assert all(r.client_start_s == phase.start_s for r in mine)
+        last = max(r.finish_s for r in mine if r.finish_s is not None)
+        assert phase.end_s == pytest.approx(last + p.client_latency_s)
+        tokens = sum(r.generated for r in mine)
+        assert truth["throughput_tok_s"] == pytest.approx(tokens / (phase.end_s - phase.start_s), rel=0.01)
+    assert result.phases[1].start_s == result.phases[0].end_s

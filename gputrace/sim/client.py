@@ -49,6 +49,13 @@ class ClosedLoopClient:
         while self.inflight < self.target:
             self._send(phase.start_s)
 
+    def start_burst(self, label: str, concurrency: int, t_s: float) -> None:
+        """A burst level: ``concurrency`` requests at once, none sent when they finish."""
+        self.label = label
+        self.issuing = False
+        for _ in range(concurrency):
+            self._send(t_s)
+
     def stop(self) -> None:
         """The end of the last phase: requests in flight finish, no new ones go out."""
         self.issuing = False

@@ -322,7 +322,8 @@ class PipelineEngine:
         lat = p.pcie_latency_s
         stage_free, link_free, last = self.stage_free, self.link_free, p.pp_size - 1
         compute = p.decode_token_s * (tokens - prompt) + p.prefill_token_s * prompt
-        base = p.launch_s + max(p.weight_read_s, compute) + p.context_token_s * ctx_tokens
+        memory = p.weight_read_s + (self._expert_share(tokens) * p.expert_read_s if p.moe_experts else 0.0)
+        base = p.launch_s + max(memory, compute) + p.context_token_s * ctx_tokens
         starts, ends = tr.iv_start, tr.iv_end
         log = self.on_log is not None and not self.vllm  # vLLM logs engine-wide stats instead
         gen_tokens, steps, interval = self._gen_tokens, self._decode_steps, p.decode_log_interval
@@ -362,6 +363,11 @@ class PipelineEngine:
         done = end + p.pcie_latency_s
         self.slot_ready[k] = done
         self._advance_requests(k, batch, done)
+
+    def _expert_share(self, tokens: int) -> float:
+        """The share of the routed experts ``tokens`` touch, each picking top_k of E at random."""
+        p = self.p
+        return 1.0 - (1.0 - p.moe_top_k / p.moe_experts) ** tokens
 
     def _advance_requests(self, k: int, batch: list[tuple[SimRequest, int]], done: float) -> None:
         emitted = 0

@@ -46,6 +46,11 @@ class SimParams:
     prefill_token_s: float = 0.00002  # compute per prompt token of a prefill chunk
     context_token_s: float = 3.85e-8  # attention: per context token the batch holds
     stage_cost_multipliers: tuple[float, ...] = ()  # per stage (uneven layer split); () = all 1
+    # MoE: reading the experts a step's tokens touch, E * (1 - (1 - top_k / E) ** tokens) of the
+    # E routed experts, at expert_read_s for all E (0 experts: a dense model)
+    moe_experts: int = 0
+    moe_top_k: int = 8
+    expert_read_s: float = 0.0
     sched_overhead_s: float = 0.00005  # stage 0's CPU time per loop iteration
     # SGLang on the CPU runs each forward inside its scheduler loop (on a GPU the launch is
     # asynchronous): requests that arrive during rank 0's forward go to the next slot it visits
@@ -56,6 +61,10 @@ class SimParams:
     pcie_latency_s: float = 0.00002
     # -- the client ---------------------------------------------------------------------------
     concurrency: tuple[int, ...] = (1, 8, 32, 64)
+    # "closed": each level keeps C requests in flight for phase_s; "burst": each level sends its C
+    # requests at once and ends when the last finishes (phase_s bounds it), as the motivating
+    # measurements were taken
+    client_mode: str = "closed"
     phase_s: float = 150.0
     drain_s: float = 30.0  # after the last phase: let in-flight requests finish this long
     input_tokens: int = 128
@@ -224,6 +233,7 @@ def _validate(p: SimParams) -> None:
          "pp_max_micro_batch_size must be >= 1"),
         (p.pp_async_batch_depth >= 0, "pp_async_batch_depth must be >= 0"),
         (p.engine in ENGINES, f"engine must be one of {', '.join(ENGINES)}"),
+        (p.client_mode in ("closed", "burst"), "client_mode must be closed or burst"),
         (p.engine == "sglang" or (p.pp_max_micro_batch_size is None and not p.pp_async_batch_depth),
          "pp_max_micro_batch_size and pp_async_batch_depth are SGLang settings (engine = sglang)"),
         (p.decode_log_interval >= 1, "decode_log_interval must be >= 1"),
@@ -232,6 +242,7 @@ def _validate(p: SimParams) -> None:
         (p.input_tokens >= 1 and p.max_tokens >= 1, "input_tokens and max_tokens must be >= 1"),
         (p.pcie_bandwidth_bytes_per_s > 0, "pcie_bandwidth_bytes_per_s must be > 0"),
         (p.chunked_prefill_size >= 1, "chunked_prefill_size must be >= 1"),
+        (p.moe_experts == 0 or 1 <= p.moe_top_k <= p.moe_experts, "moe_top_k must be in 1..moe_experts"),
         (p.client_max_inflight is None or p.client_max_inflight >= 1, "client_max_inflight must be >= 1"),
         (not p.stage_cost_multipliers or len(p.stage_cost_multipliers) == p.pp_size,
          "stage_cost_multipliers needs one value per stage"),

@@ -77,11 +77,14 @@ def run_params(params: SimParams, scenario: str = "custom") -> SimResult:
 
     engine = PipelineEngine(params, on_log=on_log)
     client = ClosedLoopClient(params, engine, rng)
-    phases = plan_phases(params)
-    for phase in phases:
-        engine.run_until(phase.start_s)
-        client.start_phase(phase)
-    engine.run_until(phases[-1].end_s)
+    if params.client_mode == "burst":
+        phases = _run_bursts(params, engine, client)
+    else:
+        phases = plan_phases(params)
+        for phase in phases:
+            engine.run_until(phase.start_s)
+            client.start_phase(phase)
+        engine.run_until(phases[-1].end_s)
     client.stop()
     end_s = phases[-1].end_s
     deadline = end_s + params.drain_s
@@ -95,6 +98,28 @@ def run_params(params: SimParams, scenario: str = "custom") -> SimResult:
 
     result.ground_truth = ground_truth(result, SCENARIOS[scenario].causes if scenario in SCENARIOS else ())
     return result
+
+
+BURST_STEP_S = 0.02  # how finely a burst level's end is found
+
+
+def _run_bursts(params: SimParams, engine: PipelineEngine, client: ClosedLoopClient) -> list[Phase]:
+    """Each level's C requests at once; the level ends when its last request is back at the
+    client (or after phase_s), and the next level starts then."""
+    phases = []
+    t = 0.0
+    for c in params.concurrency:
+        label = f"C={c}"
+        first = len(client.requests)
+        client.start_burst(label, c, t)
+        deadline = t + params.phase_s
+        while client.inflight and engine.now < deadline:
+            engine.run_until(min(engine.now + BURST_STEP_S, deadline))
+        done = [r.finish_s for r in client.requests[first:] if r.finish_s is not None]
+        end = min(max(done, default=deadline) + params.client_latency_s, deadline)
+        phases.append(Phase(label, c, t, max(end, t + BURST_STEP_S)))
+        t = phases[-1].end_s
+    return phases
 
 
 def run_scenario(name: str, seed: int = 0, overrides: Mapping[str, Any] | None = None) -> SimResult:
