@@ -102,6 +102,7 @@ class LoadConfig:
     temperature: float = 0.0
     stream: bool = True
     ignore_eos: bool = False
+    burst: bool = False  # each level's C requests at once; the level ends when the last is back
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,6 +279,7 @@ def _parse_load(path: Path, table: Any) -> LoadConfig:
         temperature=sec.get("temperature", float, 0.0),
         stream=sec.get("stream", bool, True),
         ignore_eos=sec.get("ignore_eos", bool, False),
+        burst=sec.get("burst", bool, False),
     )
     if not load.url.startswith(("http://", "https://")):
         sec.fail(sec.key("url"), f"must start with http:// or https://, got {load.url!r}")

@@ -119,3 +119,15 @@ def test_a_dead_server_fails_the_load_with_the_reason(tmp_path: Path) -> None:
     assert out.stderr.strip().splitlines()[-1].startswith("gputrace: error: every request failed (3), e.g.: ")
     records = [json.loads(line) for line in out_file.read_text().splitlines()]
     assert sum(1 for r in records if r["type"] == "request" and not r["ok"] and r["error"]) == 3
+
+
+def test_load_command_burst(server_thread: tuple[str, ServerStats], tmp_path: Path) -> None:
+    """`gputrace load --burst`: C requests per level, all of them recorded, the levels in order."""
+    url, _ = server_thread
+    out = tmp_path / "load.jsonl"
+    proc = _gputrace("load", "--url", url, "--model", "m", "--concurrency", "2,4", "--max-tokens", "4",
+                     "--burst", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    parsed = parse_requests_jsonl(out)
+    requests = [r for r in parsed.records if isinstance(r, RequestRecord)]
+    assert sorted((r.phase, r.ok) for r in requests) == [("C=2", True)] * 2 + [("C=4", True)] * 4

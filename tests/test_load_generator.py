@@ -383,3 +383,30 @@ async def test_requests_abandoned_at_the_drain_are_counted_apart(server: Server,
         store.append(result.markers)
         (phase,) = analyse_store(store).metrics
     assert (phase.requests_failed, phase.unfinished_requests, phase.requests_completed) == (0, 4, 0)
+
+
+async def test_burst_sends_c_at_once_and_waits_for_the_last(server: Server) -> None:
+    """--burst: each level's C requests start together, nothing replaces a finished one, and the
+    next level starts only once the last of them is back (how the motivating sweep was measured)."""
+    url, stats = await server(token_interval_s=0.005, ttft_s=0.005)
+    spec = LoadSpec(url=url, model="m", concurrency=(3, 6), max_tokens=10, burst=True)
+    result = await run_load(spec)
+    assert [lv.label for lv in result.levels] == ["C=3", "C=6"]
+    by_phase = {label: [r for r in result.requests if r.phase == label] for label in ("C=3", "C=6")}
+    assert [len(v) for v in by_phase.values()] == [3, 6] and all(r.ok for r in result.requests)
+    assert stats.max_active == 6
+    for reqs in by_phase.values():  # all of a level go out together
+        starts = [r.start_ns for r in reqs]
+        assert max(starts) - min(starts) < 50_000_000
+    last_of_first = max(r.end_ns for r in by_phase["C=3"] if r.end_ns is not None)
+    assert min(r.start_ns for r in by_phase["C=6"]) >= last_of_first
+    marks = {m.label: m.ts_ns for m in result.markers}
+    assert marks["C=6"] >= last_of_first
+
+
+def test_burst_refuses_level_lengths() -> None:
+    """A burst level ends when its requests are back: a request count, a duration or a warm-up
+    with --burst is a usage error that says which to drop."""
+    for extra in ({"requests_per_level": 4}, {"duration_per_level_s": 1.0}, {"warmup_s": 1.0}):
+        with pytest.raises(UsageError, match="--burst"):
+            LoadSpec(url="http://x", model="m", concurrency=(1,), burst=True, **extra)  # type: ignore[arg-type]

@@ -40,6 +40,9 @@ def _levels(value: str) -> tuple[int, ...]:
 @click.option("--temperature", type=float, default=0.0, show_default=True)
 @click.option("--stream/--no-stream", default=True, show_default=True)
 @click.option("--ignore-eos", is_flag=True, help="Ask the server to always generate --max-tokens.")
+@click.option("--burst", is_flag=True,
+              help="Each level sends its C requests at once and ends when the last one is back "
+                   "(no replacements): throughput is all tokens over that wall time.")
 @click.option("--drain", type=float, default=None,
               help="After the last level, abandon requests still running after this many seconds "
                    "[default: wait for them].")
@@ -60,12 +63,14 @@ def command(
     temperature: float,
     stream: bool,
     ignore_eos: bool,
+    burst: bool,
     drain: float | None,
     out: str | None,
     mark_url: str | None,
     host: str | None,
 ) -> None:
-    """Keep exactly C requests in flight per level and report what each level achieved.
+    """Keep exactly C requests in flight per level (or, with --burst, send C at once per level) and
+    report what each level achieved.
 
     Prints a per-level table (aggregate and per-request tok/s, TTFT and ITL percentiles, ok/failed,
     the in-flight count actually kept) and warns when the client fell short of C.
@@ -85,6 +90,7 @@ def command(
         temperature=temperature,
         stream=stream,
         ignore_eos=ignore_eos,
+        burst=burst,
         drain_s=drain,
         mark_url=mark_url or os.environ.get("GPUTRACE_MARK_URL") or None,
         **spec_kwargs,  # type: ignore[arg-type]

@@ -25,7 +25,7 @@ def load_spec_from(cfg: Config, url: str | None, model: str | None, concurrency:
                    max_tokens: int | None, requests_per_level: int | None,
                    duration_per_level: float | None, warmup: float | None,
                    stream: bool | None, prompts: str | None, drain: float | None = None,
-                   ignore_eos: bool | None = None) -> LoadSpec:
+                   ignore_eos: bool | None = None, burst: bool | None = None) -> LoadSpec:
     """The built-in load: the config's [load] table, overridden by flags."""
     if cfg.load is None and url is None:
         raise UsageError("nothing to run: give a command after `--`, a [load] table in the config, "
@@ -34,7 +34,7 @@ def load_spec_from(cfg: Config, url: str | None, model: str | None, concurrency:
     overrides: dict[str, Any] = {k: v for k, v in {
         "url": url, "model": model, "max_tokens": max_tokens, "requests_per_level": requests_per_level,
         "duration_per_level_s": duration_per_level, "warmup_s": warmup, "stream": stream,
-        "drain_s": drain, "ignore_eos": ignore_eos,
+        "drain_s": drain, "ignore_eos": ignore_eos, "burst": burst,
     }.items() if v is not None}
     if concurrency:
         try:
@@ -82,6 +82,9 @@ async def _run_command(argv: list[str], mark_url: str, stop: asyncio.Event) -> i
 @click.option("--prompts", type=click.Path(dir_okay=False), default=None, help="Prompts JSONL.")
 @click.option("--ignore-eos/--no-ignore-eos", default=None,
               help="Built-in load: ask the server to always generate --max-tokens (overrides [load]).")
+@click.option("--burst/--no-burst", default=None,
+              help="Built-in load: each level's C requests at once, the level ends when the last is "
+                   "back (overrides [load]).")
 @click.option("--report/--no-report", "write_report", default=True, show_default=True,
               help="Write the bubble-diagnosis report when the run ends.")
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED)
@@ -91,7 +94,7 @@ def command(ctx: click.Context, config_path: str, out: Path, listen: str, accept
             insecure: bool, url: str | None, model: str | None, concurrency: str | None,
             max_tokens: int | None, requests_per_level: int | None, duration_per_level: float | None,
             warmup: float | None, stream: bool | None, drain: float | None, prompts: str | None,
-            ignore_eos: bool | None, write_report: bool,
+            ignore_eos: bool | None, burst: bool | None, write_report: bool,
             cmd: tuple[str, ...]) -> None:
     """Collect while CMD runs (`gputrace run --config F --out D -- CMD ARGS...`), or while the
     built-in load generator sweeps its concurrency levels; then write the report.
@@ -105,7 +108,7 @@ def command(ctx: click.Context, config_path: str, out: Path, listen: str, accept
         raise UsageError("a wrapped command needs the collector's --listen address for its marks")
     spec = None if cmd else load_spec_from(cfg, url, model, concurrency, max_tokens, requests_per_level,
                                            duration_per_level, warmup, stream, prompts, drain,
-                                           ignore_eos)
+                                           ignore_eos, burst)
     exit_status = 0
 
     async def main() -> None:

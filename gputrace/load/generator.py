@@ -63,6 +63,8 @@ class LoadSpec:
     temperature: float = 0.0
     stream: bool = True
     ignore_eos: bool = False
+    # each level sends its C requests at once and ends when the last is back (no replacements)
+    burst: bool = False
     mark_url: str | None = None
     host: str = field(default_factory=socket.gethostname)
     request_timeout_s: float = 600.0
@@ -85,6 +87,10 @@ class LoadSpec:
             raise UsageError(f"--url must start with http:// or https://, got {self.url!r}")
         if not self.prompts:
             raise UsageError("no prompts to send")
+        if self.burst and (self.requests_per_level is not None or self.duration_per_level_s is not None
+                           or self.warmup_s > 0):
+            raise UsageError("--burst sends C requests per level and ends the level when they are back: "
+                             "drop --requests-per-level, --duration-per-level and --warmup")
 
     @property
     def endpoint(self) -> str:
@@ -138,6 +144,7 @@ def spec_from_config(load: LoadConfig, **overrides: Any) -> LoadSpec:
         "temperature": load.temperature,
         "stream": load.stream,
         "ignore_eos": load.ignore_eos,
+        "burst": load.burst,
     }
     if load.prompts_file:
         fields["prompts"] = load_prompts(load.prompts_file)
@@ -172,6 +179,7 @@ class _Level:
     n_requests: int | None
     duration_s: float | None
     issued: int = 0
+    ended: int = 0  # requests of this level that have their record (burst levels end at n)
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,7 +250,9 @@ class LoadGenerator:
             levels.append(_Level("warmup", spec.concurrency[0], None, spec.warmup_s))
         for c in spec.concurrency:
             n = spec.requests_per_level
-            if n is None and spec.duration_per_level_s is None:
+            if spec.burst:
+                n = c
+            elif n is None and spec.duration_per_level_s is None:
                 n = 4 * c
             levels.append(_Level(f"C={c}", c, n, spec.duration_per_level_s))
         return levels
@@ -323,6 +333,10 @@ class LoadGenerator:
         self.phase = lv.label
         self.target_concurrency = lv.concurrency
         self._emit_marker(lv.label, "phase", lv.concurrency)
+        if self.spec.burst:
+            for slot in range(lv.concurrency):
+                self._workers[slot] = asyncio.create_task(self._burst_request(slot, idx))
+            return
         for slot in range(lv.concurrency):
             if slot not in self._workers:
                 self._workers[slot] = asyncio.create_task(self._worker(slot))
@@ -372,6 +386,30 @@ class LoadGenerator:
                 continue
             lv.issued += 1
             return lv.label
+
+    async def _burst_request(self, slot: int, idx: int) -> None:
+        """One request of burst level ``idx``; the last of them to end starts the next level."""
+        lv = self._levels[idx]
+        lv.issued += 1
+        seq = self._seq
+        self._seq += 1
+        try:
+            record = await self._request(self._payloads[seq % len(self._payloads)], lv.label, seq)
+            self._records.append(record)
+            self._deliver(record)
+            if record.ok:
+                self.completed += 1
+            elif is_abandoned(record.error):
+                self.abandoned += 1
+            else:
+                self.failed += 1
+        finally:
+            self._workers.pop(slot, None)
+            lv.ended += 1
+            if lv.ended >= lv.concurrency:
+                self._advance(idx)
+            if self._finished and not self._workers:
+                self._done.set()
 
     async def _worker(self, slot: int) -> None:
         backoff = 0.0
