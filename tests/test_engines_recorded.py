@@ -332,3 +332,19 @@ def _logged_span_s(engine: str, text: str) -> float:
             stamps.append(dt.datetime.strptime(f"2026-{m.group(1)}-{m.group(2)} {m.group(3)}",
                                                "%Y-%m-%d %H:%M:%S"))
     return (max(stamps) - min(stamps)).total_seconds()
+
+
+@pytest.mark.parametrize("name", ["default", "k16"])
+def test_sglang_k16_bunches_the_running_requests_k4_spreads_them(imported, name: str) -> None:  # type: ignore[no-untyped-def]
+    """[diagnosis] Must show 1, the K=16 fixture: besides the pool bound, K=16 lets the 8 running
+    share micro-batches of 7 and 1 for 2 stages (pipeline underfilled, bunched); K = 4 = ceil(8 / 2
+    slots), the default for this pool, spreads them, and the default run shows no such finding."""
+    findings = [f for f in _analysis(imported("sglang", name)).findings if f.phase == "C=16"]
+    bunched = [f for f in findings if f.cause == "pipeline_underfilled"]
+    assert any(f.cause == "admission_bound" for f in findings)
+    if name == "default":
+        assert not bunched, bunched
+        return
+    assert len(bunched) == 1 and bunched[0].evidence["reason"] == "bunched", findings
+    assert bunched[0].details == {"knob": "--pp-max-micro-batch-size", "value": 4}
+    assert bunched[0].evidence["microbatch_size_max"] >= 7 and bunched[0].evidence["microbatch_size_p10"] <= 1

@@ -360,10 +360,47 @@ def rule_pipeline_underfilled(c: PhaseContext) -> Finding | None:
         impact=c.mean_bubble, details={"knob": "concurrency", "value": c.pp_size})
 
 
+def bunched(sizes_max: float, sizes_p10: float, fair: int) -> bool:
+    """Micro-batch sizes far from an even split of ``fair`` each: one slot holds most (7 and 1, or
+    8 and none, for a fair 4)."""
+    return sizes_max - sizes_p10 >= fair or sizes_max >= 2 * fair
+
+
+def rule_bunched_at_the_bound(c: PhaseContext) -> Finding | None:
+    """At the admission bound, the running requests share few micro-batches: a K above an even
+    split lets requests that arrive together bunch (SGLang: a freed row returns to the slot it
+    left). K = ceil(running / slots) spreads them; this is separate from raising the pool."""
+    pm = c.pm
+    k, k_from = default_microbatch_cap(c.engine, c.pp_size)
+    if engine_kind(c.engine) != "sglang" or not k or not c.pool_full or c.engine_running is None \
+            or c.queue_mean is None or c.queue_mean <= 0.5 or c.pp_size < 2:
+        return None
+    # at the bound the engine runs its limit (offered - queued only estimates it)
+    limit = c.engine.get("max_running_requests")
+    running = float(limit) if limit else c.engine_running
+    fair = max(int(np.ceil(round(running, 1) / c.slots)), 1)
+    sizes_max = float(np.nanmax(_vals(pm.stages, "microbatch_size_max")))
+    sizes_p10 = float(np.nanmin(_vals(pm.stages, "microbatch_size_p10")))
+    if np.isnan(sizes_max) or np.isnan(sizes_p10) or k <= fair or not bunched(sizes_max, sizes_p10, fair):
+        return None
+    return Finding(
+        "pipeline_underfilled", pm.label, c.stages,
+        {"reason": "bunched", "K": k, "K_from": k_from, "engine_running": _r(running, 1),
+         "microbatch_slots": c.slots, "microbatch_size_max": _r(sizes_max, 1),
+         "microbatch_size_p10": _r(sizes_p10, 1), "even_split": fair,
+         "microbatches_in_flight": _r(pm.microbatches_in_flight, 2)},
+        0.7, f"--pp-max-micro-batch-size {fair} (ceil({c.engine_running:.0f} running / {c.slots} slots)) "
+             f"spreads the running requests over every stage; K = {k} lets them bunch",
+        f"the {running:.0f} running requests share micro-batches of {sizes_max:.0f} down to "
+        f"{sizes_p10:.0f} (K = {k}, {k_from}) where an even split over {c.slots} slots is {fair} each: "
+        "the stages wait on the smaller ones",
+        impact=c.mean_bubble + 0.2, details={"knob": "--pp-max-micro-batch-size", "value": fair})
+
+
 # The rules of a phase in the order they are tried; pipeline_underfilled runs last, only where
 # none of them explains the bubble.
-RULES = (rule_client_bound, rule_admission_bound, rule_microbatch_cap, rule_stage_imbalance,
-         rule_kv_cache_bound, rule_pcie_bound, rule_throttling)
+RULES = (rule_client_bound, rule_admission_bound, rule_bunched_at_the_bound, rule_microbatch_cap,
+         rule_stage_imbalance, rule_kv_cache_bound, rule_pcie_bound, rule_throttling)
 
 
 def diagnose_phase(pm: PhaseMetrics, engine: dict[str, Any], pp_size: int,
@@ -374,7 +411,7 @@ def diagnose_phase(pm: PhaseMetrics, engine: dict[str, Any], pp_size: int,
     # Admission is the cause only when the engine got the load and nothing else held it back: a
     # short client or a full KV cache also leaves requests queued at a plateau.
     if any(f.cause in ("client_bound", "kv_cache_bound") for f in out):
-        out = [f for f in out if f.cause not in ("microbatch_cap", "admission_bound")]
+        out = [f for f in out if f.cause not in ("microbatch_cap", "admission_bound", "pipeline_underfilled")]
     if not out:
         underfilled = rule_pipeline_underfilled(ctx)
         if underfilled is not None:

@@ -148,6 +148,10 @@ SCENARIOS: dict[str, Scenario] = {
                  "share one or two micro-batches, most stages idle",
                  {**_FULL_PIPELINE, "pp_max_micro_batch_size": 64, "concurrency": (32,)},
                  ("pipeline_underfilled",)),
+        Scenario("bunched-at-pool", "--pp-max-micro-batch-size 64 with max_running_requests 32 under a "
+                 "load of 64: the pool binds, and the 32 it runs share one micro-batch",
+                 {**_FULL_PIPELINE, "max_running_requests": 32, "pp_max_micro_batch_size": 64},
+                 ("admission_bound", "pipeline_underfilled")),
         Scenario("healthy", "64 requests fill every micro-batch slot: no bubbles",
                  _FULL_PIPELINE, ()),
         Scenario("stage-imbalance", "stage 3 holds 60 % more layers than the others",

@@ -83,6 +83,7 @@ def ground_truth(result: SimResult, scenario_causes: tuple[str, ...]) -> dict[st
                 "bubble_fraction": round(max(has_work - busy, 0.0) / dur, 4),
                 "mean_microbatch_size": round(float(sizes.mean()), 3) if sizes.size else None,
                 "max_microbatch_size": int(sizes.max()) if sizes.size else None,
+                "p10_microbatch_size": float(np.percentile(sizes, 10)) if sizes.size else None,
             })
         in_tok = (tok_t >= a) & (tok_t < b)
         inflight = float(np.clip(np.minimum(req_end, b) - np.maximum(req_start, a), 0, None).sum()) / dur
@@ -151,6 +152,8 @@ def phase_causes(result: SimResult, ph: dict[str, Any]) -> list[str]:
     pool_full = ph["running_max"] >= p.max_running_requests
     if queued and pool_full and not held_elsewhere:
         causes.append("admission_bound")
+        if bunched_at_the_bound(p, stages):
+            causes.append("pipeline_underfilled")
     elif p.engine == "sglang" and queued and not pool_full and mb_max >= k and not held_elsewhere:
         causes.append("microbatch_cap")
     if client_bound:
@@ -172,6 +175,16 @@ def phase_causes(result: SimResult, ph: dict[str, Any]) -> list[str]:
     return causes
 
 
+def bunched_at_the_bound(p: SimParams, stages: list[dict[str, Any]]) -> bool:
+    """SGLang at its pool with the running requests far from an even split over the slots (the
+    diagnosis's bunched rule, on the true micro-batch sizes)."""
+    fair = max(-(-p.max_running_requests // p.slots), 1)
+    sizes_max = max((s["max_microbatch_size"] or 0) for s in stages)
+    sizes_p10 = min((s["p10_microbatch_size"] or 0) for s in stages)
+    return p.engine == "sglang" and p.pp_size >= 2 and p.micro_batch_cap > fair and \
+        (sizes_max - sizes_p10 >= fair or sizes_max >= 2 * fair)
+
+
 def underfill_reason(p: SimParams, load: int) -> str:
     """Why a pipeline holds fewer micro-batches than stages: "bunched" when a smaller K would
     spread the load over every slot, else "light_load" (fewer requests than stages)."""
@@ -186,6 +199,10 @@ def fix_for(p: SimParams, cause: str, ph: dict[str, Any]) -> dict[str, Any] | No
     flag_pool = "--max-num-seqs" if p.engine == "vllm" else "--max-running-requests"
     if cause == "admission_bound":
         return {"knob": flag_pool, "value": load, "params": {"max_running_requests": load}}
+    if cause == "pipeline_underfilled" and "admission_bound" in ph["causes"]:
+        want = max(-(-p.max_running_requests // p.slots), 1)  # spread what the pool holds
+        return {"knob": "--pp-max-micro-batch-size", "value": want,
+                "params": {"pp_max_micro_batch_size": want}}
     bunched = cause == "pipeline_underfilled" and underfill_reason(p, load) == "bunched"
     if cause == "microbatch_cap" or bunched:
         want = spread_cap(p, load)  # K that spreads the load over every slot
