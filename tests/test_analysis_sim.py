@@ -133,10 +133,6 @@ def test_log_sampling_aliased_run_wide(tmp_path: Path) -> None:
             assert abs((stage.bubble_fraction or 0) - gs["bubble_fraction"]) <= 0.02
 
 
-@pytest.mark.xfail(strict=True, reason="[diagnosis] open: without requests or markers the load is read as "
-                   "one stage's #running-req + #queue-req, and #running-req is one micro-batch (here 2 "
-                   "of 8 slots), not the engine's total; the schedule reconstruction (sum over one "
-                   "cycle of a rank's lines) is not built yet")
 def test_phases_detected_from_the_engine_log_alone(tmp_path: Path) -> None:
     """With no requests and no markers, the sweep's levels are found from the engine's running +
     queued requests, and the cap is still diagnosed at 32 and 64."""

@@ -27,6 +27,7 @@ from gputrace.analysis.align import (
     stage_mapping,
     window_index,
 )
+from gputrace.analysis.schedule import engine_totals, line_sizes
 from gputrace.errors import AnalysisError
 from gputrace.model import ABANDONED_PREFIX
 from gputrace.store import Store
@@ -62,7 +63,7 @@ class AlignedRun:
     power_limit_w: np.ndarray
     pcie_capacity_bytes_per_s: np.ndarray
     stage_events: list[StageEvents]
-    stage_running: np.ndarray
+    stage_running: np.ndarray  # each stage's last #running-req: one micro-batch under SGLang's PP
     stage_queue: np.ndarray
     stage_token_usage: np.ndarray
     work_ratio: np.ndarray
@@ -77,6 +78,10 @@ class AlignedRun:
     # per GPU, the spacing of one series' samples (power, the agent's tick): the grid's period is
     # finer where NVML's own utilization samples interleave with the ticks
     sample_period_ns_by_gpu: list[int | None] = field(default_factory=list)
+    # the engine's running total on the grid, reconstructed from stage 0's lines (schedule.py);
+    # NaN where no line is near
+    engine_running: np.ndarray | None = None
+    engine_running_sources: dict[str, int] = field(default_factory=dict)
 
     @property
     def pp_size(self) -> int:
@@ -340,6 +345,9 @@ def align_store(store: Store, window_ns: tuple[int | None, int | None] = (None, 
         stage_running[s] = np.where(seen, run_sum, 0.0)
         stage_queue[s] = np.where(seen, q_sum, 0.0)
 
+    engine_running, running_sources = reconstruct_engine_running(
+        stage_events, grid, engine, pp, _stage_busy(gpu, gpu_stage, 0, grid, period))
+
     if not ev.num_rows:
         notes.append("no engine log: the micro-batch cap, underfilled pipeline, KV-cache and "
                      "log-sampling causes cannot be diagnosed")
@@ -381,7 +389,8 @@ def align_store(store: Store, window_ns: tuple[int | None, int | None] = (None, 
         stage_events=stage_events, stage_running=stage_running, stage_queue=stage_queue,
         stage_token_usage=stage_usage, work_ratio=work, work_source=work_source, inflight=inflight,
         requests=requests, markers=markers, engine=engine, log_placement=log_placement,
-        clocks=clocks, notes=notes, sample_period_ns_by_gpu=series_periods)
+        clocks=clocks, notes=notes, sample_period_ns_by_gpu=series_periods,
+        engine_running=engine_running, engine_running_sources=running_sources)
 
 
 def _fill_gpu_metrics(gpu: dict[str, np.ndarray], values: dict[str, np.ndarray], lost: np.ndarray,
@@ -423,3 +432,49 @@ def _series_periods(ts_by_gpu: list[np.ndarray], bounds: np.ndarray, power_w: np
                 break
         out.append(period)
     return out
+
+
+BUSY_WINDOW_NS = 2_000_000_000  # the compute share around a line, for counting micro-batches
+
+
+def _stage_busy(gpu: dict[str, np.ndarray], gpu_stage: np.ndarray, stage: int, grid: np.ndarray,
+                period: int) -> np.ndarray:
+    """A stage's compute share on the grid, averaged over BUSY_WINDOW_NS: SM activity where the
+    GPUs have it (NCCL's spinning receive fills utilization.gpu), else utilization."""
+    rows = np.flatnonzero(gpu_stage == stage)
+    if not len(rows):
+        return np.full(len(grid), np.nan)
+    series = gpu["sm_active_ratio"][rows]
+    if np.isnan(series).all():
+        series = gpu["utilization_ratio"][rows]
+    with np.errstate(all="ignore"):
+        mean = np.nanmean(series, axis=0) if len(rows) > 1 else series[0]
+    width = max(int(BUSY_WINDOW_NS // max(period, 1)), 1)
+    ok = ~np.isnan(mean)
+    num = np.convolve(np.where(ok, mean, 0.0), np.ones(width), mode="same")
+    den = np.convolve(ok.astype(np.float64), np.ones(width), mode="same")
+    with np.errstate(all="ignore"):
+        return np.where(den > 0, num / den, np.nan)
+
+
+def reconstruct_engine_running(stage_events: list[StageEvents], grid: np.ndarray, engine: dict[str, Any],
+                               pp: int, busy: np.ndarray) -> tuple[np.ndarray | None, dict[str, int]]:
+    """The engine's running total on the grid: vLLM's stats lines give it as logged; SGLang's
+    rank-0 lines are summed over one cycle of its micro-batches (schedule.engine_totals)."""
+    if not stage_events or not len(stage_events[0].t_ns):
+        return None, {}
+    ev = stage_events[0]
+    gaps = np.diff(ev.t_ns)
+    max_age = 3 * float(np.median(gaps)) + 1e9 if len(gaps) else 5e9
+    if str(engine.get("engine") or "sglang") != "sglang" or pp < 2:
+        return hold_last(ev.t_ns, ev.running_req.astype(np.float64), grid, max_age), {"logged": len(ev.t_ns)}
+    sel = np.isin(ev.kind, ("decode", "prefill"))
+    t = ev.t_ns[sel]
+    sizes = line_sizes(ev.kind[sel], ev.running_req[sel], ev.new_seq[sel])
+    at = np.clip(np.searchsorted(grid, t), 0, len(grid) - 1)
+    slots = pp + int(engine.get("pp_async_batch_depth") or 0)
+    k = engine.get("pp_max_micro_batch_size") or (
+        max(int(engine["max_running_requests"]) // pp, 1) if engine.get("max_running_requests") else None)
+    pool = int(engine["max_running_requests"]) if engine.get("max_running_requests") else None
+    totals = engine_totals(sizes, ev.queue_req[sel], busy[at], pp, slots, int(k) if k else None, pool)
+    return hold_last(t, totals.running, grid, max_age), totals.counts()

@@ -383,14 +383,19 @@ def rule_bunched_at_the_bound(c: PhaseContext) -> Finding | None:
     sizes_p10 = float(np.nanmin(_vals(pm.stages, "microbatch_size_p10")))
     if np.isnan(sizes_max) or np.isnan(sizes_p10) or k <= fair or not bunched(sizes_max, sizes_p10, fair):
         return None
+    measured = c.mean_busy is not None
+    caveat = "" if measured else (
+        "; this run has no busy figure (no GPU samples), so whether the spread steps raise throughput "
+        "is not measured here (on a CPU, where a rank's forward blocks its loop, larger steps can win)")
     return Finding(
         "pipeline_underfilled", pm.label, c.stages,
         {"reason": "bunched", "K": k, "K_from": k_from, "engine_running": _r(running, 1),
          "microbatch_slots": c.slots, "microbatch_size_max": _r(sizes_max, 1),
          "microbatch_size_p10": _r(sizes_p10, 1), "even_split": fair,
          "microbatches_in_flight": _r(pm.microbatches_in_flight, 2)},
-        0.7, f"--pp-max-micro-batch-size {fair} (ceil({c.engine_running:.0f} running / {c.slots} slots)) "
-             f"spreads the running requests over every stage; K = {k} lets them bunch",
+        0.7 if measured else 0.5,
+        f"--pp-max-micro-batch-size {fair} (ceil({running:.0f} running / {c.slots} slots)) "
+        f"spreads the running requests over every stage; K = {k} lets them bunch" + caveat,
         f"the {running:.0f} running requests share micro-batches of {sizes_max:.0f} down to "
         f"{sizes_p10:.0f} (K = {k}, {k_from}) where an even split over {c.slots} slots is {fair} each: "
         "the stages wait on the smaller ones",

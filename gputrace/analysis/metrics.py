@@ -356,8 +356,9 @@ def phase_metrics(run: AlignedRun, series: StageSeries, phase: Phase) -> PhaseMe
     # Micro-batches in flight = requests the engine runs (offered minus queued) / micro-batch size.
     mb_sizes = [st.microbatch_size_mean for st in stages if st.microbatch_size_mean]
     queued = max((st.queue_req_mean for st in stages if st.queue_req_mean is not None), default=0.0)
+    running_log = run.engine_running if run.engine_running is not None else run.stage_running[0]
     load = inflight if inflight is not None else (
-        float(np.nanmean(run.stage_running[0, cells] + run.stage_queue[0, cells])) if len(w) else None)
+        float(np.nanmean(np.nan_to_num(running_log[cells]) + run.stage_queue[0, cells])) if len(w) else None)
     mb_in_flight = allowed = None
     if mb_sizes and load is not None:
         slots = run.pp_size + int(run.engine.get("pp_async_batch_depth") or 0)

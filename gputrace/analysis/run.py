@@ -54,7 +54,8 @@ class Analysis:
             "grid_period_ms": r.period_ns / 1e6,
             "duration_s": float((r.grid_ns[-1] - r.grid_ns[0] + r.period_ns) / 1e9),
             "mapping_source": r.mapping.source, "log_placement": r.log_placement,
-            "work_source": r.work_source, "phase_source": self.phases[0].source if self.phases else None,
+            "work_source": r.work_source, "engine_running_from": dict(r.engine_running_sources),
+            "phase_source": self.phases[0].source if self.phases else None,
             "clock_offsets": r.clocks.summary(),
             "engine": {k: v for k, v in r.engine.items() if k != "fields"},
         }
@@ -71,11 +72,34 @@ def find_phases(run: AlignedRun) -> list[Phase]:
         return phases_from_request_labels(rq["start_ns"], rq["end_ns"], rq["phase"])
     if run.inflight is not None:
         return detect_phases(run.grid_ns, run.inflight, run.period_ns, "client requests in flight")
-    load = np.nanmax(run.stage_running + run.stage_queue, axis=0) if run.pp_size else np.zeros(0)
-    return detect_phases(run.grid_ns, load, run.period_ns, "engine running + queued requests")
+    return detect_phases(run.grid_ns, engine_load(run), run.period_ns, "engine running + queued requests")
+
+
+def engine_load(run: AlignedRun) -> np.ndarray:
+    """Requests the engine held on the grid: its running total (reconstructed from the log, one
+    micro-batch per line under SGLang's PP) plus its queue (rank 0's, never summed over stages)."""
+    if not run.pp_size:
+        return np.zeros(0)
+    running = run.engine_running if run.engine_running is not None else run.stage_running[0]
+    return np.asarray(np.nan_to_num(running) + np.nan_to_num(run.stage_queue[0]))
 
 
 DEFAULT_THRESHOLDS = Thresholds()
+
+
+def schedule_notes(run: AlignedRun) -> list[str]:
+    """How the engine's running total was read from the log, where it matters (SGLang under PP)."""
+    src = run.engine_running_sources
+    lines = sum(src.values())
+    if not lines or "logged" in src:
+        return []
+    unsure = src.get("lower bound", 0)
+    text = (f"the engine's running total is each rank-0 line's micro-batch summed over one cycle of "
+            f"the micro-batch slots ({lines} lines: {src.get('period', 0)} by the sizes' period, "
+            f"{src.get('queue', 0)} at the admission bound with requests waiting, {src.get('busy', 0)} "
+            f"from the stage's compute share, {unsure} a lower bound where equal sizes could not be "
+            "told apart); log timestamps are to the second, so the cycle is read from the order")
+    return [text] if run.inflight is None or unsure else []
 
 
 def busy_signal_notes(metrics: list[PhaseMetrics]) -> list[str]:
@@ -114,6 +138,7 @@ def analyse_aligned(run: AlignedRun, th: Thresholds = DEFAULT_THRESHOLDS,
         metrics.append(phase_metrics(run, series, ph))
     findings = diagnose(metrics, run.engine, run.pp_size, th)
     notes.extend(busy_signal_notes(metrics))
+    notes.extend(schedule_notes(run))
     interval = run.engine.get("decode_log_interval")
     if interval and int(interval) > 1 and not any(f.cause == "log_sampling_aliased" for f in findings):
         notes.append(f"decode lines are logged every {int(interval)}th step (--decode-log-interval): "
