@@ -10,6 +10,7 @@ import numpy as np
 
 from gputrace.analysis.aligned import AlignedRun, align_store
 from gputrace.analysis.diagnose import Finding, Thresholds, diagnose
+from gputrace.analysis.engine_metrics import COMPARED, disagreement_notes, series_from_columns
 from gputrace.analysis.metrics import (
     BUSY_SIGNALS,
     SPIN_GAP,
@@ -153,5 +154,9 @@ def analyse_store(store: Store, th: Thresholds = DEFAULT_THRESHOLDS,
     if progress:
         progress("align")
     analysis = analyse_aligned(align_store(store), th, progress)
+    names = ", ".join(f"'{n}'" for n in COMPARED)
+    metric_cols = store.columns("engine_metrics", where=f"name IN ({names})")
+    if len(metric_cols["ts_ns"]):
+        analysis.notes.extend(disagreement_notes(series_from_columns(metric_cols), analysis.metrics))
     analysis.notes.extend(capture_problem_notes(store.meta.extra))
     return analysis
