@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -26,6 +27,7 @@ from gputrace.agent.client import AgentClient
 from gputrace.agent.server import is_loopback, parse_listen
 from gputrace.config import Config, HostConfig
 from gputrace.engines import LogParser
+from gputrace.engines.metrics_source import MetricsEndpoint, ScrapeStats, follow_metrics
 from gputrace.errors import GputraceError, SourceError, StoreWriteError, UsageError
 from gputrace.httpserver import HttpLimits, HttpListener
 from gputrace.live import LiveCollector, LiveState
@@ -37,6 +39,7 @@ from gputrace.remote.follow import follow_log_batches
 from gputrace.remote.ssh import HostKeyPolicy
 from gputrace.remote.transport import Transport
 from gputrace.store import REJECTS_FILE, BatchingWriter, Store
+from gputrace.token_file import read_token
 from gputrace.topology import placements_from_config, topology_to_meta
 
 log = get_logger("collect")
@@ -110,6 +113,10 @@ class Collector:
                                        on_bad_line=self._bad_sample_line)
                 self._ready[f"agent {ht.host.name}"] = asyncio.Event()
                 ht.tasks.append(self._spawn(self._pull_agent(ht), f"agent {ht.host.name}"))
+            if ht.host.engine_metrics is not None:
+                source = f"engine metrics {ht.host.name}"
+                self._ready[source] = asyncio.Event()
+                ht.tasks.append(self._spawn(self._scrape_engine_metrics(ht), source))
             ht.tasks.append(self._spawn(self._probe_clocks(ht), f"clock {ht.host.name}"))
         self._tasks.append(self._spawn(self._flush_loop(), "flush"))
         await self._wait_ready()
@@ -244,6 +251,32 @@ class Collector:
                          for s in batch]
             self.writer.add_many(batch)
             self.live.on_samples(batch, clock_host=ht.host.name)
+
+    async def _engine_metrics_url(self, ht: _HostTasks) -> str:
+        """The engine's /metrics as this machine reaches it: a loopback URL on a host reached by
+        SSH goes through a forwarded port (the endpoint is not exposed beyond that host)."""
+        assert ht.host.engine_metrics is not None
+        url = ht.host.engine_metrics.url
+        parts = urlsplit(url)
+        if ht.host.ssh is None or ht.transport is None or not is_loopback(parts.hostname or ""):
+            return url
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        local_port = await ht.transport.forward_local_port(parts.hostname or "127.0.0.1", port)
+        return urlunsplit((parts.scheme, f"127.0.0.1:{local_port}", parts.path, parts.query, ""))
+
+    async def _scrape_engine_metrics(self, ht: _HostTasks) -> None:
+        src = ht.host.engine_metrics
+        assert src is not None
+        name = f"engine metrics {ht.host.name}"
+        token = read_token(src.token_file, f"[hosts.engine_metrics] token_file of {ht.host.name}")
+        endpoint = MetricsEndpoint(await self._engine_metrics_url(ht), token, src.interval_s, src.timeout_s)
+        ready = self._ready.setdefault(name, asyncio.Event())
+        stats = ScrapeStats()
+        async for batch in follow_metrics(endpoint, ht.host.name, src.url, stats,
+                                          on_problem=lambda why: self._source_problem(name, why)):
+            ready.set()
+            self.live.counts["engine_metric_samples"] += len(batch)
+            self.writer.add_many(batch)
 
     async def _probe_clocks(self, ht: _HostTasks) -> None:
         while True:

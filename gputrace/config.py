@@ -18,6 +18,10 @@ Example::
     path = "/var/log/sglang/server.log"
     engine = "sglang"
 
+    [hosts.engine_metrics]           # optional: the engine's own /metrics (SGLang --enable-metrics)
+    url = "http://127.0.0.1:30000/metrics"   # as seen from that host (forwarded over SSH)
+    token_file = "~/.config/gputrace/engine-token"   # optional bearer token
+
     [topology]
     pp_size = 8
     tp_size = 1
@@ -36,6 +40,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from gputrace.errors import ConfigError
 
@@ -59,6 +64,14 @@ class LogSource:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineMetricsSource:
+    url: str  # http(s)://host:port/path as seen from the engine's host
+    token_file: str | None = None
+    interval_s: float = 1.0
+    timeout_s: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
 class HostConfig:
     name: str
     ssh: SshTarget | None  # None: this machine, through the local transport
@@ -68,6 +81,7 @@ class HostConfig:
     gpus: tuple[int, ...] | None = None
     log: LogSource | None = None
     node_rank: int = 0
+    engine_metrics: EngineMetricsSource | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +222,9 @@ def _parse_host(path: Path, index: int, table: Any) -> HostConfig:
     ssh = parse_ssh_target(sec.get("ssh", str, "local"), path, sec.key("ssh"))
     log_table = sec.get("log", dict)
     log = _parse_log(path, sec.key("log"), log_table) if log_table is not None else None
+    metrics_table = sec.get("engine_metrics", dict)
+    metrics = (_parse_engine_metrics(path, sec.key("engine_metrics"), metrics_table)
+               if metrics_table is not None else None)
     host = HostConfig(
         name=name,
         ssh=ssh,
@@ -217,9 +234,31 @@ def _parse_host(path: Path, index: int, table: Any) -> HostConfig:
         gpus=sec.int_list("gpus"),
         log=log,
         node_rank=sec.positive("node_rank", 0, minimum=0),
+        engine_metrics=metrics,
     )
     sec.done()
     return host
+
+
+def _parse_engine_metrics(path: Path, prefix: str, table: Any) -> EngineMetricsSource:
+    sec = _Section(path, prefix, table)
+    url = sec.get("url", str, required=True)
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        sec.fail(sec.key("url"), f"must be an http:// or https:// URL with a host, got {url!r}")
+    try:
+        parts.port  # noqa: B018  # raises for a port out of range
+    except ValueError:
+        sec.fail(sec.key("url"), f"bad port in {url!r}")
+    interval = sec.get("interval_s", float, 1.0)
+    timeout = sec.get("timeout_s", float, 5.0)
+    for name, value in (("interval_s", interval), ("timeout_s", timeout)):
+        if not 0.05 <= value <= 3600:
+            sec.fail(sec.key(name), f"must be from 0.05 to 3600 seconds, got {value}")
+    source = EngineMetricsSource(url=url, token_file=sec.get("token_file", str), interval_s=interval,
+                                 timeout_s=timeout)
+    sec.done()
+    return source
 
 
 def _parse_log(path: Path, prefix: str, table: Any) -> LogSource:

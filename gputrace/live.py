@@ -65,7 +65,8 @@ class LiveState:
         self.phase: str | None = None
         self.counts: dict[str, int] = {"gpu_samples": 0, "scheduler_events": 0, "requests": 0,
                                        "markers": 0, "log_lines": 0, "unrecognised_lines": 0,
-                                       "rejected_records": 0, "bad_marks": 0, "bad_sample_lines": 0}
+                                       "rejected_records": 0, "bad_marks": 0, "bad_sample_lines": 0,
+                                       "engine_metric_samples": 0}
 
     # -- updates --------------------------------------------------------------------------------
 

@@ -197,6 +197,21 @@ class LoadSample:
     target_concurrency: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class EngineMetricSample:
+    """One sample of the engine's own Prometheus endpoint (SGLang ``--enable-metrics``, vLLM
+    ``/metrics``) as scraped by the collector: the sample's full name (``sglang:num_queue_reqs``,
+    ``vllm:e2e_request_latency_seconds_sum``), its labels as a JSON object and its value. ``ts_ns``
+    is when the scrape's answer came, in the collector host's clock."""
+
+    host: str
+    source: str  # the endpoint's URL
+    ts_ns: int
+    name: str
+    labels_json: str = "{}"
+    value: float | None = None
+
+
 RECORD_TABLES: dict[type, str] = {
     GpuSample: "gpu_samples",
     DeviceInfo: "devices",
@@ -206,5 +221,6 @@ RECORD_TABLES: dict[type, str] = {
     Marker: "markers",
     ClockProbe: "clock_probes",
     LoadSample: "load_samples",
+    EngineMetricSample: "engine_metrics",
 }
 """Each record type's table in the run store."""

@@ -355,8 +355,9 @@ def align_store(store: Store, window_ns: tuple[int | None, int | None] = (None, 
         notes.append("no GPU samples: busy and bubble fractions are not available")
     inflight = None
     started = ~np.isnan(requests["start_ns"])
-    gauge = store.sql_arrow("SELECT ts_ns, inflight_requests FROM load_samples WHERE inflight_requests "
-                            f"IS NOT NULL AND {_within('ts_ns', lo, hi, _EVENT_MARGIN_NS)} ORDER BY ts_ns")
+    gauge = store.sql_arrow("SELECT ts_ns, inflight_requests, source FROM load_samples "
+                            "WHERE inflight_requests IS NOT NULL AND "
+                            f"{_within('ts_ns', lo, hi, _EVENT_MARGIN_NS)} ORDER BY ts_ns")
     if not started.any() and gauge.num_rows:
         # no request records, but a gauge of the client's requests in flight (already in the
         # collector's clock): it gives the offered load; the engine's state still gives the work
@@ -364,7 +365,9 @@ def align_store(store: Store, window_ns: tuple[int | None, int | None] = (None, 
         gaps = np.diff(gauge_t)
         max_age = 3 * float(np.median(gaps)) + 1e9 if len(gaps) else 5e9
         inflight = hold_last(gauge_t, _num(gauge, "inflight_requests").astype(np.float64), grid, max_age)
-        notes.append("client requests in flight from a gauge sampled every "
+        what = ("offered load from the engine's running + queued requests (no client gauge), "
+                if "engine" in str(gauge.column("source")[0]) else "client requests in flight from a gauge ")
+        notes.append(f"{what}sampled every "
                      f"{float(np.median(gaps)) / 1e9 if len(gaps) else 0:g} s (no request records)")
     if started.any():
         # A request with no end was still in flight when the run stopped.

@@ -10,6 +10,7 @@ import numpy as np
 
 from gputrace.analysis.aligned import AlignedRun, align_store
 from gputrace.analysis.diagnose import Finding, Thresholds, diagnose
+from gputrace.analysis.engine_metrics import COMPARED, disagreement_notes, series_from_columns
 from gputrace.analysis.metrics import (
     BUSY_SIGNALS,
     SPIN_GAP,
@@ -172,11 +173,31 @@ def capture_problem_notes(extra: dict[str, Any]) -> list[str]:
     return notes
 
 
+def import_notes(extra: dict[str, Any]) -> list[str]:
+    """What a Prometheus import lacked (the series each missing figure could come from)."""
+    lacking = extra.get("series_lacking")
+    if extra.get("source") != "prometheus" or not isinstance(lacking, list) or not lacking:
+        return []
+    return [f"Prometheus had no series for: {', '.join(map(str, lacking))} (series found: "
+            f"{', '.join(map(str, extra.get('series_found') or []))})"]
+
+
+def store_notes(store: Store, analysis: Analysis) -> list[str]:
+    """Notes from what the store holds beside the aligned streams: the engine's metrics checked
+    against its log, the collector's capture problems, what a Prometheus import lacked."""
+    names = ", ".join(f"'{n}'" for n in COMPARED)
+    metric_cols = store.columns("engine_metrics", where=f"name IN ({names})")
+    notes = []
+    if len(metric_cols["ts_ns"]):
+        notes += disagreement_notes(series_from_columns(metric_cols), analysis.metrics)
+    return notes + capture_problem_notes(store.meta.extra) + import_notes(store.meta.extra)
+
+
 def analyse_store(store: Store, th: Thresholds = DEFAULT_THRESHOLDS,
                   progress: Callable[[str], None] | None = None) -> Analysis:
     """Read, align and diagnose a run store."""
     if progress:
         progress("align")
     analysis = analyse_aligned(align_store(store), th, progress)
-    analysis.notes.extend(capture_problem_notes(store.meta.extra))
+    analysis.notes.extend(store_notes(store, analysis))
     return analysis

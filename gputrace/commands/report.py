@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from gputrace.analysis.aligned import align_store
-from gputrace.analysis.run import analyse_aligned
+from gputrace.analysis.run import analyse_aligned, store_notes
 from gputrace.errors import UsageError
 from gputrace.prometheus.cli_options import prometheus_flags, prometheus_run, window_ns
 from gputrace.report.figures import FIGURES
@@ -39,12 +39,13 @@ def command(run: str | None, formats: str, out_dir: str | None, progress: bool |
         window = window_ns(prom["prom_start"], prom["prom_end"])
     with Store.open(run, read_only=True) as store:
         aligned = align_store(store, window)
-    duration_s = float(aligned.grid_ns[-1] - aligned.grid_ns[0]) / 1e9
-    enabled = progress if progress is not None else duration_s > LONG_RUN_S
-    n_phases = max(len(aligned.markers), 1)
-    with report_progress(n_phases + len(FIGURES) + 1, enabled) as step:
-        analysis = analyse_aligned(aligned, progress=step)
-        written = write_report(analysis, out_dir or f"{run}/report", fmts, progress=step)
+        duration_s = float(aligned.grid_ns[-1] - aligned.grid_ns[0]) / 1e9
+        enabled = progress if progress is not None else duration_s > LONG_RUN_S
+        n_phases = max(len(aligned.markers), 1)
+        with report_progress(n_phases + len(FIGURES) + 1, enabled) as step:
+            analysis = analyse_aligned(aligned, progress=step)
+            analysis.notes.extend(store_notes(store, analysis))
+            written = write_report(analysis, out_dir or f"{run}/report", fmts, progress=step)
     for f in analysis.findings:
         click.echo(f"{f.cause} [{f.phase}] stages {','.join(map(str, f.stages))}: {f.summary} "
                    f"-> {f.recommendation}")

@@ -107,4 +107,7 @@ def prometheus_run(prometheus_url: str | None, prom_start: str | None, prom_end:
                f"{summary.markers} markers from {client.base_url} "
                f"at a {step_ms / 1000:g} s step in {summary.queries} range queries "
                f"({summary.windows} window(s) of at most {MAX_POINTS_PER_SERIES} steps per metric)")
+    click.echo(f"series found: {', '.join(summary.found)}")
+    if summary.lacking:
+        click.echo(f"lacking (no series for): {', '.join(summary.lacking)}")
     return str(run_dir), default_out

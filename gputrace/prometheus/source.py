@@ -1,6 +1,8 @@
-"""A run store from a Prometheus that scraped gputrace's agents and collector: GPU samples, one
-engine line per rank and step, phase markers where the target concurrency changes, the topology
-from the agents' rank labels. Every time is Prometheus' evaluation time (one clock for all hosts).
+"""A run store from a Prometheus that scraped gputrace's agents and collector, or what clusters
+already run: dcgm-exporter's ``DCGM_FI_*`` series and the engine's own ``sglang:*``/``vllm:*``
+metrics. GPU samples, one engine line per rank and step, phase markers where the target
+concurrency changes, the topology from the agents' rank labels. Every time is Prometheus'
+evaluation time (one clock for all hosts).
 """
 
 from __future__ import annotations
@@ -16,32 +18,66 @@ from typing import Any
 
 import numpy as np
 
-from gputrace.agent.metrics import GPU_GAUGES
+from gputrace.agent.metrics import DCGM_GAUGES, GPU_GAUGES
 from gputrace.errors import SourceError, UsageError
 from gputrace.model import DeviceInfo, EngineConfig, Marker
 from gputrace.prometheus.client import MAX_POINTS_PER_SERIES, PrometheusClient, Series, chunk_windows
 from gputrace.store import Store
 from gputrace.topology import Placement, topology_to_meta
 
-GPU_FIELDS: dict[str, str] = {name: attr for name, _doc, attr, _scale in GPU_GAUGES}
-GPU_FIELDS["gputrace_gpu_energy_joules_total"] = "energy_j"
+# The one metric-name table: each series' name -> (GpuSample field, the exporter's units per SI
+# unit). gputrace's own first, then dcgm-exporter's (GPU_UTIL in %, clocks in MHz, FB in MiB,
+# energy in mJ): where two give one field, the first found fills it.
+GPU_FIELDS: dict[str, tuple[str, float]] = {name: (attr, scale) for name, _doc, attr, scale in GPU_GAUGES}
+GPU_FIELDS["gputrace_gpu_energy_joules_total"] = ("energy_j", 1.0)
+GPU_FIELDS.update({name: (attr, scale) for name, _doc, attr, scale in DCGM_GAUGES})
+GPU_FIELDS["DCGM_FI_DEV_CLOCK_THROTTLE_REASONS"] = ("clock_event_reasons", 1.0)  # before DCGM 3.3
 GPU_INT_FIELDS = ("memory_used_bytes", "memory_total_bytes", "clock_event_reasons")
 ENGINE_FIELDS = {
     "gputrace_engine_running_requests": "running_req",
     "gputrace_engine_queue_requests": "queue_req",
     "gputrace_engine_generation_tokens_per_second": "gen_throughput_tok_s",
     "gputrace_engine_token_usage_ratio": "token_usage",
+    # SGLang --enable-metrics, one series per pp_rank: set when the rank logs a batch, so
+    # num_running_reqs is that micro-batch's size as #running-req is
+    "sglang:num_running_reqs": "running_req",
+    "sglang:num_queue_reqs": "queue_req",
+    "sglang:gen_throughput": "gen_throughput_tok_s",
+    "sglang:token_usage": "token_usage",
+    # vLLM: engine-wide (label engine), no PP rank
+    "vllm:num_requests_running": "running_req",
+    "vllm:num_requests_waiting": "queue_req",
+    "vllm:kv_cache_usage_perc": "token_usage",  # a ratio despite the name
+}
+# What the diagnosis uses, each with the series that can give it: the import says which it found.
+SERIES_ROLES: dict[str, tuple[str, ...]] = {
+    "GPU busy": ("gputrace_gpu_utilization_ratio", "DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_PROF_GR_ENGINE_ACTIVE"),
+    "SM activity": ("gputrace_gpu_sm_active_ratio", "DCGM_FI_PROF_SM_ACTIVE"),
+    "GPU power": ("gputrace_gpu_power_watts", "DCGM_FI_DEV_POWER_USAGE"),
+    "PCIe traffic": ("gputrace_gpu_pcie_tx_bytes_per_second", "DCGM_FI_PROF_PCIE_TX_BYTES"),
+    "clock events": ("gputrace_gpu_clock_event_reasons", "DCGM_FI_DEV_CLOCKS_EVENT_REASONS",
+                     "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS"),
+    "engine running requests": ("gputrace_engine_running_requests", "sglang:num_running_reqs",
+                                "vllm:num_requests_running"),
+    "engine queue": ("gputrace_engine_queue_requests", "sglang:num_queue_reqs", "vllm:num_requests_waiting"),
+    "engine throughput": ("gputrace_engine_generation_tokens_per_second", "sglang:gen_throughput"),
+    "client load": ("gputrace_load_inflight_requests", "gputrace_load_target_concurrency"),
 }
 TARGET_METRIC = "gputrace_load_target_concurrency"
 INFLIGHT_METRIC = "gputrace_load_inflight_requests"
+ENGINE_LOAD_SOURCE = "prometheus engine running + queued requests"
 MAX_STEPS = 5_000_000
 """Steps per import at most: each GPU metric is held as one float per step while stitching."""
 
 # The labels each family carries: a --match matcher on one of these labels applies only to the
 # families that carry it (run= picks the collector's series, the agents have no run label); a
 # matcher on any other label (job, instance, ...) applies to every family.
-AGENT_LABELS = frozenset({"host", "gpu", "uuid", "model", "pp_rank", "tp_rank"})
-ENGINE_LABELS = frozenset({"host", "pp_rank", "tp_rank", "dp_rank", "run"})
+AGENT_LABELS = frozenset({"host", "gpu", "uuid", "model", "pp_rank", "tp_rank",
+                          # dcgm-exporter's
+                          "UUID", "device", "modelName", "pci_bus_id", "Hostname", "hostname", "pod",
+                          "namespace"})
+ENGINE_LABELS = frozenset({"host", "pp_rank", "tp_rank", "dp_rank", "run", "model_name", "engine_type",
+                           "engine", "moe_ep_rank"})
 LOAD_LABELS = frozenset({"run"})
 _KNOWN_LABELS = AGENT_LABELS | ENGINE_LABELS | LOAD_LABELS
 
@@ -76,6 +112,8 @@ class ImportSummary:
     queries: int = 0
     windows: int = 0
     runs: list[str] = field(default_factory=list)
+    found: list[str] = field(default_factory=list)  # metric names with series in the range
+    lacking: list[str] = field(default_factory=list)  # SERIES_ROLES none of whose series was there
 
 
 # -- command-line values ----------------------------------------------------------------------
@@ -195,8 +233,12 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
     summary.queries = client.queries
     if not gpu_series and not engine_series:
         where = f" matching {{{', '.join(map(str, matchers))}}}" if matchers else ""
-        raise SourceError(f"Prometheus {client.base_url}: no gputrace GPU or engine series between "
-                          f"{start_ms / 1000:.3f} and {end_ms / 1000:.3f}{where}")
+        raise SourceError(f"Prometheus {client.base_url}: no gputrace GPU or engine series, nor DCGM_FI_*, "
+                          f"sglang:* or vllm:* ones, between {start_ms / 1000:.3f} and "
+                          f"{end_ms / 1000:.3f}{where}")
+    summary.found = sorted({s.labels.get("__name__", "") for s in
+                            [*gpu_series, *engine_series, *target_series, *inflight_series]})
+    summary.lacking = [role for role, names in SERIES_ROLES.items() if not set(names) & set(summary.found)]
 
     # GPUs: one array per (host, gpu) and field; the labels give the device and its stage.
     gpus: dict[tuple[str, int], dict[str, np.ndarray]] = {}
@@ -206,13 +248,16 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
         gpu = _int_label(s.labels, "gpu")
         if gpu is None:
             continue
-        key = (s.labels.get("host", ""), gpu)
+        key = (gpu_host(s.labels), gpu)
         metric = s.labels.get("__name__", "")
         fields = gpus.setdefault(key, {})
-        attr = "lost" if metric == "gputrace_gpu_lost" else GPU_FIELDS[metric]
-        _fill(fields.setdefault(attr, np.full(n, np.nan)), *_place(s, start_ms, step_ms, n))
-        devices.setdefault(key, DeviceInfo(key[0], gpu, uuid=s.labels.get("uuid") or None,
-                                           name=s.labels.get("model") or None))
+        attr, scale = ("lost", 1.0) if metric == "gputrace_gpu_lost" else GPU_FIELDS[metric]
+        k, v = _place(s, start_ms, step_ms, n)
+        _fill(fields.setdefault(attr, np.full(n, np.nan)), k, v / scale)
+        lb = s.labels
+        devices.setdefault(key, DeviceInfo(key[0], gpu, uuid=lb.get("uuid") or lb.get("UUID") or None,
+                                           name=lb.get("model") or lb.get("modelName") or None,
+                                           pci_bus_id=lb.get("pci_bus_id") or None))
         pp, tp = _int_label(s.labels, "pp_rank"), _int_label(s.labels, "tp_rank")
         if pp is not None:
             placements.setdefault(key, Placement(key[0], gpu, pp, tp or 0))
@@ -220,7 +265,10 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
     # Engine ranks: one "decode" line per rank and step.
     ranks: dict[tuple[str, int, int, int], dict[str, np.ndarray]] = {}
     runs: set[str] = set()
+    engines: set[str] = set()
     for s in engine_series:
+        engines.add(s.labels.get("__name__", "").partition(":")[0] if ":" in s.labels.get("__name__", "")
+                    else "unknown")
         rank = (s.labels.get("host", ""), _int_label(s.labels, "pp_rank") or 0,
                 _int_label(s.labels, "tp_rank") or 0, _int_label(s.labels, "dp_rank") or 0)
         runs.add(s.labels.get("run", ""))
@@ -249,20 +297,25 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
         "step_ms": step_ms, "match": [str(m) for m in matchers], "runs": summary.runs,
         "note": "times are Prometheus evaluation times at the step; engine values are the collector's "
                 "newest logged line per rank at each scrape; GPU values the agent's newest sample",
+        "series_found": summary.found, "series_lacking": summary.lacking,
     }
+    engine = next(iter(engines)) if len(engines) == 1 else "unknown"
     with Store.create(out, name=name or f"prometheus-{start_ms // 1000}", topology=topology,
                       extra=extra) as store:
         summary.gpus, summary.gpu_samples = len(gpus), _write_gpus(store, gpus, grid_ns)
         summary.ranks = len(ranks)
-        summary.scheduler_events = _write_engine(store, ranks, grid_ns, step_ms, client.base_url)
+        summary.scheduler_events = _write_engine(store, ranks, grid_ns, step_ms, client.base_url, engine)
         store.append(list(devices.values()))
-        summary.load_samples = _write_load(store, inflight, target, grid_ns, step_ms)
+        load_source = "prometheus " + INFLIGHT_METRIC
+        if np.isnan(inflight).all() and engine in ("sglang", "vllm"):
+            inflight, load_source = engine_load(ranks, n), ENGINE_LOAD_SOURCE
+        summary.load_samples = _write_load(store, inflight, target, grid_ns, step_ms, load_source)
         markers = target_markers(target, grid_ns)
         store.append(markers)
         summary.markers = len(markers)
         if engine_config:
             host = next(iter(sorted(ranks)), ("",))[0] or next(iter(sorted(gpus)), ("prometheus",))[0]
-            store.append([EngineConfig(host, "command line", "unknown", 0, pp_size=pp_size or None,
+            store.append([EngineConfig(host, "command line", engine, 0, pp_size=pp_size or None,
                                        tp_size=tp_size or None, dp_size=dp_size,
                                        max_running_requests=engine_config.get("max_running_requests"),
                                        pp_max_micro_batch_size=engine_config.get("pp_max_micro_batch_size"))])
@@ -295,8 +348,17 @@ def _write_gpus(store: Store, gpus: dict[tuple[str, int], dict[str, np.ndarray]]
     return total
 
 
+def gpu_host(labels: dict[str, str]) -> str:
+    """The host of a GPU series: gputrace's ``host``, dcgm-exporter's ``Hostname`` (or
+    ``hostname`` after a relabel), else the scrape target's address without its port."""
+    for name in ("host", "Hostname", "hostname"):
+        if labels.get(name):
+            return labels[name]
+    return labels.get("instance", "").rsplit(":", 1)[0]
+
+
 def _write_engine(store: Store, ranks: dict[tuple[str, int, int, int], dict[str, np.ndarray]],
-                  grid_ns: np.ndarray, step_ms: int, url: str) -> int:
+                  grid_ns: np.ndarray, step_ms: int, url: str, engine: str = "unknown") -> int:
     total = 0
     for (host, pp, tp, dp), fields in sorted(ranks.items()):
         present = np.zeros(len(grid_ns), dtype=bool)
@@ -308,7 +370,7 @@ def _write_engine(store: Store, ranks: dict[tuple[str, int, int, int], dict[str,
         t = grid_ns[present]
         step_ns = step_ms * 1_000_000
         cols: dict[str, Any] = {
-            "host": host, "source": f"prometheus {url}", "engine": "unknown", "kind": "decode",
+            "host": host, "source": f"prometheus {url}", "engine": engine, "kind": "decode",
             # The value at step t is the newest line at a scrape in (t - step, t]: the line goes
             # in the middle of that step, as the GPU cell (t - step, t] it sits beside.
             "line_no": total + np.arange(rows, dtype=np.int64), "log_ts_ns": t - step_ns,
@@ -323,15 +385,33 @@ def _write_engine(store: Store, ranks: dict[tuple[str, int, int, int], dict[str,
     return total
 
 
+def engine_load(ranks: dict[tuple[str, int, int, int], dict[str, np.ndarray]], n: int) -> np.ndarray:
+    """The offered load from the engine's own gauges where no client gauge exists: requests running
+    plus waiting. SGLang's per-rank gauge holds the micro-batch that rank ran last; in a full
+    pipeline every rank holds another one, so their sum is the engine's running requests (short by
+    the slots beyond pp_size with --pp-async-batch-depth). The queue is rank 0's (the others
+    replicate it). vLLM's gauges are engine-wide already."""
+    running, queue = np.zeros(n), np.full(n, np.nan)
+    for (_host, pp, tp, _dp), fields in sorted(ranks.items()):
+        if tp != 0:
+            continue
+        if "running_req" in fields:
+            running += np.nan_to_num(fields["running_req"])
+        if "queue_req" in fields and (pp == 0 or np.isnan(queue).all()):
+            queue = fields["queue_req"]
+    total: np.ndarray = running + queue
+    return total
+
+
 def _write_load(store: Store, inflight: np.ndarray, target: np.ndarray, grid_ns: np.ndarray,
-                step_ms: int) -> int:
+                step_ms: int, source: str = "prometheus " + INFLIGHT_METRIC) -> int:
     """The client's in-flight gauge as load samples: the value at step t was scraped in
     (t - step, t], so it is placed mid-step like the engine's lines."""
     present = ~np.isnan(inflight)
     if not present.any():
         return 0
     return store.append_columns("load_samples", {
-        "source": "prometheus " + INFLIGHT_METRIC, "ts_ns": grid_ns[present] - step_ms * 500_000,
+        "source": source, "ts_ns": grid_ns[present] - step_ms * 500_000,
         "inflight_requests": inflight[present], "target_concurrency": _int_column(target[present])})
 
 

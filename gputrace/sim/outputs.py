@@ -19,6 +19,7 @@ from gputrace.engines import LogParser
 from gputrace.engines.ingest import ingest_log
 from gputrace.errors import SourceError
 from gputrace.model import ClockProbe, DeviceInfo, EngineConfig, Marker, RequestRecord, SchedulerEvent
+from gputrace.sim.metrics import virtual_metric_rows
 from gputrace.sim.run import SimResult
 from gputrace.sim.samples import gpu_sample_columns, smi_csv_lines
 from gputrace.sim.truth import work_intervals
@@ -30,6 +31,7 @@ CLIENT_HOST = "sim-client"
 LOG_SOURCE = "sim-log"
 REQUEST_SOURCE = "gputrace-sim"
 UNFINISHED = "not finished when the run ended"
+METRICS_SOURCE = "http://127.0.0.1:30000/metrics"  # where the collector would have scraped it
 
 
 def write_log(result: SimResult, path: str | os.PathLike[str]) -> int:
@@ -122,6 +124,13 @@ def device_records(result: SimResult) -> list[DeviceInfo]:
             for i in range(p.pp_size * p.tp_size)]
 
 
+def engine_metric_columns(store: Store, result: SimResult) -> dict[str, Any]:
+    """The engine's /metrics scraped every second, from the lines already in ``store``."""
+    events = store.columns("scheduler_events", order_by="line_no")
+    return virtual_metric_rows(result.params, result.start_ns, result.end_s, result.engine.trace, events,
+                               SIM_HOST, METRICS_SOURCE)
+
+
 def params_dict(result: SimResult) -> dict[str, Any]:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(result.params).items()}
 
@@ -142,6 +151,7 @@ def write_store(result: SimResult, out_dir: str | os.PathLike[str], name: str | 
         store.append(device_records(result))
         store.append_columns("gpu_samples", sample_columns(result))
         import_log(store, result)
+        store.append_columns("engine_metrics", engine_metric_columns(store, result))
         store.append(request_records(result))
         markers = [Marker(host=CLIENT_HOST, ts_ns=result.ns(ph.start_s), label=ph.label, kind="phase",
                           target_concurrency=ph.target_concurrency) for ph in result.phases]

@@ -21,11 +21,14 @@ from typing import Any
 
 import numpy as np
 from aiohttp import web
+from prometheus_client import CollectorRegistry
+from prometheus_client.aiohttp import make_aiohttp_handler
 
 from gputrace.errors import SourceError
 from gputrace.logsetup import get_logger
 from gputrace.sim.engine import EngineTrace, PipelineEngine, SimRequest
 from gputrace.sim.logfmt import LinePrefix, decode_message, prefill_message, startup_lines
+from gputrace.sim.metrics import SGLANG_GAUGES, MetricSnapshot, SnapshotCollector
 from gputrace.sim.params import SimParams
 
 log = get_logger("sim.server")
@@ -72,6 +75,11 @@ class RealtimeSim:
         self._next_rid = 0
         self._iv_done = 0
         self._loop: asyncio.AbstractEventLoop | None = None
+        # what the engine's /metrics says: per rank the newest logged values, the counters
+        self._stage_fields: list[dict[str, float]] = [{} for _ in range(params.pp_size)]
+        self._tokens_total = 0.0
+        self._tok_done = 0
+        self._forward_s = [0.0] * params.pp_size
         try:
             self._log = open(log_path, "a", encoding="utf-8")  # noqa: SIM115  # closed in close()
             self._feed = open(feed_path, "ab") if feed_path else None  # noqa: SIM115
@@ -129,7 +137,26 @@ class RealtimeSim:
         target = self.now_s()
         self.engine.run_until(target)
         self._flush_log(target)
+        self._count_tokens(target)
         self._flush_feed()
+
+    def _count_tokens(self, upto_s: float) -> None:
+        """Tokens out of the last stage by ``upto_s`` (batches are issued in order, so their
+        exit times grow)."""
+        tr = self.engine.trace
+        i = self._tok_done
+        while i < len(tr.tok_t) and tr.tok_t[i] <= upto_s:
+            self._tokens_total += tr.tok_n[i]
+            i += 1
+        self._tok_done = i
+
+    def metric_snapshot(self) -> MetricSnapshot:
+        """The engine's metrics now (SGLang's gauges hold each rank's newest logged values)."""
+        e = self.engine
+        return MetricSnapshot(stage_fields=[dict(f) for f in self._stage_fields],
+                              tokens_total=self._tokens_total, forward_s=list(self._forward_s),
+                              running=e.running, waiting=len(e.waiting),
+                              kv_usage_ratio=e.kv_used / self.p.max_total_num_tokens)
 
     def _on_log(self, t_s: float, stage: int, kind: str, fields: dict[str, Any]) -> None:
         self._lines.append((t_s, len(self._lines), stage, kind, fields))
@@ -144,6 +171,8 @@ class RealtimeSim:
             if t_s > upto_s:
                 break
             cut += 1
+            self._stage_fields[stage].update(
+                {f: float(v) for f, v in fields.items() if f in SGLANG_GAUGES})
             message = decode_message(fields) if kind == "decode" else prefill_message(fields)
             out.append(f"{self._prefix.rank(self.wall_ns(t_s), stage)} {message}\n")
         if out:
@@ -154,6 +183,8 @@ class RealtimeSim:
     def _flush_feed(self) -> None:
         tr = self.engine.trace
         n = len(tr.iv_start)
+        for i in range(self._iv_done, n):  # counted when issued: at most a pipeline's pass early
+            self._forward_s[tr.iv_stage[i]] += tr.iv_end[i] - tr.iv_start[i]
         if self._feed is not None and n > self._iv_done:
             tp = self.p.tp_size
             out = []
@@ -166,8 +197,10 @@ class RealtimeSim:
             self._feed.flush()
         self._iv_done = n
         if n > 100_000:  # a long serve must not keep every interval: the feed file has them
+            self._tokens_total += sum(tr.tok_n[self._tok_done:])  # a few batches early
             self.engine.trace = EngineTrace()
             self._iv_done = 0
+            self._tok_done = 0
 
     def close(self) -> None:
         self._flush_log(float("inf"))
@@ -302,7 +335,10 @@ def build_app(sim: RealtimeSim) -> web.Application:
         await resp.write_eof()
         return resp
 
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(SnapshotCollector(sim.p, sim.metric_snapshot))
     app = web.Application()
+    app.router.add_get("/metrics", make_aiohttp_handler(registry))
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_post("/v1/chat/completions", completions)
