@@ -22,11 +22,16 @@ def _effect(f: Finding, rows: list[PhasePrediction]) -> dict[str, Any] | None:
         return None
     assert at.measured.throughput_tok_s is not None and at.predicted.throughput_tok_s is not None
     band = at.band_ratio
-    others = {r.label: [round(r.measured.throughput_tok_s, 1), round(r.predicted.throughput_tok_s, 1)]
-              for r in rows if r is not at and r.measured and r.measured.throughput_tok_s is not None
-              and r.predicted.throughput_tok_s is not None}
+    others: list[dict[str, Any]] = []
+    for r in rows:
+        if r is at or r.measured is None or r.measured.throughput_tok_s is None \
+                or r.predicted.throughput_tok_s is None:
+            continue
+        others.append({"phase": r.label, "concurrency": r.concurrency,
+                       "measured_tok_s": round(r.measured.throughput_tok_s, 1),
+                       "predicted_tok_s": round(r.predicted.throughput_tok_s, 1)})
     gain_here = at.predicted.throughput_tok_s - at.measured.throughput_tok_s
-    net = sum(p - m for m, p in others.values()) + gain_here
+    net = sum(o["predicted_tok_s"] - o["measured_tok_s"] for o in others) + gain_here
     return {"phase": f.phase, "concurrency": at.concurrency,
             "measured_tok_s": round(at.measured.throughput_tok_s, 1),
             "predicted_tok_s": round(at.predicted.throughput_tok_s, 1),
@@ -38,13 +43,15 @@ def _effect(f: Finding, rows: list[PhasePrediction]) -> dict[str, Any] | None:
 def effect_text(e: dict[str, Any]) -> str:
     """``predicted: 248 -> 312 tok/s at C=32 (±8 %)``, the levels it costs, and a gain the model
     cannot tell from none."""
-    text = (f"predicted: {e['measured_tok_s']:.0f} -> {e['predicted_tok_s']:.0f} tok/s at {e['phase']} "
-            f"(±{e['band_ratio']:.0%})")
+    # levels, not phase labels: a label is the run's text, the recommendation goes in a code span
+    text = (f"predicted: {e['measured_tok_s']:.0f} -> {e['predicted_tok_s']:.0f} tok/s at "
+            f"C={e['concurrency']} (±{e['band_ratio']:.0%})")
     if e["within_uncertainty"]:
         text += ", inside the model's uncertainty: no clear gain"
     band = e["band_ratio"]
-    costs = [f"{label} {m:.0f} -> {p:.0f}" for label, (m, p) in e["other_phases"].items()
-             if m > 0 and p / m - 1 < -band]
+    costs = [f"C={o['concurrency']} {o['measured_tok_s']:.0f} -> {o['predicted_tok_s']:.0f}"
+             for o in e["other_phases"]
+             if o["measured_tok_s"] > 0 and o["predicted_tok_s"] / o["measured_tok_s"] - 1 < -band]
     if costs:
         text += "; costs " + ", ".join(costs) + " tok/s"
     return text
