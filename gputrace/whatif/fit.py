@@ -290,10 +290,12 @@ def fit_model(analysis: Analysis) -> FittedModel:
         notes.append("no phase has both GPU busy figures and decode lines: the cost model is the "
                      "simulator's default, scaled by the replay alone")
     simulated = simulated_outcomes(replay(p), labels)
-    # The replay corrects the scale only where nothing was fitted: a replay's throughput also
-    # moves with how the load bunches into micro-batches (a K of 64 under 32 requests), which a
-    # cost scale must not absorb; there its residual is the band instead.
-    correction = _scale_correction(measured, simulated) if not works else 1.0
+    # The replay corrects the scale only where the steps were not counted (no fit, or vLLM's
+    # engine-wide lines, whose steps are estimated): a replay's throughput also moves with how the
+    # load bunches into micro-batches (a K of 64 under 32 requests), which a cost scale must not
+    # absorb; there its residual is the band instead.
+    counted = bool(works) and p.engine == "sglang"
+    correction = _scale_correction(measured, simulated) if not counted else 1.0
     if abs(correction - 1.0) > REPLAY_TOLERANCE:
         p = _scaled(p, correction, correction)
         simulated = simulated_outcomes(replay(p), labels)
