@@ -20,4 +20,5 @@ SUMMARIES: dict[str, str] = {
     "run": "Collect while a benchmark runs, then report.",
     "sim": "Simulate an SGLang PP deployment under a sweep.",
     "watch": "Live view: one row per pipeline stage.",
+    "whatif": "Predict a change's effect from the simulator fitted to a run.",
 }

@@ -57,6 +57,8 @@ def finding_entry(f: Finding) -> dict[str, Any]:
     entry = {k: v for k, v in f.to_dict().items() if k not in ("impact", "details")}
     if f.details.get("knob"):
         entry["change"] = {"knob": f.details["knob"], "value": f.details.get("value")}
+    if f.details.get("predicted"):  # the what-if model's effect of the change (gputrace.whatif)
+        entry["predicted"] = f.details["predicted"]
     return entry
 
 

@@ -1,0 +1,59 @@
+"""`gputrace whatif RUN --set key=value`: the simulator fitted to the run, run under the change."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from gputrace.analysis.aligned import align_store
+from gputrace.analysis.run import analyse_aligned
+from gputrace.errors import UsageError
+from gputrace.sim.params import parse_set_options
+from gputrace.store import Store
+from gputrace.whatif.fit import fit_model
+from gputrace.whatif.predict import CHANGEABLE, check_changes, predict
+from gputrace.whatif.render import render_markdown, whatif_document
+
+FORMATS = ("md", "json")
+
+
+@click.command("whatif")
+@click.argument("run", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+              help=f"A change (repeatable): {', '.join(CHANGEABLE)}.")
+@click.option("--concurrency", default=None, metavar="C1,C2",
+              help="Load levels to predict (default: the run's).")
+@click.option("--format", "formats", default="md", show_default=True, help="Comma-separated: md, json.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=str), default=None,
+              help="Write whatif.md / whatif.json here instead of printing.")
+def command(run: str, sets: tuple[str, ...], concurrency: str | None, formats: str,
+            out_dir: str | None) -> None:
+    """Predict what a change of setting or load would give, from the simulator fitted to RUN.
+
+    Per phase: throughput, TTFT and ITL p50/p90, bubble per stage, measured -> predicted, with a
+    band from the fit's residuals. Example: --set pp_max_micro_batch_size=4.
+    """
+    fmts = [f.strip() for f in formats.split(",") if f.strip()]
+    bad = [f for f in fmts if f not in FORMATS]
+    if bad or not fmts:
+        raise UsageError(f"--format {formats!r}: choose from {', '.join(FORMATS)}")
+    changes: dict[str, object] = dict(parse_set_options(sets))
+    if concurrency is not None:
+        changes["concurrency"] = concurrency
+    with Store.open(run, read_only=True) as store:
+        analysis = analyse_aligned(align_store(store))
+    check_changes(analysis.run.engine, analysis.run.pp_size, changes)
+    model = fit_model(analysis)
+    doc = whatif_document(run, model, changes, predict(model, changes))
+    texts = {"md": render_markdown(doc), "json": json.dumps(doc, indent=2, default=str) + "\n"}
+    if out_dir is None:
+        for f in fmts:
+            click.echo(texts[f], nl=False)
+        return
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    for f in fmts:
+        path = Path(out_dir) / f"whatif.{f}"
+        path.write_text(texts[f])
+        click.echo(f"wrote {path}")

@@ -1,0 +1,111 @@
+"""Each finding's recommendation with its predicted effect: the fitted model run under the change
+the finding names (its details' knob and value), the gain at its phase, the cost at the others,
+and the findings ranked by the net gain over the run's levels. diagnose's rules are untouched:
+this runs after them, inside ``report``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from gputrace.analysis.diagnose import Finding
+from gputrace.analysis.run import Analysis
+from gputrace.whatif.fit import FittedModel, fit_model
+from gputrace.whatif.predict import PhasePrediction, finding_change, predict
+
+MAX_CHANGES = 4  # distinct changes simulated per report: one replay of the run each (bounded time)
+
+
+def _effect(f: Finding, rows: list[PhasePrediction]) -> dict[str, Any] | None:
+    at = next((r for r in rows if r.label == f.phase), None)
+    if at is None or at.measured is None or at.gain_ratio is None:
+        return None
+    assert at.measured.throughput_tok_s is not None and at.predicted.throughput_tok_s is not None
+    band = at.band_ratio
+    others: list[dict[str, Any]] = []
+    for r in rows:
+        if r is at or r.measured is None or r.measured.throughput_tok_s is None \
+                or r.predicted.throughput_tok_s is None:
+            continue
+        others.append({"phase": r.label, "concurrency": r.concurrency,
+                       "measured_tok_s": round(r.measured.throughput_tok_s, 1),
+                       "predicted_tok_s": round(r.predicted.throughput_tok_s, 1)})
+    gain_here = at.predicted.throughput_tok_s - at.measured.throughput_tok_s
+    net = sum(o["predicted_tok_s"] - o["measured_tok_s"] for o in others) + gain_here
+    return {"phase": f.phase, "concurrency": at.concurrency,
+            "measured_tok_s": round(at.measured.throughput_tok_s, 1),
+            "predicted_tok_s": round(at.predicted.throughput_tok_s, 1),
+            "band_ratio": round(band, 4), "gain_ratio": round(at.gain_ratio, 4),
+            "within_uncertainty": abs(at.gain_ratio) <= band,
+            "net_gain_tok_s": round(net, 1), "other_phases": others}
+
+
+def effect_text(e: dict[str, Any]) -> str:
+    """``predicted: 248 -> 312 tok/s at C=32 (±8 %)``, the levels it costs, and a gain the model
+    cannot tell from none."""
+    # levels, not phase labels: a label is the run's text, the recommendation goes in a code span
+    text = (f"predicted: {e['measured_tok_s']:.0f} -> {e['predicted_tok_s']:.0f} tok/s at "
+            f"C={e['concurrency']} (±{e['band_ratio']:.0%})")
+    if e["within_uncertainty"]:
+        text += ", inside the model's uncertainty: no clear gain"
+    band = e["band_ratio"]
+    costs = [f"C={o['concurrency']} {o['measured_tok_s']:.0f} -> {o['predicted_tok_s']:.0f}"
+             for o in e["other_phases"]
+             if o["measured_tok_s"] > 0 and o["predicted_tok_s"] / o["measured_tok_s"] - 1 < -band]
+    if costs:
+        text += "; costs " + ", ".join(costs) + " tok/s"
+    return text
+
+
+def rank_by_gain(findings: list[Finding]) -> list[Finding]:
+    """Predicted gains first (largest net gain over the levels first), then the findings the
+    model cannot weigh in their order, then predicted losses; "cannot tell" stays last."""
+    def net(f: Finding) -> float:
+        return float(f.details["predicted"]["net_gain_tok_s"])
+
+    causes = [f for f in findings if f.cause != "cannot_tell"]
+    gains = sorted((f for f in causes if "predicted" in f.details and net(f) > 0), key=lambda f: -net(f))
+    losses = sorted((f for f in causes if "predicted" in f.details and net(f) <= 0), key=lambda f: -net(f))
+    rest = [f for f in causes if "predicted" not in f.details]
+    return gains + rest + losses + [f for f in findings if f.cause == "cannot_tell"]
+
+
+def add_predicted_effects(analysis: Analysis, progress: Callable[[str], None] | None = None
+                          ) -> FittedModel | None:
+    """Fit the model to ``analysis``, give each finding it can weigh ``details["predicted"]`` and
+    the text on its recommendation, rank the findings, and note the fit's quality. None where no
+    finding names a change the model can make (nothing is fitted then)."""
+    wanted = [f for f in analysis.findings if f.cause != "cannot_tell" and f.details.get("knob")]
+    if not wanted or not any(pm.throughput_tok_s for pm in analysis.metrics):
+        return None
+    if progress:
+        progress("what-if fit")
+    model = fit_model(analysis)
+    analysis.notes.append(fit_note(model))
+    runs: dict[str, list[PhasePrediction]] = {}
+    for f in wanted:
+        change = finding_change(model, f.to_dict())
+        if change is None:
+            continue
+        key = repr(sorted(change.items()))
+        if key not in runs:
+            if len(runs) >= MAX_CHANGES:
+                continue
+            runs[key] = predict(model, change)
+        effect = _effect(f, runs[key])
+        if effect is not None:
+            f.details["predicted"] = effect
+            f.recommendation += f"; {effect_text(effect)}"
+    analysis.findings[:] = rank_by_gain(analysis.findings)
+    return model
+
+
+def fit_note(model: FittedModel) -> str:
+    """One line: the what-if model's throughput against the measured one, per phase."""
+    parts = []
+    for row in model.quality_rows():
+        measured, simulated = row["throughput_tok_s"]
+        if measured is not None and simulated is not None:
+            parts.append(f"{row['phase']} {measured:.0f}/{simulated:.0f}")
+    return ("what-if model (the simulator fitted to this run) replays it at measured/simulated tok/s "
+            f"{', '.join(parts)}; predictions carry ±{model.uncertainty_ratio:.0%}")

@@ -1,0 +1,308 @@
+"""The simulator's cost model fitted to a captured run, from what the capture holds: the engine
+configuration its log states, the load (phases' levels, the requests' token lengths), and per
+phase the stages' GPU busy time against the steps their scheduler lines count.
+
+A stage step costs launch + max(weight_read, decode_token x tokens) + context_token x context
+(gputrace.sim.engine). Per phase, busy time = a x (steps x flat part) + b x (token part), a and b
+fitted by least squares on relative residuals, tied towards a = b (the simulator's shape) where
+the phases do not tell them apart; each stage's multiplier is its busy share against the mean
+(all stages run the same steps). A simulated replay of the captured phases gives the fit's
+quality per phase, whose residuals are the predictions' uncertainty (where no phase could be
+fitted, a first replay sets the overall scale).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from gputrace.analysis.metrics import PhaseMetrics
+from gputrace.analysis.run import Analysis
+from gputrace.sim.params import SimParams, make_params
+from gputrace.sim.run import SimResult, run_params
+from gputrace.whatif.outcome import PhaseOutcome, measured_outcomes, phase_concurrency, simulated_outcomes
+
+COST_FIELDS = ("launch_s", "weight_read_s", "decode_token_s", "prefill_token_s", "context_token_s")
+MAX_PHASE_S = 300.0  # a longer captured phase is replayed this long: steady state, bounded time
+TIE_WEIGHT = 0.3  # pull of a = b on the least squares (relative units)
+UNCERTAINTY_FLOOR = 0.03  # seed-to-seed spread of a phase's throughput in the simulator
+LINK_EFFICIENCY = 0.8  # a PCIe link's payload rate against its raw rate (TLP/DLLP overhead)
+REPLAY_TOLERANCE = 0.02  # a replay this close keeps the physical fit (one replay less)
+CLIENT_SHORTFALL = 0.85  # as diagnose: a client below this share of its level is its own bound
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseWork:
+    """What one captured phase's stages did, as the cost model sees it."""
+
+    label: str
+    busy_s: float  # mean over stages, multiplier removed
+    decode_steps: float
+    prefill_steps: float
+    microbatch_size: float  # tokens per decode step
+    # sizes of the logged decode steps: the compute past the knee is convex in the size, so a
+    # bunched load (steps of 1 and of 30) costs more than its mean size says
+    logged_sizes: tuple[float, ...]
+    context_tokens: float  # per decode step
+    prefill_tokens_per_step: float
+
+
+@dataclass
+class FittedModel:
+    """The fitted simulator parameters, how well they replay the run, and its uncertainty."""
+
+    params: SimParams
+    measured: list[PhaseOutcome]
+    simulated: list[PhaseOutcome]
+    uncertainty_ratio: float  # relative band on a predicted throughput (RMS residual, floored)
+    scale: dict[str, float] = field(default_factory=dict)  # a, b and the replay's correction
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def labels(self) -> list[str]:
+        return [m.label for m in self.measured]
+
+    def quality_rows(self) -> list[dict[str, Any]]:
+        """Per phase: measured against simulated throughput, TTFT p50 and ITL p50."""
+        rows = []
+        for m, s in zip(self.measured, self.simulated, strict=True):
+            rows.append({"phase": m.label, "concurrency": m.concurrency,
+                         "throughput_tok_s": (m.throughput_tok_s, s.throughput_tok_s),
+                         "ttft_s_p50": (m.ttft_s_p50, s.ttft_s_p50), "itl_s_p50": (m.itl_s_p50, s.itl_s_p50),
+                         "throughput_error": relative_error(s.throughput_tok_s, m.throughput_tok_s)})
+        return rows
+
+
+def relative_error(predicted: float | None, measured: float | None) -> float | None:
+    if predicted is None or measured is None or measured <= 0:
+        return None
+    return predicted / measured - 1.0
+
+
+def _engine_params(engine: dict[str, Any], pp_size: int) -> dict[str, Any]:
+    """The deployment as the log states it; what it does not state keeps the simulator's default."""
+    fields = engine.get("fields") or {}
+    out: dict[str, Any] = {"engine": str(engine.get("engine") or "sglang"), "pp_size": pp_size}
+    for key in ("tp_size", "max_running_requests", "pp_max_micro_batch_size", "pp_async_batch_depth",
+                "chunked_prefill_size", "max_total_num_tokens", "decode_log_interval"):
+        if engine.get(key) is not None:
+            out[key] = engine[key]
+    if fields.get("max_prefill_tokens"):
+        out["max_prefill_tokens"] = fields["max_prefill_tokens"]
+    if out["engine"] == "vllm":
+        out.pop("pp_max_micro_batch_size", None)
+        out.pop("pp_async_batch_depth", None)
+    return out
+
+
+def _load_params(analysis: Analysis) -> dict[str, Any]:
+    """The load: each phase's level, its length, the requests' token lengths, a client's own cap."""
+    rq = analysis.run.requests
+    out: dict[str, Any] = {"concurrency": tuple(phase_concurrency(pm) for pm in analysis.metrics)}
+    durations = [pm.duration_s for pm in analysis.metrics if pm.duration_s > 0]
+    if durations:
+        out["phase_s"] = min(float(np.median(durations)), MAX_PHASE_S)
+    ok = rq["ok"] & np.isfinite(rq["completion_tokens"].astype(float)) if len(rq["ok"]) else np.zeros(0, bool)
+    prompt = rq["prompt_tokens"][ok].astype(float) if len(rq["ok"]) else np.zeros(0)
+    prompt = prompt[np.isfinite(prompt)]
+    if len(prompt):
+        mean_in = float(prompt.mean())
+        out["input_tokens"] = max(round(mean_in), 1)
+        # uniform +- j x mean has a standard deviation of j x mean / sqrt(3)
+        out["input_tokens_jitter"] = float(min(np.sqrt(3) * prompt.std() / mean_in, 0.95))
+    completion = rq["completion_tokens"][ok].astype(float) if len(rq["ok"]) else np.zeros(0)
+    if len(completion):
+        top = float(completion.max())
+        out["max_tokens"] = max(int(top), 1)
+        # uniform in [(1 - j) max, max] has a mean of (1 - j / 2) max
+        out["output_tokens_jitter"] = float(np.clip(2 * (1 - completion.mean() / top), 0.0, 1.0))
+    short = [pm.inflight_mean for pm in analysis.metrics if pm.target_concurrency and pm.inflight_mean
+             and pm.inflight_mean < CLIENT_SHORTFALL * pm.target_concurrency]
+    if short:
+        out["client_max_inflight"] = max(round(max(short)), 1)
+    return out
+
+
+def _link_params(analysis: Analysis, works: list[PhaseWork], pp_size: int) -> dict[str, Any]:
+    """Hand-off: bytes per token from stage 0's PCIe transmit rate, the link's rate from its
+    generation and width."""
+    run = analysis.run
+    if pp_size < 2:
+        return {}
+    rows = run.stage_gpu_rows(0)
+    capacity = float(np.nanmin(run.pcie_capacity_bytes_per_s[rows])) if len(rows) else float("nan")
+    out: dict[str, Any] = {}
+    if np.isfinite(capacity) and capacity > 0:
+        out["pcie_bandwidth_bytes_per_s"] = LINK_EFFICIENCY * capacity
+    per_token = []
+    for pm, w in zip(analysis.metrics, works, strict=False):
+        tx = pm.stages[0].pcie_tx_bytes_per_s_mean if pm.stages else None
+        tokens = w.decode_steps * w.microbatch_size + w.prefill_steps * w.prefill_tokens_per_step
+        if tx and tokens > 0:
+            per_token.append(tx * pm.duration_s / tokens)
+    if per_token:
+        out["activation_bytes_per_token"] = max(round(float(np.median(per_token))), 1)
+    return out
+
+
+def _phase_work(analysis: Analysis, pm: PhaseMetrics, p: SimParams, mults: np.ndarray,
+                mean_in: float, mean_out: float) -> PhaseWork | None:
+    """Steps and tokens of one phase from its scheduler lines; None where it has no busy figure
+    or no decode."""
+    busy = np.array([st.busy_fraction if st.busy_fraction is not None else np.nan for st in pm.stages])
+    if np.isnan(busy).all() or not pm.throughput_tok_s or pm.duration_s <= 0:
+        return None
+    tokens = pm.throughput_tok_s * pm.duration_s
+    run = analysis.run
+    steps, prefills, sizes = [], [], []
+    for ev in run.stage_events:
+        lo, hi = np.searchsorted(ev.t_ns, [pm.start_ns, pm.end_ns])
+        kinds = ev.kind[lo:hi]
+        sizes.extend(ev.running_req[lo:hi][(kinds == "decode") & np.isfinite(ev.running_req[lo:hi])])
+        steps.append(float((kinds == "decode").sum()) * p.decode_log_interval)
+        prefills.append(float((kinds == "prefill").sum()))
+    started = _requests_started(analysis, pm)
+    if p.engine == "sglang" and max(steps, default=0.0) > 0:
+        n_dec, n_pf = float(np.median(steps)), float(np.median(prefills))
+        mb = tokens / n_dec
+    else:  # vLLM logs engine-wide stats: pp_size batches share the running requests
+        running = _mean_running(analysis, pm)
+        mb = max(running / p.pp_size, 1.0) if running else 1.0
+        n_dec, n_pf = tokens / mb, 0.0
+    pf_tokens = started * mean_in / n_pf if n_pf else 0.0
+    busy_s = float(np.nanmean(busy / mults)) * pm.duration_s
+    logged = np.asarray(sizes, dtype=float)
+    logged = logged[logged > 0]
+    # scaled to the counted mean: the lines sample the steps, the tokens count them all
+    logged_sizes = tuple(logged * mb / logged.mean()) if len(logged) else (mb,)
+    return PhaseWork(pm.label, busy_s, n_dec, n_pf, mb, logged_sizes, mb * (mean_in + mean_out / 2),
+                     pf_tokens)
+
+
+def _requests_started(analysis: Analysis, pm: PhaseMetrics) -> float:
+    start = analysis.run.requests["start_ns"]
+    return float(((start >= pm.start_ns) & (start < pm.end_ns)).sum()) if len(start) else 0.0
+
+
+def _mean_running(analysis: Analysis, pm: PhaseMetrics) -> float | None:
+    ev = analysis.run.stage_events[0] if analysis.run.stage_events else None
+    if ev is None:
+        return None
+    lo, hi = np.searchsorted(ev.t_ns, [pm.start_ns, pm.end_ns])
+    running = ev.running_req[lo:hi]
+    running = running[np.isfinite(running)]
+    return float(running.mean()) if len(running) else None
+
+
+def _design(w: PhaseWork, p: SimParams) -> tuple[float, float]:
+    """(flat part, token part) of a phase's busy time under the cost fields of ``p``."""
+    flat = (w.decode_steps + w.prefill_steps) * (p.launch_s + p.weight_read_s)
+    sizes = np.asarray(w.logged_sizes)
+    over = float(np.mean(np.maximum(0.0, p.decode_token_s * sizes - p.weight_read_s))) + \
+        p.context_token_s * w.context_tokens
+    prefill_over = max(0.0, p.prefill_token_s * w.prefill_tokens_per_step - p.weight_read_s)
+    if p.engine == "vllm":  # prompts ride in the decode steps
+        over += p.prefill_token_s * w.prefill_tokens_per_step
+    return flat, w.decode_steps * over + w.prefill_steps * prefill_over
+
+
+def fit_scales(works: list[PhaseWork], p: SimParams) -> tuple[float, float]:
+    """Least squares for (a, b) on relative residuals of busy time, with a tie towards a = b."""
+    rows, ys = [], []
+    for w in works:
+        flat, tok = _design(w, p)
+        if w.busy_s > 0 and flat + tok > 0:
+            rows.append([flat / w.busy_s, tok / w.busy_s])
+            ys.append(1.0)
+    if not rows:
+        return 1.0, 1.0
+    rows.append([TIE_WEIGHT, -TIE_WEIGHT])
+    ys.append(0.0)
+    (a, b), *_ = np.linalg.lstsq(np.array(rows), np.array(ys), rcond=None)
+    if a <= 0 or b <= 0:  # the phases cannot tell the parts apart: one scale for both
+        x = np.array(rows[:-1]).sum(axis=1)
+        a = b = float(x.sum() / (x * x).sum())
+    return float(a), float(b)
+
+
+def _scaled(p: SimParams, a: float, b: float) -> SimParams:
+    return dataclasses.replace(p, launch_s=p.launch_s * a, weight_read_s=p.weight_read_s * a,
+                               decode_token_s=p.decode_token_s * b, prefill_token_s=p.prefill_token_s * b,
+                               context_token_s=p.context_token_s * b)
+
+
+def stage_multipliers(metrics: list[PhaseMetrics], pp_size: int) -> np.ndarray:
+    """Each stage's busy share against the stages' mean, averaged over phases by busy time."""
+    num, den = np.zeros(pp_size), 0.0
+    for pm in metrics:
+        busy = np.array([st.busy_fraction if st.busy_fraction is not None else np.nan for st in pm.stages])
+        if len(busy) != pp_size or np.isnan(busy).any() or busy.mean() <= 0:
+            continue
+        num += busy  # sum of busy over sum of the means: phases weighted by busy time
+        den += busy.mean()
+    return num / den if den > 0 else np.ones(pp_size)
+
+
+def initial_params(analysis: Analysis) -> tuple[SimParams, list[PhaseWork]]:
+    """The deployment and load from the capture, and the cost model fitted to its busy time."""
+    pp = analysis.run.pp_size
+    values = {**_engine_params(analysis.run.engine, pp), **_load_params(analysis)}
+    p = make_params(values)
+    mults = stage_multipliers(analysis.metrics, pp)
+    mean_in = float(p.input_tokens)
+    mean_out = p.max_tokens * (1 - p.output_tokens_jitter / 2)
+    works = [w for pm in analysis.metrics
+             if (w := _phase_work(analysis, pm, p, mults, mean_in, mean_out)) is not None]
+    for _ in range(3):  # the knee moves with a / b: refit under the new fields
+        a, b = fit_scales(works, p)
+        p = _scaled(p, a, b)
+    uneven = float(mults.max() - mults.min()) > 0.02
+    split = tuple(round(float(m), 4) for m in mults) if uneven else ()
+    p = dataclasses.replace(p, stage_cost_multipliers=split)
+    link = _link_params(analysis, works, pp)
+    return dataclasses.replace(p, **link), works
+
+
+def replay(p: SimParams) -> SimResult:
+    """The fitted model run over the captured phases (the same seed each time)."""
+    return run_params(dataclasses.replace(p, seed=0), "whatif")
+
+
+def _scale_correction(measured: list[PhaseOutcome], simulated: list[PhaseOutcome]) -> float:
+    """The factor on every stage cost that best matches the measured throughputs (geometric mean
+    of simulated / measured: throughput goes as 1 / step time at every level)."""
+    ratios = [s.throughput_tok_s / m.throughput_tok_s for m, s in zip(measured, simulated, strict=True)
+              if m.throughput_tok_s and s.throughput_tok_s and m.throughput_tok_s > 0]
+    return float(np.exp(np.mean(np.log(ratios)))) if ratios else 1.0
+
+
+def fit_model(analysis: Analysis) -> FittedModel:
+    """Fit the simulator to ``analysis``: the physical fit and the replay that measures its
+    quality (without a physical fit, a replay's throughput sets the scale first)."""
+    p, works = initial_params(analysis)
+    measured = measured_outcomes(analysis)
+    labels = [m.label for m in measured]
+    notes = []
+    if not works:
+        notes.append("no phase has both GPU busy figures and decode lines: the cost model is the "
+                     "simulator's default, scaled by the replay alone")
+    simulated = simulated_outcomes(replay(p), labels)
+    # The replay corrects the scale only where the steps were not counted (no fit, or vLLM's
+    # engine-wide lines, whose steps are estimated): a replay's throughput also moves with how the
+    # load bunches into micro-batches (a K of 64 under 32 requests), which a cost scale must not
+    # absorb; there its residual is the band instead.
+    counted = bool(works) and p.engine == "sglang"
+    correction = _scale_correction(measured, simulated) if not counted else 1.0
+    if abs(correction - 1.0) > REPLAY_TOLERANCE:
+        p = _scaled(p, correction, correction)
+        simulated = simulated_outcomes(replay(p), labels)
+    errors = [e for m, s in zip(measured, simulated, strict=True)
+              if (e := relative_error(s.throughput_tok_s, m.throughput_tok_s)) is not None]
+    rms = float(np.sqrt(np.mean(np.square(errors)))) if errors else 0.0
+    return FittedModel(p, measured, simulated, max(rms, UNCERTAINTY_FLOOR),
+                       {"cost_scale": round(p.weight_read_s / SimParams().weight_read_s, 4),
+                        "token_scale": round(p.decode_token_s / SimParams().decode_token_s, 4),
+                        "replay_correction": round(correction, 4)}, notes)

@@ -1,0 +1,136 @@
+"""The what-if model: fitted to a virtual run's store (only what a capture holds), scored against
+the simulator run at the changed setting; `gputrace whatif`; findings' predicted effects."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gputrace.analysis.run import Analysis, analyse_store
+from gputrace.demo import top_recommendation
+from gputrace.report.document import build_document
+from gputrace.sim.outputs import write_store
+from gputrace.sim.params import SCENARIOS
+from gputrace.sim.run import run_scenario
+from gputrace.store import Store
+from gputrace.whatif.effects import add_predicted_effects
+from gputrace.whatif.fit import fit_model
+from gputrace.whatif.groundtruth import OTHER_CHANGES, format_table, score_change, score_fixes
+
+WITHIN = 0.10  # Must show 1: predicted throughput within 10 % of the simulator's
+
+
+@pytest.fixture(scope="module")
+def motivating_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("whatif") / "motivating"
+    write_store(run_scenario("motivating", 0), out)
+    return out
+
+
+def _analysis(run: Path) -> Analysis:
+    with Store.open(run, read_only=True) as store:
+        return analyse_store(store)
+
+
+def test_fit_replays_the_captured_run(motivating_run: Path) -> None:
+    """The fitted model, run over the captured levels, gives each phase's throughput within 5 %
+    and its TTFT and ITL p50 within 15 %; the deployment is the one the log states."""
+    model = fit_model(_analysis(motivating_run))
+    assert model.params.max_running_requests == 64 and model.params.pp_size == 8
+    assert model.params.concurrency == (1, 8, 32, 64)
+    for row in model.quality_rows():
+        assert abs(row["throughput_error"]) < 0.05, row
+        for key in ("ttft_s_p50", "itl_s_p50"):
+            measured, simulated = row[key]
+            assert abs(simulated / measured - 1) < 0.15, (key, row)
+    assert 0.03 <= model.uncertainty_ratio < 0.05
+
+
+def test_predicts_k4_within_ten_percent_of_the_simulator() -> None:
+    """Fit on the defaults (seed 1), predict K = 4, run the simulator at K = 4: every phase
+    within 10 %, the phase K = 4 is for (C=32) faster and C=64 slower, as the simulator has it."""
+    scores = score_change("motivating", 1, {"pp_max_micro_batch_size": 4})
+    print("\n".join(format_table(scores)))
+    assert all(abs(s.error_ratio) < WITHIN for s in scores)
+    by_phase = {s.phase: s for s in scores}
+    assert by_phase["C=32"].predicted_tok_s > 1.05 * (by_phase["C=32"].measured_tok_s or 0)
+    assert by_phase["C=64"].predicted_tok_s < 0.7 * (by_phase["C=64"].measured_tok_s or 0)
+
+
+@pytest.mark.slow
+def test_every_scenario_fix_and_other_changes_within_ten_percent() -> None:
+    """Must show 1 at seed 0 (bench/whatif.py runs 3 seeds): each scenario's fix (truth.fix_for)
+    and K, max_running_requests and concurrency changes, predicted within 10 %."""
+    scores = []
+    for name, scenario in SCENARIOS.items():
+        if scenario.causes:
+            scores += score_fixes(name, 0)
+    for name, change in OTHER_CHANGES:
+        scores += score_change(name, 0, change)
+    print("\n".join(format_table(scores)))
+    fixed = {s.scenario for s in scores if s.change.startswith("fix")}
+    assert fixed >= {"microbatch-cap", "pool-bound", "bunched", "stage-imbalance", "client-bound",
+                     "kv-bound", "pcie-bound", "vllm-admission"}
+    bad = [s for s in scores if abs(s.error_ratio) >= WITHIN]
+    assert not bad, bad
+
+
+def test_findings_carry_predicted_effects_and_demo_second_run(motivating_run: Path) -> None:
+    """Must show 3 (virtual time): every finding with a change gets its predicted effect; the
+    top recommendation (as the demo picks it) predicts the second run within 15 %."""
+    analysis = _analysis(motivating_run)
+    add_predicted_effects(analysis)
+    predicted = [f for f in analysis.findings if "predicted" in f.details]
+    assert len(predicted) == len([f for f in analysis.findings if f.details.get("knob")])
+    for f in predicted:
+        e = f.details["predicted"]
+        assert f"predicted: {e['measured_tok_s']:.0f} -> {e['predicted_tok_s']:.0f} tok/s at " \
+            f"C={e['concurrency']} (±" in f.recommendation
+    nets = [f.details["predicted"]["net_gain_tok_s"] for f in predicted]
+    assert nets == sorted(nets, reverse=True)
+    rec = top_recommendation(build_document(analysis))
+    assert rec is not None and rec.knob == "--pp-max-micro-batch-size"
+    second = run_scenario("motivating", 0, rec.overrides).ground_truth["phases"]
+    truth = {ph["label"]: ph["throughput_tok_s"] for ph in second}
+    top = next(f for f in analysis.findings if f.details.get("knob") == rec.knob)
+    assert abs(top.details["predicted"]["predicted_tok_s"] / truth[rec.phase] - 1) < 0.15
+    for other in top.details["predicted"]["other_phases"]:
+        assert abs(other["predicted_tok_s"] / truth[other["phase"]] - 1) < 0.15, other
+
+
+def _whatif(run: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "gputrace", "whatif", str(run), *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_whatif_command_json_and_markdown(motivating_run: Path, tmp_path: Path) -> None:
+    """`gputrace whatif --set ... --concurrency ...` writes the prediction per level as JSON and
+    Markdown: levels the run had pair with their measured phase, the band comes from the fit."""
+    done = _whatif(motivating_run, "--set", "max_running_requests=128", "--set", "pp_max_micro_batch_size=4",
+                   "--concurrency", "32,64,128", "--format", "md,json", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    doc = json.loads((tmp_path / "whatif.json").read_text())
+    assert doc["changes"] == {"max_running_requests": "128", "pp_max_micro_batch_size": "4",
+                              "concurrency": "32,64,128"}
+    levels = {ph["concurrency"]: ph for ph in doc["phases"]}
+    assert set(levels) == {32, 64, 128}
+    assert levels[128]["measured"] is None and levels[32]["measured"]["label"] == "C=32"
+    assert levels[32]["gain_ratio"] > 0.05  # K = 4 spreads 32 requests over the 8 slots
+    assert len(levels[64]["predicted"]["bubble_fraction_by_stage"]) == 8
+    md = (tmp_path / "whatif.md").read_text()
+    assert "| C=32 | 32 | 971 -> " in md and "## The fit" in md
+
+
+def test_whatif_rejects_unknown_keys_and_impossible_values(motivating_run: Path) -> None:
+    """A key the model cannot change or an impossible value: a one-line error naming the valid keys."""
+    for args, said in ((("--set", "gpu_name=H200"), "cannot change 'gpu_name'"),
+                       (("--set", "max_running_requests=0"), "max_running_requests must be >= 1"),
+                       (("--set", "pp_max_micro_batch_size=four"), "cannot use 'four'")):
+        done = _whatif(motivating_run, *args)
+        assert done.returncode == 2, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and said in lines[0] and "valid keys: pp_max_micro_batch_size" in lines[0]
