@@ -68,6 +68,7 @@ class Recommendation:
     knob: str
     value: int
     text: str
+    predicted: dict[str, Any] | None = None  # the what-if model's effect (findings.json "predicted")
 
     @property
     def overrides(self) -> dict[str, Any]:
@@ -80,7 +81,8 @@ def top_recommendation(doc: dict[str, Any]) -> Recommendation | None:
         details = f.get("change") or {}
         knob, value = details.get("knob"), details.get("value")
         if knob in FLAG_PARAMS and isinstance(value, int) and value > 0:
-            return Recommendation(f["cause"], f["phase"], knob, value, f.get("recommendation", ""))
+            return Recommendation(f["cause"], f["phase"], knob, value, f.get("recommendation", ""),
+                                  f.get("predicted"))
     return None
 
 

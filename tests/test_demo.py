@@ -41,6 +41,8 @@ def test_quick_demo_applies_its_own_recommendation(tmp_path: Path) -> None:
     gain = after / before - 1
     assert f"at {rec.phase} ({gain:+.0%})" in done.stdout.replace("\n", " ")
     assert "vs defaults" in done.stdout
+    # [whatif]: the prediction made from the defaults' run, printed beside the measured gain
+    assert rec.predicted is not None and "predicted before the rerun" in done.stdout
     for run in docs:
         assert (out / run / "report" / "report.html").stat().st_size > 10_000
     assert any((out / "compare-defaults-recommended").iterdir())

@@ -70,8 +70,14 @@ def recommendation_effect(result: DemoResult) -> str:
     before = _phase_rows(findings_of(result.defaults)).get(rec.phase, {}).get("tok_s")
     after = _phase_rows(findings_of(run)).get(rec.phase, {}).get("tok_s")
     gain = _gain(before, after)
-    return (f"gputrace's recommendation: {rec.knob} {rec.value} (from {rec.cause} at {rec.phase}): "
+    text = (f"gputrace's recommendation: {rec.knob} {rec.value} (from {rec.cause} at {rec.phase}): "
             f"{_fmt(before, '.0f')} -> {_fmt(after, '.0f')} tok/s at {rec.phase} ({_fmt(gain, '+.0%')})")
+    if rec.predicted:
+        p = rec.predicted
+        predicted_gain = _gain(p.get("measured_tok_s"), p.get("predicted_tok_s"))
+        text += (f"; predicted before the rerun: {_fmt(p.get('predicted_tok_s'), '.0f')} tok/s "
+                 f"({_fmt(predicted_gain, '+.0%')}, ±{_fmt(p.get('band_ratio'), '.0%')})")
+    return text
 
 
 @click.command("demo")
