@@ -4,7 +4,7 @@ numbers that show it, how sure, and what to change. A healthy phase yields no fi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -77,7 +77,7 @@ def _r(x: float | None, nd: int = 3) -> float | None:
     return None if x is None or not np.isfinite(x) else round(float(x), nd)
 
 
-def engine_kind(engine: dict[str, Any]) -> str:
+def engine_kind(engine: Mapping[str, Any]) -> str:
     """"sglang" or "vllm" from the run's engine configuration (SGLang when unknown)."""
     kind = str(engine.get("engine") or "sglang")
     return kind if kind in ADMISSION_FLAG else "sglang"

@@ -10,6 +10,7 @@ from typing import Any
 
 from gputrace.analysis.diagnose import Finding
 from gputrace.analysis.run import Analysis
+from gputrace.errors import GputraceError
 from gputrace.whatif.fit import FittedModel, fit_model
 from gputrace.whatif.predict import PhasePrediction, finding_change, predict
 
@@ -80,7 +81,12 @@ def add_predicted_effects(analysis: Analysis, progress: Callable[[str], None] | 
         return None
     if progress:
         progress("what-if fit")
-    model = fit_model(analysis)
+    try:
+        model = fit_model(analysis)
+    except GputraceError as exc:  # the report stands without predictions; say why they are missing
+        analysis.notes.append(f"no predicted effects: the what-if model could not be fitted to this "
+                              f"run ({exc})")
+        return None
     analysis.notes.append(fit_note(model))
     runs: dict[str, list[PhasePrediction]] = {}
     for f in wanted:

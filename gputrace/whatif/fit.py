@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from gputrace.analysis.diagnose import engine_kind
 from gputrace.analysis.metrics import PhaseMetrics
 from gputrace.analysis.run import Analysis
 from gputrace.sim.params import SimParams, make_params
@@ -85,7 +86,7 @@ def relative_error(predicted: float | None, measured: float | None) -> float | N
 def _engine_params(engine: dict[str, Any], pp_size: int) -> dict[str, Any]:
     """The deployment as the log states it; what it does not state keeps the simulator's default."""
     fields = engine.get("fields") or {}
-    out: dict[str, Any] = {"engine": str(engine.get("engine") or "sglang"), "pp_size": pp_size}
+    out: dict[str, Any] = {"engine": engine_kind(engine), "pp_size": pp_size}
     for key in ("tp_size", "max_running_requests", "pp_max_micro_batch_size", "pp_async_batch_depth",
                 "chunked_prefill_size", "max_total_num_tokens", "decode_log_interval"):
         if engine.get(key) is not None:

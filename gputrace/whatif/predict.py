@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from gputrace.analysis.diagnose import engine_kind
 from gputrace.errors import ConfigError, UsageError
 from gputrace.sim.params import SimParams, make_params
 from gputrace.whatif.fit import FittedModel, relative_error, replay
@@ -62,7 +63,7 @@ def check_changes(engine: Mapping[str, Any], pp_size: int, changes: Mapping[str,
     """Unknown keys and impossible values as one-line errors, before any fitting."""
     parse_changes(changes)
     try:
-        make_params({"engine": str(engine.get("engine") or "sglang"), "pp_size": pp_size, **changes})
+        make_params({"engine": engine_kind(engine), "pp_size": pp_size, **changes})
     except ConfigError as exc:
         raise UsageError(f"whatif: {exc}; valid keys: {', '.join(CHANGEABLE)}") from None
 
