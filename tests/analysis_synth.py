@@ -109,3 +109,20 @@ def build(path: Path, spec: SynthRun, seed: int = 0) -> dict[str, dict[int, floa
     store.append(probes)
     store.close()
     return truth
+
+
+def capped_run(path: Path) -> Path:
+    """PP4, a pool of 64, --pp-max-micro-batch-size 4: C=1, then C=32 with every slot at K (16
+    running) and 16 waiting while the pool has rows: the micro-batch cap."""
+    build(path, SynthRun([Level("C=1", 1, 1, [0.125] * 4, 1, 6),
+                          Level("C=32", 32, 32, [0.9] * 4, 4, 6, queue=16)], pp=4,
+                         engine={"max_running_requests": 64, "pp_max_micro_batch_size": 4}))
+    return path
+
+
+def fixed_run(path: Path) -> Path:
+    """The same with K 64 and C=32 running in 4 micro-batches of 8 with no queue."""
+    build(path, SynthRun([Level("C=1", 1, 1, [0.125] * 4, 1, 6),
+                          Level("C=32", 32, 32, [0.95] * 4, 8, 6)], pp=4,
+                         engine={"max_running_requests": 64, "pp_max_micro_batch_size": 64}))
+    return path

@@ -9,25 +9,13 @@ import re
 import shutil
 from pathlib import Path
 
-from analysis_synth import Level, SynthRun, build
+from analysis_synth import capped_run, fixed_run
 from click.testing import CliRunner
 
 from gputrace.cli import cli as main
 from gputrace.report.compare_render import CSS
 
-
-def _capped(path: Path) -> Path:
-    build(path, SynthRun([Level("C=1", 1, 1, [0.125] * 4, 1, 6),
-                          Level("C=32", 32, 32, [0.9] * 4, 4, 6, queue=16)], pp=4,
-                         engine={"max_running_requests": 64, "pp_max_micro_batch_size": 4}))
-    return path
-
-
-def _fixed(path: Path) -> Path:
-    build(path, SynthRun([Level("C=1", 1, 1, [0.125] * 4, 1, 6),
-                          Level("C=32", 32, 32, [0.95] * 4, 8, 6)], pp=4,
-                         engine={"max_running_requests": 64, "pp_max_micro_batch_size": 64}))
-    return path
+_capped, _fixed = capped_run, fixed_run
 
 
 def _compare(a: Path, b: Path, out: Path) -> tuple[str, str]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from analysis_synth import T0, Level, SynthRun, build
+from analysis_synth import T0, Level, SynthRun, build, capped_run, fixed_run
 from click.testing import CliRunner
 
 from gputrace.cli import cli as main
@@ -20,19 +20,7 @@ from gputrace.report.document import SCHEMA
 from gputrace.report.figures import FIGURES
 from gputrace.store import Store
 
-
-def _capped(path: Path) -> Path:
-    build(path, SynthRun([Level("C=1", 1, 1, [0.125] * 4, 1, 6),
-                          Level("C=32", 32, 32, [0.9] * 4, 4, 6, queue=16)], pp=4,
-                         engine={"max_running_requests": 64, "pp_max_micro_batch_size": 4}))
-    return path
-
-
-def _fixed(path: Path) -> Path:
-    build(path, SynthRun([Level("C=1", 1, 1, [0.125] * 4, 1, 6),
-                          Level("C=32", 32, 32, [0.95] * 4, 8, 6)], pp=4,
-                         engine={"max_running_requests": 64, "pp_max_micro_batch_size": 64}))
-    return path
+_capped, _fixed = capped_run, fixed_run
 
 
 def test_report_writes_three_formats(tmp_path: Path) -> None:
