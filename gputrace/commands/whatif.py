@@ -22,7 +22,8 @@ FORMATS = ("md", "json")
 @click.command("whatif")
 @click.argument("run", type=click.Path(exists=True, file_okay=False, path_type=str))
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
-              help=f"A change (repeatable): {', '.join(CHANGEABLE)}.")
+              help=f"A change (repeatable): {', '.join(CHANGEABLE)} (vLLM's max_num_seqs is "
+                   "max_running_requests).")
 @click.option("--concurrency", default=None, metavar="C1,C2",
               help="Load levels to predict (default: the run's).")
 @click.option("--format", "formats", default="md", show_default=True, help="Comma-separated: md, json.")
@@ -44,7 +45,8 @@ def command(run: str, sets: tuple[str, ...], concurrency: str | None, formats: s
         changes["concurrency"] = concurrency
     with Store.open(run, read_only=True) as store:
         analysis = analyse_aligned(align_store(store))
-    check_changes(analysis.run.engine, analysis.run.pp_size, changes)
+    changes = check_changes(analysis.run.engine, analysis.run.pp_size, changes)
+    click.echo(f"fitting the simulator to {run} ...", err=True)
     model = fit_model(analysis)
     doc = whatif_document(run, model, changes, predict(model, changes))
     texts = {"md": render_markdown(doc), "json": json.dumps(doc, indent=2, default=str) + "\n"}

@@ -32,6 +32,10 @@ TIE_WEIGHT = 0.3  # pull of a = b on the least squares (relative units)
 UNCERTAINTY_FLOOR = 0.03  # seed-to-seed spread of a phase's throughput in the simulator
 LINK_EFFICIENCY = 0.8  # a PCIe link's payload rate against its raw rate (TLP/DLLP overhead)
 REPLAY_TOLERANCE = 0.02  # a replay this close keeps the physical fit (one replay less)
+# Without busy figures (a run with no GPU samples: a CPU engine, or only the log) the token part
+# against the flat part is found by replays: log2 of b / a searched in this range, this many times
+SHAPE_LOG2_RANGE = (-5.0, 7.0)
+SHAPE_SEARCH_STEPS = 8
 CLIENT_SHORTFALL = 0.85  # as diagnose: a client below this share of its level is its own bound
 
 
@@ -280,6 +284,44 @@ def _scale_correction(measured: list[PhaseOutcome], simulated: list[PhaseOutcome
     return float(np.exp(np.mean(np.log(ratios)))) if ratios else 1.0
 
 
+def _rms_error(measured: list[PhaseOutcome], simulated: list[PhaseOutcome]) -> float:
+    errors = [e for m, s in zip(measured, simulated, strict=True)
+              if (e := relative_error(s.throughput_tok_s, m.throughput_tok_s)) is not None]
+    return float(np.sqrt(np.mean(np.square(errors)))) if errors else 0.0
+
+
+def _fit_shape_by_replay(p: SimParams, measured: list[PhaseOutcome], labels: list[str]
+                         ) -> tuple[SimParams, list[PhaseOutcome], float]:
+    """The token part's weight against the flat part (b / a) that replays the phases' throughputs
+    best, each candidate at its own overall scale: a golden-section search on log2(b / a), since
+    the levels' throughputs tell the two apart (a flat cost gives throughput growing with the
+    level up to the knee, a token cost gives it flat). Returns the parameters, their replay and
+    the overall correction."""
+    def at(log2_ratio: float) -> tuple[float, SimParams, list[PhaseOutcome], float]:
+        shaped = _scaled(p, 1.0, 2.0 ** log2_ratio)
+        first = simulated_outcomes(replay(shaped), labels)
+        c = _scale_correction(measured, first)
+        scaled = _scaled(shaped, c, c)
+        sim = simulated_outcomes(replay(scaled), labels)
+        return _rms_error(measured, sim), scaled, sim, c
+
+    lo, hi = SHAPE_LOG2_RANGE
+    golden = (np.sqrt(5.0) - 1.0) / 2.0
+    x1, x2 = hi - golden * (hi - lo), lo + golden * (hi - lo)
+    f1, f2 = at(x1), at(x2)
+    for _ in range(SHAPE_SEARCH_STEPS - 2):
+        if f1[0] <= f2[0]:
+            hi, x2, f2 = x2, x1, f1
+            x1 = hi - golden * (hi - lo)
+            f1 = at(x1)
+        else:
+            lo, x1, f1 = x1, x2, f2
+            x2 = lo + golden * (hi - lo)
+            f2 = at(x2)
+    _, best, sim, c = min(f1, f2, key=lambda f: f[0])
+    return best, sim, c
+
+
 def fit_model(analysis: Analysis) -> FittedModel:
     """Fit the simulator to ``analysis``: the physical fit and the replay that measures its
     quality (without a physical fit, a replay's throughput sets the scale first)."""
@@ -297,12 +339,14 @@ def fit_model(analysis: Analysis) -> FittedModel:
     # absorb; there its residual is the band instead.
     counted = bool(works) and p.engine == "sglang"
     correction = _scale_correction(measured, simulated) if not counted else 1.0
-    if abs(correction - 1.0) > REPLAY_TOLERANCE:
+    if not works and len([m for m in measured if m.throughput_tok_s]) >= 2:
+        p, simulated, correction = _fit_shape_by_replay(p, measured, labels)
+        notes[-1] = ("no phase has both GPU busy figures and decode lines: the cost model's scale and "
+                     "its token part against its flat part are fitted by replaying the phases")
+    elif abs(correction - 1.0) > REPLAY_TOLERANCE:
         p = _scaled(p, correction, correction)
         simulated = simulated_outcomes(replay(p), labels)
-    errors = [e for m, s in zip(measured, simulated, strict=True)
-              if (e := relative_error(s.throughput_tok_s, m.throughput_tok_s)) is not None]
-    rms = float(np.sqrt(np.mean(np.square(errors)))) if errors else 0.0
+    rms = _rms_error(measured, simulated)
     return FittedModel(p, measured, simulated, max(rms, UNCERTAINTY_FLOOR),
                        {"cost_scale": round(p.weight_read_s / SimParams().weight_read_s, 4),
                         "token_scale": round(p.decode_token_s / SimParams().decode_token_s, 4),

@@ -22,6 +22,8 @@ CHANGEABLE = ("pp_max_micro_batch_size", "max_running_requests", "pp_async_batch
               "chunked_prefill_size", "max_prefill_tokens", "max_total_num_tokens", "decode_log_interval",
               "stage_cost_multipliers", "pcie_bandwidth_bytes_per_s", "pcie_latency_s", "concurrency",
               "client_max_inflight", "input_tokens", "max_tokens", "think_s")
+# vLLM's names for the simulator's keys (its max_num_seqs is the engine-wide admission limit)
+ALIASES = {"max_num_seqs": "max_running_requests"}
 # A healthy link between adjacent stages (what "use NVLink or a full PCIe link" buys): the
 # simulator's default, a PCIe gen4 x16 link's payload rate.
 HEALTHY_LINK = {"pcie_bandwidth_bytes_per_s": SimParams().pcie_bandwidth_bytes_per_s,
@@ -52,20 +54,27 @@ class PhasePrediction:
 
 
 def parse_changes(items: Mapping[str, Any]) -> dict[str, Any]:
-    """Check the keys of ``--set`` against what a what-if may change."""
-    for key in items:
-        if key not in CHANGEABLE:
-            raise UsageError(f"whatif: cannot change {key!r}; valid keys: {', '.join(CHANGEABLE)}")
-    return dict(items)
+    """Check the keys of ``--set`` against what a what-if may change (vLLM's names taken as the
+    simulator's)."""
+    out = {}
+    for key, value in items.items():
+        name = ALIASES.get(key, key)
+        if name not in CHANGEABLE:
+            raise UsageError(f"whatif: cannot change {key!r}; valid keys: {', '.join(CHANGEABLE)}, "
+                             f"{', '.join(ALIASES)}")
+        out[name] = value
+    return out
 
 
-def check_changes(engine: Mapping[str, Any], pp_size: int, changes: Mapping[str, Any]) -> None:
-    """Unknown keys and impossible values as one-line errors, before any fitting."""
-    parse_changes(changes)
+def check_changes(engine: Mapping[str, Any], pp_size: int, changes: Mapping[str, Any]) -> dict[str, Any]:
+    """The changes under the simulator's names; unknown keys and impossible values as one-line
+    errors, before any fitting."""
+    named = parse_changes(changes)
     try:
-        make_params({"engine": engine_kind(engine), "pp_size": pp_size, **changes})
+        make_params({"engine": engine_kind(engine), "pp_size": pp_size, **named})
     except ConfigError as exc:
         raise UsageError(f"whatif: {exc}; valid keys: {', '.join(CHANGEABLE)}") from None
+    return named
 
 
 def changed_params(model: FittedModel, changes: Mapping[str, Any]) -> SimParams:
