@@ -9,6 +9,7 @@ GPUTRACE_REQUIRE_ENGINE_TESTS=1 makes that a failure. Each engine starts once pe
 from __future__ import annotations
 
 import calendar
+import contextlib
 import json
 import os
 import re
@@ -32,6 +33,7 @@ from engine_servers import (
     free_port,
     running_engine,
 )
+from live_chain import prometheus
 
 from gputrace.store import Store
 
@@ -64,6 +66,7 @@ class Capture:
     run_dir: Path
     run_stderr: str
     log_text: str
+    prometheus_url: str  # a real Prometheus that scraped the engine's /metrics every second
 
     def phases(self) -> dict[str, tuple[int, int]]:
         """Phase label -> (start_ns, end_ns) from the run's markers (collector clock)."""
@@ -86,7 +89,10 @@ class Capture:
 def _capture(setting: EngineSetting, tmp: Path) -> Iterator[Capture]:
     _require_engines()
     log_path = tmp / f"{setting.engine}.log"
-    with running_engine(setting, log_path) as engine:
+    with contextlib.ExitStack() as outlives_the_engine, running_engine(setting, log_path) as engine:
+        # Prometheus scrapes the engine beside gputrace's capture and stays up after the engine
+        # stops, for the report from it alone
+        prom_url = outlives_the_engine.enter_context(prometheus(tmp, {setting.engine: engine.port}))
         cfg = tmp / "gputrace.toml"
         cfg.write_text(
             f'[run]\nname = "{setting.engine}-tier"\n\n[[hosts]]\nname = "engine-host"\n\n'
@@ -103,9 +109,12 @@ def _capture(setting: EngineSetting, tmp: Path) -> Iterator[Capture]:
             out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
             # the log as it stood when the collector stopped: what it could have read
             log_text = log_path.read_text(errors="replace")
-    # the engine is stopped here: the tests read what was captured, and a restart has the cores
-    assert out.returncode == 0, out.stderr[-3000:]
-    yield Capture(engine, scraper, run_dir, out.stderr, log_text)
+        assert out.returncode == 0, out.stderr[-3000:]
+        outlives = outlives_the_engine.pop_all()
+    # the engine is stopped here (the tests read what was captured, and a restart has the cores);
+    # Prometheus stays up until the module's tests are done
+    with outlives:
+        yield Capture(engine, scraper, run_dir, out.stderr, log_text, prom_url)
 
 
 @pytest.fixture(scope="module")
@@ -260,6 +269,54 @@ def test_vllm_capture_parses_as_the_fixture_does(vllm_run: Capture) -> None:
     """Format drift: a fresh vLLM capture's lines have the kinds and fields of the fixture's."""
     recorded = fixture_dir("vllm", "default") / "engine.log"
     assert line_signature("vllm", vllm_run.log_text) == line_signature("vllm", recorded.read_text())
+
+
+# The same diagnosis from a Prometheus that scraped the engine, with nothing of gputrace's
+
+
+def _store_findings(capture: Capture) -> dict[str, set[tuple[str, object, object]]]:
+    from gputrace.analysis.run import analyse_store
+
+    with Store.open(capture.run_dir, read_only=True) as store:
+        findings = analyse_store(store).findings
+    out: dict[str, set[tuple[str, object, object]]] = {}
+    for f in findings:
+        out.setdefault(f.phase, set()).add((f.cause, f.details.get("knob"), f.details.get("value")))
+    return out
+
+
+def _prometheus_findings(capture: Capture, window: tuple[int, int],
+                         tmp: Path) -> set[tuple[str, object, object]]:
+    """`gputrace report --prometheus` over one phase's window (its settled part), given the
+    admission limit as a flag (Prometheus does not carry the configuration)."""
+    start, end = window
+    start += (end - start) // 4
+    out_dir = tmp / f"report-{start}"
+    done = subprocess.run(
+        [sys.executable, "-m", "gputrace", "report", "--prometheus", capture.prometheus_url,
+         "--start", f"{start / 1e9:.3f}", "--end", f"{(end - 10**9) / 1e9:.3f}", "--step", "1s",
+         "--max-running-requests", str(ADMISSION_LIMIT), "--run-out", str(out_dir / "run"),
+         "--out", str(out_dir), "--format", "json"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads((out_dir / "findings.json").read_text())
+    return {(f["cause"], (f.get("change") or {}).get("knob"), (f.get("change") or {}).get("value"))
+            for f in doc["findings"]}
+
+
+@pytest.mark.parametrize("engine_name", ["sglang", "vllm"])
+def test_report_from_prometheus_alone_gives_the_capture_findings(
+        engine_name: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """A real Prometheus scraped only the engine's /metrics (sglang:* per pp_rank, vllm:*). Per
+    phase, the report from it alone (the load from the engine's gauges, no client gauge) finds
+    what the capture's store finds: at C=16 the admission limit with the same flag and value;
+    at C=1 and C=4 nothing of the phase's own."""
+    capture: Capture = request.getfixturevalue(f"{engine_name}_run")
+    expected = _store_findings(capture)
+    phases = capture.phases()
+    whole_run = expected.get("*", set())
+    for label, window in phases.items():
+        got = _prometheus_findings(capture, window, tmp_path)
+        assert got - whole_run == expected.get(label, set()), (label, got, expected)
 
 
 # The recommendation, applied to the real engine

@@ -1,0 +1,146 @@
+"""What-if on the real engines ([whatif] Must show 2): for SGLang and vLLM on this machine's CPU
+(PP=2, dummy weights, the engine tier's model and admission limit of 8), per repeat:
+
+1. start the engine at its defaults, run the load C = 1, 4, 16, import its log and requests;
+2. diagnose, take the recommendation at C=16 (the admission limit) and fit the simulator to the
+   run; predict the run with the recommendation applied;
+3. restart the engine with the recommendation, run the same load, and measure.
+
+Prints per level: measured before, predicted, measured after and the prediction's error, then per
+engine the median error at C=16 and its spread over the repeats. CPU timing on a shared machine
+is noisy: the spread is the figure to read beside the median.
+
+    python bench/whatif_engines.py [--engines sglang,vllm] [--repeats 2]
+
+Needs `make engines` (.venv-engines and the model); several minutes per engine and repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from engine_servers import EngineSetting, engines_available, running_engine
+
+from gputrace.analysis.run import Analysis, analyse_store
+from gputrace.store import Store
+from gputrace.whatif.fit import fit_model, relative_error
+from gputrace.whatif.outcome import PhaseOutcome, measured_outcomes
+from gputrace.whatif.predict import finding_change, predict
+
+LEVELS = "1,4,16"
+LEVEL_S = {"sglang": 15.0, "vllm": 25.0}  # as the engine tier
+MAX_TOKENS = {"sglang": 16, "vllm": 96}
+
+
+def _load_and_import(setting: EngineSetting, work: Path) -> Path:
+    """Start ``setting``, run the load, stop it; the run store of its log and requests."""
+    work.mkdir(parents=True)
+    engine_name = setting.engine
+    log = work / "engine.log"
+    with running_engine(setting, log) as engine:
+        load = subprocess.run(
+            [sys.executable, "-m", "gputrace", "load", "--url", engine.url, "--model", engine.model,
+             "--concurrency", LEVELS, "--duration-per-level", str(LEVEL_S[engine_name]),
+             "--max-tokens", str(MAX_TOKENS[engine_name]), "--ignore-eos", "--warmup", "0",
+             "--out", str(work / "requests.jsonl")], capture_output=True, text=True, timeout=900)
+        if load.returncode != 0:
+            raise SystemExit(f"{setting}: load failed: {load.stderr[-1500:]}")
+    run = work / "run"
+    imp = subprocess.run(
+        [sys.executable, "-m", "gputrace", "import", "--run", str(run), "--host", "engine-host",
+         f"--{engine_name}-log", str(log), "--requests", str(work / "requests.jsonl"),
+         "--date", time.strftime("%Y-%m-%d", time.gmtime()), "--no-progress"],
+        capture_output=True, text=True, timeout=300)
+    if imp.returncode != 0:
+        raise SystemExit(f"{setting}: import failed: {imp.stderr[-1500:]}")
+    return run
+
+
+def _analysis(run: Path) -> Analysis:
+    with Store.open(run, read_only=True) as store:
+        return analyse_store(store)
+
+
+def _recommendation(analysis: Analysis) -> tuple[str, int]:
+    """The flag and value of the admission-limit finding at C=16."""
+    for f in analysis.findings:
+        if f.phase == "C=16" and f.cause == "admission_bound":
+            return str(f.details["knob"]), int(f.details["value"])
+    raise SystemExit(f"no admission_bound finding at C=16: {[(f.phase, f.cause) for f in analysis.findings]}")
+
+
+def one_repeat(engine_name: str, work: Path) -> list[dict[str, object]]:
+    before = _analysis(_load_and_import(EngineSetting(engine_name, "default"), work / "default"))
+    flag, value = _recommendation(before)
+    model = fit_model(before)
+    finding = next(f for f in before.findings if f.phase == "C=16" and f.cause == "admission_bound")
+    change = finding_change(model, {"details": finding.details, "phase": finding.phase})
+    assert change is not None, finding.details
+    predicted = {row.label: row.predicted for row in predict(model, change)}
+    applied = EngineSetting(engine_name, "applied", (flag, str(value)))
+    after: dict[str, PhaseOutcome] = {m.label: m for m in measured_outcomes(
+        _analysis(_load_and_import(applied, work / "applied")))}
+    rows: list[dict[str, object]] = []
+    for m in measured_outcomes(before):
+        p, a = predicted.get(m.label), after.get(m.label)
+        rows.append({"engine": engine_name, "change": f"{flag} {value}", "level": m.label,
+                     "before": m.throughput_tok_s, "predicted": p.throughput_tok_s if p else None,
+                     "after": a.throughput_tok_s if a else None,
+                     "error": relative_error(p.throughput_tok_s if p else None,
+                                             a.throughput_tok_s if a else None),
+                     "band": model.uncertainty_ratio})
+    return rows
+
+
+def _fmt(x: object, spec: str) -> str:
+    return format(x, spec) if isinstance(x, (int, float)) else "n/a"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engines", default="sglang,vllm")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    args = ap.parse_args()
+    reason = engines_available()
+    if reason is not None:
+        raise SystemExit(reason)
+    rows: list[dict[str, object]] = []
+    with tempfile.TemporaryDirectory(prefix="whatif-engines-") as tmp:
+        for engine_name in [e for e in args.engines.split(",") if e]:
+            for rep in range(args.repeats):
+                t0 = time.monotonic()
+                got = one_repeat(engine_name, Path(tmp) / f"{engine_name}-{rep}")
+                for r in got:
+                    r["repeat"] = rep
+                rows += got
+                print(f"{engine_name} repeat {rep}: {time.monotonic() - t0:.0f} s", file=sys.stderr)
+    print("| engine | change | repeat | level | before tok/s | predicted | after (measured) | error | band |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        cells = [r["engine"], r["change"], r["repeat"], r["level"], _fmt(r["before"], ".1f"),
+                 _fmt(r["predicted"], ".1f"), _fmt(r["after"], ".1f"), _fmt(r["error"], "+.1%"),
+                 "±" + _fmt(r["band"], ".0%")]
+        print("| " + " | ".join(str(c) for c in cells) + " |")
+    for engine_name in sorted({str(r["engine"]) for r in rows}):
+        errs = [float(e) for r in rows if r["engine"] == engine_name and r["level"] == "C=16"
+                and isinstance(e := r["error"], float)]
+        if errs:
+            print(f"{engine_name} C=16 (the recommendation's level): median error "
+                  f"{statistics.median(errs):+.1%}, spread {min(errs):+.1%} .. {max(errs):+.1%} "
+                  f"over {len(errs)} repeats")
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
