@@ -26,7 +26,22 @@ from gputrace import __version__
 from gputrace.backoff import Backoff
 from gputrace.errors import RecordError, SchemaVersionError, StoreError, StoreWriteError
 from gputrace.logsetup import get_logger
-from gputrace.model import RECORD_TABLES, RunMeta
+from gputrace.model import ABANDONED_PREFIX, RECORD_TABLES, ClockProbe, DeviceInfo, Marker, RunMeta
+from gputrace.run_tables import (
+    DEFAULT_MARGINS,
+    EVENT_KINDS,
+    GPU_METRICS,
+    EngineMetricColumns,
+    EngineSettings,
+    GpuSampleColumns,
+    LoadGaugeColumns,
+    ReadMargins,
+    RequestColumns,
+    RunTables,
+    SchedulerEventColumns,
+    Window,
+    probe_columns,
+)
 
 SCHEMA_VERSION = 1
 DB_FILE = "run.duckdb"
@@ -152,6 +167,25 @@ def _create_missing_tables(con: duckdb.DuckDBPyConnection, temporary: bool) -> N
         if table not in have:
             ddl = ", ".join(f'"{n}" {_SQL_TYPES[t]}' for n, t in cols)
             con.execute(f"CREATE {'TEMP ' if temporary else ''}TABLE {table} ({ddl})")
+
+
+def _within(column: str, lo: int | None, hi: int | None, margin_ns: int) -> str:
+    """SQL: the column within [lo - margin, hi + margin] (TRUE when the window is open)."""
+    parts = ([f"{column} >= {int(lo) - margin_ns}"] if lo is not None else []) + \
+        ([f"{column} <= {int(hi) + margin_ns}"] if hi is not None else [])
+    return " AND ".join(parts) or "TRUE"
+
+
+def _numbers(tbl: pa.Table, name: str, dtype: type = np.float64) -> np.ndarray:
+    """A numeric result column as numpy (NULL -> NaN for floats)."""
+    col = tbl.column(name)
+    if col.null_count and dtype is not np.float64:
+        raise StoreError(f"{name}: NULL in a column read as {dtype.__name__}")
+    return np.asarray(col.to_numpy(zero_copy_only=False), dtype=dtype)
+
+
+def _objects(tbl: pa.Table, name: str) -> np.ndarray:
+    return np.asarray(tbl.column(name).to_pylist(), dtype=object)
 
 
 _DEFAULTS: dict[str, dict[str, Any]] = {
@@ -458,6 +492,105 @@ class Store:
             return self._con.sql(query, params=list(params or []) or None).to_arrow_table()
         except duckdb.Error as exc:
             raise StoreError(f"{self.path}: query failed: {exc}") from exc
+
+    # -- a run as the analysis reads it ----------------------------------------------------------
+
+    def read_run(self, window_ns: Window = (None, None), margins: ReadMargins = DEFAULT_MARGINS,
+                 engine_metric_names: Sequence[str] = ()) -> RunTables:
+        """The run's rows within ``window_ns`` (collector clock; None: open) and the margins beyond
+        it, as typed columns; ``engine_metric_names``: the engine metrics to read with it."""
+        lo, hi = window_ns
+        # DuckDB draws its own progress bar on stdout for long queries; the report has its own.
+        self.sql("SET enable_progress_bar = false")
+        return RunTables(
+            meta=self.meta, source=str(self.path), window_ns=window_ns,
+            clock_probes=probe_columns(self.records(ClockProbe)),
+            gpu_samples=self._read_gpu_samples(lo, hi, margins.gpu_ns),
+            scheduler_events=self._read_scheduler_events(
+                # the lines before the window still give the state it starts in
+                _within("coalesce(log_ts_ns, recv_ts_ns)", lo, hi, margins.event_ns)),
+            requests=self._read_requests(_within("coalesce(end_ns, start_ns)", lo, None, margins.gpu_ns)
+                                         + " AND " + _within("start_ns", None, hi, margins.gpu_ns)),
+            load_gauge=self._read_load_gauge(_within("ts_ns", lo, hi, margins.event_ns)),
+            markers=tuple(self.records(Marker)),
+            devices=tuple(self.records(DeviceInfo)),
+            engine=self.read_engine_settings(),
+            engine_metrics=(self.read_engine_metrics(engine_metric_names) if engine_metric_names
+                            else EngineMetricColumns()))
+
+    def read_engine_settings(self) -> EngineSettings:
+        """Every engine configuration line merged; without one, the engine whose lines the run holds."""
+        rows = self.sql_arrow("SELECT * FROM engine_configs ORDER BY line_no").to_pylist()
+        engine_of_lines = None
+        if not any(row.get("engine") for row in rows):
+            kinds = self.sql("SELECT engine, count(*) FROM scheduler_events "
+                             "GROUP BY 1 ORDER BY 2 DESC LIMIT 1")
+            engine_of_lines = kinds[0][0] if kinds else None
+        return EngineSettings.from_rows(rows, engine_of_lines)
+
+    def read_engine_metrics(self, names: Sequence[str]) -> EngineMetricColumns:
+        """The engine metric samples of these names (every host, every time)."""
+        tbl = self.sql_arrow("SELECT host, name, labels_json, ts_ns, value FROM engine_metrics "
+                             "WHERE list_contains(?, name)", [list(names)])
+        return EngineMetricColumns(_objects(tbl, "host"), _objects(tbl, "name"), _objects(tbl, "labels_json"),
+                                   _numbers(tbl, "ts_ns", np.int64), _numbers(tbl, "value"))
+
+    def set_receive_times(self, source: str, line_no: np.ndarray, recv_ts_ns: np.ndarray) -> None:
+        """Set ``recv_ts_ns`` of the scheduler events of ``source`` by their line number."""
+        batch = pa.table({"line_no": pa.array(line_no, pa.int64()),
+                          "recv_ts_ns": pa.array(recv_ts_ns, pa.int64())})
+        try:
+            self._con.register("_gputrace_recv", batch)
+            try:
+                self._con.execute("UPDATE scheduler_events SET recv_ts_ns = r.recv_ts_ns "
+                                  "FROM _gputrace_recv AS r WHERE scheduler_events.line_no = r.line_no "
+                                  "AND scheduler_events.source = ?", [source])
+            finally:
+                self._con.unregister("_gputrace_recv")
+        except duckdb.Error as exc:
+            raise StoreError(f"{self.path}: setting receive times failed: {exc}") from exc
+
+    def _read_gpu_samples(self, lo: int | None, hi: int | None, margin_ns: int) -> GpuSampleColumns:
+        # a dense GPU id computed in SQL so no strings cross per row
+        where = _within("ts_ns", lo, hi, margin_ns)
+        keys_tbl = self.sql_arrow(f"SELECT DISTINCT host, gpu_index FROM gpu_samples WHERE {where} "
+                                  "ORDER BY host, gpu_index")
+        keys = tuple((str(h), int(g)) for h, g in zip(keys_tbl.column("host").to_pylist(),
+                                                      keys_tbl.column("gpu_index").to_pylist(), strict=True))
+        cols = ", ".join(f"s.{m}" for m in GPU_METRICS)
+        samples = self.sql_arrow(
+            f"SELECT k.k, s.ts_ns, s.lost, {cols} FROM gpu_samples s JOIN "
+            "(SELECT host, gpu_index, row_number() OVER (ORDER BY host, gpu_index) - 1 AS k "
+            f" FROM (SELECT DISTINCT host, gpu_index FROM gpu_samples WHERE {where})) k "
+            f"USING (host, gpu_index) WHERE {_within('s.ts_ns', lo, hi, margin_ns)}")
+        lost = np.asarray(samples.column("lost").to_numpy(zero_copy_only=False), dtype=bool)
+        metrics = {m: _numbers(samples, m) for m in GPU_METRICS}
+        return GpuSampleColumns(keys, _numbers(samples, "k", np.int64), _numbers(samples, "ts_ns", np.int64),
+                                lost, **metrics)
+
+    def _read_scheduler_events(self, where: str) -> SchedulerEventColumns:
+        kinds = ", ".join(f"'{k}'" for k in EVENT_KINDS)
+        names = [f.name for f in dataclasses.fields(SchedulerEventColumns)]
+        ev = self.sql_arrow(f"SELECT {', '.join(names)} FROM scheduler_events "
+                            f"WHERE coalesce(tp_rank, 0) = 0 AND kind IN ({kinds}) AND {where}")
+        text = ("host", "source", "kind")
+        return SchedulerEventColumns(**{n: _objects(ev, n) if n in text else _numbers(ev, n) for n in names})
+
+    def _read_requests(self, where: str) -> RequestColumns:
+        numbers = ("start_ns", "first_token_ns", "end_ns", "prompt_tokens", "completion_tokens")
+        rq = self.sql_arrow(f"SELECT host, {', '.join(numbers)}, ok, coalesce(phase, '') AS phase, "
+                            "starts_with(coalesce(error, ''), ?) AS abandoned "
+                            f"FROM requests WHERE {where}", [ABANDONED_PREFIX])
+        return RequestColumns(
+            host=_objects(rq, "host"), **{c: _numbers(rq, c) for c in numbers},
+            ok=np.asarray(rq.column("ok").to_pylist(), dtype=bool), phase=_objects(rq, "phase"),
+            abandoned=np.asarray(rq.column("abandoned").to_pylist(), dtype=bool))
+
+    def _read_load_gauge(self, where: str) -> LoadGaugeColumns:
+        gauge = self.sql_arrow("SELECT ts_ns, inflight_requests, source FROM load_samples "
+                               f"WHERE inflight_requests IS NOT NULL AND {where} ORDER BY ts_ns")
+        return LoadGaugeColumns(_numbers(gauge, "ts_ns", np.int64), _numbers(gauge, "inflight_requests"),
+                                _objects(gauge, "source"))
 
     def export_parquet(self, out_dir: str | os.PathLike[str]) -> list[Path]:
         """Write each table as ``<table>.parquet`` into ``out_dir``."""

@@ -1,14 +1,38 @@
-"""Small run stores built directly from records for the analysis tests (no simulator needed)."""
+"""Small runs built directly from records for the analysis tests (no simulator needed): written to a
+run store (``build``) or held in memory as the store would read them (``synth_tables``)."""
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from gputrace.model import ClockProbe, DeviceInfo, EngineConfig, Marker, RequestRecord, SchedulerEvent
-from gputrace.store import Store
+from gputrace import __version__
+from gputrace.model import (
+    ClockProbe,
+    DeviceInfo,
+    EngineConfig,
+    Marker,
+    RequestRecord,
+    RunMeta,
+    SchedulerEvent,
+    is_abandoned,
+)
+from gputrace.run_tables import (
+    EVENT_KINDS,
+    GPU_METRICS,
+    EngineSettings,
+    GpuSampleColumns,
+    RequestColumns,
+    RunTables,
+    SchedulerEventColumns,
+    probe_columns,
+)
+from gputrace.store import SCHEMA_VERSION, Store
 from gputrace.topology import single_node_placements, topology_to_meta
 
 T0 = 1_764_486_000_000_000_000
@@ -41,13 +65,26 @@ class SynthRun:
     decode_log_interval: int = 1
 
 
-def build(path: Path, spec: SynthRun, seed: int = 0) -> dict[str, dict[int, float]]:
-    """Write the store; return the true busy fraction per level label and stage."""
+@dataclass
+class SynthRecords:
+    """A synthetic run's records, before they go anywhere."""
+
+    topology: dict[str, object]
+    markers: list[Marker]
+    requests: list[RequestRecord]
+    events: list[SchedulerEvent]
+    gpu_columns: dict[str, Any]  # gpu_samples columns: host, gpu_index, ts_ns and two metrics
+    devices: list[DeviceInfo]
+    configs: list[EngineConfig]
+    probes: list[ClockProbe]
+
+
+def synth_records(spec: SynthRun, seed: int = 0) -> tuple[SynthRecords, dict[str, dict[int, float]]]:
+    """The run's records, and the true busy fraction per level label and stage."""
     rng = np.random.default_rng(seed)
     period = spec.period_ms * 1_000_000
     n_gpu = spec.pp * spec.tp
     placements = single_node_placements("node0", spec.pp, spec.tp)
-    store = Store.create(path, topology=topology_to_meta(spec.pp, spec.tp, 1, placements, "test"))
     truth: dict[str, dict[int, float]] = {}
     t = T0
     markers, reqs, events = [], [], []
@@ -89,26 +126,94 @@ def build(path: Path, spec: SynthRun, seed: int = 0) -> dict[str, dict[int, floa
         t += int(lv.duration_s * 1e9)
     if spec.markers:
         markers.append(Marker("client", t, "end", "end"))
-        store.append(markers)
-    store.append(reqs)
-    store.append(events)
-    store.append_columns("gpu_samples", {
+    else:
+        markers = []
+    gpu_columns = {
         "host": ["node0"] * sum(len(x) for x in ts_all), "gpu_index": np.concatenate(gpu_all),
         "ts_ns": np.concatenate(ts_all), "utilization_ratio": np.concatenate(util_all),
-        "power_w": 60 + 290 * np.concatenate(util_all)})
-    store.append([DeviceInfo("node0", g, power_limit_w=350.0, pcie_max_gen=5, pcie_max_width=16)
-                  for g in range(n_gpu)])
-    store.append([EngineConfig("node0", "log", "sglang", 0, pp_size=spec.pp, tp_size=spec.tp,
-                               decode_log_interval=spec.decode_log_interval,
-                               **spec.engine)])  # type: ignore[arg-type]
+        "power_w": 60 + 290 * np.concatenate(util_all)}
+    devices = [DeviceInfo("node0", g, power_limit_w=350.0, pcie_max_gen=5, pcie_max_width=16)
+               for g in range(n_gpu)]
+    configs = [EngineConfig("node0", "log", "sglang", 0, pp_size=spec.pp, tp_size=spec.tp,
+                            decode_log_interval=spec.decode_log_interval,
+                            **spec.engine)]  # type: ignore[arg-type]
     rtts = [5_000_000, 200_000, 3_000_000]
     probes = []
     for i, rtt in enumerate(rtts):
         send = T0 + i * 1000
         probes.append(ClockProbe("node0", send, send + rtt // 2 + spec.gpu_offset_ns, send + rtt))
-    store.append(probes)
+    topology = topology_to_meta(spec.pp, spec.tp, 1, placements, "test")
+    return SynthRecords(topology, markers, reqs, events, gpu_columns, devices, configs, probes), truth
+
+
+def build(path: Path, spec: SynthRun, seed: int = 0) -> dict[str, dict[int, float]]:
+    """Write the store; return the true busy fraction per level label and stage."""
+    rec, truth = synth_records(spec, seed)
+    store = Store.create(path, topology=rec.topology)
+    if rec.markers:
+        store.append(rec.markers)
+    store.append(rec.requests)
+    store.append(rec.events)
+    store.append_columns("gpu_samples", rec.gpu_columns)
+    store.append(rec.devices)
+    store.append(rec.configs)
+    store.append(rec.probes)
     store.close()
     return truth
+
+
+Truth = dict[str, dict[int, float]]  # the true busy fraction per level label and stage
+
+
+def synth_tables(spec: SynthRun, seed: int = 0, name: str = "r") -> tuple[RunTables, Truth]:
+    """The run as Store.read_run reads it (whole, no window), built in memory: no DuckDB file."""
+    rec, truth = synth_records(spec, seed)
+    meta = RunMeta(name=name, created_ns=T0, gputrace_version=__version__, schema_version=SCHEMA_VERSION,
+                   topology=rec.topology)
+    engine_of_lines = Counter(e.engine for e in rec.events).most_common(1)
+    tables = RunTables(
+        meta=meta, source=f"in-memory run {name}", clock_probes=probe_columns(rec.probes),
+        gpu_samples=_gpu_sample_columns(rec.gpu_columns), scheduler_events=_event_columns(rec.events),
+        requests=_request_columns(rec.requests), markers=tuple(rec.markers), devices=tuple(rec.devices),
+        engine=EngineSettings.from_records(rec.configs, engine_of_lines[0][0] if engine_of_lines else None))
+    return tables, truth
+
+
+def _floats(values: Sequence[float | int | None]) -> np.ndarray:
+    return np.array([np.nan if v is None else v for v in values], dtype=np.float64)
+
+
+def _gpu_sample_columns(cols: dict[str, Any]) -> GpuSampleColumns:
+    hosts = np.asarray(cols["host"], dtype=object)
+    index = np.asarray(cols["gpu_index"], dtype=np.int64)
+    keys = tuple(sorted({(str(h), int(g)) for h, g in zip(hosts, index, strict=True)}))
+    k_of = {key: k for k, key in enumerate(keys)}
+    k = np.array([k_of[(str(h), int(g))] for h, g in zip(hosts, index, strict=True)], dtype=np.int64)
+    n = len(index)
+    metrics = {m: np.asarray(cols[m], dtype=np.float64) if m in cols else np.full(n, np.nan)
+               for m in GPU_METRICS}
+    return GpuSampleColumns(keys, k, np.asarray(cols["ts_ns"], dtype=np.int64), np.zeros(n, dtype=bool),
+                            **metrics)
+
+
+def _event_columns(events: Sequence[SchedulerEvent]) -> SchedulerEventColumns:
+    """Attention-TP rank 0's placed kinds, as the store selects them."""
+    kept = [e for e in events if (e.tp_rank or 0) == 0 and e.kind in EVENT_KINDS]
+    text = ("host", "source", "kind")
+    return SchedulerEventColumns(**{
+        name: np.asarray([getattr(e, name) for e in kept], dtype=object) if name in text
+        else _floats([getattr(e, name) for e in kept])
+        for name in SchedulerEventColumns.__dataclass_fields__})
+
+
+def _request_columns(reqs: Sequence[RequestRecord]) -> RequestColumns:
+    return RequestColumns(
+        host=np.asarray([r.host for r in reqs], dtype=object),
+        **{c: _floats([getattr(r, c) for r in reqs])
+           for c in ("start_ns", "first_token_ns", "end_ns", "prompt_tokens", "completion_tokens")},
+        ok=np.asarray([r.ok for r in reqs], dtype=bool),
+        phase=np.asarray([r.phase or "" for r in reqs], dtype=object),
+        abandoned=np.asarray([is_abandoned(r.error) for r in reqs], dtype=bool))
 
 
 def capped_run(path: Path) -> Path:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
-from analysis_synth import Level, SynthRun, build
+from analysis_synth import Level, SynthRun, build, synth_tables
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,8 +21,10 @@ from gputrace.analysis.align import (
     sample_period_ns,
     stage_mapping,
 )
-from gputrace.analysis.aligned import align_store
-from gputrace.analysis.run import analyse_store
+from gputrace.analysis.aligned import align, align_store
+from gputrace.analysis.run import analyse_store, analyse_tables
+from gputrace.model import EngineConfig
+from gputrace.run_tables import ClockProbeColumns, EngineSettings
 from gputrace.store import Store
 from gputrace.topology import single_node_placements, topology_to_meta
 
@@ -127,3 +130,53 @@ def test_align_store_reports_placement(tmp_path: Path) -> None:
     assert run.log_placement.startswith("spread by order")
     assert any("order within the second" in n for n in run.notes)
     assert run.period_ns == 100_000_000 and run.mapping.pp_size == 2
+
+
+def test_in_memory_tables_align_as_the_store_reads_them(tmp_path: Path) -> None:
+    """The same records aligned from a DuckDB store (Store.read_run) and from RunTables built in
+    memory give the same view: grid, GPU and stage arrays, work, markers, engine, notes."""
+    spec = SynthRun([Level("C=1", 1, 1, [0.2, 0.1], 1, 4), Level("C=8", 8, 8, [0.9, 0.8], 4, 4, queue=2)],
+                    pp=2, gpu_offset_ns=1_500_000_000)
+    build(tmp_path / "r", spec)
+    with Store.open(tmp_path / "r", read_only=True) as store:
+        stored = align_store(store)
+    memory = align(synth_tables(spec)[0])
+    assert np.array_equal(stored.grid_ns, memory.grid_ns) and stored.gpu_keys == memory.gpu_keys
+    for metric, values in stored.gpu.items():
+        assert np.array_equal(values, memory.gpu[metric], equal_nan=True), metric
+    for name in ("stage_running", "stage_queue", "stage_token_usage", "work_ratio", "inflight",
+                 "power_limit_w", "pcie_capacity_bytes_per_s", "engine_running"):
+        assert np.array_equal(getattr(stored, name), getattr(memory, name), equal_nan=True), name
+    assert stored.markers == memory.markers and dict(stored.engine) == dict(memory.engine)
+    assert (stored.notes, stored.log_placement, stored.work_source) == \
+        (memory.notes, memory.log_placement, memory.work_source)
+    assert stored.engine["pp_size"] == 2 and stored.engine.get("pp_max_micro_batch_size") is None
+
+
+def test_clock_probes_correct_an_in_memory_run() -> None:
+    """Aligned from RunTables alone: a GPU host 3 s ahead is corrected by its probes, and the
+    same tables without probes blur the phase boundary (no DuckDB file anywhere)."""
+    levels = [Level("low", 1, 1, [0.1, 0.1], 1, 10), Level("high", 8, 8, [0.9, 0.9], 4, 10)]
+    tables, truth = synth_tables(SynthRun(levels, pp=2, gpu_offset_ns=3_000_000_000))
+    corrected = analyse_tables(tables)
+    for pm in corrected.metrics:
+        for stage in pm.stages:
+            assert abs((stage.busy_fraction or 0) - truth[pm.label][stage.pp_rank]) < 0.01
+    blurred = analyse_tables(dataclasses.replace(tables, clock_probes=ClockProbeColumns()))
+    assert "no clock probes: host clocks assumed equal" in blurred.notes
+    assert abs((blurred.metrics[1].stages[0].busy_fraction or 0) - truth["high"][0]) > 0.1
+
+
+def test_engine_settings_merge_config_lines() -> None:
+    """Later configuration lines win, a missing value never overrides one, logged fields merge;
+    with no line the engine is the one whose scheduler lines the run holds."""
+    first = EngineConfig("n", "log", "sglang", 1, pp_size=4, max_running_requests=64,
+                         fields_json='{"schedule_policy": "lpm", "page_size": 1}')
+    later = EngineConfig("n", "log", "sglang", 7, pp_size=None, max_running_requests=32,
+                         fields_json='{"page_size": 16}')
+    merged = EngineSettings.from_records([later, first])
+    assert (merged.pp_size, merged["max_running_requests"], merged.line_no) == (4, 32, 7)
+    assert merged["fields"] == {"schedule_policy": "lpm", "page_size": 16}
+    assert "tp_size" not in merged and merged.get("tp_size") is None
+    unconfigured = EngineSettings.from_rows([], engine_of_lines="vllm")
+    assert dict(unconfigured) == {"engine": "vllm"} and unconfigured.fields is None

@@ -1,18 +1,22 @@
-"""Diagnosis rules on run stores built from records: each cause found where it is built in, and
-a healthy run has no finding."""
+"""Diagnosis rules on runs built from records (in memory as RunTables; in a run store where a test
+edits the stored rows with SQL): each cause found where it is built in, and a healthy run has no
+finding."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from analysis_synth import Level, SynthRun, build
+from analysis_synth import Level, SynthRun, build, synth_tables
 
 from gputrace.analysis.diagnose import CAUSES
-from gputrace.analysis.run import Analysis, analyse_store
+from gputrace.analysis.run import Analysis, analyse_store, analyse_tables
 from gputrace.store import Store
 
 
 def _analyse(path: Path, spec: SynthRun, sql: str | None = None) -> Analysis:
+    """The run analysed from tables in memory; with ``sql``, from a store edited by it."""
+    if sql is None:
+        return analyse_tables(synth_tables(spec)[0])
     build(path, spec)
     with Store.open(path) as store:
         if sql:

@@ -1,17 +1,17 @@
-"""Read a run store into one aligned view: every stream in the collector's clock, GPU metrics and
-per-stage engine state on one grid (the NVML sample period), requests and markers beside them.
+"""Align a run into one view: every stream in the collector's clock, GPU metrics and per-stage
+engine state on one grid (the NVML sample period), requests and markers beside them.
+
+``align`` is a pure function of the run's tables (``RunTables``); ``align_store`` reads them first.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import datetime as dt
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 
 from gputrace.analysis.align import (
     ClockModel,
@@ -29,11 +29,23 @@ from gputrace.analysis.align import (
 )
 from gputrace.analysis.schedule import engine_totals, line_sizes
 from gputrace.errors import AnalysisError
-from gputrace.model import ABANDONED_PREFIX
-from gputrace.store import Store
+from gputrace.model import DeviceInfo
+from gputrace.run_tables import (
+    DEFAULT_MARGINS,
+    GPU_METRICS,
+    ClockProbeColumns,
+    EngineSettings,
+    GpuSampleColumns,
+    LoadGaugeColumns,
+    ReadMargins,
+    RequestColumns,
+    RunSource,
+    RunTables,
+    SchedulerEventColumns,
+    Window,
+)
 
-GPU_METRICS = ("utilization_ratio", "power_w", "pcie_tx_bytes_per_s", "pcie_rx_bytes_per_s",
-               "sm_clock_hz", "clock_event_reasons", "sm_active_ratio")
+__all__ = ["GPU_METRICS", "MAX_GRID_BYTES", "AlignedRun", "StageEvents", "align", "align_store"]
 
 
 @dataclass
@@ -71,7 +83,7 @@ class AlignedRun:
     inflight: np.ndarray | None
     requests: dict[str, np.ndarray]
     markers: list[dict[str, Any]]
-    engine: dict[str, Any]
+    engine: EngineSettings
     log_placement: str
     clocks: ClockModel
     notes: list[str] = field(default_factory=list)
@@ -91,19 +103,95 @@ class AlignedRun:
         return np.flatnonzero(self.gpu_stage == stage)
 
 
-def _num(tbl: pa.Table, name: str) -> np.ndarray:
-    col = tbl.column(name)
-    return np.asarray(col.to_numpy(zero_copy_only=False), dtype=np.float64) if col.null_count \
-        else np.asarray(col.to_numpy(zero_copy_only=False))
+MAX_GRID_BYTES = 2 << 30
+"""The aligned arrays' size at most (a float per grid cell per GPU metric and per stage series): a
+run whose streams span far longer than a benchmark (a log appended to over weeks, files from
+different days) is refused with what it holds, to be analysed a window at a time."""
+DEFAULT_PERIOD_NS = 1_000_000_000  # the grid's period without GPU samples to take it from
 
 
-def _to_ref(clocks: ClockModel, hosts: np.ndarray, t: np.ndarray) -> np.ndarray:
-    out = np.asarray(t, dtype=np.float64).copy()
-    for h in np.unique(hosts):
-        sel = hosts == h
-        ok = sel & ~np.isnan(out)
-        out[ok] = out[ok] - clocks.offset_ns(str(h), out[ok].astype(np.int64))
-    return out
+def align_store(store: RunSource, window_ns: Window = (None, None),
+                margins: ReadMargins = DEFAULT_MARGINS) -> AlignedRun:
+    """The aligned view of a run store, or of the part of it within ``window_ns`` (collector
+    clock; None: open); raises AnalysisError when there is nothing to analyse, or too much at once."""
+    _check_window(window_ns)
+    return align(store.read_run(window_ns, margins))
+
+
+def align(tables: RunTables) -> AlignedRun:
+    """The aligned view of a run's tables (read within ``tables.window_ns``)."""
+    lo, hi = _check_window(tables.window_ns)
+    notes: list[str] = []
+    clocks = _clock_model(tables.clock_probes, notes)
+    gpu_rows = _gpu_rows(tables.gpu_samples, clocks)
+    events = _place_events(tables.scheduler_events, clocks, notes)
+    engine = tables.engine
+    mapping = stage_mapping(tables.meta.topology, engine.get("pp_size"), engine.get("tp_size"),
+                            gpu_rows.keys, events.log_pp)
+    gpu_stage = np.array([s if (s := mapping.stage_of(h, g)) is not None else -1 for h, g in gpu_rows.keys],
+                         dtype=np.int64)
+    requests = _requests_in_reference(tables.requests, clocks)
+    markers = _markers_within(sorted(
+        ({**dataclasses.asdict(m), "ts_ns": int(clocks.to_reference(m.host, np.array([m.ts_ns]))[0])}
+         for m in tables.markers), key=lambda m: m["ts_ns"]), lo, hi)
+    period = sample_period_ns(gpu_rows.ts_by_gpu) if any(len(t) > 1 for t in gpu_rows.ts_by_gpu) \
+        else DEFAULT_PERIOD_NS
+    grid = _grid(tables, gpu_rows, events, requests, period, mapping.pp_size)
+    gpu, series_periods = _gpu_on_grid(tables.gpu_samples, gpu_rows, grid, period)
+    power_limit, pcie_cap = _device_limits(tables.devices, gpu_rows.keys)
+    stages = _stages_on_grid(tables.scheduler_events, events, mapping.pp_size, grid)
+    engine_running, running_sources = reconstruct_engine_running(
+        stages.events, grid, engine, mapping.pp_size, _stage_busy(gpu, gpu_stage, 0, grid, period))
+    if not len(tables.scheduler_events):
+        notes.append("no engine log: the micro-batch cap, underfilled pipeline, KV-cache and "
+                     "log-sampling causes cannot be diagnosed")
+    if not len(tables.gpu_samples):
+        notes.append("no GPU samples: busy and bubble fractions are not available")
+    work = _work(requests, tables.load_gauge, stages, len(tables.scheduler_events) > 0, grid, period, notes)
+    return AlignedRun(
+        name=tables.meta.name, period_ns=period, grid_ns=grid, mapping=mapping, gpu_keys=list(gpu_rows.keys),
+        gpu_stage=gpu_stage, gpu=gpu, power_limit_w=power_limit, pcie_capacity_bytes_per_s=pcie_cap,
+        stage_events=stages.events, stage_running=stages.running, stage_queue=stages.queue,
+        stage_token_usage=stages.token_usage, work_ratio=work.ratio, work_source=work.source,
+        inflight=work.inflight, requests=requests, markers=markers, engine=engine,
+        log_placement=events.placement, clocks=clocks, notes=notes, sample_period_ns_by_gpu=series_periods,
+        engine_running=engine_running, engine_running_sources=running_sources)
+
+
+# -- the steps of align, in order -------------------------------------------------------------------
+
+def _check_window(window_ns: Window) -> Window:
+    lo, hi = window_ns
+    if lo is not None and hi is not None and hi <= lo:
+        raise AnalysisError("the window's end is not after its start")
+    return window_ns
+
+
+def _clock_model(probes: ClockProbeColumns, notes: list[str]) -> ClockModel:
+    if not len(probes):
+        notes.append("no clock probes: host clocks assumed equal")
+        return ClockModel()
+    return clock_model(probes.host, probes.local_send_ns, probes.remote_ns, probes.local_recv_ns)
+
+
+@dataclass(frozen=True)
+class _GpuRows:
+    """The GPU samples grouped by GPU: rows ``order[bounds[i]:bounds[i + 1]]`` are GPU i's, in time
+    order, and ``ts_by_gpu[i]`` their times in the collector's clock."""
+
+    keys: tuple[tuple[str, int], ...]
+    order: np.ndarray
+    bounds: np.ndarray
+    ts_by_gpu: list[np.ndarray]
+
+
+def _gpu_rows(samples: GpuSampleColumns, clocks: ClockModel) -> _GpuRows:
+    order = _group_order(samples.k, samples.ts_ns)
+    k, ts = samples.k[order], samples.ts_ns[order]
+    bounds = np.searchsorted(k, np.arange(len(samples.keys) + 1))
+    ts_by_gpu = [clocks.to_reference(host, ts[bounds[i]:bounds[i + 1]])
+                 for i, (host, _) in enumerate(samples.keys)]
+    return _GpuRows(samples.keys, order, bounds, ts_by_gpu)
 
 
 def _group_order(k: np.ndarray, ts: np.ndarray) -> np.ndarray:
@@ -120,35 +208,61 @@ def _group_order(k: np.ndarray, ts: np.ndarray) -> np.ndarray:
     return np.lexsort((ts, k))
 
 
-def _engine_config(store: Store) -> dict[str, Any]:
-    rows = store.sql_arrow("SELECT * FROM engine_configs ORDER BY line_no").to_pylist()
-    merged: dict[str, Any] = {}
-    for row in rows:  # later lines win; None never overrides a value
-        for k, v in row.items():
-            if v is not None and k != "fields_json":
-                merged[k] = v
-        with contextlib.suppress(ValueError):
-            merged.setdefault("fields", {}).update(json.loads(row.get("fields_json") or "{}"))
-    if "engine" not in merged:  # no configuration line: the engine whose lines the run holds
-        kinds = store.sql("SELECT engine, count(*) FROM scheduler_events GROUP BY 1 ORDER BY 2 DESC LIMIT 1")
-        if kinds:
-            merged["engine"] = kinds[0][0]
-    return merged
+@dataclass(frozen=True)
+class _PlacedEvents:
+    t_ns: np.ndarray  # each line's time in the collector's clock (NaN: not placed)
+    pp_rank: np.ndarray
+    placement: str  # how the lines were placed, for the report
+    log_pp: int | None  # pipeline stages seen in the log
 
 
-MAX_GRID_BYTES = 2 << 30
-"""The aligned arrays' size at most (a float per grid cell per GPU metric and per stage series): a
-run whose streams span far longer than a benchmark (a log appended to over weeks, files from
-different days) is refused with what it holds, to be analysed a window at a time."""
-_MARGIN_NS = 2_000_000_000  # beyond a window's edges: host clocks and NVML windows reach over them
-_EVENT_MARGIN_NS = 60_000_000_000  # log lines before the window give the state it starts in
+def _place_events(ev: SchedulerEventColumns, clocks: ClockModel, notes: list[str]) -> _PlacedEvents:
+    """Each scheduler line in the collector's clock: its receive time where it has one (clamped
+    into the logged second), else spread by order within its second."""
+    offsets = np.zeros(len(ev))
+    for h in np.unique(ev.host):
+        sel = ev.host == h
+        host_t = np.where(np.isnan(ev.log_ts_ns[sel]), ev.recv_ts_ns[sel], ev.log_ts_ns[sel])
+        offsets[sel] = clocks.offset_ns(str(h), np.nan_to_num(host_t).astype(np.int64))
+    source_key = (np.char.add(ev.host.astype(str), ev.source.astype(str)) if len(ev)
+                  else np.zeros(0, dtype=str))
+    t_ns, by_recv = place_log_events(ev.log_ts_ns, ev.ts_resolution_ns, ev.recv_ts_ns, source_key,
+                                     ev.line_no, offsets)
+    if not len(ev):
+        placement = "no engine log"
+    elif by_recv.all():
+        placement = "receive time (clamped into the logged second)"
+    elif not by_recv.any():
+        placement = "spread by order within each logged second (no receive times)"
+        notes.append("engine log lines have second resolution and no receive time: placed by their "
+                     "order within the second")
+    else:
+        placement = f"receive time for {by_recv.mean():.0%} of lines, spread by order for the rest"
+    pp_rank = np.nan_to_num(ev.pp_rank, nan=0).astype(np.int64)
+    return _PlacedEvents(t_ns, pp_rank, placement, int(pp_rank.max()) + 1 if len(ev) else None)
 
 
-def _within(column: str, lo: int | None, hi: int | None, margin_ns: int) -> str:
-    """SQL: the column within [lo - margin, hi + margin] (TRUE when the window is open)."""
-    parts = ([f"{column} >= {int(lo) - margin_ns}"] if lo is not None else []) + \
-        ([f"{column} <= {int(hi) + margin_ns}"] if hi is not None else [])
-    return " AND ".join(parts) or "TRUE"
+def _to_reference(clocks: ClockModel, hosts: np.ndarray, t: np.ndarray) -> np.ndarray:
+    out = np.asarray(t, dtype=np.float64).copy()
+    for h in np.unique(hosts):
+        sel = hosts == h
+        ok = sel & ~np.isnan(out)
+        out[ok] = out[ok] - clocks.offset_ns(str(h), out[ok].astype(np.int64))
+    return out
+
+
+def _requests_in_reference(rq: RequestColumns, clocks: ClockModel) -> dict[str, np.ndarray]:
+    return {
+        "start_ns": _to_reference(clocks, rq.host, rq.start_ns),
+        "first_token_ns": _to_reference(clocks, rq.host, rq.first_token_ns),
+        "end_ns": _to_reference(clocks, rq.host, rq.end_ns),
+        "prompt_tokens": np.asarray(rq.prompt_tokens, dtype=np.float64),
+        "completion_tokens": np.asarray(rq.completion_tokens, dtype=np.float64),
+        "ok": np.asarray(rq.ok, dtype=bool),
+        "phase": np.asarray(rq.phase, dtype=object),
+        # the client stopped waiting (drain): neither completed nor failed, its end unknown
+        "abandoned": np.asarray(rq.abandoned, dtype=bool),
+    }
 
 
 def _markers_within(markers: list[dict[str, Any]], lo: int | None, hi: int | None) -> list[dict[str, Any]]:
@@ -168,233 +282,169 @@ def _iso(t_ns: float | None) -> str:
     return dt.datetime.fromtimestamp(float(t_ns) / 1e9, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def align_store(store: Store, window_ns: tuple[int | None, int | None] = (None, None)) -> AlignedRun:
-    """The aligned view of a run store, or of the part of it within ``window_ns`` (collector
-    clock; None: open); raises AnalysisError when there is nothing to analyse, or too much at once."""
-    notes: list[str] = []
-    lo, hi = window_ns
-    if lo is not None and hi is not None and hi <= lo:
-        raise AnalysisError("the window's end is not after its start")
-    gpu_where = _within("ts_ns", lo, hi, _MARGIN_NS)
-    # DuckDB draws its own progress bar on stdout for long queries; the report has its own.
-    store.sql("SET enable_progress_bar = false")
-    probes = store.sql_arrow("SELECT host, local_send_ns, remote_ns, local_recv_ns FROM clock_probes")
-    clocks = clock_model(np.asarray(probes.column("host").to_pylist(), dtype=object),
-                         _num(probes, "local_send_ns"), _num(probes, "remote_ns"),
-                         _num(probes, "local_recv_ns")) if probes.num_rows else ClockModel()
-    if not probes.num_rows:
-        notes.append("no clock probes: host clocks assumed equal")
-    engine = _engine_config(store)
-
-    # GPU samples: a dense GPU id computed in SQL so no strings cross per row.
-    keys_tbl = store.sql_arrow(f"SELECT DISTINCT host, gpu_index FROM gpu_samples WHERE {gpu_where} "
-                               "ORDER BY host, gpu_index")
-    gpu_keys = [(str(h), int(g)) for h, g in zip(keys_tbl.column("host").to_pylist(),
-                                                 keys_tbl.column("gpu_index").to_pylist(), strict=True)]
-    cols = ", ".join(f"s.{m}" for m in GPU_METRICS)
-    samples = store.sql_arrow(
-        f"SELECT k.k, s.ts_ns, s.lost, {cols} FROM gpu_samples s JOIN "
-        "(SELECT host, gpu_index, row_number() OVER (ORDER BY host, gpu_index) - 1 AS k "
-        f" FROM (SELECT DISTINCT host, gpu_index FROM gpu_samples WHERE {gpu_where})) k "
-        f"USING (host, gpu_index) WHERE {_within('s.ts_ns', lo, hi, _MARGIN_NS)}")
-    k_raw = _num(samples, "k").astype(np.int64) if samples.num_rows else np.zeros(0, np.int64)
-    ts_raw = _num(samples, "ts_ns").astype(np.int64) if samples.num_rows else np.zeros(0, np.int64)
-    order = _group_order(k_raw, ts_raw)
-    k, ts_raw = k_raw[order], ts_raw[order]
-    bounds = np.searchsorted(k, np.arange(len(gpu_keys) + 1))
-    ts_by_gpu = []
-    for i, (host, _) in enumerate(gpu_keys):
-        ts_by_gpu.append(clocks.to_reference(host, ts_raw[bounds[i]:bounds[i + 1]]))
-
-    # Engine events, attention-TP rank 0 of each stage.
-    ev = store.sql_arrow(
-        "SELECT host, source, kind, line_no, log_ts_ns, ts_resolution_ns, recv_ts_ns, dp_rank, "
-        "pp_rank, running_req, queue_req, token_usage, gen_throughput_tok_s, new_seq FROM scheduler_events "
-        "WHERE coalesce(tp_rank, 0) = 0 AND kind IN ('decode', 'prefill', 'stats') AND "
-        # the lines before the window still give the state it starts in
-        + _within("coalesce(log_ts_ns, recv_ts_ns)", lo, hi, _EVENT_MARGIN_NS))
-    ev_host = np.asarray(ev.column("host").to_pylist(), dtype=object)
-    ev_log = _num(ev, "log_ts_ns").astype(np.float64)
-    ev_recv = _num(ev, "recv_ts_ns").astype(np.float64)
-    ev_off = np.zeros(ev.num_rows)
-    for h in np.unique(ev_host):
-        sel = ev_host == h
-        ref_t = np.where(np.isnan(ev_log[sel]), ev_recv[sel], ev_log[sel])
-        ev_off[sel] = clocks.offset_ns(str(h), np.nan_to_num(ref_t).astype(np.int64))
-    source_key = np.char.add(ev_host.astype(str), np.asarray(ev.column("source").to_pylist(), dtype=str)) \
-        if ev.num_rows else np.zeros(0, dtype=str)
-    ev_t, by_recv = place_log_events(ev_log, _num(ev, "ts_resolution_ns").astype(np.float64), ev_recv,
-                                     source_key, _num(ev, "line_no").astype(np.float64), ev_off)
-    if ev.num_rows == 0:
-        log_placement = "no engine log"
-    elif by_recv.all():
-        log_placement = "receive time (clamped into the logged second)"
-    elif not by_recv.any():
-        log_placement = "spread by order within each logged second (no receive times)"
-        notes.append("engine log lines have second resolution and no receive time: placed by their "
-                     "order within the second")
-    else:
-        log_placement = f"receive time for {by_recv.mean():.0%} of lines, spread by order for the rest"
-    ev_pp = np.nan_to_num(_num(ev, "pp_rank").astype(np.float64), nan=0).astype(np.int64)
-    log_pp = int(ev_pp.max()) + 1 if ev.num_rows else None
-
-    mapping = stage_mapping(store.meta.topology, engine.get("pp_size"), engine.get("tp_size"),
-                            gpu_keys, log_pp)
-    gpu_stage = np.array([s if (s := mapping.stage_of(h, g)) is not None else -1 for h, g in gpu_keys],
-                         dtype=np.int64)
-
-    # Requests and markers in the collector clock.
-    rq = store.sql_arrow("SELECT host, start_ns, first_token_ns, end_ns, prompt_tokens, "
-                         "completion_tokens, ok, phase, starts_with(coalesce(error, ''), ?) AS abandoned "
-                         "FROM requests WHERE "
-                         + _within("coalesce(end_ns, start_ns)", lo, None, _MARGIN_NS) + " AND "
-                         + _within("start_ns", None, hi, _MARGIN_NS), [ABANDONED_PREFIX])
-    rq_host = np.asarray(rq.column("host").to_pylist(), dtype=object)
-    requests = {
-        "start_ns": _to_ref(clocks, rq_host, _num(rq, "start_ns")),
-        "first_token_ns": _to_ref(clocks, rq_host, _num(rq, "first_token_ns")),
-        "end_ns": _to_ref(clocks, rq_host, _num(rq, "end_ns")),
-        "prompt_tokens": _num(rq, "prompt_tokens").astype(np.float64),
-        "completion_tokens": _num(rq, "completion_tokens").astype(np.float64),
-        "ok": np.asarray(rq.column("ok").to_pylist(), dtype=bool),
-        "phase": np.asarray([p or "" for p in rq.column("phase").to_pylist()], dtype=object),
-        # the client stopped waiting (drain): neither completed nor failed, its end unknown
-        "abandoned": np.asarray(rq.column("abandoned").to_pylist(), dtype=bool),
-    }
-    markers = _markers_within(sorted(
-        ({**m, "ts_ns": int(clocks.to_reference(m["host"], np.array([m["ts_ns"]]))[0])}
-         for m in store.sql_arrow("SELECT * FROM markers").to_pylist()), key=lambda m: m["ts_ns"]), lo, hi)
-
-    # The grid spans every stream (within the window).
-    period = sample_period_ns(ts_by_gpu) if any(len(t) > 1 for t in ts_by_gpu) else 1_000_000_000
-    spans: list[tuple[str, float, float]] = []  # (stream, first, last)
+def _spans(gpu_rows: _GpuRows, events: _PlacedEvents, requests: dict[str, np.ndarray],
+           period: int) -> list[tuple[str, float, float]]:
+    """(stream, first, last) of each stream that holds data."""
+    spans: list[tuple[str, float, float]] = []
+    ts_by_gpu = gpu_rows.ts_by_gpu
     if any(len(t) for t in ts_by_gpu):
         spans.append(("GPU samples", min(t[0] for t in ts_by_gpu if len(t)) - period,
                       max(t[-1] for t in ts_by_gpu if len(t))))
-    if ev.num_rows and not np.isnan(ev_t).all():
-        spans.append(("engine log lines", np.nanmin(ev_t), np.nanmax(ev_t)))
-    if rq.num_rows:
+    if len(events.t_ns) and not np.isnan(events.t_ns).all():
+        spans.append(("engine log lines", np.nanmin(events.t_ns), np.nanmax(events.t_ns)))
+    if len(requests["start_ns"]):
         spans.append(("requests", np.nanmin(requests["start_ns"]),
                       np.nanmax(np.fmax(requests["end_ns"], requests["start_ns"]))))
+    return spans
+
+
+def _grid(tables: RunTables, gpu_rows: _GpuRows, events: _PlacedEvents, requests: dict[str, np.ndarray],
+          period: int, pp_size: int) -> np.ndarray:
+    """The grid spanning every stream within the window; AnalysisError for none, or too many cells."""
+    lo, hi = tables.window_ns
+    spans = _spans(gpu_rows, events, requests, period)
     if not spans:
-        where = "" if window_ns == (None, None) else f" between {_iso(lo)} and {_iso(hi)}"
+        where = "" if tables.window_ns == (None, None) else f" between {_iso(lo)} and {_iso(hi)}"
         untimed = ""
-        if ev.num_rows:  # lines there, but none placed in time
-            untimed = (f" ({ev.num_rows} engine log lines have no date: a log printing times without "
-                       "the date or year needs gputrace import --date YYYY-MM-DD)")
-        raise AnalysisError(f"{store.path}: no GPU samples, engine log lines or requests{where} to "
+        if len(tables.scheduler_events):  # lines there, but none placed in time
+            untimed = (f" ({len(tables.scheduler_events)} engine log lines have no date: a log printing "
+                       "times without the date or year needs gputrace import --date YYYY-MM-DD)")
+        raise AnalysisError(f"{tables.source}: no GPU samples, engine log lines or requests{where} to "
                             f"analyse{untimed}")
-    grid_start = int(min(first for _, first, _ in spans))
-    grid_end = int(max(last for _, _, last in spans))
-    grid_start, grid_end = max(grid_start, lo) if lo is not None else grid_start, \
-        min(grid_end, hi) if hi is not None else grid_end
-    if grid_end <= grid_start:
-        raise AnalysisError(f"{store.path}: no data between {_iso(lo)} and {_iso(hi)}")
-    n_cells = -(-(grid_end - grid_start) // period)
-    grid_bytes = 8 * n_cells * (len(GPU_METRICS) * max(len(gpu_keys), 1) + 4 * max(mapping.pp_size, 1) + 8)
+    start = int(min(first for _, first, _ in spans))
+    end = int(max(last for _, _, last in spans))
+    start, end = max(start, lo) if lo is not None else start, min(end, hi) if hi is not None else end
+    if end <= start:
+        raise AnalysisError(f"{tables.source}: no data between {_iso(lo)} and {_iso(hi)}")
+    n_cells = -(-(end - start) // period)
+    grid_bytes = 8 * n_cells * (len(GPU_METRICS) * max(len(gpu_rows.keys), 1) + 4 * max(pp_size, 1) + 8)
     if grid_bytes > MAX_GRID_BYTES:
         held = "; ".join(f"{name} {_iso(first)} to {_iso(last)}" for name, first, last in spans)
         raise AnalysisError(
-            f"{store.path}: the data spans {(grid_end - grid_start) / 86_400e9:.1f} days, {n_cells:,} "
+            f"{tables.source}: the data spans {(end - start) / 86_400e9:.1f} days, {n_cells:,} "
             f"cells of {period / 1e9:g} s, about {grid_bytes / 2**30:.0f} GiB to align at once ({held}): "
             "analyse a window of it with gputrace report RUN --start T --end T (compare: "
             "--start-a/--end-a, --start-b/--end-b)")
-    grid = make_grid(grid_start, grid_end, period)
+    return make_grid(start, end, period)
 
-    gpu = {m: np.full((len(gpu_keys), len(grid)), np.nan) for m in GPU_METRICS}
-    series_periods: list[int | None] = [None] * len(gpu_keys)
-    if samples.num_rows:
-        lost_all = np.asarray(samples.column("lost").to_numpy(zero_copy_only=False), dtype=bool)[order]
-        values = {m: _num(samples, m).astype(np.float64)[order] for m in GPU_METRICS}
-        _fill_gpu_metrics(gpu, values, lost_all, ts_by_gpu, bounds, grid, period)
-        series_periods = _series_periods(ts_by_gpu, bounds, values["power_w"], values["utilization_ratio"])
 
-    dev = {(d["host"], d["gpu_index"]): d for d in store.sql_arrow("SELECT * FROM devices").to_pylist()}
-    power_limit = np.array([dev.get(key, {}).get("power_limit_w") or np.nan for key in gpu_keys], dtype=float)
-    pcie_cap = np.array([pcie_capacity_bytes_per_s(dev.get(key, {}).get("pcie_max_gen"),
-                                                   dev.get(key, {}).get("pcie_max_width")) or np.nan
-                         for key in gpu_keys], dtype=float)
+def _gpu_on_grid(samples: GpuSampleColumns, gpu_rows: _GpuRows, grid: np.ndarray, period: int
+                 ) -> tuple[dict[str, np.ndarray], list[int | None]]:
+    """Each GPU metric on the grid, (n_gpu, n_cells); and each GPU's own sample period."""
+    gpu = {m: np.full((len(gpu_rows.keys), len(grid)), np.nan) for m in GPU_METRICS}
+    if not len(samples):
+        return gpu, [None] * len(gpu_rows.keys)
+    order = gpu_rows.order
+    lost = np.asarray(samples.lost, dtype=bool)[order]
+    values = {m: np.asarray(samples.metric(m), dtype=np.float64)[order] for m in GPU_METRICS}
+    _fill_gpu_metrics(gpu, values, lost, gpu_rows.ts_by_gpu, gpu_rows.bounds, grid, period)
+    return gpu, _series_periods(gpu_rows.ts_by_gpu, gpu_rows.bounds, values["power_w"],
+                                values["utilization_ratio"])
 
-    pp = mapping.pp_size
-    stage_events: list[StageEvents] = []
-    stage_running = np.full((pp, len(grid)), np.nan)
-    stage_queue = np.full((pp, len(grid)), np.nan)
-    stage_usage = np.full((pp, len(grid)), np.nan)
-    ev_dp = np.nan_to_num(_num(ev, "dp_rank").astype(np.float64), nan=0).astype(np.int64)
-    kinds = np.asarray(ev.column("kind").to_pylist(), dtype=object)
-    cols_ev = {c: _num(ev, c).astype(np.float64) for c in
-               ("running_req", "queue_req", "token_usage", "gen_throughput_tok_s", "new_seq")}
+
+def _device_limits(devices: tuple[DeviceInfo, ...], gpu_keys: tuple[tuple[str, int], ...]
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Per GPU, its power limit and PCIe link capacity (NaN: not known)."""
+    by_key = {(d.host, d.gpu_index): d for d in devices}
+    power_limit = np.array([(d.power_limit_w if (d := by_key.get(key)) else None) or np.nan
+                            for key in gpu_keys], dtype=float)
+    pcie_cap = np.array([(pcie_capacity_bytes_per_s(d.pcie_max_gen, d.pcie_max_width)
+                          if (d := by_key.get(key)) else None) or np.nan for key in gpu_keys], dtype=float)
+    return power_limit, pcie_cap
+
+
+@dataclass(frozen=True)
+class _StagesOnGrid:
+    events: list[StageEvents]
+    running: np.ndarray  # (pp, n_cells): the stage's running requests, summed over DP ranks
+    queue: np.ndarray
+    token_usage: np.ndarray  # the fullest DP rank's
+
+
+_EVENT_VALUES = ("running_req", "queue_req", "token_usage", "gen_throughput_tok_s", "new_seq")
+
+
+def _stages_on_grid(ev: SchedulerEventColumns, placed: _PlacedEvents, pp: int, grid: np.ndarray
+                    ) -> _StagesOnGrid:
+    """Each stage's lines in time order, and its last logged state held on the grid."""
+    out = _StagesOnGrid([], np.full((pp, len(grid)), np.nan), np.full((pp, len(grid)), np.nan),
+                        np.full((pp, len(grid)), np.nan))
+    dp_rank = np.nan_to_num(ev.dp_rank, nan=0).astype(np.int64)
+    values = {c: np.asarray(getattr(ev, c), dtype=np.float64) for c in _EVENT_VALUES}
+    t_ns = placed.t_ns
     for s in range(pp):
-        sel = np.flatnonzero((ev_pp == s) & ~np.isnan(ev_t))
-        sel = sel[np.argsort(ev_t[sel], kind="stable")]
-        stage_events.append(StageEvents(ev_t[sel], kinds[sel], *(cols_ev[c][sel] for c in cols_ev)))
-        run_sum = np.zeros(len(grid))
-        q_sum = np.zeros(len(grid))
-        seen = np.zeros(len(grid), dtype=bool)
-        for d in np.unique(ev_dp[sel]):
-            sd = sel[ev_dp[sel] == d]
-            gaps = np.diff(ev_t[sd])
-            max_age = 3 * float(np.median(gaps)) + 1e9 if len(gaps) else 5e9
-            r = hold_last(ev_t[sd], cols_ev["running_req"][sd], grid, max_age)
-            q = hold_last(ev_t[sd], cols_ev["queue_req"][sd], grid, max_age)
-            u = hold_last(ev_t[sd], cols_ev["token_usage"][sd], grid, max_age)
-            seen |= ~np.isnan(r)
-            run_sum += np.nan_to_num(r)
-            q_sum += np.nan_to_num(q)
-            stage_usage[s] = np.fmax(stage_usage[s], u)
-        stage_running[s] = np.where(seen, run_sum, 0.0)
-        stage_queue[s] = np.where(seen, q_sum, 0.0)
+        sel = np.flatnonzero((placed.pp_rank == s) & ~np.isnan(t_ns))
+        sel = sel[np.argsort(t_ns[sel], kind="stable")]
+        out.events.append(StageEvents(t_ns[sel], ev.kind[sel], *(values[c][sel] for c in _EVENT_VALUES)))
+        _hold_stage_state(out, s, t_ns, dp_rank, values, sel, grid)
+    return out
 
-    engine_running, running_sources = reconstruct_engine_running(
-        stage_events, grid, engine, pp, _stage_busy(gpu, gpu_stage, 0, grid, period))
 
-    if not ev.num_rows:
-        notes.append("no engine log: the micro-batch cap, underfilled pipeline, KV-cache and "
-                     "log-sampling causes cannot be diagnosed")
-    if not samples.num_rows:
-        notes.append("no GPU samples: busy and bubble fractions are not available")
-    inflight = None
+def _hold_stage_state(out: _StagesOnGrid, stage: int, t_ns: np.ndarray, dp_rank: np.ndarray,
+                      values: dict[str, np.ndarray], sel: np.ndarray, grid: np.ndarray) -> None:
+    run_sum = np.zeros(len(grid))
+    q_sum = np.zeros(len(grid))
+    seen = np.zeros(len(grid), dtype=bool)
+    for d in np.unique(dp_rank[sel]):
+        sd = sel[dp_rank[sel] == d]
+        max_age = _max_age_ns(t_ns[sd])
+        r = hold_last(t_ns[sd], values["running_req"][sd], grid, max_age)
+        q = hold_last(t_ns[sd], values["queue_req"][sd], grid, max_age)
+        u = hold_last(t_ns[sd], values["token_usage"][sd], grid, max_age)
+        seen |= ~np.isnan(r)
+        run_sum += np.nan_to_num(r)
+        q_sum += np.nan_to_num(q)
+        out.token_usage[stage] = np.fmax(out.token_usage[stage], u)
+    out.running[stage] = np.where(seen, run_sum, 0.0)
+    out.queue[stage] = np.where(seen, q_sum, 0.0)
+
+
+def _max_age_ns(t_ns: np.ndarray) -> float:
+    """How long a logged value holds: three of its typical gaps and a second."""
+    gaps = np.diff(t_ns)
+    return 3 * float(np.median(gaps)) + 1e9 if len(gaps) else 5e9
+
+
+@dataclass(frozen=True)
+class _Work:
+    ratio: np.ndarray  # the share of each cell with work offered
+    source: str
+    inflight: np.ndarray | None
+
+
+def _work(requests: dict[str, np.ndarray], gauge: LoadGaugeColumns, stages: _StagesOnGrid, has_log: bool,
+          grid: np.ndarray, period: int, notes: list[str]) -> _Work:
+    """When there was work, from the best source the run holds: its requests, the engine's log,
+    a gauge of requests in flight; else every cell."""
     started = ~np.isnan(requests["start_ns"])
-    gauge = store.sql_arrow("SELECT ts_ns, inflight_requests, source FROM load_samples "
-                            "WHERE inflight_requests IS NOT NULL AND "
-                            f"{_within('ts_ns', lo, hi, _EVENT_MARGIN_NS)} ORDER BY ts_ns")
-    if not started.any() and gauge.num_rows:
-        # no request records, but a gauge of the client's requests in flight (already in the
-        # collector's clock): it gives the offered load; the engine's state still gives the work
-        gauge_t = _num(gauge, "ts_ns").astype(np.int64)
-        gaps = np.diff(gauge_t)
-        max_age = 3 * float(np.median(gaps)) + 1e9 if len(gaps) else 5e9
-        inflight = hold_last(gauge_t, _num(gauge, "inflight_requests").astype(np.float64), grid, max_age)
-        what = ("offered load from the engine's running + queued requests (no client gauge), "
-                if "engine" in str(gauge.column("source")[0]) else "client requests in flight from a gauge ")
-        notes.append(f"{what}sampled every "
-                     f"{float(np.median(gaps)) / 1e9 if len(gaps) else 0:g} s (no request records)")
+    inflight = _gauge_inflight(gauge, grid, notes) if not started.any() and len(gauge) else None
     if started.any():
         # A request with no end was still in flight when the run stopped.
         end = np.where(np.isnan(requests["end_ns"]), grid[-1], requests["end_ns"])[started]
-        work = coverage_ratio(requests["start_ns"][started], end, grid, period)
-        inflight = count_in_flight(requests["start_ns"][started], end, grid)
-        work_source = "client requests in flight"
-    elif ev.num_rows:
-        work = ((stage_running + stage_queue) > 0).any(axis=0).astype(np.float64)
-        work_source = "engine running + queued requests (log)"
-    elif inflight is not None:
-        work = (np.nan_to_num(inflight) > 0).astype(np.float64)
-        work_source = "client requests in flight (gauge)"
-    else:
-        work = np.ones(len(grid))
-        work_source = "unknown: every cell counted as having work"
-        notes.append("no requests and no engine log: bubble fraction counts all idle time")
+        return _Work(coverage_ratio(requests["start_ns"][started], end, grid, period),
+                     "client requests in flight", count_in_flight(requests["start_ns"][started], end, grid))
+    if has_log:
+        work = ((stages.running + stages.queue) > 0).any(axis=0).astype(np.float64)
+        return _Work(work, "engine running + queued requests (log)", inflight)
+    if inflight is not None:
+        return _Work((np.nan_to_num(inflight) > 0).astype(np.float64), "client requests in flight (gauge)",
+                     inflight)
+    notes.append("no requests and no engine log: bubble fraction counts all idle time")
+    return _Work(np.ones(len(grid)), "unknown: every cell counted as having work", None)
 
-    return AlignedRun(
-        name=store.meta.name, period_ns=period, grid_ns=grid, mapping=mapping, gpu_keys=gpu_keys,
-        gpu_stage=gpu_stage, gpu=gpu, power_limit_w=power_limit, pcie_capacity_bytes_per_s=pcie_cap,
-        stage_events=stage_events, stage_running=stage_running, stage_queue=stage_queue,
-        stage_token_usage=stage_usage, work_ratio=work, work_source=work_source, inflight=inflight,
-        requests=requests, markers=markers, engine=engine, log_placement=log_placement,
-        clocks=clocks, notes=notes, sample_period_ns_by_gpu=series_periods,
-        engine_running=engine_running, engine_running_sources=running_sources)
 
+def _gauge_inflight(gauge: LoadGaugeColumns, grid: np.ndarray, notes: list[str]) -> np.ndarray:
+    """No request records, but a gauge of the client's requests in flight (already in the
+    collector's clock): it gives the offered load; the engine's state still gives the work."""
+    gauge_t = np.asarray(gauge.ts_ns, dtype=np.int64)
+    gaps = np.diff(gauge_t)
+    inflight = hold_last(gauge_t, np.asarray(gauge.inflight_requests, dtype=np.float64), grid,
+                         _max_age_ns(gauge_t))
+    what = ("offered load from the engine's running + queued requests (no client gauge), "
+            if "engine" in str(gauge.source[0]) else "client requests in flight from a gauge ")
+    every_s = float(np.median(gaps)) / 1e9 if len(gaps) else 0
+    notes.append(f"{what}sampled every {every_s:g} s (no request records)")
+    return inflight
 
 def _fill_gpu_metrics(gpu: dict[str, np.ndarray], values: dict[str, np.ndarray], lost: np.ndarray,
                       ts_by_gpu: list[np.ndarray], bounds: np.ndarray, grid: np.ndarray, period: int) -> None:
@@ -460,7 +510,7 @@ def _stage_busy(gpu: dict[str, np.ndarray], gpu_stage: np.ndarray, stage: int, g
         return np.where(den > 0, num / den, np.nan)
 
 
-def reconstruct_engine_running(stage_events: list[StageEvents], grid: np.ndarray, engine: dict[str, Any],
+def reconstruct_engine_running(stage_events: list[StageEvents], grid: np.ndarray, engine: EngineSettings,
                                pp: int, busy: np.ndarray) -> tuple[np.ndarray | None, dict[str, int]]:
     """The engine's running total on the grid: vLLM's stats lines give it as logged; SGLang's
     rank-0 lines are summed over one cycle of its micro-batches (schedule.engine_totals)."""

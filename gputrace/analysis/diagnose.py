@@ -62,7 +62,7 @@ def _vals(stages: Sequence[StageMetrics], name: str) -> np.ndarray:
                     dtype=float)
 
 
-def default_microbatch_cap(engine: dict[str, Any], pp_size: int) -> tuple[int | None, str]:
+def default_microbatch_cap(engine: Mapping[str, Any], pp_size: int) -> tuple[int | None, str]:
     """SGLang's cap: the flag when set, else max(max_running_requests // pp_size, 1)."""
     flag = engine.get("pp_max_micro_batch_size")
     if flag:
@@ -89,7 +89,7 @@ def at_limit(running: float | None, limit: int | None, th: Thresholds) -> bool:
         running >= limit - max(1.5, th.limit_tolerance * limit)
 
 
-def admission_bound(pm: PhaseMetrics, engine: dict[str, Any], load: float | None,
+def admission_bound(pm: PhaseMetrics, engine: Mapping[str, Any], load: float | None,
                     queue_mean: float | None, engine_running: float | None,
                     th: Thresholds) -> Finding | None:
     """The engine runs as many requests as it admits (SGLang's request pool, vLLM's max_num_seqs)
@@ -132,7 +132,7 @@ class PhaseContext:
     """What every rule reads about one phase, derived once."""
 
     pm: PhaseMetrics
-    engine: dict[str, Any]
+    engine: Mapping[str, Any]
     pp_size: int
     th: Thresholds
     busy: np.ndarray
@@ -158,7 +158,7 @@ class PhaseContext:
         return None if load is None else max(int(np.ceil(round(load, 1) / self.slots)), 1)
 
 
-def phase_context(pm: PhaseMetrics, engine: dict[str, Any], pp_size: int, th: Thresholds) -> PhaseContext:
+def phase_context(pm: PhaseMetrics, engine: Mapping[str, Any], pp_size: int, th: Thresholds) -> PhaseContext:
     st = pm.stages
     busy = _vals(st, "busy_fraction")
     bubble = _vals(st, "bubble_fraction")
@@ -408,7 +408,7 @@ RULES = (rule_client_bound, rule_admission_bound, rule_bunched_at_the_bound, rul
          rule_stage_imbalance, rule_kv_cache_bound, rule_pcie_bound, rule_throttling)
 
 
-def diagnose_phase(pm: PhaseMetrics, engine: dict[str, Any], pp_size: int,
+def diagnose_phase(pm: PhaseMetrics, engine: Mapping[str, Any], pp_size: int,
                    th: Thresholds = Thresholds()) -> list[Finding]:
     """The findings of one phase."""
     ctx = phase_context(pm, engine, pp_size, th)
@@ -424,7 +424,7 @@ def diagnose_phase(pm: PhaseMetrics, engine: dict[str, Any], pp_size: int,
     return out
 
 
-def diagnose_log_sampling(phases: Sequence[PhaseMetrics], engine: dict[str, Any], pp_size: int
+def diagnose_log_sampling(phases: Sequence[PhaseMetrics], engine: Mapping[str, Any], pp_size: int
                           ) -> Finding | None:
     """--decode-log-interval divisible by the micro-batch slot count: each stage keeps logging the
     same slot, so #running-req per stage misrepresents the micro-batches."""
@@ -449,7 +449,7 @@ def diagnose_log_sampling(phases: Sequence[PhaseMetrics], engine: dict[str, Any]
         details={"knob": "--decode-log-interval", "value": 1})
 
 
-def note_k_trade_offs(found: list[Finding], phases: Sequence[PhaseMetrics], engine: dict[str, Any],
+def note_k_trade_offs(found: list[Finding], phases: Sequence[PhaseMetrics], engine: Mapping[str, Any],
                       pp_size: int) -> None:
     """A K chosen for one phase's load caps the engine at K x slots: say so where another phase of
     the run offered more (that phase would then queue behind K)."""
@@ -489,7 +489,7 @@ def cannot_tell(phases: Sequence[PhaseMetrics], pp_size: int) -> list[Finding]:
     return out
 
 
-def diagnose(phases: Sequence[PhaseMetrics], engine: dict[str, Any], pp_size: int,
+def diagnose(phases: Sequence[PhaseMetrics], engine: Mapping[str, Any], pp_size: int,
              th: Thresholds = Thresholds()) -> list[Finding]:
     """All findings of a run, most important first (by confidence times stage-time lost); what the
     run lacks for a diagnosis comes last, as "cannot tell"."""

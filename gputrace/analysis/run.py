@@ -1,4 +1,5 @@
-"""One call from a run store to the full analysis: aligned streams, phases, metrics, findings."""
+"""One call from a run's tables (or whatever reads them: a store) to the full analysis: aligned
+streams, phases, metrics, findings."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from gputrace.analysis.aligned import AlignedRun, align_store
+from gputrace.analysis.aligned import AlignedRun, align
 from gputrace.analysis.diagnose import Finding, Thresholds, diagnose
 from gputrace.analysis.engine_metrics import COMPARED, disagreement_notes, series_from_columns
 from gputrace.analysis.metrics import (
@@ -25,7 +26,7 @@ from gputrace.analysis.phases import (
     phases_from_markers,
     phases_from_request_labels,
 )
-from gputrace.store import Store
+from gputrace.run_tables import EngineMetricColumns, RunSource, RunTables
 
 
 @dataclass
@@ -182,22 +183,31 @@ def import_notes(extra: dict[str, Any]) -> list[str]:
             f"{', '.join(map(str, extra.get('series_found') or []))})"]
 
 
-def store_notes(store: Store, analysis: Analysis) -> list[str]:
-    """Notes from what the store holds beside the aligned streams: the engine's metrics checked
+def table_notes(extra: dict[str, Any], engine_metrics: EngineMetricColumns, analysis: Analysis) -> list[str]:
+    """Notes from what the run holds beside the aligned streams: the engine's metrics checked
     against its log, the collector's capture problems, what a Prometheus import lacked."""
-    names = ", ".join(f"'{n}'" for n in COMPARED)
-    metric_cols = store.columns("engine_metrics", where=f"name IN ({names})")
     notes = []
-    if len(metric_cols["ts_ns"]):
-        notes += disagreement_notes(series_from_columns(metric_cols), analysis.metrics)
-    return notes + capture_problem_notes(store.meta.extra) + import_notes(store.meta.extra)
+    if len(engine_metrics):
+        notes += disagreement_notes(series_from_columns(engine_metrics.as_mapping()), analysis.metrics)
+    return notes + capture_problem_notes(extra) + import_notes(extra)
 
 
-def analyse_store(store: Store, th: Thresholds = DEFAULT_THRESHOLDS,
-                  progress: Callable[[str], None] | None = None) -> Analysis:
-    """Read, align and diagnose a run store."""
+def store_notes(store: RunSource, analysis: Analysis) -> list[str]:
+    """table_notes of a store's run."""
+    return table_notes(store.meta.extra, store.read_engine_metrics(COMPARED), analysis)
+
+
+def analyse_tables(tables: RunTables, th: Thresholds = DEFAULT_THRESHOLDS,
+                   progress: Callable[[str], None] | None = None) -> Analysis:
+    """Align and diagnose a run's tables (read with the engine metrics in COMPARED)."""
     if progress:
         progress("align")
-    analysis = analyse_aligned(align_store(store), th, progress)
-    analysis.notes.extend(store_notes(store, analysis))
+    analysis = analyse_aligned(align(tables), th, progress)
+    analysis.notes.extend(table_notes(tables.meta.extra, tables.engine_metrics, analysis))
     return analysis
+
+
+def analyse_store(store: RunSource, th: Thresholds = DEFAULT_THRESHOLDS,
+                  progress: Callable[[str], None] | None = None) -> Analysis:
+    """Read, align and diagnose a run store."""
+    return analyse_tables(store.read_run(engine_metric_names=COMPARED), th, progress)

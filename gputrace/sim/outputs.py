@@ -12,8 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from gputrace.engines import LogParser
 from gputrace.engines.ingest import ingest_log
@@ -90,13 +88,9 @@ def import_log(store: Store, result: SimResult) -> int:
                            date=run_date(result))
         if stats.unrecognised:
             raise SourceError(f"simulator: {stats.unrecognised} log lines the {engine} parser does not know")
-        recv = Path(tmp) / "recv.parquet"
         n_lines = len(result.log_ts_ns)
-        pq.write_table(pa.table({"line_no": np.arange(1, n_lines + 1, dtype=np.int64),
-                                 "recv_ts_ns": np.asarray(result.log_ts_ns, dtype=np.int64)}), recv)
-        store.sql("UPDATE scheduler_events SET recv_ts_ns = r.recv_ts_ns FROM read_parquet(?) AS r "
-                  "WHERE scheduler_events.line_no = r.line_no AND scheduler_events.source = ?",
-                  [str(recv), LOG_SOURCE])
+        store.set_receive_times(LOG_SOURCE, np.arange(1, n_lines + 1, dtype=np.int64),
+                                np.asarray(result.log_ts_ns, dtype=np.int64))
     return stats.events_written
 
 

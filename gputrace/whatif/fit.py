@@ -14,6 +14,7 @@ fitted, a first replay sets the overall scale).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,7 +88,7 @@ def relative_error(predicted: float | None, measured: float | None) -> float | N
     return predicted / measured - 1.0
 
 
-def _engine_params(engine: dict[str, Any], pp_size: int) -> dict[str, Any]:
+def _engine_params(engine: Mapping[str, Any], pp_size: int) -> dict[str, Any]:
     """The deployment as the log states it; what it does not state keeps the simulator's default."""
     fields = engine.get("fields") or {}
     out: dict[str, Any] = {"engine": engine_kind(engine), "pp_size": pp_size}
