@@ -24,10 +24,10 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from gputrace.engines.ingest import IngestStats, default_source, ingest_log
 from gputrace.errors import SourceError
-from gputrace.gpu.smi_import import import_nvidia_smi_csv, import_nvidia_smi_dmon, parse_tz
-from gputrace.load.importers import ImportResult, import_aiperf, import_guidellm, import_requests_jsonl
+from gputrace.imports.engine_log import IngestStats, default_source, ingest_log
+from gputrace.imports.nvidia_smi import import_nvidia_smi_csv, import_nvidia_smi_dmon, parse_tz
+from gputrace.imports.request_files import ImportResult, import_aiperf, import_guidellm, import_requests_jsonl
 from gputrace.store import Store
 
 

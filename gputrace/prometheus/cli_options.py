@@ -11,14 +11,14 @@ from typing import Any
 import click
 
 from gputrace.errors import UsageError
-from gputrace.prometheus.client import MAX_POINTS_PER_SERIES, PrometheusClient
-from gputrace.prometheus.source import (
+from gputrace.imports.prometheus import (
     import_prometheus,
     parse_matchers,
     parse_step_ms,
     parse_time_ms,
     scrape_interval_ms,
 )
+from gputrace.prometheus.client import MAX_POINTS_PER_SERIES, PrometheusClient
 
 
 def prometheus_flags(fn: Callable[..., Any]) -> Callable[..., Any]:

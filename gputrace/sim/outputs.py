@@ -16,8 +16,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from gputrace.engines import LogParser
-from gputrace.engines.ingest import ingest_log
 from gputrace.errors import SourceError
+from gputrace.imports.engine_log import ingest_log
 from gputrace.model import ClockProbe, DeviceInfo, EngineConfig, Marker, RequestRecord, SchedulerEvent
 from gputrace.sim.metrics import virtual_metric_rows
 from gputrace.sim.run import SimResult

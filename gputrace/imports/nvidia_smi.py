@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gputrace.errors import ConfigError
-from gputrace.load.importers import ImportResult, Parsed, _read_text, write_parsed
+from gputrace.imports.request_files import ImportResult, Parsed, _read_text, write_parsed
 from gputrace.model import GpuSample
 from gputrace.store import Store
 

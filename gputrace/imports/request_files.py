@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from gputrace.errors import ConfigError
-from gputrace.load.jsonl import record_from_obj
+from gputrace.imports.jsonl import record_from_obj
 from gputrace.logsetup import get_logger
 from gputrace.model import GpuSample, Marker, RequestRecord
 from gputrace.store import Store
