@@ -27,7 +27,7 @@ from pathlib import Path
 
 from gputrace.engines import fastpath
 from gputrace.engines.common import LogClock
-from gputrace.engines.ingest import ingest_log, read_chunks
+from gputrace.imports.engine_log import ingest_log, read_chunks
 from gputrace.store import Store
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # for the sibling ingest_live module

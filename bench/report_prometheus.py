@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gputrace.prometheus.source import parse_step_ms
+from gputrace.imports.prometheus import parse_step_ms
 
 GPU_METRICS = {  # name: (mean at the capped level, jitter)
     "gputrace_gpu_utilization_ratio": (0.25, 0.03),
@@ -44,7 +44,7 @@ LEVELS = (8, 16, 32, 64)
 FETCH_ONLY = r"""
 import json, sys, time, urllib.parse, urllib.request
 from gputrace.prometheus.client import chunk_windows
-from gputrace.prometheus.source import ENGINE_FIELDS, GPU_FIELDS, TARGET_METRIC
+from gputrace.imports.prometheus import ENGINE_FIELDS, GPU_FIELDS, TARGET_METRIC
 base, start_ms, end_ms, step_ms = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 points = 0
 for name in [*GPU_FIELDS, "gputrace_gpu_lost", *ENGINE_FIELDS, TARGET_METRIC]:

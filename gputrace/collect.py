@@ -13,28 +13,35 @@ import json
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
-from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.aiohttp import make_aiohttp_handler
 
 from gputrace.agent.client import AgentClient
-from gputrace.agent.server import is_loopback, parse_listen
 from gputrace.config import Config, HostConfig
 from gputrace.engines import LogParser
 from gputrace.engines.metrics_source import MetricsEndpoint, ScrapeStats, follow_metrics
 from gputrace.errors import GputraceError, SourceError, StoreWriteError, UsageError
-from gputrace.httpserver import HttpLimits, HttpListener
+from gputrace.httpserver import (
+    HttpLimits,
+    HttpListener,
+    bearer_auth,
+    has_token,
+    is_loopback,
+    parse_listen,
+    require_token_beyond_loopback,
+    web,
+)
 from gputrace.live import LiveCollector, LiveState
 from gputrace.logsetup import get_logger
 from gputrace.model import DeviceInfo, Marker, RequestRecord, SchedulerEvent
 from gputrace.remote.clock import probe_clock
-from gputrace.remote.connect import connect_host
+from gputrace.remote.connect import TransportFactory, connect_host
 from gputrace.remote.follow import follow_log_batches
 from gputrace.remote.ssh import HostKeyPolicy
 from gputrace.remote.transport import Transport
@@ -46,6 +53,9 @@ log = get_logger("collect")
 MAX_CONCURRENCY = 1 << 31  # a phase's target: far above any real load, well inside int64
 
 DEFAULT_LISTEN = "127.0.0.1:9401"
+# The file follower polls every 20 ms and an SSH hop adds milliseconds: a log silent this long after
+# a drain began has delivered every line written before it.
+DRAIN_QUIET_S = 0.3
 
 
 @dataclass
@@ -73,13 +83,24 @@ class _HostTasks:
     agent: AgentClient | None = None
 
 
-class Collector:
-    """Collects one run into ``store``; ``start`` then ``stop`` (or ``run_until``)."""
+class LoadInFlight(Protocol):
+    """A load running in this process whose requests in flight the live view shows."""
 
-    def __init__(self, cfg: Config, store: Store, options: CollectOptions | None = None):
+    @property
+    def inflight(self) -> int: ...
+
+
+class Collector:
+    """Collects one run into ``store``; ``start``, ``drain`` once the workload is over, then ``stop``
+    (or ``run_until``). ``connect`` reaches each configured host (default: SSH or local, as its
+    ``ssh`` says, under the options' host-key policy)."""
+
+    def __init__(self, cfg: Config, store: Store, options: CollectOptions | None = None,
+                 connect: TransportFactory | None = None):
         self.cfg = cfg
         self.store = store
         self.options = options or CollectOptions()
+        self._connect = connect or self._connect_configured
         self.placements = placements_from_config(cfg)
         self.live = LiveState(store.meta.name, self.placements)
         self.writer = BatchingWriter(store, flush_s=self.options.flush_s, on_reject=self._rejected)
@@ -93,6 +114,7 @@ class Collector:
         # per source, what keeps it from delivering (a log file not there, a lost connection, a
         # task that ended): {"source", "reason", "since_ns", "until_ns"}; the open ones are current
         self._problems: list[dict[str, Any]] = []
+        self._last_log_batch_ns: dict[str, int] = {}  # per log source, when its newest lines came
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -104,7 +126,7 @@ class Collector:
         if self.options.listen:
             await self._start_http(self.options.listen)
         for ht in self._hosts:
-            ht.transport = await connect_host(ht.host, host_key_policy=self.options.host_key_policy)
+            ht.transport = await self._connect(ht.host)
             if ht.host.log is not None:
                 self._ready[f"log {ht.host.name}"] = asyncio.Event()
                 ht.tasks.append(self._spawn(self._follow_log(ht), f"log {ht.host.name}"))
@@ -134,6 +156,42 @@ class Collector:
         if late:
             log.warning("sources not ready yet; capturing anyway", sources=late,
                         waited_s=self.options.ready_timeout_s)
+
+    async def drain(self, timeout_s: float = 5.0) -> bool:
+        """Wait until what the sources held when it was called is in the store: every log follower
+        silent for DRAIN_QUIET_S, every agent asked again and read to the end of its ring, then the
+        writer flushed. Engine /metrics scrapes come at their interval and are not waited for;
+        failed sources and sources with a problem open are not either. False when the timeout
+        came first or the store could not be written (then what is buffered stays in the backlog)."""
+        asked_ns = time.time_ns()
+        deadline = time.monotonic() + timeout_s
+        while waiting := self._not_drained(asked_ns):
+            if time.monotonic() >= deadline:
+                log.warning("drain timed out; stopping with what arrived", waiting_for=waiting,
+                            timeout_s=timeout_s)
+                self.writer.flush()
+                return False
+            await asyncio.sleep(0.02)
+        return self.writer.flush()
+
+    def _not_drained(self, asked_ns: int) -> list[str]:
+        """The sources still delivering what they held at ``asked_ns``."""
+        now_ns = time.time_ns()
+        open_problems = {p["source"] for p in self._problems if p["until_ns"] is None}
+        running = {t.get_name() for ht in self._hosts for t in ht.tasks if not t.done()}
+        waiting = []
+        for ht in self._hosts:
+            name = f"log {ht.host.name}"
+            if name in running and name not in open_problems:
+                since_ns = max(asked_ns, self._last_log_batch_ns.get(name, 0))
+                if now_ns - since_ns < DRAIN_QUIET_S * 1e9:
+                    waiting.append(name)
+            name = f"agent {ht.host.name}"
+            if ht.agent is not None and name in running and name not in open_problems:
+                read_ns = ht.agent.stats.read_to_end_ns
+                if read_ns is None or read_ns < asked_ns:
+                    waiting.append(name)
+        return waiting
 
     async def stop(self) -> None:
         """Stop every source, write what is buffered, close connections."""
@@ -193,6 +251,9 @@ class Collector:
 
     # -- transports -----------------------------------------------------------------------------
 
+    async def _connect_configured(self, host: HostConfig) -> Transport:
+        return await connect_host(host, host_key_policy=self.options.host_key_policy)
+
     async def _agent_url(self, ht: _HostTasks) -> str:
         agent = ht.host.agent or ""
         if agent.startswith(("http://", "https://")):
@@ -216,6 +277,7 @@ class Collector:
         async for batch in follow_log_batches(ht.transport, src, from_start=self.options.log_from_start,
                                               on_caught_up=ready.set,
                                               on_problem=lambda why: self._source_problem(name, why)):
+            self._last_log_batch_ns[name] = time.time_ns()
             self.live.counts["log_lines"] += len(batch)
             for line in batch:
                 record = parser.feed(line.text, recv_ts_ns=line.recv_ts_ns)
@@ -335,6 +397,10 @@ class Collector:
 
     # -- records from the load side (same process) ----------------------------------------------
 
+    def attach_load(self, load: LoadInFlight) -> None:
+        """Show ``load``'s requests in flight live (its records come through ``add_load_record``)."""
+        self.live.inflight_probe = lambda: load.inflight
+
     def add_load_record(self, record: RequestRecord | Marker) -> None:
         """Sink for the built-in load generator."""
         self.writer.add(record)
@@ -346,16 +412,17 @@ class Collector:
     # -- HTTP: /metrics, /v1/mark, /v1/status ---------------------------------------------------
 
     async def _start_http(self, listen: str) -> None:
-        host, port = parse_listen(listen)
-        if not is_loopback(host) and not (self.options.http_token or self.options.insecure):
-            raise UsageError(f"--listen {listen}: listening beyond loopback needs a token "
-                             "(--token-file) or --insecure")
-        if not is_loopback(host) and not self.options.http_token:
-            log.warning("collector endpoints open to the network without authentication (--insecure): "
-                        "anyone who reaches the port can post marks", listen=listen)
+        host, port = parse_listen(listen, example_port=9401)
+        token = self.options.http_token or None
+        require_token_beyond_loopback(
+            host, token, self.options.insecure,
+            refusal=f"--listen {listen}: listening beyond loopback needs a token (--token-file) or "
+                    "--insecure",
+            warning="collector endpoints open to the network without authentication (--insecure): "
+                    "anyone who reaches the port can post marks", listen=listen)
         registry = CollectorRegistry(auto_describe=True)
         registry.register(LiveCollector(self.live))
-        app = web.Application(middlewares=[self._auth] if self.options.http_token else [])
+        app = web.Application(middlewares=[bearer_auth(token, "gputrace-collector")] if token else [])
         app.router.add_get("/metrics", make_aiohttp_handler(registry))
         app.router.add_post("/v1/mark", self._mark)
         app.router.add_get("/v1/status", self._status)
@@ -368,17 +435,6 @@ class Collector:
         self._listener = listener
         self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{bound}"
         log.info("collector listening", url=self.url)
-
-    @web.middleware
-    async def _auth(self, request: web.Request,
-                    handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-        import hmac
-
-        # the whole header, scheme included, as the agent compares it
-        given = request.headers.get("Authorization", "").strip()
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.options.http_token}".encode()):
-            return web.json_response({"error": "missing or wrong bearer token"}, status=401)
-        return await handler(request)
 
     async def _mark(self, request: web.Request) -> web.Response:
         try:
@@ -398,10 +454,14 @@ class Collector:
 
     async def _healthz(self, request: web.Request) -> web.Response:
         """200 while every source delivers and the store takes what they send; 503 with the
-        problems otherwise (a full disk said ok while every sample was kept in memory only)."""
+        problems otherwise (a full disk said ok while every sample was kept in memory only). Open
+        without the token, as the agent's is; then it says only whether."""
         problems = self.problems()
+        status = 503 if problems else 200
+        if not has_token(request, self.options.http_token or None):
+            return web.json_response({"ok": not problems}, status=status)
         return web.json_response({"ok": not problems, "problems": problems, "failures": self._failures},
-                                 status=503 if problems else 200)
+                                 status=status)
 
 
 def marker_from_json(body: Any, default_host: str) -> Marker:

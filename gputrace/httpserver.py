@@ -1,5 +1,7 @@
-"""The HTTP listener the agent and the collector share: an aiohttp app behind limits a client cannot
-talk its way past, so that no token is needed to keep the server answering.
+"""The HTTP server side the agent and the collector share, and the one module that imports aiohttp's
+server (``web`` is re-exported for handlers): the listen address, when a token is required, bearer
+auth with one set of rules, and an aiohttp app behind limits a client cannot talk its way past, so
+that no token is needed to keep the server answering.
 
 - A connection must deliver a complete request header within ``header_timeout_s`` of connecting
   (or of its last answer); aiohttp's keep-alive timer, armed at connect, closes it otherwise.
@@ -15,6 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hmac
+import ipaddress
+import re
 import resource
 import ssl
 import time
@@ -22,9 +27,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
+from aiohttp import web as web  # re-exported: handlers and apps elsewhere take it from here
 from aiohttp.web_protocol import RequestHandler
 
+from gputrace.errors import UsageError
 from gputrace.logsetup import get_logger
 
 log = get_logger("httpserver")
@@ -35,6 +41,65 @@ _REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nRetry-Aft
             b"Connection: close\r\n\r\n")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Middleware = Callable[..., Awaitable[web.StreamResponse]]  # what aiohttp's @web.middleware yields
+OPEN_PATHS = frozenset({"/healthz"})  # liveness probes carry no secret; without one they learn up or down
+
+
+# -- where to listen, and who may ask ----------------------------------------------------------------
+
+def parse_listen(text: str, example_port: int = 9402) -> tuple[str, int]:
+    """``HOST:PORT``, ``[V6]:PORT`` or ``:PORT`` (loopback) -> (host, port)."""
+    m = re.fullmatch(r"\[([^\]]+)\]:(\d+)|([^:\[\]]*):(\d+)", text.strip())
+    if not m:
+        raise UsageError(f"--listen {text!r}: expected HOST:PORT (e.g. 127.0.0.1:{example_port})")
+    host = m.group(1) or m.group(3) or "127.0.0.1"
+    port = int(m.group(2) or m.group(4))
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--listen {text!r}: port outside 0..65535")
+    return host, port
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve anywhere
+
+
+def require_token_beyond_loopback(host: str, token: str | None, insecure: bool, refusal: str,
+                                  warning: str, **log_fields: Any) -> None:
+    """Beyond loopback a token is required (UsageError ``refusal``) unless ``insecure`` says so
+    explicitly, which is logged (``warning``). The rule is one; the words are each server's."""
+    if is_loopback(host) or token is not None:
+        return
+    if not insecure:
+        raise UsageError(refusal)
+    log.warning(warning, **log_fields)
+
+
+def has_token(request: web.Request, token: str | None) -> bool:
+    """Whether ``request`` carries ``Authorization: Bearer <token>`` (the whole header, scheme
+    included, compared in constant time); True when the server has no token."""
+    if token is None:
+        return True
+    given = request.headers.get("Authorization", "").encode()
+    return hmac.compare_digest(given, f"Bearer {token}".encode())
+
+
+def bearer_auth(token: str, realm: str) -> Middleware:
+    """The middleware both servers use: 401 with a JSON error and a Bearer challenge for a request
+    without the token, on every path but ``OPEN_PATHS``."""
+
+    @web.middleware
+    async def check_token(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path not in OPEN_PATHS and not has_token(request, token):
+            return web.json_response({"error": "missing or wrong bearer token"}, status=401,
+                                     headers={"WWW-Authenticate": f'Bearer realm="{realm}"'})
+        return await handler(request)
+
+    return check_token
 
 
 @dataclass(frozen=True, slots=True)

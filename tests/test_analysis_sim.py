@@ -9,10 +9,10 @@ import pytest
 
 from gputrace.analysis.compare import compare_analyses
 from gputrace.analysis.run import Analysis, analyse_store
-from gputrace.engines.ingest import ingest_log
-from gputrace.gpu.smi_import import import_nvidia_smi_csv
-from gputrace.load.importers import import_requests_jsonl
-from gputrace.load.jsonl import write_jsonl
+from gputrace.imports.engine_log import ingest_log
+from gputrace.imports.jsonl import write_jsonl
+from gputrace.imports.nvidia_smi import import_nvidia_smi_csv
+from gputrace.imports.request_files import import_requests_jsonl
 from gputrace.report.document import build_document
 from gputrace.sim.outputs import request_records, sample_columns, write_gpu_csv, write_log, write_store
 from gputrace.sim.params import SCENARIOS

@@ -15,10 +15,11 @@ from conftest import shared_data
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gputrace.engines import fastpath, ingest, sglang
+from gputrace.engines import fastpath, sglang
 from gputrace.engines.common import METRIC_FIELDS, LogClock
-from gputrace.engines.ingest import ingest_log
 from gputrace.errors import SourceError
+from gputrace.imports import engine_log as ingest
+from gputrace.imports.engine_log import ingest_log
 from gputrace.model import EngineConfig
 from gputrace.store import Store
 
@@ -291,7 +292,7 @@ def test_a_line_past_the_cap_is_cut_and_memory_stays_bounded() -> None:
     a 2 GB file without newlines grew past 1.9 GB)."""
     import io
 
-    from gputrace.engines.ingest import chunk_lines, read_chunks
+    from gputrace.imports.engine_log import chunk_lines, read_chunks
 
     good = b"[2026-01-01 00:00:00 PP0] Decode batch, #running-req: 1, #queue-req: 0\n"
     data = good + b"x" * 50_000 + b"\n" + good + b"y" * 200_000 + good

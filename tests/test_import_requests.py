@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 
 from gputrace.errors import ConfigError
-from gputrace.load.importers import (
+from gputrace.imports.jsonl import write_jsonl
+from gputrace.imports.request_files import (
     import_aiperf,
     import_guidellm,
     import_requests_jsonl,
@@ -35,7 +36,6 @@ from gputrace.load.importers import (
     parse_guidellm,
     parse_requests_jsonl,
 )
-from gputrace.load.jsonl import write_jsonl
 from gputrace.model import Marker, RequestRecord
 from gputrace.store import Store
 
@@ -175,7 +175,7 @@ def test_rows_with_values_no_column_holds_are_skipped_not_the_file(tmp_path: Pat
     are counted as bad with the reason, the good one is imported ([robust] #3)."""
     import json
 
-    from gputrace.load.importers import import_requests_jsonl
+    from gputrace.imports.request_files import import_requests_jsonl
     from gputrace.store import Store
 
     path = tmp_path / "r.jsonl"
@@ -194,7 +194,7 @@ def test_rows_with_values_no_column_holds_are_skipped_not_the_file(tmp_path: Pat
 def test_guidellm_json_nested_past_any_report_is_refused_in_one_line(tmp_path: Path) -> None:
     """A JSON file nested 100,000 deep is not a guidellm report: a ConfigError, not RecursionError."""
     from gputrace.errors import ConfigError
-    from gputrace.load.importers import parse_guidellm
+    from gputrace.imports.request_files import parse_guidellm
 
     deep = tmp_path / "deep.json"
     deep.write_text("[" * 100_000 + "]" * 100_000)

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from gputrace.errors import ConfigError
-from gputrace.gpu.smi_import import (
+from gputrace.imports.nvidia_smi import (
     import_nvidia_smi_csv,
     import_nvidia_smi_dmon,
     parse_dmon,

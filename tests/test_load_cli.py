@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gputrace.load.importers import parse_requests_jsonl
+from gputrace.imports.request_files import parse_requests_jsonl
 from gputrace.model import Marker, RequestRecord
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -26,8 +26,7 @@ from live_chain import free_port, gputrace_argv, process, prometheus, sim_chain,
 
 from gputrace.analysis.run import analyse_store
 from gputrace.errors import SourceError, UsageError
-from gputrace.prometheus.client import MAX_POINTS_PER_SERIES, PrometheusClient, chunk_windows
-from gputrace.prometheus.source import (
+from gputrace.imports.prometheus import (
     import_prometheus,
     parse_matchers,
     parse_step_ms,
@@ -35,6 +34,7 @@ from gputrace.prometheus.source import (
     selector,
     target_markers,
 )
+from gputrace.prometheus.client import MAX_POINTS_PER_SERIES, PrometheusClient, chunk_windows
 from gputrace.store import Store
 
 LEVELS = (1, 32)

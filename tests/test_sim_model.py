@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 
 from gputrace.errors import ConfigError, UsageError
-from gputrace.gpu.smi_import import parse_query_csv
+from gputrace.imports.nvidia_smi import parse_query_csv
 from gputrace.model import RECORD_TABLES, SchedulerEvent
 from gputrace.sim import SCENARIOS, run_scenario, scenario_params
 from gputrace.sim.outputs import parse_log, write_gpu_csv, write_log, write_store

@@ -70,6 +70,7 @@ class PullStats:
     restarts: int = 0  # times the agent came back with a new instance id
     disconnects: int = 0
     bad_lines: int = 0
+    read_to_end_ns: int | None = None  # when the newest pull that found less than a page was sent
 
 
 def parse_sample_line(line: str) -> GpuSample:
@@ -187,6 +188,7 @@ class AgentClient:
         after a disconnect, retries with backoff and resumes after the last sample received."""
         backoff = 0.2
         while True:
+            asked_ns = time.time_ns()
             try:
                 page = await self.fetch_page()
             except TransportError as exc:
@@ -200,6 +202,7 @@ class AgentClient:
             if page:
                 yield page
             if len(page) < self.page_limit:
+                self.stats.read_to_end_ns = asked_ns  # after the yield: the consumer has the page
                 await asyncio.sleep(poll_s)
 
     async def probe_clock(self, host: str | None = None) -> ClockProbe:

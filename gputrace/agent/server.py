@@ -7,18 +7,14 @@ sampling thread fills the ring; handlers only read it.
 from __future__ import annotations
 
 import asyncio
-import hmac
-import ipaddress
 import json
-import re
 import ssl
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.aiohttp import make_aiohttp_handler
 
@@ -27,7 +23,13 @@ from gputrace.agent.metrics import GpuCollector
 from gputrace.agent.sampling import CursorTooOld, SampleRing, SamplingLoop
 from gputrace.errors import UsageError
 from gputrace.gpu.sampler import ROW_FIELDS, Sampler, SampleRow, sample_row
-from gputrace.httpserver import HttpLimits, HttpListener
+from gputrace.httpserver import (
+    HttpLimits,
+    HttpListener,
+    bearer_auth,
+    require_token_beyond_loopback,
+    web,
+)
 from gputrace.logsetup import get_logger
 from gputrace.model import GpuSample
 
@@ -36,7 +38,6 @@ log = get_logger("agent.server")
 DEFAULT_PORT = 9402
 DEFAULT_PAGE_LIMIT = 1000
 MAX_PAGE_LIMIT = 10_000
-_UNAUTHENTICATED_PATHS = frozenset({"/healthz"})  # liveness probes carry no secret and reveal none
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,54 +57,16 @@ class AgentSettings:
     http_limits: HttpLimits = field(default_factory=HttpLimits)
 
 
-def parse_listen(text: str) -> tuple[str, int]:
-    """``HOST:PORT``, ``[V6]:PORT`` or ``:PORT`` (loopback) -> (host, port)."""
-    m = re.fullmatch(r"\[([^\]]+)\]:(\d+)|([^:\[\]]*):(\d+)", text.strip())
-    if not m:
-        raise UsageError(f"--listen {text!r}: expected HOST:PORT (e.g. 127.0.0.1:{DEFAULT_PORT})")
-    host = m.group(1) or m.group(3) or "127.0.0.1"
-    port = int(m.group(2) or m.group(4))
-    if not 0 <= port <= 65535:
-        raise UsageError(f"--listen {text!r}: port outside 0..65535")
-    return host, port
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name other than localhost may resolve anywhere
-
-
 def check_exposure(settings: AgentSettings) -> None:
     """Refuse to listen beyond loopback without a token, unless --insecure says so explicitly."""
     if (settings.tls_cert is None) != (settings.tls_key is None):
         raise UsageError("--tls-cert and --tls-key go together")
-    if not is_loopback(settings.listen_host) and settings.token is None and not settings.insecure:
-        raise UsageError(f"refusing to listen on {settings.listen_host} (not loopback) without "
-                         "--token-file; pass --insecure to expose the agent without authentication")
-    if not is_loopback(settings.listen_host) and settings.token is None:
-        log.warning("agent open to the network without authentication (--insecure)",
-                    listen=settings.listen_host)
-
-
-def _auth_middleware(token: str) -> Callable[..., Awaitable[web.StreamResponse]]:
-    expected = f"Bearer {token}".encode()
-
-    @web.middleware
-    async def check_token(request: web.Request,
-                          handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-                          ) -> web.StreamResponse:
-        if request.path not in _UNAUTHENTICATED_PATHS:
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                return web.json_response({"error": "missing or wrong bearer token"}, status=401,
-                                         headers={"WWW-Authenticate": 'Bearer realm="gputrace-agent"'})
-        return await handler(request)
-
-    return check_token
+    require_token_beyond_loopback(
+        settings.listen_host, settings.token, settings.insecure,
+        refusal=f"refusing to listen on {settings.listen_host} (not loopback) without --token-file; "
+                "pass --insecure to expose the agent without authentication",
+        warning="agent open to the network without authentication (--insecure)",
+        listen=settings.listen_host)
 
 
 def sample_line(seq: int, s: GpuSample) -> str:
@@ -150,7 +113,7 @@ class Agent:
         self.port: int | None = None
 
     def _make_app(self) -> web.Application:
-        middlewares = [_auth_middleware(self.settings.token)] if self.settings.token else []
+        middlewares = [bearer_auth(self.settings.token, "gputrace-agent")] if self.settings.token else []
         app = web.Application(middlewares=middlewares)
         app.router.add_get("/metrics", make_aiohttp_handler(self.registry))
         app.router.add_get("/v1/samples", self._samples)

@@ -8,9 +8,10 @@ import signal
 
 import click
 
-from gputrace.agent.server import DEFAULT_PORT, Agent, AgentSettings, check_exposure, parse_listen
+from gputrace.agent.server import DEFAULT_PORT, Agent, AgentSettings, check_exposure
 from gputrace.errors import UsageError
 from gputrace.gpu.sampler import Sampler
+from gputrace.httpserver import parse_listen
 from gputrace.logsetup import get_logger
 from gputrace.token_file import read_token
 from gputrace.topology import sglang_node_placements

@@ -24,21 +24,12 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from gputrace.engines.ingest import IngestStats, default_source, ingest_log
 from gputrace.errors import SourceError
-from gputrace.gpu.smi_import import import_nvidia_smi_csv, import_nvidia_smi_dmon, parse_tz
-from gputrace.load.importers import ImportResult, import_aiperf, import_guidellm, import_requests_jsonl
+from gputrace.imports.engine_log import default_source, ingest_log
+from gputrace.imports.nvidia_smi import import_nvidia_smi_csv, import_nvidia_smi_dmon, parse_tz
+from gputrace.imports.report import ImportReport
+from gputrace.imports.request_files import import_aiperf, import_guidellm, import_requests_jsonl
 from gputrace.store import Store
-
-
-def _echo_log_stats(engine: str, stats: IngestStats) -> None:
-    recognised = ", ".join(f"{k} {v}" for k, v in stats.recognised.items() if v)
-    click.echo(
-        f"{engine} log {stats.path}: {stats.lines} lines, recognised {recognised or 'none'}, "
-        f"unrecognised {stats.unrecognised}; {stats.events_written} events, "
-        f"{stats.configs_written} configuration records"
-    )
-
 
 # Logs larger than this show a progress bar on a terminal (about 3 s of ingest on 2 cores).
 PROGRESS_MIN_BYTES = 64 << 20
@@ -61,7 +52,7 @@ def _import_engine_logs(
         with _bytes_progress(f"{engine} log {os.path.basename(path)}", size, show) as advance:
             stats = ingest_log(store, path, host=host, engine=engine, source=default_source(path),
                                tz=timezone, date=date, year_until=year_until, on_progress=advance)
-        _echo_log_stats(engine, stats)
+        click.echo(stats.summary())
         if not any(stats.recognised.values()):
             other = "vllm" if engine == "sglang" else "sglang"
             raise SourceError(f"{path}: no {engine} line recognised in its {stats.lines} lines: is it the "
@@ -89,7 +80,7 @@ def _import_load_and_smi_files(
     """Request files (AIPerf, guidellm, gputrace JSONL) and nvidia-smi captures."""
     tz = parse_tz(timezone)
     fields = [f.strip() for f in smi_fields.split(",") if f.strip()] if smi_fields else None
-    results: list[ImportResult] = []
+    results: list[ImportReport] = []
     results += [import_aiperf(store, p, host, aiperf_phase) for p in files["aiperf"]]
     results += [import_guidellm(store, p, host) for p in files["guidellm"]]
     # gputrace's own JSONL names its client host; --host replaces it only when given.

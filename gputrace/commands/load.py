@@ -9,9 +9,9 @@ import click
 from rich.console import Console
 
 from gputrace.errors import SourceError, UsageError
+from gputrace.imports.jsonl import JsonlWriter
 from gputrace.load.console import failure_reasons, print_summary, run_with_progress
 from gputrace.load.generator import DEFAULT_PROMPTS, LoadGenerator, LoadResult, LoadSpec, load_prompts
-from gputrace.load.jsonl import JsonlWriter
 
 
 def _levels(value: str) -> tuple[int, ...]:

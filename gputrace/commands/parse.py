@@ -13,8 +13,8 @@ import numpy as np
 
 from gputrace.engines import ENGINES, KINDS, LogParser, fastpath
 from gputrace.engines.common import METRIC_FIELDS, RANK_FIELDS
-from gputrace.engines.ingest import chunk_lines, open_log, read_chunks
 from gputrace.errors import SourceError, UsageError
+from gputrace.imports.engine_log import chunk_lines, open_log, read_chunks
 
 
 def _chunks_of(path: str) -> Iterator[bytes]:

@@ -124,7 +124,7 @@ def command(ctx: click.Context, config_path: str, out: Path, listen: str, accept
                 else:
                     assert spec is not None
                     generator = LoadGenerator(spec, on_record=collector.add_load_record)
-                    collector.live.inflight_probe = lambda: generator.inflight
+                    collector.attach_load(generator)
                     load_task = asyncio.create_task(generator.run())
                     stopper = asyncio.create_task(stop.wait())
                     await asyncio.wait({load_task, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -133,7 +133,7 @@ def command(ctx: click.Context, config_path: str, out: Path, listen: str, accept
                         load_task.cancel()
                     else:
                         load_task.result()
-                await asyncio.sleep(1.0)  # let the last log lines and samples arrive
+                await collector.drain()  # the last log lines and samples, into the store
             finally:
                 await collector.stop()
 

@@ -1,5 +1,5 @@
-"""The load side: a closed-loop concurrency sweep against OpenAI-compatible endpoints, and importers
-of per-request records from other benchmark tools (AIPerf, guidellm, gputrace's own JSONL)."""
+"""The load side: a closed-loop concurrency sweep against OpenAI-compatible endpoints (the importers
+of other benchmark tools' records live in gputrace.imports)."""
 
 from __future__ import annotations
 

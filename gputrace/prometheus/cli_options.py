@@ -11,14 +11,14 @@ from typing import Any
 import click
 
 from gputrace.errors import UsageError
-from gputrace.prometheus.client import MAX_POINTS_PER_SERIES, PrometheusClient
-from gputrace.prometheus.source import (
+from gputrace.imports.prometheus import (
     import_prometheus,
     parse_matchers,
     parse_step_ms,
     parse_time_ms,
     scrape_interval_ms,
 )
+from gputrace.prometheus.client import MAX_POINTS_PER_SERIES, PrometheusClient
 
 
 def prometheus_flags(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -102,9 +102,9 @@ def prometheus_run(prometheus_url: str | None, prom_start: str | None, prom_end:
     matchers = parse_matchers(prom_match)
     step_ms = (scrape_interval_ms(client) or 1000) if prom_step == "auto" else parse_step_ms(prom_step)
     summary = import_prometheus(client, run_dir, start_ms, end_ms, step_ms, matchers, engine or None)
-    click.echo(f"read {summary.gpus} GPUs ({summary.gpu_samples} samples), {summary.ranks} engine ranks "
-               f"({summary.scheduler_events} lines), {summary.load_samples} client in-flight samples and "
-               f"{summary.markers} markers from {client.base_url} "
+    click.echo(f"read {summary.gpus} GPUs ({summary.count('gpu_samples')} samples), {summary.ranks} engine "
+               f"ranks ({summary.count('scheduler_events')} lines), {summary.count('load_samples')} client "
+               f"in-flight samples and {summary.count('markers')} markers from {client.base_url} "
                f"at a {step_ms / 1000:g} s step in {summary.queries} range queries "
                f"({summary.windows} window(s) of at most {MAX_POINTS_PER_SERIES} steps per metric)")
     click.echo(f"series found: {', '.join(summary.found)}")

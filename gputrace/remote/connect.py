@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 from gputrace.config import HostConfig
 from gputrace.errors import UsageError
 from gputrace.remote.local import LocalTransport
 from gputrace.remote.ssh import HostKeyPolicy, SshOptions, connect_ssh
 from gputrace.remote.transport import Transport
+
+TransportFactory = Callable[[HostConfig], Awaitable[Transport]]
+"""How a collector reaches each configured host (``connect_host`` unless a caller injects another)."""
 
 
 def host_key_policy_from_flags(accept_new_host_keys: bool = False,

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from gputrace.engines import LogParser
-from gputrace.engines.ingest import ingest_log
 from gputrace.errors import SourceError
+from gputrace.imports.engine_log import ingest_log
 from gputrace.model import ClockProbe, DeviceInfo, EngineConfig, Marker, RequestRecord, SchedulerEvent
 from gputrace.sim.metrics import virtual_metric_rows
 from gputrace.sim.run import SimResult

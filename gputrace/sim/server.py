@@ -20,11 +20,11 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.aiohttp import make_aiohttp_handler
 
 from gputrace.errors import SourceError
+from gputrace.httpserver import web
 from gputrace.logsetup import get_logger
 from gputrace.sim.engine import EngineTrace, PipelineEngine, SimRequest
 from gputrace.sim.logfmt import LinePrefix, decode_message, prefill_message, startup_lines

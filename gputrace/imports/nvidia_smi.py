@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gputrace.errors import ConfigError
-from gputrace.load.importers import ImportResult, Parsed, _read_text, write_parsed
+from gputrace.imports.report import ImportReport, read_text, write_parsed
 from gputrace.model import GpuSample
 from gputrace.store import Store
 
@@ -118,14 +118,14 @@ def parse_query_csv(
     host: str,
     fields: Sequence[str] | None = None,
     tz: dt.tzinfo = dt.UTC,
-) -> Parsed:
+) -> ImportReport:
     """``nvidia-smi --query-gpu=F1,F2,... --format=csv[,noheader][,nounits] [-lms N]`` output.
 
     The field order comes from the header line, or from ``fields`` (the --query-gpu list) for
     ``noheader`` output. ``timestamp`` must be among the fields; ``index`` (else ``pci.bus_id`` or
     ``uuid``, numbered in order of appearance) names the GPU.
     """
-    text = _read_text(path)
+    text = read_text(path)
     rows = [r for r in csv.reader(io.StringIO(text), skipinitialspace=True) if any(c.strip() for c in r)]
     if not rows:
         raise ConfigError(f"{path}: empty nvidia-smi CSV")
@@ -155,7 +155,7 @@ def parse_query_csv(
     reason_col = next((col[f] for f in _REASON_FIELDS if f in col), None)
     clock = _Clock(tz, "%Y/%m/%d %H:%M:%S")
     ids: dict[str, int] = {}
-    out = Parsed()
+    out = ImportReport(str(path), "nvidia-smi-csv")
     ts_col = col["timestamp"]
     for no, row in enumerate(rows, first_row):
         if len(row) != len(names):
@@ -185,11 +185,11 @@ def parse_query_csv(
     return out
 
 
-def parse_dmon(path: str | os.PathLike[str], host: str, tz: dt.tzinfo = dt.UTC) -> Parsed:
+def parse_dmon(path: str | os.PathLike[str], host: str, tz: dt.tzinfo = dt.UTC) -> ImportReport:
     """``nvidia-smi dmon -o DT [-s ...]`` output: ``#Date Time gpu pwr ...`` header lines (repeated),
     a units line, then whitespace-separated rows; "-" is a metric the GPU does not report."""
-    text = _read_text(path)
-    out = Parsed()
+    text = read_text(path)
+    out = ImportReport(str(path), "nvidia-smi-dmon")
     names: list[str] | None = None
     saw_header = False
     clocks = {"%Y%m%d": _Clock(tz, "%Y%m%d %H:%M:%S"), "%Y/%m/%d": _Clock(tz, "%Y/%m/%d %H:%M:%S")}
@@ -240,11 +240,11 @@ def import_nvidia_smi_csv(
     host: str,
     fields: Sequence[str] | None = None,
     tz: dt.tzinfo = dt.UTC,
-) -> ImportResult:
-    return write_parsed(store, path, "nvidia-smi-csv", parse_query_csv(path, host, fields, tz))
+) -> ImportReport:
+    return write_parsed(store, parse_query_csv(path, host, fields, tz))
 
 
 def import_nvidia_smi_dmon(
     store: Store, path: str | os.PathLike[str], host: str, tz: dt.tzinfo = dt.UTC
-) -> ImportResult:
-    return write_parsed(store, path, "nvidia-smi-dmon", parse_dmon(path, host, tz))
+) -> ImportReport:
+    return write_parsed(store, parse_dmon(path, host, tz))

@@ -10,7 +10,6 @@ import os
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import IO
@@ -21,6 +20,7 @@ import pyarrow.compute as pc
 from gputrace.engines import KINDS, LogParser, fastpath
 from gputrace.engines.common import METRIC_FIELDS, RANK_FIELDS, LogClock, ParsedLine
 from gputrace.errors import SourceError
+from gputrace.imports.report import ImportReport, write_rows
 from gputrace.model import EngineConfig
 from gputrace.store import ROW_GROUP_ROWS, Store
 
@@ -29,27 +29,6 @@ MAX_LINE_BYTES = 1 << 20
 CHUNK_BYTES = 8 << 20
 _WORKERS = min(4, os.cpu_count() or 1)
 _EVENT_INT_COLUMNS = ("line_no", "log_ts_ns", "ts_resolution_ns", *RANK_FIELDS)
-
-
-@dataclass
-class IngestStats:
-    """What one ingest did: lines read, recognised per kind, unrecognised, rows written."""
-
-    path: str
-    source: str
-    lines: int = 0
-    recognised: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
-    unrecognised: int = 0
-    events_written: int = 0
-    configs_written: int = 0
-    fast_path_lines: int = 0
-
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "path": self.path, "source": self.source, "lines": self.lines,
-            "recognised": dict(self.recognised), "unrecognised": self.unrecognised,
-            "events_written": self.events_written, "configs_written": self.configs_written,
-        }
 
 
 def open_log(path: str | os.PathLike[str]) -> IO[bytes]:
@@ -139,13 +118,13 @@ class _EventColumns:
         for name in METRIC_FIELDS:
             cols[name].append(values.get(name))
 
-    def flush(self, store: Store, host: str, source: str, engine: str) -> int:
+    def flush(self, store: Store, report: ImportReport, host: str, source: str, engine: str) -> int:
         n_rows = len(self)
         if not n_rows:
             return 0
         columns: dict[str, object] = dict(self.cols)
         columns.update(host=[host] * n_rows, source=[source] * n_rows, engine=[engine] * n_rows)
-        written = store.append_columns("scheduler_events", columns)
+        written = write_rows(store, report, "scheduler_events", columns)
         for values in self.cols.values():
             values.clear()
         return written
@@ -165,7 +144,7 @@ def ingest_log(
     batch_rows: int = 2 * ROW_GROUP_ROWS,
     chunk_bytes: int = CHUNK_BYTES,
     on_progress: Callable[[int], None] | None = None,
-) -> IngestStats:
+) -> ImportReport:
     """Parse a whole log file and append its events and configuration lines to ``store``.
 
     ``source`` names the log in the store (default: the file's path); ``year_until`` dates stamps
@@ -178,7 +157,8 @@ def ingest_log(
     """
     source = source or str(path)
     parser = LogParser(host=host, source=source, engine=engine, tz=tz, date=date, year_until=year_until)
-    stats = IngestStats(path=str(path), source=source)
+    stats = ImportReport(str(path), f"{engine} log", source=source,
+                         written={"scheduler_events": 0, "engine_configs": 0})
     events = _EventColumns()
     configs: list[EngineConfig] = []
     with open_log(path) as stream:
@@ -193,10 +173,9 @@ def ingest_log(
                 for line in chunk_lines(chunk):
                     _one_line(parser, line, events, configs)
                 if len(events) >= batch_rows:
-                    stats.events_written += events.flush(store, host, source, engine)
-    stats.events_written += events.flush(store, host, source, engine)
-    if configs:
-        stats.configs_written += store.append(configs)
+                    events.flush(store, stats, host, source, engine)
+    events.flush(store, stats, host, source, engine)
+    write_rows(store, stats, "engine_configs", configs)
     counts = parser.counts
     stats.lines = counts.lines
     stats.recognised = {k: counts.recognised.get(k, 0) for k in KINDS}
@@ -210,12 +189,13 @@ def _ingest_fast(
     chunks: Iterator[bytes],
     events: _EventColumns,
     configs: list[EngineConfig],
-    stats: IngestStats,
+    stats: ImportReport,
     batch_rows: int,
 ) -> None:
     """Scan chunks in worker threads while one writer thread appends the previous batch, so
     parsing and the database's work overlap; one append in flight at a time keeps the order.
-    Fast rows are appended in whole row groups (the rest waits for the next batch)."""
+    Fast rows are appended in whole row groups (the rest waits for the next batch); the writer
+    thread counts them into ``stats`` (one job at a time, so no count is written twice at once)."""
     pending: list[dict[str, pa.Array]] = []
     pending_rows = 0
     quantum = ROW_GROUP_ROWS
@@ -225,7 +205,7 @@ def _ingest_fast(
         def write(job: Callable[[], int]) -> None:
             nonlocal in_flight
             if in_flight is not None:
-                stats.events_written += in_flight.result()
+                in_flight.result()
             in_flight = writer.submit(job)
 
         for chunk_result in _scan_in_threads(chunks, parser.clock):
@@ -234,17 +214,17 @@ def _ingest_fast(
             if pending_rows >= max(batch_rows, quantum):
                 n_write = pending_rows - pending_rows % quantum
                 head, tail = _split_rows(pending, n_write)
-                write(partial(_flush_fast, store, head, parser))
+                write(partial(_flush_fast, store, stats, head, parser))
                 pending = [tail] if pending_rows > n_write else []
                 pending_rows -= n_write
             if len(events) >= batch_rows:
-                write(partial(events.flush, store, parser.host, parser.source, parser.engine))
+                write(partial(events.flush, store, stats, parser.host, parser.source, parser.engine))
                 if in_flight is not None:  # the per-line rows' buffer is reused: wait for it
-                    stats.events_written += in_flight.result()
+                    in_flight.result()
                     in_flight = None
-        write(partial(_flush_fast, store, list(pending), parser))
+        write(partial(_flush_fast, store, stats, list(pending), parser))
         if in_flight is not None:
-            stats.events_written += in_flight.result()
+            in_flight.result()
 
 
 def _scan_in_threads(chunks: Iterator[bytes], clock: LogClock) -> Iterator[fastpath.ChunkResult]:
@@ -287,7 +267,8 @@ def _split_rows(pending: list[dict[str, pa.Array]], n_rows: int) -> tuple[list[d
     return head, tail
 
 
-def _flush_fast(store: Store, pending: list[dict[str, pa.Array]], parser: LogParser) -> int:
+def _flush_fast(store: Store, report: ImportReport, pending: list[dict[str, pa.Array]],
+                parser: LogParser) -> int:
     """Append queued fast-path rows as one batch (DuckDB writes big batches far faster)."""
     if not pending:
         return 0
@@ -296,7 +277,7 @@ def _flush_fast(store: Store, pending: list[dict[str, pa.Array]], parser: LogPar
     columns: dict[str, object] = {
         name: chunks.combine_chunks() for name, chunks in fastpath.join_chunks(pending).items()}
     columns.update(host=parser.host, source=parser.source, engine=parser.engine)
-    return store.append_columns("scheduler_events", columns)
+    return write_rows(store, report, "scheduler_events", columns)
 
 
 def _take_chunk(
@@ -304,7 +285,7 @@ def _take_chunk(
     result: fastpath.ChunkResult,
     events: _EventColumns,
     configs: list[EngineConfig],
-    stats: IngestStats,
+    stats: ImportReport,
     pending: list[dict[str, pa.Array]],
 ) -> None:
     """Queue a scanned chunk's fast rows, parse its leftovers, and count everything."""

@@ -11,7 +11,7 @@ import contextlib
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ import numpy as np
 
 from gputrace.agent.metrics import DCGM_GAUGES, GPU_GAUGES
 from gputrace.errors import SourceError, UsageError
+from gputrace.imports.report import ImportReport, write_rows
 from gputrace.model import DeviceInfo, EngineConfig, Marker
 from gputrace.prometheus.client import MAX_POINTS_PER_SERIES, PrometheusClient, Series, chunk_windows
 from gputrace.store import Store
@@ -97,23 +98,6 @@ class Matcher:
 
     def __str__(self) -> str:
         return f"{self.label}{self.op}{self.quoted}"
-
-
-@dataclass
-class ImportSummary:
-    """What one import read and wrote."""
-
-    gpus: int = 0
-    ranks: int = 0
-    gpu_samples: int = 0
-    scheduler_events: int = 0
-    markers: int = 0
-    load_samples: int = 0
-    queries: int = 0
-    windows: int = 0
-    runs: list[str] = field(default_factory=list)
-    found: list[str] = field(default_factory=list)  # metric names with series in the range
-    lacking: list[str] = field(default_factory=list)  # SERIES_ROLES none of whose series was there
 
 
 # -- command-line values ----------------------------------------------------------------------
@@ -210,7 +194,7 @@ def _int_label(labels: dict[str, str], name: str) -> int | None:
 
 def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, end_ms: int, step_ms: int,
                       matchers: Sequence[Matcher] = (), engine_config: dict[str, int] | None = None,
-                      max_points: int = MAX_POINTS_PER_SERIES, name: str | None = None) -> ImportSummary:
+                      max_points: int = MAX_POINTS_PER_SERIES, name: str | None = None) -> ImportReport:
     """Query [start, end] at ``step_ms`` and write a new run store at ``out``."""
     windows = chunk_windows(start_ms, end_ms, step_ms, max_points)
     n = (end_ms - start_ms) // step_ms + 1
@@ -218,7 +202,7 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
         raise UsageError(f"the range holds {n:,} steps of {step_ms} ms (at most {MAX_STEPS:,}): "
                          "use a larger --step or a shorter range")
     grid_ns = (start_ms + step_ms * np.arange(n, dtype=np.int64)) * 1_000_000
-    summary = ImportSummary(windows=len(windows))
+    summary = ImportReport(client.base_url, "prometheus", windows=len(windows))
 
     def fetch(names: Sequence[str], labels: frozenset[str]) -> list[Series]:
         # One metric per query: a window then holds (GPUs x 11,000) points, not (GPUs x metrics x
@@ -302,23 +286,22 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
     engine = next(iter(engines)) if len(engines) == 1 else "unknown"
     with Store.create(out, name=name or f"prometheus-{start_ms // 1000}", topology=topology,
                       extra=extra) as store:
-        summary.gpus, summary.gpu_samples = len(gpus), _write_gpus(store, gpus, grid_ns)
-        summary.ranks = len(ranks)
-        summary.scheduler_events = _write_engine(store, ranks, grid_ns, step_ms, client.base_url, engine)
-        store.append(list(devices.values()))
+        summary.gpus, summary.ranks = len(gpus), len(ranks)
+        _write_gpus(store, summary, gpus, grid_ns)
+        _write_engine(store, summary, ranks, grid_ns, step_ms, client.base_url, engine)
+        write_rows(store, summary, "devices", list(devices.values()))
         load_source = "prometheus " + INFLIGHT_METRIC
         if np.isnan(inflight).all() and engine in ("sglang", "vllm"):
             inflight, load_source = engine_load(ranks, n), ENGINE_LOAD_SOURCE
-        summary.load_samples = _write_load(store, inflight, target, grid_ns, step_ms, load_source)
-        markers = target_markers(target, grid_ns)
-        store.append(markers)
-        summary.markers = len(markers)
+        _write_load(store, summary, inflight, target, grid_ns, step_ms, load_source)
+        write_rows(store, summary, "markers", target_markers(target, grid_ns))
         if engine_config:
             host = next(iter(sorted(ranks)), ("",))[0] or next(iter(sorted(gpus)), ("prometheus",))[0]
-            store.append([EngineConfig(host, "command line", engine, 0, pp_size=pp_size or None,
-                                       tp_size=tp_size or None, dp_size=dp_size,
-                                       max_running_requests=engine_config.get("max_running_requests"),
-                                       pp_max_micro_batch_size=engine_config.get("pp_max_micro_batch_size"))])
+            config = EngineConfig(host, "command line", engine, 0, pp_size=pp_size or None,
+                                  tp_size=tp_size or None, dp_size=dp_size,
+                                  max_running_requests=engine_config.get("max_running_requests"),
+                                  pp_max_micro_batch_size=engine_config.get("pp_max_micro_batch_size"))
+            write_rows(store, summary, "engine_configs", [config])
     return summary
 
 
@@ -328,7 +311,8 @@ def _int_column(v: np.ndarray) -> np.ma.MaskedArray[Any, Any]:
     return np.ma.MaskedArray(np.rint(np.where(nan, 0, v)).astype(np.int64), mask=nan)
 
 
-def _write_gpus(store: Store, gpus: dict[tuple[str, int], dict[str, np.ndarray]], grid_ns: np.ndarray) -> int:
+def _write_gpus(store: Store, report: ImportReport, gpus: dict[tuple[str, int], dict[str, np.ndarray]],
+                grid_ns: np.ndarray) -> int:
     total = 0
     for (host, gpu), fields in sorted(gpus.items()):
         values = {a: v for a, v in fields.items() if a != "lost"}
@@ -344,7 +328,7 @@ def _write_gpus(store: Store, gpus: dict[tuple[str, int], dict[str, np.ndarray]]
                 cols[attr] = _int_column(v[present])
         if "lost" in fields:
             cols["lost"] = np.nan_to_num(fields["lost"][present]) > 0.5
-        total += store.append_columns("gpu_samples", cols)
+        total += write_rows(store, report, "gpu_samples", cols)
     return total
 
 
@@ -357,7 +341,8 @@ def gpu_host(labels: dict[str, str]) -> str:
     return labels.get("instance", "").rsplit(":", 1)[0]
 
 
-def _write_engine(store: Store, ranks: dict[tuple[str, int, int, int], dict[str, np.ndarray]],
+def _write_engine(store: Store, report: ImportReport,
+                  ranks: dict[tuple[str, int, int, int], dict[str, np.ndarray]],
                   grid_ns: np.ndarray, step_ms: int, url: str, engine: str = "unknown") -> int:
     total = 0
     for (host, pp, tp, dp), fields in sorted(ranks.items()):
@@ -381,7 +366,7 @@ def _write_engine(store: Store, ranks: dict[tuple[str, int, int, int], dict[str,
             cols[attr] = v[present]
             if attr in ("running_req", "queue_req"):
                 cols[attr] = _int_column(v[present])
-        total += store.append_columns("scheduler_events", cols)
+        total += write_rows(store, report, "scheduler_events", cols)
     return total
 
 
@@ -403,14 +388,14 @@ def engine_load(ranks: dict[tuple[str, int, int, int], dict[str, np.ndarray]], n
     return total
 
 
-def _write_load(store: Store, inflight: np.ndarray, target: np.ndarray, grid_ns: np.ndarray,
-                step_ms: int, source: str = "prometheus " + INFLIGHT_METRIC) -> int:
+def _write_load(store: Store, report: ImportReport, inflight: np.ndarray, target: np.ndarray,
+                grid_ns: np.ndarray, step_ms: int, source: str = "prometheus " + INFLIGHT_METRIC) -> int:
     """The client's in-flight gauge as load samples: the value at step t was scraped in
     (t - step, t], so it is placed mid-step like the engine's lines."""
     present = ~np.isnan(inflight)
     if not present.any():
         return 0
-    return store.append_columns("load_samples", {
+    return write_rows(store, report, "load_samples", {
         "source": source, "ts_ns": grid_ns[present] - step_ms * 500_000,
         "inflight_requests": inflight[present], "target_concurrency": _int_column(target[present])})
 

@@ -1,9 +1,9 @@
 """Importers of per-request records that other benchmark tools wrote: AIPerf ``profile_export.jsonl``,
 guidellm's JSON benchmarks report, and gputrace's own requests JSONL, into a run store.
 
-Each ``parse_*`` is a pure function (path -> records and a count of bad rows); each ``import_*``
-writes what it parsed into a Store. Bad rows are counted and reported, never fatal; a file of the
-wrong kind is one ConfigError line.
+Each ``parse_*`` is a pure function (path -> an ImportReport holding the records and the bad rows);
+each ``import_*`` writes what it parsed into a Store. Bad rows are counted and reported, never
+fatal; a file of the wrong kind is one ConfigError line.
 """
 
 from __future__ import annotations
@@ -13,90 +13,15 @@ import json
 import os
 import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from gputrace.errors import ConfigError
-from gputrace.load.jsonl import record_from_obj
-from gputrace.logsetup import get_logger
-from gputrace.model import GpuSample, Marker, RequestRecord
+from gputrace.imports.jsonl import record_from_obj
+from gputrace.imports.report import ImportReport, read_text, write_parsed
+from gputrace.model import Marker, RequestRecord
 from gputrace.store import Store
 
-log = get_logger("import")
-
-Record = RequestRecord | Marker | GpuSample
-_MAX_PROBLEMS = 5
 _C_LABEL = re.compile(r"^C=(\d+)$")
-
-
-@dataclass(slots=True)
-class Parsed:
-    """What a parser found: the records, and the rows it had to skip (with the first few reasons)."""
-
-    records: list[Record] = field(default_factory=list)
-    bad: int = 0
-    problems: list[str] = field(default_factory=list)
-
-    def skip(self, where: str, why: str) -> None:
-        self.bad += 1
-        if len(self.problems) < _MAX_PROBLEMS:
-            self.problems.append(f"{where}: {why}")
-
-
-@dataclass(frozen=True, slots=True)
-class ImportResult:
-    """One imported file: rows written per table and rows skipped."""
-
-    path: str
-    kind: str
-    written: dict[str, int]
-    bad: int
-    problems: tuple[str, ...]
-
-    def summary(self) -> str:
-        parts = [f"{n} {table}" for table, n in self.written.items() if n]
-        line = f"{self.path} ({self.kind}): " + (", ".join(parts) or "nothing") + " imported"
-        if self.bad:
-            line += f"; {self.bad} bad rows skipped (first: {self.problems[0]})"
-        return line
-
-
-def write_parsed(store: Store, path: str | os.PathLike[str], kind: str, parsed: Parsed) -> ImportResult:
-    """Append parsed records to the store, one committed batch per record type."""
-    by_type: dict[type, list[Record]] = {}
-    for record in parsed.records:
-        by_type.setdefault(type(record), []).append(record)
-    written = {"requests": 0, "markers": 0, "gpu_samples": 0}
-    names = {RequestRecord: "requests", Marker: "markers", GpuSample: "gpu_samples"}
-    for record_type, records in by_type.items():
-        # a row whose value no column can hold (an integer past int64, a lone surrogate) is one
-        # bad row: it cost the whole file before
-        n, rejected = store.append_valid(records)
-        written[names[record_type]] += n
-        for record, reason in rejected:
-            parsed.skip(f"{names[record_type]} {_where(record)}", f"cannot be stored: {reason}")
-    result = ImportResult(str(path), kind, written, parsed.bad, tuple(parsed.problems))
-    if parsed.bad:
-        log.warning("bad rows skipped", file=str(path), kind=kind, bad=parsed.bad, first=parsed.problems[0])
-    return result
-
-
-def _where(record: Record) -> str:
-    """A short name for a record in a message (its request id, label or GPU)."""
-    if isinstance(record, RequestRecord):
-        return f"request {record.request_id!a}"
-    if isinstance(record, Marker):
-        return f"marker {record.label!a}"
-    return f"GPU {record.gpu_index!a}"
-
-
-def _read_text(path: str | os.PathLike[str]) -> str:
-    p = Path(path)
-    try:
-        return p.read_text(encoding="utf-8", errors="replace")
-    except OSError as exc:
-        raise ConfigError(f"{p}: cannot read: {exc.strerror}") from exc
 
 
 def _json_lines(text: str) -> Iterator[tuple[int, Any | None]]:
@@ -157,12 +82,12 @@ def _aiperf_metric(metrics: dict[str, Any], *names: str) -> int | None:
     return None
 
 
-def parse_aiperf(path: str | os.PathLike[str], host: str, phase: str | None = None) -> Parsed:
+def parse_aiperf(path: str | os.PathLike[str], host: str, phase: str | None = None) -> ImportReport:
     """AIPerf's per-request ``profile_export.jsonl`` (one MetricRecordInfo per line: ``metadata``
     with request_start_ns/request_end_ns, ``metrics`` with units, ``error``). ``phase`` (e.g.
     "C=32") labels the run, which AIPerf runs at one concurrency, and adds its markers."""
-    text = _read_text(path)
-    out = Parsed()
+    text = read_text(path)
+    out = ImportReport(str(path), "aiperf")
     requests: list[RequestRecord] = []
     lines = 0
     for no, obj in _json_lines(text):
@@ -223,8 +148,8 @@ def parse_aiperf(path: str | os.PathLike[str], host: str, phase: str | None = No
 
 def import_aiperf(
     store: Store, path: str | os.PathLike[str], host: str, phase: str | None = None
-) -> ImportResult:
-    return write_parsed(store, path, "aiperf", parse_aiperf(path, host, phase))
+) -> ImportReport:
+    return write_parsed(store, parse_aiperf(path, host, phase))
 
 
 # -- guidellm -------------------------------------------------------------------------------------
@@ -296,11 +221,11 @@ def _guidellm_request(
     )
 
 
-def parse_guidellm(path: str | os.PathLike[str], host: str) -> Parsed:
+def parse_guidellm(path: str | os.PathLike[str], host: str) -> ImportReport:
     """guidellm's benchmarks report (``benchmarks.json``: GenerativeBenchmarksReport): each benchmark
     of the sweep becomes a phase ("C=8" for a concurrent strategy), with its successful,
     incomplete and errored requests."""
-    text = _read_text(path)
+    text = read_text(path)
     try:
         report = json.loads(text)
     except (ValueError, RecursionError):  # RecursionError: nested deeper than any report
@@ -310,7 +235,7 @@ def parse_guidellm(path: str | os.PathLike[str], host: str) -> Parsed:
     benchmarks = report.get("benchmarks") if isinstance(report, dict) else None
     if not isinstance(benchmarks, list):
         raise ConfigError(f"{path}: not a guidellm benchmarks report (no top-level 'benchmarks' list)")
-    out = Parsed()
+    out = ImportReport(str(path), "guidellm")
     markers: list[Marker] = []
     last_end: int | None = None
     for bi, bench in enumerate(benchmarks):
@@ -341,18 +266,18 @@ def parse_guidellm(path: str | os.PathLike[str], host: str) -> Parsed:
     return out
 
 
-def import_guidellm(store: Store, path: str | os.PathLike[str], host: str) -> ImportResult:
-    return write_parsed(store, path, "guidellm", parse_guidellm(path, host))
+def import_guidellm(store: Store, path: str | os.PathLike[str], host: str) -> ImportReport:
+    return write_parsed(store, parse_guidellm(path, host))
 
 
 # -- gputrace's own JSONL -------------------------------------------------------------------------
 
 
-def parse_requests_jsonl(path: str | os.PathLike[str], host: str | None = None) -> Parsed:
+def parse_requests_jsonl(path: str | os.PathLike[str], host: str | None = None) -> ImportReport:
     """``gputrace load --out`` files: request and marker lines (``host`` replaces theirs if given)."""
-    out = Parsed()
+    out = ImportReport(str(path), "gputrace-jsonl")
     lines = 0
-    for no, obj in _json_lines(_read_text(path)):
+    for no, obj in _json_lines(read_text(path)):
         lines += 1
         record = record_from_obj(obj)
         if record is None:
@@ -370,5 +295,5 @@ def parse_requests_jsonl(path: str | os.PathLike[str], host: str | None = None) 
 
 def import_requests_jsonl(
     store: Store, path: str | os.PathLike[str], host: str | None = None
-) -> ImportResult:
-    return write_parsed(store, path, "gputrace-jsonl", parse_requests_jsonl(path, host))
+) -> ImportReport:
+    return write_parsed(store, parse_requests_jsonl(path, host))

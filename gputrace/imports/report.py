@@ -1,0 +1,140 @@
+"""What every importer returns (one ImportReport) and the one way it writes into the store
+(``write_rows``): rows written are counted per table, a row no column can hold is a bad row."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gputrace.errors import ConfigError
+from gputrace.logsetup import get_logger
+from gputrace.model import RECORD_TABLES, GpuSample, Marker, RequestRecord
+from gputrace.store import Store
+
+log = get_logger("import")
+
+Record = RequestRecord | Marker | GpuSample
+"""What the file importers parse into records (engine logs and Prometheus go in as columns)."""
+MAX_PROBLEMS = 5
+
+
+@dataclass
+class ImportReport:
+    """One import: what it read, what it wrote per table, what it skipped and why (the first few).
+
+    A parser fills ``records``; ``write_parsed`` moves them into the store. An engine log also counts
+    its lines; a Prometheus import its queries, windows, GPUs, ranks and the series it found.
+    """
+
+    path: str  # the file, or the Prometheus URL
+    kind: str  # "aiperf", "nvidia-smi-csv", "sglang log", "prometheus", ...
+    written: dict[str, int] = field(default_factory=dict)  # table -> rows
+    bad: int = 0
+    problems: list[str] = field(default_factory=list)
+    records: list[Record] = field(default_factory=list)  # parsed, not yet in the store
+    # -- engine logs
+    source: str = ""  # the log's name in the store
+    lines: int = 0
+    recognised: dict[str, int] = field(default_factory=dict)  # per line kind
+    unrecognised: int = 0
+    fast_path_lines: int = 0
+    # -- Prometheus
+    gpus: int = 0
+    ranks: int = 0
+    queries: int = 0
+    windows: int = 0
+    runs: list[str] = field(default_factory=list)
+    found: list[str] = field(default_factory=list)  # metric names with series in the range
+    lacking: list[str] = field(default_factory=list)  # diagnosis inputs none of whose series was there
+
+    def skip(self, where: str, why: str) -> None:
+        self.bad += 1
+        if len(self.problems) < MAX_PROBLEMS:
+            self.problems.append(f"{where}: {why}")
+
+    def count(self, table: str) -> int:
+        return self.written.get(table, 0)
+
+    @property
+    def events_written(self) -> int:
+        return self.count("scheduler_events")
+
+    @property
+    def configs_written(self) -> int:
+        return self.count("engine_configs")
+
+    def as_dict(self) -> dict[str, object]:
+        """An engine log's counts, as `gputrace import` and the fast path's equivalence test see them."""
+        return {
+            "path": self.path, "source": self.source, "lines": self.lines,
+            "recognised": dict(self.recognised), "unrecognised": self.unrecognised,
+            "events_written": self.events_written, "configs_written": self.configs_written,
+        }
+
+    def summary(self) -> str:
+        """The line `gputrace import` prints for this file."""
+        if self.kind.endswith(" log"):
+            recognised = ", ".join(f"{k} {v}" for k, v in self.recognised.items() if v)
+            return (f"{self.kind} {self.path}: {self.lines} lines, recognised {recognised or 'none'}, "
+                    f"unrecognised {self.unrecognised}; {self.events_written} events, "
+                    f"{self.configs_written} configuration records")
+        parts = [f"{n} {table}" for table, n in self.written.items() if n]
+        line = f"{self.path} ({self.kind}): " + (", ".join(parts) or "nothing") + " imported"
+        if self.bad:
+            line += f"; {self.bad} bad rows skipped (first: {self.problems[0]})"
+        return line
+
+
+def write_rows(store: Store, report: ImportReport, table: str,
+               rows: Sequence[Any] | Mapping[str, Any]) -> int:
+    """Append rows to ``table`` as one committed batch and count them in ``report``: records of the
+    table's type (a record no column can hold is one bad row, not the whole file's loss) or columns
+    (numpy, Arrow or lists, as ``Store.append_columns`` takes them). Returns the rows written."""
+    if isinstance(rows, Mapping):
+        n = store.append_columns(table, rows)
+    elif not rows:
+        n = 0
+    else:
+        n, rejected = store.append_valid(rows)
+        for record, reason in rejected:
+            report.skip(f"{table} {_where(record)}", f"cannot be stored: {reason}")
+    report.written[table] = report.written.get(table, 0) + n
+    return n
+
+
+def write_parsed(store: Store, report: ImportReport) -> ImportReport:
+    """Move a parser's records into the store, one batch per record type; returns ``report``."""
+    for table in ("requests", "markers", "gpu_samples"):  # what a file can fill, in the summary's order
+        report.written.setdefault(table, 0)
+    by_table: dict[str, list[Record]] = {}
+    for record in report.records:
+        by_table.setdefault(RECORD_TABLES[type(record)], []).append(record)
+    report.records = []
+    for table, records in by_table.items():
+        write_rows(store, report, table, records)
+    if report.bad:
+        log.warning("bad rows skipped", file=report.path, kind=report.kind, bad=report.bad,
+                    first=report.problems[0])
+    return report
+
+
+def _where(record: Any) -> str:
+    """A short name for a record in a message (its request id, label or GPU)."""
+    if isinstance(record, RequestRecord):
+        return f"request {record.request_id!a}"
+    if isinstance(record, Marker):
+        return f"marker {record.label!a}"
+    gpu = getattr(record, "gpu_index", None)
+    return f"GPU {gpu!a}" if gpu is not None else type(record).__name__
+
+
+def read_text(path: str | os.PathLike[str]) -> str:
+    """An input file as text (undecodable bytes replaced); ConfigError when it cannot be read."""
+    p = Path(path)
+    try:
+        return p.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read: {exc.strerror}") from exc

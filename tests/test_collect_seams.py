@@ -1,0 +1,222 @@
+"""The collector's seams, in process on real loopback servers and real files: an injected transport
+factory, an explicit drain, the built-in load attached through a method, and one bearer-auth rule
+shared with the agent (the HTTP server side lives in gputrace.httpserver)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from gputrace.agent.server import Agent, AgentSettings
+from gputrace.collect import CollectOptions, Collector
+from gputrace.config import Config, HostConfig, parse_config
+from gputrace.gpu.simulated import SimulatedSampler
+from gputrace.remote.local import LocalTransport
+from gputrace.remote.transport import Transport
+from gputrace.store import Store
+
+QUICK = {"agent_poll_s": 0.02, "flush_s": 0.05, "probe_interval_s": 3600.0, "ready_timeout_s": 10.0}
+
+
+def decode_lines(start: int, n: int) -> str:
+    ts = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S")
+    return "".join(f"[{ts} PP0] Decode batch, #running-req: 8, #token: {i}, token usage: 0.05, "
+                   f"cuda graph: True, gen throughput (token/s): 250.00, #queue-req: 0\n"
+                   for i in range(start, start + n))
+
+
+def config(tmp_path: Path, logs: dict[str, Path], agent_url: str | None = None) -> Config:
+    text = ""
+    for name, log in logs.items():
+        agent = f'agent = "{agent_url}"\n' if agent_url else ""
+        text += (f'[[hosts]]\nname = "{name}"\n{agent}\n[hosts.log]\nkind = "file"\n'
+                 f'path = {json.dumps(str(log))}\nengine = "sglang"\n\n')
+    return parse_config(text, tmp_path / "gputrace.toml")
+
+
+Start = Callable[..., Awaitable[Collector]]
+
+
+@pytest.fixture
+async def start_collector(tmp_path: Path) -> AsyncIterator[Start]:
+    """Starts collectors into fresh stores under tmp_path; stops them after the test."""
+    started: list[Collector] = []
+
+    async def start(cfg: Config, **kw: Any) -> Collector:
+        store = Store.create(tmp_path / f"run{len(started)}")
+        options = CollectOptions(**{"listen": None, **QUICK, **kw.pop("options", {})})
+        collector = Collector(cfg, store, options, **kw)
+        started.append(collector)
+        await collector.start()
+        return collector
+
+    yield start
+    for collector in started:
+        await collector.stop()
+        collector.store.close()
+
+
+async def test_the_collector_reaches_hosts_through_the_injected_factory(
+        tmp_path: Path, start_collector: Start) -> None:
+    """Every configured host is reached through the factory given, and its log read through it."""
+    logs = {"n0": tmp_path / "n0.log", "n1": tmp_path / "n1.log"}
+    for i, log in enumerate(logs.values()):
+        log.write_text(decode_lines(100 * i, 5))
+    asked: list[str] = []
+
+    async def connect(host: HostConfig) -> Transport:
+        asked.append(host.name)
+        return LocalTransport(host.name)
+
+    collector = await start_collector(config(tmp_path, logs), connect=connect)
+    assert await collector.drain()
+    assert asked == ["n0", "n1"]
+    rows = collector.store.sql("SELECT host, count(*) FROM scheduler_events GROUP BY host ORDER BY host")
+    assert rows == [("n0", 5), ("n1", 5)]
+
+
+async def test_drain_returns_once_lines_written_before_it_are_stored(
+        tmp_path: Path, start_collector: Start) -> None:
+    """Lines appended just before drain() are in the store when it returns, without stop()."""
+    log = tmp_path / "n0.log"
+    log.write_text(decode_lines(0, 10))
+    collector = await start_collector(config(tmp_path, {"n0": log}))
+    with log.open("a") as fh:
+        fh.write(decode_lines(10, 2000))
+    assert await collector.drain(timeout_s=20.0)
+    assert collector.store.count("scheduler_events") == 2010
+
+
+async def test_drain_waits_for_the_agent_to_be_read_to_the_end(
+        tmp_path: Path, start_collector: Start) -> None:
+    """Every sample the agent held when drain() was called is in the store when it returns."""
+    agent = Agent(SimulatedSampler("n0", 4), AgentSettings(port=0, interval_s=0.01), host="n0")
+    await agent.start()
+    try:
+        log = tmp_path / "n0.log"
+        log.write_text(decode_lines(0, 3))
+        collector = await start_collector(config(tmp_path, {"n0": log}, f"http://127.0.0.1:{agent.port}"))
+        await asyncio.sleep(0.5)  # the agent samples 400 a second meanwhile
+        held = agent.ring.newest_seq
+        assert await collector.drain(timeout_s=20.0)
+        assert collector.store.count("gpu_samples") >= held > 0
+    finally:
+        await agent.stop()
+
+
+async def test_drain_gives_up_after_its_timeout_while_a_log_keeps_growing(
+        tmp_path: Path, start_collector: Start) -> None:
+    """A log written to without pause never falls quiet: drain() says so by its timeout."""
+    log = tmp_path / "n0.log"
+    log.write_text(decode_lines(0, 1))
+    collector = await start_collector(config(tmp_path, {"n0": log}))
+    stop = asyncio.Event()
+
+    async def keep_writing() -> None:
+        i = 1
+        while not stop.is_set():
+            with log.open("a") as fh:
+                fh.write(decode_lines(i, 1))
+            i += 1
+            await asyncio.sleep(0.05)
+
+    writer = asyncio.create_task(keep_writing())
+    started = time.monotonic()
+    try:
+        drained = await collector.drain(timeout_s=1.0)
+    finally:
+        stop.set()
+        await writer
+    assert drained is False
+    assert time.monotonic() - started < 5.0
+    assert collector.store.count("scheduler_events") > 1  # what arrived was written all the same
+
+
+class CountingLoad:
+    """A load whose requests in flight the test sets."""
+
+    inflight = 0
+
+
+async def test_an_attached_load_shows_its_requests_in_flight_live(
+        tmp_path: Path, start_collector: Start) -> None:
+    """attach_load wires the in-process load's in-flight count into /v1/status, read each time."""
+    log = tmp_path / "n0.log"
+    log.touch()
+    collector = await start_collector(config(tmp_path, {"n0": log}))
+    assert collector.status()["inflight"] is None
+    load = CountingLoad()
+    collector.attach_load(load)
+    load.inflight = 3
+    assert collector.status()["inflight"] == 3
+
+
+async def _answers(url: str, headers: dict[str, str]) -> tuple[int, str | None]:
+    async with aiohttp.ClientSession() as session, session.get(url, headers=headers) as resp:
+        await resp.read()
+        return resp.status, resp.headers.get("WWW-Authenticate")
+
+
+async def test_agent_and_collector_check_the_bearer_token_by_the_same_rules(
+        tmp_path: Path, start_collector: Start) -> None:
+    """Same token, same requests, same answers: 401 with a Bearer challenge without the exact
+    header (wrong token, no scheme), through with it, /healthz open on both."""
+    agent = Agent(SimulatedSampler("n0", 1), AgentSettings(port=0, token="s3cret"), host="n0")
+    await agent.start()
+    try:
+        log = tmp_path / "n0.log"
+        log.touch()
+        collector = await start_collector(config(tmp_path, {"n0": log}),
+                                          options={"listen": "127.0.0.1:0", "http_token": "s3cret"})
+        guarded = {"agent": f"http://127.0.0.1:{agent.port}/v1/info",
+                   "collector": f"{collector.url}/v1/status"}
+        seen: dict[str, list[tuple[int, bool]]] = {}
+        for server, url in guarded.items():
+            seen[server] = []
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
+                            {"Authorization": "Bearer s3cret"}):
+                status, challenge = await _answers(url, headers)
+                seen[server].append((status, bool(challenge and challenge.startswith("Bearer "))))
+            status, _ = await _answers(url.rsplit("/v1/", 1)[0] + "/healthz", {})
+            seen[server].append((401 if status == 401 else 200, False))  # 503 (stale) is open too
+        assert seen["agent"] == seen["collector"] == [(401, True)] * 3 + [(200, False), (200, False)]
+    finally:
+        await agent.stop()
+
+
+async def test_the_collector_healthz_without_the_token_says_only_whether(
+        tmp_path: Path, start_collector: Start) -> None:
+    """/healthz is open without the token, as the agent's is, and then carries no problem detail."""
+    collector = await start_collector(config(tmp_path, {"n0": tmp_path / "missing.log"}),
+                                      options={"listen": "127.0.0.1:0", "http_token": "s3cret",
+                                               "ready_timeout_s": 0.5})
+    async with aiohttp.ClientSession() as session:
+        for _ in range(100):  # the follower reports the missing file shortly after start
+            async with session.get(f"{collector.url}/healthz") as resp:
+                if resp.status == 503:
+                    assert await resp.json() == {"ok": False}
+                    break
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail("the missing log never showed in /healthz")
+        with_token = {"Authorization": "Bearer s3cret"}
+        async with session.get(f"{collector.url}/healthz", headers=with_token) as resp:
+            body = await resp.json()
+    assert resp.status == 503 and "missing.log" in json.dumps(body["problems"])
+
+
+def test_the_collector_does_not_import_the_agent_server() -> None:
+    """The collector takes listen parsing and auth from gputrace.httpserver, not the agent."""
+    code = "import sys, gputrace.collect; print('gputrace.agent.server' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
