@@ -27,11 +27,12 @@ import time
 
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
-from gputrace.agent.metrics import GPU_GAUGES, GpuCollector
+from gputrace.agent.metrics import GpuCollector
 from gputrace.agent.sampling import LoopStats, SampleRing, SamplingLoop
 from gputrace.agent.server import Agent, AgentSettings
 from gputrace.gpu.sampler import SampleRow
 from gputrace.gpu.simulated import SimulatedSampler
+from gputrace.metric_names import GPU_GAUGES
 from gputrace.model import DeviceInfo, GpuSample
 
 
@@ -158,7 +159,7 @@ def _plain_gauges(gpus: int, series_per_gpu: int, topology: bool) -> CollectorRe
     reg = CollectorRegistry()
     labels = ["host", "gpu", "uuid", "model"] + (["pp_rank", "tp_rank"] if topology else [])
     extra = max(0, series_per_gpu - len(GPU_GAUGES))
-    names = [name for name, *_ in GPU_GAUGES] + [f"extra_{i}" for i in range(extra)]
+    names = [m.name for m in GPU_GAUGES] + [f"extra_{i}" for i in range(extra)]
     for name in names[:series_per_gpu]:
         g = Gauge(name, "reference", labels, registry=reg)
         for i in range(gpus):

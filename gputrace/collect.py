@@ -20,8 +20,6 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry
-from prometheus_client.aiohttp import make_aiohttp_handler
 
 from gputrace.agent.client import AgentClient
 from gputrace.agent.server import is_loopback, parse_listen
@@ -29,6 +27,7 @@ from gputrace.config import Config, HostConfig
 from gputrace.engines import LogParser
 from gputrace.engines.metrics_source import MetricsEndpoint, ScrapeStats, follow_metrics
 from gputrace.errors import GputraceError, SourceError, StoreWriteError, UsageError
+from gputrace.exposition import metrics_handler
 from gputrace.httpserver import HttpLimits, HttpListener
 from gputrace.live import LiveCollector, LiveState
 from gputrace.logsetup import get_logger
@@ -353,10 +352,8 @@ class Collector:
         if not is_loopback(host) and not self.options.http_token:
             log.warning("collector endpoints open to the network without authentication (--insecure): "
                         "anyone who reaches the port can post marks", listen=listen)
-        registry = CollectorRegistry(auto_describe=True)
-        registry.register(LiveCollector(self.live))
         app = web.Application(middlewares=[self._auth] if self.options.http_token else [])
-        app.router.add_get("/metrics", make_aiohttp_handler(registry))
+        app.router.add_get("/metrics", metrics_handler(LiveCollector(self.live), auto_describe=True))
         app.router.add_post("/v1/mark", self._mark)
         app.router.add_get("/v1/status", self._status)
         app.router.add_get("/healthz", self._healthz)

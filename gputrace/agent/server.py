@@ -19,13 +19,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry
-from prometheus_client.aiohttp import make_aiohttp_handler
 
 from gputrace import __version__
 from gputrace.agent.metrics import GpuCollector
 from gputrace.agent.sampling import CursorTooOld, SampleRing, SamplingLoop
 from gputrace.errors import UsageError
+from gputrace.exposition import metrics_handler
 from gputrace.gpu.sampler import ROW_FIELDS, Sampler, SampleRow, sample_row
 from gputrace.httpserver import HttpLimits, HttpListener
 from gputrace.logsetup import get_logger
@@ -141,9 +140,8 @@ class Agent:
                         kept_s=round(self.ring.max_samples / per_s))
         self.loop = SamplingLoop(sampler, self.ring, settings.interval_s)
         self.devices = sampler.devices()
-        self.registry = CollectorRegistry()
-        self.registry.register(GpuCollector(self.loop.stats, self.ring, self.devices, host,
-                                            settings.placements, settings.dcgm_compat))
+        self._metrics = metrics_handler(GpuCollector(self.loop.stats, self.ring, self.devices, host,
+                                                     settings.placements, settings.dcgm_compat))
         self.app = self._make_app()
         self._listener = HttpListener(self.app, "agent", settings.http_limits)
         self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gputrace-encode")
@@ -152,7 +150,7 @@ class Agent:
     def _make_app(self) -> web.Application:
         middlewares = [_auth_middleware(self.settings.token)] if self.settings.token else []
         app = web.Application(middlewares=middlewares)
-        app.router.add_get("/metrics", make_aiohttp_handler(self.registry))
+        app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/samples", self._samples)
         app.router.add_get("/v1/time", self._time)
         app.router.add_get("/v1/info", self._info)

@@ -21,10 +21,9 @@ from typing import Any
 
 import numpy as np
 from aiohttp import web
-from prometheus_client import CollectorRegistry
-from prometheus_client.aiohttp import make_aiohttp_handler
 
 from gputrace.errors import SourceError
+from gputrace.exposition import metrics_handler
 from gputrace.logsetup import get_logger
 from gputrace.sim.engine import EngineTrace, PipelineEngine, SimRequest
 from gputrace.sim.logfmt import LinePrefix, decode_message, prefill_message, startup_lines
@@ -335,10 +334,9 @@ def build_app(sim: RealtimeSim) -> web.Application:
         await resp.write_eof()
         return resp
 
-    registry = CollectorRegistry(auto_describe=True)
-    registry.register(SnapshotCollector(sim.p, sim.metric_snapshot))
     app = web.Application()
-    app.router.add_get("/metrics", make_aiohttp_handler(registry))
+    app.router.add_get("/metrics", metrics_handler(SnapshotCollector(sim.p, sim.metric_snapshot),
+                                                    auto_describe=True))
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_post("/v1/chat/completions", completions)
