@@ -34,6 +34,7 @@ from gputrace.gpu.sampler import SampleRow
 from gputrace.gpu.simulated import SimulatedSampler
 from gputrace.metric_names import GPU_GAUGES
 from gputrace.model import DeviceInfo, GpuSample
+from gputrace.topology import single_node_placements
 
 
 class NullSampler:
@@ -149,7 +150,7 @@ def _collector_for(gpus: int, dcgm: bool, topology: bool) -> tuple[CollectorRegi
     loop.stats = stats
     loop.tick()
     reg = CollectorRegistry()
-    placements = {g: (g, 0) for g in range(gpus)} if topology else None
+    placements = single_node_placements("bench", gpus) if topology else None
     reg.register(GpuCollector(stats, ring, sampler.devices(), "bench", placements, dcgm_compat=dcgm))
     series = sum(len(m.samples) for m in reg.collect())
     return reg, series

@@ -39,7 +39,7 @@ from gputrace.remote.ssh import HostKeyPolicy
 from gputrace.remote.transport import Transport
 from gputrace.store import REJECTS_FILE, BatchingWriter, Store
 from gputrace.token_file import read_token
-from gputrace.topology import placements_from_config, topology_to_meta
+from gputrace.topology import topology_to_meta
 
 log = get_logger("collect")
 MAX_CONCURRENCY = 1 << 31  # a phase's target: far above any real load, well inside int64
@@ -79,7 +79,7 @@ class Collector:
         self.cfg = cfg
         self.store = store
         self.options = options or CollectOptions()
-        self.placements = placements_from_config(cfg)
+        self.placements = cfg.placements()
         self.live = LiveState(store.meta.name, self.placements)
         self.writer = BatchingWriter(store, flush_s=self.options.flush_s, on_reject=self._rejected)
         self._hosts = [_HostTasks(h) for h in cfg.hosts]

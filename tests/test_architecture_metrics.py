@@ -15,7 +15,7 @@ from gputrace.gpu.simulated import SimulatedSampler
 from gputrace.live import LiveCollector, LiveState
 from gputrace.model import GpuSample, Marker, SchedulerEvent
 from gputrace.prometheus import source
-from gputrace.topology import Placement
+from gputrace.topology import Placement, single_node_placements
 
 # PromQL's lexical pieces, enough to tell metric names from functions, keywords and label names
 _TOKEN = re.compile(r"""
@@ -114,7 +114,7 @@ def test_the_agent_exports_exactly_the_contracts_agent_metrics() -> None:
     ring = SampleRing(60 * 10**9)
     loop = SamplingLoop(sampler, ring, 0.1)
     loop.tick()
-    collector = GpuCollector(loop.stats, ring, sampler.devices(), "node0", {0: (0, 0), 1: (1, 0)},
+    collector = GpuCollector(loop.stats, ring, sampler.devices(), "node0", single_node_placements("node0", 2),
                              dcgm_compat=True)
     exported = _exported(collector.collect())
     _check_against_contract(exported)

@@ -14,6 +14,7 @@ from gputrace.agent.sampling import LoopStats, SampleRing
 from gputrace.exposition import Collector, GaugeMetricFamily, Metric, Sample, family
 from gputrace.gpu.sampler import ROW_INDEX, SampleRow
 from gputrace.model import DeviceInfo
+from gputrace.topology import Placement
 
 _ENERGY, _LOST = ROW_INDEX["energy_j"], ROW_INDEX["lost"]
 
@@ -22,12 +23,12 @@ class GpuCollector(Collector):
     """Builds gputrace_* (and optionally DCGM_FI_*) families from the newest samples per GPU."""
 
     def __init__(self, stats: LoopStats, ring: SampleRing, devices: Sequence[DeviceInfo], host: str,
-                 placements: Mapping[int, tuple[int, int]] | None = None, dcgm_compat: bool = False) -> None:
+                 placements: Sequence[Placement] | None = None, dcgm_compat: bool = False) -> None:
         self.stats = stats
         self.ring = ring
         self.host = host
         self.dcgm_compat = dcgm_compat
-        self.placements = placements or {}
+        rank_of = {p.gpu_index: p for p in placements or ()}
         self.label_names = [n for n in mn.GPU_LABELS if placements or n not in mn.RANK_LABELS]
         self._labels: dict[int, list[str]] = {}
         self._dcgm_labels: dict[int, list[str]] = {}
@@ -36,8 +37,8 @@ class GpuCollector(Collector):
         for d in devices:
             labels = [host, str(d.gpu_index), d.uuid or "", d.name or ""]
             if placements:
-                pp_tp = self.placements.get(d.gpu_index)
-                labels += [str(pp_tp[0]), str(pp_tp[1])] if pp_tp else ["", ""]
+                placed = rank_of.get(d.gpu_index)
+                labels += [str(placed.pp_rank), str(placed.tp_rank)] if placed else ["", ""]
             self._labels[d.gpu_index] = labels
             self._dcgm_labels[d.gpu_index] = [str(d.gpu_index), d.uuid or "", d.pci_bus_id or "",
                                               f"nvidia{d.gpu_index}", d.name or "", host]

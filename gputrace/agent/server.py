@@ -14,7 +14,7 @@ import re
 import ssl
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
@@ -29,6 +29,7 @@ from gputrace.gpu.sampler import ROW_FIELDS, Sampler, SampleRow, sample_row
 from gputrace.httpserver import HttpLimits, HttpListener
 from gputrace.logsetup import get_logger
 from gputrace.model import GpuSample
+from gputrace.topology import Placement
 
 log = get_logger("agent.server")
 
@@ -51,7 +52,7 @@ class AgentSettings:
     tls_cert: str | None = None
     tls_key: str | None = None
     dcgm_compat: bool = False
-    placements: Mapping[int, tuple[int, int]] | None = None  # gpu index -> (pp_rank, tp_rank)
+    placements: Sequence[Placement] | None = None  # this host's GPUs' ranks (by gpu_index)
     http_limits: HttpLimits = field(default_factory=HttpLimits)
 
 
@@ -191,8 +192,8 @@ class Agent:
             "gputrace_version": __version__, **self.sampler.versions(),
             "interval_s": self.settings.interval_s, "buffer_s": self.settings.buffer_s,
             "devices": [asdict(d) for d in self.devices],
-            "placements": {str(g): {"pp_rank": p, "tp_rank": t}
-                           for g, (p, t) in (self.settings.placements or {}).items()},
+            "placements": {str(p.gpu_index): {"pp_rank": p.pp_rank, "tp_rank": p.tp_rank}
+                           for p in self.settings.placements or ()},
         }, headers=self._headers())
 
     async def _healthz(self, request: web.Request) -> web.Response:
