@@ -112,3 +112,12 @@ def test_a_library_is_imported_by_its_adapter_only(library: str) -> None:
             if any(n == library or n.startswith(library + ".") for n in names):
                 importers.add(module)
     assert importers == {"gputrace.exposition"}
+
+
+def test_no_module_borrows_another_modules_private_names() -> None:
+    """``from gputrace.x import _name`` nowhere in the package: what another module needs is public."""
+    borrowed = [f"{m}: {node.module}.{alias.name}" for m, p in MODULES.items()
+                for node in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gputrace")
+                for alias in node.names if alias.name.startswith("_") and not alias.name.startswith("__")]
+    assert borrowed == []

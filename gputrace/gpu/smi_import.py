@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gputrace.errors import ConfigError
-from gputrace.load.importers import ImportResult, Parsed, _read_text, write_parsed
+from gputrace.load.importers import ImportResult, Parsed, read_text_file, write_parsed
 from gputrace.model import GpuSample
 from gputrace.store import Store
 
@@ -125,7 +125,7 @@ def parse_query_csv(
     ``noheader`` output. ``timestamp`` must be among the fields; ``index`` (else ``pci.bus_id`` or
     ``uuid``, numbered in order of appearance) names the GPU.
     """
-    text = _read_text(path)
+    text = read_text_file(path)
     rows = [r for r in csv.reader(io.StringIO(text), skipinitialspace=True) if any(c.strip() for c in r)]
     if not rows:
         raise ConfigError(f"{path}: empty nvidia-smi CSV")
@@ -188,7 +188,7 @@ def parse_query_csv(
 def parse_dmon(path: str | os.PathLike[str], host: str, tz: dt.tzinfo = dt.UTC) -> Parsed:
     """``nvidia-smi dmon -o DT [-s ...]`` output: ``#Date Time gpu pwr ...`` header lines (repeated),
     a units line, then whitespace-separated rows; "-" is a metric the GPU does not report."""
-    text = _read_text(path)
+    text = read_text_file(path)
     out = Parsed()
     names: list[str] | None = None
     saw_header = False

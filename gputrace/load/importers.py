@@ -91,7 +91,8 @@ def _where(record: Record) -> str:
     return f"GPU {record.gpu_index!a}"
 
 
-def _read_text(path: str | os.PathLike[str]) -> str:
+def read_text_file(path: str | os.PathLike[str]) -> str:
+    """The file's text (undecodable bytes replaced); unreadable is a ConfigError naming the file."""
     p = Path(path)
     try:
         return p.read_text(encoding="utf-8", errors="replace")
@@ -161,7 +162,7 @@ def parse_aiperf(path: str | os.PathLike[str], host: str, phase: str | None = No
     """AIPerf's per-request ``profile_export.jsonl`` (one MetricRecordInfo per line: ``metadata``
     with request_start_ns/request_end_ns, ``metrics`` with units, ``error``). ``phase`` (e.g.
     "C=32") labels the run, which AIPerf runs at one concurrency, and adds its markers."""
-    text = _read_text(path)
+    text = read_text_file(path)
     out = Parsed()
     requests: list[RequestRecord] = []
     lines = 0
@@ -300,7 +301,7 @@ def parse_guidellm(path: str | os.PathLike[str], host: str) -> Parsed:
     """guidellm's benchmarks report (``benchmarks.json``: GenerativeBenchmarksReport): each benchmark
     of the sweep becomes a phase ("C=8" for a concurrent strategy), with its successful,
     incomplete and errored requests."""
-    text = _read_text(path)
+    text = read_text_file(path)
     try:
         report = json.loads(text)
     except (ValueError, RecursionError):  # RecursionError: nested deeper than any report
@@ -352,7 +353,7 @@ def parse_requests_jsonl(path: str | os.PathLike[str], host: str | None = None) 
     """``gputrace load --out`` files: request and marker lines (``host`` replaces theirs if given)."""
     out = Parsed()
     lines = 0
-    for no, obj in _json_lines(_read_text(path)):
+    for no, obj in _json_lines(read_text_file(path)):
         lines += 1
         record = record_from_obj(obj)
         if record is None:
