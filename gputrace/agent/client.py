@@ -91,8 +91,10 @@ class AgentClient:
     def __init__(self, base_url: str, *, token: str | None = None,
                  ssl_context: ssl.SSLContext | None = None, page_limit: int = 5000,
                  timeout_s: float = 10.0, since: int = 0,
-                 on_bad_line: Callable[[str], None] | None = None) -> None:
+                 on_bad_line: Callable[[str], None] | None = None,
+                 clock_ns: Callable[[], int] = time.time_ns) -> None:
         self.base_url = base_url.rstrip("/")
+        self.clock_ns = clock_ns  # the collector's clock, that probes are taken on
         self.on_bad_line = on_bad_line  # told why, for each line of a page that is not a sample
         self.page_limit = page_limit
         self.since = since  # the seq of the last sample received
@@ -204,9 +206,9 @@ class AgentClient:
 
     async def probe_clock(self, host: str | None = None) -> ClockProbe:
         """One NTP-style probe of the agent host's clock (keep the one with the smallest rtt)."""
-        send_ns = time.time_ns()
+        send_ns = self.clock_ns()
         status, _, body = await self._get("/v1/time")
-        recv_ns = time.time_ns()
+        recv_ns = self.clock_ns()
         if status != 200:
             raise SourceError(f"agent {self.base_url}: /v1/time answered {status}")
         row = json.loads(body)
