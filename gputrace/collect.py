@@ -131,7 +131,7 @@ class Collector:
             task.cancel()
         late = [name for name, e in self._ready.items() if not e.is_set()]
         if late:
-            log.warning("sources not ready yet; capturing anyway", sources=late,
+            log.warning("sources_not_ready", sources=late,
                         waited_s=self.options.ready_timeout_s)
 
     async def stop(self) -> None:
@@ -142,7 +142,7 @@ class Collector:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         if not self.writer.flush():
-            log.error("the store could not be written: records lost", rows=self.writer.backlog_rows,
+            log.error("store_records_lost", rows=self.writer.backlog_rows,
                       error=self.writer.write_error)
         for ht in self._hosts:
             if ht.agent is not None:
@@ -164,8 +164,8 @@ class Collector:
                 "source_problems": self._problems, "store_outages": outages,
                 "dropped_records": dict(writer.dropped), "stopped_ns": stopped_ns}})
         except StoreWriteError as exc:
-            log.error("meta.json not updated", error=str(exc))
-        log.info("collector stopped", run=str(self.store.path), **self.live.counts)
+            log.error("meta_not_updated", error=str(exc))
+        log.info("collector_stopped", run=str(self.store.path), **self.live.counts)
 
     async def run_until(self, stop: asyncio.Event) -> None:
         await self.start()
@@ -183,11 +183,11 @@ class Collector:
             except GputraceError as exc:
                 self._failures.append(f"{name}: {exc}")
                 self._source_problem(name, f"stopped: {exc}")
-                log.error("source failed", source=name, error=str(exc))
+                log.error("source_failed", source=name, error=str(exc))
             except Exception as exc:  # a bug in one source must not stop the others
                 self._failures.append(f"{name}: {type(exc).__name__}: {exc}")
                 self._source_problem(name, f"stopped: {type(exc).__name__}: {exc}")
-                log.exception("source crashed", source=name)
+                log.exception("source_crashed", source=name)
         return asyncio.create_task(guarded(), name=name)
 
     # -- transports -----------------------------------------------------------------------------
@@ -231,7 +231,7 @@ class Collector:
             info = await ht.agent.info()
             self.writer.add_many(_devices_from_info(ht.host.name, info))
         except SourceError as exc:
-            log.warning("agent info unavailable", host=ht.host.name, error=str(exc))
+            log.warning("agent_info_unavailable", host=ht.host.name, error=str(exc))
         ready = self._ready.setdefault(f"agent {ht.host.name}", asyncio.Event())
         told = False
         async for batch in ht.agent.follow(poll_s=self.options.agent_poll_s):
@@ -329,7 +329,7 @@ class Collector:
         self.live.counts["rejected_records"] += 1
         name = type(record).__name__
         if self.writer.rejected.get(name) == 1:
-            log.warning("record set aside", record_type=name, reason=reason,
+            log.warning("record_set_aside", record_type=name, reason=reason,
                         rejects_file=str(self.store.path / REJECTS_FILE))
 
     # -- records from the load side (same process) ----------------------------------------------
@@ -350,8 +350,8 @@ class Collector:
             raise UsageError(f"--listen {listen}: listening beyond loopback needs a token "
                              "(--token-file) or --insecure")
         if not is_loopback(host) and not self.options.http_token:
-            log.warning("collector endpoints open to the network without authentication (--insecure): "
-                        "anyone who reaches the port can post marks", listen=listen)
+            log.warning("collector_unauthenticated", listen=listen,
+                        risk="anyone who reaches the port can post marks")
         app = web.Application(middlewares=[self._auth] if self.options.http_token else [])
         app.router.add_get("/metrics", metrics_handler(LiveCollector(self.live), auto_describe=True))
         app.router.add_post("/v1/mark", self._mark)
@@ -364,7 +364,7 @@ class Collector:
             raise UsageError(f"--listen {listen}: cannot listen: {exc.strerror}") from exc
         self._listener = listener
         self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{bound}"
-        log.info("collector listening", url=self.url)
+        log.info("collector_listening", url=self.url)
 
     @web.middleware
     async def _auth(self, request: web.Request,

@@ -138,7 +138,7 @@ class AgentClient:
                 raise SourceError(f"agent {self.base_url}: 401 unauthorized (token missing or wrong)")
             instance = headers.get("X-Gputrace-Instance")
             if instance and self.instance and instance != self.instance:
-                log.warning("agent restarted; reading it from its first sample", agent=self.base_url)
+                log.warning("agent_restarted", agent=self.base_url)
                 self.stats.restarts += 1
                 self.instance, self.since = instance, 0
                 continue
@@ -148,7 +148,7 @@ class AgentClient:
                 missed = oldest - 1 - self.since
                 self.stats.gaps += 1
                 self.stats.missed_samples += missed
-                log.warning("cursor fell out of the agent's ring; samples were missed",
+                log.warning("agent_samples_missed",
                             agent=self.base_url, missed=missed)
                 self.since = oldest - 1
                 continue
@@ -173,7 +173,7 @@ class AgentClient:
             except (ValueError, TypeError, RecursionError) as exc:
                 self.stats.bad_lines += 1
                 if self.stats.bad_lines == 1:  # a broken agent sends them by the page: said once
-                    log.warning("bad sample line from agent skipped", agent=self.base_url, error=str(exc))
+                    log.warning("agent_sample_line_skipped", agent=self.base_url, error=str(exc))
                 if self.on_bad_line is not None:
                     self.on_bad_line(str(exc))
                 continue
@@ -193,7 +193,7 @@ class AgentClient:
                 page = await self.fetch_page()
             except TransportError as exc:
                 self.stats.disconnects += 1
-                log.warning("agent unreachable; will resume from the cursor", agent=self.base_url,
+                log.warning("agent_unreachable", agent=self.base_url,
                             error=str(exc), since=self.since, retry_s=backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, retry_max_s)

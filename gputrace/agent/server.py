@@ -85,7 +85,7 @@ def check_exposure(settings: AgentSettings) -> None:
         raise UsageError(f"refusing to listen on {settings.listen_host} (not loopback) without "
                          "--token-file; pass --insecure to expose the agent without authentication")
     if not is_loopback(settings.listen_host) and settings.token is None:
-        log.warning("agent open to the network without authentication (--insecure)",
+        log.warning("agent_unauthenticated",
                     listen=settings.listen_host)
 
 
@@ -136,7 +136,7 @@ class Agent:
         self.ring = SampleRing(int(settings.buffer_s * 1e9))
         per_s = len(sampler.devices()) * (1.0 / settings.interval_s + 6.0)  # ticks + driver samples
         if per_s * settings.buffer_s > self.ring.max_samples:
-            log.warning("the sample ring is capped; /v1/samples keeps less history than --buffer",
+            log.warning("sample_ring_capped",
                         max_samples=self.ring.max_samples, buffer_s=settings.buffer_s,
                         kept_s=round(self.ring.max_samples / per_s))
         self.loop = SamplingLoop(sampler, self.ring, settings.interval_s)

@@ -98,7 +98,7 @@ async def follow_metrics(endpoint: MetricsEndpoint, host: str, source: str, stat
                 if on_problem is not None:
                     on_problem(str(exc))
                 if attempt == 0:
-                    log.warning("engine metrics unavailable; retrying", url=endpoint.url, error=str(exc))
+                    log.warning("engine_metrics_unavailable", url=endpoint.url, error=str(exc))
                 await asyncio.sleep(max(endpoint.interval_s, backoff.delay_s(attempt)))
                 attempt += 1
                 continue

@@ -375,7 +375,7 @@ class LoadGenerator:
     def _cancel_workers(self) -> None:
         """The drain time is up: requests still running after the last level are abandoned."""
         if self._workers:
-            log.info("abandoning requests still running after the last level", count=len(self._workers))
+            log.info("load_requests_abandoned", count=len(self._workers))
         for task in list(self._workers.values()):
             task.cancel()
 
@@ -475,7 +475,7 @@ class LoadGenerator:
         except _MALFORMED as exc:
             error = f"malformed answer: {type(exc).__name__}: {exc}"
         except Exception as exc:  # every request ends as a record, whatever went wrong in between
-            log.exception("request failed in the client", request=seq)
+            log.exception("load_request_client_error", request=seq)
             error = f"client error: {type(exc).__name__}: {exc}"
         finally:
             end_ns = self.clock_ns()
@@ -537,7 +537,7 @@ class LoadGenerator:
                 self.spec.mark_url, json=body, timeout=aiohttp.ClientTimeout(total=5)
             ) as resp:
                 if resp.status >= 300:
-                    log.warning("marker not accepted", url=self.spec.mark_url, status=resp.status)
+                    log.warning("marker_rejected", url=self.spec.mark_url, status=resp.status)
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("marker post failed", url=self.spec.mark_url, error=f"{type(exc).__name__}: {exc}")
 

@@ -360,7 +360,7 @@ async def start_sim_server(params: SimParams, *, host: str = "127.0.0.1", port: 
         raise SourceError(f"simulator: cannot listen on {host}:{port}: {exc.strerror}") from exc
     bound = int(runner.addresses[0][1]) if runner.addresses else port
     task = asyncio.create_task(sim.run())
-    log.info("simulator serving", host=host, port=bound, speed=speed)
+    log.info("simulator_serving", host=host, port=bound, speed=speed)
     return SimServer(sim, runner, task, f"http://{host}:{bound}")
 
 
