@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from gputrace import metric_names as mn
-from gputrace.metric_names import MetricSpec
 
 DATASOURCE_UID = "gputrace-prometheus"  # fixed: grafana/provisioning/datasources/prometheus.yaml
 DATASOURCE: dict[str, str] = {"type": "prometheus", "uid": DATASOURCE_UID}
@@ -24,7 +23,7 @@ DASHBOARD_PATH = Path(__file__).resolve().parent.parent / "grafana" / "dashboard
 
 # The contract's metrics the dashboard shows (names, types, labels, help: gputrace.metric_names).
 # A test holds it to the panels: each is shown and the panels query no other gputrace metric.
-METRICS: tuple[MetricSpec, ...] = (
+METRICS: tuple[mn.MetricSpec, ...] = (
     mn.GPU_UTILIZATION, mn.GPU_MEMORY_UTILIZATION, mn.GPU_POWER, mn.GPU_ENERGY, mn.GPU_PCIE_TX,
     mn.GPU_PCIE_RX, mn.GPU_SM_CLOCK, mn.GPU_MEMORY_USED, mn.GPU_TEMPERATURE, mn.GPU_SM_ACTIVE, mn.AGENT_UP,
     *mn.ENGINE_GAUGES, mn.LOAD_INFLIGHT, mn.LOAD_TARGET_CONCURRENCY, mn.STAGE_BUBBLE,
