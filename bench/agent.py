@@ -27,12 +27,14 @@ import time
 
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
-from gputrace.agent.metrics import GPU_GAUGES, GpuCollector
+from gputrace.agent.metrics import GpuCollector
 from gputrace.agent.sampling import LoopStats, SampleRing, SamplingLoop
 from gputrace.agent.server import Agent, AgentSettings
 from gputrace.gpu.sampler import SampleRow
 from gputrace.gpu.simulated import SimulatedSampler
+from gputrace.metric_names import GPU_GAUGES
 from gputrace.model import DeviceInfo, GpuSample
+from gputrace.topology import single_node_placements
 
 
 class NullSampler:
@@ -148,7 +150,7 @@ def _collector_for(gpus: int, dcgm: bool, topology: bool) -> tuple[CollectorRegi
     loop.stats = stats
     loop.tick()
     reg = CollectorRegistry()
-    placements = {g: (g, 0) for g in range(gpus)} if topology else None
+    placements = single_node_placements("bench", gpus) if topology else None
     reg.register(GpuCollector(stats, ring, sampler.devices(), "bench", placements, dcgm_compat=dcgm))
     series = sum(len(m.samples) for m in reg.collect())
     return reg, series
@@ -158,7 +160,7 @@ def _plain_gauges(gpus: int, series_per_gpu: int, topology: bool) -> CollectorRe
     reg = CollectorRegistry()
     labels = ["host", "gpu", "uuid", "model"] + (["pp_rank", "tp_rank"] if topology else [])
     extra = max(0, series_per_gpu - len(GPU_GAUGES))
-    names = [name for name, *_ in GPU_GAUGES] + [f"extra_{i}" for i in range(extra)]
+    names = [m.name for m in GPU_GAUGES] + [f"extra_{i}" for i in range(extra)]
     for name in names[:series_per_gpu]:
         g = Gauge(name, "reference", labels, registry=reg)
         for i in range(gpus):

@@ -19,14 +19,12 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
-from prometheus_client import CollectorRegistry
-from prometheus_client.aiohttp import make_aiohttp_handler
-
 from gputrace.agent.client import AgentClient
 from gputrace.config import Config, HostConfig
 from gputrace.engines import LogParser
 from gputrace.engines.metrics_source import MetricsEndpoint, ScrapeStats, follow_metrics
 from gputrace.errors import GputraceError, SourceError, StoreWriteError, UsageError
+from gputrace.exposition import metrics_handler
 from gputrace.httpserver import (
     HttpLimits,
     HttpListener,
@@ -47,7 +45,7 @@ from gputrace.remote.ssh import HostKeyPolicy
 from gputrace.remote.transport import Transport
 from gputrace.store import REJECTS_FILE, BatchingWriter, Store
 from gputrace.token_file import read_token
-from gputrace.topology import placements_from_config, topology_to_meta
+from gputrace.topology import topology_to_meta
 
 log = get_logger("collect")
 MAX_CONCURRENCY = 1 << 31  # a phase's target: far above any real load, well inside int64
@@ -101,7 +99,7 @@ class Collector:
         self.store = store
         self.options = options or CollectOptions()
         self._connect = connect or self._connect_configured
-        self.placements = placements_from_config(cfg)
+        self.placements = cfg.placements()
         self.live = LiveState(store.meta.name, self.placements)
         self.writer = BatchingWriter(store, flush_s=self.options.flush_s, on_reject=self._rejected)
         self._hosts = [_HostTasks(h) for h in cfg.hosts]
@@ -154,7 +152,7 @@ class Collector:
             task.cancel()
         late = [name for name, e in self._ready.items() if not e.is_set()]
         if late:
-            log.warning("sources not ready yet; capturing anyway", sources=late,
+            log.warning("sources_not_ready", sources=late,
                         waited_s=self.options.ready_timeout_s)
 
     async def drain(self, timeout_s: float = 5.0) -> bool:
@@ -201,7 +199,7 @@ class Collector:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         if not self.writer.flush():
-            log.error("the store could not be written: records lost", rows=self.writer.backlog_rows,
+            log.error("store_records_lost", rows=self.writer.backlog_rows,
                       error=self.writer.write_error)
         for ht in self._hosts:
             if ht.agent is not None:
@@ -223,8 +221,8 @@ class Collector:
                 "source_problems": self._problems, "store_outages": outages,
                 "dropped_records": dict(writer.dropped), "stopped_ns": stopped_ns}})
         except StoreWriteError as exc:
-            log.error("meta.json not updated", error=str(exc))
-        log.info("collector stopped", run=str(self.store.path), **self.live.counts)
+            log.error("meta_not_updated", error=str(exc))
+        log.info("collector_stopped", run=str(self.store.path), **self.live.counts)
 
     async def run_until(self, stop: asyncio.Event) -> None:
         await self.start()
@@ -242,11 +240,11 @@ class Collector:
             except GputraceError as exc:
                 self._failures.append(f"{name}: {exc}")
                 self._source_problem(name, f"stopped: {exc}")
-                log.error("source failed", source=name, error=str(exc))
+                log.error("source_failed", source=name, error=str(exc))
             except Exception as exc:  # a bug in one source must not stop the others
                 self._failures.append(f"{name}: {type(exc).__name__}: {exc}")
                 self._source_problem(name, f"stopped: {type(exc).__name__}: {exc}")
-                log.exception("source crashed", source=name)
+                log.exception("source_crashed", source=name)
         return asyncio.create_task(guarded(), name=name)
 
     # -- transports -----------------------------------------------------------------------------
@@ -294,7 +292,7 @@ class Collector:
             info = await ht.agent.info()
             self.writer.add_many(_devices_from_info(ht.host.name, info))
         except SourceError as exc:
-            log.warning("agent info unavailable", host=ht.host.name, error=str(exc))
+            log.warning("agent_info_unavailable", host=ht.host.name, error=str(exc))
         ready = self._ready.setdefault(f"agent {ht.host.name}", asyncio.Event())
         told = False
         async for batch in ht.agent.follow(poll_s=self.options.agent_poll_s):
@@ -392,7 +390,7 @@ class Collector:
         self.live.counts["rejected_records"] += 1
         name = type(record).__name__
         if self.writer.rejected.get(name) == 1:
-            log.warning("record set aside", record_type=name, reason=reason,
+            log.warning("record_set_aside", record_type=name, reason=reason,
                         rejects_file=str(self.store.path / REJECTS_FILE))
 
     # -- records from the load side (same process) ----------------------------------------------
@@ -420,10 +418,8 @@ class Collector:
                     "--insecure",
             warning="collector endpoints open to the network without authentication (--insecure): "
                     "anyone who reaches the port can post marks", listen=listen)
-        registry = CollectorRegistry(auto_describe=True)
-        registry.register(LiveCollector(self.live))
         app = web.Application(middlewares=[bearer_auth(token, "gputrace-collector")] if token else [])
-        app.router.add_get("/metrics", make_aiohttp_handler(registry))
+        app.router.add_get("/metrics", metrics_handler(LiveCollector(self.live), auto_describe=True))
         app.router.add_post("/v1/mark", self._mark)
         app.router.add_get("/v1/status", self._status)
         app.router.add_get("/healthz", self._healthz)
@@ -434,7 +430,7 @@ class Collector:
             raise UsageError(f"--listen {listen}: cannot listen: {exc.strerror}") from exc
         self._listener = listener
         self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{bound}"
-        log.info("collector listening", url=self.url)
+        log.info("collector_listening", url=self.url)
 
     async def _mark(self, request: web.Request) -> web.Response:
         try:

@@ -43,6 +43,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from gputrace.errors import ConfigError
+from gputrace.topology import Placement, sglang_placements
 
 LOG_KINDS = ("file", "journald", "docker", "command")
 ENGINES = ("sglang", "vllm")
@@ -85,15 +86,6 @@ class HostConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class GpuPlacement:
-    host: str
-    gpu: int
-    pp_rank: int
-    tp_rank: int = 0
-    dp_rank: int = 0
-
-
-@dataclass(frozen=True, slots=True)
 class TopologyConfig:
     pp_size: int = 1
     tp_size: int = 1
@@ -101,7 +93,7 @@ class TopologyConfig:
     nnodes: int = 1
     base_gpu_id: int = 0
     gpu_id_step: int = 1
-    placements: tuple[GpuPlacement, ...] = ()  # explicit table; overrides the formula
+    placements: tuple[Placement, ...] = ()  # explicit table ([[topology.map]]); overrides the formula
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +119,16 @@ class Config:
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     load: LoadConfig | None = None
     raw: Mapping[str, Any] = field(default_factory=dict)
+
+    def placements(self) -> list[Placement]:
+        """The explicit table when the config has one, else SGLang's rule per host's node_rank."""
+        topo = self.topology
+        if topo.placements:
+            return list(topo.placements)
+        return [p for host in self.hosts
+                for p in sglang_placements(host.name, pp_size=topo.pp_size, tp_size=topo.tp_size,
+                                           nnodes=topo.nnodes, node_rank=host.node_rank,
+                                           base_gpu_id=topo.base_gpu_id, gpu_id_step=topo.gpu_id_step)]
 
 
 class _Section:
@@ -284,9 +286,9 @@ def _parse_topology(path: Path, table: Any, host_names: set[str]) -> TopologyCon
         host = rs.get("host", str, required=True)
         if host not in host_names:
             rs.fail(rs.key("host"), f"no host named {host!r} in [[hosts]]")
-        placements.append(GpuPlacement(
+        placements.append(Placement(
             host=host,
-            gpu=rs.positive("gpu", 0, minimum=0),
+            gpu_index=rs.positive("gpu", 0, minimum=0),
             pp_rank=rs.get("pp_rank", int, required=True),
             tp_rank=rs.positive("tp_rank", 0, minimum=0),
             dp_rank=rs.positive("dp_rank", 0, minimum=0),

@@ -1,4 +1,4 @@
-"""The Grafana dashboard as code: the metric names agent and collector export, the panels over them,
+"""The Grafana dashboard as code: the panels over the metric contract (gputrace.metric_names),
 and every PromQL expression it runs. ``python -m gputrace.dashboard --write grafana/dashboard.json``.
 """
 
@@ -13,60 +13,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gputrace import metric_names as mn
+
 DATASOURCE_UID = "gputrace-prometheus"  # fixed: grafana/provisioning/datasources/prometheus.yaml
 DATASOURCE: dict[str, str] = {"type": "prometheus", "uid": DATASOURCE_UID}
 DASHBOARD_UID = "gputrace-pp-bubbles"
 DASHBOARD_PATH = Path(__file__).resolve().parent.parent / "grafana" / "dashboard.json"
 
-_GPU_LABELS = ("host", "gpu", "uuid", "model", "pp_rank", "tp_rank")  # the ranks only with a topology
-_ENGINE_LABELS = ("host", "pp_rank", "tp_rank", "dp_rank", "run")
 
-
-@dataclass(frozen=True, slots=True)
-class MetricSpec:
-    """One exported metric: who exports it, its Prometheus type and the labels it carries."""
-
-    name: str
-    source: str  # "agent" | "collector"
-    kind: str  # "gauge" | "counter"
-    labels: tuple[str, ...]
-    help: str
-
-
-# The contract between the exporters and the dashboard: the ONE list of names. Tests hold the agent
-# and the collector to it, and the dashboard may use no other gputrace metric.
-METRICS: tuple[MetricSpec, ...] = (
-    MetricSpec("gputrace_gpu_utilization_ratio", "agent", "gauge", _GPU_LABELS,
-               "Fraction of the last NVML period in which a kernel ran."),
-    MetricSpec("gputrace_gpu_memory_utilization_ratio", "agent", "gauge", _GPU_LABELS,
-               "Fraction of the last NVML period in which device memory was read or written."),
-    MetricSpec("gputrace_gpu_power_watts", "agent", "gauge", _GPU_LABELS, "Power draw."),
-    MetricSpec("gputrace_gpu_energy_joules_total", "agent", "counter", _GPU_LABELS,
-               "Energy consumed since the driver loaded."),
-    MetricSpec("gputrace_gpu_pcie_tx_bytes_per_second", "agent", "gauge", _GPU_LABELS,
-               "PCIe transmit throughput."),
-    MetricSpec("gputrace_gpu_pcie_rx_bytes_per_second", "agent", "gauge", _GPU_LABELS,
-               "PCIe receive throughput."),
-    MetricSpec("gputrace_gpu_sm_clock_hertz", "agent", "gauge", _GPU_LABELS, "SM clock."),
-    MetricSpec("gputrace_gpu_memory_used_bytes", "agent", "gauge", _GPU_LABELS, "Device memory in use."),
-    MetricSpec("gputrace_gpu_temperature_celsius", "agent", "gauge", _GPU_LABELS, "GPU temperature."),
-    MetricSpec("gputrace_gpu_sm_active_ratio", "agent", "gauge", _GPU_LABELS,
-               "GPM SM activity (Hopper and newer)."),
-    MetricSpec("gputrace_agent_up", "agent", "gauge", (), "1 while the agent samples."),
-    MetricSpec("gputrace_engine_running_requests", "collector", "gauge", _ENGINE_LABELS,
-               "#running-req from the engine's scheduler log."),
-    MetricSpec("gputrace_engine_queue_requests", "collector", "gauge", _ENGINE_LABELS,
-               "#queue-req from the engine's scheduler log."),
-    MetricSpec("gputrace_engine_generation_tokens_per_second", "collector", "gauge", _ENGINE_LABELS,
-               "Generation throughput from the engine's scheduler log."),
-    MetricSpec("gputrace_engine_token_usage_ratio", "collector", "gauge", _ENGINE_LABELS,
-               "KV-cache token usage from the engine's scheduler log."),
-    MetricSpec("gputrace_load_inflight_requests", "collector", "gauge", ("run",),
-               "Requests the load generator has in flight."),
-    MetricSpec("gputrace_load_target_concurrency", "collector", "gauge", ("run",),
-               "Concurrency the load generator was asked for."),
-    MetricSpec("gputrace_stage_bubble_ratio", "collector", "gauge", ("pp_rank", "run"),
-               "Live estimate: fraction of time the stage idled while requests were running or queued."),
+# The contract's metrics the dashboard shows (names, types, labels, help: gputrace.metric_names).
+# A test holds it to the panels: each is shown and the panels query no other gputrace metric.
+METRICS: tuple[mn.MetricSpec, ...] = (
+    mn.GPU_UTILIZATION, mn.GPU_MEMORY_UTILIZATION, mn.GPU_POWER, mn.GPU_ENERGY, mn.GPU_PCIE_TX,
+    mn.GPU_PCIE_RX, mn.GPU_SM_CLOCK, mn.GPU_MEMORY_USED, mn.GPU_TEMPERATURE, mn.GPU_SM_ACTIVE, mn.AGENT_UP,
+    *mn.ENGINE_GAUGES, mn.LOAD_INFLIGHT, mn.LOAD_TARGET_CONCURRENCY, mn.STAGE_BUBBLE,
 )
 METRIC_NAMES: frozenset[str] = frozenset(m.name for m in METRICS)
 
@@ -158,7 +118,7 @@ def _per_stage(fn: str, metric: str, selector: str) -> str:
 
 def _panels() -> list[tuple[dict[str, Any], int, int]]:
     """(panel, width, height) in reading order; positions are filled in by layout()."""
-    util = f"avg by (pp_rank) (gputrace_gpu_utilization_ratio{{{_HOST}}})"
+    util = f"avg by (pp_rank) ({mn.GPU_UTILIZATION.name}{{{_HOST}}})"
     gpu_legend = "{{host}} gpu{{gpu}} (stage {{pp_rank}})"
     return [
         (_row("Pipeline stages"), 24, 1),
@@ -169,61 +129,61 @@ def _panels() -> list[tuple[dict[str, Any], int, int]]:
                      "percentunit", [(util, "stage {{pp_rank}}")], minimum=0, maximum=1), 12, 9),
         (_timeseries("Bubble estimate per stage", "Live estimate by the collector: fraction of time the "
                      "stage's GPUs idled while the engine had requests running or queued.",
-                     "percentunit", [(f"gputrace_stage_bubble_ratio{{{_RUN}}}", "stage {{pp_rank}}")],
+                     "percentunit", [(f"{mn.STAGE_BUBBLE.name}{{{_RUN}}}", "stage {{pp_rank}}")],
                      minimum=0, maximum=1), 12, 8),
         (_timeseries("SM activity per stage (GPM)", "GPM SM activity averaged per stage (Hopper and "
                      "newer; empty on older GPUs).", "percentunit",
-                     [(f"avg by (pp_rank) (gputrace_gpu_sm_active_ratio{{{_HOST}}})", "stage {{pp_rank}}")],
+                     [(f"avg by (pp_rank) ({mn.GPU_SM_ACTIVE.name}{{{_HOST}}})", "stage {{pp_rank}}")],
                      minimum=0, maximum=1), 12, 8),
         (_row("Engine and load"), 24, 1),
         (_timeseries("Running requests per stage vs load in flight", "The engine's #running-req per "
                      "stage against what the load generator keeps in flight. A flat line per stage "
                      "well below the load means a micro-batch cap.", "short",
-                     [(_per_stage("max", "gputrace_engine_running_requests", _ENGINE),
+                     [(_per_stage("max", mn.ENGINE_RUNNING.name, _ENGINE),
                        "running, stage {{pp_rank}}"),
-                      (f"sum(gputrace_load_inflight_requests{{{_RUN}}})", "load in flight"),
-                      (f"sum(gputrace_load_target_concurrency{{{_RUN}}})", "target concurrency")],
+                      (f"sum({mn.LOAD_INFLIGHT.name}{{{_RUN}}})", "load in flight"),
+                      (f"sum({mn.LOAD_TARGET_CONCURRENCY.name}{{{_RUN}}})", "target concurrency")],
                      minimum=0), 12, 9),
         (_timeseries("Queued requests per stage", "The engine's #queue-req per stage.", "short",
-                     [(_per_stage("max", "gputrace_engine_queue_requests", _ENGINE),
+                     [(_per_stage("max", mn.ENGINE_QUEUE.name, _ENGINE),
                        "queued, stage {{pp_rank}}")],
                      minimum=0), 12, 9),
         (_timeseries("Generation throughput", "Generated tokens per second as logged by each stage; "
                      "the total takes the last stage's figure per data-parallel replica.", "short",
-                     [(f"sum(max by (dp_rank) (gputrace_engine_generation_tokens_per_second{{{_ENGINE}}}))",
+                     [(f"sum(max by (dp_rank) ({mn.ENGINE_GENERATION_THROUGHPUT.name}{{{_ENGINE}}}))",
                        "total tok/s"),
-                      (_per_stage("max", "gputrace_engine_generation_tokens_per_second", _ENGINE),
+                      (_per_stage("max", mn.ENGINE_GENERATION_THROUGHPUT.name, _ENGINE),
                        "stage {{pp_rank}}")], minimum=0), 12, 8),
         (_timeseries("KV-cache token usage", "Token usage per stage; near 1.0 the engine stops "
                      "admitting requests (not a bubble).", "percentunit",
-                     [(f"max by (pp_rank) (gputrace_engine_token_usage_ratio{{{_ENGINE}}})",
+                     [(f"max by (pp_rank) ({mn.ENGINE_TOKEN_USAGE.name}{{{_ENGINE}}})",
                        "stage {{pp_rank}}")], minimum=0, maximum=1), 12, 8),
         (_row("GPUs"), 24, 1),
         (_timeseries("Power", "Power draw per GPU.", "watt",
-                     [(f"gputrace_gpu_power_watts{{{_HOST}}}", gpu_legend)], minimum=0), 12, 8),
+                     [(f"{mn.GPU_POWER.name}{{{_HOST}}}", gpu_legend)], minimum=0), 12, 8),
         (_timeseries("PCIe throughput", "PCIe TX and RX per GPU: activation hand-offs between stages "
                      "on the same host travel here.", "Bps",
-                     [(f"gputrace_gpu_pcie_tx_bytes_per_second{{{_HOST}}}", "TX " + gpu_legend),
-                      (f"gputrace_gpu_pcie_rx_bytes_per_second{{{_HOST}}}", "RX " + gpu_legend)],
+                     [(f"{mn.GPU_PCIE_TX.name}{{{_HOST}}}", "TX " + gpu_legend),
+                      (f"{mn.GPU_PCIE_RX.name}{{{_HOST}}}", "RX " + gpu_legend)],
                      minimum=0), 12, 8),
         (_timeseries("SM clock", "SM clock per GPU; a drop under load means power or thermal "
                      "throttling.", "hertz",
-                     [(f"gputrace_gpu_sm_clock_hertz{{{_HOST}}}", gpu_legend)]), 8, 8),
+                     [(f"{mn.GPU_SM_CLOCK.name}{{{_HOST}}}", gpu_legend)]), 8, 8),
         (_timeseries("Temperature", "GPU temperature.", "celsius",
-                     [(f"gputrace_gpu_temperature_celsius{{{_HOST}}}", gpu_legend)]), 8, 8),
+                     [(f"{mn.GPU_TEMPERATURE.name}{{{_HOST}}}", gpu_legend)]), 8, 8),
         (_timeseries("Memory", "Device memory in use per GPU.", "bytes",
-                     [(f"gputrace_gpu_memory_used_bytes{{{_HOST}}}", "used " + gpu_legend)],
+                     [(f"{mn.GPU_MEMORY_USED.name}{{{_HOST}}}", "used " + gpu_legend)],
                      minimum=0), 8, 8),
         (_timeseries("Memory-controller utilization", "Fraction of time device memory was read or "
                      "written.", "percentunit",
-                     [(f"gputrace_gpu_memory_utilization_ratio{{{_HOST}}}", gpu_legend)],
+                     [(f"{mn.GPU_MEMORY_UTILIZATION.name}{{{_HOST}}}", gpu_legend)],
                      minimum=0, maximum=1), 12, 8),
         (_stat("Energy over the time range", "Energy used by the selected hosts' GPUs over the "
                "dashboard's time range.", "joule",
-               f"sum by (host) (increase(gputrace_gpu_energy_joules_total{{{_HOST}}}[$__range]))",
+               f"sum by (host) (increase({mn.GPU_ENERGY.name}{{{_HOST}}}[$__range]))",
                "{{host}}"), 6, 8),
-        (_stat("Agents up", "Agents reporting (gputrace_agent_up, all hosts).", "short",
-               "sum(gputrace_agent_up)", "agents"), 6, 8),
+        (_stat("Agents up", f"Agents reporting ({mn.AGENT_UP.name}, all hosts).", "short",
+               f"sum({mn.AGENT_UP.name})", "agents"), 6, 8),
     ]
 
 
@@ -263,7 +223,7 @@ def build_dashboard() -> dict[str, Any]:
         "refresh": "5s",
         "schemaVersion": 42,
         "templating": {"list": [
-            _variable("host", "Host", "label_values(gputrace_gpu_utilization_ratio, host)"),
+            _variable("host", "Host", f"label_values({mn.GPU_UTILIZATION.name}, host)"),
             _variable("run", "Run", 'label_values({__name__=~"gputrace_.+"}, run)'),
         ]},
         "annotations": {"list": [{

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
+from gputrace import metric_names as mn
 from gputrace.analysis.metrics import busy_and_bubble
+from gputrace.exposition import Collector, Metric, family
 from gputrace.model import ClockProbe, GpuSample, Marker, RequestRecord, SchedulerEvent
 from gputrace.topology import Placement
 
@@ -63,10 +63,7 @@ class LiveState:
         self.inflight_probe: Callable[[], int] | None = None  # the in-process load generator's count
         self.target_concurrency: int | None = None
         self.phase: str | None = None
-        self.counts: dict[str, int] = {"gpu_samples": 0, "scheduler_events": 0, "requests": 0,
-                                       "markers": 0, "log_lines": 0, "unrecognised_lines": 0,
-                                       "rejected_records": 0, "bad_marks": 0, "bad_sample_lines": 0,
-                                       "engine_metric_samples": 0}
+        self.counts: dict[str, int] = dict.fromkeys(mn.COLLECTOR_COUNTS, 0)
 
     # -- updates --------------------------------------------------------------------------------
 
@@ -204,39 +201,24 @@ class LiveCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         s = self.state
-        engine_labels = ["host", "pp_rank", "tp_rank", "dp_rank", "run"]
-        families: Mapping[str, tuple[str, str]] = {
-            "running_req": ("gputrace_engine_running_requests",
-                            "Requests in the micro-batch the rank last logged (#running-req)"),
-            "queue_req": ("gputrace_engine_queue_requests", "Requests waiting on the rank (#queue-req)"),
-            "gen_throughput_tok_s": ("gputrace_engine_generation_tokens_per_second",
-                                     "Generation throughput the rank last logged"),
-            "token_usage": ("gputrace_engine_token_usage_ratio", "KV-cache token usage the rank last logged"),
-        }
-        for attr, (name, doc) in families.items():
-            fam = GaugeMetricFamily(name, doc, labels=engine_labels)
+        for spec in mn.ENGINE_GAUGES:
+            assert spec.field is not None, spec.name  # an EngineRank attribute
+            fam = family(spec, spec.labels)
             for (host, pp, tp, dp), rank in sorted(s.engine.items()):
-                value = getattr(rank, attr)
+                value = getattr(rank, spec.field)
                 if value is not None:
                     fam.add_metric([host, str(pp), str(tp), str(dp), s.run], float(value))
             yield fam
-        inflight = GaugeMetricFamily("gputrace_load_inflight_requests",
-                                     "Requests the load generator has in flight", labels=["run"])
+        inflight = family(mn.LOAD_INFLIGHT, mn.LOAD_INFLIGHT.labels)
         if s.inflight is not None:
             inflight.add_metric([s.run], float(s.inflight))
         yield inflight
-        target = GaugeMetricFamily("gputrace_load_target_concurrency",
-                                   "Concurrency the current load phase asks for", labels=["run"])
+        target = family(mn.LOAD_TARGET_CONCURRENCY, mn.LOAD_TARGET_CONCURRENCY.labels)
         if s.target_concurrency is not None:
             target.add_metric([s.run], float(s.target_concurrency))
         yield target
-        bubble = GaugeMetricFamily(
-            "gputrace_stage_bubble_ratio",
-            "Share of the last window the stage's GPUs idled while the engine had work",
-            labels=["pp_rank", "run"])
-        util = GaugeMetricFamily("gputrace_stage_utilization_ratio",
-                                 "Mean NVML utilization of the stage's GPUs over the last window",
-                                 labels=["pp_rank", "run"])
+        bubble = family(mn.STAGE_BUBBLE, mn.STAGE_BUBBLE.labels)
+        util = family(mn.STAGE_UTILIZATION, mn.STAGE_UTILIZATION.labels)
         for row in s.stages():
             if row["bubble_ratio"] is not None:
                 bubble.add_metric([str(row["pp_rank"]), s.run], float(row["bubble_ratio"]))
@@ -245,7 +227,7 @@ class LiveCollector(Collector):
         yield bubble
         yield util
         for key, n in s.counts.items():
-            counter = CounterMetricFamily(f"gputrace_collector_{key}",
-                                    f"{key.replace('_', ' ')} captured in this run", labels=["run"])
+            spec = mn.COLLECTOR_COUNTERS[key]
+            counter = family(spec, spec.labels)
             counter.add_metric([s.run], float(n))
             yield counter

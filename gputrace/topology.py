@@ -1,8 +1,8 @@
 """Which GPU serves which pipeline stage: (host, gpu) <-> (pp_rank, tp_rank, dp_rank).
 
 From SGLang's placement rule (``entrypoints/engine.py``; see shared ENGINES.md) or from an
-explicit table in the configuration. The mapping is stored in the run's meta so the report can
-show the one it used.
+explicit table in the configuration (read by gputrace.config, which builds these placements). The
+mapping is stored in the run's meta so the report can show the one it used.
 """
 
 from __future__ import annotations
@@ -11,13 +11,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from gputrace.config import Config
 from gputrace.errors import ConfigError, StoreError
 
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """One GPU's place in the deployment."""
+    """One GPU's place in the deployment: the one shape for it (config, agent, collector, analysis)."""
 
     host: str
     gpu_index: int
@@ -59,25 +58,18 @@ def sglang_node_placements(
     return out
 
 
-def placements_from_config(cfg: Config) -> list[Placement]:
-    """The explicit table when the config has one, else SGLang's rule per host's node_rank."""
-    topo = cfg.topology
-    if topo.placements:
-        return [Placement(p.host, p.gpu, p.pp_rank, p.tp_rank, p.dp_rank) for p in topo.placements]
-    out: list[Placement] = []
-    for host in cfg.hosts:
-        for gpu_id, pp_rank, tp_rank in sglang_node_placements(
-            pp_size=topo.pp_size, tp_size=topo.tp_size, nnodes=topo.nnodes,
-            node_rank=host.node_rank, base_gpu_id=topo.base_gpu_id, gpu_id_step=topo.gpu_id_step,
-        ):
-            out.append(Placement(host.name, gpu_id, pp_rank, tp_rank))
-    return out
+def sglang_placements(host: str, *, pp_size: int, tp_size: int, nnodes: int = 1, node_rank: int = 0,
+                      base_gpu_id: int = 0, gpu_id_step: int = 1) -> list[Placement]:
+    """The placements SGLang's rule gives the GPUs of ``host``, node ``node_rank`` of ``nnodes``."""
+    return [Placement(host, gpu_id, pp_rank, tp_rank)
+            for gpu_id, pp_rank, tp_rank in sglang_node_placements(
+                pp_size=pp_size, tp_size=tp_size, nnodes=nnodes, node_rank=node_rank,
+                base_gpu_id=base_gpu_id, gpu_id_step=gpu_id_step)]
 
 
 def single_node_placements(host: str, pp_size: int, tp_size: int = 1) -> list[Placement]:
     """SGLang's placement on one node (the common case, and the simulator's)."""
-    return [Placement(host, g, p, t)
-            for g, p, t in sglang_node_placements(pp_size=pp_size, tp_size=tp_size)]
+    return sglang_placements(host, pp_size=pp_size, tp_size=tp_size)
 
 
 def topology_to_meta(pp_size: int, tp_size: int, dp_size: int,

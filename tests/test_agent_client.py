@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -169,3 +170,15 @@ async def test_restarted_agent_is_read_from_its_start(agents: list[Agent]) -> No
     assert _seqs(old)[-1] >= 60
     assert _seqs(new)[0] == 1 and client.stats.restarts == 1
     assert client.instance == agents[1].instance
+
+
+async def test_clock_probe_is_taken_on_the_injected_clock(agents: list[Agent]) -> None:
+    """A client given a clock stamps the probe's send and receive on it (here 1 h behind the agent's)."""
+    hour_ns = 3600 * 10**9
+    client = AgentClient(f"http://127.0.0.1:{agents[0].port}", clock_ns=lambda: time.time_ns() - hour_ns)
+    try:
+        probe = await client.probe_clock()
+    finally:
+        await client.close()
+    assert probe.local_send_ns <= probe.local_recv_ns
+    assert probe.offset_ns == pytest.approx(hour_ns, abs=10**9)  # the agent reads ~1 h ahead

@@ -16,6 +16,7 @@ from conftest import require_binary
 
 from gputrace.agent.server import Agent, AgentSettings
 from gputrace.gpu.simulated import SimulatedSampler
+from gputrace.topology import single_node_placements
 
 pytestmark = pytest.mark.system
 
@@ -33,7 +34,7 @@ async def agent() -> AsyncIterator[Agent]:
     """A token-protected sim agent (4 GPUs, PP=4) with DCGM names on a random loopback port."""
     sampler = SimulatedSampler("prom-node", 4, pattern="constant:0.5")
     a = Agent(sampler, AgentSettings(port=0, token=TOKEN, dcgm_compat=True,
-                                     placements={g: (g, 0) for g in range(4)}), host="prom-node")
+                                     placements=single_node_placements("prom-node", 4)), host="prom-node")
     await a.start()
     yield a
     await a.stop()

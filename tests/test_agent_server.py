@@ -25,6 +25,7 @@ from gputrace.agent.server import Agent, AgentSettings
 from gputrace.cli import main
 from gputrace.errors import UsageError
 from gputrace.gpu.simulated import SimulatedSampler
+from gputrace.topology import single_node_placements
 
 AgentFactory = Callable[..., Any]
 
@@ -91,7 +92,7 @@ async def test_metrics_names_labels_and_values(start_agent: AgentFactory) -> Non
 
 async def test_topology_adds_pp_and_tp_rank_labels(start_agent: AgentFactory) -> None:
     """With a topology every GPU series carries its pp_rank and tp_rank."""
-    agent = await start_agent(gpus=4, placements={0: (0, 0), 1: (0, 1), 2: (1, 0), 3: (1, 1)})
+    agent = await start_agent(gpus=4, placements=single_node_placements("node-a", 2, 2))
     _, text = await _get(_url(agent, "/metrics"))
     ranks = {(s.labels["gpu"], s.labels["pp_rank"], s.labels["tp_rank"])
              for s in _families(text)["gputrace_gpu_power_watts"].samples}

@@ -12,6 +12,7 @@ import pytest
 
 from gputrace.config import load_config
 from gputrace.errors import ConfigError
+from gputrace.topology import Placement
 
 GOOD = """
 [run]
@@ -173,3 +174,12 @@ def test_check_config_says_when_the_gpus_do_not_cover_the_topology(tmp_path: Pat
     full = subprocess.run([sys.executable, "-m", "gputrace", "check-config", str(write(tmp_path, GOOD))],
                           capture_output=True, text=True, timeout=60)
     assert "warning" not in full.stdout
+
+
+def test_placements_come_from_the_table_or_sglangs_rule(tmp_path: Path) -> None:
+    """An explicit [[topology.map]] gives the placements as written; without one, SGLang's rule."""
+    formula = load_config(write(tmp_path, GOOD)).placements()
+    assert formula == [Placement("node0", g, g, 0) for g in range(8)]
+    table = GOOD.replace("pp_size = 8", 'pp_size = 2\n\n[[topology.map]]\nhost = "node0"\ngpu = 3\n'
+                         'pp_rank = 1\ntp_rank = 0\ndp_rank = 1')
+    assert load_config(write(tmp_path, table)).placements() == [Placement("node0", 3, 1, 0, 1)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -410,3 +411,19 @@ def test_burst_refuses_level_lengths() -> None:
     for extra in ({"requests_per_level": 4}, {"duration_per_level_s": 1.0}, {"warmup_s": 1.0}):
         with pytest.raises(UsageError, match="--burst"):
             LoadSpec(url="http://x", model="m", concurrency=(1,), burst=True, **extra)  # type: ignore[arg-type]
+
+
+async def test_records_and_markers_are_stamped_on_the_injected_clock(server: Server) -> None:
+    """A generator given a clock (1 h ahead here) stamps every marker and request time on it."""
+    from gputrace.load.generator import LoadGenerator
+
+    url, _ = await server()
+    hour_ns = 3600 * 10**9
+    spec = LoadSpec(url=url, model="m", concurrency=(2,), max_tokens=3, requests_per_level=4)
+    before_ns = time.time_ns()
+    result = await LoadGenerator(spec, clock_ns=lambda: time.time_ns() + hour_ns).run()
+    after_ns = time.time_ns()
+    stamps = [m.ts_ns for m in result.markers] + [t for r in result.requests
+                                                    for t in (r.start_ns, r.first_token_ns, r.end_ns)]
+    assert len(stamps) == 2 + 3 * 4
+    assert all(t is not None and before_ns + hour_ns <= t <= after_ns + hour_ns for t in stamps)

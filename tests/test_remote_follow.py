@@ -460,3 +460,19 @@ def test_a_followed_line_past_the_cap_is_cut_and_positions_count_every_byte() ->
         assert len(decoder._pending) <= MAX_LINE_BYTES
     assert [len(line.text) for line in out] == [MAX_LINE_BYTES, len(tail) - 2]
     assert out[-1].position.offset == offset + len(tail)
+
+
+async def test_receive_times_are_read_on_the_injected_clock(tmp_path: Path) -> None:
+    """Lines followed with a clock 1 h ahead carry receive times on that clock."""
+    path = tmp_path / "server.log"
+    path.write_text("".join(log_line(i) + "\n" for i in range(3)))
+    hour_ns = 3600 * 10**9
+    before_ns = time.time_ns()
+    lines = []
+    async for line in follow_log(LocalTransport(), LogSource("file", str(path)), backoff=FAST,
+                                 clock_ns=lambda: time.time_ns() + hour_ns):
+        lines.append(line)
+        if len(lines) == 3:
+            break
+    assert [line.text for line in lines] == [log_line(i) for i in range(3)]
+    assert all(before_ns + hour_ns <= line.recv_ts_ns <= time.time_ns() + hour_ns for line in lines)

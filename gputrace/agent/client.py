@@ -92,8 +92,10 @@ class AgentClient:
     def __init__(self, base_url: str, *, token: str | None = None,
                  ssl_context: ssl.SSLContext | None = None, page_limit: int = 5000,
                  timeout_s: float = 10.0, since: int = 0,
-                 on_bad_line: Callable[[str], None] | None = None) -> None:
+                 on_bad_line: Callable[[str], None] | None = None,
+                 clock_ns: Callable[[], int] = time.time_ns) -> None:
         self.base_url = base_url.rstrip("/")
+        self.clock_ns = clock_ns  # the collector's clock, that probes are taken on
         self.on_bad_line = on_bad_line  # told why, for each line of a page that is not a sample
         self.page_limit = page_limit
         self.since = since  # the seq of the last sample received
@@ -137,7 +139,7 @@ class AgentClient:
                 raise SourceError(f"agent {self.base_url}: 401 unauthorized (token missing or wrong)")
             instance = headers.get("X-Gputrace-Instance")
             if instance and self.instance and instance != self.instance:
-                log.warning("agent restarted; reading it from its first sample", agent=self.base_url)
+                log.warning("agent_restarted", agent=self.base_url)
                 self.stats.restarts += 1
                 self.instance, self.since = instance, 0
                 continue
@@ -147,7 +149,7 @@ class AgentClient:
                 missed = oldest - 1 - self.since
                 self.stats.gaps += 1
                 self.stats.missed_samples += missed
-                log.warning("cursor fell out of the agent's ring; samples were missed",
+                log.warning("agent_samples_missed",
                             agent=self.base_url, missed=missed)
                 self.since = oldest - 1
                 continue
@@ -172,7 +174,7 @@ class AgentClient:
             except (ValueError, TypeError, RecursionError) as exc:
                 self.stats.bad_lines += 1
                 if self.stats.bad_lines == 1:  # a broken agent sends them by the page: said once
-                    log.warning("bad sample line from agent skipped", agent=self.base_url, error=str(exc))
+                    log.warning("agent_sample_line_skipped", agent=self.base_url, error=str(exc))
                 if self.on_bad_line is not None:
                     self.on_bad_line(str(exc))
                 continue
@@ -193,7 +195,7 @@ class AgentClient:
                 page = await self.fetch_page()
             except TransportError as exc:
                 self.stats.disconnects += 1
-                log.warning("agent unreachable; will resume from the cursor", agent=self.base_url,
+                log.warning("agent_unreachable", agent=self.base_url,
                             error=str(exc), since=self.since, retry_s=backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, retry_max_s)
@@ -207,9 +209,9 @@ class AgentClient:
 
     async def probe_clock(self, host: str | None = None) -> ClockProbe:
         """One NTP-style probe of the agent host's clock (keep the one with the smallest rtt)."""
-        send_ns = time.time_ns()
+        send_ns = self.clock_ns()
         status, _, body = await self._get("/v1/time")
-        recv_ns = time.time_ns()
+        recv_ns = self.clock_ns()
         if status != 200:
             raise SourceError(f"agent {self.base_url}: /v1/time answered {status}")
         row = json.loads(body)

@@ -206,7 +206,7 @@ class SamplingLoop:
         except Exception as exc:  # a failing backend must not kill the agent: count, log, retry
             self.stats.errors += 1
             if self.stats.errors <= 10:
-                log.error("sampling failed", error=f"{type(exc).__name__}: {exc}", errors=self.stats.errors)
+                log.error("sampling_failed", error=f"{type(exc).__name__}: {exc}", errors=self.stats.errors)
             return
         pending = self.ring.pending
         pending.append((samples, now_ns))  # SampleRing.extend without its frame

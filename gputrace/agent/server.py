@@ -11,17 +11,15 @@ import json
 import ssl
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-
-from prometheus_client import CollectorRegistry
-from prometheus_client.aiohttp import make_aiohttp_handler
 
 from gputrace import __version__
 from gputrace.agent.metrics import GpuCollector
 from gputrace.agent.sampling import CursorTooOld, SampleRing, SamplingLoop
 from gputrace.errors import UsageError
+from gputrace.exposition import metrics_handler
 from gputrace.gpu.sampler import ROW_FIELDS, Sampler, SampleRow, sample_row
 from gputrace.httpserver import (
     HttpLimits,
@@ -32,6 +30,7 @@ from gputrace.httpserver import (
 )
 from gputrace.logsetup import get_logger
 from gputrace.model import GpuSample
+from gputrace.topology import Placement
 
 log = get_logger("agent.server")
 
@@ -53,7 +52,7 @@ class AgentSettings:
     tls_cert: str | None = None
     tls_key: str | None = None
     dcgm_compat: bool = False
-    placements: Mapping[int, tuple[int, int]] | None = None  # gpu index -> (pp_rank, tp_rank)
+    placements: Sequence[Placement] | None = None  # this host's GPUs' ranks (by gpu_index)
     http_limits: HttpLimits = field(default_factory=HttpLimits)
 
 
@@ -99,14 +98,13 @@ class Agent:
         self.ring = SampleRing(int(settings.buffer_s * 1e9))
         per_s = len(sampler.devices()) * (1.0 / settings.interval_s + 6.0)  # ticks + driver samples
         if per_s * settings.buffer_s > self.ring.max_samples:
-            log.warning("the sample ring is capped; /v1/samples keeps less history than --buffer",
+            log.warning("sample_ring_capped",
                         max_samples=self.ring.max_samples, buffer_s=settings.buffer_s,
                         kept_s=round(self.ring.max_samples / per_s))
         self.loop = SamplingLoop(sampler, self.ring, settings.interval_s)
         self.devices = sampler.devices()
-        self.registry = CollectorRegistry()
-        self.registry.register(GpuCollector(self.loop.stats, self.ring, self.devices, host,
-                                            settings.placements, settings.dcgm_compat))
+        self._metrics = metrics_handler(GpuCollector(self.loop.stats, self.ring, self.devices, host,
+                                                     settings.placements, settings.dcgm_compat))
         self.app = self._make_app()
         self._listener = HttpListener(self.app, "agent", settings.http_limits)
         self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gputrace-encode")
@@ -115,7 +113,7 @@ class Agent:
     def _make_app(self) -> web.Application:
         middlewares = [bearer_auth(self.settings.token, "gputrace-agent")] if self.settings.token else []
         app = web.Application(middlewares=middlewares)
-        app.router.add_get("/metrics", make_aiohttp_handler(self.registry))
+        app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/samples", self._samples)
         app.router.add_get("/v1/time", self._time)
         app.router.add_get("/v1/info", self._info)
@@ -156,8 +154,8 @@ class Agent:
             "gputrace_version": __version__, **self.sampler.versions(),
             "interval_s": self.settings.interval_s, "buffer_s": self.settings.buffer_s,
             "devices": [asdict(d) for d in self.devices],
-            "placements": {str(g): {"pp_rank": p, "tp_rank": t}
-                           for g, (p, t) in (self.settings.placements or {}).items()},
+            "placements": {str(p.gpu_index): {"pp_rank": p.pp_rank, "tp_rank": p.tp_rank}
+                           for p in self.settings.placements or ()},
         }, headers=self._headers())
 
     async def _healthz(self, request: web.Request) -> web.Response:

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from gputrace.topology import Placement, placements_from_meta, sglang_node_placements
+from gputrace.topology import Placement, placements_from_meta, sglang_placements
 
 PROBE_BURST_GAP_NS = 5_000_000_000
 """Probes closer than this form one burst; the smallest round trip of a burst is kept."""
@@ -237,11 +237,8 @@ def stage_mapping(topology: Mapping[str, Any], engine_pp_size: int | None,
     else:
         pp, tp, source = 1, n_gpu, "assumed: one stage"
     nnodes = max(len(hosts), 1)
-    out: list[Placement] = []
-    for node_rank, host in enumerate(hosts):
-        for gpu_id, pp_rank, tp_rank in sglang_node_placements(pp_size=pp, tp_size=tp, nnodes=nnodes,
-                                                                node_rank=node_rank):
-            out.append(Placement(host, gpu_id, pp_rank, tp_rank))
+    out = [p for node_rank, host in enumerate(hosts)
+           for p in sglang_placements(host, pp_size=pp, tp_size=tp, nnodes=nnodes, node_rank=node_rank)]
     return StageMapping(pp, tp, tuple(out), source)
 
 

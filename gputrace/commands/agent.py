@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
+import socket
 
 import click
 
@@ -14,7 +15,7 @@ from gputrace.gpu.sampler import Sampler
 from gputrace.httpserver import parse_listen
 from gputrace.logsetup import get_logger
 from gputrace.token_file import read_token
-from gputrace.topology import sglang_node_placements
+from gputrace.topology import Placement, sglang_placements
 
 log = get_logger("agent")
 
@@ -27,8 +28,8 @@ def parse_duration_s(text: str) -> float:
     return float(m.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[m.group(2) or "s"]
 
 
-def parse_topology(text: str) -> dict[int, tuple[int, int]]:
-    """``pp=8,tp=1[,nnodes=N,node_rank=R,base_gpu_id=B]`` -> gpu index -> (pp_rank, tp_rank)."""
+def parse_topology(text: str, host: str) -> list[Placement]:
+    """``pp=8,tp=1[,nnodes=N,node_rank=R,base_gpu_id=B]`` -> the placements of this host's GPUs."""
     keys = {"pp": 1, "tp": 1, "nnodes": 1, "node_rank": 0, "base_gpu_id": 0, "gpu_id_step": 1}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, _, value = part.partition("=")
@@ -36,10 +37,9 @@ def parse_topology(text: str) -> dict[int, tuple[int, int]]:
             raise UsageError(f"--topology {text!r}: expected pp=N,tp=N (optional nnodes, node_rank, "
                              f"base_gpu_id, gpu_id_step), got {part!r}")
         keys[key] = int(value)
-    placed = sglang_node_placements(pp_size=keys["pp"], tp_size=keys["tp"], nnodes=keys["nnodes"],
-                                    node_rank=keys["node_rank"], base_gpu_id=keys["base_gpu_id"],
-                                    gpu_id_step=keys["gpu_id_step"])
-    return {gpu: (pp, tp) for gpu, pp, tp in placed}
+    return sglang_placements(host, pp_size=keys["pp"], tp_size=keys["tp"], nnodes=keys["nnodes"],
+                             node_rank=keys["node_rank"], base_gpu_id=keys["base_gpu_id"],
+                             gpu_id_step=keys["gpu_id_step"])
 
 
 def _make_sampler(backend: str, host: str | None, sim_gpus: int, sim_feed: str | None,
@@ -104,7 +104,8 @@ def command(listen: str, interval: float, buffer_: str, backend: str, sim_feed: 
     settings = AgentSettings(listen_host=host, port=port, interval_s=interval,
                              buffer_s=parse_duration_s(buffer_), token=token, insecure=insecure,
                              tls_cert=tls_cert, tls_key=tls_key, dcgm_compat=dcgm_compat,
-                             placements=parse_topology(topology) if topology else None)
+                             placements=parse_topology(topology, host_name or socket.gethostname())
+                             if topology else None)
     check_exposure(settings)  # before touching NVML: a refused start should not wait on the driver
     sampler = _make_sampler(backend, host_name, sim_gpus, sim_feed, sim_pattern)
     agent = Agent(sampler, settings, host=getattr(sampler, "host", host_name or "localhost"))

@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from gputrace.engines.common import LogClock
-from gputrace.engines.sglang import _RANK, _RANK_FIELDS
+from gputrace.engines.sglang import RANK_FIELDS, RANK_TAG
 
 # A line without any of these cannot be an SGLang scheduler or configuration line.
 _MAYBE_SGLANG = re.compile(rb"batch|#running-req: |max_total_num_tokens=|server_args=(?:ServerArgs\(|\{)")
@@ -364,13 +364,13 @@ def _ranks(raw: _Bytes, start: np.ndarray, end: np.ndarray, ok: np.ndarray) -> d
     valid = np.ones(len(texts) + 1, dtype=bool)
     valid[-1] = False  # long texts beyond the limit
     inverse[~short & ~ok] = len(texts)
-    tables = {name: np.full(len(texts) + 1, -1, dtype=np.int64) for name in _RANK_FIELDS.values()}
+    tables = {name: np.full(len(texts) + 1, -1, dtype=np.int64) for name in RANK_FIELDS.values()}
     for i, text in enumerate(texts):
         if not _RANK_TEXT.fullmatch(text):
             valid[i] = False
             continue
-        for label, number in _RANK.findall(text):
-            name = _RANK_FIELDS.get(label)
+        for label, number in RANK_TAG.findall(text):
+            name = RANK_FIELDS.get(label)
             if name is not None and tables[name][i] < 0:
                 tables[name][i] = int(number)
     ok &= valid[inverse]

@@ -13,10 +13,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 from gputrace.backoff import Backoff
 from gputrace.errors import SourceError
+from gputrace.exposition import parse_text
 from gputrace.logsetup import get_logger
 from gputrace.model import EngineMetricSample
 
@@ -52,7 +52,7 @@ def kept(sample_name: str) -> bool:
 def parse_metrics_text(text: str, host: str, source: str, ts_ns: int) -> list[EngineMetricSample]:
     """The kept samples of one scrape; raises ValueError for text that is not the exposition format."""
     out = []
-    for family in text_string_to_metric_families(text):
+    for family in parse_text(text):
         for s in family.samples:
             if kept(s.name):
                 out.append(EngineMetricSample(host, source, ts_ns, s.name,
@@ -98,7 +98,7 @@ async def follow_metrics(endpoint: MetricsEndpoint, host: str, source: str, stat
                 if on_problem is not None:
                     on_problem(str(exc))
                 if attempt == 0:
-                    log.warning("engine metrics unavailable; retrying", url=endpoint.url, error=str(exc))
+                    log.warning("engine_metrics_unavailable", url=endpoint.url, error=str(exc))
                 await asyncio.sleep(max(endpoint.interval_s, backoff.delay_s(attempt)))
                 attempt += 1
                 continue

@@ -28,10 +28,12 @@ _TIMESTAMP = re.compile(
     r"(?<![\d:.-])(?:(\d{4}-\d\d-\d\d)[ T])?(\d\d:\d\d:\d\d)(?:[.,](\d{1,9}))?(?![\d:])"
 )
 _BRACKETS = re.compile(r"\[([^\[\]]*)\]")
-_RANK = re.compile(r"(?<![A-Za-z0-9_])(DP|PP|ATTN_CP|MOE_DP|TP|EP)(\d{1,9})(?![A-Za-z0-9_])")
+# a rank tag in a line prefix (PP3, TP0, ...) and the SchedulerEvent field each fills: shared with
+# the batch parser (engines/fastpath.py)
+RANK_TAG = re.compile(r"(?<![A-Za-z0-9_])(DP|PP|ATTN_CP|MOE_DP|TP|EP)(\d{1,9})(?![A-Za-z0-9_])")
+RANK_FIELDS = {"DP": "dp_rank", "PP": "pp_rank", "TP": "tp_rank", "EP": "ep_rank"}
 _GPU_TAG = re.compile(r"\[gpu(?:_id)?=(\d+)\]")
 _FIELD = re.compile(r"(#?[A-Za-z][\w \-/()]*?): ([-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?%?|True|False)")
-_RANK_FIELDS = {"DP": "dp_rank", "PP": "pp_rank", "TP": "tp_rank", "EP": "ep_rank"}
 
 # SGLang's field names (all versions) -> SchedulerEvent fields.
 _KEYS: dict[str, str] = {
@@ -95,8 +97,8 @@ def _prefix_fields(head: str, clock: LogClock) -> dict[str, object]:
         out["log_ts_ns"], out["ts_resolution_ns"] = clock.to_ns(date_text, hms, frac)
     segments = _BRACKETS.findall(stripped) or [stripped]
     for segment in segments:
-        for name, number in _RANK.findall(segment):
-            field_name = _RANK_FIELDS.get(name)
+        for name, number in RANK_TAG.findall(segment):
+            field_name = RANK_FIELDS.get(name)
             if field_name is not None and field_name not in out:
                 out[field_name] = int(number)
     gpu = _GPU_TAG.search(head)

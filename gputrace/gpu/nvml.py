@@ -176,7 +176,7 @@ class NvmlSampler:
                      gpu=dev.index, metric=metric)
         elif (metric, code) not in dev.logged:
             dev.logged.add((metric, code))
-            log.warning("NVML call failed; the metric is unavailable while it fails",
+            log.warning("nvml_call_failed",
                         gpu=dev.index, metric=metric, error=str(pynvml.NVMLError(code)))
 
     def _call(self, dev: _Device, metric: str, fn_name: str, *args: Any) -> Any:
@@ -349,8 +349,8 @@ class NvmlSampler:
                     try:
                         pynvml.nvmlGpmSampleFree(gpm)
                     except pynvml.NVMLError:
-                        log.debug("GPM sample free failed at shutdown", gpu=dev.index)
+                        log.debug("gpm_sample_free_failed", gpu=dev.index)
         try:
             pynvml.nvmlShutdown()
         except pynvml.NVMLError as exc:
-            log.debug("NVML shutdown failed", error=str(exc))
+            log.debug("nvml_shutdown_failed", error=str(exc))

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from gputrace.agent.metrics import DCGM_GAUGES, GPU_GAUGES
+from gputrace import metric_names as mn
 from gputrace.errors import SourceError, UsageError
 from gputrace.imports.report import ImportReport, write_rows
 from gputrace.model import DeviceInfo, EngineConfig, Marker
@@ -29,16 +29,12 @@ from gputrace.topology import Placement, topology_to_meta
 # The one metric-name table: each series' name -> (GpuSample field, the exporter's units per SI
 # unit). gputrace's own first, then dcgm-exporter's (GPU_UTIL in %, clocks in MHz, FB in MiB,
 # energy in mJ): where two give one field, the first found fills it.
-GPU_FIELDS: dict[str, tuple[str, float]] = {name: (attr, scale) for name, _doc, attr, scale in GPU_GAUGES}
-GPU_FIELDS["gputrace_gpu_energy_joules_total"] = ("energy_j", 1.0)
-GPU_FIELDS.update({name: (attr, scale) for name, _doc, attr, scale in DCGM_GAUGES})
+GPU_FIELDS: dict[str, tuple[str, float]] = {
+    m.name: (m.field, m.scale) for m in (*mn.GPU_GAUGES, mn.GPU_ENERGY, *mn.DCGM_GAUGES) if m.field}
 GPU_FIELDS["DCGM_FI_DEV_CLOCK_THROTTLE_REASONS"] = ("clock_event_reasons", 1.0)  # before DCGM 3.3
 GPU_INT_FIELDS = ("memory_used_bytes", "memory_total_bytes", "clock_event_reasons")
 ENGINE_FIELDS = {
-    "gputrace_engine_running_requests": "running_req",
-    "gputrace_engine_queue_requests": "queue_req",
-    "gputrace_engine_generation_tokens_per_second": "gen_throughput_tok_s",
-    "gputrace_engine_token_usage_ratio": "token_usage",
+    **{m.name: m.field for m in mn.ENGINE_GAUGES if m.field},
     # SGLang --enable-metrics, one series per pp_rank: set when the rank logs a batch, so
     # num_running_reqs is that micro-batch's size as #running-req is
     "sglang:num_running_reqs": "running_req",
@@ -52,20 +48,20 @@ ENGINE_FIELDS = {
 }
 # What the diagnosis uses, each with the series that can give it: the import says which it found.
 SERIES_ROLES: dict[str, tuple[str, ...]] = {
-    "GPU busy": ("gputrace_gpu_utilization_ratio", "DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_PROF_GR_ENGINE_ACTIVE"),
-    "SM activity": ("gputrace_gpu_sm_active_ratio", "DCGM_FI_PROF_SM_ACTIVE"),
-    "GPU power": ("gputrace_gpu_power_watts", "DCGM_FI_DEV_POWER_USAGE"),
-    "PCIe traffic": ("gputrace_gpu_pcie_tx_bytes_per_second", "DCGM_FI_PROF_PCIE_TX_BYTES"),
-    "clock events": ("gputrace_gpu_clock_event_reasons", "DCGM_FI_DEV_CLOCKS_EVENT_REASONS",
+    "GPU busy": (mn.GPU_UTILIZATION.name, "DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_PROF_GR_ENGINE_ACTIVE"),
+    "SM activity": (mn.GPU_SM_ACTIVE.name, "DCGM_FI_PROF_SM_ACTIVE"),
+    "GPU power": (mn.GPU_POWER.name, "DCGM_FI_DEV_POWER_USAGE"),
+    "PCIe traffic": (mn.GPU_PCIE_TX.name, "DCGM_FI_PROF_PCIE_TX_BYTES"),
+    "clock events": (mn.GPU_CLOCK_EVENT_REASONS.name, "DCGM_FI_DEV_CLOCKS_EVENT_REASONS",
                      "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS"),
-    "engine running requests": ("gputrace_engine_running_requests", "sglang:num_running_reqs",
+    "engine running requests": (mn.ENGINE_RUNNING.name, "sglang:num_running_reqs",
                                 "vllm:num_requests_running"),
-    "engine queue": ("gputrace_engine_queue_requests", "sglang:num_queue_reqs", "vllm:num_requests_waiting"),
-    "engine throughput": ("gputrace_engine_generation_tokens_per_second", "sglang:gen_throughput"),
-    "client load": ("gputrace_load_inflight_requests", "gputrace_load_target_concurrency"),
+    "engine queue": (mn.ENGINE_QUEUE.name, "sglang:num_queue_reqs", "vllm:num_requests_waiting"),
+    "engine throughput": (mn.ENGINE_GENERATION_THROUGHPUT.name, "sglang:gen_throughput"),
+    "client load": (mn.LOAD_INFLIGHT.name, mn.LOAD_TARGET_CONCURRENCY.name),
 }
-TARGET_METRIC = "gputrace_load_target_concurrency"
-INFLIGHT_METRIC = "gputrace_load_inflight_requests"
+TARGET_METRIC = mn.LOAD_TARGET_CONCURRENCY.name
+INFLIGHT_METRIC = mn.LOAD_INFLIGHT.name
 ENGINE_LOAD_SOURCE = "prometheus engine running + queued requests"
 MAX_STEPS = 5_000_000
 """Steps per import at most: each GPU metric is held as one float per step while stitching."""
@@ -210,7 +206,7 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
         return [s for name in names for s in client.query_range_chunked(
             selector([name], matchers, labels), start_ms, end_ms, step_ms, max_points)]
 
-    gpu_series = fetch([*GPU_FIELDS, "gputrace_gpu_lost"], AGENT_LABELS)
+    gpu_series = fetch([*GPU_FIELDS, mn.GPU_LOST.name], AGENT_LABELS)
     engine_series = fetch(list(ENGINE_FIELDS), ENGINE_LABELS)
     target_series = fetch([TARGET_METRIC], LOAD_LABELS)
     inflight_series = fetch([INFLIGHT_METRIC], LOAD_LABELS)
@@ -235,7 +231,7 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
         key = (gpu_host(s.labels), gpu)
         metric = s.labels.get("__name__", "")
         fields = gpus.setdefault(key, {})
-        attr, scale = ("lost", 1.0) if metric == "gputrace_gpu_lost" else GPU_FIELDS[metric]
+        attr, scale = ("lost", 1.0) if metric == mn.GPU_LOST.name else GPU_FIELDS[metric]
         k, v = _place(s, start_ms, step_ms, n)
         _fill(fields.setdefault(attr, np.full(n, np.nan)), k, v / scale)
         lb = s.labels

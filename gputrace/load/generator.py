@@ -213,9 +213,13 @@ class LoadGenerator:
     """Runs one sweep. ``inflight``, ``target_concurrency`` and ``phase`` can be read live (a
     collector exports them); ``on_record`` receives every record as it is produced."""
 
-    def __init__(self, spec: LoadSpec, on_record: RecordSink | None = None):
+    def __init__(self, spec: LoadSpec, on_record: RecordSink | None = None, *,
+                 clock_ns: Callable[[], int] = time.time_ns,
+                 monotonic_s: Callable[[], float] = time.monotonic) -> None:
         self.spec = spec
         self.on_record = on_record
+        self.clock_ns = clock_ns  # epoch ns: the records' and markers' times
+        self.monotonic_s = monotonic_s  # level durations, the run's wall time, the loop's lag
         self.inflight = 0
         self.target_concurrency = 0
         self.phase: str | None = None
@@ -270,7 +274,7 @@ class LoadGenerator:
             return 0.0, 1.0
         if lv.n_requests is not None:
             return float(lv.issued), float(lv.n_requests)
-        return min(time.monotonic() - self._level_started, lv.duration_s or 0.0), float(lv.duration_s or 1)
+        return min(self.monotonic_s() - self._level_started, lv.duration_s or 0.0), float(lv.duration_s or 1)
 
     @property
     def level_labels(self) -> list[str]:
@@ -279,7 +283,7 @@ class LoadGenerator:
     # -- the run -------------------------------------------------------------------------------
 
     async def run(self) -> LoadResult:
-        wall0, cpu0 = time.monotonic(), time.process_time()
+        wall0, cpu0 = self.monotonic_s(), time.process_time()
         max_c = max(self.spec.concurrency)
         # The connector must never be the hidden cap on concurrency; a few spare for marker posts.
         connector = aiohttp.TCPConnector(limit=max_c + 8, limit_per_host=0, ttl_dns_cache=300)
@@ -321,7 +325,7 @@ class LoadGenerator:
             requests=requests,
             markers=list(self._markers),
             levels=levels,
-            wall_s=time.monotonic() - wall0,
+            wall_s=self.monotonic_s() - wall0,
             cpu_s=time.process_time() - cpu0,
             malformed=dict(self.malformed),
         )
@@ -329,7 +333,7 @@ class LoadGenerator:
     def _start_level(self, idx: int) -> None:
         self._level_idx = idx
         lv = self._levels[idx]
-        self._level_started = time.monotonic()
+        self._level_started = self.monotonic_s()
         self.phase = lv.label
         self.target_concurrency = lv.concurrency
         self._emit_marker(lv.label, "phase", lv.concurrency)
@@ -371,7 +375,7 @@ class LoadGenerator:
     def _cancel_workers(self) -> None:
         """The drain time is up: requests still running after the last level are abandoned."""
         if self._workers:
-            log.info("abandoning requests still running after the last level", count=len(self._workers))
+            log.info("load_requests_abandoned", count=len(self._workers))
         for task in list(self._workers.values()):
             task.cancel()
 
@@ -447,14 +451,15 @@ class LoadGenerator:
         completion_tokens: int | None = None
         error: str | None = None
         self.inflight += 1
-        start_ns = time.time_ns()
+        start_ns = self.clock_ns()
         try:
             async with self._session.post(self.spec.endpoint, data=payload, headers=_HEADERS) as resp:
                 if resp.status != 200:
                     body = await resp.read()
                     error = f"HTTP {resp.status}: {body[:200].decode(errors='replace').strip()}"
                 elif self.spec.stream:
-                    first_ns, prompt_tokens, completion_tokens, error = await _read_sse(resp, self.malformed)
+                    first_ns, prompt_tokens, completion_tokens, error = await _read_sse(resp, self.malformed,
+                                                                                    self.clock_ns)
                 else:
                     prompt_tokens, completion_tokens, error = _parse_completion(await resp.read(),
                                                                                 self.malformed)
@@ -470,10 +475,10 @@ class LoadGenerator:
         except _MALFORMED as exc:
             error = f"malformed answer: {type(exc).__name__}: {exc}"
         except Exception as exc:  # every request ends as a record, whatever went wrong in between
-            log.exception("request failed in the client", request=seq)
+            log.exception("load_request_client_error", request=seq)
             error = f"client error: {type(exc).__name__}: {exc}"
         finally:
-            end_ns = time.time_ns()
+            end_ns = self.clock_ns()
             self.inflight -= 1
         if error is None:
             self._ever_ok = True
@@ -512,7 +517,7 @@ class LoadGenerator:
 
     def _emit_marker(self, label: str, kind: str, target: int | None) -> None:
         marker = Marker(
-            host=self.spec.host, ts_ns=time.time_ns(), label=label, kind=kind, target_concurrency=target
+            host=self.spec.host, ts_ns=self.clock_ns(), label=label, kind=kind, target_concurrency=target
         )
         self._markers.append(marker)
         self._deliver(marker)
@@ -532,17 +537,17 @@ class LoadGenerator:
                 self.spec.mark_url, json=body, timeout=aiohttp.ClientTimeout(total=5)
             ) as resp:
                 if resp.status >= 300:
-                    log.warning("marker not accepted", url=self.spec.mark_url, status=resp.status)
+                    log.warning("marker_rejected", url=self.spec.mark_url, status=resp.status)
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("marker post failed", url=self.spec.mark_url, error=f"{type(exc).__name__}: {exc}")
 
     async def _watch_loop_lag(self) -> None:
         """Samples how late the event loop wakes up: a busy client shows here before anywhere else."""
         while True:
-            t0 = time.monotonic()
+            t0 = self.monotonic_s()
             await asyncio.sleep(_LAG_INTERVAL_S)
-            self._lag_s.append(max(time.monotonic() - t0 - _LAG_INTERVAL_S, 0.0))
-            self._lag_ts.append(time.time_ns())
+            self._lag_s.append(max(self.monotonic_s() - t0 - _LAG_INTERVAL_S, 0.0))
+            self._lag_ts.append(self.clock_ns())
 
 
 def printable(text: str) -> str:
@@ -556,20 +561,21 @@ def _note(malformed: Counter[str] | None, what: str) -> None:
         malformed[what] += 1
 
 
-async def _read_sse(resp: aiohttp.ClientResponse, malformed: Counter[str] | None = None
+async def _read_sse(resp: aiohttp.ClientResponse, malformed: Counter[str] | None = None,
+                    clock_ns: Callable[[], int] = time.time_ns
                     ) -> tuple[int | None, int | None, int | None, str | None]:
     """Reads an SSE chat stream: (first token ns, prompt tokens, completion tokens, error). Fields
     not as the protocol says are read as not available and counted in ``malformed``, once per
     answer."""
     odd: Counter[str] = Counter()
     try:
-        return await _read_sse_events(resp, odd)
+        return await _read_sse_events(resp, odd, clock_ns)
     finally:
         if malformed is not None:
             malformed.update(odd.keys())
 
 
-async def _read_sse_events(resp: aiohttp.ClientResponse, malformed: Counter[str]
+async def _read_sse_events(resp: aiohttp.ClientResponse, malformed: Counter[str], clock_ns: Callable[[], int]
                            ) -> tuple[int | None, int | None, int | None, str | None]:
     first_ns: int | None = None
     prompt_tokens: int | None = None
@@ -579,7 +585,7 @@ async def _read_sse_events(resp: aiohttp.ClientResponse, malformed: Counter[str]
     done = False
     tail = b""
     async for chunk in resp.content.iter_any():
-        now = time.time_ns()
+        now = clock_ns()
         lines = (tail + chunk).split(b"\n")
         tail = lines.pop()
         for line in lines:

@@ -361,6 +361,7 @@ async def follow_log_batches(
     backoff: Backoff | None = None,
     on_caught_up: Callable[[], None] | None = None,
     on_problem: Callable[[str | None], None] | None = None,
+    clock_ns: Callable[[], int] = time.time_ns,
 ) -> AsyncGenerator[list[FollowedLine], None]:
     """Follow ``source`` on ``transport``'s host forever; yields the lines of each chunk received.
 
@@ -371,6 +372,7 @@ async def follow_log_batches(
     follower is running and has read what the source held when it started (lines received from
     then on carry live receive times). ``on_problem`` is told why the source yields nothing (a
     file that is not there, a lost connection) when that starts, and None when it is over.
+    ``clock_ns`` is the collector's clock, that receive times are read on.
     """
     caught_up = on_caught_up is None
     decoder = _decoder_for(source, position, from_start, poll_s)
@@ -392,7 +394,7 @@ async def follow_log_batches(
                                                  merge_stderr=decoder.merge_stderr)
             while data := await stream.read(_READ_BYTES):
                 attempt = 0
-                lines = decoder.feed(data, time.time_ns())
+                lines = decoder.feed(data, clock_ns())
                 tell(decoder.problem)
                 if lines:
                     yield lines
@@ -429,10 +431,11 @@ async def follow_log(
     from_start: bool = True,
     poll_s: float = 0.02,
     backoff: Backoff | None = None,
+    clock_ns: Callable[[], int] = time.time_ns,
 ) -> AsyncGenerator[FollowedLine, None]:
     """Like ``follow_log_batches``, one line at a time."""
     batches = follow_log_batches(transport, source, position=position, from_start=from_start,
-                                 poll_s=poll_s, backoff=backoff)
+                                 poll_s=poll_s, backoff=backoff, clock_ns=clock_ns)
     try:
         async for batch in batches:
             for line in batch:

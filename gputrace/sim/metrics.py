@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
+from gputrace.exposition import Collector, CounterMetricFamily, GaugeMetricFamily, Metric
 from gputrace.sim.params import SimParams
 
 SCRAPE_S = 1.0

@@ -20,10 +20,9 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from prometheus_client import CollectorRegistry
-from prometheus_client.aiohttp import make_aiohttp_handler
 
 from gputrace.errors import SourceError
+from gputrace.exposition import metrics_handler
 from gputrace.httpserver import web
 from gputrace.logsetup import get_logger
 from gputrace.sim.engine import EngineTrace, PipelineEngine, SimRequest
@@ -335,10 +334,9 @@ def build_app(sim: RealtimeSim) -> web.Application:
         await resp.write_eof()
         return resp
 
-    registry = CollectorRegistry(auto_describe=True)
-    registry.register(SnapshotCollector(sim.p, sim.metric_snapshot))
     app = web.Application()
-    app.router.add_get("/metrics", make_aiohttp_handler(registry))
+    app.router.add_get("/metrics", metrics_handler(SnapshotCollector(sim.p, sim.metric_snapshot),
+                                                    auto_describe=True))
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_post("/v1/chat/completions", completions)
@@ -362,7 +360,7 @@ async def start_sim_server(params: SimParams, *, host: str = "127.0.0.1", port: 
         raise SourceError(f"simulator: cannot listen on {host}:{port}: {exc.strerror}") from exc
     bound = int(runner.addresses[0][1]) if runner.addresses else port
     task = asyncio.create_task(sim.run())
-    log.info("simulator serving", host=host, port=bound, speed=speed)
+    log.info("simulator_serving", host=host, port=bound, speed=speed)
     return SimServer(sim, runner, task, f"http://{host}:{bound}")
 
 

@@ -5,15 +5,13 @@ true busy and bubble fractions and micro-batch sizes, the throughput, and the ca
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from gputrace.sim.params import SimParams
+from gputrace.sim.params import SCENARIOS, SimParams
 from gputrace.sim.samples import cumulative
-
-if TYPE_CHECKING:
-    from gputrace.sim.run import SimResult
+from gputrace.sim.simulate import SimResult, simulate
 
 BUBBLE_MATERIAL = 0.08  # a bubble share worth naming a cause for
 UNDERFILLED_SHARE = 0.9  # fewer micro-batches in flight than this share of pp_size
@@ -226,11 +224,14 @@ def fix_for(p: SimParams, cause: str, ph: dict[str, Any]) -> dict[str, Any] | No
     return None
 
 
+def scenario_ground_truth(result: SimResult) -> dict[str, Any]:
+    """The ground truth of a run, with the causes its scenario preset puts in (none for custom runs)."""
+    return ground_truth(result, SCENARIOS[result.scenario].causes if result.scenario in SCENARIOS else ())
+
+
 def scenario_fixes(result: SimResult) -> list[dict[str, Any]]:
     """For each cause the ground truth names (per phase), its fix run in the simulator with the
     same seed: the phase's throughput with the change and whether the cause is gone."""
-    from gputrace.sim.run import run_params  # the fix is a second run of the same model
-
     p = result.params
     truth = result.ground_truth
     plans: dict[str, dict[str, Any]] = {}
@@ -245,9 +246,9 @@ def scenario_fixes(result: SimResult) -> list[dict[str, Any]]:
             plan["phases"].append(ph["label"])
     out = []
     for plan in plans.values():
-        fixed = run_params(dataclasses.replace(p, **plan["params"]), result.scenario)
+        fixed = simulate(dataclasses.replace(p, **plan["params"]), result.scenario)
         before = {ph["label"]: ph for ph in truth["phases"]}
-        after = {ph["label"]: ph for ph in fixed.ground_truth["phases"]}
+        after = {ph["label"]: ph for ph in scenario_ground_truth(fixed)["phases"]}
         out.append({
             "causes": sorted(plan["causes"]), "knob": plan["knob"], "value": plan["value"],
             "params": {k: list(v) if isinstance(v, tuple) else v for k, v in plan["params"].items()},

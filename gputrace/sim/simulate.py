@@ -1,0 +1,172 @@
+"""One virtual-time run: parameters through the engine model and its client, as a SimResult with
+the log lines and the busy intervals. Its ground truth is sim.truth's; sim.run puts the two together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from gputrace.sim.client import ClosedLoopClient, Phase, plan_phases
+from gputrace.sim.engine import PipelineEngine, SimRequest
+from gputrace.sim.logfmt import (
+    VLLM_STATS_INTERVAL_S,
+    LinePrefix,
+    decode_message,
+    parse_start_ns,
+    prefill_message,
+    startup_lines,
+    vllm_prefix,
+    vllm_startup_lines,
+    vllm_stats_message,
+)
+from gputrace.sim.params import SimParams
+
+STARTUP_LEAD_S = 5.0  # the configuration lines come this long before the first phase
+
+
+@dataclass
+class SimResult:
+    """Everything one virtual run produced. Times in ``*_ns`` are epoch ns; ``t_s`` run seconds."""
+
+    scenario: str
+    params: SimParams
+    start_ns: int
+    end_s: float
+    phases: list[Phase]
+    requests: list[SimRequest]
+    engine: PipelineEngine
+    log_lines: list[str] = field(default_factory=list)
+    log_ts_ns: list[int] = field(default_factory=list)  # exact emission time of each line
+    ground_truth: dict[str, Any] = field(default_factory=dict)  # sim.truth's, filled in by sim.run
+    _intervals: dict[str, np.ndarray] | None = field(default=None, repr=False)
+
+    def ns(self, t_s: float) -> int:
+        return self.start_ns + round(t_s * 1e9)
+
+    @property
+    def intervals(self) -> dict[str, np.ndarray]:
+        """The kernel-busy intervals as arrays (stage, start_s, end_s, reqs, decode, tx, rx)."""
+        if self._intervals is None:
+            self._intervals = self._interval_arrays()
+        return self._intervals
+
+    def _interval_arrays(self) -> dict[str, np.ndarray]:
+        tr = self.engine.trace
+        return {
+            "stage": np.asarray(tr.iv_stage, dtype=np.int64),
+            "start_s": np.asarray(tr.iv_start, dtype=np.float64),
+            "end_s": np.asarray(tr.iv_end, dtype=np.float64),
+            "reqs": np.asarray(tr.iv_reqs, dtype=np.int64),
+            "decode": np.asarray(tr.iv_decode, dtype=bool),
+            "tx_bytes": np.asarray(tr.iv_tx_bytes, dtype=np.float64),
+            "rx_bytes": np.asarray(tr.iv_rx_bytes, dtype=np.float64),
+        }
+
+
+def simulate(params: SimParams, scenario: str = "custom") -> SimResult:
+    """Run ``params`` in virtual time, without the ground truth; deterministic for a given ``params.seed``."""
+    rng = np.random.default_rng(params.seed)
+    records: list[tuple[float, int, int, str, dict[str, float | int | bool]]] = []
+
+    def on_log(t_s: float, stage: int, kind: str, fields: dict[str, float | int | bool]) -> None:
+        records.append((t_s, len(records), stage, kind, fields))
+
+    engine = PipelineEngine(params, on_log=on_log)
+    client = ClosedLoopClient(params, engine, rng)
+    if params.client_mode == "burst":
+        phases = _run_bursts(params, engine, client)
+    else:
+        phases = plan_phases(params)
+        for phase in phases:
+            engine.run_until(phase.start_s)
+            client.start_phase(phase)
+        engine.run_until(phases[-1].end_s)
+    client.stop()
+    end_s = phases[-1].end_s
+    deadline = end_s + params.drain_s
+    while engine.busy() and engine.now < deadline:
+        engine.run_until(min(engine.now + 1.0, deadline))
+    end_s = max(end_s, min(engine.now, deadline))
+    start_ns = parse_start_ns(params.start)
+    result = SimResult(scenario, params, start_ns, end_s, phases, client.requests, engine)
+    _format_log(result, records)
+    return result
+
+
+BURST_STEP_S = 0.02  # how finely a burst level's end is found
+
+
+def _run_bursts(params: SimParams, engine: PipelineEngine, client: ClosedLoopClient) -> list[Phase]:
+    """Each level's C requests at once; the level ends when its last request is back at the
+    client (or after phase_s), and the next level starts then."""
+    phases = []
+    t = 0.0
+    for c in params.concurrency:
+        label = f"C={c}"
+        first = len(client.requests)
+        client.start_burst(label, c, t)
+        deadline = t + params.phase_s
+        while client.inflight and engine.now < deadline:
+            engine.run_until(min(engine.now + BURST_STEP_S, deadline))
+        done = [r.finish_s for r in client.requests[first:] if r.finish_s is not None]
+        end = min(max(done, default=deadline) + params.client_latency_s, deadline)
+        phases.append(Phase(label, c, t, max(end, t + BURST_STEP_S)))
+        t = phases[-1].end_s
+    return phases
+
+
+def _format_log(result: SimResult, records: list[tuple[float, int, int, str, dict[str, Any]]]) -> None:
+    p = result.params
+    if p.engine == "vllm":
+        _format_vllm_log(result)
+        return
+    prefix = LinePrefix(p.pp_size, p.tp_size)
+    t0 = result.ns(-STARTUP_LEAD_S)
+    for line in startup_lines(p, t0, prefix):
+        result.log_lines.append(line)
+        result.log_ts_ns.append(t0)
+    records.sort(key=lambda r: (r[0], r[1]))
+    end_ns = result.ns(result.end_s)
+    for t_s, _, stage, kind, fields in records:
+        ts_ns = result.ns(t_s)
+        if ts_ns > end_ns:
+            break
+        message = decode_message(fields) if kind == "decode" else prefill_message(fields)
+        result.log_lines.append(f"{prefix.rank(ts_ns, stage)} {message}")
+        result.log_ts_ns.append(ts_ns)
+
+
+def _format_vllm_log(result: SimResult) -> None:
+    """vLLM's lines: the configuration, then every stats interval the averages over that window
+    and the scheduler's state at its last step (lines stop when a window and the one before it
+    saw nothing, as vLLM's logger does)."""
+    p = result.params
+    tr = result.engine.trace
+    t0 = result.ns(-STARTUP_LEAD_S)
+    for line in vllm_startup_lines(p, t0):
+        result.log_lines.append(line)
+        result.log_ts_ns.append(t0)
+    tok_t, tok_n = np.asarray(tr.tok_t), np.asarray(tr.tok_n, dtype=np.float64)
+    pf_t, pf_n = np.asarray(tr.pf_t), np.asarray(tr.pf_n, dtype=np.float64)
+    st_t = np.asarray(tr.st_t)
+    step = VLLM_STATS_INTERVAL_S
+    quiet_before = True
+    t = -STARTUP_LEAD_S + step
+    while t <= result.end_s:
+        gen = float(tok_n[(tok_t > t - step) & (tok_t <= t)].sum())
+        prompt = float(pf_n[(pf_t > t - step) & (pf_t <= t)].sum())
+        last = int(np.searchsorted(st_t, t, side="right")) - 1
+        running, waiting, kv = (tr.st_running[last], tr.st_waiting[last], tr.st_kv_used[last]) \
+            if last >= 0 else (0, 0, 0)
+        quiet = gen == 0 and prompt == 0 and running == 0 and waiting == 0
+        if not (quiet and quiet_before):
+            ts_ns = result.ns(t)
+            message = vllm_stats_message(prompt / step, gen / step, running, waiting,
+                                         kv / p.max_total_num_tokens)
+            result.log_lines.append(f"{vllm_prefix(ts_ns, 'APIServer')} {message}")
+            result.log_ts_ns.append(ts_ns)
+        quiet_before = quiet
+        t += step
