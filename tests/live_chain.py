@@ -99,13 +99,14 @@ def sim_chain(work: Path, scenario: str = "microbatch-cap") -> Iterator[Chain]:
 
 
 @contextlib.contextmanager
-def prometheus(work: Path, targets: dict[str, int]) -> Iterator[str]:
-    """Prometheus scraping each loopback target every second; yields its base URL."""
+def prometheus(work: Path, targets: dict[str, int], interval_s: int = 1) -> Iterator[str]:
+    """Prometheus scraping each loopback target every ``interval_s``; yields its base URL."""
     binary = require_binary("/usr/bin/prometheus", "prometheus")
     jobs = "".join(f'  - job_name: {job}\n    static_configs:\n      - targets: ["127.0.0.1:{port}"]\n'
                    for job, port in targets.items())
     config = work / "prometheus.yml"
-    config.write_text(f"global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n{jobs}")
+    config.write_text(f"global:\n  scrape_interval: {interval_s}s\n  scrape_timeout: {interval_s}s\n"
+                      f"scrape_configs:\n{jobs}")
     port = free_port()
     with process([binary, f"--config.file={config}", f"--storage.tsdb.path={work / 'prom-data'}",
                   f"--web.listen-address=127.0.0.1:{port}"], work / "prometheus.out") as proc:

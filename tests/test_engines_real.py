@@ -92,7 +92,8 @@ def _capture(setting: EngineSetting, tmp: Path) -> Iterator[Capture]:
     with contextlib.ExitStack() as outlives_the_engine, running_engine(setting, log_path) as engine:
         # Prometheus scrapes the engine beside gputrace's capture and stays up after the engine
         # stops, for the report from it alone
-        prom_url = outlives_the_engine.enter_context(prometheus(tmp, {setting.engine: engine.port}))
+        # every 2 s: an engine's /metrics on this loaded CPU can take over a second to answer
+        prom_url = outlives_the_engine.enter_context(prometheus(tmp, {setting.engine: engine.port}, 2))
         cfg = tmp / "gputrace.toml"
         cfg.write_text(
             f'[run]\nname = "{setting.engine}-tier"\n\n[[hosts]]\nname = "engine-host"\n\n'
@@ -285,6 +286,16 @@ def _store_findings(capture: Capture) -> dict[str, set[tuple[str, object, object
     return out
 
 
+def _scrape_health(prom_url: str) -> list[object]:
+    """What Prometheus says of its targets (health, last error): for a failure's message."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{prom_url}/api/v1/targets", timeout=10) as resp:
+        active = json.loads(resp.read())["data"]["activeTargets"]
+    return [(t.get("scrapeUrl"), t.get("health"), t.get("lastError"), t.get("lastScrapeDuration"))
+            for t in active]
+
+
 def _prometheus_findings(capture: Capture, window: tuple[int, int],
                          tmp: Path) -> set[tuple[str, object, object]]:
     """`gputrace report --prometheus` over one phase's window (its settled part), given the
@@ -297,7 +308,7 @@ def _prometheus_findings(capture: Capture, window: tuple[int, int],
          "--start", f"{start / 1e9:.3f}", "--end", f"{(end - 10**9) / 1e9:.3f}", "--step", "1s",
          "--max-running-requests", str(ADMISSION_LIMIT), "--run-out", str(out_dir / "run"),
          "--out", str(out_dir), "--format", "json"], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, (done.stderr[-3000:], _scrape_health(capture.prometheus_url))
     doc = json.loads((out_dir / "findings.json").read_text())
     return {(f["cause"], (f.get("change") or {}).get("knob"), (f.get("change") or {}).get("value"))
             for f in doc["findings"]}

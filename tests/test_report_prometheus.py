@@ -71,6 +71,20 @@ def test_command_line_values() -> None:
             bad()
 
 
+def test_engine_series_are_read_in_either_spelling() -> None:
+    """prometheus_client (0.22+) answers an OpenMetrics scrape with `escaping=underscores`, so a
+    Prometheus 2.x that scraped SGLang or vLLM holds `sglang_num_running_reqs` where the engine
+    named `sglang:num_running_reqs` (seen with the real engines in the engine tier): both spellings
+    give the same field and count for the same role."""
+    from gputrace.imports.prometheus import ENGINE_FIELDS, SERIES_ROLES
+
+    for name in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "vllm:num_requests_running",
+                 "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        assert ENGINE_FIELDS[name.replace(":", "_")] == ENGINE_FIELDS[name]
+    roles = set(SERIES_ROLES["engine running requests"])
+    assert {"sglang_num_running_reqs", "vllm_num_requests_running"} <= roles
+
+
 def test_level_changes_become_markers() -> None:
     """A level starts at the step showing it and the one before ends two steps earlier; an absent
     level ends the last one."""

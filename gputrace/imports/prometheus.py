@@ -46,6 +46,18 @@ ENGINE_FIELDS = {
     "vllm:num_requests_waiting": "queue_req",
     "vllm:kv_cache_usage_perc": "token_usage",  # a ratio despite the name
 }
+
+
+def escaped(name: str) -> str:
+    """A name as Prometheus stores it after an OpenMetrics scrape with ``escaping=underscores``:
+    prometheus_client (0.22 and later) writes ``sglang:num_running_reqs`` as
+    ``sglang_num_running_reqs`` when the scraper asks for OpenMetrics, as Prometheus 2.x does."""
+    return name.replace(":", "_")
+
+
+ENGINE_FIELDS.update({escaped(name): f for name, f in list(ENGINE_FIELDS.items()) if ":" in name})
+# The engine whose metrics a series is, by its name's prefix (either spelling).
+ENGINE_PREFIXES = {"sglang:": "sglang", "sglang_": "sglang", "vllm:": "vllm", "vllm_": "vllm"}
 # What the diagnosis uses, each with the series that can give it: the import says which it found.
 SERIES_ROLES: dict[str, tuple[str, ...]] = {
     "GPU busy": (mn.GPU_UTILIZATION.name, "DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_PROF_GR_ENGINE_ACTIVE"),
@@ -60,6 +72,8 @@ SERIES_ROLES: dict[str, tuple[str, ...]] = {
     "engine throughput": (mn.ENGINE_GENERATION_THROUGHPUT.name, "sglang:gen_throughput"),
     "client load": (mn.LOAD_INFLIGHT.name, mn.LOAD_TARGET_CONCURRENCY.name),
 }
+SERIES_ROLES = {role: (*names, *(escaped(n) for n in names if ":" in n))
+                for role, names in SERIES_ROLES.items()}
 TARGET_METRIC = mn.LOAD_TARGET_CONCURRENCY.name
 INFLIGHT_METRIC = mn.LOAD_INFLIGHT.name
 ENGINE_LOAD_SOURCE = "prometheus engine running + queued requests"
@@ -247,8 +261,8 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
     runs: set[str] = set()
     engines: set[str] = set()
     for s in engine_series:
-        engines.add(s.labels.get("__name__", "").partition(":")[0] if ":" in s.labels.get("__name__", "")
-                    else "unknown")
+        metric = s.labels.get("__name__", "")
+        engines.add(next((e for p, e in ENGINE_PREFIXES.items() if metric.startswith(p)), "unknown"))
         rank = (s.labels.get("host", ""), _int_label(s.labels, "pp_rank") or 0,
                 _int_label(s.labels, "tp_rank") or 0, _int_label(s.labels, "dp_rank") or 0)
         runs.add(s.labels.get("run", ""))
