@@ -1,27 +1,25 @@
-"""Diagnosis rules on runs built from records (in memory as RunTables; in a run store where a test
-edits the stored rows with SQL): each cause found where it is built in, and a healthy run has no
+"""Diagnosis rules on runs built from records in memory as RunTables (no DuckDB file; a test that
+needs other rows edits the tables): each cause found where it is built in, and a healthy run has no
 finding."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
-from analysis_synth import Level, SynthRun, build, synth_tables
+import numpy as np
+from analysis_synth import Level, SynthRun, synth_tables
 
 from gputrace.analysis.diagnose import CAUSES
-from gputrace.analysis.run import Analysis, analyse_store, analyse_tables
-from gputrace.store import Store
+from gputrace.analysis.run import Analysis, analyse_tables
+from gputrace.run_tables import LoadGaugeColumns, RequestColumns, RunTables
 
 
-def _analyse(path: Path, spec: SynthRun, sql: str | None = None) -> Analysis:
-    """The run analysed from tables in memory; with ``sql``, from a store edited by it."""
-    if sql is None:
-        return analyse_tables(synth_tables(spec)[0])
-    build(path, spec)
-    with Store.open(path) as store:
-        if sql:
-            store.sql(sql)
-        return analyse_store(store)
+def _analyse(path: Path, spec: SynthRun, edit: Callable[[RunTables], RunTables] | None = None) -> Analysis:
+    """The run analysed from tables in memory (no DuckDB file), ``edit`` applied to them first."""
+    tables = synth_tables(spec)[0]
+    return analyse_tables(edit(tables) if edit is not None else tables)
 
 
 def _causes(a: Analysis) -> set[str]:
@@ -84,24 +82,36 @@ def test_client_bound(tmp_path: Path) -> None:
 
 # The client's requests in flight as a gauge read once a second (what a Prometheus import gives),
 # in place of the request records.
-_REQUESTS_TO_GAUGE = """
-INSERT INTO load_samples (source, ts_ns, inflight_requests)
-SELECT 'gauge', g.t, (SELECT count(*) FROM requests r WHERE r.start_ns <= g.t AND r.end_ns > g.t)
-FROM range((SELECT min(start_ns) + 500000000 FROM requests), (SELECT max(end_ns) FROM requests),
-           1000000000) g(t);
-DELETE FROM requests;
-"""
+def _requests_to_gauge(tables: RunTables) -> RunTables:
+    """The request records replaced by a once-a-second gauge of the requests in flight."""
+    rq = tables.requests
+    t = np.arange(np.nanmin(rq.start_ns) + 5e8, np.nanmax(rq.end_ns), 1e9)
+    inflight = np.array([np.sum((rq.start_ns <= x) & (rq.end_ns > x)) for x in t], dtype=np.float64)
+    gauge = LoadGaugeColumns(t.astype(np.int64), inflight, np.full(len(t), "gauge", dtype=object))
+    return dataclasses.replace(tables, requests=RequestColumns(), load_gauge=gauge)
+
+
+def _without_requests(tables: RunTables) -> RunTables:
+    return dataclasses.replace(tables, requests=RequestColumns())
+
+
+def _power_capped_gpu_1(tables: RunTables) -> RunTables:
+    """Clock-event reasons: SW power cap (4) on GPU 1, GPU idle (1) on the others."""
+    g = tables.gpu_samples
+    index = np.array([gpu for _, gpu in g.keys], dtype=np.int64)[g.k]
+    return dataclasses.replace(tables, gpu_samples=dataclasses.replace(
+        g, clock_event_reasons=np.where(index == 1, 4.0, 1.0)))
 
 
 def test_client_bound_from_an_in_flight_gauge(tmp_path: Path) -> None:
     """Without request records the gauge of the client's requests in flight still shows the
     client keeping 8 of 32; without it either, the shortfall cannot be seen."""
     spec = SynthRun([Level("C=32", 32, 8, [0.9] * 4, 2, 10)], pp=4)
-    a = _analyse(tmp_path / "gauge", spec, _REQUESTS_TO_GAUGE)
+    a = _analyse(tmp_path / "gauge", spec, _requests_to_gauge)
     assert _causes(a) == {"client_bound"}
     assert 7.5 <= a.findings[0].evidence["inflight_mean"] <= 8.5
     assert any("from a gauge" in note for note in a.run.notes)
-    blind = _analyse(tmp_path / "none", spec, "DELETE FROM requests")
+    blind = _analyse(tmp_path / "none", spec, _without_requests)
     assert "client_bound" not in _causes(blind)
 
 
@@ -114,8 +124,7 @@ def test_kv_cache_bound(tmp_path: Path) -> None:
 def test_throttling_from_clock_event_reasons(tmp_path: Path) -> None:
     """SW power cap reasons on one GPU make a throttling finding for its stage."""
     spec = SynthRun([Level("C=16", 16, 16, [0.95] * 4, 4, 10)], pp=4)
-    a = _analyse(tmp_path / "r", spec, "UPDATE gpu_samples SET clock_event_reasons = "
-                 "CASE WHEN gpu_index = 1 THEN 4 ELSE 1 END")
+    a = _analyse(tmp_path / "r", spec, _power_capped_gpu_1)
     assert _causes(a) == {"throttling"} and a.findings[0].stages == [1]
 
 

@@ -1,15 +1,15 @@
-"""Phases and per-stage metrics on run stores built from records."""
+"""Phases and per-stage metrics on runs built from records in memory (RunTables, no DuckDB file)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
-from analysis_synth import Level, SynthRun, build
+from analysis_synth import Level, SynthRun, synth_tables
 
 from gputrace.analysis.phases import Phase, detect_phases, phases_from_markers, phases_from_request_labels
-from gputrace.analysis.run import analyse_store
-from gputrace.store import Store
+from gputrace.analysis.run import analyse_tables
 
 
 def test_phases_from_markers_end_at_next_phase_or_end() -> None:
@@ -48,9 +48,8 @@ def test_busy_and_bubble_fractions_match_truth(tmp_path: Path) -> None:
     """Busy equals the true mean utilization; bubble = work share minus busy, per stage."""
     levels = [Level("C=4", 4, 4, [0.2, 0.3, 0.25, 0.2], 1, 12),
               Level("C=16", 16, 16, [0.5, 0.55, 0.6, 0.5], 4, 12)]
-    truth = build(tmp_path / "r", SynthRun(levels, pp=4))
-    with Store.open(tmp_path / "r", read_only=True) as store:
-        a = analyse_store(store)
+    tables, truth = synth_tables(SynthRun(levels, pp=4))
+    a = analyse_tables(tables)
     assert [p.label for p in a.phases] == ["C=4", "C=16"] and a.phases[0].source == "markers"
     for pm in a.metrics:
         for s in pm.stages:
@@ -77,10 +76,9 @@ def test_busy_and_bubble_fractions_match_truth(tmp_path: Path) -> None:
 def test_phases_detected_without_markers(tmp_path: Path) -> None:
     """With no markers and no labels, levels are detected from the client's in-flight requests."""
     levels = [Level("", 2, 2, [0.2, 0.2], 1, 15), Level("", 12, 12, [0.6, 0.6], 6, 15)]
-    build(tmp_path / "r", SynthRun(levels, pp=2, markers=False))
-    with Store.open(tmp_path / "r") as store:
-        store.sql("UPDATE requests SET phase = NULL")
-        a = analyse_store(store)
+    tables, _ = synth_tables(SynthRun(levels, pp=2, markers=False))
+    unlabelled = dataclasses.replace(tables.requests, phase=np.full(len(tables.requests), "", dtype=object))
+    a = analyse_tables(dataclasses.replace(tables, requests=unlabelled))
     assert [p.target_concurrency for p in a.phases] == [2, 12]
     assert a.phases[0].source == "detected from client requests in flight"
     assert isinstance(a.phases[0], Phase)
