@@ -441,7 +441,7 @@ def test_a_followed_line_past_the_cap_is_cut_and_positions_count_every_byte() ->
     """A followed file writing 3 MiB without a newline: the follower keeps at most MAX_LINE_BYTES
     of it (memory grew with the file), emits its head as one line when the newline comes, and the
     resume position after the next line is the file's true byte offset ([robust] #13)."""
-    from gputrace.imports.engine_log import MAX_LINE_BYTES
+    from gputrace.engines.common import MAX_LINE_BYTES
     from gputrace.remote.follow import _FileDecoder
 
     decoder = _FileDecoder("/var/log/x.log", None, True, 0.1)

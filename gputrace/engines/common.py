@@ -30,6 +30,9 @@ METRIC_FIELDS: dict[str, type] = {
     "cuda_graph": bool,
 }
 RANK_FIELDS = ("dp_rank", "pp_rank", "tp_rank", "ep_rank")
+# No engine writes a line this long (SGLang's server_args line is a few KB): past it a line is cut,
+# by the live follower and the importer alike.
+MAX_LINE_BYTES = 1 << 20
 
 # EngineConfig's typed fields and the engine names they are read from (first found wins).
 CONFIG_FIELD_NAMES: dict[str, tuple[str, ...]] = {

@@ -18,14 +18,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from gputrace.engines import KINDS, LogParser, fastpath
-from gputrace.engines.common import METRIC_FIELDS, RANK_FIELDS, LogClock, ParsedLine
+from gputrace.engines.common import MAX_LINE_BYTES, METRIC_FIELDS, RANK_FIELDS, LogClock, ParsedLine
 from gputrace.errors import SourceError
 from gputrace.imports.report import ImportReport, write_rows
 from gputrace.model import EngineConfig
 from gputrace.store import ROW_GROUP_ROWS, Store
 
-# No engine writes a line this long (SGLang's server_args line is a few KB): past it a line is cut.
-MAX_LINE_BYTES = 1 << 20
 CHUNK_BYTES = 8 << 20
 _WORKERS = min(4, os.cpu_count() or 1)
 _EVENT_INT_COLUMNS = ("line_no", "log_ts_ns", "ts_resolution_ns", *RANK_FIELDS)

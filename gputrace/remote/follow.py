@@ -20,8 +20,8 @@ from typing import Protocol
 
 from gputrace.backoff import Backoff
 from gputrace.config import LogSource
+from gputrace.engines.common import MAX_LINE_BYTES
 from gputrace.errors import HostKeyError, SourceError, TransportError
-from gputrace.imports.engine_log import MAX_LINE_BYTES
 from gputrace.logsetup import get_logger
 from gputrace.remote.transport import StreamedCommand, Transport
 
