@@ -235,13 +235,16 @@ class MetricsScraper:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="metrics-scraper", daemon=True)
 
+    def _scrape(self) -> None:
+        try:
+            text = self.engine.metrics_text()
+            self.snapshots.append({"ts_ns": time.time_ns(), "samples": watched_samples(text)})
+        except (OSError, ValueError):
+            self.errors += 1
+
     def _loop(self) -> None:
         while not self._stop.is_set():
-            try:
-                text = self.engine.metrics_text()
-                self.snapshots.append({"ts_ns": time.time_ns(), "samples": watched_samples(text)})
-            except (OSError, ValueError):
-                self.errors += 1
+            self._scrape()
             self._stop.wait(self.period_s)
 
     def __enter__(self) -> MetricsScraper:
@@ -251,6 +254,10 @@ class MetricsScraper:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+        # one scrape after what the block ran (a load that just ended): the counters then hold
+        # every request it finished, whenever the last periodic scrape fell
+        self._stop.wait(self.period_s)
+        self._scrape()
 
     def series(self, name: str, **labels: str) -> list[tuple[int, float]]:
         """(ts_ns, value) of one series over the scrapes (summed over samples matching labels)."""
