@@ -256,7 +256,7 @@ class MetricsScraper:
         self._thread.join(timeout=10)
         # one scrape after what the block ran (a load that just ended): the counters then hold
         # every request it finished, whenever the last periodic scrape fell
-        self._stop.wait(self.period_s)
+        time.sleep(self.period_s)
         self._scrape()
 
     def series(self, name: str, **labels: str) -> list[tuple[int, float]]:
