@@ -80,6 +80,21 @@ def test_client_bound(tmp_path: Path) -> None:
     assert a.findings[0].evidence["target_concurrency"] == 32
 
 
+def test_no_client_bound_from_a_level_detected_in_the_gauge_itself(tmp_path: Path) -> None:
+    """A phase whose level was detected from the in-flight gauge (no markers, no labels: a
+    Prometheus with only the engine's gauges) has no asked-for level: the gauge's dips below its
+    own detected level are not a client that falls short (seen at C=1 from vLLM's gauges)."""
+    from gputrace.analysis.diagnose import diagnose
+
+    spec = SynthRun([Level("C=32", 32, 8, [0.9] * 4, 2, 10)], pp=4)
+    pm = _analyse(tmp_path / "r", spec).metrics[0]
+    asked = dataclasses.replace(pm, target_concurrency=1, inflight_mean=0.6)
+    detected = dataclasses.replace(asked, source="detected from client requests in flight")
+    engine = {"engine": "vllm", "max_running_requests": 8}
+    assert "client_bound" in {f.cause for f in diagnose([asked], engine, 4)}
+    assert "client_bound" not in {f.cause for f in diagnose([detected], engine, 4)}
+
+
 # The client's requests in flight as a gauge read once a second (what a Prometheus import gives),
 # in place of the request records.
 def _requests_to_gauge(tables: RunTables) -> RunTables:
@@ -148,6 +163,25 @@ def test_request_pool_at_its_limit_is_the_bound_not_k(tmp_path: Path) -> None:
     (bound,) = [f for f in a.findings if f.cause == "admission_bound"]
     assert bound.recommendation == "--max-running-requests 16"
     assert (bound.evidence["admission_limit"], bound.evidence["engine_running_estimate"]) == (8, 8.0)
+
+
+def test_without_the_clients_level_the_limit_covers_the_gauges_peak(tmp_path: Path) -> None:
+    """Without an asked-for level (the load from the engine's running + waiting gauges), the new
+    limit covers the gauge's 90th percentile, not its mean, which dips while finished requests are
+    replaced (vLLM's gauges at C=16: mean 14.6, most scrapes 16)."""
+    from gputrace.analysis.diagnose import diagnose
+
+    spec = SynthRun([Level("C=16", 16, 16, [0.95] * 2, 4, 10, queue=8, token_usage=0.1)], pp=2,
+                    engine={"max_running_requests": 8})
+    pm = _analyse(tmp_path / "r", spec).metrics[0]
+    gauge_only = dataclasses.replace(pm, target_concurrency=None, inflight_mean=14.6, inflight_p90=16.0,
+                                     source="detected from client requests in flight")
+    engine = {"engine": "sglang", "max_running_requests": 8}
+    (bound,) = [f for f in diagnose([gauge_only], engine, 2) if f.cause == "admission_bound"]
+    assert bound.recommendation == "--max-running-requests 16"
+    asked = dataclasses.replace(gauge_only, target_concurrency=15, inflight_mean=14.6)
+    (bound,) = [f for f in diagnose([asked], engine, 2) if f.cause == "admission_bound"]
+    assert bound.recommendation == "--max-running-requests 15"
 
 
 def test_admission_bound_names_the_kv_setting_when_the_cache_would_not_hold_it(tmp_path: Path) -> None:

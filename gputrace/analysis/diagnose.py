@@ -102,7 +102,10 @@ def admission_bound(pm: PhaseMetrics, engine: Mapping[str, Any], load: float | N
         return None  # offered no more than the limit admits: the queue is turnover, not a bound
     assert limit is not None and engine_running is not None
     kind = engine_kind(engine)
-    want = max(int(np.ceil(load)), limit + 1)
+    # the limit to cover the offered load; without the client's level, the load's 90th percentile
+    # where higher (a gauge read from the engine dips while finished requests are replaced)
+    offered = load if pm.target_concurrency else max(load, pm.inflight_p90 or 0.0)
+    want = max(int(np.ceil(offered)), limit + 1)
     usage = _vals(pm.stages, "token_usage_max")
     usage_max = float(np.nanmax(usage)) if not np.isnan(usage).all() else None
     projected = usage_max * want / max(engine_running, 1.0) if usage_max is not None else None
@@ -178,8 +181,11 @@ def phase_context(pm: PhaseMetrics, engine: Mapping[str, Any], pp_size: int, th:
 
 
 def rule_client_bound(c: PhaseContext) -> Finding | None:
-    """The generator cannot keep the level it was asked for."""
+    """The generator cannot keep the level it was asked for. A level detected from the in-flight
+    gauge itself says nothing of what was asked: its shortfall from that gauge is no evidence."""
     pm, th = c.pm, c.th
+    if pm.source.startswith("detected"):
+        return None
     if not (pm.target_concurrency and pm.inflight_mean is not None and
             pm.inflight_mean < th.client_shortfall * pm.target_concurrency):
         return None

@@ -136,6 +136,9 @@ class PhaseMetrics:
     microbatches_in_flight: float | None
     allowed_busy_fraction: float | None  # min(1, micro-batches in flight / pp_size)
     stages: list[StageMetrics]
+    # the in-flight gauge's 90th percentile: a gauge read from the engine (running + waiting)
+    # dips while finished requests are replaced, so its mean runs under the offered load
+    inflight_p90: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -304,6 +307,7 @@ def phase_metrics(run: AlignedRun, series: StageSeries, phase: Phase) -> PhaseMe
     with np.errstate(all="ignore"):
         itl = np.where(n_tok > 1, (rq["end_ns"] - rq["first_token_ns"])[done] / 1e9 / (n_tok - 1), np.nan)
     inflight = _wmean(run.inflight[cells], w) if run.inflight is not None else None
+    inflight_p90 = _pct(run.inflight[cells][w > 0], 90) if run.inflight is not None else None
 
     stages: list[StageMetrics] = []
     signals = [busy_signal(series.sm_active[s, cells], w) for s in range(run.pp_size)]
@@ -373,6 +377,7 @@ def phase_metrics(run: AlignedRun, series: StageSeries, phase: Phase) -> PhaseMe
     return PhaseMetrics(
         label=phase.label, start_ns=phase.start_ns, end_ns=phase.end_ns, duration_s=phase.duration_s,
         source=phase.source, target_concurrency=phase.target_concurrency, inflight_mean=inflight,
+        inflight_p90=inflight_p90,
         work_share=float(np.sum(work * w) / np.sum(w)) if len(w) else 0.0,
         requests_completed=int(done.sum()),
         requests_failed=int((in_phase & ~rq["ok"] & ~abandoned).sum()),
