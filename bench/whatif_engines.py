@@ -112,8 +112,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = ap.parse_args()
     reason = engines_available()
-    if reason is not None:
-        raise SystemExit(reason)
+    if reason is not None:  # `make bench` runs every bench: without the engines this one skips
+        print(f"skipped: {reason}")
+        return
     rows: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory(prefix="whatif-engines-") as tmp:
         for engine_name in [e for e in args.engines.split(",") if e]:
