@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from engine_servers import EngineSetting, engines_available, running_engine
 
+from gputrace.analysis.diagnose import Finding
 from gputrace.analysis.run import Analysis, analyse_store
 from gputrace.store import Store
 from gputrace.whatif.fit import fit_model, relative_error
@@ -70,19 +71,19 @@ def _analysis(run: Path) -> Analysis:
         return analyse_store(store)
 
 
-def _recommendation(analysis: Analysis) -> tuple[str, int]:
-    """The flag and value of the admission-limit finding at C=16."""
+def _recommendation(analysis: Analysis) -> Finding:
+    """The admission-limit finding at C=16 (its details name the flag and the value)."""
     for f in analysis.findings:
         if f.phase == "C=16" and f.cause == "admission_bound":
-            return str(f.details["knob"]), int(f.details["value"])
+            return f
     raise SystemExit(f"no admission_bound finding at C=16: {[(f.phase, f.cause) for f in analysis.findings]}")
 
 
 def one_repeat(engine_name: str, work: Path) -> list[dict[str, object]]:
     before = _analysis(_load_and_import(EngineSetting(engine_name, "default"), work / "default"))
-    flag, value = _recommendation(before)
+    finding = _recommendation(before)
+    flag, value = str(finding.details["knob"]), int(finding.details["value"])
     model = fit_model(before)
-    finding = next(f for f in before.findings if f.phase == "C=16" and f.cause == "admission_bound")
     change = finding_change(model, {"details": finding.details, "phase": finding.phase})
     assert change is not None, finding.details
     predicted = {row.label: row.predicted for row in predict(model, change)}
