@@ -44,7 +44,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scenario", default="motivating")
     ap.add_argument("--calibration", action="store_true", help="the motivating figures, simulated")
-    ap.add_argument("--fit", action="store_true", help="with --calibration: search the MoE cost grid")
+    ap.add_argument("--fit", action="store_true", help="with --calibration: fit the costs again")
     ap.add_argument("--hours", type=float, default=1.0)
     ap.add_argument("--period", type=float, default=0.1, help="sample period in seconds (0.1 = 10 Hz)")
     args = ap.parse_args()

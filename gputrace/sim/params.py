@@ -181,6 +181,19 @@ SCENARIOS: dict[str, Scenario] = {
     )
 }
 
+# The motivating deployment's cost model, fitted to its measured figures (Kimi K2.6, PP8 on 8 PCIe
+# GPUs; `python bench/calibration.py --fit`): the step reads the stage's dense weights and the
+# routed experts its tokens touch (384 experts, top-8), a prompt token costs prefill_token_s per
+# stage. Two deployment facts the figures do not state were fitted with it: the prompt length (a
+# burst's prompts fill SGLang's 8,192-token prefill budget 8 at a time, so C=32 spreads over 4
+# micro-batches whatever K allows) and the KV-cache capacity (it keeps the 4,096-token bursts at
+# C=32 and C=48 from running all at once). Nothing about the scheduler is fitted.
+KIMI_K26_PCIE_COST: Mapping[str, Any] = {
+    "moe_experts": 384, "moe_top_k": 8, "launch_s": 0.0006, "decode_token_s": 1e-6,
+    "weight_read_s": 0.00123, "expert_read_s": 0.0572, "prefill_token_s": 2.14e-4,
+    "input_tokens": 1024, "max_total_num_tokens": 156_000,
+}
+
 _FIELDS = {f.name: f for f in dataclasses.fields(SimParams)}
 
 
