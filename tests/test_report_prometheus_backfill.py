@@ -32,7 +32,7 @@ DCGM_SERIES = (("DCGM_FI_DEV_GPU_UTIL", 100.0, "utilization_ratio"),
                ("DCGM_FI_DEV_SM_CLOCK", 1e-6, "sm_clock_hz"),
                ("DCGM_FI_DEV_CLOCKS_EVENT_REASONS", 1.0, "clock_event_reasons"))
 ENGINE_SERIES = ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:gen_throughput",
-                 "sglang:token_usage")
+                 "sglang:token_usage", "sglang:http_requests_active")
 
 
 def _labels(labels: dict[str, str]) -> str:
@@ -106,12 +106,7 @@ def _overlap(a: dict[str, Any], start_ns: int, end_ns: int) -> float:
 @pytest.mark.system
 @pytest.mark.parametrize(("scenario", "flags"), [
     ("pool-bound", ["--max-running-requests", "32"]),
-    pytest.param("microbatch-cap", ["--max-running-requests", "64", "--pp-max-micro-batch-size", "2"],
-                 marks=pytest.mark.xfail(strict=True, reason=(
-                     "open: without a client gauge the load is the sum of the ranks' sglang:num_running_reqs "
-                     "(each the micro-batch it ran last) plus the queue; at C=1 and C=8 fewer micro-batches "
-                     "than ranks are non-empty, ranks hold the same one, the load reads 8 and 16 and "
-                     "pipeline_underfilled is missed"))),
+    ("microbatch-cap", ["--max-running-requests", "64", "--pp-max-micro-batch-size", "2"]),
 ])
 def test_report_from_dcgm_and_sglang_series_finds_the_ground_truth(scenario: str, flags: list[str],
                                                                    tmp_path: Path) -> None:

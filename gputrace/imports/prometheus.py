@@ -71,12 +71,19 @@ SERIES_ROLES: dict[str, tuple[str, ...]] = {
     "engine queue": (mn.ENGINE_QUEUE.name, "sglang:num_queue_reqs", "vllm:num_requests_waiting"),
     "engine throughput": (mn.ENGINE_GENERATION_THROUGHPUT.name, "sglang:gen_throughput"),
     "client load": (mn.LOAD_INFLIGHT.name, mn.LOAD_TARGET_CONCURRENCY.name),
+    "server requests in flight": ("sglang:http_requests_active",),
 }
 SERIES_ROLES = {role: (*names, *(escaped(n) for n in names if ":" in n))
                 for role, names in SERIES_ROLES.items()}
 TARGET_METRIC = mn.LOAD_TARGET_CONCURRENCY.name
 INFLIGHT_METRIC = mn.LOAD_INFLIGHT.name
 ENGINE_LOAD_SOURCE = "prometheus engine running + queued requests"
+# SGLang's HTTP server counts the requests it holds, per endpoint and method: running, waiting and
+# being tokenized, engine-wide. Under PP the per-rank running gauges cannot give that total (each
+# holds one micro-batch, and ranks that hold the same one count it twice), so this comes first.
+HTTP_ACTIVE_METRICS = ("sglang:http_requests_active", escaped("sglang:http_requests_active"))
+HTTP_LOAD_SOURCE = "prometheus sglang:http_requests_active (POST)"
+HTTP_LABELS = frozenset({"endpoint", "method", "model_name"})
 MAX_STEPS = 5_000_000
 """Steps per import at most: each GPU metric is held as one float per step while stitching."""
 
@@ -90,7 +97,7 @@ AGENT_LABELS = frozenset({"host", "gpu", "uuid", "model", "pp_rank", "tp_rank",
 ENGINE_LABELS = frozenset({"host", "pp_rank", "tp_rank", "dp_rank", "run", "model_name", "engine_type",
                            "engine", "moe_ep_rank"})
 LOAD_LABELS = frozenset({"run"})
-_KNOWN_LABELS = AGENT_LABELS | ENGINE_LABELS | LOAD_LABELS
+_KNOWN_LABELS = AGENT_LABELS | ENGINE_LABELS | LOAD_LABELS | HTTP_LABELS
 
 _MATCHER = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)\s*(=~|!~|!=|=)\s*("(?:[^"\\]|\\.)*")\s*(,|$)')
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w|y)")
@@ -224,6 +231,7 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
     engine_series = fetch(list(ENGINE_FIELDS), ENGINE_LABELS)
     target_series = fetch([TARGET_METRIC], LOAD_LABELS)
     inflight_series = fetch([INFLIGHT_METRIC], LOAD_LABELS)
+    http_series = fetch(HTTP_ACTIVE_METRICS, HTTP_LABELS)
     summary.queries = client.queries
     if not gpu_series and not engine_series:
         where = f" matching {{{', '.join(map(str, matchers))}}}" if matchers else ""
@@ -231,7 +239,8 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
                           f"sglang:* or vllm:* ones, between {start_ms / 1000:.3f} and "
                           f"{end_ms / 1000:.3f}{where}")
     summary.found = sorted({s.labels.get("__name__", "") for s in
-                            [*gpu_series, *engine_series, *target_series, *inflight_series]})
+                            [*gpu_series, *engine_series, *target_series, *inflight_series,
+                             *http_series]})
     summary.lacking = [role for role, names in SERIES_ROLES.items() if not set(names) & set(summary.found)]
 
     # GPUs: one array per (host, gpu) and field; the labels give the device and its stage.
@@ -301,8 +310,12 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
         _write_engine(store, summary, ranks, grid_ns, step_ms, client.base_url, engine)
         write_rows(store, summary, "devices", list(devices.values()))
         load_source = "prometheus " + INFLIGHT_METRIC
-        if np.isnan(inflight).all() and engine in ("sglang", "vllm"):
-            inflight, load_source = engine_load(ranks, n), ENGINE_LOAD_SOURCE
+        if np.isnan(inflight).all():
+            server = server_inflight(http_series, start_ms, step_ms, n)
+            if engine == "sglang" and not np.isnan(server).all():
+                inflight, load_source = server, HTTP_LOAD_SOURCE
+            elif engine in ("sglang", "vllm"):
+                inflight, load_source = engine_load(ranks, n), ENGINE_LOAD_SOURCE
         _write_load(store, summary, inflight, target, grid_ns, step_ms, load_source)
         write_rows(store, summary, "markers", target_markers(target, grid_ns))
         if engine_config:
@@ -377,6 +390,19 @@ def _write_engine(store: Store, report: ImportReport,
             if attr in ("running_req", "queue_req"):
                 cols[attr] = _int_column(v[present])
         total += write_rows(store, report, "scheduler_events", cols)
+    return total
+
+
+def server_inflight(series: Sequence[Series], start_ms: int, step_ms: int, n: int) -> np.ndarray:
+    """SGLang's requests in flight at its HTTP server: the sum of sglang:http_requests_active over
+    the POST endpoints (generation; the GETs are health checks, model lists and scrapes)."""
+    total = np.full(n, np.nan)
+    for s in series:
+        if s.labels.get("method", "POST").upper() != "POST":
+            continue
+        values = np.full(n, np.nan)
+        _fill(values, *_place(s, start_ms, step_ms, n))
+        total = np.where(np.isnan(total), values, total + np.nan_to_num(values))
     return total
 
 

@@ -1,8 +1,8 @@
 """The engine's own Prometheus metrics as the simulated engine would expose them: SGLang's
 ``sglang:*`` gauges per ``pp_rank`` (set when a rank logs a batch, as SGLang's metrics collector
-is) and its token and forward-time counters; vLLM's engine-wide ``vllm:*`` series. One snapshot
-model, two drivers: the virtual run's store (a scrape every second) and the real-time server's
-``/metrics``.
+is), its token and forward-time counters and its HTTP server's requests in flight; vLLM's
+engine-wide ``vllm:*`` series. One snapshot model, two drivers: the virtual run's store (a scrape
+every second) and the real-time server's ``/metrics``.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class MetricSnapshot:
     running: int = 0  # engine-wide (vLLM's scheduler stats)
     waiting: int = 0
     kv_usage_ratio: float = 0.0
+    http_active: int = 0  # requests the HTTP server holds (arrived, not finished), engine-wide
 
 
 Sample = tuple[str, dict[str, str], float, str]  # sample name, labels, value, "gauge" | "counter"
@@ -46,7 +47,8 @@ def snapshot_samples(p: SimParams, snap: MetricSnapshot) -> list[Sample]:
                 ("vllm:num_requests_waiting", labels, float(snap.waiting), "gauge"),
                 ("vllm:kv_cache_usage_perc", labels, snap.kv_usage_ratio, "gauge"),
                 ("vllm:generation_tokens_total", labels, snap.tokens_total, "counter")]
-    out: list[Sample] = []
+    out: list[Sample] = [("sglang:http_requests_active", {"endpoint": "/v1/completions", "method": "POST"},
+                          float(snap.http_active), "gauge")]
     for s, fields in enumerate(snap.stage_fields):
         labels = {"model_name": p.model_path, "engine_type": "unified", "tp_rank": "0", "pp_rank": str(s)}
         out += [(name, labels, float(fields[f]), "gauge") for f, name in SGLANG_GAUGES.items() if f in fields]
@@ -105,6 +107,8 @@ def virtual_metric_rows(p: SimParams, start_ns: int, end_s: float, trace: Any,
     iv_end = np.asarray(trace.iv_end, dtype=np.float64)
     busy = iv_end - np.asarray(trace.iv_start, dtype=np.float64)
     forward = [_cumulative(iv_end[stage == s], busy[stage == s], at_s) for s in range(p.pp_size)]
+    in_flight = _cumulative(np.asarray(trace.work_t, dtype=np.float64),
+                            np.asarray(trace.work_delta, dtype=np.float64), at_s)
     columns: dict[str, list[Any]] = {"ts_ns": [], "name": [], "labels_json": [], "value": []}
     per_stage = _stage_gauges(p, events, at_ns)
     st_t = np.asarray(trace.st_t, dtype=np.float64)
@@ -116,7 +120,8 @@ def virtual_metric_rows(p: SimParams, start_ns: int, end_s: float, trace: Any,
             tokens_total=float(tokens[k]), forward_s=[float(f[k]) for f in forward],
             running=trace.st_running[last] if last >= 0 else 0,
             waiting=trace.st_waiting[last] if last >= 0 else 0,
-            kv_usage_ratio=trace.st_kv_used[last] / p.max_total_num_tokens if last >= 0 else 0.0)
+            kv_usage_ratio=trace.st_kv_used[last] / p.max_total_num_tokens if last >= 0 else 0.0,
+            http_active=int(in_flight[k]))
         for name, labels, value, _kind in snapshot_samples(p, snap):
             columns["ts_ns"].append(t_ns)
             columns["name"].append(name)

@@ -155,7 +155,8 @@ class RealtimeSim:
         return MetricSnapshot(stage_fields=[dict(f) for f in self._stage_fields],
                               tokens_total=self._tokens_total, forward_s=list(self._forward_s),
                               running=e.running, waiting=len(e.waiting),
-                              kv_usage_ratio=e.kv_used / self.p.max_total_num_tokens)
+                              kv_usage_ratio=e.kv_used / self.p.max_total_num_tokens,
+                              http_active=e.in_system)
 
     def _on_log(self, t_s: float, stage: int, kind: str, fields: dict[str, Any]) -> None:
         self._lines.append((t_s, len(self._lines), stage, kind, fields))
