@@ -23,6 +23,7 @@ import pytest
 from conftest import SmallDisk
 from live_chain import free_port, http_ok, wait_until
 from slow_clients import fd_limit_of, get_within, half_sent_requests, raise_own_fd_limit
+from sshd import SshServer, sshd_server_fixture  # noqa: F401  (the sshd_server fixture)
 
 from gputrace.store import Store
 
@@ -241,6 +242,39 @@ def test_a_capture_refused_at_start_leaves_no_run_behind(tmp_path: Path) -> None
     _, err = retry.communicate(timeout=60)
     assert retry.returncode == 0, err
     assert (out / "meta.json").exists()
+
+
+@pytest.mark.parametrize("command", ["collect", "run"])
+def test_a_capture_that_cannot_reach_its_host_leaves_no_run_behind(
+        tmp_path: Path, sshd_server: SshServer, command: str) -> None:
+    """`collect` and `run` that fail at start, for a listen address refused, an SSH host key not
+    known or a host not answering, exit non-zero with the reason and leave no run directory; the
+    retry with the cause fixed uses the same --out ([robust] #15: 'a run already exists there')."""
+    out = tmp_path / "run"
+    known = tmp_path / "known_hosts"
+    known.write_text("")
+
+    def attempt(ssh: str, listen: str = "127.0.0.1:0") -> subprocess.CompletedProcess[str]:
+        cfg = tmp_path / "gputrace.toml"
+        cfg.write_text(f'[[hosts]]\nname = "node0"\nssh = "{ssh}"\n'
+                       f'identity_file = "{sshd_server.client_key_path}"\nknown_hosts = "{known}"\n')
+        argv = [sys.executable, "-m", "gputrace", command, "--config", str(cfg), "--out", str(out),
+                "--listen", listen]
+        return subprocess.run([*argv, *(["--no-report", "--", "true"] if command == "run" else [])],
+                              capture_output=True, text=True, timeout=120)
+
+    server = f"root@127.0.0.1:{sshd_server.port}"
+    for failed, rc, reason in [
+            (attempt(server, listen="0.0.0.0:0"), 2, "needs a token"),
+            (attempt(server), 1, "host key"),
+            (attempt(f"root@127.0.0.1:{free_port()}"), 1, "cannot connect over SSH")]:
+        assert failed.returncode == rc and reason in failed.stderr.splitlines()[-1], failed.stderr[-2000:]
+        assert not out.exists()
+    if command == "run":  # the retry, the host key now known: the run is captured into --out
+        known.write_text(sshd_server.host_key_line())
+        retry = attempt(server)
+        assert retry.returncode == 0, retry.stderr[-2000:]
+        assert (out / "meta.json").exists()
 
 
 def test_samples_of_an_agent_named_otherwise_are_filed_under_the_configured_host(tmp_path: Path) -> None:
