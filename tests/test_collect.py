@@ -194,6 +194,57 @@ def test_a_bad_mark_is_refused_where_it_enters(body: dict[str, object], reason: 
     assert marker_from_json({"label": "C=8", "target_concurrency": 8}, "client").target_concurrency == 8
 
 
+def test_bad_marks_and_values_are_refused_and_the_capture_goes_on(tmp_path: Path) -> None:
+    """The triggers of [robust] #1 against a running collector (a bad mark stopped its writer: 5,000
+    of 21,784 samples on disk, no meta.extra, exit 1): POST /v1/mark answers 400 with the field,
+    `gputrace mark --concurrency 99999999999999999999` exits 1 with the collector's reason, an
+    engine line with max_total_num_tokens past int64 is no setting; every later mark and line is
+    stored, the collector exits 0 and meta.extra counts the refused marks."""
+    log = tmp_path / "sglang.log"
+    log.touch()
+    cfg = tmp_path / "gputrace.toml"
+    cfg.write_text(f'[[hosts]]\nname = "h"\n\n[hosts.log]\nkind = "file"\npath = {json.dumps(str(log))}\n')
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/v1/mark"
+    proc = start_collector(cfg, tmp_path / "run", port)
+
+    def post(body: bytes) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, data=body), timeout=5) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    try:
+        wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/healthz"), timeout_s=30)
+        for body, field in [(b'{"label": "C=8", "target_concurrency": true}', "target_concurrency"),
+                            (b'{"label": "C=8", "target_concurrency": 9223372036854775808}',
+                             "target_concurrency"),
+                            (b'{"label": "C=8", "ts_ns": 9223372036854775808}', "ts_ns"),
+                            (b'{"label": "\\ud800"}', "label")]:
+            status, text = post(body)
+            assert status == 400 and field in json.loads(text)["error"], (body, text)
+        marked = subprocess.run([sys.executable, "-m", "gputrace", "mark", "--url", url, "--concurrency",
+                                 "99999999999999999999", "X"], capture_output=True, text=True, timeout=60)
+        assert marked.returncode == 1 and "target_concurrency" in marked.stderr.splitlines()[-1]
+        with log.open("a") as fh:
+            fh.write("[2026-01-02 03:04:06] max_total_num_tokens=99999999999999999999999, "
+                     "max_running_requests=64\n" + decode_line(7, 0))
+        assert post(b'{"label": "C=4", "target_concurrency": 4}')[0] == 200
+        wait_until(lambda: http_answer(f"http://127.0.0.1:{port}/v1/status")[1]["counts"]["scheduler_events"]
+                   == 1, timeout_s=30)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    with Store.open(tmp_path / "run", read_only=True) as store:
+        assert store.sql("SELECT label, target_concurrency FROM markers") == [("C=4", 4)]
+        assert store.sql("SELECT num_token FROM scheduler_events") == [(7,)]
+        assert store.sql("SELECT max_total_num_tokens, max_running_requests FROM engine_configs") == [
+            (None, 64)]
+        assert store.meta.extra["collector"]["counts"]["bad_marks"] == 5
+
+
 def test_a_log_path_that_does_not_exist_is_said_at_start(tmp_path: Path) -> None:
     """A log file that is not there is not silent ([robust] #6): check-config warns and the
     collector logs that it waits for the file (it may be created later); when it appears, its
