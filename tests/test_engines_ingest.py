@@ -342,3 +342,25 @@ def test_a_file_of_blank_lines_is_read_in_bounded_memory(tmp_path: Path, engine:
     assert figures["lines"] == blank_bytes + 1
     assert figures["events"] == 1 and figures["line_nos"] == [blank_bytes + 1]
     assert figures["grown_kib"] < 200 * 1024, figures["grown_kib"]
+
+
+def test_a_file_without_newlines_is_said_to_have_lines_cut(tmp_path: Path) -> None:
+    """A 3 MiB line across 1 MiB chunks before a batch line is cut at 1 MiB and counted in the
+    summary, the batch line read; `import` of a file with no newline at all says its one line was
+    cut ([robust] #13: the 2 GB file ended in an empty MemoryError)."""
+    log = tmp_path / "long.log"
+    log.write_bytes(b"x" * (3 << 20) + b"\n[2026-01-02 03:04:05 PP0] Decode batch, #running-req: 3, "
+                    b"#token: 7, token usage: 0.25, cuda graph: True, gen throughput (token/s): 1.00, "
+                    b"#queue-req: 0\n")
+    with Store.create(tmp_path / "run") as store:
+        stats = ingest_log(store, log, host="n0", chunk_bytes=1 << 20)
+    assert (stats.lines, stats.lines_cut, stats.events_written) == (2, 1, 1)
+    assert stats.summary().endswith("; 1 lines longer than 1 MiB cut there")
+    flat = tmp_path / "flat.log"
+    flat.write_bytes(b"y" * (3 << 20))
+    out = subprocess.run([sys.executable, "-m", "gputrace", "import", "--run", str(tmp_path / "run2"),
+                          "--sglang-log", str(flat)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"gputrace: error: {flat}: no sglang line recognised in its 1 lines, 1 of them past 1 MiB and "
+        "cut: is it the engine's log (a vllm log goes in with --vllm-log)?")

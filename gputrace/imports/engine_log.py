@@ -54,12 +54,13 @@ def _reporting(chunks: Iterator[bytes], raw: IO[bytes], on_progress: Callable[[i
 
 
 def read_chunks(stream: IO[bytes], chunk_bytes: int = CHUNK_BYTES,
-                max_line_bytes: int = MAX_LINE_BYTES, max_lines: int = CHUNK_LINES) -> Iterator[bytes]:
+                max_line_bytes: int = MAX_LINE_BYTES, max_lines: int = CHUNK_LINES,
+                on_cut: Callable[[], None] | None = None) -> Iterator[bytes]:
     """Whole lines in chunks of about ``chunk_bytes`` and at most ``max_lines`` lines (the last line
     may lack its newline). A line longer than ``max_line_bytes`` is cut there and the rest of it
-    skipped, so memory stays bounded on a file without newlines (a 2 GB one grew past 1.9 GB and
-    ended in MemoryError), as on one of newlines only."""
-    for chunk in _read_chunks(stream, chunk_bytes, max_line_bytes):
+    skipped (``on_cut`` is called for each), so memory stays bounded on a file without newlines (a
+    2 GB one grew past 1.9 GB and ended in MemoryError), as on one of newlines only."""
+    for chunk in _read_chunks(stream, chunk_bytes, max_line_bytes, on_cut or (lambda: None)):
         yield from _split_lines(chunk, max_lines)
 
 
@@ -77,7 +78,8 @@ def _split_lines(chunk: bytes, max_lines: int) -> Iterator[bytes]:
         yield chunk[begin:]
 
 
-def _read_chunks(stream: IO[bytes], chunk_bytes: int, max_line_bytes: int) -> Iterator[bytes]:
+def _read_chunks(stream: IO[bytes], chunk_bytes: int, max_line_bytes: int,
+                 on_cut: Callable[[], None]) -> Iterator[bytes]:
     tail = b""
     skipping = False  # inside a line already cut: drop up to its newline
     while True:
@@ -95,6 +97,7 @@ def _read_chunks(stream: IO[bytes], chunk_bytes: int, max_line_bytes: int) -> It
         cut = block.rfind(b"\n")
         if cut < 0:
             if len(block) > max_line_bytes:
+                on_cut()
                 yield block[:max_line_bytes] + b"\n"
                 tail, skipping = b"", True
             else:
@@ -102,6 +105,7 @@ def _read_chunks(stream: IO[bytes], chunk_bytes: int, max_line_bytes: int) -> It
             continue
         tail = block[cut + 1:]
         if len(tail) > max_line_bytes:
+            on_cut()
             tail, skipping = tail[:max_line_bytes] + b"\n", True
             yield block[: cut + 1] + tail
             tail = b""
@@ -185,7 +189,7 @@ def ingest_log(
     events = _EventColumns()
     configs: list[EngineConfig] = []
     with open_log(path) as stream:
-        chunks = read_chunks(stream, chunk_bytes)
+        chunks = read_chunks(stream, chunk_bytes, on_cut=stats.count_cut_line)
         if on_progress is not None:
             raw: IO[bytes] = stream.fileobj if isinstance(stream, gzip.GzipFile) else stream
             chunks = _reporting(chunks, raw, on_progress)
