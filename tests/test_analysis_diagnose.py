@@ -200,3 +200,26 @@ def test_k_binds_only_while_the_pool_has_rows(tmp_path: Path) -> None:
                     engine={"max_running_requests": 64, "pp_max_micro_batch_size": 4})
     a = _analyse(tmp_path / "r", spec)
     assert "admission_bound" not in _causes(a) and "microbatch_cap" in _causes(a)
+
+
+def test_a_run_without_scheduler_lines_says_cannot_tell_not_healthy(tmp_path: Path) -> None:
+    """A run whose GPU samples show every stage busy but whose engine log gave no scheduler line
+    ([robust] #5: "every phase is healthy"): one "cannot tell" per phase names the missing lines
+    and what to add, and the report nowhere calls a phase healthy."""
+    from gputrace.report.render import write_report
+
+    spec = SynthRun([Level("C=32", 32, 32, [0.95] * 8, 4, 10), Level("C=64", 64, 64, [0.95] * 8, 4, 10)],
+                    pp=8, engine={"max_running_requests": 64, "pp_max_micro_batch_size": 64})
+
+    def without_lines(tables: RunTables) -> RunTables:
+        events = tables.scheduler_events
+        empty = {name: getattr(events, name)[:0] for name in type(events).__dataclass_fields__}
+        return dataclasses.replace(tables, scheduler_events=type(events)(**empty))
+
+    a = _analyse(tmp_path / "r", spec, without_lines)
+    assert [(f.cause, f.phase, f.evidence["missing"]) for f in a.findings] == [
+        ("cannot_tell", "C=32", "scheduler_lines"), ("cannot_tell", "C=64", "scheduler_lines")]
+    write_report(a, tmp_path, ["md"])
+    text = (tmp_path / "report.md").read_text()
+    assert "cannot tell what the engine ran in this phase: no scheduler lines" in text
+    assert "follow the engine's log" in text and "healthy" not in text

@@ -23,6 +23,7 @@ import pytest
 from conftest import SmallDisk
 from live_chain import free_port, http_ok, wait_until
 from slow_clients import fd_limit_of, get_within, half_sent_requests, raise_own_fd_limit
+from sshd import SshServer, sshd_server_fixture  # noqa: F401  (the sshd_server fixture)
 
 from gputrace.store import Store
 
@@ -193,6 +194,57 @@ def test_a_bad_mark_is_refused_where_it_enters(body: dict[str, object], reason: 
     assert marker_from_json({"label": "C=8", "target_concurrency": 8}, "client").target_concurrency == 8
 
 
+def test_bad_marks_and_values_are_refused_and_the_capture_goes_on(tmp_path: Path) -> None:
+    """The triggers of [robust] #1 against a running collector (a bad mark stopped its writer: 5,000
+    of 21,784 samples on disk, no meta.extra, exit 1): POST /v1/mark answers 400 with the field,
+    `gputrace mark --concurrency 99999999999999999999` exits 1 with the collector's reason, an
+    engine line with max_total_num_tokens past int64 is no setting; every later mark and line is
+    stored, the collector exits 0 and meta.extra counts the refused marks."""
+    log = tmp_path / "sglang.log"
+    log.touch()
+    cfg = tmp_path / "gputrace.toml"
+    cfg.write_text(f'[[hosts]]\nname = "h"\n\n[hosts.log]\nkind = "file"\npath = {json.dumps(str(log))}\n')
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/v1/mark"
+    proc = start_collector(cfg, tmp_path / "run", port)
+
+    def post(body: bytes) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, data=body), timeout=5) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    try:
+        wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/healthz"), timeout_s=30)
+        for body, field in [(b'{"label": "C=8", "target_concurrency": true}', "target_concurrency"),
+                            (b'{"label": "C=8", "target_concurrency": 9223372036854775808}',
+                             "target_concurrency"),
+                            (b'{"label": "C=8", "ts_ns": 9223372036854775808}', "ts_ns"),
+                            (b'{"label": "\\ud800"}', "label")]:
+            status, text = post(body)
+            assert status == 400 and field in json.loads(text)["error"], (body, text)
+        marked = subprocess.run([sys.executable, "-m", "gputrace", "mark", "--url", url, "--concurrency",
+                                 "99999999999999999999", "X"], capture_output=True, text=True, timeout=60)
+        assert marked.returncode == 1 and "target_concurrency" in marked.stderr.splitlines()[-1]
+        with log.open("a") as fh:
+            fh.write("[2026-01-02 03:04:06] max_total_num_tokens=99999999999999999999999, "
+                     "max_running_requests=64\n" + decode_line(7, 0))
+        assert post(b'{"label": "C=4", "target_concurrency": 4}')[0] == 200
+        wait_until(lambda: http_answer(f"http://127.0.0.1:{port}/v1/status")[1]["counts"]["scheduler_events"]
+                   == 1, timeout_s=30)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    with Store.open(tmp_path / "run", read_only=True) as store:
+        assert store.sql("SELECT label, target_concurrency FROM markers") == [("C=4", 4)]
+        assert store.sql("SELECT num_token FROM scheduler_events") == [(7,)]
+        assert store.sql("SELECT max_total_num_tokens, max_running_requests FROM engine_configs") == [
+            (None, 64)]
+        assert store.meta.extra["collector"]["counts"]["bad_marks"] == 5
+
+
 def test_a_log_path_that_does_not_exist_is_said_at_start(tmp_path: Path) -> None:
     """A log file that is not there is not silent ([robust] #6): check-config warns and the
     collector logs that it waits for the file (it may be created later); when it appears, its
@@ -241,6 +293,39 @@ def test_a_capture_refused_at_start_leaves_no_run_behind(tmp_path: Path) -> None
     _, err = retry.communicate(timeout=60)
     assert retry.returncode == 0, err
     assert (out / "meta.json").exists()
+
+
+@pytest.mark.parametrize("command", ["collect", "run"])
+def test_a_capture_that_cannot_reach_its_host_leaves_no_run_behind(
+        tmp_path: Path, sshd_server: SshServer, command: str) -> None:
+    """`collect` and `run` that fail at start, for a listen address refused, an SSH host key not
+    known or a host not answering, exit non-zero with the reason and leave no run directory; the
+    retry with the cause fixed uses the same --out ([robust] #15: 'a run already exists there')."""
+    out = tmp_path / "run"
+    known = tmp_path / "known_hosts"
+    known.write_text("")
+
+    def attempt(ssh: str, listen: str = "127.0.0.1:0") -> subprocess.CompletedProcess[str]:
+        cfg = tmp_path / "gputrace.toml"
+        cfg.write_text(f'[[hosts]]\nname = "node0"\nssh = "{ssh}"\n'
+                       f'identity_file = "{sshd_server.client_key_path}"\nknown_hosts = "{known}"\n')
+        argv = [sys.executable, "-m", "gputrace", command, "--config", str(cfg), "--out", str(out),
+                "--listen", listen]
+        return subprocess.run([*argv, *(["--no-report", "--", "true"] if command == "run" else [])],
+                              capture_output=True, text=True, timeout=120)
+
+    server = f"root@127.0.0.1:{sshd_server.port}"
+    for failed, rc, reason in [
+            (attempt(server, listen="0.0.0.0:0"), 2, "needs a token"),
+            (attempt(server), 1, "host key"),
+            (attempt(f"root@127.0.0.1:{free_port()}"), 1, "cannot connect over SSH")]:
+        assert failed.returncode == rc and reason in failed.stderr.splitlines()[-1], failed.stderr[-2000:]
+        assert not out.exists()
+    if command == "run":  # the retry, the host key now known: the run is captured into --out
+        known.write_text(sshd_server.host_key_line())
+        retry = attempt(server)
+        assert retry.returncode == 0, retry.stderr[-2000:]
+        assert (out / "meta.json").exists()
 
 
 def test_samples_of_an_agent_named_otherwise_are_filed_under_the_configured_host(tmp_path: Path) -> None:

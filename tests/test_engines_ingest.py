@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import gzip
+import json
 import random
 import subprocess
 import sys
@@ -301,3 +302,65 @@ def test_a_line_past_the_cap_is_cut_and_memory_stays_bounded() -> None:
     lines = [line for c in chunks for line in chunk_lines(c)]
     assert lines[0] == good.decode().rstrip("\n") and lines[1] == "x" * 1000 and lines[2] == lines[0]
     assert lines[3] == "y" * 1000 and len(lines) == 4  # the last good line is in the skipped tail
+
+
+_RSS_SCRIPT = """
+import json, resource, sys
+from gputrace.imports.engine_log import ingest_log
+from gputrace.store import Store
+with Store.create(sys.argv[1]) as store:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    stats = ingest_log(store, sys.argv[2], host="n0", engine=sys.argv[3])
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    print(json.dumps({"grown_kib": grown, "lines": stats.lines, "events": stats.events_written,
+                      "line_nos": [n for (n,) in store.sql("SELECT line_no FROM scheduler_events")]}))
+"""
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+@pytest.mark.parametrize(("blank_bytes", "compressed"), [(16 << 20, False), (64 << 20, True)])
+def test_a_file_of_blank_lines_is_read_in_bounded_memory(tmp_path: Path, engine: str, blank_bytes: int,
+                                                         compressed: bool) -> None:
+    """16 MB of blank lines, and a gzip of 64 MB of newlines, each with one batch line after them:
+    memory grows by under 200 MB and the line is read, numbered after every blank one ([robust]
+    #13: 16 MB of blank lines took 2.3 GB, a 1 GB gzip of newlines 2.5 GB and 20 minutes)."""
+    good = {"sglang": "[2026-01-02 03:04:05 PP0] Decode batch, #running-req: 3, #token: 7, "
+                      "token usage: 0.25, cuda graph: True, gen throughput (token/s): 1.00, #queue-req: 0\n",
+            "vllm": "INFO 12-01 09:01:54 [loggers.py:335] Engine 000: Avg prompt throughput: 1.0 tokens/s, "
+                    "Avg generation throughput: 2.0 tokens/s, Running: 3 reqs, Waiting: 0 reqs, "
+                    "GPU KV cache usage: 5.0%, Prefix cache hit rate: 0.0%\n"}[engine]
+    log = tmp_path / ("blank.log.gz" if compressed else "blank.log")
+    blanks = b"\n" * (16 << 20)
+    with (gzip.open(log, "wb", compresslevel=1) if compressed else log.open("wb")) as out:
+        for _ in range(blank_bytes // len(blanks)):
+            out.write(blanks)
+        out.write(good.encode())
+    out_ = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(tmp_path / "run"), str(log), engine],
+                          capture_output=True, text=True, timeout=300)
+    assert out_.returncode == 0, out_.stderr[-2000:]
+    figures = json.loads(out_.stdout)
+    assert figures["lines"] == blank_bytes + 1
+    assert figures["events"] == 1 and figures["line_nos"] == [blank_bytes + 1]
+    assert figures["grown_kib"] < 200 * 1024, figures["grown_kib"]
+
+
+def test_a_file_without_newlines_is_said_to_have_lines_cut(tmp_path: Path) -> None:
+    """A 3 MiB line across 1 MiB chunks before a batch line is cut at 1 MiB and counted in the
+    summary, the batch line read; `import` of a file with no newline at all says its one line was
+    cut ([robust] #13: the 2 GB file ended in an empty MemoryError)."""
+    log = tmp_path / "long.log"
+    log.write_bytes(b"x" * (3 << 20) + b"\n[2026-01-02 03:04:05 PP0] Decode batch, #running-req: 3, "
+                    b"#token: 7, token usage: 0.25, cuda graph: True, gen throughput (token/s): 1.00, "
+                    b"#queue-req: 0\n")
+    with Store.create(tmp_path / "run") as store:
+        stats = ingest_log(store, log, host="n0", chunk_bytes=1 << 20)
+    assert (stats.lines, stats.lines_cut, stats.events_written) == (2, 1, 1)
+    assert stats.summary().endswith("; 1 lines longer than 1 MiB cut there")
+    flat = tmp_path / "flat.log"
+    flat.write_bytes(b"y" * (3 << 20))
+    out = subprocess.run([sys.executable, "-m", "gputrace", "import", "--run", str(tmp_path / "run2"),
+                          "--sglang-log", str(flat)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"gputrace: error: {flat}: no sglang line recognised in its 1 lines, 1 of them past 1 MiB and "
+        "cut: is it the engine's log (a vllm log goes in with --vllm-log)?")

@@ -200,3 +200,30 @@ def test_guidellm_json_nested_past_any_report_is_refused_in_one_line(tmp_path: P
     deep.write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(ConfigError, match="not a guidellm JSON report"):
         parse_guidellm(deep, host="c")
+
+
+def test_aiperf_and_guidellm_rows_no_column_holds_are_skipped_not_the_file(tmp_path: Path) -> None:
+    """An AIPerf request_start_ns of 2^63 and a lone surrogate in its request id, a guidellm
+    prompt_tokens of 2^63 and a lone surrogate in its request_id: each such row is one bad row
+    with its reason, every other row is imported ([robust] #3: 0 rows, `unexpected OverflowError`)."""
+    lines = (DATA / "aiperf_profile_export.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines[:3]]
+    rows[1]["metadata"]["request_start_ns"] = 2**63
+    rows[2]["metadata"]["x_request_id"] = "\ud800"
+    aiperf = tmp_path / "aiperf.jsonl"
+    aiperf.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    report = json.loads((DATA / "guidellm_0.4_benchmarks.json").read_text())
+    successful = report["benchmarks"][0]["requests"]["successful"]
+    successful[1]["prompt_tokens"] = 2**63
+    successful[2]["request_id"] = "\ud800"
+    guidellm = tmp_path / "guidellm.json"
+    guidellm.write_text(json.dumps(report))
+    with Store.create(tmp_path / "run") as store:
+        first = import_aiperf(store, aiperf, host="client", phase="C=1")
+        assert store.count("requests") == 1
+        second = import_guidellm(store, guidellm, host="client")
+        assert store.count("requests") == 1 + 14 - 2
+    assert first.bad == 2 and first.written["requests"] == 1
+    assert any("9223372036854775808" in p for p in first.problems)
+    assert second.bad == 2 and second.written["requests"] == 14 - 2
+    assert any("prompt_tokens=9223372036854775808" in p for p in second.problems)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -23,13 +24,20 @@ from openai_server import ServerBehaviour, ServerStats, start_server
 @pytest.fixture
 def server_thread() -> Iterator[tuple[str, ServerStats]]:
     """The fixture server on its own event loop in a thread, so the CLI can run as a process."""
+    with serving(ServerBehaviour(token_interval_s=0.002)) as served:
+        yield served
+
+
+@contextlib.contextmanager
+def serving(behaviour: ServerBehaviour) -> Iterator[tuple[str, ServerStats]]:
+    """The fixture server answering as ``behaviour`` says, on its own event loop in a thread."""
     loop = asyncio.new_event_loop()
     started: dict[str, object] = {}
     ready = threading.Event()
 
     def serve() -> None:
         asyncio.set_event_loop(loop)
-        runner, url, stats = loop.run_until_complete(start_server(ServerBehaviour(token_interval_s=0.002)))
+        runner, url, stats = loop.run_until_complete(start_server(behaviour))
         started.update(runner=runner, url=url, stats=stats)
         ready.set()
         loop.run_forever()
@@ -131,3 +139,30 @@ def test_load_command_burst(server_thread: tuple[str, ServerStats], tmp_path: Pa
     parsed = parse_requests_jsonl(out)
     requests = [r for r in parsed.records if isinstance(r, RequestRecord)]
     assert sorted((r.phase, r.ok) for r in requests) == [("C=2", True)] * 2 + [("C=4", True)] * 4
+
+
+@pytest.mark.parametrize("behaviour", [
+    ServerBehaviour(token_interval_s=0, ttft_s=0, malformed="usage"),
+    ServerBehaviour(token_interval_s=0, ttft_s=0, raw_answer=json.dumps({
+        "choices": [{"message": {"content": "a b"}}],
+        "usage": {"prompt_tokens": 2**63, "completion_tokens": 2}}).encode())], ids=["text", "past-int64"])
+def test_run_against_a_server_with_bad_usage_counts_stores_every_request(
+        tmp_path: Path, behaviour: ServerBehaviour) -> None:
+    """`gputrace run` with the built-in load against a server whose usage counts are text or past
+    int64 ([robust] #1: the collector's writer stopped, no meta.extra, no report): every request is
+    stored with its count unknown, the run ends 0 with its report."""
+    from gputrace.store import Store
+
+    cfg = tmp_path / "gputrace.toml"
+    cfg.write_text('[[hosts]]\nname = "h"\n')
+    with serving(behaviour) as (url, _):
+        out = subprocess.run([sys.executable, "-m", "gputrace", "run", "--config", str(cfg), "--out",
+                              str(tmp_path / "run"), "--listen", "", "--url", url, "--model", "m",
+                              "--concurrency", "1,2", "--requests-per-level", "3", "--max-tokens", "4",
+                              "--no-stream", "--warmup", "0"],
+                             capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    with Store.open(tmp_path / "run", read_only=True) as store:
+        assert store.count("requests") == 6 == store.meta.extra["collector"]["counts"]["requests"]
+        assert store.sql("SELECT count(*) FROM requests WHERE prompt_tokens IS NULL") == [(6,)]
+    assert json.loads((tmp_path / "run" / "report" / "findings.json").read_text())["phases"]

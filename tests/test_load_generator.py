@@ -359,11 +359,14 @@ async def test_requests_abandoned_at_the_drain_are_counted_apart(server: Server,
     """Requests still running when the drain time runs out are abandoned, not failed ([robust] #8):
     the level, the summary and the analysis count them apart, and findings' unfinished_requests
     says how many (it said 0 when 63 of 89 were abandoned)."""
+    import json
+
     from rich.console import Console
 
     from gputrace.analysis.run import analyse_store
     from gputrace.commands.load import no_request_completed
     from gputrace.load.console import failure_reasons, print_summary
+    from gputrace.report.render import write_report
     from gputrace.store import Store
 
     url, _ = await server(token_interval_s=0.05, ttft_s=0.01)
@@ -382,8 +385,12 @@ async def test_requests_abandoned_at_the_drain_are_counted_apart(server: Server,
     with Store.create(tmp_path / "run") as store:
         store.append(result.requests)
         store.append(result.markers)
-        (phase,) = analyse_store(store).metrics
+        analysis = analyse_store(store)
+        (phase,) = analysis.metrics
     assert (phase.requests_failed, phase.unfinished_requests, phase.requests_completed) == (0, 4, 0)
+    write_report(analysis, tmp_path / "report", formats=["json"])
+    (written,) = json.loads((tmp_path / "report" / "findings.json").read_text())["phases"]
+    assert (written["unfinished_requests"], written["requests_failed"]) == (4, 0)
 
 
 async def test_burst_sends_c_at_once_and_waits_for_the_last(server: Server) -> None:

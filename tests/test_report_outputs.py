@@ -244,3 +244,31 @@ def test_the_report_opens_with_the_verdict_and_shows_each_phase_once(tmp_path: P
     assert phases.count("\n| C=") == 2
     html = (tmp_path / "out" / "report.html").read_text()
     assert html.index("class='verdict'>Verdict: microbatch_cap") < html.index("<h2>Summary</h2>")
+
+
+def test_a_report_on_a_read_only_run_says_where_it_cannot_write(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`report` on a run directory on a read-only filesystem exits 2 with one line naming the
+    directory and --out ([robust] #14: 'unexpected OSError' after the whole analysis); with --out
+    elsewhere it reports."""
+    import subprocess
+
+    build(tmp_path / "runs" / "run", SynthRun([Level("C=8", 8, 8, [0.9, 0.9], 4, 5)], pp=2))
+    view = tmp_path / "read-only"
+    view.mkdir()
+    bound = subprocess.run(["mount", "--bind", "-o", "ro", str(tmp_path / "runs"), str(view)],
+                           capture_output=True, text=True)
+    if bound.returncode != 0:
+        pytest.skip(f"cannot mount a read-only view here: {bound.stderr.strip() or 'not root'}")
+    try:
+        run = view / "run"
+        with pytest.raises(OSError):  # the view is read-only, also for root
+            (run / "probe").touch()
+        code, _, err = _cli(capsys, "report", str(run), "--no-progress")
+        assert code == 2
+        assert err.strip() == (f"gputrace: error: cannot write the report into {run}/report: "
+                               "Read-only file system; give --out DIR where it can be written")
+        code, _, _ = _cli(capsys, "report", str(run), "--no-progress", "--out", str(tmp_path / "out"))
+        assert code == 0 and (tmp_path / "out" / "report.md").exists()
+    finally:
+        subprocess.run(["umount", "-l", str(view)], capture_output=True)

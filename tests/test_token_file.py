@@ -5,6 +5,7 @@ token file others can read is warned about; the collector wants the `Bearer ` sc
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import urllib.error
@@ -93,3 +94,44 @@ def test_the_collector_wants_the_bearer_scheme(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize(("content", "what"), [(None, "cannot read it: No such file or directory"),
+                                               (b"\xff\xfe\x00", "not a text file")])
+def test_the_collector_refuses_a_missing_or_binary_token_file_in_one_line(
+        tmp_path: Path, content: bytes | None, what: str) -> None:
+    """`collect --token-file` with a file not there or not text exits 2 with one line and leaves
+    no run (were 'unexpected FileNotFoundError' and 'UnicodeDecodeError')."""
+    token = tmp_path / "token"
+    if content is not None:
+        token.write_bytes(content)
+    cfg = tmp_path / "gputrace.toml"
+    cfg.write_text('[[hosts]]\nname = "h"\n')
+    out = subprocess.run([sys.executable, "-m", "gputrace", "collect", "--config", str(cfg), "--out",
+                          str(tmp_path / "run"), "--token-file", str(token)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip() == f"gputrace: error: --token-file {token}: {what}"
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_collector_open_beyond_loopback_with_insecure_is_warned_about(tmp_path: Path) -> None:
+    """`collect --listen 0.0.0.0:PORT --insecure` serves, and logs one warning that anyone who
+    reaches the port can post marks ([robust] #10: nothing was said)."""
+    cfg = tmp_path / "gputrace.toml"
+    cfg.write_text('[[hosts]]\nname = "h"\n')
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "gputrace", "--log-format", "json", "collect", "--config",
+                             str(cfg), "--out", str(tmp_path / "run"), "--listen", f"0.0.0.0:{port}",
+                             "--insecure"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/healthz"), timeout_s=30)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
+    events = [json.loads(line) for line in err.splitlines() if line.startswith("{")]  # then "run written to"
+    warnings = [e for e in events if e.get("level") == "warning"]
+    assert [e["event"] for e in warnings] == [
+        "collector endpoints open to the network without authentication (--insecure): "
+        "anyone who reaches the port can post marks"]

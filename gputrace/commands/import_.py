@@ -24,6 +24,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
+from gputrace.engines.common import MAX_LINE_BYTES
 from gputrace.errors import SourceError
 from gputrace.imports.engine_log import default_source, ingest_log
 from gputrace.imports.nvidia_smi import import_nvidia_smi_csv, import_nvidia_smi_dmon, parse_tz
@@ -55,8 +56,10 @@ def _import_engine_logs(
         click.echo(stats.summary())
         if not any(stats.recognised.values()):
             other = "vllm" if engine == "sglang" else "sglang"
-            raise SourceError(f"{path}: no {engine} line recognised in its {stats.lines} lines: is it the "
-                              f"engine's log (a {other} log goes in with --{other}-log)?")
+            cut = (f", {stats.lines_cut} of them past {MAX_LINE_BYTES >> 20} MiB and cut"
+                   if stats.lines_cut else "")
+            raise SourceError(f"{path}: no {engine} line recognised in its {stats.lines} lines{cut}: is it "
+                              f"the engine's log (a {other} log goes in with --{other}-log)?")
 
 
 @contextmanager

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import click
@@ -38,6 +40,8 @@ def command(run: str | None, formats: str, out_dir: str | None, progress: bool |
         raise UsageError("give a RUN directory, or --prometheus URL --start T --end T")
     else:  # a window of the run (its own clock: the collector's)
         window = window_ns(prom["prom_start"], prom["prom_end"])
+    out_dir = out_dir or f"{run}/report"
+    _check_writable(out_dir)  # before the analysis, which can take minutes on a long run
     with Store.open(run, read_only=True) as store:
         aligned = align_store(store, window)
         duration_s = float(aligned.grid_ns[-1] - aligned.grid_ns[0]) / 1e9
@@ -47,7 +51,7 @@ def command(run: str | None, formats: str, out_dir: str | None, progress: bool |
             analysis = analyse_aligned(aligned, progress=step)
             analysis.notes.extend(store_notes(store, analysis))
             add_predicted_effects(analysis, progress=step)
-            written = write_report(analysis, out_dir or f"{run}/report", fmts, progress=step)
+            written = write_report(analysis, out_dir, fmts, progress=step)
     for f in analysis.findings:
         click.echo(f"{f.cause} [{f.phase}] stages {','.join(map(str, f.stages))}: {f.summary} "
                    f"-> {f.recommendation}")
@@ -55,3 +59,15 @@ def command(run: str | None, formats: str, out_dir: str | None, progress: bool |
         click.echo("no finding: every phase is healthy")
     for path in written:
         click.echo(f"wrote {path}")
+
+
+def _check_writable(out_dir: str) -> None:
+    """UsageError naming the directory when the report cannot be written there (a run directory
+    on a read-only disk was 'unexpected OSError' after the whole analysis)."""
+    try:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_dir):
+            pass
+    except OSError as exc:
+        raise UsageError(f"cannot write the report into {out_dir}: {exc.strerror or exc}; "
+                         "give --out DIR where it can be written") from exc

@@ -444,6 +444,12 @@ def scan_chunk(chunk: bytes, first_line_no: int, clock: LogClock, only_sglang: b
         src_ends = src_newlines if original.endswith(b"\n") else np.append(src_newlines, len(original))
         src_starts = np.concatenate(([0], src_newlines + 1))[: len(src_ends)]
     result = ChunkResult(n_lines=len(line_end))
+    # only the lines with text are scanned: a blank one is no SGLang line, and one by one they cost
+    # most of the time on a file of newlines
+    lines = np.flatnonzero(src_ends > src_starts) if only_sglang else np.arange(len(line_end))
+    result.n_rejected = len(line_end) - len(lines)
+    starts, line_end = starts[lines], line_end[lines]
+    src_starts, src_ends = src_starts[lines], src_ends[lines]
     ok, ts_ns, ts_known, resolution, rank_start = _timestamps(raw, starts, clock)
     closer = raw.next_at(raw.closers, rank_start)
     ok &= closer < line_end
@@ -467,10 +473,11 @@ def scan_chunk(chunk: bytes, first_line_no: int, clock: LogClock, only_sglang: b
             values[name][good] = column[row_ok]
             present[name][good] = form_present[name][row_ok] if name in form_present else True
         result.kinds[kind] = len(good)
-    for offset in np.flatnonzero(~taken).tolist():
-        begin, end = int(src_starts[offset]), int(src_ends[offset])
+    for index in np.flatnonzero(~taken).tolist():
+        begin, end = int(src_starts[index]), int(src_ends[index])
         if not only_sglang or _MAYBE_SGLANG.search(original, begin, end):
-            result.leftovers.append((offset, original[begin:end].decode("utf-8", errors="replace")))
+            text = original[begin:end].decode("utf-8", errors="replace")
+            result.leftovers.append((int(lines[index]), text))
         else:
             result.n_rejected += 1
     rows = np.flatnonzero(taken)
@@ -479,7 +486,7 @@ def scan_chunk(chunk: bytes, first_line_no: int, clock: LogClock, only_sglang: b
     result.line_starts = src_ends[rows] - (line_end[rows] - starts[rows])
     # Every chunk yields the same columns and types, so chunks join without copying.
     cols: dict[str, pa.Array] = {
-        "line_no": pa.array(rows + first_line_no),
+        "line_no": pa.array(lines[rows] + first_line_no),
         "kind": pa.DictionaryArray.from_arrays(np.where(is_decode[rows], 0, 1).astype(np.int32),
                                                pa.array(["decode", "prefill"])),
         "log_ts_ns": pa.array(ts_ns[rows], mask=~ts_known[rows]),

@@ -14,6 +14,7 @@ from functools import partial
 from pathlib import Path
 from typing import IO
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -25,6 +26,10 @@ from gputrace.model import EngineConfig
 from gputrace.store import ROW_GROUP_ROWS, Store
 
 CHUNK_BYTES = 8 << 20
+# Scanning costs memory per line, not per byte (about 200 bytes a line): a chunk of short or blank
+# lines is split at this many, so 16 MB of blank lines no longer takes 2.3 GB. A log's usual lines
+# (150 to 300 bytes) fill an 8 MiB chunk with far fewer.
+CHUNK_LINES = 1 << 17
 _WORKERS = min(4, os.cpu_count() or 1)
 _EVENT_INT_COLUMNS = ("line_no", "log_ts_ns", "ts_resolution_ns", *RANK_FIELDS)
 
@@ -49,10 +54,32 @@ def _reporting(chunks: Iterator[bytes], raw: IO[bytes], on_progress: Callable[[i
 
 
 def read_chunks(stream: IO[bytes], chunk_bytes: int = CHUNK_BYTES,
-                max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[bytes]:
-    """Whole lines in chunks of about ``chunk_bytes`` (the last line may lack its newline). A line
-    longer than ``max_line_bytes`` is cut there and the rest of it skipped, so memory stays
-    bounded on a file without newlines (a 2 GB one grew past 1.9 GB and ended in MemoryError)."""
+                max_line_bytes: int = MAX_LINE_BYTES, max_lines: int = CHUNK_LINES,
+                on_cut: Callable[[], None] | None = None) -> Iterator[bytes]:
+    """Whole lines in chunks of about ``chunk_bytes`` and at most ``max_lines`` lines (the last line
+    may lack its newline). A line longer than ``max_line_bytes`` is cut there and the rest of it
+    skipped (``on_cut`` is called for each), so memory stays bounded on a file without newlines (a
+    2 GB one grew past 1.9 GB and ended in MemoryError), as on one of newlines only."""
+    for chunk in _read_chunks(stream, chunk_bytes, max_line_bytes, on_cut or (lambda: None)):
+        yield from _split_lines(chunk, max_lines)
+
+
+def _split_lines(chunk: bytes, max_lines: int) -> Iterator[bytes]:
+    """``chunk`` in pieces of at most ``max_lines`` whole lines."""
+    if chunk.count(b"\n") <= max_lines:
+        yield chunk
+        return
+    ends = np.flatnonzero(np.frombuffer(chunk, dtype=np.uint8) == ord("\n"))[max_lines - 1::max_lines] + 1
+    begin = 0
+    for end in ends.tolist():
+        yield chunk[begin:end]
+        begin = end
+    if begin < len(chunk):
+        yield chunk[begin:]
+
+
+def _read_chunks(stream: IO[bytes], chunk_bytes: int, max_line_bytes: int,
+                 on_cut: Callable[[], None]) -> Iterator[bytes]:
     tail = b""
     skipping = False  # inside a line already cut: drop up to its newline
     while True:
@@ -70,6 +97,7 @@ def read_chunks(stream: IO[bytes], chunk_bytes: int = CHUNK_BYTES,
         cut = block.rfind(b"\n")
         if cut < 0:
             if len(block) > max_line_bytes:
+                on_cut()
                 yield block[:max_line_bytes] + b"\n"
                 tail, skipping = b"", True
             else:
@@ -77,6 +105,7 @@ def read_chunks(stream: IO[bytes], chunk_bytes: int = CHUNK_BYTES,
             continue
         tail = block[cut + 1:]
         if len(tail) > max_line_bytes:
+            on_cut()
             tail, skipping = tail[:max_line_bytes] + b"\n", True
             yield block[: cut + 1] + tail
             tail = b""
@@ -160,7 +189,7 @@ def ingest_log(
     events = _EventColumns()
     configs: list[EngineConfig] = []
     with open_log(path) as stream:
-        chunks = read_chunks(stream, chunk_bytes)
+        chunks = read_chunks(stream, chunk_bytes, on_cut=stats.count_cut_line)
         if on_progress is not None:
             raw: IO[bytes] = stream.fileobj if isinstance(stream, gzip.GzipFile) else stream
             chunks = _reporting(chunks, raw, on_progress)
@@ -168,8 +197,15 @@ def ingest_log(
             _ingest_fast(store, parser, chunks, events, configs, stats, batch_rows)
         else:
             for chunk in chunks:
+                blank = 0  # no grammar reads a blank line: counted here, not parsed one by one
                 for line in chunk_lines(chunk):
-                    _one_line(parser, line, events, configs)
+                    if line:
+                        _one_line(parser, line, events, configs)
+                    else:
+                        parser.next_line_no += 1
+                        blank += 1
+                parser.counts.lines += blank
+                parser.counts.unrecognised += blank
                 if len(events) >= batch_rows:
                     events.flush(store, stats, host, source, engine)
     events.flush(store, stats, host, source, engine)

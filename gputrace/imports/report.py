@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gputrace.engines.common import MAX_LINE_BYTES
 from gputrace.errors import ConfigError
 from gputrace.logsetup import get_logger
 from gputrace.model import RECORD_TABLES, GpuSample, Marker, RequestRecord
@@ -41,6 +42,7 @@ class ImportReport:
     recognised: dict[str, int] = field(default_factory=dict)  # per line kind
     unrecognised: int = 0
     fast_path_lines: int = 0
+    lines_cut: int = 0  # longer than MAX_LINE_BYTES: read up to it, the rest skipped
     # -- Prometheus
     gpus: int = 0
     ranks: int = 0
@@ -54,6 +56,9 @@ class ImportReport:
         self.bad += 1
         if len(self.problems) < MAX_PROBLEMS:
             self.problems.append(f"{where}: {why}")
+
+    def count_cut_line(self) -> None:
+        self.lines_cut += 1
 
     def count(self, table: str) -> int:
         return self.written.get(table, 0)
@@ -80,7 +85,9 @@ class ImportReport:
             recognised = ", ".join(f"{k} {v}" for k, v in self.recognised.items() if v)
             return (f"{self.kind} {self.path}: {self.lines} lines, recognised {recognised or 'none'}, "
                     f"unrecognised {self.unrecognised}; {self.events_written} events, "
-                    f"{self.configs_written} configuration records")
+                    f"{self.configs_written} configuration records"
+                    + (f"; {self.lines_cut} lines longer than {MAX_LINE_BYTES >> 20} MiB cut there"
+                       if self.lines_cut else ""))
         parts = [f"{n} {table}" for table, n in self.written.items() if n]
         line = f"{self.path} ({self.kind}): " + (", ".join(parts) or "nothing") + " imported"
         if self.bad:
