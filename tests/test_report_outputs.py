@@ -247,10 +247,10 @@ def test_the_report_opens_with_the_verdict_and_shows_each_phase_once(tmp_path: P
     assert html.index("class='verdict'>Verdict: microbatch_cap") < html.index("<h2>Summary</h2>")
 
 
-def test_the_verdict_names_an_engine_setting_before_a_load_to_offer() -> None:
+def test_the_verdict_names_a_deployment_change_before_a_load_to_offer() -> None:
     """Ranked first by the what-if gain, a light level's 'offer more requests' is not the next step
-    of a sweep that chose that level: the verdict names the first finding whose change is an engine
-    flag (as `gputrace demo` applies it), the others follow below."""
+    of a sweep that chose that level: the verdict names the first finding whose change is to the
+    deployment (as `gputrace demo` applies it), the others follow below."""
     from gputrace.report.render import verdict
 
     def finding(phase: str, knob: str, value: int, rec: str) -> dict[str, object]:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from gputrace.analysis.diagnose import changes_the_deployment
 from gputrace.analysis.run import Analysis
 from gputrace.errors import UsageError
 from gputrace.report.document import STAGE_NOTE, build_document, fmt, stage_columns
@@ -78,14 +79,12 @@ NO_MAPPING = "No GPU placements: the run has no GPU samples or topology (stages 
 
 
 def verdict(doc: dict[str, Any]) -> str:
-    """The report's first paragraph: the top finding that names an engine setting (else the top
-    one) and the change it calls for, with its predicted effect where the what-if model gave one."""
+    """The report's first paragraph: the top finding that a change to the deployment answers (else
+    the top one) and that change, with its predicted effect where the what-if model gave one."""
     causes = [f for f in doc["findings"] if f["cause"] != "cannot_tell"]
     missing = [f for f in doc["findings"] if f["cause"] == "cannot_tell"]
     if causes:
-        # an engine setting to change before a load to offer: a sweep's light levels are chosen,
-        # and gputrace demo applies this same finding (the first whose change is an engine flag)
-        top = next((f for f in causes if str((f.get("change") or {}).get("knob", "")).startswith("--")),
+        top = next((f for f in causes if changes_the_deployment((f.get("change") or {}).get("knob"))),
                    causes[0])
         where = "the whole run" if top["phase"] == "*" else f"phase {top['phase']}"
         text = (f"Verdict: {top['cause']} in {where}: {top['summary']}. Next step: "
