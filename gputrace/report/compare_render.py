@@ -1,6 +1,6 @@
 """Render a comparison document as HTML (self-contained), Markdown and JSON: a warning when both
-sides are one run, what the change resolved and introduced in words, both runs' key figures side
-by side, and links to both reports."""
+sides are one run, what the change resolved and introduced and what it did to throughput in words,
+both runs' key figures side by side, and links to both reports."""
 
 from __future__ import annotations
 
@@ -58,6 +58,26 @@ def change_lines(doc: dict[str, Any]) -> list[tuple[str, str]]:
     return sorted(out, key=lambda kv: kv[0] != "resolved")  # resolved first, each in phase order
 
 
+SAME_WITHIN = 0.05  # a throughput ratio this close to 1 is said together with the others alike
+
+
+def throughput_line(doc: dict[str, Any]) -> str | None:
+    """B's throughput against A's in words, per phase that moved (a regression stood only in
+    the table's gain column)."""
+    gains = [(p["label"], p["throughput_gain"]) for p in doc["phases"] if p["throughput_gain"] is not None]
+    if not gains:
+        return None
+    moved = [f"{label} {_gain(g)}" for label, g in gains if abs(g - 1) > SAME_WITHIN]
+    alike = len(gains) - len(moved)
+    if not moved:
+        return f"Throughput: B within {SAME_WITHIN:.0%} of A in every phase."
+    text = "Throughput, B against A: " + ", ".join(moved)
+    if alike:
+        others = "the other phase" if alike == 1 else f"the other {alike} phases"
+        text += f"; {others} within {SAME_WITHIN:.0%}"
+    return text + "."
+
+
 def _top(f: dict[str, Any] | None) -> str:
     if f is None:
         return "none: no cause found"
@@ -105,6 +125,9 @@ def render_compare_markdown(doc: dict[str, Any]) -> str:
         out += [f"**Warning: run A and run B are {doc['same_run']}: {same_run_consequence(doc)}.**", ""]
     changes = change_lines(doc)
     out += [f"- {text}" for _, text in changes] or ["No finding resolved or new."]
+    throughput = throughput_line(doc)
+    if throughput:
+        out += ["", throughput]
     out += ["", _md_row(["", "A", "B"]), "|---|---|---|"]
     out += [_md_row(r) for r in _run_rows(doc)]
     for label, run_dir in (("A", doc["run_a_dir"]), ("B", doc["run_b_dir"])):
@@ -143,6 +166,9 @@ def render_compare_html(doc: dict[str, Any], out_dir: str | Path | None = None) 
     changes = change_lines(doc)
     parts += [f"<p class='{kind}'>{e(text)}</p>" for kind, text in changes] or \
         ["<p>No finding resolved or new.</p>"]
+    throughput = throughput_line(doc)
+    if throughput:
+        parts.append(f"<p>{e(throughput)}</p>")
     parts.append("<h2>The two runs</h2><table class='runs'><tr><th></th><th>A</th><th>B</th></tr>")
     parts += [f"<tr><td>{e(k)}</td><td>{e(va)}</td><td>{e(vb)}</td></tr>" for k, va, vb in _run_rows(doc)]
     parts.append(f"<tr><td>report</td><td>{_link(doc['run_a_dir'], where)}</td>"
