@@ -120,3 +120,25 @@ def test_what_changed_says_the_throughput_that_moved(tmp_path: Path) -> None:
     assert f"\n{line}\n" in (tmp_path / "cmp" / "compare.md").read_text()
     same, _ = _compare(a, a, tmp_path / "self")
     assert "Throughput: B within 5% of A in every phase." in same
+
+
+def test_runs_without_bubble_figures_get_no_columns_of_n_a(tmp_path: Path) -> None:
+    """Two runs without GPU samples: the per-phase table has no bubble columns and the footer says
+    why; runs with them keep both columns."""
+    from gputrace.store import Store
+
+    a, b = _capped(tmp_path / "a"), _fixed(tmp_path / "b")
+    page, _ = _compare(a, b, tmp_path / "with")
+    assert "<th>bubble A</th><th>bubble B</th>" in page and "Bubble: the mean over the stages" in page
+    for run in (a, b):
+        with Store.open(run) as store:
+            store.sql("DELETE FROM gpu_samples")
+    page, _ = _compare(a, b, tmp_path / "without")
+    doc = json.loads((tmp_path / "without" / "compare.json").read_text())
+    assert all(p["bubble_fraction_mean_a"] is None and p["bubble_fraction_mean_b"] is None
+               for p in doc["phases"])
+    assert "<th>bubble A</th>" not in page and "<td>n/a</td><td>n/a</td>" not in page
+    assert "<th>phase</th><th>tok/s A</th><th>tok/s B</th><th>gain</th><th>TTFT p50 A s</th>" in page
+    assert "Bubble: not in either run (no GPU samples)." in page
+    md = (tmp_path / "without" / "compare.md").read_text()
+    assert "| phase | tok/s A | tok/s B | gain | TTFT p50 A s | TTFT p50 B s | resolved | new |" in md
