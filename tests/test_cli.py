@@ -97,3 +97,56 @@ def test_watch_without_a_terminal_says_it_needs_one() -> None:
     assert out.returncode == 2
     assert out.stderr.strip() == ("gputrace: error: watch draws a live view and needs a terminal; without "
                                   "one, read http://127.0.0.1:9/v1/status (JSON) or the collector's /metrics")
+
+
+def test_debug_works_before_and_between_the_subcommands_options() -> None:
+    """`--debug` before the subcommand or among its arguments: the traceback, then the one-line
+    error (the issue: 'works anywhere on the line')."""
+    for argv in (("--debug", "check-config", "/nonexistent.toml"),
+                 ("check-config", "--debug", "/nonexistent.toml")):
+        out = run_cli(*argv)
+        assert out.returncode == 2, argv
+        assert "Traceback" in out.stderr and out.stderr.strip().endswith("/nonexistent.toml: no such file")
+        assert "No such option" not in out.stderr
+
+
+def test_debug_after_a_wrapped_commands_separator_is_that_commands() -> None:
+    """`gputrace run ... -- prog --debug`: the --debug is prog's, so gputrace shows no traceback."""
+    out = run_cli("run", "--config", "/nonexistent.toml", "--out", "/nonexistent-out", "--",
+                  "prog", "--debug")
+    assert out.returncode == 2
+    assert out.stderr == "gputrace: error: /nonexistent.toml: no such file\n"
+
+
+def test_run_warmup_help_says_it_warms_up_once() -> None:
+    """`run --help`: the warm-up runs once before the sweep (it said 'before each level'; the
+    load generator warms up once)."""
+    out = run_cli("run", "--help")
+    assert out.returncode == 0
+    text = " ".join(out.stdout.split())
+    assert "seconds of warm-up at the first level's concurrency, once, before the sweep" in text
+    assert "each level" not in text[text.index("--warmup"):text.index("--stream")]
+
+
+def test_mark_help_is_not_cut_at_its_example() -> None:
+    """`mark`'s line in `gputrace --help` and its own help keep the example (click cut the listing
+    at '(e.g.')."""
+    listing = run_cli("--help").stdout
+    (line,) = [ln for ln in listing.splitlines() if ln.strip().startswith("mark ")]
+    assert line.rstrip().endswith("Mark a load phase in the running capture (C=64).")
+    own = " ".join(run_cli("mark", "--help").stdout.split())
+    assert "Mark the start of a load phase (e.g. `gputrace mark C=64`) in the running capture." in own
+
+
+def test_demo_quick_duration_is_the_same_in_help_and_readme() -> None:
+    """`demo --help` and the README give `--quick` the same duration (they said 45 s where it took 50)."""
+    import re
+
+    helped = " ".join(run_cli("demo", "--help").stdout.split())
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    said_help = re.search(r"--quick\s+Shorter load levels: 4 s each, about ([^.]+) in all\.", helped)
+    assert said_help, helped
+    section = readme[readme.index("### `gputrace demo"):]
+    said_readme = re.search(r"\(`--quick`: 4 s per level, about ([^)]+)\)", section)
+    assert said_readme, section[:2000]
+    assert said_help.group(1) == said_readme.group(1)

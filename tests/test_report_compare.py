@@ -79,3 +79,66 @@ def test_compare_css_holds_only_what_the_pages_use(tmp_path: Path) -> None:
     styled = set(re.findall(r"\.([a-z][\w-]*)", CSS))
     assert styled and styled <= used, styled - used
     assert "img" not in CSS and ".finding" not in CSS and ".verdict" not in CSS
+
+
+def test_the_top_finding_is_the_one_the_report_leads_with(tmp_path: Path) -> None:
+    """compare's 'top finding' is the finding the run's report opens its verdict with: a light
+    level's 'offer more requests' ranked first gives way to the deployment change (the demo's
+    compare named run A's C=1 load finding where its report led with K at C=32)."""
+    from gputrace.analysis.compare import top_finding
+    from gputrace.analysis.diagnose import Finding
+    from gputrace.analysis.run import analyse_store
+    from gputrace.report.document import build_document
+    from gputrace.report.render import verdict
+    from gputrace.store import Store
+
+    with Store.open(_capped(tmp_path / "a"), read_only=True) as store:
+        analysis = analyse_store(store)
+    analysis.findings.insert(0, Finding("pipeline_underfilled", "C=1", [0, 1, 2, 3], {}, 0.7,
+                                        "offer at least 4 requests", "1 micro-batch for 4 stages",
+                                        details={"knob": "concurrency", "value": 4}))
+    top = top_finding(analysis)
+    assert top is not None and top["cause"] == "microbatch_cap" and top["phase"] == "C=32"
+    opening = verdict(build_document(analysis))
+    assert opening.startswith(f"Verdict: microbatch_cap in phase C=32: {top['summary']}.")
+
+
+def test_what_changed_says_the_throughput_that_moved(tmp_path: Path) -> None:
+    """'What changed' says B's throughput against A's per phase that moved more than 5 %, in
+    words, on the page and in compare.md (a 40 % regression stood only in the gain column)."""
+    a, b = _capped(tmp_path / "a"), _fixed(tmp_path / "b")
+    page, _ = _compare(a, b, tmp_path / "cmp")
+    doc = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    gains = {p["label"]: p["throughput_gain"] for p in doc["phases"]}
+    moved = [f"{k} x{g:.2f}" for k, g in gains.items() if abs(g - 1) > 0.05]
+    alike = [k for k, g in gains.items() if abs(g - 1) <= 0.05]
+    assert moved and alike, gains  # the fix lifts C=32; C=1 is the same in both
+    line = f"Throughput, B against A: {', '.join(moved)}; the other phase within 5%."
+    assert len(alike) == 1 and f"<p>{line}</p>" in page
+    what_changed = page[page.index("<h2>What changed</h2>"):page.index("<h2>The two runs</h2>")]
+    assert line in what_changed
+    assert f"\n{line}\n" in (tmp_path / "cmp" / "compare.md").read_text()
+    same, _ = _compare(a, a, tmp_path / "self")
+    assert "Throughput: B within 5% of A in every phase." in same
+
+
+def test_runs_without_bubble_figures_get_no_columns_of_n_a(tmp_path: Path) -> None:
+    """Two runs without GPU samples: the per-phase table has no bubble columns and the footer says
+    why; runs with them keep both columns."""
+    from gputrace.store import Store
+
+    a, b = _capped(tmp_path / "a"), _fixed(tmp_path / "b")
+    page, _ = _compare(a, b, tmp_path / "with")
+    assert "<th>bubble A</th><th>bubble B</th>" in page and "Bubble: the mean over the stages" in page
+    for run in (a, b):
+        with Store.open(run) as store:
+            store.sql("DELETE FROM gpu_samples")
+    page, _ = _compare(a, b, tmp_path / "without")
+    doc = json.loads((tmp_path / "without" / "compare.json").read_text())
+    assert all(p["bubble_fraction_mean_a"] is None and p["bubble_fraction_mean_b"] is None
+               for p in doc["phases"])
+    assert "<th>bubble A</th>" not in page and "<td>n/a</td><td>n/a</td>" not in page
+    assert "<th>phase</th><th>tok/s A</th><th>tok/s B</th><th>gain</th><th>TTFT p50 A s</th>" in page
+    assert "Bubble: not in either run (no GPU samples)." in page
+    md = (tmp_path / "without" / "compare.md").read_text()
+    assert "| phase | tok/s A | tok/s B | gain | TTFT p50 A s | TTFT p50 B s | resolved | new |" in md

@@ -17,7 +17,7 @@ from matplotlib.lines import Line2D
 
 from gputrace.analysis.run import Analysis, analyse_store
 from gputrace.cli import cli as main
-from gputrace.report.document import STAGE_COLUMNS, shown_columns
+from gputrace.report.document import STAGE_COLUMNS, phase_stage_table, shown_columns, stage_columns
 from gputrace.report.figures import (
     DPI,
     FIGURES,
@@ -161,14 +161,16 @@ def test_interleaved_utilization_samples_all_reach_the_grid(analysis: Analysis, 
 
 def test_phase_by_stage_table_holds_only_per_stage_values(agent_run: Path, tmp_path: Path) -> None:
     """The per-stage table in report.md and report.html has no per-phase column (load,
-    throughput, allowed busy: in the phases table) and names each phase once; findings.json's
-    table keeps every value per stage."""
+    throughput, allowed busy: in the phases table), names each phase once and says a busy signal
+    common to every stage once; findings.json's table keeps every value per stage."""
     res = CliRunner().invoke(main, ["report", str(agent_run), "--out", str(tmp_path)])
     assert res.exit_code == 0, res.output
     md = (tmp_path / "report.md").read_text()
     stage = md[md.index("## Phase by stage"):md.index("## Stage mapping")]
     header = stage.splitlines()[2]
-    assert header.startswith("| phase | stage | busy | bubble | busy from | #running mean | #running max |")
+    # every stage's busy came from one signal: said once under the table, not on each of its rows
+    assert header.startswith("| phase | stage | busy | bubble | #running mean | #running max |")
+    assert "Busy and bubble from utilization.gpu (NVML) on every stage." in stage
     for per_phase in ("offered", "tok/s", "allowed busy", "C |"):
         assert per_phase not in header, per_phase
     assert stage.count("| C=32 |") == 1 and stage.count("| C=1 |") == 1
@@ -180,7 +182,7 @@ def test_phase_by_stage_table_holds_only_per_stage_values(agent_run: Path, tmp_p
     assert stage_html.count("<td>C=32</td>") == 1
     doc = json.loads((tmp_path / "findings.json").read_text())
     assert {"offered_load", "throughput_tok_s", "allowed_busy_fraction", "utilization_p50",
-            "token_usage_max", "pcie_tx_bytes_per_s_mean"} <= set(doc["table"][0])
+            "token_usage_max", "pcie_tx_bytes_per_s_mean", "busy_signal"} <= set(doc["table"][0])
 
 
 def test_stage_columns_without_any_value_are_left_out_and_named() -> None:
@@ -190,3 +192,28 @@ def test_stage_columns_without_any_value_are_left_out_and_named() -> None:
     shown, missing = shown_columns(STAGE_COLUMNS, rows)
     assert [k for k, _ in shown] == ["phase", "pp_rank", "microbatch_size_mean", "queue_req_mean"]
     assert {"busy", "power W", "PCIe/link p95", "throttled"} <= set(missing)
+
+
+def test_busy_from_is_a_column_only_where_stages_differ_and_absent_without_busy() -> None:
+    """Stages whose busy came from different signals keep the column; one signal on every stage is
+    said once; stages without a busy figure claim no signal (a run without GPU samples said
+    'utilization.gpu (NVML)' on every row)."""
+    def rows(*signals: str | None) -> list[dict[str, object]]:
+        return [{"phase": "C=1", "pp_rank": s, "busy_fraction": None if sig is None else 0.5,
+                 "busy_signal": sig} for s, sig in enumerate(signals)]
+    shown, _, said = stage_columns(rows("SM activity (GPM)", "utilization.gpu (NVML)"))
+    assert ("busy_signal", "busy from") in shown and said is None
+    shown, _, said = stage_columns(rows("SM activity (GPM)", "SM activity (GPM)"))
+    assert ("busy_signal", "busy from") not in shown and said == "SM activity (GPM)"
+    shown, missing, said = stage_columns(rows(None, None))
+    assert said is None and "busy from" in missing
+
+
+def test_a_stage_without_a_busy_figure_names_no_busy_signal(tmp_path: Path) -> None:
+    """findings.json's table: busy_signal is null where busy_fraction is (no GPU samples)."""
+    run = tmp_path / "run"
+    build(run, SynthRun([Level("C=4", 4, 4, [0.5] * 2, 2, 4)], pp=2))
+    with Store.open(run) as store:
+        store.sql("DELETE FROM gpu_samples")
+        table = phase_stage_table(analyse_store(store))
+    assert table and all(row["busy_fraction"] is None and row["busy_signal"] is None for row in table)

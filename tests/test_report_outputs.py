@@ -237,6 +237,7 @@ def test_the_report_opens_with_the_verdict_and_shows_each_phase_once(tmp_path: P
     first = md.split("\n\n")[1]
     assert first.startswith("Verdict: microbatch_cap in phase C=32: ")
     assert "Next step: --pp-max-micro" in first
+    assert "; predicted: " in first and " tok/s at C=32 (±" in first  # [whatif]'s effect, in the verdict
     assert md.index(first) < md.index("## Summary") < md.index("## Findings") < md.index("## Phases")
     phases = md[md.index("## Phases"):md.index("## Phase by stage")]
     assert "| phase | C | in flight | tok/s | client tok/s | completed | failed | unfinished | TTFT p50 s" \
@@ -272,3 +273,22 @@ def test_a_report_on_a_read_only_run_says_where_it_cannot_write(
         assert code == 0 and (tmp_path / "out" / "report.md").exists()
     finally:
         subprocess.run(["umount", "-l", str(view)], capture_output=True)
+
+
+def test_the_verdict_names_a_deployment_change_before_a_load_to_offer() -> None:
+    """Ranked first by the what-if gain, a light level's 'offer more requests' is not the next step
+    of a sweep that chose that level: the verdict names the first finding whose change is to the
+    deployment (as `gputrace demo` applies it), the others follow below."""
+    from gputrace.report.render import verdict
+
+    def finding(phase: str, knob: str, value: int, rec: str) -> dict[str, object]:
+        return {"cause": "pipeline_underfilled", "phase": phase, "stages": [0, 1], "confidence": 0.7,
+                "summary": f"underfilled at {phase}", "recommendation": rec, "evidence": {},
+                "change": {"knob": knob, "value": value}}
+    doc = {"findings": [finding("C=1", "concurrency", 8, "offer at least 8 requests"),
+                        finding("C=32", "--pp-max-micro-batch-size", 4, "--pp-max-micro-batch-size 4")]}
+    assert verdict(doc) == ("Verdict: pipeline_underfilled in phase C=32: underfilled at C=32. Next step: "
+                            "--pp-max-micro-batch-size 4. 1 more finding below.")
+    doc["findings"] = doc["findings"][:1]  # no engine setting to change: the top finding it is
+    assert verdict(doc).startswith("Verdict: pipeline_underfilled in phase C=1: underfilled at C=1. "
+                                   "Next step: offer at least 8 requests.")

@@ -146,3 +146,29 @@ def test_whatif_rejects_unknown_keys_and_impossible_values(motivating_run: Path)
         assert done.returncode == 2, done.stderr
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and said in lines[0] and "valid keys: pp_max_micro_batch_size" in lines[0]
+
+
+def test_effect_text_claims_only_what_the_change_itself_moves() -> None:
+    """A level whose prediction falls below the measurement only because the model replays it low
+    unchanged is no cost; one the change itself lowers past the band is (K = 4 at C=64: the model
+    gives 2538 unchanged, 1290 with it), even where the prediction sits inside the band of the
+    measurement (a demo run: 1958 measured, 2751 replayed unchanged, 1392 with K = 4, ±30%)."""
+    from gputrace.whatif.effects import effect_text
+
+    effect = {"phase": "C=32", "concurrency": 32, "measured_tok_s": 1058.6, "predicted_tok_s": 1284.8,
+              "unchanged_tok_s": 1000.0, "band_ratio": 0.19, "within_uncertainty": False,
+              "other_phases": [
+                  {"phase": "C=64", "concurrency": 64, "measured_tok_s": 2104.0, "predicted_tok_s": 1290.0,
+                   "unchanged_tok_s": 2538.0},
+                  {"phase": "C=8", "concurrency": 8, "measured_tok_s": 273.0, "predicted_tok_s": 200.0,
+                   "unchanged_tok_s": 201.0}]}
+    assert effect_text(effect) == ("predicted: 1059 -> 1285 tok/s at C=32 (±19%); costs C=64 2104 -> "
+                                   "1290 tok/s")
+    effect["unchanged_tok_s"] = 1266.0  # the gain is the fit's offset: the model gives as much unchanged
+    assert effect_text(effect) == ("predicted: 1059 -> 1285 tok/s at C=32 (±19%); the model gives 1266 "
+                                   "tok/s there unchanged: no clear gain from the change itself; costs "
+                                   "C=64 2104 -> 1290 tok/s")
+    effect["band_ratio"] = 0.30
+    effect["other_phases"] = [{"phase": "C=64", "concurrency": 64, "measured_tok_s": 1957.6,
+                               "predicted_tok_s": 1392.3, "unchanged_tok_s": 2751.2}]
+    assert effect_text(effect).endswith("; costs C=64 1958 -> 1392 tok/s")

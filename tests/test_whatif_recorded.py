@@ -112,3 +112,28 @@ def test_whatif_takes_vllm_names(tmp_path_factory: pytest.TempPathFactory) -> No
     bad = subprocess.run([sys.executable, "-m", "gputrace", "whatif", str(run), "--set", "max_num_seq=4"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "max_num_seqs" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_a_cost_or_gain_that_is_the_fits_offset_is_not_claimed(tmp_path_factory: pytest.TempPathFactory
+                                                                ) -> None:
+    """The recorded SGLang default run: the fit replays C=4 at about 49 tok/s where 90 were measured,
+    and C=16 at about 93 where 60 were. Raising the admission limit to 16 moves neither: the
+    recommendation says the model gives the same unchanged and claims no cost at C=4 (it said
+    'costs C=4 90 -> 49 tok/s', the fit's offset, for a limit that 4 requests never reach)."""
+    from gputrace.whatif.effects import add_predicted_effects
+
+    analysis = _analysis(_imported(tmp_path_factory, "sglang", "default"))
+    model = add_predicted_effects(analysis)
+    assert model is not None
+    (finding,) = [f for f in analysis.findings if f.cause == "admission_bound"]
+    effect = finding.details["predicted"]
+    replay = {row["phase"]: row["throughput_tok_s"][1] for row in model.quality_rows()}
+    assert effect["unchanged_tok_s"] == pytest.approx(replay["C=16"], abs=0.1)
+    (c4,) = [o for o in effect["other_phases"] if o["phase"] == "C=4"]
+    assert c4["unchanged_tok_s"] == pytest.approx(replay["C=4"], abs=0.1)
+    # what makes the old text misleading: the model is far off the run where the change does nothing
+    assert c4["predicted_tok_s"] < 0.7 * c4["measured_tok_s"]
+    assert abs(c4["predicted_tok_s"] / c4["unchanged_tok_s"] - 1) < effect["band_ratio"]
+    assert "costs" not in finding.recommendation
+    assert (f"; the model gives {effect['unchanged_tok_s']:.0f} tok/s there unchanged: no clear gain from "
+            "the change itself") in finding.recommendation

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from gputrace.analysis.diagnose import Finding
+from gputrace.analysis.diagnose import Finding, changes_the_deployment
 from gputrace.analysis.run import Analysis
 
 SCHEMA = "gputrace.compare/1"
@@ -43,8 +43,12 @@ def _finding(f: Finding) -> dict[str, Any]:
 
 
 def top_finding(a: Analysis) -> dict[str, Any] | None:
-    """The run's first finding that names a cause (the report's verdict), if any."""
-    return next((_finding(f) for f in a.findings if f.cause != "cannot_tell"), None)
+    """The finding the run's report leads its verdict with: the first that names a cause and a
+    change to the deployment, else the first that names a cause; None without one."""
+    causes = [f for f in a.findings if f.cause != "cannot_tell"]
+    top = next((f for f in causes if changes_the_deployment(f.details.get("knob"))), None)
+    top = top or (causes[0] if causes else None)
+    return None if top is None else _finding(top)
 
 
 def _described(run: Analysis, phase: str, causes: set[str]) -> list[dict[str, Any]]:

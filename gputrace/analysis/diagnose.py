@@ -39,6 +39,17 @@ class Thresholds:
     throttled_share: float = 0.1
 
 
+LOAD_KNOBS = frozenset({"client", "concurrency"})
+"""Knobs of findings whose change is to the offered load, not to the deployment."""
+
+
+def changes_the_deployment(knob: object) -> bool:
+    """Whether a finding's knob is a setting of the deployment (an engine flag, an environment
+    variable, the hardware) rather than the load: a sweep's light levels are chosen, so a report
+    leads with the first finding a deployment change answers (`gputrace demo` applies it too)."""
+    return isinstance(knob, str) and knob not in LOAD_KNOBS
+
+
 @dataclass
 class Finding:
     """One diagnosed cause in one phase ("*" for the whole run)."""

@@ -83,7 +83,7 @@ def recommendation_effect(result: DemoResult) -> str:
 @click.command("demo")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("demo-out"),
               show_default=True, help="Directory for the three runs, their reports and the comparisons.")
-@click.option("--quick", is_flag=True, help="Shorter load levels: 4 s each, about 2 minutes in all.")
+@click.option("--quick", is_flag=True, help="Shorter load levels: 4 s each, about 80 s in all.")
 def command(out: Path, quick: bool) -> None:
     """Run the whole chain on loopback against a simulated SGLang PP8 deployment: the simulator's
     OpenAI-compatible server, an agent with simulated GPUs, the collector and the load generator.

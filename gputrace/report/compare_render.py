@@ -1,6 +1,6 @@
 """Render a comparison document as HTML (self-contained), Markdown and JSON: a warning when both
-sides are one run, what the change resolved and introduced in words, both runs' key figures side
-by side, and links to both reports."""
+sides are one run, what the change resolved and introduced and what it did to throughput in words,
+both runs' key figures side by side, and links to both reports."""
 
 from __future__ import annotations
 
@@ -58,6 +58,26 @@ def change_lines(doc: dict[str, Any]) -> list[tuple[str, str]]:
     return sorted(out, key=lambda kv: kv[0] != "resolved")  # resolved first, each in phase order
 
 
+SAME_WITHIN = 0.05  # a throughput ratio this close to 1 is said together with the others alike
+
+
+def throughput_line(doc: dict[str, Any]) -> str | None:
+    """B's throughput against A's in words, per phase that moved (a regression stood only in
+    the table's gain column)."""
+    gains = [(p["label"], p["throughput_gain"]) for p in doc["phases"] if p["throughput_gain"] is not None]
+    if not gains:
+        return None
+    moved = [f"{label} {_gain(g)}" for label, g in gains if abs(g - 1) > SAME_WITHIN]
+    alike = len(gains) - len(moved)
+    if not moved:
+        return f"Throughput: B within {SAME_WITHIN:.0%} of A in every phase."
+    text = "Throughput, B against A: " + ", ".join(moved)
+    if alike:
+        others = "the other phase" if alike == 1 else f"the other {alike} phases"
+        text += f"; {others} within {SAME_WITHIN:.0%}"
+    return text + "."
+
+
 def _top(f: dict[str, Any] | None) -> str:
     if f is None:
         return "none: no cause found"
@@ -68,12 +88,23 @@ PHASE_HEADERS = ["phase", "tok/s A", "tok/s B", "gain", "bubble A", "bubble B", 
                  "TTFT p50 B s", "resolved", "new"]
 
 
-def _phase_rows(doc: dict[str, Any]) -> list[list[str]]:
-    return [[p["label"], _num(p["throughput_tok_s_a"]), _num(p["throughput_tok_s_b"]),
+def _has_bubble(doc: dict[str, Any]) -> bool:
+    return any(p[k] is not None for p in doc["phases"]
+               for k in ("bubble_fraction_mean_a", "bubble_fraction_mean_b"))
+
+
+def _phase_table(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """(headers, rows) of the per-phase table; without a bubble figure in either run (no GPU
+    samples) the two bubble columns go (the footer says so): columns of n/a say nothing."""
+    rows = [[p["label"], _num(p["throughput_tok_s_a"]), _num(p["throughput_tok_s_b"]),
              _gain(p["throughput_gain"]), _pct(p["bubble_fraction_mean_a"]),
              _pct(p["bubble_fraction_mean_b"]), _num(p["ttft_s_p50_a"], 3), _num(p["ttft_s_p50_b"], 3),
              ", ".join(p["findings_resolved"]) or "-", ", ".join(p["findings_new"]) or "-"]
             for p in doc["phases"]]
+    if _has_bubble(doc):
+        return PHASE_HEADERS, rows
+    keep = [i for i, h in enumerate(PHASE_HEADERS) if not h.startswith("bubble")]
+    return [PHASE_HEADERS[i] for i in keep], [[r[i] for i in keep] for r in rows]
 
 
 def _report_path(run_dir: str | None) -> Path | None:
@@ -91,7 +122,8 @@ def _footer(doc: dict[str, Any]) -> list[str]:
     if doc["unmatched_a"] or doc["unmatched_b"]:
         out.append(f"Phases only in A: {', '.join(doc['unmatched_a']) or '-'}; "
                    f"only in B: {', '.join(doc['unmatched_b']) or '-'} (compared by label).")
-    out.append("Bubble: the mean over the stages; per stage in compare.json.")
+    out.append("Bubble: the mean over the stages; per stage in compare.json." if _has_bubble(doc) else
+               "Bubble: not in either run (no GPU samples).")
     return out
 
 
@@ -105,14 +137,18 @@ def render_compare_markdown(doc: dict[str, Any]) -> str:
         out += [f"**Warning: run A and run B are {doc['same_run']}: {same_run_consequence(doc)}.**", ""]
     changes = change_lines(doc)
     out += [f"- {text}" for _, text in changes] or ["No finding resolved or new."]
+    throughput = throughput_line(doc)
+    if throughput:
+        out += ["", throughput]
     out += ["", _md_row(["", "A", "B"]), "|---|---|---|"]
     out += [_md_row(r) for r in _run_rows(doc)]
     for label, run_dir in (("A", doc["run_a_dir"]), ("B", doc["run_b_dir"])):
         report = _report_path(run_dir)
         if report is not None:
             out.append(f"\nReport {label}: {report}" + ("" if report.exists() else " (not written yet)"))
-    out += ["", _md_row(PHASE_HEADERS), "|" + "---|" * len(PHASE_HEADERS)]
-    out += [_md_row(r) for r in _phase_rows(doc)]
+    headers, rows = _phase_table(doc)
+    out += ["", _md_row(headers), "|" + "---|" * len(headers)]
+    out += [_md_row(r) for r in rows]
     out += ["", *_footer(doc)]
     return "\n".join(out) + "\n"
 
@@ -143,13 +179,16 @@ def render_compare_html(doc: dict[str, Any], out_dir: str | Path | None = None) 
     changes = change_lines(doc)
     parts += [f"<p class='{kind}'>{e(text)}</p>" for kind, text in changes] or \
         ["<p>No finding resolved or new.</p>"]
+    throughput = throughput_line(doc)
+    if throughput:
+        parts.append(f"<p>{e(throughput)}</p>")
     parts.append("<h2>The two runs</h2><table class='runs'><tr><th></th><th>A</th><th>B</th></tr>")
     parts += [f"<tr><td>{e(k)}</td><td>{e(va)}</td><td>{e(vb)}</td></tr>" for k, va, vb in _run_rows(doc)]
     parts.append(f"<tr><td>report</td><td>{_link(doc['run_a_dir'], where)}</td>"
                  f"<td>{_link(doc['run_b_dir'], where)}</td></tr></table>")
-    parts.append("<h2>Per phase</h2><table><tr>" + "".join(f"<th>{e(h)}</th>" for h in PHASE_HEADERS)
-                 + "</tr>")
-    parts += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in _phase_rows(doc)]
+    headers, rows = _phase_table(doc)
+    parts.append("<h2>Per phase</h2><table><tr>" + "".join(f"<th>{e(h)}</th>" for h in headers) + "</tr>")
+    parts += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in rows]
     parts.append("</table>")
     parts += [f"<p>{e(line)}</p>" for line in _footer(doc)]
     parts.append("</body></html>")

@@ -37,6 +37,17 @@ def shown_columns(columns: tuple[tuple[str, str], ...], rows: list[dict[str, Any
     return keep, [h for k, h in columns if (k, h) not in keep]
 
 
+def stage_columns(rows: list[dict[str, Any]]) -> tuple[list[tuple[str, str]], list[str], str | None]:
+    """The report's phase-by-stage columns: those with a value (and the headers left out), with
+    the busy signal said once (the third item) where every stage's busy came from the same one
+    (a column repeating it on every row, wrapped to three lines, tripled the table's height)."""
+    columns, missing = shown_columns(STAGE_COLUMNS, rows)
+    signals = {row.get("busy_signal") for row in rows} - {None}
+    if len(signals) != 1:
+        return columns, missing, None
+    return [c for c in columns if c[0] != "busy_signal"], missing, signals.pop()
+
+
 def phase_stage_table(a: Analysis) -> list[dict[str, Any]]:
     """One row per (phase, stage)."""
     rows = []
@@ -47,6 +58,8 @@ def phase_stage_table(a: Analysis) -> list[dict[str, Any]]:
                    "target_concurrency": pm.target_concurrency,
                    "allowed_busy_fraction": pm.allowed_busy_fraction,
                    "throughput_tok_s": pm.throughput_tok_s}
+            if st.busy_fraction is None:  # no busy figure: it came from no signal
+                row["busy_signal"] = None
             rows.append(row)
     return rows
 

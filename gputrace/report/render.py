@@ -10,9 +10,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from gputrace.analysis.diagnose import changes_the_deployment
 from gputrace.analysis.run import Analysis
 from gputrace.errors import UsageError
-from gputrace.report.document import STAGE_COLUMNS, STAGE_NOTE, build_document, fmt, shown_columns
+from gputrace.report.document import STAGE_NOTE, build_document, fmt, stage_columns
 from gputrace.report.figures import FIGURES
 
 FORMATS = ("html", "md", "json")
@@ -78,11 +79,13 @@ NO_MAPPING = "No GPU placements: the run has no GPU samples or topology (stages 
 
 
 def verdict(doc: dict[str, Any]) -> str:
-    """The report's first paragraph: the top finding and the change it calls for."""
+    """The report's first paragraph: the top finding that a change to the deployment answers (else
+    the top one) and that change, with its predicted effect where the what-if model gave one."""
     causes = [f for f in doc["findings"] if f["cause"] != "cannot_tell"]
     missing = [f for f in doc["findings"] if f["cause"] == "cannot_tell"]
     if causes:
-        top = causes[0]
+        top = next((f for f in causes if changes_the_deployment((f.get("change") or {}).get("knob"))),
+                   causes[0])
         where = "the whole run" if top["phase"] == "*" else f"phase {top['phase']}"
         text = (f"Verdict: {top['cause']} in {where}: {top['summary']}. Next step: "
                 f"{top['recommendation']}.")
@@ -128,8 +131,10 @@ def _md_table(columns: Sequence[tuple[str, str]], rows: Sequence[dict[str, Any]]
             *("| " + " | ".join(cell(i, k) for k, _ in columns) + " |" for i in range(len(rows)))]
 
 
-def _stage_note(missing: Sequence[str]) -> str:
+def _stage_note(missing: Sequence[str], busy_from: str | None) -> str:
     note = f"Per stage only: {STAGE_NOTE}."
+    if busy_from:
+        note += f" Busy and bubble from {busy_from} on every stage."
     if missing:
         note += f" Not in this run: {', '.join(missing)}."
     return note
@@ -151,16 +156,18 @@ def render_html(a: Analysis, doc: dict[str, Any], figures: dict[str, bytes]) -> 
                      f"<small>evidence: {e(ev)}</small><br>"
                      f"change: <code>{e(f['recommendation'])}</code></div>")
     parts.append("<h2>Phases</h2>" + _html_table(PHASE_COLUMNS, doc["phases"]))
-    columns, missing = shown_columns(STAGE_COLUMNS, doc["table"])
+    columns, missing, busy_from = stage_columns(doc["table"])
     parts.append("<h2>Phase by stage</h2>" + _html_table(columns, doc["table"], group="phase")
-                 + f"<p class='note'>{e(_stage_note(missing))}</p>")
-    parts.append("<h2>Stage mapping</h2><table><tr><th>host</th><th>gpu</th><th>pp_rank</th>"
-                 "<th>tp_rank</th><th>dp_rank</th></tr>")
-    for p in doc["mapping"]:
-        parts.append(f"<tr><td>{e(p['host'])}</td><td>{p['gpu_index']}</td><td>{p['pp_rank']}</td>"
-                     f"<td>{p['tp_rank']}</td><td>{p['dp_rank']}</td></tr>")
-    parts.append("</table>")
-    if not doc["mapping"]:
+                 + f"<p class='note'>{e(_stage_note(missing, busy_from))}</p>")
+    parts.append("<h2>Stage mapping</h2>")
+    if doc["mapping"]:
+        parts.append("<table><tr><th>host</th><th>gpu</th><th>pp_rank</th><th>tp_rank</th>"
+                     "<th>dp_rank</th></tr>")
+        for p in doc["mapping"]:
+            parts.append(f"<tr><td>{e(p['host'])}</td><td>{p['gpu_index']}</td><td>{p['pp_rank']}</td>"
+                         f"<td>{p['tp_rank']}</td><td>{p['dp_rank']}</td></tr>")
+        parts.append("</table>")
+    else:  # a table of headers alone says nothing
         parts.append(f"<p class='note'>{e(NO_MAPPING)}</p>")
     parts.append("<h2>Figures</h2>")
     for name, png in figures.items():
@@ -194,15 +201,16 @@ def render_markdown(a: Analysis, doc: dict[str, Any], figure_files: dict[str, st
         out += [f"- **{_md(head)}**: {_md(summary)}  ", f"  evidence: {_md(ev)}  ",
                 f"  change: `{_md_code(f['recommendation'])}`"]
     out += ["", "## Phases", "", *_md_table(PHASE_COLUMNS, doc["phases"])]
-    columns, missing = shown_columns(STAGE_COLUMNS, doc["table"])
+    columns, missing, busy_from = stage_columns(doc["table"])
     out += ["", "## Phase by stage", "", *_md_table(columns, doc["table"], group="phase"), "",
-            _md(_stage_note(missing))]
-    out += ["", "## Stage mapping", "", "| host | gpu | pp_rank | tp_rank | dp_rank |",
-            "|---|---|---|---|---|"]
-    out += [f"| {_md(p['host'])} | {p['gpu_index']} | {p['pp_rank']} | {p['tp_rank']} | {p['dp_rank']} |"
-            for p in doc["mapping"]]
-    if not doc["mapping"]:
-        out += ["", NO_MAPPING]
+            _md(_stage_note(missing, busy_from))]
+    out += ["", "## Stage mapping", ""]
+    if doc["mapping"]:
+        out += ["| host | gpu | pp_rank | tp_rank | dp_rank |", "|---|---|---|---|---|"]
+        out += [f"| {_md(p['host'])} | {p['gpu_index']} | {p['pp_rank']} | {p['tp_rank']} | "
+                f"{p['dp_rank']} |" for p in doc["mapping"]]
+    else:
+        out += [NO_MAPPING]
     out += ["", "## Figures", ""]
     for name, file in figure_files.items():
         out += [f"### {FIGURES[name][0]}", "", f"![{FIGURES[name][0]}]({file})", ""]
