@@ -9,14 +9,15 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.aiohttp import make_aiohttp_handler
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
 from gputrace.metric_names import MetricSpec
 
-__all__ = ["Collector", "CounterMetricFamily", "GaugeMetricFamily", "Metric", "Sample", "family",
+__all__ = ["Collector", "CounterMetricFamily", "GaugeMetricFamily", "HistogramMetricFamily", "Metric",
+           "Sample", "family",
            "metrics_handler", "parse_text"]
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -99,11 +99,21 @@ def sim_chain(work: Path, scenario: str = "microbatch-cap") -> Iterator[Chain]:
 
 
 @contextlib.contextmanager
-def prometheus(work: Path, targets: dict[str, int], interval_s: int = 1) -> Iterator[str]:
-    """Prometheus scraping each loopback target every ``interval_s``; yields its base URL."""
+def prometheus(work: Path, targets: dict[str, int], interval_s: int = 1,
+               keep: dict[str, str] | None = None) -> Iterator[str]:
+    """Prometheus scraping each loopback target every ``interval_s``; yields its base URL.
+    ``keep``: job -> a regular expression of the metric names that job stores (the rest dropped)."""
     binary = require_binary("/usr/bin/prometheus", "prometheus")
-    jobs = "".join(f'  - job_name: {job}\n    static_configs:\n      - targets: ["127.0.0.1:{port}"]\n'
-                   for job, port in targets.items())
+    keep = keep or {}
+
+    def job(name: str, port: int) -> str:
+        text = f'  - job_name: {name}\n    static_configs:\n      - targets: ["127.0.0.1:{port}"]\n'
+        if name in keep:
+            text += ("    metric_relabel_configs:\n      - source_labels: [__name__]\n"
+                     f"        regex: '{keep[name]}'\n        action: keep\n")
+        return text
+
+    jobs = "".join(job(name, port) for name, port in targets.items())
     config = work / "prometheus.yml"
     config.write_text(f"global:\n  scrape_interval: {interval_s}s\n  scrape_timeout: {interval_s}s\n"
                       f"scrape_configs:\n{jobs}")

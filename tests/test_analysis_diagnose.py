@@ -182,6 +182,11 @@ def test_without_the_clients_level_the_limit_covers_the_gauges_peak(tmp_path: Pa
     asked = dataclasses.replace(gauge_only, target_concurrency=15, inflight_mean=14.6)
     (bound,) = [f for f in diagnose([asked], engine, 2) if f.cause == "admission_bound"]
     assert bound.recommendation == "--max-running-requests 15"
+    # a level detected in the gauge (its rounded median, 16) covers a mean and a 90th percentile
+    # that turnover pulls down (vLLM's gauges at C=16 once: p90 15)
+    detected = dataclasses.replace(gauge_only, target_concurrency=16, inflight_mean=14.6, inflight_p90=15.0)
+    (bound,) = [f for f in diagnose([detected], engine, 2) if f.cause == "admission_bound"]
+    assert bound.recommendation == "--max-running-requests 16"
 
 
 def test_admission_bound_names_the_kv_setting_when_the_cache_would_not_hold_it(tmp_path: Path) -> None:

@@ -32,7 +32,8 @@ DCGM_SERIES = (("DCGM_FI_DEV_GPU_UTIL", 100.0, "utilization_ratio"),
                ("DCGM_FI_DEV_SM_CLOCK", 1e-6, "sm_clock_hz"),
                ("DCGM_FI_DEV_CLOCKS_EVENT_REASONS", 1.0, "clock_event_reasons"))
 ENGINE_SERIES = ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:gen_throughput",
-                 "sglang:token_usage", "sglang:http_requests_active")
+                 "sglang:token_usage")
+E2E = "sglang:e2e_request_latency_seconds"  # SGLang's end-to-end latency histogram (_sum, _count)
 
 
 def _labels(labels: dict[str, str]) -> str:
@@ -66,14 +67,23 @@ def _dcgm_lines(store: Store) -> list[str]:
 def _engine_lines(store: Store) -> list[str]:
     """SGLang's /metrics as the simulator's engine exposed it, scraped every second."""
     m = store.columns("engine_metrics", order_by="name, labels_json, ts_ns")
+
+    def samples(name: str, as_name: str, extra: str = "") -> list[str]:
+        rows = m["name"] == name
+        # a scrape at t lands on the next whole second, where Prometheus' step evaluates it
+        return [f"{as_name}{_labels({**json.loads(lj), **({'le': extra} if extra else {})})} {value} "
+                f"{-(-int(ts_ns) // 10**9)}"
+                for lj, ts_ns, value in zip(m["labels_json"][rows], m["ts_ns"][rows], m["value"][rows],
+                                            strict=True)]
+
     out = []
     for name in ENGINE_SERIES:
         out.append(f"# TYPE {name} gauge")
-        rows = m["name"] == name
-        for labels_json, ts_ns, value in zip(m["labels_json"][rows], m["ts_ns"][rows], m["value"][rows],
-                                             strict=True):
-            # a scrape at t lands on the next whole second, where Prometheus' step evaluates it
-            out.append(f"{name}{_labels(json.loads(labels_json))} {value} {-(-int(ts_ns) // 10**9)}")
+        out += samples(name, name)
+    # the histogram without its finite buckets: +Inf holds the count
+    out.append(f"# TYPE {E2E} histogram")
+    out += samples(E2E + "_count", E2E + "_bucket", "+Inf") + samples(E2E + "_count", E2E + "_count") + \
+        samples(E2E + "_sum", E2E + "_sum")
     return out
 
 

@@ -115,7 +115,11 @@ def admission_bound(pm: PhaseMetrics, engine: Mapping[str, Any], load: float | N
     kind = engine_kind(engine)
     # the limit to cover the offered load; without the client's level, the load's 90th percentile
     # where higher (a gauge read from the engine dips while finished requests are replaced)
-    offered = load if pm.target_concurrency else max(load, pm.inflight_p90 or 0.0)
+    if pm.target_concurrency and pm.source.startswith("detected"):
+        # a level found in that gauge: its rounded median, which turnover dips do not pull down
+        offered = max(load, float(pm.target_concurrency))
+    else:
+        offered = load if pm.target_concurrency else max(load, pm.inflight_p90 or 0.0)
     want = max(int(np.ceil(offered)), limit + 1)
     usage = _vals(pm.stages, "token_usage_max")
     usage_max = float(np.nanmax(usage)) if not np.isnan(usage).all() else None

@@ -71,19 +71,24 @@ SERIES_ROLES: dict[str, tuple[str, ...]] = {
     "engine queue": (mn.ENGINE_QUEUE.name, "sglang:num_queue_reqs", "vllm:num_requests_waiting"),
     "engine throughput": (mn.ENGINE_GENERATION_THROUGHPUT.name, "sglang:gen_throughput"),
     "client load": (mn.LOAD_INFLIGHT.name, mn.LOAD_TARGET_CONCURRENCY.name),
-    "server requests in flight": ("sglang:http_requests_active",),
+    "requests in system (end-to-end latency)": ("sglang:e2e_request_latency_seconds_sum",),
 }
 SERIES_ROLES = {role: (*names, *(escaped(n) for n in names if ":" in n))
                 for role, names in SERIES_ROLES.items()}
 TARGET_METRIC = mn.LOAD_TARGET_CONCURRENCY.name
 INFLIGHT_METRIC = mn.LOAD_INFLIGHT.name
 ENGINE_LOAD_SOURCE = "prometheus engine running + queued requests"
-# SGLang's HTTP server counts the requests it holds, per endpoint and method: running, waiting and
-# being tokenized, engine-wide. Under PP the per-rank running gauges cannot give that total (each
-# holds one micro-batch, and ranks that hold the same one count it twice), so this comes first.
-HTTP_ACTIVE_METRICS = ("sglang:http_requests_active", escaped("sglang:http_requests_active"))
-HTTP_LOAD_SOURCE = "prometheus sglang:http_requests_active (POST)"
-HTTP_LABELS = frozenset({"endpoint", "method", "model_name"})
+# Requests in the system by Little's law: the rate at which SGLang's end-to-end latency sum grows
+# is the mean number of requests in it over the window. Under PP the ranks' running gauges cannot
+# give the engine's total where nothing waits (each holds one micro-batch, and ranks that hold the
+# same one count it twice: C=1 reads pp_size); the law's figure bounds it there. (SGLang 0.5.23's
+# sglang:http_requests_active would say it directly, but it reads high: 2-3 at C=1 and 20 at C=16
+# on the real engine.) Its window is centred on each step (a trailing one lags a level step by
+# half its length) and holds several requests' completions.
+E2E_SUM = "sglang:e2e_request_latency_seconds_sum"
+E2E_SUM_METRICS = (E2E_SUM, escaped(E2E_SUM))
+LITTLE_WINDOW_S = 10.0
+E2E_LABELS = frozenset({"model_name", "engine_type"})
 MAX_STEPS = 5_000_000
 """Steps per import at most: each GPU metric is held as one float per step while stitching."""
 
@@ -97,7 +102,7 @@ AGENT_LABELS = frozenset({"host", "gpu", "uuid", "model", "pp_rank", "tp_rank",
 ENGINE_LABELS = frozenset({"host", "pp_rank", "tp_rank", "dp_rank", "run", "model_name", "engine_type",
                            "engine", "moe_ep_rank"})
 LOAD_LABELS = frozenset({"run"})
-_KNOWN_LABELS = AGENT_LABELS | ENGINE_LABELS | LOAD_LABELS | HTTP_LABELS
+_KNOWN_LABELS = AGENT_LABELS | ENGINE_LABELS | LOAD_LABELS | E2E_LABELS
 
 _MATCHER = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)\s*(=~|!~|!=|=)\s*("(?:[^"\\]|\\.)*")\s*(,|$)')
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w|y)")
@@ -231,7 +236,11 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
     engine_series = fetch(list(ENGINE_FIELDS), ENGINE_LABELS)
     target_series = fetch([TARGET_METRIC], LOAD_LABELS)
     inflight_series = fetch([INFLIGHT_METRIC], LOAD_LABELS)
-    http_series = fetch(HTTP_ACTIVE_METRICS, HTTP_LABELS)
+    # the latency sum a half window beyond each end: the window is centred on every step
+    margin = max(round(LITTLE_WINDOW_S * 1000 / step_ms / 2), 1)
+    in_system_series = [s for name in E2E_SUM_METRICS for s in client.query_range_chunked(
+        selector([name], matchers, E2E_LABELS), start_ms - margin * step_ms, end_ms + margin * step_ms,
+        step_ms, max_points)]
     summary.queries = client.queries
     if not gpu_series and not engine_series:
         where = f" matching {{{', '.join(map(str, matchers))}}}" if matchers else ""
@@ -239,8 +248,8 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
                           f"sglang:* or vllm:* ones, between {start_ms / 1000:.3f} and "
                           f"{end_ms / 1000:.3f}{where}")
     summary.found = sorted({s.labels.get("__name__", "") for s in
-                            [*gpu_series, *engine_series, *target_series, *inflight_series,
-                             *http_series]})
+                            [*gpu_series, *engine_series, *target_series, *inflight_series]}
+                           | ({E2E_SUM_METRICS[0]} if in_system_series else set()))
     summary.lacking = [role for role, names in SERIES_ROLES.items() if not set(names) & set(summary.found)]
 
     # GPUs: one array per (host, gpu) and field; the labels give the device and its stage.
@@ -310,12 +319,11 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
         _write_engine(store, summary, ranks, grid_ns, step_ms, client.base_url, engine)
         write_rows(store, summary, "devices", list(devices.values()))
         load_source = "prometheus " + INFLIGHT_METRIC
-        if np.isnan(inflight).all():
-            server = server_inflight(http_series, start_ms, step_ms, n)
-            if engine == "sglang" and not np.isnan(server).all():
-                inflight, load_source = server, HTTP_LOAD_SOURCE
-            elif engine in ("sglang", "vllm"):
-                inflight, load_source = engine_load(ranks, n), ENGINE_LOAD_SOURCE
+        if np.isnan(inflight).all() and engine in ("sglang", "vllm"):
+            in_system = requests_in_system(in_system_series, start_ms - margin * step_ms, step_ms,
+                                           n + 2 * margin, margin)[margin:margin + n]
+            pool = (engine_config or {}).get("max_running_requests")
+            inflight, load_source = engine_load(ranks, n, in_system, pool), ENGINE_LOAD_SOURCE
         _write_load(store, summary, inflight, target, grid_ns, step_ms, load_source)
         write_rows(store, summary, "markers", target_markers(target, grid_ns))
         if engine_config:
@@ -393,25 +401,35 @@ def _write_engine(store: Store, report: ImportReport,
     return total
 
 
-def server_inflight(series: Sequence[Series], start_ms: int, step_ms: int, n: int) -> np.ndarray:
-    """SGLang's requests in flight at its HTTP server: the sum of sglang:http_requests_active over
-    the POST endpoints (generation; the GETs are health checks, model lists and scrapes)."""
-    total = np.full(n, np.nan)
+def requests_in_system(series: Sequence[Series], start_ms: int, step_ms: int, n: int,
+                       half: int) -> np.ndarray:
+    """Requests in the system at each step by Little's law: the growth of the end-to-end latency
+    sum (summed over its series) from ``half`` steps before the step to ``half`` after, over that
+    time. NaN where the window runs past the range, lacks a value, or a counter restarted."""
+    total = np.zeros(n)
+    present = np.zeros(n, dtype=bool)
     for s in series:
-        if s.labels.get("method", "POST").upper() != "POST":
-            continue
         values = np.full(n, np.nan)
         _fill(values, *_place(s, start_ms, step_ms, n))
-        total = np.where(np.isnan(total), values, total + np.nan_to_num(values))
-    return total
+        total += np.nan_to_num(values)
+        present |= ~np.isnan(values)
+    total[~present] = np.nan
+    out = np.full(n, np.nan)
+    if n > 2 * half:
+        grown = total[2 * half:] - total[:-2 * half]
+        out[half:n - half] = np.where(grown >= 0, grown / (2 * half * step_ms / 1000), np.nan)
+    return out
 
 
-def engine_load(ranks: dict[tuple[str, int, int, int], dict[str, np.ndarray]], n: int) -> np.ndarray:
+def engine_load(ranks: dict[tuple[str, int, int, int], dict[str, np.ndarray]], n: int,
+                in_system: np.ndarray | None = None, pool: int | None = None) -> np.ndarray:
     """The offered load from the engine's own gauges where no client gauge exists: requests running
     plus waiting. SGLang's per-rank gauge holds the micro-batch that rank ran last; in a full
     pipeline every rank holds another one, so their sum is the engine's running requests (short by
-    the slots beyond pp_size with --pp-async-batch-depth). The queue is rank 0's (the others
-    replicate it). vLLM's gauges are engine-wide already."""
+    the slots beyond pp_size with --pp-async-batch-depth). Where nothing waits, fewer micro-batches
+    than ranks may run and the sum counts one several times: there the requests in the system by
+    Little's law (``in_system``) bound it. The pool (max_running_requests, when given) bounds it
+    always. The queue is rank 0's (the others replicate it). vLLM's gauges are engine-wide already."""
     running, queue = np.zeros(n), np.full(n, np.nan)
     for (_host, pp, tp, _dp), fields in sorted(ranks.items()):
         if tp != 0:
@@ -420,6 +438,11 @@ def engine_load(ranks: dict[tuple[str, int, int, int], dict[str, np.ndarray]], n
             running += np.nan_to_num(fields["running_req"])
         if "queue_req" in fields and (pp == 0 or np.isnan(queue).all()):
             queue = fields["queue_req"]
+    if in_system is not None:
+        nothing_waits = ~(np.nan_to_num(queue) >= 0.5) & ~np.isnan(in_system)
+        running = np.where(nothing_waits, np.minimum(running, in_system), running)
+    if pool:
+        running = np.minimum(running, pool)
     total: np.ndarray = running + queue
     return total
 

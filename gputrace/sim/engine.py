@@ -135,11 +135,6 @@ class PipelineEngine:
         self._seq += 1
         heapq.heappush(self._arrivals, (req.arrival_s, self._seq, req))
 
-    @property
-    def in_system(self) -> int:
-        """Requests arrived and not finished: running, waiting, and on their way in."""
-        return self.running + len(self.waiting) + len(self._arrivals)
-
     def busy(self) -> bool:
         """Requests waiting, running or still to arrive."""
         return bool(self.running or self.waiting or self._arrivals or self._completions)

@@ -1,6 +1,6 @@
 """The engine's own Prometheus metrics as the simulated engine would expose them: SGLang's
 ``sglang:*`` gauges per ``pp_rank`` (set when a rank logs a batch, as SGLang's metrics collector
-is), its token and forward-time counters and its HTTP server's requests in flight; vLLM's
+is), its token and forward-time counters and its end-to-end latency histogram; vLLM's
 engine-wide ``vllm:*`` series. One snapshot model, two drivers: the virtual run's store (a scrape
 every second) and the real-time server's ``/metrics``.
 """
@@ -14,7 +14,13 @@ from typing import Any
 
 import numpy as np
 
-from gputrace.exposition import Collector, CounterMetricFamily, GaugeMetricFamily, Metric
+from gputrace.exposition import (
+    Collector,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from gputrace.sim.params import SimParams
 
 SCRAPE_S = 1.0
@@ -33,10 +39,13 @@ class MetricSnapshot:
     running: int = 0  # engine-wide (vLLM's scheduler stats)
     waiting: int = 0
     kv_usage_ratio: float = 0.0
-    http_active: int = 0  # requests the HTTP server holds (arrived, not finished), engine-wide
+    e2e_latency_sum_s: float = 0.0  # the finished requests' end-to-end latencies, summed
+    e2e_count: int = 0  # the finished requests
 
 
-Sample = tuple[str, dict[str, str], float, str]  # sample name, labels, value, "gauge" | "counter"
+# sample name, labels, value, and "gauge", "counter" or "histogram" (a histogram's _sum or _count)
+Sample = tuple[str, dict[str, str], float, str]
+E2E = "sglang:e2e_request_latency_seconds"  # SGLang's histogram (its _sum and _count; no buckets here)
 
 
 def snapshot_samples(p: SimParams, snap: MetricSnapshot) -> list[Sample]:
@@ -47,8 +56,9 @@ def snapshot_samples(p: SimParams, snap: MetricSnapshot) -> list[Sample]:
                 ("vllm:num_requests_waiting", labels, float(snap.waiting), "gauge"),
                 ("vllm:kv_cache_usage_perc", labels, snap.kv_usage_ratio, "gauge"),
                 ("vllm:generation_tokens_total", labels, snap.tokens_total, "counter")]
-    out: list[Sample] = [("sglang:http_requests_active", {"endpoint": "/v1/completions", "method": "POST"},
-                          float(snap.http_active), "gauge")]
+    model = {"model_name": p.model_path}
+    out: list[Sample] = [(E2E + "_sum", model, snap.e2e_latency_sum_s, "histogram"),
+                         (E2E + "_count", model, float(snap.e2e_count), "histogram")]
     for s, fields in enumerate(snap.stage_fields):
         labels = {"model_name": p.model_path, "engine_type": "unified", "tp_rank": "0", "pp_rank": str(s)}
         out += [(name, labels, float(fields[f]), "gauge") for f, name in SGLANG_GAUGES.items() if f in fields]
@@ -67,7 +77,16 @@ class SnapshotCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
-        for name, labels, value, kind in snapshot_samples(self.p, self.snapshot()):
+        samples = snapshot_samples(self.p, self.snapshot())
+        histogram = {name: (labels, value) for name, labels, value, kind in samples if kind == "histogram"}
+        if histogram:
+            labels, total = histogram[E2E + "_sum"]
+            fam_h = HistogramMetricFamily(E2E, E2E, labels=list(labels))
+            fam_h.add_metric(list(labels.values()), [("+Inf", histogram[E2E + "_count"][1])], total)
+            yield fam_h
+        for name, labels, value, kind in samples:
+            if kind == "histogram":
+                continue
             fam = families.get(name)
             if fam is None:
                 base = name.removesuffix("_total")
@@ -94,10 +113,13 @@ def _cumulative(t: np.ndarray, amounts: np.ndarray, at: np.ndarray) -> np.ndarra
 
 
 def virtual_metric_rows(p: SimParams, start_ns: int, end_s: float, trace: Any,
-                        events: Mapping[str, np.ndarray], host: str, source: str) -> dict[str, Any]:
+                        events: Mapping[str, np.ndarray], host: str, source: str,
+                        latencies: tuple[np.ndarray, np.ndarray] = (np.zeros(0), np.zeros(0)),
+                        ) -> dict[str, Any]:
     """The ``engine_metrics`` columns a collector scraping every second would have stored.
 
-    ``events`` are the run's parsed scheduler lines (columns with ``recv_ts_ns`` the emission time).
+    ``events`` are the run's parsed scheduler lines (columns with ``recv_ts_ns`` the emission time);
+    ``latencies`` the finished requests' (finish times, end-to-end latencies) in seconds.
     """
     at_s = np.arange(SCRAPE_S / 2, end_s, SCRAPE_S)
     at_ns = start_ns + np.rint(at_s * 1e9).astype(np.int64)
@@ -107,8 +129,9 @@ def virtual_metric_rows(p: SimParams, start_ns: int, end_s: float, trace: Any,
     iv_end = np.asarray(trace.iv_end, dtype=np.float64)
     busy = iv_end - np.asarray(trace.iv_start, dtype=np.float64)
     forward = [_cumulative(iv_end[stage == s], busy[stage == s], at_s) for s in range(p.pp_size)]
-    in_flight = _cumulative(np.asarray(trace.work_t, dtype=np.float64),
-                            np.asarray(trace.work_delta, dtype=np.float64), at_s)
+    finish_s, latency_s = latencies
+    e2e_sum = _cumulative(finish_s, latency_s, at_s)
+    e2e_count = _cumulative(finish_s, np.ones_like(finish_s), at_s)
     columns: dict[str, list[Any]] = {"ts_ns": [], "name": [], "labels_json": [], "value": []}
     per_stage = _stage_gauges(p, events, at_ns)
     st_t = np.asarray(trace.st_t, dtype=np.float64)
@@ -121,7 +144,7 @@ def virtual_metric_rows(p: SimParams, start_ns: int, end_s: float, trace: Any,
             running=trace.st_running[last] if last >= 0 else 0,
             waiting=trace.st_waiting[last] if last >= 0 else 0,
             kv_usage_ratio=trace.st_kv_used[last] / p.max_total_num_tokens if last >= 0 else 0.0,
-            http_active=int(in_flight[k]))
+            e2e_latency_sum_s=float(e2e_sum[k]), e2e_count=int(e2e_count[k]))
         for name, labels, value, _kind in snapshot_samples(p, snap):
             columns["ts_ns"].append(t_ns)
             columns["name"].append(name)

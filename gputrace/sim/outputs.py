@@ -121,8 +121,11 @@ def device_records(result: SimResult) -> list[DeviceInfo]:
 def engine_metric_columns(store: Store, result: SimResult) -> dict[str, Any]:
     """The engine's /metrics scraped every second, from the lines already in ``store``."""
     events = store.columns("scheduler_events", order_by="line_no")
+    done = [r for r in result.requests if r.finish_s is not None]
+    finish = np.array([r.finish_s for r in done], dtype=np.float64)
+    latency = finish - np.array([r.client_start_s for r in done], dtype=np.float64)
     return virtual_metric_rows(result.params, result.start_ns, result.end_s, result.engine.trace, events,
-                               SIM_HOST, METRICS_SOURCE)
+                               SIM_HOST, METRICS_SOURCE, (finish, latency))
 
 
 def params_dict(result: SimResult) -> dict[str, Any]:

@@ -42,6 +42,7 @@ class _Stream:
 
     def __init__(self, sim: RealtimeSim):
         self.sim = sim
+        self.arrival_s = 0.0
         self.queue: asyncio.Queue[int | None] = asyncio.Queue()
         self._due: deque[int | None] = deque()
 
@@ -50,6 +51,8 @@ class _Stream:
         self.sim.deliver(t_s, self._release)
 
     def finished(self, t_s: float) -> None:
+        self.sim.e2e_latency_sum_s += t_s - self.arrival_s
+        self.sim.e2e_count += 1
         self._due.append(None)
         self.sim.deliver(t_s, self._release)
 
@@ -77,6 +80,8 @@ class RealtimeSim:
         # what the engine's /metrics says: per rank the newest logged values, the counters
         self._stage_fields: list[dict[str, float]] = [{} for _ in range(params.pp_size)]
         self._tokens_total = 0.0
+        self.e2e_latency_sum_s = 0.0  # finished requests: end-to-end latencies summed, and counted
+        self.e2e_count = 0
         self._tok_done = 0
         self._forward_s = [0.0] * params.pp_size
         try:
@@ -117,6 +122,7 @@ class RealtimeSim:
         if p.output_tokens_jitter:
             n_out = max(1, round(n_out * self._rng.uniform(1 - p.output_tokens_jitter, 1.0)))
         stream = _Stream(self)
+        stream.arrival_s = self.now_s()
         req = SimRequest(rid=self._next_rid, arrival_s=self.now_s(), input_tokens=max(1, prompt_tokens),
                          output_tokens=n_out, listener=stream)
         self._next_rid += 1
@@ -156,7 +162,7 @@ class RealtimeSim:
                               tokens_total=self._tokens_total, forward_s=list(self._forward_s),
                               running=e.running, waiting=len(e.waiting),
                               kv_usage_ratio=e.kv_used / self.p.max_total_num_tokens,
-                              http_active=e.in_system)
+                              e2e_latency_sum_s=self.e2e_latency_sum_s, e2e_count=self.e2e_count)
 
     def _on_log(self, t_s: float, stage: int, kind: str, fields: dict[str, Any]) -> None:
         self._lines.append((t_s, len(self._lines), stage, kind, fields))
