@@ -37,6 +37,9 @@ class Thresholds:
     kv_usage: float = 0.9
     pcie_transfer_per_busy: float = 0.4  # hand-off time at link speed per unit of kernel time
     throttled_share: float = 0.1
+    # utilization.gpu this far above SM activity counts kernels that only wait (NCCL's spinning
+    # receive on a PP rank waiting for its input): the report warns and uses SM activity
+    utilization_spin_gap: float = 0.2
 
 
 @dataclass
@@ -201,6 +204,8 @@ def rule_client_bound(c: PhaseContext) -> Finding | None:
 
 
 def rule_admission_bound(c: PhaseContext) -> Finding | None:
+    """The engine runs at its admission limit (SGLang's request pool, vLLM's max_num_seqs) while
+    requests wait: raise it to the offered load, within the KV cache's headroom."""
     return admission_bound(c.pm, c.engine, c.load, c.queue_mean, c.engine_running, c.th)
 
 
@@ -493,6 +498,15 @@ def cannot_tell(phases: Sequence[PhaseMetrics], pp_size: int) -> list[Finding]:
                 "cannot tell what the engine ran in this phase: no scheduler lines (admission, "
                 "micro-batch, KV-cache and pipeline-fill causes need them)", impact=0.0))
     return out
+
+
+def rule_table() -> list[tuple[str, str]]:
+    """(rule, what it checks) for every rule the diagnosis applies, in the order it tries them: the
+    report prints this with the thresholds."""
+    rules = (*RULES, rule_pipeline_underfilled, diagnose_log_sampling, cannot_tell)
+    return [(r.__name__.removeprefix("rule_").removeprefix("diagnose_"),
+             " ".join((r.__doc__ or "").split(".")[0].split()))
+            for r in rules]
 
 
 def diagnose(phases: Sequence[PhaseMetrics], engine: Mapping[str, Any], pp_size: int,

@@ -63,9 +63,6 @@ def stage_series(run: AlignedRun) -> StageSeries:
     )
 
 
-# Where utilization.gpu reads this much above SM activity, it counts kernels that wait (NCCL's
-# receive spins a kernel on a PP rank waiting for its input): the report says so.
-SPIN_GAP = 0.2
 BUSY_SIGNALS = {"utilization": "utilization.gpu (NVML)", "sm_active": "SM activity (GPM)"}
 
 
