@@ -481,7 +481,8 @@ def note_k_trade_offs(found: list[Finding], phases: Sequence[PhaseMetrics], engi
 
 
 def cannot_tell(phases: Sequence[PhaseMetrics], pp_size: int) -> list[Finding]:
-    """What the run lacks for the causes it could not look at: never "healthy" for want of data."""
+    """What the run lacks for the causes it could not look at: a cause without its data is
+    "cannot tell", never read as absent."""
     out: list[Finding] = []
     stages = list(range(pp_size))
     if phases and all(s.busy_fraction is None for pm in phases for s in pm.stages):
