@@ -180,6 +180,23 @@ def test_a_run_without_gpu_samples_says_cannot_tell_not_healthy(imported, tmp_pa
     assert "cannot tell how busy the stages were" in text and "healthy" not in text
 
 
+@pytest.mark.parametrize(("engine", "name"), [("sglang", "k16"), ("vllm", "default")])
+def test_a_stage_without_gpu_samples_names_no_busy_signal(imported, tmp_path: Path, engine: str,  # type: ignore[no-untyped-def]
+                                                          name: str) -> None:
+    """[diagnosis] Must show 3 on the real engines (CPU builds, no GPU samples): no stage's busy
+    figure is said to come from utilization.gpu or SM activity; each row says there was none."""
+    analysis = _analysis(imported(engine, name))
+    rows = [st for pm in analysis.metrics for st in pm.stages]
+    assert rows and all(st.busy_fraction is None for st in rows)
+    assert {st.busy_signal for st in rows} == {"none (no GPU samples)"}
+    out = subprocess.run([sys.executable, "-m", "gputrace", "report", str(imported(engine, name)),
+                          "--out", str(tmp_path), "--format", "md", "--no-progress"],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    table = (tmp_path / "report.md").read_text().split("## Phase by stage")[1].split("##")[0]
+    assert "none (no GPU samples)" in table and "utilization.gpu" not in table and "GPM" not in table
+
+
 @pytest.mark.parametrize("name", ["default", "k16"])
 def test_sglang_arguments_are_read_from_the_server_args_dict(imported, name: str) -> None:  # type: ignore[no-untyped-def]
     """0.5.23 logs `server_args={...}`: pp_size, the request pool, K and the log interval are read."""

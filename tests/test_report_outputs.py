@@ -32,7 +32,8 @@ def test_report_writes_three_formats(tmp_path: Path) -> None:
     out = tmp_path / "out"
     doc = json.loads((out / "findings.json").read_text())
     assert doc["schema"] == SCHEMA
-    assert set(doc) == {"schema", "summary", "findings", "phases", "table", "mapping", "notes"}
+    assert set(doc) == {"schema", "summary", "findings", "phases", "table", "mapping", "notes", "rules",
+                        "thresholds"}
     assert doc["findings"][0]["cause"] == "microbatch_cap" and doc["findings"][0]["evidence"]["K"] == 4
     assert len(doc["table"]) == 2 * 4 and {"busy_fraction", "bubble_fraction"} <= set(doc["table"][0])
     md = (out / "report.md").read_text()
@@ -41,6 +42,44 @@ def test_report_writes_three_formats(tmp_path: Path) -> None:
     assert md.index("## Findings") < md.index("## Phase by stage") < md.index("## Figures")
     html = (out / "report.html").read_text()
     assert html.count("data:image/png;base64,") == len(FIGURES)
+
+
+def test_the_report_prints_the_rules_and_their_thresholds(tmp_path: Path) -> None:
+    """[diagnosis] Build: the rules are a table of small functions and their thresholds one
+    dataclass; the report prints both (Markdown and HTML) and findings.json gives the thresholds the
+    findings were computed with, so a changed threshold is what the report prints."""
+    from dataclasses import asdict, fields
+
+    from gputrace.analysis.diagnose import RULES, Thresholds
+    from gputrace.analysis.run import analyse_store
+    from gputrace.report.document import build_document
+    from gputrace.report.render import write_report
+
+    run = _capped(tmp_path / "run")
+    res = CliRunner().invoke(main, ["report", str(run), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    doc = json.loads((tmp_path / "out" / "findings.json").read_text())
+    assert doc["thresholds"] == asdict(Thresholds())
+    names = [r["rule"] for r in doc["rules"]]
+    assert names[:len(RULES)] == [r.__name__.removeprefix("rule_") for r in RULES]
+    assert {"pipeline_underfilled", "log_sampling", "cannot_tell"} <= set(names)
+    assert all(r["checks"] for r in doc["rules"])  # every rule says what it checks
+    md = (tmp_path / "out" / "report.md").read_text()
+    html = (tmp_path / "out" / "report.html").read_text()
+    assert md.index("## Phase by stage") < md.index("## Rules and thresholds") < md.index("## Figures")
+    for f in fields(Thresholds):
+        value = getattr(Thresholds(), f.name)
+        assert f"| {f.name} | {value} |" in md, f.name
+        assert f"<td>{f.name}</td><td>{value}</td>" in html, f.name
+    for name in names:
+        assert f"| {name} |" in md and f"<td>{name}</td>" in html
+    # the thresholds the findings came from are the ones printed
+    strict = Thresholds(bubble_material=1.0)
+    with Store.open(run, read_only=True) as store:
+        a = analyse_store(store, strict)
+    assert build_document(a)["thresholds"]["bubble_material"] == 1.0
+    write_report(a, tmp_path / "strict", ["md"])
+    assert "| bubble_material | 1.0 |" in (tmp_path / "strict" / "report.md").read_text()
 
 
 def test_report_rejects_unknown_format(tmp_path: Path) -> None:

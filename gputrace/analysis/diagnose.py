@@ -4,6 +4,7 @@ numbers that show it, how sure, and what to change. A healthy phase yields no fi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -37,6 +38,12 @@ class Thresholds:
     kv_usage: float = 0.9
     pcie_transfer_per_busy: float = 0.4  # hand-off time at link speed per unit of kernel time
     throttled_share: float = 0.1
+    # utilization.gpu this far above SM activity counts kernels that only wait (NCCL's spinning
+    # receive on a PP rank waiting for its input): the report warns and uses SM activity
+    utilization_spin_gap: float = 0.2
+    # micro-batches in flight within this of the slot count: the pipeline is full, each rank cycles
+    # through every slot, and a log interval sharing a factor with them keeps logging the same few
+    steady_in_flight: float = 0.1
 
 
 LOAD_KNOBS = frozenset({"client", "concurrency"})
@@ -216,6 +223,8 @@ def rule_client_bound(c: PhaseContext) -> Finding | None:
 
 
 def rule_admission_bound(c: PhaseContext) -> Finding | None:
+    """The engine runs at its admission limit (SGLang's request pool, vLLM's max_num_seqs) while
+    requests wait: raise it to the offered load, within the KV cache's headroom."""
     return admission_bound(c.pm, c.engine, c.load, c.queue_mean, c.engine_running, c.th)
 
 
@@ -372,12 +381,18 @@ def rule_pipeline_underfilled(c: PhaseContext) -> Finding | None:
             f"{in_flight}: {c.load:.0f} requests bunched in micro-batches of up to K = {k}; the "
             f"schedule allows {allowed:.0%} busy",
             impact=c.mean_bubble, details={"knob": "--pp-max-micro-batch-size", "value": spread})
+    # fewer requests than stages: no setting fills the pipeline at this load (a request is in one
+    # stage at a time), so the bubble is what the depth costs, not what holds throughput back
+    light = c.load is not None and c.load < c.pp_size - 0.5
+    evidence["bubble_is_the_bottleneck"] = not light
+    verdict = (f"; the bubble is not the bottleneck at this load: {c.load or 0:.0f} requests keep at "
+               f"most {c.load or 0:.0f} of {c.pp_size} stages busy whatever the settings") if light else ""
     return Finding(
         "pipeline_underfilled", pm.label, c.stages, evidence, 0.7,
         f"offer at least {c.pp_size} requests (one micro-batch per stage), or use fewer pipeline "
         "stages (more TP) for this load: with fewer requests than stages the idle stages are the "
         "price of the depth, not a setting",
-        f"{in_flight} at a load of {c.load or 0:.0f}: the schedule allows {allowed:.0%} busy",
+        f"{in_flight} at a load of {c.load or 0:.0f}: the schedule allows {allowed:.0%} busy" + verdict,
         impact=c.mean_bubble, details={"knob": "concurrency", "value": c.pp_size})
 
 
@@ -445,28 +460,51 @@ def diagnose_phase(pm: PhaseMetrics, engine: Mapping[str, Any], pp_size: int,
     return out
 
 
-def diagnose_log_sampling(phases: Sequence[PhaseMetrics], engine: Mapping[str, Any], pp_size: int
-                          ) -> Finding | None:
-    """--decode-log-interval divisible by the micro-batch slot count: each stage keeps logging the
-    same slot, so #running-req per stage misrepresents the micro-batches."""
+def aliased_cycle(interval: int, in_flight: int) -> int:
+    """The common factor of the decode log interval and the micro-batches a rank cycles through:
+    above 1, each rank logs only in_flight / factor of them (every interval-th decode step)."""
+    return math.gcd(interval, in_flight) if in_flight >= 2 else 1
+
+
+def diagnose_log_sampling(phases: Sequence[PhaseMetrics], engine: Mapping[str, Any], pp_size: int,
+                          th: Thresholds = Thresholds()) -> Finding | None:
+    """--decode-log-interval shares a factor with the micro-batches in flight: each stage logs only
+    some of them, so #running-req per stage misrepresents the micro-batches."""
     interval = engine.get("decode_log_interval")
     if pp_size < 2 or not interval or int(interval) <= 1:
         return None
+    interval = int(interval)
     slots = pp_size + int(engine.get("pp_async_batch_depth") or 0)
-    if int(interval) % slots:
+    aliased: dict[str, dict[str, int]] = {}
+    for p in phases:
+        # the non-empty slots a rank cycles through (all of them where the run does not say)
+        # only a full pipeline holds its number in flight steady enough to tell from the mean (a
+        # partly filled one varies, and the measured mean is not close enough to say how many)
+        mean = p.microbatches_in_flight
+        if mean is not None and mean < slots - th.steady_in_flight:
+            continue
+        m = slots
+        factor = aliased_cycle(interval, m)
+        if factor > 1 and (p.inflight_mean or p.target_concurrency or 0) > 1:
+            aliased[p.label] = {"microbatches_in_flight": m, "common_factor": factor,
+                                "microbatches_logged": m // factor}
+    if not aliased:
         return None
-    frozen = [p.label for p in phases if p.stages and all(
-        s.log_lines >= 3 and s.distinct_microbatch_sizes <= 1 for s in p.stages)
-        and (p.inflight_mean or p.target_concurrency or 0) > 1]
+    frozen = [p.label for p in phases if p.label in aliased and p.stages and all(
+        s.log_lines >= 3 and s.distinct_microbatch_sizes <= 1 for s in p.stages)]
+    worst = min(a["microbatches_logged"] for a in aliased.values())
+    in_flight = {label: a["microbatches_in_flight"] for label, a in aliased.items()}
     return Finding(
         "log_sampling_aliased", "*", list(range(pp_size)),
-        {"decode_log_interval": int(interval), "microbatch_slots": slots,
-         "interval_mod_slots": int(interval) % slots, "phases_with_constant_running_req": frozen},
+        {"decode_log_interval": interval, "microbatch_slots": slots,
+         "interval_mod_slots": interval % slots, "aliased_phases": aliased,
+         "phases_with_constant_running_req": frozen},
         0.9 if frozen else 0.6,
         "--decode-log-interval 1 (or a value coprime with "
         f"{slots}) for diagnosis runs",
-        f"--decode-log-interval {interval} is a multiple of the {slots} micro-batch slots: each "
-        "stage logs the same slot every time", impact=0.05,
+        f"--decode-log-interval {interval} shares a factor with the micro-batches in flight "
+        f"({', '.join(f'{k}: {v}' for k, v in in_flight.items())}): each stage "
+        f"logs {worst} of them every time", impact=0.05,
         details={"knob": "--decode-log-interval", "value": 1})
 
 
@@ -491,7 +529,8 @@ def note_k_trade_offs(found: list[Finding], phases: Sequence[PhaseMetrics], engi
 
 
 def cannot_tell(phases: Sequence[PhaseMetrics], pp_size: int) -> list[Finding]:
-    """What the run lacks for the causes it could not look at: never "healthy" for want of data."""
+    """What the run lacks for the causes it could not look at: a cause without its data is
+    "cannot tell", never read as absent."""
     out: list[Finding] = []
     stages = list(range(pp_size))
     if phases and all(s.busy_fraction is None for pm in phases for s in pm.stages):
@@ -510,6 +549,15 @@ def cannot_tell(phases: Sequence[PhaseMetrics], pp_size: int) -> list[Finding]:
     return out
 
 
+def rule_table() -> list[tuple[str, str]]:
+    """(rule, what it checks) for every rule the diagnosis applies, in the order it tries them: the
+    report prints this with the thresholds."""
+    rules = (*RULES, rule_pipeline_underfilled, diagnose_log_sampling, cannot_tell)
+    return [(r.__name__.removeprefix("rule_").removeprefix("diagnose_"),
+             " ".join((r.__doc__ or "").split(".")[0].split()))
+            for r in rules]
+
+
 def diagnose(phases: Sequence[PhaseMetrics], engine: Mapping[str, Any], pp_size: int,
              th: Thresholds = Thresholds()) -> list[Finding]:
     """All findings of a run, most important first (by confidence times stage-time lost); what the
@@ -518,7 +566,7 @@ def diagnose(phases: Sequence[PhaseMetrics], engine: Mapping[str, Any], pp_size:
     for pm in phases:
         found.extend(diagnose_phase(pm, engine, pp_size, th))
     note_k_trade_offs(found, phases, engine, pp_size)
-    aliased = diagnose_log_sampling(phases, engine, pp_size)
+    aliased = diagnose_log_sampling(phases, engine, pp_size, th)
     if aliased:
         found.append(aliased)
     found.sort(key=lambda f: -(f.confidence * f.impact))

@@ -63,10 +63,8 @@ def stage_series(run: AlignedRun) -> StageSeries:
     )
 
 
-# Where utilization.gpu reads this much above SM activity, it counts kernels that wait (NCCL's
-# receive spins a kernel on a PP rank waiting for its input): the report says so.
-SPIN_GAP = 0.2
-BUSY_SIGNALS = {"utilization": "utilization.gpu (NVML)", "sm_active": "SM activity (GPM)"}
+BUSY_SIGNALS = {"utilization": "utilization.gpu (NVML)", "sm_active": "SM activity (GPM)",
+                "none": "none (no GPU samples)"}
 
 
 def busy_signal(sm_active: np.ndarray, w: np.ndarray) -> str:
@@ -354,7 +352,8 @@ def phase_metrics(run: AlignedRun, series: StageSeries, phase: Phase) -> PhaseMe
             throttled_fraction=_wmean(series.throttled[s, cells], w),
             log_lines=int(hi - lo),
             distinct_microbatch_sizes=len(np.unique(mb)),
-            busy_signal=BUSY_SIGNALS[signals[s]], sm_active_mean=_wmean(series.sm_active[s, cells], w),
+            busy_signal=BUSY_SIGNALS[signals[s] if has_busy else "none"],
+            sm_active_mean=_wmean(series.sm_active[s, cells], w),
         ))
 
     # Micro-batches in flight = requests the engine runs (offered minus queued) / micro-batch size.

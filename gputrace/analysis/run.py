@@ -14,7 +14,6 @@ from gputrace.analysis.diagnose import Finding, Thresholds, diagnose
 from gputrace.analysis.engine_metrics import COMPARED, disagreement_notes, series_from_columns
 from gputrace.analysis.metrics import (
     BUSY_SIGNALS,
-    SPIN_GAP,
     PhaseMetrics,
     StageSeries,
     phase_metrics,
@@ -39,6 +38,7 @@ class Analysis:
     metrics: list[PhaseMetrics]
     findings: list[Finding]
     notes: list[str] = field(default_factory=list)
+    thresholds: Thresholds = field(default_factory=Thresholds)  # what the rules were applied with
 
     def sample_period_ns(self) -> float | None:
         """The GPUs' sample period: the median of each GPU's own (one series' spacing); None
@@ -104,14 +104,14 @@ def schedule_notes(run: AlignedRun) -> list[str]:
     return [text] if run.inflight is None or unsure else []
 
 
-def busy_signal_notes(metrics: list[PhaseMetrics]) -> list[str]:
+def busy_signal_notes(metrics: list[PhaseMetrics], th: Thresholds = DEFAULT_THRESHOLDS) -> list[str]:
     """Where a stage's busy figure is SM activity because utilization.gpu read far above it: say
     so, with both figures (per phase, the stages named)."""
     notes = []
     for pm in metrics:
         spun = [st for st in pm.stages if st.busy_signal == BUSY_SIGNALS["sm_active"]
                 and st.utilization_mean is not None and st.sm_active_mean is not None
-                and st.utilization_mean - st.sm_active_mean > SPIN_GAP]
+                and st.utilization_mean - st.sm_active_mean > th.utilization_spin_gap]
         if not spun:
             continue
         util = max(st.utilization_mean or 0.0 for st in spun)
@@ -139,14 +139,14 @@ def analyse_aligned(run: AlignedRun, th: Thresholds = DEFAULT_THRESHOLDS,
             progress(ph.label)
         metrics.append(phase_metrics(run, series, ph))
     findings = diagnose(metrics, run.engine, run.pp_size, th)
-    notes.extend(busy_signal_notes(metrics))
+    notes.extend(busy_signal_notes(metrics, th))
     notes.extend(schedule_notes(run))
     interval = run.engine.get("decode_log_interval")
     if interval and int(interval) > 1 and not any(f.cause == "log_sampling_aliased" for f in findings):
         notes.append(f"decode lines are logged every {int(interval)}th step (--decode-log-interval): "
                      "micro-batch sizes are sampled; --decode-log-interval 1 (or a value coprime with "
                      "the micro-batch slots) shows every step")
-    return Analysis(run, series, phases, metrics, findings, notes)
+    return Analysis(run, series, phases, metrics, findings, notes, th)
 
 
 def capture_problem_notes(extra: dict[str, Any]) -> list[str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from gputrace.analysis.diagnose import Finding
+from gputrace.analysis.diagnose import Finding, rule_table
 from gputrace.analysis.run import Analysis
 
 SCHEMA = "gputrace.findings/1"
@@ -85,6 +85,9 @@ def build_document(a: Analysis) -> dict[str, Any]:
         "table": phase_stage_table(a),
         "mapping": [asdict(p) for p in a.run.mapping.placements],
         "notes": a.notes,
+        # the rules in the order they are tried and the thresholds they were applied with
+        "rules": [{"rule": name, "checks": text} for name, text in rule_table()],
+        "thresholds": asdict(a.thresholds),
     }
 
 

@@ -169,6 +169,11 @@ def render_html(a: Analysis, doc: dict[str, Any], figures: dict[str, bytes]) -> 
         parts.append("</table>")
     else:  # a table of headers alone says nothing
         parts.append(f"<p class='note'>{e(NO_MAPPING)}</p>")
+    parts.append("<h2>Rules and thresholds</h2><table><tr><th>rule</th><th>checks</th></tr>")
+    parts += [f"<tr><td>{e(r['rule'])}</td><td>{e(r['checks'])}</td></tr>" for r in doc["rules"]]
+    parts.append("</table><table><tr><th>threshold</th><th>value</th></tr>")
+    parts += [f"<tr><td>{e(k)}</td><td>{v}</td></tr>" for k, v in doc["thresholds"].items()]
+    parts.append("</table>")
     parts.append("<h2>Figures</h2>")
     for name, png in figures.items():
         caption = FIGURES[name][0]
@@ -211,6 +216,10 @@ def render_markdown(a: Analysis, doc: dict[str, Any], figure_files: dict[str, st
                 f"{p['dp_rank']} |" for p in doc["mapping"]]
     else:
         out += [NO_MAPPING]
+    out += ["", "## Rules and thresholds", "", "| rule | checks |", "|---|---|"]
+    out += [f"| {_md(r['rule'])} | {_md(r['checks'])} |" for r in doc["rules"]]
+    out += ["", "| threshold | value |", "|---|---|"]
+    out += [f"| {_md(k)} | {v} |" for k, v in doc["thresholds"].items()]
     out += ["", "## Figures", ""]
     for name, file in figure_files.items():
         out += [f"### {FIGURES[name][0]}", "", f"![{FIGURES[name][0]}]({file})", ""]

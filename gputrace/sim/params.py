@@ -170,7 +170,9 @@ SCENARIOS: dict[str, Scenario] = {
                   "pp_max_micro_batch_size": 8, "concurrency": (96,), "input_tokens": 64,
                   "activation_bytes_per_token": 131072,
                   "pcie_bandwidth_bytes_per_s": 0.2e9, "pcie_latency_s": 0.0002,
-                  "pcie_gen": 1, "pcie_width": 1},
+                  "pcie_gen": 1, "pcie_width": 1,
+                  # coprime with its 12 slots (9 shares 3: each rank would log 4 of the 12)
+                  "decode_log_interval": 13},
                  ("pcie_bound",)),
         Scenario("log-aliased", "the healthy pipeline logged with SGLang's default "
                  "--decode-log-interval 40: 8 slots divide it, so each stage keeps logging one slot",

@@ -5,6 +5,7 @@ true busy and bubble fractions and micro-batch sizes, the throughput, and the ca
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
@@ -13,6 +14,7 @@ from gputrace.sim.params import SCENARIOS, SimParams
 from gputrace.sim.samples import cumulative
 from gputrace.sim.simulate import SimResult, simulate
 
+STEADY_IN_FLIGHT = 0.1  # micro-batches in flight this close to the slot count: a full pipeline
 BUBBLE_MATERIAL = 0.08  # a bubble share worth naming a cause for
 UNDERFILLED_SHARE = 0.9  # fewer micro-batches in flight than this share of pp_size
 CLIENT_SHORTFALL = 0.85  # client in flight below this share of its target
@@ -168,7 +170,11 @@ def phase_causes(result: SimResult, ph: dict[str, Any]) -> list[str]:
         bubble > BUBBLE_MATERIAL
     if underfilled and not causes:
         causes.append("pipeline_underfilled")
-    if p.decode_log_interval > 1 and p.decode_log_interval % p.slots == 0:
+    # each stage logs every interval-th decode step: with a factor in common with the micro-batches
+    # it cycles through, it logs only some of them (told where the pipeline is full: every slot in
+    # flight, as the diagnosis can tell it)
+    full = (ph["microbatches_in_flight"] or 0.0) >= p.slots - STEADY_IN_FLIGHT
+    if p.decode_log_interval > 1 and p.slots >= 2 and full and math.gcd(p.decode_log_interval, p.slots) > 1:
         causes.append("log_sampling_aliased")
     return causes
 
