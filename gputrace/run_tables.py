@@ -93,6 +93,7 @@ class SchedulerEventColumns:
     token_usage: np.ndarray = field(default_factory=lambda: _empty(np.float64))
     gen_throughput_tok_s: np.ndarray = field(default_factory=lambda: _empty(np.float64))
     new_seq: np.ndarray = field(default_factory=lambda: _empty(np.float64))
+    new_token: np.ndarray = field(default_factory=lambda: _empty(np.float64))
 
     def __len__(self) -> int:
         return len(self.host)

@@ -59,6 +59,7 @@ class StageEvents:
     token_usage: np.ndarray
     gen_throughput_tok_s: np.ndarray
     new_seq: np.ndarray  # prefill lines: requests whose first token this prefill makes
+    new_token: np.ndarray  # prefill lines: prompt tokens it computes (cached ones not counted)
 
 
 @dataclass
@@ -361,7 +362,7 @@ class _StagesOnGrid:
     token_usage: np.ndarray  # the fullest DP rank's
 
 
-_EVENT_VALUES = ("running_req", "queue_req", "token_usage", "gen_throughput_tok_s", "new_seq")
+_EVENT_VALUES = ("running_req", "queue_req", "token_usage", "gen_throughput_tok_s", "new_seq", "new_token")
 
 
 def _stages_on_grid(ev: SchedulerEventColumns, placed: _PlacedEvents, pp: int, grid: np.ndarray

@@ -1,6 +1,7 @@
 """The simulator's cost model fitted to a captured run, from what the capture holds: the engine
 configuration its log states, the load (phases' levels, the requests' token lengths), and per
-phase the stages' GPU busy time against the steps their scheduler lines count.
+phase the stages' GPU busy time against the steps their scheduler lines count (and the prompt
+tokens their prefill lines state).
 
 A stage step costs launch + max(weight_read, decode_token x tokens) + context_token x context
 (gputrace.sim.engine). Per phase, busy time = a x (steps x flat part) + b x (token part), a and b
@@ -163,14 +164,16 @@ def _phase_work(analysis: Analysis, pm: PhaseMetrics, p: SimParams, mults: np.nd
         return None
     tokens = pm.throughput_tok_s * pm.duration_s
     run = analysis.run
-    steps, prefills, sizes = [], [], []
+    steps, prefills, sizes, prompt = [], [], [], []
     for ev in run.stage_events:
         lo, hi = np.searchsorted(ev.t_ns, [pm.start_ns, pm.end_ns])
         kinds = ev.kind[lo:hi]
         sizes.extend(ev.running_req[lo:hi][(kinds == "decode") & np.isfinite(ev.running_req[lo:hi])])
         steps.append(float((kinds == "decode").sum()) * p.decode_log_interval)
         prefills.append(float((kinds == "prefill").sum()))
-    started = _requests_started(analysis, pm)
+        new_tokens = ev.new_token[lo:hi][kinds == "prefill"]
+        if len(new_tokens) and np.isfinite(new_tokens).all():
+            prompt.append(float(new_tokens.sum()))
     if p.engine == "sglang" and max(steps, default=0.0) > 0:
         n_dec, n_pf = float(np.median(steps)), float(np.median(prefills))
         mb = tokens / n_dec
@@ -178,7 +181,7 @@ def _phase_work(analysis: Analysis, pm: PhaseMetrics, p: SimParams, mults: np.nd
         running = _mean_running(analysis, pm)
         mb = max(running / p.pp_size, 1.0) if running else 1.0
         n_dec, n_pf = tokens / mb, 0.0
-    pf_tokens = started * mean_in / n_pf if n_pf else 0.0
+    pf_tokens = _prompt_tokens(analysis, pm, prompt, mean_in) / n_pf if n_pf else 0.0
     busy_s = float(np.nanmean(busy / mults)) * pm.duration_s
     logged = np.asarray(sizes, dtype=float)
     logged = logged[logged > 0]
@@ -186,6 +189,17 @@ def _phase_work(analysis: Analysis, pm: PhaseMetrics, p: SimParams, mults: np.nd
     logged_sizes = tuple(logged * mb / logged.mean()) if len(logged) else (mb,)
     return PhaseWork(pm.label, busy_s, n_dec, n_pf, mb, logged_sizes, mb * (mean_in + mean_out / 2),
                      pf_tokens)
+
+
+def _prompt_tokens(analysis: Analysis, pm: PhaseMetrics, logged: list[float], mean_in: float) -> float:
+    """Prompt tokens the phase's prefills computed: their lines' #new-token (the median over the
+    stages, which all run the same prefills); without it, the requests the phase started times the
+    mean prompt, which misses how many of them wait in the queue past the phase's end (or came
+    from the phase before) where admission holds them back, and the prompts a retraction
+    recomputes."""
+    if logged:
+        return float(np.median(logged))
+    return _requests_started(analysis, pm) * mean_in
 
 
 def _requests_started(analysis: Analysis, pm: PhaseMetrics) -> float:
