@@ -313,17 +313,19 @@ def test_job_matcher_selects_the_collector_alone(capture: Capture, tmp_path: Pat
 
 
 def test_where_nothing_waits_the_ranks_sum_is_bounded_by_the_requests_in_the_system() -> None:
-    """SGLang's per-rank running gauges each hold the micro-batch that rank ran last: with one
-    micro-batch of 1 on PP2 both read 1 (sum 2), with one of 4 both read 4 (sum 8). Where nothing
-    waits, the requests in the system by Little's law (the latency sum's rate) bound the sum; where
-    requests wait, every slot is full and the sum stands, bounded by the pool."""
+    """SGLang's per-rank running gauges each hold the micro-batch that rank ran last: one
+    micro-batch of 1 on PP8 reads 1 on every rank (sum 8); 4 micro-batches of 2 read 2 (sum 16).
+    Where nothing waited across the law's window, the requests in the system by Little's law (the
+    latency sum's growth) bound the sum; where requests wait nearby (every slot full, or the step
+    into such a level), the sum stands, bounded by the pool."""
     from gputrace.imports.prometheus import engine_load
 
-    running = np.array([1.0, 4.0, 4.0, 4.0])
-    queue = np.array([0.0, 0.0, 8.0, np.nan])
-    ranks = {("", pp, 0, 0): {"running_req": running, "queue_req": queue} for pp in (0, 1)}
-    in_system = np.array([1.02, 4.1, 13.0, np.nan])  # noisy, and lagging the step to 16
-    load = engine_load(ranks, 4, in_system, pool=8)
-    assert load[:3].tolist() == pytest.approx([1.02, 4.1, 16.0])
-    assert np.isnan(load[3])  # no queue read: no load claimed
-    assert engine_load(ranks, 4)[:3].tolist() == [2.0, 8.0, 16.0]  # without the law: the bare sum
+    running = np.array([1.0, 1.0, 2.0, 2.0, 2.0, 2.0, 2.0])
+    queue = np.array([0.0, 0.0, 0.0, 0.0, 0.0, 16.0, np.nan])
+    ranks = {("", pp, 0, 0): {"running_req": running, "queue_req": queue} for pp in range(8)}
+    in_system = np.array([1.02, 0.9, 8.1, 7.8, 5.0, 25.0, np.nan])  # noisy, lagging the step to 32
+    load = engine_load(ranks, 7, in_system, pool=64, half=1)
+    # the fifth step is within a step of the queue: the sum stands there
+    assert load[:6].tolist() == pytest.approx([1.02, 0.9, 8.1, 7.8, 16.0, 32.0])
+    assert np.isnan(load[6])  # no queue read: no load claimed
+    assert engine_load(ranks, 7, None, pool=12)[:6].tolist() == [8.0, 8.0, 12.0, 12.0, 12.0, 28.0]

@@ -323,7 +323,7 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
             in_system = requests_in_system(in_system_series, start_ms - margin * step_ms, step_ms,
                                            n + 2 * margin, margin)[margin:margin + n]
             pool = (engine_config or {}).get("max_running_requests")
-            inflight, load_source = engine_load(ranks, n, in_system, pool), ENGINE_LOAD_SOURCE
+            inflight, load_source = engine_load(ranks, n, in_system, pool, margin), ENGINE_LOAD_SOURCE
         _write_load(store, summary, inflight, target, grid_ns, step_ms, load_source)
         write_rows(store, summary, "markers", target_markers(target, grid_ns))
         if engine_config:
@@ -422,14 +422,15 @@ def requests_in_system(series: Sequence[Series], start_ms: int, step_ms: int, n:
 
 
 def engine_load(ranks: dict[tuple[str, int, int, int], dict[str, np.ndarray]], n: int,
-                in_system: np.ndarray | None = None, pool: int | None = None) -> np.ndarray:
+                in_system: np.ndarray | None = None, pool: int | None = None, half: int = 0) -> np.ndarray:
     """The offered load from the engine's own gauges where no client gauge exists: requests running
     plus waiting. SGLang's per-rank gauge holds the micro-batch that rank ran last; in a full
     pipeline every rank holds another one, so their sum is the engine's running requests (short by
     the slots beyond pp_size with --pp-async-batch-depth). Where nothing waits, fewer micro-batches
-    than ranks may run and the sum counts one several times: there the requests in the system by
-    Little's law (``in_system``) bound it. The pool (max_running_requests, when given) bounds it
-    always. The queue is rank 0's (the others replicate it). vLLM's gauges are engine-wide already."""
+    than ranks may run and the sum counts one several times: where nothing waited within ``half``
+    steps, the requests in the system by Little's law (``in_system``) bound it. The pool
+    (max_running_requests, when given) bounds it always. The queue is rank 0's (the others
+    replicate it). vLLM's gauges are engine-wide already."""
     running, queue = np.zeros(n), np.full(n, np.nan)
     for (_host, pp, tp, _dp), fields in sorted(ranks.items()):
         if tp != 0:
@@ -439,7 +440,13 @@ def engine_load(ranks: dict[tuple[str, int, int, int], dict[str, np.ndarray]], n
         if "queue_req" in fields and (pp == 0 or np.isnan(queue).all()):
             queue = fields["queue_req"]
     if in_system is not None:
-        nothing_waits = ~(np.nan_to_num(queue) >= 0.5) & ~np.isnan(in_system)
+        # only where nothing waited across the law's whole window: a queue in it (a level that
+        # fills the slots, or the step into one) leaves the sum standing
+        waited = np.nan_to_num(queue) >= 0.5
+        if half:
+            padded = np.concatenate([np.zeros(half, bool), waited, np.zeros(half, bool)])
+            waited = np.lib.stride_tricks.sliding_window_view(padded, 2 * half + 1).any(axis=1)
+        nothing_waits = ~waited & ~np.isnan(in_system)
         running = np.where(nothing_waits, np.minimum(running, in_system), running)
     if pool:
         running = np.minimum(running, pool)
