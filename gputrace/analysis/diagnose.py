@@ -475,19 +475,17 @@ def diagnose_log_sampling(phases: Sequence[PhaseMetrics], engine: Mapping[str, A
         return None
     interval = int(interval)
     slots = pp_size + int(engine.get("pp_async_batch_depth") or 0)
+    # only a full pipeline (every slot non-empty) holds its number in flight steady enough to tell
+    # from the mean (a partly filled one varies, and the measured mean is not close enough)
+    factor = aliased_cycle(interval, slots)
     aliased: dict[str, dict[str, int]] = {}
     for p in phases:
-        # the non-empty slots a rank cycles through (all of them where the run does not say)
-        # only a full pipeline holds its number in flight steady enough to tell from the mean (a
-        # partly filled one varies, and the measured mean is not close enough to say how many)
         mean = p.microbatches_in_flight
-        if mean is not None and mean < slots - th.steady_in_flight:
+        if factor <= 1 or (mean is not None and mean < slots - th.steady_in_flight):
             continue
-        m = slots
-        factor = aliased_cycle(interval, m)
-        if factor > 1 and (p.inflight_mean or p.target_concurrency or 0) > 1:
-            aliased[p.label] = {"microbatches_in_flight": m, "common_factor": factor,
-                                "microbatches_logged": m // factor}
+        if (p.inflight_mean or p.target_concurrency or 0) > 1:
+            aliased[p.label] = {"microbatches_in_flight": slots, "common_factor": factor,
+                                "microbatches_logged": slots // factor}
     if not aliased:
         return None
     frozen = [p.label for p in phases if p.label in aliased and p.stages and all(
