@@ -10,9 +10,12 @@ Prints per level: measured before, predicted, measured after and the prediction'
 engine the median error at C=16 and its spread over the repeats. CPU timing on a shared machine
 is noisy: the spread is the figure to read beside the median.
 
-    python bench/whatif_engines.py [--engines sglang,vllm] [--repeats 2]
+    python bench/whatif_engines.py [--engines sglang,vllm] [--repeats 2] [--keep DIR]
+    python bench/whatif_engines.py --refit DIR     # the kept runs fitted again, no engine started
 
-Needs `make engines` (.venv-engines and the model); several minutes per engine and repeat.
+Needs `make engines` (.venv-engines and the model); several minutes per engine and repeat. `--keep`
+keeps each repeat's two runs (DIR/ENGINE-REPEAT/{default,applied}/run), so that a change to the
+fit can be measured again on the same captures with `--refit`.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ from gputrace.whatif.outcome import PhaseOutcome, measured_outcomes
 from gputrace.whatif.predict import finding_change, predict
 
 LEVELS = "1,4,16"
-LEVEL_S = {"sglang": 15.0, "vllm": 25.0}  # as the engine tier
+# twice the engine tier's levels: a level's first seconds (the burst of arrivals) weigh less
+LEVEL_S = {"sglang": 30.0, "vllm": 30.0}
 MAX_TOKENS = {"sglang": 16, "vllm": 96}
 
 
@@ -80,16 +84,27 @@ def _recommendation(analysis: Analysis) -> Finding:
 
 
 def one_repeat(engine_name: str, work: Path) -> list[dict[str, object]]:
+    """Measure the default, apply its recommendation, measure again; the rows of :func:`compared`."""
     before = _analysis(_load_and_import(EngineSetting(engine_name, "default"), work / "default"))
+    finding = _recommendation(before)
+    flag, value = str(finding.details["knob"]), int(finding.details["value"])
+    applied = EngineSetting(engine_name, "applied", (flag, str(value)))
+    _load_and_import(applied, work / "applied")
+    return compared(engine_name, work)
+
+
+def compared(engine_name: str, work: Path) -> list[dict[str, object]]:
+    """The fit on ``work``/default/run, its prediction of the recommendation, and the measured
+    ``work``/applied/run, per level."""
+    before = _analysis(work / "default" / "run")
     finding = _recommendation(before)
     flag, value = str(finding.details["knob"]), int(finding.details["value"])
     model = fit_model(before)
     change = finding_change(model, {"details": finding.details, "phase": finding.phase})
     assert change is not None, finding.details
     predicted = {row.label: row.predicted for row in predict(model, change)}
-    applied = EngineSetting(engine_name, "applied", (flag, str(value)))
     after: dict[str, PhaseOutcome] = {m.label: m for m in measured_outcomes(
-        _analysis(_load_and_import(applied, work / "applied")))}
+        _analysis(work / "applied" / "run"))}
     rows: list[dict[str, object]] = []
     for m in measured_outcomes(before):
         p, a = predicted.get(m.label), after.get(m.label)
@@ -111,21 +126,54 @@ def main() -> None:
     ap.add_argument("--engines", default="sglang,vllm")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    ap.add_argument("--keep", type=Path, default=None, help="keep the runs in this folder")
+    ap.add_argument("--refit", type=Path, default=None,
+                    help="fit the runs kept in this folder again (no engine is started)")
     args = ap.parse_args()
+    engines = [e for e in args.engines.split(",") if e]
+    rows = refit(args.refit, engines) if args.refit is not None else measure(engines, args.repeats, args.keep)
+    if rows is None:
+        return
+    print_rows(rows)
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+def refit(kept: Path, engines: list[str]) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    for work in sorted(kept.iterdir()):
+        engine_name, _, rep = work.name.rpartition("-")
+        if engine_name in engines and (work / "applied" / "run").exists():
+            got = compared(engine_name, work)
+            for r in got:
+                r["repeat"] = int(rep)
+            rows += got
+    if not rows:
+        raise SystemExit(f"no kept runs of {','.join(engines)} in {kept} "
+                         "(ENGINE-REPEAT/{default,applied}/run)")
+    return rows
+
+
+def measure(engines: list[str], repeats: int, keep: Path | None) -> list[dict[str, object]] | None:
     reason = engines_available()
     if reason is not None:  # `make bench` runs every bench: without the engines this one skips
         print(f"skipped: {reason}")
-        return
+        return None
     rows: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory(prefix="whatif-engines-") as tmp:
-        for engine_name in [e for e in args.engines.split(",") if e]:
-            for rep in range(args.repeats):
+        where = keep if keep is not None else Path(tmp)
+        for rep in range(repeats):  # the engines take turns: a slow spell of the machine hits both
+            for engine_name in engines:
                 t0 = time.monotonic()
-                got = one_repeat(engine_name, Path(tmp) / f"{engine_name}-{rep}")
+                got = one_repeat(engine_name, where / f"{engine_name}-{rep}")
                 for r in got:
                     r["repeat"] = rep
                 rows += got
                 print(f"{engine_name} repeat {rep}: {time.monotonic() - t0:.0f} s", file=sys.stderr)
+    return rows
+
+
+def print_rows(rows: list[dict[str, object]]) -> None:
     print("| engine | change | repeat | level | before tok/s | predicted | after (measured) | error | band |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -140,8 +188,6 @@ def main() -> None:
             print(f"{engine_name} C=16 (the recommendation's level): median error "
                   f"{statistics.median(errs):+.1%}, spread {min(errs):+.1%} .. {max(errs):+.1%} "
                   f"over {len(errs)} repeats")
-    if args.json is not None:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -142,3 +142,50 @@ def test_runs_without_bubble_figures_get_no_columns_of_n_a(tmp_path: Path) -> No
     assert "Bubble: not in either run (no GPU samples)." in page
     md = (tmp_path / "without" / "compare.md").read_text()
     assert "| phase | tok/s A | tok/s B | gain | TTFT p50 A s | TTFT p50 B s | resolved | new |" in md
+
+
+def _simulated(scenario: str, where: Path, seed: int = 0) -> Path:
+    from gputrace.sim.outputs import write_store
+    from gputrace.sim.run import run_scenario
+
+    return write_store(run_scenario(scenario, seed), where)
+
+
+def test_compare_sets_the_prediction_of_b_beside_b_measured(tmp_path: Path) -> None:
+    """[whatif]: B applied A's recommendation (the simulator's microbatch-cap scenario, then its
+    fix, K 2 -> 8): compare fits the simulator to A, predicts B, and sets that beside what B
+    measured, per phase, naming the change and the finding of A that recommended it."""
+    a, b = _simulated("microbatch-cap", tmp_path / "a"), _simulated("microbatch-fixed", tmp_path / "b")
+    page, out = _compare(a, b, tmp_path / "cmp")
+    assert "fitting the simulator to run A" in out
+    pam = json.loads((tmp_path / "cmp" / "compare.json").read_text())["predicted_against_measured"]
+    assert pam["changes"] == {"pp_max_micro_batch_size": [2, 8]} and pam["note"] is None
+    assert [f["cause"] for f in pam["recommended_by"]] == ["microbatch_cap"]
+    rows = {r["label"]: r for r in pam["phases"]}
+    assert set(rows) == {"C=1", "C=8", "C=32", "C=64"}
+    for r in rows.values():  # the simulator's own truth: the prediction holds to 10 % ([whatif] MS1)
+        assert r["error"] == round(r["predicted_tok_s"] / r["measured_b_tok_s"] - 1, 4)
+        assert abs(r["error"]) <= 0.10, r
+    assert rows["C=64"]["measured_b_tok_s"] > 2 * rows["C=64"]["measured_a_tok_s"]  # the change moved it
+    md = (tmp_path / "cmp" / "compare.md").read_text()
+    assert "## Predicted against measured" in md and "B changed pp_max_micro_batch_size 2 -> 8" in md
+    assert "Recommended by A's microbatch_cap in phase C=64: --pp-max-micro-batch-size 8" in md
+    c64 = rows["C=64"]
+    assert (f"| C=64 | {c64['measured_a_tok_s']:.1f} | {c64['predicted_tok_s']:.1f} | "
+            f"{c64['measured_b_tok_s']:.1f} | {c64['error']:+.1%} |") in md
+    assert "<h2>Predicted against measured</h2>" in page and f"<td>{c64['predicted_tok_s']:.1f}</td>" in page
+
+
+def test_compare_of_one_deployment_says_there_is_nothing_to_predict(tmp_path: Path) -> None:
+    """Two runs whose logs state the same settings: no fit is made, and the page says why there
+    is no prediction; --no-predict leaves the section out."""
+    a, b = _simulated("microbatch-cap", tmp_path / "a"), _simulated("microbatch-cap", tmp_path / "b", seed=1)
+    page, out = _compare(a, b, tmp_path / "cmp")
+    assert "fitting the simulator" not in out
+    pam = json.loads((tmp_path / "cmp" / "compare.json").read_text())["predicted_against_measured"]
+    assert pam["changes"] == {} and pam["phases"] == [] and "the same deployment settings" in pam["note"]
+    assert "Prediction: B&#x27;s log states the same deployment settings" in page
+    res = CliRunner().invoke(main, ["compare", str(a), str(b), "--no-predict", "--out", str(tmp_path / "no")])
+    assert res.exit_code == 0, res.output
+    assert "predicted_against_measured" not in json.loads((tmp_path / "no" / "compare.json").read_text())
+    assert "Predicted against measured" not in (tmp_path / "no" / "compare.md").read_text()

@@ -137,3 +137,20 @@ def test_a_cost_or_gain_that_is_the_fits_offset_is_not_claimed(tmp_path_factory:
     assert "costs" not in finding.recommendation
     assert (f"; the model gives {effect['unchanged_tok_s']:.0f} tok/s there unchanged: no clear gain from "
             "the change itself") in finding.recommendation
+
+
+def test_compare_of_the_recorded_vllm_settings_sets_predicted_beside_measured(
+        tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """`gputrace compare` of vLLM's default run and its --max-num-seqs 4 run (the real engine):
+    the change is read from the two logs, the prediction is the what-if's (the same fit), and
+    every level's prediction is within the target of what the engine measured."""
+    a, b = _imported(tmp_path_factory, "vllm", "default"), _imported(tmp_path_factory, "vllm", "seqs4")
+    out = subprocess.run([sys.executable, "-m", "gputrace", "compare", str(a), str(b), "--out", str(tmp_path),
+                          "--format", "json,md"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    pam = json.loads((tmp_path / "compare.json").read_text())["predicted_against_measured"]
+    assert pam["changes"] == {"max_running_requests": [8, 4]}
+    errors = _errors(tmp_path_factory, "vllm", "default", "seqs4", {"max_num_seqs": 4})
+    assert {r["label"]: r["error"] for r in pam["phases"]} == pytest.approx(errors, abs=1e-3)
+    assert all(abs(r["error"]) <= TARGET for r in pam["phases"]), pam["phases"]
+    assert "B changed max_running_requests 8 -> 4" in (tmp_path / "compare.md").read_text()

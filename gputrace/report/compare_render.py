@@ -78,6 +78,43 @@ def throughput_line(doc: dict[str, Any]) -> str | None:
     return text + "."
 
 
+PREDICTION_HEADERS = ["phase", "tok/s A (measured)", "B predicted", "B measured", "error", "inside the band"]
+
+
+def _prediction(doc: dict[str, Any]) -> dict[str, Any] | None:
+    return doc.get("predicted_against_measured")
+
+
+def prediction_lines(doc: dict[str, Any]) -> list[str]:
+    """What B changed, who recommended it and the band; or why there is no prediction."""
+    pam = _prediction(doc)
+    if pam is None:
+        return []
+    if pam["note"]:
+        return [f"Prediction: {pam['note']}."]
+    changed = ", ".join(f"{k} {va} -> {vb}" for k, (va, vb) in pam["changes"].items())
+    out = [f"B changed {changed}; the simulator fitted to A predicts B within ±{pam['band_ratio']:.0%} "
+           "(the fit's residual)."]
+    out += [f"Recommended by A's {f['cause']} in {_where(f['phase'])}: {f['recommendation']}"
+            for f in pam["recommended_by"]]
+    if not pam["recommended_by"]:
+        out.append("No finding of A recommended this change.")
+    return out
+
+
+def _prediction_rows(doc: dict[str, Any]) -> list[list[str]]:
+    pam = _prediction(doc)
+    if pam is None:
+        return []
+    rows = []
+    for ph in pam["phases"]:
+        err = ph["error"]
+        rows.append([ph["label"], _num(ph["measured_a_tok_s"]), _num(ph["predicted_tok_s"]),
+                     _num(ph["measured_b_tok_s"]), "n/a" if err is None else f"{err:+.1%}",
+                     "n/a" if ph["within_band"] is None else ("yes" if ph["within_band"] else "no")])
+    return rows
+
+
 def _top(f: dict[str, Any] | None) -> str:
     if f is None:
         return "none: no cause found"
@@ -149,6 +186,12 @@ def render_compare_markdown(doc: dict[str, Any]) -> str:
     headers, rows = _phase_table(doc)
     out += ["", _md_row(headers), "|" + "---|" * len(headers)]
     out += [_md_row(r) for r in rows]
+    if _prediction(doc) is not None:
+        out += ["", "## Predicted against measured", "", *prediction_lines(doc)]
+        predicted = _prediction_rows(doc)
+        if predicted:
+            out += ["", _md_row(PREDICTION_HEADERS), "|" + "---|" * len(PREDICTION_HEADERS)]
+            out += [_md_row(r) for r in predicted]
     out += ["", *_footer(doc)]
     return "\n".join(out) + "\n"
 
@@ -190,6 +233,14 @@ def render_compare_html(doc: dict[str, Any], out_dir: str | Path | None = None) 
     parts.append("<h2>Per phase</h2><table><tr>" + "".join(f"<th>{e(h)}</th>" for h in headers) + "</tr>")
     parts += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in rows]
     parts.append("</table>")
+    if _prediction(doc) is not None:
+        parts.append("<h2>Predicted against measured</h2>")
+        parts += [f"<p>{e(line)}</p>" for line in prediction_lines(doc)]
+        predicted = _prediction_rows(doc)
+        if predicted:
+            parts.append("<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in PREDICTION_HEADERS) + "</tr>")
+            parts += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in predicted]
+            parts.append("</table>")
     parts += [f"<p>{e(line)}</p>" for line in _footer(doc)]
     parts.append("</body></html>")
     return "\n".join(parts)

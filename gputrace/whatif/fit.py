@@ -89,7 +89,7 @@ def relative_error(predicted: float | None, measured: float | None) -> float | N
     return predicted / measured - 1.0
 
 
-def _engine_params(engine: Mapping[str, Any], pp_size: int) -> dict[str, Any]:
+def deployment_params(engine: Mapping[str, Any], pp_size: int) -> dict[str, Any]:
     """The deployment as the log states it; what it does not state keeps the simulator's default."""
     fields = engine.get("fields") or {}
     out: dict[str, Any] = {"engine": engine_kind(engine), "pp_size": pp_size}
@@ -269,7 +269,7 @@ def stage_multipliers(metrics: list[PhaseMetrics], pp_size: int) -> np.ndarray:
 def initial_params(analysis: Analysis) -> tuple[SimParams, list[PhaseWork]]:
     """The deployment and load from the capture, and the cost model fitted to its busy time."""
     pp = analysis.run.pp_size
-    values = {**_engine_params(analysis.run.engine, pp), **_load_params(analysis)}
+    values = {**deployment_params(analysis.run.engine, pp), **_load_params(analysis)}
     p = make_params(values)
     mults = stage_multipliers(analysis.metrics, pp)
     mean_in = float(p.input_tokens)

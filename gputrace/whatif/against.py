@@ -1,0 +1,80 @@
+"""Predicted against measured, for `gputrace compare A B` where B changed A's deployment: the
+simulator fitted to A, run under the settings B's log states differently (the change a finding of
+A recommended, or any other the model can make), against what B measured, per matching phase."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from gputrace.analysis.diagnose import engine_kind
+from gputrace.analysis.run import Analysis
+from gputrace.errors import GputraceError
+from gputrace.whatif.fit import FittedModel, deployment_params, fit_model, relative_error
+from gputrace.whatif.outcome import measured_outcomes
+from gputrace.whatif.predict import CHANGEABLE, finding_change, predict
+
+SCHEMA_KEY = "predicted_against_measured"
+
+
+def applied_changes(a: Analysis, b: Analysis) -> dict[str, tuple[Any, Any]]:
+    """The settings a what-if may change that B's log states otherwise than A's, as (A's value,
+    B's value) under the simulator's names; a setting either log leaves unstated is not compared."""
+    da = deployment_params(a.run.engine, a.run.pp_size)
+    db = deployment_params(b.run.engine, b.run.pp_size)
+    return {k: (da[k], db[k]) for k in CHANGEABLE if k in da and k in db and da[k] != db[k]}
+
+
+def _recommended_by(a: Analysis, model: FittedModel, changes: dict[str, Any]) -> list[dict[str, Any]]:
+    """A's findings whose recommendation is (part of) ``changes``."""
+    out = []
+    for f in a.findings:
+        change = finding_change(model, f.to_dict()) if f.details.get("knob") else None
+        if change and all(changes.get(k) == v for k, v in change.items()):
+            out.append({"cause": f.cause, "phase": f.phase, "recommendation": f.recommendation})
+    return out
+
+
+def predicted_against_measured(a: Analysis, b: Analysis, progress: Callable[[str], None] | None = None
+                               ) -> dict[str, Any]:
+    """The section of the comparison: ``changes`` (setting -> [A's, B's]; empty where B's log
+    states the same settings), the findings of A that recommended them, and per phase A
+    measured, predicted and B measured; ``note`` says why there is no prediction where there is
+    none."""
+    applied = applied_changes(a, b)
+    changes = {k: vb for k, (_, vb) in applied.items()}
+    out: dict[str, Any] = {"changes": {k: list(v) for k, v in applied.items()}, "recommended_by": [],
+                           "band_ratio": None, "phases": [], "note": None}
+    if engine_kind(a.run.engine) != engine_kind(b.run.engine) or a.run.pp_size != b.run.pp_size:
+        out["note"] = ("the runs are of different engines or pipeline depths: no prediction of one "
+                       "from the other")
+        out["changes"] = {}
+        return out
+    if not changes:
+        out["note"] = ("B's log states the same deployment settings as A's (of those a what-if can "
+                       "change): nothing to predict")
+        return out
+    if progress is not None:
+        progress("fitting the simulator to run A for its prediction of B ...")
+    try:
+        model = fit_model(a)
+        rows = predict(model, changes)
+    except GputraceError as exc:
+        out["note"] = f"no prediction: the what-if model could not be fitted to run A ({exc})"
+        return out
+    measured_b = {m.label: m for m in measured_outcomes(b)}
+    out["recommended_by"] = _recommended_by(a, model, changes)
+    out["band_ratio"] = round(model.uncertainty_ratio, 4)
+    for row in rows:
+        mb = measured_b.get(row.label)
+        if row.measured is None or mb is None:
+            continue
+        error = relative_error(row.predicted.throughput_tok_s, mb.throughput_tok_s)
+        out["phases"].append({
+            "label": row.label, "concurrency": row.concurrency,
+            "measured_a_tok_s": row.measured.throughput_tok_s,
+            "predicted_tok_s": row.predicted.throughput_tok_s,
+            "measured_b_tok_s": mb.throughput_tok_s,
+            "error": None if error is None else round(error, 4),
+            "within_band": None if error is None else abs(error) <= model.uncertainty_ratio})
+    return out
