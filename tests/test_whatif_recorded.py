@@ -154,3 +154,38 @@ def test_compare_of_the_recorded_vllm_settings_sets_predicted_beside_measured(
     assert {r["label"]: r["error"] for r in pam["phases"]} == pytest.approx(errors, abs=1e-3)
     assert all(abs(r["error"]) <= TARGET for r in pam["phases"]), pam["phases"]
     assert "B changed max_running_requests 8 -> 4" in (tmp_path / "compare.md").read_text()
+
+
+def test_a_cpu_engine_is_fitted_without_a_memory_floor(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Both recorded engines' logs state a CPU device (SGLang `device`, vLLM `device_config`): the
+    fitted step is its flat part plus compute from the first token (no weight-read floor, so a
+    batch of 16 costs more than one of 4 by the fitted slope), and the fit's note says so. A
+    simulated GPU run keeps the floor."""
+    from gputrace.sim.outputs import write_store
+    from gputrace.sim.params import SimParams, make_params
+    from gputrace.sim.run import run_scenario
+    from gputrace.whatif.fit import PhaseWork, _design, runs_on_cpu, without_memory_floor
+
+    for engine in ("sglang", "vllm"):
+        analysis = _analysis(_imported(tmp_path_factory, engine, "default"))
+        assert runs_on_cpu(analysis.run.engine), analysis.run.engine.get("fields")
+        model = fit_model(analysis)
+        p = model.params
+        assert p.weight_read_s == 0.0 and p.launch_s > 0 and p.decode_token_s > 0, p
+        assert any("CPU device" in n for n in model.notes), model.notes
+    sim = tmp_path_factory.mktemp("gpu") / "run"
+    write_store(run_scenario("microbatch-cap", 0), sim)
+    with Store.open(sim, read_only=True) as store:
+        assert not runs_on_cpu(analyse_store(store).run.engine)
+    # under the floor a step of 4 tokens costs what one of 1 does; without it, 3 slopes more
+    gpu = make_params({"decode_token_s": 1e-4, "weight_read_s": 1e-2, "launch_s": 1e-3,
+                       "context_token_s": 0.0})
+    cpu = without_memory_floor(gpu)
+    assert cpu.launch_s == pytest.approx(1.1e-2) and cpu.weight_read_s == 0.0
+
+    def step_s(p: SimParams, tokens: int) -> float:
+        work = PhaseWork("C", 0.0, 1.0, 0.0, float(tokens), (float(tokens),), 0.0, 0.0)
+        return sum(_design(work, p))
+
+    assert step_s(gpu, 4) == pytest.approx(step_s(gpu, 1))
+    assert step_s(cpu, 4) - step_s(cpu, 1) == pytest.approx(3e-4)

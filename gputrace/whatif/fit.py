@@ -266,11 +266,29 @@ def stage_multipliers(metrics: list[PhaseMetrics], pp_size: int) -> np.ndarray:
     return num / den if den > 0 else np.ones(pp_size)
 
 
+def runs_on_cpu(engine: Mapping[str, Any]) -> bool:
+    """Whether the engine's log states a CPU device (SGLang's ``device``, vLLM's ``device_config``)."""
+    fields = engine.get("fields") or {}
+    return any(str(fields.get(key) or "").lower() == "cpu" for key in ("device", "device_config"))
+
+
+def without_memory_floor(p: SimParams) -> SimParams:
+    """The step of a CPU forward: its flat part (launch and weight read) plus compute per token.
+    A GPU's decode step reads the weights whatever the batch, so a few tokens cost no more than
+    one (the roofline's flat floor); a CPU computes every token on the same cores, so each adds
+    its cost from the first. (vLLM on this machine's CPU: about 6 ms a step at 4 tokens, 9 at 16;
+    the floor fitted to batches of at most 4 put its knee at 4 and doubled the step at 16.)"""
+    return dataclasses.replace(p, launch_s=p.launch_s + p.weight_read_s, weight_read_s=0.0,
+                               expert_read_s=0.0, moe_experts=0)
+
+
 def initial_params(analysis: Analysis) -> tuple[SimParams, list[PhaseWork]]:
     """The deployment and load from the capture, and the cost model fitted to its busy time."""
     pp = analysis.run.pp_size
     values = {**deployment_params(analysis.run.engine, pp), **_load_params(analysis)}
     p = make_params(values)
+    if runs_on_cpu(analysis.run.engine):
+        p = without_memory_floor(p)
     mults = stage_multipliers(analysis.metrics, pp)
     mean_in = float(p.input_tokens)
     mean_out = p.max_tokens * (1 - p.output_tokens_jitter / 2)
@@ -361,8 +379,12 @@ def fit_model(analysis: Analysis) -> FittedModel:
     elif abs(correction - 1.0) > REPLAY_TOLERANCE:
         p = _scaled(p, correction, correction)
         simulated = simulated_outcomes(replay(p), labels)
+    if runs_on_cpu(analysis.run.engine):
+        notes.append("the log states a CPU device: each step costs its flat part plus compute per "
+                     "token from the first token (no memory-bound floor)")
     rms = _rms_error(measured, simulated)
     return FittedModel(p, measured, simulated, max(rms, UNCERTAINTY_FLOOR),
-                       {"cost_scale": round(p.weight_read_s / SimParams().weight_read_s, 4),
+                       {"cost_scale": round((p.launch_s + p.weight_read_s) /
+                                            (SimParams().launch_s + SimParams().weight_read_s), 4),
                         "token_scale": round(p.decode_token_s / SimParams().decode_token_s, 4),
                         "replay_correction": round(correction, 4)}, notes)
