@@ -182,13 +182,36 @@ def print_rows(rows: list[dict[str, object]]) -> None:
                  "±" + _fmt(r["band"], ".0%")]
         print("| " + " | ".join(str(c) for c in cells) + " |")
     for engine_name in sorted({str(r["engine"]) for r in rows}):
-        errs = [float(e) for r in rows if r["engine"] == engine_name and r["level"] == "C=16"
-                and isinstance(e := r["error"], float)]
-        if errs:
-            print(f"{engine_name} C=16 (the recommendation's level): median error "
-                  f"{statistics.median(errs):+.1%}, spread {min(errs):+.1%} .. {max(errs):+.1%} "
-                  f"over {len(errs)} repeats")
+        mine = [r for r in rows if r["engine"] == engine_name]
+        at = [r for r in mine if r["level"] == "C=16" and isinstance(r["error"], float)]
+        if not at:
+            continue
+        errs = [float(r["error"]) for r in at]  # type: ignore[arg-type]
+        print(f"{engine_name} C=16 (the recommendation's level): median error "
+              f"{statistics.median(errs):+.1%}, spread {min(errs):+.1%} .. {max(errs):+.1%} "
+              f"over {len(errs)} repeats")
+        med = {k: statistics.median(float(r[k]) for r in at) for k in ("before", "predicted", "after")}  # type: ignore[arg-type]
+        print(f"  medians over the repeats: before {med['before']:.1f}, predicted {med['predicted']:.1f}, "
+              f"after {med['after']:.1f} tok/s: gain predicted x{med['predicted'] / med['before']:.2f}, "
+              f"measured x{med['after'] / med['before']:.2f}")
+        print(f"  {noise_line(mine)}")
 
+
+def noise_line(rows: list[dict[str, object]]) -> str:
+    """What the machine's noise alone moves: C=1, where neither change can act (one request is
+    under every limit), before against after in each repeat; and the default's C=16 over the
+    repeats (the same setting and level, minutes apart)."""
+    c1 = [float(r["after"]) / float(r["before"]) - 1 for r in rows  # type: ignore[arg-type]
+          if r["level"] == "C=1" and r["before"] and r["after"]]
+    c16 = [float(r["before"]) for r in rows if r["level"] == "C=16" and r["before"]]  # type: ignore[arg-type]
+    text = "noise:"
+    if c1:
+        text += (f" C=1 (the change cannot act there) after against before {min(c1):+.0%} .. "
+                 f"{max(c1):+.0%};")
+    if len(c16) > 1:
+        text += f" the default's C=16 over the repeats {min(c16):.1f} .. {max(c16):.1f} tok/s " \
+            f"({max(c16) / min(c16) - 1:.0%} apart)"
+    return text
 
 if __name__ == "__main__":
     main()

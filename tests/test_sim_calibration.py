@@ -58,12 +58,15 @@ def test_c32_runs_every_request_in_micro_batches_of_eight(default_run):
     assert max(e.running_req for e in logged) == 8
 
 
-def test_k64_scales_to_about_400_tokens_per_second_at_c64(k64_run):
-    """With --pp-max-micro-batch-size 64 throughput grows with C to about 400 tok/s at C=64 (396.0
-    measured with max_tokens 2048)."""
+def test_k64_scales_to_about_400_tokens_per_second_at_c64(k64_run, calibrated_rows):
+    """With --pp-max-micro-batch-size 64 throughput grows with C, to about 400 tok/s at C=64 (396.0
+    measured with max_tokens 2048) in the calibrated model. (The dense default gave 403 there
+    only while a level's new requests missed the micro-batch stage 0 was waiting on and spread
+    over the next slots; they join it, as SGLang takes requests in, and the dense model bunches:
+    it is not the figures' model, test_the_dense_default_is_what_resists.)"""
     levels = [ph["throughput_tok_s"] for ph in k64_run.ground_truth["phases"]]
     assert levels == sorted(levels)
-    assert levels[-1] == pytest.approx(396.0, rel=TOLERANCE)
+    assert calibrated_rows["C=64 K=64 2048 tok"].simulated_tok_s == pytest.approx(396.0, rel=TOLERANCE)
 
 
 # The calibrated cost model ([sim] Must show 2): bench/calibration.py prints the same table.

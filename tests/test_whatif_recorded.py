@@ -189,3 +189,4 @@ def test_a_cpu_engine_is_fitted_without_a_memory_floor(tmp_path_factory: pytest.
 
     assert step_s(gpu, 4) == pytest.approx(step_s(gpu, 1))
     assert step_s(cpu, 4) - step_s(cpu, 1) == pytest.approx(3e-4)
+

@@ -144,6 +144,14 @@ class PipelineEngine:
         n_slots = len(self.slots)
         idle_turns = 0
         while self.now < t_end:
+            k = self.next_slot
+            if self.slots[k] and self.slot_ready[k] > t_end:
+                # Stage 0 would block on this micro-batch past t_end: stop at t_end, so that
+                # what the driver adds before then (a phase's new requests) is there when the
+                # outputs come back and joins that batch, as the engines take requests in.
+                self.now = t_end
+                self._process_until(t_end)
+                return
             if self._iterate():
                 idle_turns = 0
                 continue

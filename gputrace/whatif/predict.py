@@ -14,8 +14,8 @@ import numpy as np
 from gputrace.analysis.diagnose import engine_kind
 from gputrace.errors import ConfigError, UsageError
 from gputrace.sim.params import SimParams, make_params
-from gputrace.whatif.fit import FittedModel, relative_error, replay
-from gputrace.whatif.outcome import PhaseOutcome, simulated_outcomes
+from gputrace.whatif.fit import FittedModel, relative_error, replayed_outcomes
+from gputrace.whatif.outcome import PhaseOutcome
 
 # What a what-if may change: the deployment's settings and the load. The cost model is the fit's.
 CHANGEABLE = ("pp_max_micro_batch_size", "max_running_requests", "pp_async_batch_depth",
@@ -104,7 +104,7 @@ def predict(model: FittedModel, changes: Mapping[str, Any]) -> list[PhasePredict
     # as many levels as captured: each phase keeps its place (a finding's level raised stays its
     # phase); other levels pair with the captured phase at the same level, if any
     same_phases = len(p.concurrency) == len(model.measured)
-    outcomes = simulated_outcomes(replay(p), model.labels if same_phases else None)
+    outcomes = replayed_outcomes(p, model.labels if same_phases else None)
     out = []
     for i, o in enumerate(outcomes):
         measured = model.measured[i] if same_phases else by_level.get(o.concurrency)
