@@ -210,5 +210,7 @@ async def test_a_real_engine_capture_renders_in_headless_chromium(tmp_path: Path
     stage_table = text[text.index("<h2>Phase by stage</h2>"):text.index("<h2>Stage mapping</h2>")]
     assert "<th>busy from</th>" not in stage_table and "NVML" not in stage_table
     assert "<th>host</th>" not in text  # no mapping: the note alone, not a table of headers
-    assert cmp_page["h2"] == ["What changed", "The two runs", "Per phase"]
+    assert cmp_page["h2"] == ["What changed", "The two runs", "Per phase", "Predicted against measured"]
     assert "New in phase C=16: pipeline_underfilled" in compare.read_text()
+    # the first log leaves K to SGLang's default, the second states 16: the model predicts B
+    assert "B changed pp_max_micro_batch_size default -&gt; 16" in compare.read_text()

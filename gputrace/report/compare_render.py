@@ -92,7 +92,8 @@ def prediction_lines(doc: dict[str, Any]) -> list[str]:
         return []
     if pam["note"]:
         return [f"Prediction: {pam['note']}."]
-    changed = ", ".join(f"{k} {va} -> {vb}" for k, (va, vb) in pam["changes"].items())
+    changed = ", ".join(f"{k} {'default' if va is None else va} -> {'default' if vb is None else vb}"
+                        for k, (va, vb) in pam["changes"].items())
     out = [f"B changed {changed}; the simulator fitted to A predicts B within ±{pam['band_ratio']:.0%} "
            "(the fit's residual)."]
     out += [f"Recommended by A's {f['cause']} in {_where(f['phase'])}: {f['recommendation']}"
