@@ -102,6 +102,9 @@ def test_interrupted_load_keeps_finished_requests(
         [sys.executable, "-m", "gputrace", "load", "--url", url, "--model", "m", "--concurrency", "4",
          "--max-tokens", "20", "--duration-per-level", "60", "--out", str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # a terminal's Ctrl-C: a runner started in the background (`cmd &` without job control)
+        # ignores SIGINT, and its children inherit that, so the load would never see it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and (not out.exists() or out.read_text().count('"request"') < 8):
