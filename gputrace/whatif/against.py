@@ -44,15 +44,15 @@ def predicted_against_measured(a: Analysis, b: Analysis, progress: Callable[[str
     states the same settings), the findings of A that recommended them, and per phase A
     measured, predicted and B measured; ``note`` says why there is no prediction where there is
     none."""
-    applied = applied_changes(a, b)
-    changes = {k: vb for k, (_, vb) in applied.items()}
-    out: dict[str, Any] = {"changes": {k: list(v) for k, v in applied.items()}, "recommended_by": [],
-                           "band_ratio": None, "phases": [], "note": None}
+    out: dict[str, Any] = {"changes": {}, "recommended_by": [], "band_ratio": None, "phases": [],
+                           "note": None}
     if engine_kind(a.run.engine) != engine_kind(b.run.engine) or a.run.pp_size != b.run.pp_size:
         out["note"] = ("the runs are of different engines or pipeline depths: no prediction of one "
                        "from the other")
-        out["changes"] = {}
         return out
+    applied = applied_changes(a, b)
+    changes = {k: vb for k, (_, vb) in applied.items()}
+    out["changes"] = {k: list(v) for k, v in applied.items()}
     if not changes:
         out["note"] = ("B's log states the same deployment settings as A's (of those a what-if can "
                        "change): nothing to predict")
