@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -58,6 +59,18 @@ def engines_available() -> str | None:
     if not (MODEL_DIR / "config.json").exists():
         return f"{MODEL_DIR} has no model: run `make engines`"
     return None
+
+
+def engine_tier_missing() -> str | None:
+    """None when everything the engine tier needs is here, else one line naming all that is
+    missing. Checked before any engine starts: an engine takes a minute or two to be ready, and
+    the tier once started both and then skipped every test for want of Prometheus."""
+    missing = [reason for reason in (
+        engines_available(),
+        None if shutil.which("prometheus")
+        else "no `prometheus` on PATH (apt-get install prometheus: see .ci/run)",
+    ) if reason is not None]
+    return "the engine tier needs: " + "; ".join(missing) if missing else None
 
 
 def free_port() -> int:

@@ -3,8 +3,9 @@ a tiny Llama), captured by `gputrace run` with the built-in load sweeping C = 1,
 engine's admission limit of 8. What is asserted is the engine's own truth (its /metrics, scraped by
 the test; its log file; its token counters), never gputrace's reading of it.
 
-Skipped with the reason when `.venv-engines` is absent (`make engines`);
-GPUTRACE_REQUIRE_ENGINE_TESTS=1 makes that a failure. Each engine starts once per module."""
+Skipped with the reason when `.venv-engines` (`make engines`) or Prometheus is absent, checked
+before any engine starts; GPUTRACE_REQUIRE_ENGINE_TESTS=1 makes that a failure. Each engine starts
+once per module."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from engine_servers import (
     EngineSetting,
     MetricsScraper,
     RunningEngine,
-    engines_available,
+    engine_tier_missing,
     free_port,
     running_engine,
 )
@@ -54,7 +55,7 @@ DECIDED_BY_THE_GPUS = {"pipeline_underfilled", "stage_imbalance", "pcie_bound", 
 
 
 def _require_engines() -> None:
-    reason = engines_available()
+    reason = engine_tier_missing()
     if reason is None:
         return
     if os.environ.get("GPUTRACE_REQUIRE_ENGINE_TESTS") == "1":
