@@ -36,6 +36,13 @@ def test_quick_demo_applies_its_own_recommendation(tmp_path: Path) -> None:
     # the recommended run's engine logged the recommended setting, the first try K = 64
     assert docs["recommended"]["summary"]["engine"]["pp_max_micro_batch_size"] == rec.value
     assert docs["k64"]["summary"]["engine"]["pp_max_micro_batch_size"] == FIRST_TRY["pp_max_micro_batch_size"]
+    # every engine logged every decode step, as the README asks: no sampling caveat in a report
+    for run, doc in docs.items():
+        assert doc["summary"]["engine"]["decode_log_interval"] == 1, run
+        assert not any("decode lines are logged every" in note for note in doc["notes"]), run
+    # a client that leaves mid-stream (the load's last level ending) is no error in the server's log
+    for run in docs:
+        assert "Traceback" not in (out / "work" / run / "sim.out").read_text(), run
     before, after = _phases(docs["defaults"])[rec.phase], _phases(docs["recommended"])[rec.phase]
     assert after > before, (rec, before, after)
     gain = after / before - 1

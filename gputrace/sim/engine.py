@@ -48,6 +48,7 @@ class SimRequest:
     finish_s: float | None = None
     kv_tokens: int = 0  # KV-cache tokens it holds
     listener: TokenListener | None = None
+    aborted: bool = False  # the client went away: it ends at its next token, as SGLang aborts it
 
     def __post_init__(self) -> None:
         if not self.prefill_target:
@@ -394,7 +395,7 @@ class PipelineEngine:
                 req.first_token_s = done
             if req.listener is not None:
                 req.listener.tokens(done, req.generated)
-            if req.generated >= req.output_tokens:
+            if req.generated >= req.output_tokens or req.aborted:
                 req.finish_s = done
                 self.kv_reserved -= max(req.output_tokens - req.generated, 0)
                 if req.listener is not None:

@@ -329,16 +329,23 @@ def build_app(sim: RealtimeSim) -> web.Application:
                 obj["usage"] = None
             return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
-        while (item := await stream.queue.get()) is not None:
-            await resp.write(chunk(_WORDS[item % len(_WORDS)] + " ", None))
-            sent += 1
-        await resp.write(chunk(None, "length"))
-        if include_usage:
-            final = {"id": rid, "object": kind, "created": created, "model": model, "choices": [],
-                     "usage": finish_usage()}
-            await resp.write(b"data: " + json.dumps(final).encode() + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+        try:
+            while (item := await stream.queue.get()) is not None:
+                await resp.write(chunk(_WORDS[item % len(_WORDS)] + " ", None))
+                sent += 1
+            await resp.write(chunk(None, "length"))
+            if include_usage:
+                final = {"id": rid, "object": kind, "created": created, "model": model, "choices": [],
+                         "usage": finish_usage()}
+                await resp.write(b"data: " + json.dumps(final).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionResetError:
+            # the client went away mid-stream (a load generator closes the requests still in flight
+            # when its last level ends): SGLang aborts such a request, and so does the simulator,
+            # at its next token. Unhandled, aiohttp logged each with a traceback (64 per demo run),
+            # and the abandoned requests ran on, logging, past the collector's drain.
+            req.aborted = True
         return resp
 
     app = web.Application()
