@@ -126,6 +126,14 @@ def test_lines_drop_empty_cells_and_break_only_at_real_gaps(analysis: Analysis) 
         assert x[gap_at - 1] < GAP_S[0] + 0.5 and x[gap_at + 1] > GAP_S[1] - 0.5
 
 
+def test_power_share_is_drawn_on_the_whole_scale(analysis: Analysis) -> None:
+    """Power as a share of the limit is drawn from 0 to 1 whatever the run's peak, so two reports'
+    figures read alike (auto-scaled, one read 0-1 and the next 0-0.4)."""
+    ax = build_figure("power", analysis).axes[0]
+    assert ax.get_ylabel() == "power / limit"
+    assert ax.get_ylim() == (0.0, 1.0)
+
+
 def test_gap_broken_keeps_short_holes_and_marks_long_ones() -> None:
     """Every other cell empty: one unbroken line; a hole longer than the limit: one NaN."""
     t = np.arange(40) * 0.06

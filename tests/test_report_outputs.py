@@ -263,7 +263,15 @@ def test_markdown_shows_names_and_labels_as_text(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     md = (tmp_path / "out" / "report.md").read_text()
     assert "<script>" not in md and "<img" not in md
-    assert "&lt;img src=x onerror=alert(2)&gt;" in md and "&lt;script&gt;alert(1)&lt;/script&gt;\\|C=1" in md
+    assert "&lt;img src=x onerror=alert(2)>" in md and "&lt;script>alert(1)&lt;/script>\\|C=1" in md
+
+
+def test_markdown_keeps_arrows_and_comparisons_as_written(tmp_path: Path) -> None:
+    """report.md reads as written where no HTML could start: '->' and '<=' stay (it showed
+    '-&gt;' in the verdict), an entity-like '&amp;' is escaped so it shows as typed."""
+    from gputrace.report.render import _md
+    assert _md("1062 -> 1282 tok/s at C<=32, a < b & c") == "1062 -> 1282 tok/s at C<=32, a < b & c"
+    assert _md("&amp; <b>") == "&amp;amp; &lt;b>"
 
 
 def test_the_report_opens_with_the_verdict_and_shows_each_phase_once(tmp_path: Path) -> None:

@@ -262,8 +262,9 @@ def bubble_bars(a: Analysis) -> Figure:
 
 
 def _series_figure(a: Analysis, series: list[tuple[np.ndarray, str, str]], ylabel: str, title: str,
-                   scale: float = 1.0) -> Figure:
-    """Lines per stage over time; ``series`` is (values (pp x cells), line style, direction name)."""
+                   scale: float = 1.0, top: float | None = None) -> Figure:
+    """Lines per stage over time; ``series`` is (values (pp x cells), line style, direction name);
+    ``top``: a fixed upper limit of the y axis (else matplotlib's, from the data)."""
     fig, ax = _time_figure(3.8)
     t_all = _time_axis(a)
     colors = _stage_colors(a.run.pp_size)
@@ -282,7 +283,9 @@ def _series_figure(a: Analysis, series: list[tuple[np.ndarray, str, str]], ylabe
         if len(series) > 1:
             handles += [Line2D([], [], color="black", ls=ls, lw=1.2, label=name) for _, ls, name in series]
         _legend_beside(ax, handles)
-        ax.set_ylim(bottom=0)
+        peak = max((float(np.nanmax(values / scale)) for values, _, _ in series
+                    if not np.isnan(values).all()), default=0.0)
+        ax.set_ylim(bottom=0, top=None if top is None else top if peak <= top else peak * 1.05)
     ax.set_ylabel(ylabel)
     _finish_time_axes(ax, a, title)
     return fig
@@ -293,8 +296,10 @@ def power_figure(a: Analysis) -> Figure:
     if np.isnan(a.series.power_share).all():
         return _series_figure(a, [(a.series.power_w, "-", "power")], "power (W)",
                               "Power per stage (no power limit known)")
+    # the whole share scale, 0 to the limit: auto-scaled, one report read 0-1 and the next 0-0.4,
+    # and side by side the idler deployment looked as hot
     return _series_figure(a, [(a.series.power_share, "-", "power")], "power / limit",
-                          "Power per stage (share of the power limit)")
+                          "Power per stage (share of the power limit)", top=1.0)
 
 
 def _rate_unit(peak_bytes_per_s: float) -> tuple[float, str]:

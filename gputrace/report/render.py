@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -183,10 +184,17 @@ def render_html(a: Analysis, doc: dict[str, Any], figures: dict[str, bytes]) -> 
     return "\n".join(parts)
 
 
+# What Markdown would read as HTML: a `<` that opens a tag, comment or declaration (CommonMark's
+# raw HTML), an `&` that starts an entity. Only these are escaped, so the text reads as written in
+# the .md file itself: "1062 -> 1282 tok/s" and "C<=32" stay as they are (they showed as -&gt;).
+_MD_HTML = re.compile(r"<(?=[A-Za-z/!?])|&(?=#?[A-Za-z0-9]+;)")
+
+
 def _md(text: object) -> str:
     """Text from the run (names, labels, notes) as Markdown that renders as that text: HTML in it
     would be live in most Markdown viewers, a | would cut a table cell."""
-    return html.escape(str(text), quote=False).replace("|", "\\|").replace("\n", " ")
+    escaped = _MD_HTML.sub(lambda m: "&lt;" if m.group() == "<" else "&amp;", str(text))
+    return escaped.replace("|", "\\|").replace("\n", " ")
 
 
 def _md_code(text: object) -> str:
