@@ -4,6 +4,7 @@ compared with itself, and no CSS the page does not use."""
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import shutil
@@ -189,3 +190,44 @@ def test_compare_of_one_deployment_says_there_is_nothing_to_predict(tmp_path: Pa
     assert res.exit_code == 0, res.output
     assert "predicted_against_measured" not in json.loads((tmp_path / "no" / "compare.json").read_text())
     assert "Predicted against measured" not in (tmp_path / "no" / "compare.md").read_text()
+
+
+def _phase(label: str, c: int, a: float, b: float) -> dict[str, object]:
+    from gputrace.analysis.compare import phase_verdict
+    return {"label": label, "target_concurrency": c, "throughput_tok_s_a": a, "throughput_tok_s_b": b,
+            "throughput_gain": b / a, "verdict": phase_verdict(b / a)}
+
+
+def test_the_bottom_line_says_better_worse_or_the_trade_off_at_the_peak_load() -> None:
+    """One sentence: a trade-off names where B gains and where it loses and what to do at the
+    highest load; worse everywhere it moved is 'revert'; better is 'keep it'; 5 % is the same."""
+    from gputrace.analysis.compare import bottom_line
+    trade = bottom_line([_phase("C=8", 8, 100, 109), _phase("C=32", 32, 400, 436),
+                         _phase("C=64", 64, 800, 448)])
+    assert trade["verdict"] == "trade-off" and trade["peak_phase"] == "C=64"
+    assert trade["text"] == ("Trade-off: B gains 9 % at C<=32 and loses 44 % at C=64; at your peak load "
+                             "(C=64) B is worse: revert.")
+    worse = bottom_line([_phase("C=1", 1, 37, 37.2), _phase("C=32", 32, 1068, 324),
+                         _phase("C=64", 64, 1686, 320)])
+    assert worse["text"] == "B is worse at your peak load: revert. B loses 70-81 % at C>=32; no phase better."
+    better = bottom_line([_phase("C=1", 1, 37, 37), _phase("C=32", 32, 900, 1200)])
+    assert better["verdict"] == "better"
+    assert better["text"].startswith("B is better: keep it. B gains 33 % at C=32")
+    assert bottom_line([_phase("C=1", 1, 37, 38)])["verdict"] == "same"
+
+
+def test_the_page_opens_with_the_bottom_line_and_each_phase(tmp_path: Path) -> None:
+    """compare.html and compare.md say the bottom line before anything else, then each phase:
+    better, worse or the same, by how much measured (and predicted from A, where it was)."""
+    a, b = _capped(tmp_path / "a"), _fixed(tmp_path / "b")
+    page, _ = _compare(a, b, tmp_path / "cmp")
+    doc = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    text = doc["bottom_line"]["text"]
+    assert doc["bottom_line"]["verdict"] == "better" and text.startswith("B is better: keep it.")
+    assert page.index(f"<p class='bottom'>{text}</p>") < page.index("<h2>What changed</h2>")
+    c32 = next(p for p in doc["phases"] if p["label"] == "C=32")
+    line = (f"C=32: better, {c32['throughput_tok_s_a']:.0f} -> {c32['throughput_tok_s_b']:.0f} tok/s "
+            f"({c32['throughput_gain'] - 1:+.0%} measured")
+    assert f"<li>{html.escape(line)}" in page
+    md = (tmp_path / "cmp" / "compare.md").read_text().splitlines()
+    assert md[2] == f"**{text}**" and md[4].startswith("- C=")

@@ -13,6 +13,7 @@ from gputrace.analysis.diagnose import Finding, changes_the_deployment
 from gputrace.analysis.run import Analysis
 
 SCHEMA = "gputrace.compare/1"
+SAME_WITHIN = 0.05  # a throughput ratio this close to 1 is "the same" (the runs' own noise is about this)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +52,63 @@ def top_finding(a: Analysis) -> dict[str, Any] | None:
     return None if top is None else _finding(top)
 
 
+def phase_verdict(gain: float | None) -> str | None:
+    """B against A in one phase: "better", "worse", "same" (within SAME_WITHIN), None without a gain."""
+    if gain is None:
+        return None
+    return "better" if gain > 1 + SAME_WITHIN else "worse" if gain < 1 - SAME_WITHIN else "same"
+
+
+def _where_phases(phases: list[dict[str, Any]], chosen: list[dict[str, Any]]) -> str:
+    """Where in the sweep ``chosen`` lie: "C<=32" when they are its lowest levels, "C>=64" its
+    highest, else their labels."""
+    levels = [p["target_concurrency"] for p in phases]
+    if len(chosen) > 1 and None not in levels:
+        ordered = sorted(phases, key=lambda p: p["target_concurrency"])
+        n = len(chosen)
+        if {id(p) for p in ordered[:n]} == {id(p) for p in chosen}:
+            return f"C<={ordered[n - 1]['target_concurrency']}"
+        if {id(p) for p in ordered[-n:]} == {id(p) for p in chosen}:
+            return f"C>={ordered[-n]['target_concurrency']}"
+    return ", ".join(p["label"] for p in chosen)
+
+
+def _amount(chosen: list[dict[str, Any]]) -> str:
+    pcts = sorted(round(abs(p["throughput_gain"] - 1) * 100) for p in chosen)
+    return f"{pcts[0]} %" if pcts[0] == pcts[-1] else f"{pcts[0]}-{pcts[-1]} %"
+
+
+def bottom_line(phases: list[dict[str, Any]]) -> dict[str, Any]:
+    """The comparison in one sentence: better, worse or a trade-off, and at the peak load (the
+    phase of the highest concurrency in both runs) whether to keep B or revert."""
+    judged = [p for p in phases if p["verdict"] is not None]
+    if not judged:
+        return {"verdict": None, "text": "No phase with throughput in both runs: nothing to judge."}
+    peak = max(judged, key=lambda p: (p["target_concurrency"] or 0, judged.index(p)))
+    better = [p for p in judged if p["verdict"] == "better"]
+    worse = [p for p in judged if p["verdict"] == "worse"]
+    gains = f"gains {_amount(better)} at {_where_phases(judged, better)}" if better else ""
+    losses = f"loses {_amount(worse)} at {_where_phases(judged, worse)}" if worse else ""
+    if better and worse:
+        verdict = "trade-off"
+        action = "keep it" if peak["verdict"] == "better" else "revert" if peak["verdict"] == "worse" else \
+            "it does not matter there"
+        text = (f"Trade-off: B {gains} and {losses}; at your peak load ({peak['label']}) B is "
+                f"{peak['verdict']}: {action}.")
+    elif worse:
+        verdict = "worse"
+        where = "at your peak load" if peak["verdict"] == "worse" else "below your peak load"
+        text = f"B is worse {where}: revert. B {losses}; no phase better."
+    elif better:
+        verdict = "better"
+        text = f"B is better: keep it. B {gains}; no phase worse."
+    else:
+        verdict = "same"
+        text = (f"B is the same as A (within {SAME_WITHIN:.0%} in every phase): the change did not move "
+                "throughput.")
+    return {"verdict": verdict, "peak_phase": peak["label"], "text": text}
+
+
 def _described(run: Analysis, phase: str, causes: set[str]) -> list[dict[str, Any]]:
     """The findings of ``causes`` in ``phase`` as that run states them."""
     return [_finding(f) for f in run.findings if f.phase == phase and f.cause in causes]
@@ -87,6 +145,7 @@ def compare_analyses(a: Analysis, b: Analysis, ref_a: RunRef | None = None,
             "throughput_tok_s_a": pa.throughput_tok_s,
             "throughput_tok_s_b": pb.throughput_tok_s,
             "throughput_gain": _ratio(pb.throughput_tok_s, pa.throughput_tok_s),
+            "verdict": phase_verdict(_ratio(pb.throughput_tok_s, pa.throughput_tok_s)),
             "bubble_fraction_a": [s.bubble_fraction for s in pa.stages],
             "bubble_fraction_b": [s.bubble_fraction for s in pb.stages],
             "bubble_fraction_mean_a": _mean([s.bubble_fraction for s in pa.stages]),
@@ -113,6 +172,7 @@ def compare_analyses(a: Analysis, b: Analysis, ref_a: RunRef | None = None,
         "run_a_dir": ref_a.dir if ref_a else None,
         "run_b_dir": ref_b.dir if ref_b else None,
         "same_run": same_run(ref_a, ref_b),
+        "bottom_line": bottom_line(phases),
         "top_finding_a": top_finding(a),
         "top_finding_b": top_finding(b),
         "phases": phases,

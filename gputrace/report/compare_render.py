@@ -1,5 +1,6 @@
 """Render a comparison document as HTML (self-contained), Markdown and JSON: a warning when both
-sides are one run, what the change resolved and introduced and what it did to throughput in words,
+sides are one run, the bottom line (better, worse or a trade-off, per phase with the prediction
+beside the measurement), what the change resolved and introduced and what it did to throughput in words,
 both runs' key figures side by side, and links to both reports."""
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from gputrace.analysis.compare import SAME_WITHIN
+
 CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px;color:#222}
 table{border-collapse:collapse;font-size:13px;margin:6px 0 14px}
 td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#f3f3f3}
@@ -19,7 +22,9 @@ td:first-child,th:first-child{text-align:left}
 .warning{border-left:4px solid #d80;padding:6px 12px;background:#fff8e6;font-weight:bold}
 .resolved{border-left:4px solid #393;padding:4px 10px;margin:6px 0;background:#f6fff6}
 .new{border-left:4px solid #c33;padding:4px 10px;margin:6px 0;background:#fff6f6}
-table.runs td,table.runs th{text-align:left}"""
+table.runs td,table.runs th{text-align:left}
+.bottom{font-size:1.25em;font-weight:bold;border-left:4px solid #36c;padding:6px 12px;background:#f3f7ff}
+ul.phases{margin-top:4px}"""
 """Only what the page uses: each class here is on some element of it."""
 
 
@@ -58,7 +63,33 @@ def change_lines(doc: dict[str, Any]) -> list[tuple[str, str]]:
     return sorted(out, key=lambda kv: kv[0] != "resolved")  # resolved first, each in phase order
 
 
-SAME_WITHIN = 0.05  # a throughput ratio this close to 1 is said together with the others alike
+def bottom_line_text(doc: dict[str, Any]) -> str:
+    """The page's first sentence (older documents have none: said from their gains)."""
+    line = doc.get("bottom_line") or {}
+    return str(line.get("text") or "No bottom line in this comparison document.")
+
+
+def phase_verdict_lines(doc: dict[str, Any]) -> list[str]:
+    """Per phase: better, worse or the same, by how much, and what the what-if model predicted for
+    B from A where it did."""
+    predicted = {ph["label"]: ph for ph in (_prediction(doc) or {}).get("phases", [])}
+    out = []
+    for p in doc["phases"]:
+        gain = p["throughput_gain"]
+        if gain is None:
+            out.append(f"{p['label']}: no throughput in one of the runs")
+            continue
+        verdict = p.get("verdict") or ("better" if gain > 1 + SAME_WITHIN else
+                                       "worse" if gain < 1 - SAME_WITHIN else "same")
+        text = (f"{p['label']}: {verdict}, {_num(p['throughput_tok_s_a'], 0)} -> "
+                f"{_num(p['throughput_tok_s_b'], 0)} tok/s ({gain - 1:+.0%} measured")
+        ph = predicted.get(p["label"])
+        if ph and ph.get("predicted_tok_s") is not None and ph.get("measured_a_tok_s"):
+            text += f", {ph['predicted_tok_s'] / ph['measured_a_tok_s'] - 1:+.0%} predicted from A"
+        out.append(text + ")")
+    return out
+
+
 
 
 def throughput_line(doc: dict[str, Any]) -> str | None:
@@ -173,6 +204,8 @@ def render_compare_markdown(doc: dict[str, Any]) -> str:
     out = [f"# Comparison: {doc['run_a']} (A) vs {doc['run_b']} (B)", ""]
     if doc["same_run"]:
         out += [f"**Warning: run A and run B are {doc['same_run']}: {same_run_consequence(doc)}.**", ""]
+    out += [f"**{bottom_line_text(doc)}**", "", *[f"- {line}" for line in phase_verdict_lines(doc)], "",
+            "## What changed", ""]
     changes = change_lines(doc)
     out += [f"- {text}" for _, text in changes] or ["No finding resolved or new."]
     throughput = throughput_line(doc)
@@ -219,7 +252,9 @@ def render_compare_html(doc: dict[str, Any], out_dir: str | Path | None = None) 
     if doc["same_run"]:
         parts.append(f"<p class='warning'>Warning: run A and run B are {e(doc['same_run'])}: "
                      f"{e(same_run_consequence(doc))}.</p>")
-    parts.append("<h2>What changed</h2>")
+    parts.append(f"<p class='bottom'>{e(bottom_line_text(doc))}</p><ul class='phases'>")
+    parts += [f"<li>{e(line)}</li>" for line in phase_verdict_lines(doc)]
+    parts.append("</ul><h2>What changed</h2>")
     changes = change_lines(doc)
     parts += [f"<p class='{kind}'>{e(text)}</p>" for kind, text in changes] or \
         ["<p>No finding resolved or new.</p>"]
