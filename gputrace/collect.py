@@ -37,7 +37,7 @@ from gputrace.httpserver import (
 )
 from gputrace.live import LiveCollector, LiveState
 from gputrace.logsetup import get_logger
-from gputrace.model import DeviceInfo, Marker, RequestRecord, SchedulerEvent
+from gputrace.model import DeviceInfo, EngineConfig, Marker, RequestRecord, SchedulerEvent
 from gputrace.remote.clock import probe_clock
 from gputrace.remote.connect import TransportFactory, connect_host
 from gputrace.remote.follow import follow_log_batches
@@ -285,6 +285,8 @@ class Collector:
                 self.writer.add(record)
                 if isinstance(record, SchedulerEvent):
                     self.live.on_event(record)
+                elif isinstance(record, EngineConfig):
+                    self.live.on_config(record)  # K and the pool, for the live engine figures
 
     async def _pull_agent(self, ht: _HostTasks) -> None:
         assert ht.agent is not None

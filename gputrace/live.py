@@ -2,9 +2,14 @@
 the load in flight; exported as Prometheus families at scrape time and as JSON for `watch`.
 
 The live bubble estimate per stage is the share of the last ``window_s`` in which the stage's GPUs
-idled while the engine had requests running or waiting on that stage: each utilization sample is
-set against whether the stage had work at the sample's time (the analysis' own ``busy_and_bubble``,
-on the collector's clock: sample times are corrected by the host's latest clock probe).
+idled while the engine had requests running or waiting on that stage: each busy sample (SM activity
+where the GPU has it, else NVML utilization, as the report picks) is set against whether the stage
+had work at the sample's time (the analysis' own ``busy_and_bubble``, on the collector's clock:
+sample times are corrected by the host's latest clock probe).
+
+What a stage's log line says is one micro-batch; the engine's running total and the micro-batches
+in flight come from the first stage's recent lines, read as the report reads them
+(``schedule.engine_totals``): a stage showing "running 8" at a load of 32 is one of 4 micro-batches.
 """
 
 from __future__ import annotations
@@ -12,15 +17,16 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from gputrace import metric_names as mn
-from gputrace.analysis.metrics import busy_and_bubble
+from gputrace.analysis.metrics import BUSY_SIGNALS, busy_and_bubble
+from gputrace.analysis.schedule import engine_totals, line_sizes
 from gputrace.exposition import Collector, Metric, family
-from gputrace.model import ClockProbe, GpuSample, Marker, RequestRecord, SchedulerEvent
+from gputrace.model import ClockProbe, EngineConfig, GpuSample, Marker, RequestRecord, SchedulerEvent
 from gputrace.topology import Placement
 
 RankKey = tuple[str, int, int, int]  # host, pp_rank, tp_rank, dp_rank
@@ -35,14 +41,38 @@ class EngineRank:
     gen_throughput_tok_s: float | None = None
     token_usage: float | None = None
     seen_ns: int = 0
+    microbatch_size: int | None = None  # the micro-batch of the newest prefill or decode line
+
+
+# The first stage's lines kept for the engine's totals: enough for engine_totals' trailing window
+# (2 x the slots) at the deepest schedule SGLang allows here (PP16 + 4 async slots).
+RANK0_LINES = 64
+STALE_AFTER_S = 3.0  # no new line or sample for this long: the view says its data is old
+LIVE_SETTINGS = ("max_running_requests", "pp_max_micro_batch_size", "pp_async_batch_depth")
+# The first stage's busy share over this last stretch tells how many equal micro-batches are in
+# flight (the stage window's 10 s lagged a new level by seconds).
+ENGINE_BUSY_WINDOW_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineNow:
+    """The engine as a whole right now: one figure each, not a copy per stage."""
+
+    running: float | None  # requests the engine runs (all its micro-batches)
+    queued: float | None  # requests waiting for admission
+    microbatches_in_flight: float | None  # None: the engine logs no micro-batches (vLLM, PP 1)
+    slots: int | None  # micro-batches the schedule can hold (pp_size + async depth)
+    k: int | None  # the micro-batch cap (--pp-max-micro-batch-size or its default)
+    pool: int | None  # the request pool (--max-running-requests, --max-num-seqs)
+    source: str  # how `running` was read: "logged" (vLLM), or engine_totals' source for SGLang
 
 
 @dataclass(slots=True)
 class GpuLive:
     """Recent samples of one GPU: (ns on the collector's clock, utilization, power, tx, rx)."""
 
-    samples: deque[tuple[int, float | None, float | None, float | None, float | None]] = field(
-        default_factory=lambda: deque(maxlen=4096))
+    samples: deque[tuple[int, float | None, float | None, float | None, float | None, float | None]] = field(
+        default_factory=lambda: deque(maxlen=4096))  # ..., SM activity last
 
 
 class LiveState:
@@ -64,6 +94,12 @@ class LiveState:
         self.target_concurrency: int | None = None
         self.phase: str | None = None
         self.counts: dict[str, int] = dict.fromkeys(mn.COLLECTOR_COUNTS, 0)
+        self.settings: dict[str, int] = {}  # the engine's logged settings (LIVE_SETTINGS), as seen
+        self.pp_size = max((p.pp_rank for p in self.placements), default=-1) + 1 or None
+        # the first stage's newest lines per (host, dp_rank): (kind, #running-req, #new-seq, #queue-req)
+        self.rank0_lines: dict[tuple[str, int], deque[tuple[str, float, float, float]]] = {}
+        self.engine_kind: str | None = None
+        self.newest_ns: int | None = None  # when the newest line or sample arrived (collector clock)
 
     # -- updates --------------------------------------------------------------------------------
 
@@ -80,12 +116,34 @@ class LiveState:
         if ev.token_usage is not None:
             rank.token_usage = ev.token_usage
         rank.seen_ns = ev.recv_ts_ns if ev.recv_ts_ns is not None else self.clock_ns()
+        self._arrived(rank.seen_ns)
         self.counts["scheduler_events"] += 1
+        self.engine_kind = ev.engine
+        if ev.kind in ("prefill", "decode"):
+            size = (ev.running_req or 0) + ((ev.new_seq or 0) if ev.kind == "prefill" else 0)
+            rank.microbatch_size = size
+            if pp == 0 and (ev.tp_rank or 0) == 0:
+                self.rank0_lines.setdefault((ev.host, ev.dp_rank or 0), deque(maxlen=RANK0_LINES)).append(
+                    (ev.kind, float(ev.running_req or 0), float(ev.new_seq or 0), float(ev.queue_req or 0)))
         has_work = any((r.running_req or 0) + (r.queue_req or 0) > 0
                        for (_h, p, _t, _d), r in self.engine.items() if p == pp)
         changes = self.stage_work.setdefault(pp, deque(maxlen=4096))
         if not changes or changes[-1][1] != has_work:
             changes.append((rank.seen_ns, has_work))
+
+    def on_config(self, config: EngineConfig) -> None:
+        """SGLang logs its settings over several lines (server_args, then each rank's limits):
+        each adds what it states."""
+        for name in LIVE_SETTINGS:
+            value = getattr(config, name)
+            if value is not None:
+                self.settings[name] = int(value)
+        if config.pp_size:
+            self.pp_size = config.pp_size
+
+    def _arrived(self, ns: int) -> None:
+        if self.newest_ns is None or ns > self.newest_ns:
+            self.newest_ns = ns
 
     def on_clock_probe(self, probe: ClockProbe) -> None:
         self.clock_offset_ns[probe.host] = probe.offset_ns
@@ -98,8 +156,9 @@ class LiveState:
             live = self.gpus.setdefault((s.host, s.gpu_index), GpuLive())
             offset = offsets.get(clock_host or s.host, 0)
             live.samples.append((s.ts_ns - offset, s.utilization_ratio, s.power_w,
-                                 s.pcie_tx_bytes_per_s, s.pcie_rx_bytes_per_s))
+                                 s.pcie_tx_bytes_per_s, s.pcie_rx_bytes_per_s, s.sm_active_ratio))
             self.counts["gpu_samples"] += 1
+            self._arrived(self.clock_ns())
 
     def on_marker(self, marker: Marker) -> None:
         self.counts["markers"] += 1
@@ -132,17 +191,22 @@ class LiveState:
         for pp in sorted(by_stage):
             util: list[float] = []
             util_ns: list[int] = []
+            sm: list[float] = []
+            sm_ns: list[int] = []
             power: list[float] = []
             tx: list[float] = []
             rx: list[float] = []
             for p in by_stage[pp]:
                 live = self.gpus.get((p.host, p.gpu_index))
-                for ts, u, w, t, r in live.samples if live else ():
+                for ts, u, w, t, r, a in live.samples if live else ():
                     if ts < cutoff:
                         continue
                     if u is not None:
                         util.append(u)
                         util_ns.append(ts)
+                    if a is not None:
+                        sm.append(a)
+                        sm_ns.append(ts)
                     for bucket, v in ((power, w), (tx, t), (rx, r)):
                         if v is not None:
                             bucket.append(v)
@@ -150,6 +214,9 @@ class LiveState:
             running = _sum(r.running_req for r in ranks)
             queued = _sum(r.queue_req for r in ranks)
             util_mean = _mean(util)
+            # SM activity where the GPUs give it: utilization counts a stage spinning in NCCL as busy
+            signal, busy_ns, busy = ("sm_active", sm_ns, sm) if sm else ("utilization", util_ns, util)
+            busy_ratio, bubble_ratio = self._busy_bubble(pp, busy_ns, busy)
             rows.append({
                 "pp_rank": pp,
                 "gpus": [f"{p.host}:{p.gpu_index}" for p in by_stage[pp]],
@@ -162,26 +229,108 @@ class LiveState:
                 "gen_throughput_tok_s": _sum(r.gen_throughput_tok_s for r in ranks),
                 "token_usage": max((r.token_usage for r in ranks if r.token_usage is not None),
                                    default=None),
-                "bubble_ratio": self._bubble(pp, util_ns, util),
+                "microbatch_size": max((r.microbatch_size for r in ranks if r.microbatch_size is not None),
+                                       default=None),
+                "busy_ratio": busy_ratio,
+                "bubble_ratio": bubble_ratio,
+                "busy_signal": BUSY_SIGNALS[signal] if busy else None,
             })
         return rows
 
-    def _bubble(self, pp: int, times_ns: list[int], utilization: list[float]) -> float | None:
-        """The stage's bubble over its samples in the window (None without samples)."""
-        if not utilization:
-            return None
+    def _busy_bubble(self, pp: int, times_ns: list[int],
+                     busy: list[float]) -> tuple[float | None, float | None]:
+        """The stage's busy share and bubble over its samples in the window (None without samples)."""
+        if not busy:
+            return None, None
         changes = self.stage_work.get(pp, ())
         change_ns = np.array([t for t, _ in changes], dtype=np.int64)
         # work at a sample's time: the last change at or before it (none yet: no work)
         states = np.array([0.0, *(float(w) for _, w in changes)])
         work = states[np.searchsorted(change_ns, np.array(times_ns, dtype=np.int64), side="right")]
-        _busy, bubble = busy_and_bubble(np.array([utilization]), work)
-        return float(bubble[0])
+        busy_share, bubble = busy_and_bubble(np.array([busy]), work)
+        return float(busy_share[0]), float(bubble[0])
+
+    def _recent_busy(self, pp: int, window_s: float) -> float | None:
+        """The stage's busy share over the last ``window_s`` (SM activity where given)."""
+        cutoff = self.clock_ns() - int(window_s * 1e9)
+        util: list[float] = []
+        sm: list[float] = []
+        for p in self.placements:
+            live = self.gpus.get((p.host, p.gpu_index)) if p.pp_rank == pp else None
+            for ts, u, _w, _t, _r, a in reversed(live.samples) if live else ():
+                if ts < cutoff:
+                    break
+                if u is not None:
+                    util.append(u)
+                if a is not None:
+                    sm.append(a)
+        return _mean(sm or util)
+
+    def engine_now(self, first_stage_busy: float | None = None) -> EngineNow:
+        """The engine's running total, queue and micro-batches in flight, from the first stage's
+        recent lines (summed over data-parallel ranks); ``first_stage_busy`` (its busy share now)
+        tells the count when every micro-batch has the same size, as the report's reading does."""
+        cfg = self.settings
+        pp = self.pp_size or 1
+        slots = pp + cfg.get("pp_async_batch_depth", 0)
+        pool = cfg.get("max_running_requests")
+        k = cfg.get("pp_max_micro_batch_size") or (max(pool // pp, 1) if pool else None)
+        firsts = [r for (_h, p, t, _d), r in self.engine.items() if p == 0 and t == 0]
+        queued = _sum(r.queue_req for r in firsts)
+        if self.engine_kind != "sglang" or pp < 2 or not self.rank0_lines:
+            # vLLM's stats line gives the engine's total as logged; so does a single stage
+            return EngineNow(_sum(r.running_req for r in firsts), queued, None, slots, k, pool,
+                             "logged" if firsts else "none")
+        running = 0.0
+        in_flight = 0.0
+        sources = []
+        for lines in self.rank0_lines.values():
+            kind, running_req, new_seq, queue = (np.array(column) for column in zip(*lines, strict=True))
+            sizes = line_sizes(kind, running_req.astype(np.float64), new_seq.astype(np.float64))
+            busy = np.full(len(sizes), np.nan if first_stage_busy is None else first_stage_busy)
+            totals = engine_totals(sizes, queue.astype(np.float64), busy, pp, slots, k, pool)
+            # the median over the last cycle of lines: a request that ends leaves one line's
+            # micro-batch short until the scheduler fills it again
+            recent = slice(-min(slots, len(sizes)), None)
+            running += float(np.median(totals.running[recent]))
+            in_flight = max(in_flight, float(np.median(totals.microbatches[recent])))
+            sources.append(str(totals.source[-1]))
+        return EngineNow(running, queued, in_flight, slots, k, pool, "/".join(sorted(set(sources))))
 
     def status(self) -> dict[str, Any]:
         """The JSON `watch` reads from the collector's /v1/status."""
+        stages = self.stages()
+        engine = self.engine_now(self._recent_busy(0, ENGINE_BUSY_WINDOW_S))
         return {"run": self.run, "phase": self.phase, "target_concurrency": self.target_concurrency,
-                "inflight": self.inflight, "counts": dict(self.counts), "stages": self.stages()}
+                "inflight": self.inflight, "counts": dict(self.counts), "stages": stages,
+                "pp_size": self.pp_size, "engine": asdict(engine),
+                "finding": current_finding(engine, stages, self.pp_size),
+                "now_ns": self.clock_ns(), "newest_data_ns": self.newest_ns}
+
+
+def current_finding(engine: EngineNow, stages: list[dict[str, Any]], pp_size: int | None) -> str:
+    """What the live figures say now, in one line (the report's rules decide over whole phases;
+    this is the same reading over the last seconds)."""
+    pp = pp_size or len(stages)
+    running, queued, mbs = engine.running, engine.queued or 0, engine.microbatches_in_flight
+    if running is None:
+        return "no engine lines yet"
+    if running < 0.5 and queued < 0.5:
+        return "idle: the engine runs no request"
+    if queued >= 0.5 and engine.pool is not None and running >= engine.pool - 0.5:
+        return (f"admission_bound: {queued:.0f} waiting while the engine runs {running:.0f}, its pool "
+                f"(--max-running-requests {engine.pool})")
+    if mbs is not None and pp >= 2 and mbs < pp - 0.5:
+        k = f" (K = {engine.k})" if engine.k else ""
+        return (f"pipeline_underfilled: {mbs:.0f} micro-batches in flight for {pp} stages{k}: "
+                f"the schedule allows {min(1.0, mbs / pp):.0%} busy")
+    worst = max((s for s in stages if s.get("bubble_ratio") is not None),
+                key=lambda s: s["bubble_ratio"], default=None)
+    if worst is not None and worst["bubble_ratio"] > 0.3:
+        return (f"bubble: stage {worst['pp_rank']} idles {worst['bubble_ratio']:.0%} of the time "
+                f"while the engine has work")
+    fill = f"{mbs:.0f} micro-batches fill the {pp} stages" if mbs is not None else "the stages are busy"
+    return f"no finding now: {fill}"
 
 
 def _mean(values: list[float]) -> float | None:

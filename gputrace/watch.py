@@ -1,5 +1,7 @@
-"""The live terminal view: one row per pipeline stage (utilization bar, power, PCIe, running and
-queued requests, tok/s, bubble estimate) and the current load level, redrawn a few times a second.
+"""The live terminal view: the engine as a whole (its running total against its pool, the queue,
+the micro-batches in flight against the stages), one row per pipeline stage (micro-batch size,
+busy and bubble with the signal they come from, power, PCIe, tok/s), what the figures say now in
+one line, and how old the data is: a stale view says so in red in its header.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ import asyncio
 import contextlib
 import sys
 import termios
+import time
 import tty
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
@@ -17,7 +20,10 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from gputrace.live import STALE_AFTER_S
+
 StatusSource = Callable[[], Awaitable[dict[str, Any]]]
+STALE_STYLE = "bold white on red"
 
 
 def _bar(ratio: float | None, width: int = 20) -> Text:
@@ -32,36 +38,81 @@ def _num(value: Any, fmt: str = "{:.0f}", suffix: str = "") -> str:
     return "n/a" if value is None else fmt.format(value) + suffix
 
 
-def render_status(status: dict[str, Any], error: str | None = None) -> Group:
-    """The view of one /v1/status document."""
+def data_age_s(status: dict[str, Any]) -> float | None:
+    """How old the newest line or sample was when the collector answered (its own clock)."""
+    now, newest = status.get("now_ns"), status.get("newest_data_ns")
+    return None if now is None or newest is None else max(0.0, (now - newest) / 1e9)
+
+
+def _header(status: dict[str, Any], age_s: float | None, error: str | None) -> Text:
+    stale = error is not None or age_s is None or age_s > STALE_AFTER_S
+    if age_s is None:
+        age = "no data yet"
+    elif stale:
+        age = f"STALE: data {age_s:.0f} s old" + (" (collector not answering)" if error else "")
+    else:
+        age = f"data {age_s:.1f} s old"
     head = Text.assemble(
         ("gputrace watch", "bold"), f"  run {status.get('run', '?')}  ",
         ("phase ", "dim"), str(status.get("phase") or "-"),
         ("  target C ", "dim"), _num(status.get("target_concurrency")),
-        ("  in flight ", "dim"), _num(status.get("inflight")),
-    )
+        ("  in flight ", "dim"), _num(status.get("inflight")), "   ", age)
+    if stale and status:
+        head.stylize(STALE_STYLE)
+    return head
+
+
+def _engine_line(status: dict[str, Any]) -> Text:
+    """The engine's figures once: what a stage's "running 8" is one micro-batch of."""
+    e = status.get("engine") or {}
+    pp = status.get("pp_size")
+    pool = f" of {e['pool']} (pool)" if e.get("pool") else ""
+    parts: list[str | tuple[str, str]] = [
+        ("engine  ", "bold"), ("running ", "dim"), _num(e.get("running")) + pool,
+        ("   queued ", "dim"), _num(e.get("queued"))]
+    mbs = e.get("microbatches_in_flight")
+    if mbs is not None:
+        allowed = f": at most {min(1.0, mbs / pp):.0%} busy" if pp else ""
+        k = f", K = {e['k']}" if e.get("k") else ""
+        parts += [("   micro-batches in flight ", "dim"),
+                  f"{mbs:.0f} of {pp or '?'} stages ({e.get('slots') or '?'} slots{k}){allowed}"]
+    return Text.assemble(*parts)
+
+
+def render_status(status: dict[str, Any], error: str | None = None, age_s: float | None = None) -> Group:
+    """The view of one /v1/status document; ``age_s``: how old its data is now (the collector's
+    own figure when omitted)."""
+    age_s = data_age_s(status) if age_s is None else age_s
     table = Table(expand=False, header_style="bold")
-    for col, justify in (("stage", "right"), ("GPUs", "left"), ("utilization", "left"), ("util", "right"),
-                         ("power W", "right"), ("PCIe TX MB/s", "right"), ("PCIe RX MB/s", "right"),
-                         ("running", "right"), ("queued", "right"), ("tok/s", "right"),
-                         ("bubble", "right")):
+    for col, justify in (("stage", "right"), ("GPUs", "left"), ("busy", "left"), ("busy %", "right"),
+                         ("bubble", "right"), ("micro-batch", "right"), ("power W", "right"),
+                         ("PCIe TX MB/s", "right"), ("PCIe RX MB/s", "right"), ("tok/s", "right")):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    signals = []
     for row in status.get("stages", []):
-        util = row.get("utilization_ratio")
+        busy = row.get("busy_ratio", row.get("utilization_ratio"))
         bubble = row.get("bubble_ratio")
+        if row.get("busy_signal") and row["busy_signal"] not in signals:
+            signals.append(row["busy_signal"])
         table.add_row(
-            f"PP{row['pp_rank']}", ",".join(row.get("gpus", [])) or "-", _bar(util),
-            _num(util, "{:.0%}"), _num(row.get("power_w")),
+            f"PP{row['pp_rank']}", ",".join(row.get("gpus", [])) or "-", _bar(busy),
+            _num(busy, "{:.0%}"),
+            Text(_num(bubble, "{:.0%}"), style="red" if (bubble or 0) > 0.3 else ""),
+            _num(row.get("microbatch_size", row.get("running_req"))), _num(row.get("power_w")),
             _num(_mb(row.get("pcie_tx_bytes_per_s")), "{:.1f}"),
             _num(_mb(row.get("pcie_rx_bytes_per_s")), "{:.1f}"),
-            _num(row.get("running_req")), _num(row.get("queue_req")),
             _num(row.get("gen_throughput_tok_s"), "{:.1f}"),
-            Text(_num(bubble, "{:.0%}"), style="red" if (bubble or 0) > 0.3 else ""),
         )
     counts = status.get("counts", {})
-    foot = Text(f"samples {counts.get('gpu_samples', 0)}  log events {counts.get('scheduler_events', 0)}"
-                f"  requests {counts.get('requests', 0)}   q or Ctrl-C quits", style="dim")
-    parts: list[Any] = [head, table, foot]
+    signal = f"busy and bubble from {' / '.join(signals)}   " if signals else ""
+    foot = Text(f"{signal}samples {counts.get('gpu_samples', 0)}  log events "
+                f"{counts.get('scheduler_events', 0)}  requests {counts.get('requests', 0)}   "
+                "q or Ctrl-C quits", style="dim")
+    finding = status.get("finding")
+    parts: list[Any] = [_header(status, age_s, error), _engine_line(status), table]
+    if finding:
+        parts.append(Text.assemble(("now: ", "bold"), finding))
+    parts.append(foot)
     for problem in status.get("problems", []):
         # a failing source or a store that cannot be written: the capture is not complete
         parts.append(Text(f"failing: {problem.get('source', '?')}: {problem.get('reason', '?')}",
@@ -102,15 +153,20 @@ async def watch(source: StatusSource, refresh_s: float = 0.3) -> None:
             loop.add_reader(sys.stdin.fileno(), on_key)
         try:
             status: dict[str, Any] = {}
+            read_at = time.monotonic()
             with Live(render_status(status), refresh_per_second=max(1, round(1 / refresh_s)),
                       screen=False, transient=False) as live:
                 while not quit_event.is_set():
                     error = None
                     try:
-                        status = await source()
+                        # a collector that hangs must not hold the view: it goes stale meanwhile
+                        status = await asyncio.wait_for(source(), timeout=max(1.0, 3 * refresh_s))
+                        read_at = time.monotonic()
                     except Exception as exc:  # keep showing the last view; say what failed
-                        error = f"cannot read the collector: {exc}"
-                    live.update(render_status(status, error))
+                        error = f"cannot read the collector: {str(exc) or type(exc).__name__}"
+                    at_read = data_age_s(status)
+                    age_s = None if at_read is None else at_read + time.monotonic() - read_at
+                    live.update(render_status(status, error, age_s))
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(quit_event.wait(), timeout=refresh_s)
         finally:

@@ -81,13 +81,15 @@ def write_config(path: Path, log_file: Path, agent_port: int) -> Path:
 
 
 @contextlib.contextmanager
-def sim_chain(work: Path, scenario: str = "microbatch-cap") -> Iterator[Chain]:
-    """The simulator's real-time SGLang PP8 server (log + GPU feed) and an agent tailing the feed."""
+def sim_chain(work: Path, scenario: str = "microbatch-cap", sets: tuple[str, ...] = ()) -> Iterator[Chain]:
+    """The simulator's real-time SGLang PP8 server (log + GPU feed) and an agent tailing the feed;
+    ``sets``: the simulator's parameters changed (``name=value``)."""
     work.mkdir(parents=True, exist_ok=True)
     log_file, feed = work / "sglang.log", work / "gpu-feed.ndjson"
     sim_port, agent_port = free_port(), free_port()
     with process(gputrace_argv("sim", "serve", "--scenario", scenario, "--port", str(sim_port),
-                               "--log", str(log_file), "--gpu-feed", str(feed)), work / "sim.out") as sim:
+                               "--log", str(log_file), "--gpu-feed", str(feed),
+                               *(f"--set={item}" for item in sets)), work / "sim.out") as sim:
         wait_until(lambda: http_ok(f"http://127.0.0.1:{sim_port}/v1/models"), what="simulator", proc=sim)
         with process(gputrace_argv("agent", "--backend", "sim", "--sim-feed", str(feed),
                                    "--listen", f"127.0.0.1:{agent_port}", "--interval", "0.1",

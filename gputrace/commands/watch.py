@@ -24,8 +24,10 @@ from gputrace.watch import watch
               help="Watch the hosts of a gputrace.toml directly, without a separate collector.")
 @click.option("--refresh", type=float, default=0.3, show_default=True, help="Seconds between redraws.")
 def command(collector_url: str, config_path: str | None, refresh: float) -> None:
-    """Show one row per pipeline stage: utilization, power, PCIe, running and queued requests,
-    tok/s and the live bubble estimate. `q` or Ctrl-C quits."""
+    """Show the engine's running total, queue and micro-batches in flight, then one row per
+    pipeline stage: its micro-batch, busy and bubble (and the signal they come from), power, PCIe,
+    tok/s; what the figures say now in one line; the header turns red when the data is stale.
+    `q` or Ctrl-C quits."""
     if not sys.stdout.isatty():
         # a live view redrawn in place means nothing in a pipe or a file (it printed nothing and
         # ran until killed)
