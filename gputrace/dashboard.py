@@ -26,7 +26,7 @@ DASHBOARD_PATH = Path(__file__).resolve().parent.parent / "grafana" / "dashboard
 METRICS: tuple[mn.MetricSpec, ...] = (
     mn.GPU_UTILIZATION, mn.GPU_MEMORY_UTILIZATION, mn.GPU_POWER, mn.GPU_ENERGY, mn.GPU_PCIE_TX,
     mn.GPU_PCIE_RX, mn.GPU_SM_CLOCK, mn.GPU_MEMORY_USED, mn.GPU_TEMPERATURE, mn.GPU_SM_ACTIVE, mn.AGENT_UP,
-    *mn.ENGINE_GAUGES, mn.LOAD_INFLIGHT, mn.LOAD_TARGET_CONCURRENCY, mn.STAGE_BUBBLE,
+    *mn.ENGINE_GAUGES, mn.LOAD_INFLIGHT, mn.LOAD_TARGET_CONCURRENCY, mn.STAGE_BUBBLE, *mn.LIVE_EXTRAS,
 )
 METRIC_NAMES: frozenset[str] = frozenset(m.name for m in METRICS)
 
@@ -119,26 +119,52 @@ def _per_stage(fn: str, metric: str, selector: str) -> str:
 def _panels() -> list[tuple[dict[str, Any], int, int]]:
     """(panel, width, height) in reading order; positions are filled in by layout()."""
     util = f"avg by (pp_rank) ({mn.GPU_UTILIZATION.name}{{{_HOST}}})"
+    busy = f"max by (pp_rank, signal) ({mn.STAGE_BUSY.name}{{{_RUN}}})"
     gpu_legend = "{{host}} gpu{{gpu}} (stage {{pp_rank}})"
     return [
+        (_row("The pipeline: what the verdict rests on"), 24, 1),
+        (_timeseries("Micro-batches in flight vs pipeline stages", "Micro-batches the engine has in "
+                     "flight (from the first stage's log lines, as the report reads them) against "
+                     "the stages: below the stages line, some stages idle each step (the schedule "
+                     "allows in flight / stages busy).", "short",
+                     [(f"max({mn.ENGINE_MICROBATCHES.name}{{{_RUN}}})", "micro-batches in flight"),
+                      (f"max({mn.ENGINE_STAGES.name}{{{_RUN}}})", "pipeline stages (pp_size)")],
+                     minimum=0), 12, 9),
+        (_timeseries("Engine running total vs its pool and the load", "Requests the engine runs in "
+                     "all its micro-batches (one stage's #running-req is one micro-batch), its "
+                     "pool (--max-running-requests / --max-num-seqs) and what the load offers.", "short",
+                     [(f"sum({mn.ENGINE_TOTAL_RUNNING.name}{{{_RUN}}})", "engine running (total)"),
+                      (f"max({mn.ENGINE_POOL.name}{{{_RUN}}})", "pool limit"),
+                      (f"sum({mn.LOAD_INFLIGHT.name}{{{_RUN}}})", "load in flight")],
+                     minimum=0), 12, 9),
+        (_heatmap("Busy per stage (heatmap)", "Each stage's busy share by the best signal its GPUs "
+                  "give: SM activity (GPM) where present, else NVML utilization, which reads high "
+                  "while a stage only waits in NCCL. Rows: pp_rank; stages in lockstep show as bands.",
+                  f"max by (pp_rank) ({mn.STAGE_BUSY.name}{{{_RUN}}})", "stage {{pp_rank}}"), 12, 9),
+        (_timeseries("Busy and bubble per stage", "Busy (by the signal named) and the bubble: the "
+                     "share of time the stage's GPUs idled while the engine had requests running or "
+                     "queued.", "percentunit",
+                     [(busy, "busy, stage {{pp_rank}} ({{signal}})"),
+                      (f"{mn.STAGE_BUBBLE.name}{{{_RUN}}}", "bubble, stage {{pp_rank}}")],
+                     minimum=0, maximum=1), 12, 9),
+        (_timeseries("TTFT and ITL", "Time to first token and mean inter-token latency of the "
+                     "requests completed in the collector's last window (p50, p90).", "s",
+                     [(f"max by (quantile) ({mn.LOAD_TTFT.name}{{{_RUN}}})", "TTFT p{{quantile}}"),
+                      (f"max by (quantile) ({mn.LOAD_ITL.name}{{{_RUN}}})", "ITL p{{quantile}}")],
+                     minimum=0), 24, 8),
         (_row("Pipeline stages"), 24, 1),
-        (_heatmap("GPU utilization per stage (heatmap)", "NVML utilization averaged over each stage's GPUs "
-                  "(rows: pp_rank). Stages working in lockstep show as alternating bands.",
-                  util, "stage {{pp_rank}}"), 12, 9),
-        (_timeseries("GPU utilization per stage", "NVML utilization averaged over each stage's GPUs.",
-                     "percentunit", [(util, "stage {{pp_rank}}")], minimum=0, maximum=1), 12, 9),
-        (_timeseries("Bubble estimate per stage", "Live estimate by the collector: fraction of time the "
-                     "stage's GPUs idled while the engine had requests running or queued.",
-                     "percentunit", [(f"{mn.STAGE_BUBBLE.name}{{{_RUN}}}", "stage {{pp_rank}}")],
-                     minimum=0, maximum=1), 12, 8),
+        (_timeseries("GPU utilization per stage", "NVML utilization averaged over each stage's GPUs "
+                     "(raw: a stage waiting in NCCL reads busy here; the busy panels use SM activity "
+                     "where the GPU has it).",
+                     "percentunit", [(util, "stage {{pp_rank}}")], minimum=0, maximum=1), 12, 8),
         (_timeseries("SM activity per stage (GPM)", "GPM SM activity averaged per stage (Hopper and "
                      "newer; empty on older GPUs).", "percentunit",
                      [(f"avg by (pp_rank) ({mn.GPU_SM_ACTIVE.name}{{{_HOST}}})", "stage {{pp_rank}}")],
                      minimum=0, maximum=1), 12, 8),
         (_row("Engine and load"), 24, 1),
-        (_timeseries("Running requests per stage vs load in flight", "The engine's #running-req per "
-                     "stage against what the load generator keeps in flight. A flat line per stage "
-                     "well below the load means a micro-batch cap.", "short",
+        (_timeseries("Micro-batch per stage (#running-req) vs load in flight", "Each stage's "
+                     "#running-req: the micro-batch it last ran, not the engine's total (see the "
+                     "engine panel), against what the load generator keeps in flight.", "short",
                      [(_per_stage("max", mn.ENGINE_RUNNING.name, _ENGINE),
                        "running, stage {{pp_rank}}"),
                       (f"sum({mn.LOAD_INFLIGHT.name}{{{_RUN}}})", "load in flight"),
@@ -213,8 +239,9 @@ def build_dashboard() -> dict[str, Any]:
     return {
         "uid": DASHBOARD_UID,
         "title": "gputrace: pipeline-parallel bubbles",
-        "description": "Per-stage GPU utilization, engine requests against offered load, queue, "
-                       "throughput and the live bubble estimate, from gputrace's agent and collector.",
+        "description": "Micro-batches in flight against the stages, the engine's running total against "
+                       "its pool, busy and bubble per stage by the best signal, TTFT/ITL, the load "
+                       "phases; then per-stage GPU figures, from gputrace's agent and collector.",
         "tags": ["gputrace", "gpu", "llm-serving"],
         "editable": True,
         "graphTooltip": 1,
@@ -230,6 +257,13 @@ def build_dashboard() -> dict[str, Any]:
             "builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"}, "enable": True,
             "hide": True, "iconColor": "rgba(0, 211, 255, 1)", "name": "Annotations & Alerts",
             "type": "dashboard",
+        }, {
+            # each load phase where its marker put it: the series' value is the phase's start
+            # (Unix seconds; Grafana takes milliseconds with useValueForTime)
+            "datasource": DATASOURCE, "enable": True, "hide": False, "iconColor": "rgba(255, 152, 48, 1)",
+            "name": "Load phases", "expr": f"max by (phase) ({mn.LOAD_PHASE_START.name}{{{_RUN}}}) * 1000",
+            "step": "5s", "titleFormat": "phase {{phase}}", "textFormat": "load phase {{phase}} began",
+            "tagKeys": "phase", "useValueForTime": True,
         }]},
         "panels": layout(_panels()),
     }
@@ -283,11 +317,15 @@ def _all_panels(dashboard: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 def dashboard_queries(dashboard: Mapping[str, Any] | None = None,
                       variables: Mapping[str, str] | None = None,
                       macros: Mapping[str, str] | None = None) -> list[PanelQuery]:
-    """Every PromQL expression in the dashboard's panels, ready for /api/v1/query."""
+    """Every PromQL expression in the dashboard's panels and annotations, ready for /api/v1/query."""
     board = dashboard if dashboard is not None else load_dashboard()
-    return [PanelQuery(panel.get("title", ""), target.get("refId", ""),
-                       substitute(target["expr"], variables, macros), target.get("legendFormat", ""))
-            for panel in _all_panels(board) for target in panel.get("targets", []) if "expr" in target]
+    panels = [PanelQuery(panel.get("title", ""), target.get("refId", ""),
+                         substitute(target["expr"], variables, macros), target.get("legendFormat", ""))
+              for panel in _all_panels(board) for target in panel.get("targets", []) if "expr" in target]
+    annotations = [PanelQuery(f"annotation: {a['name']}", "annotation",
+                              substitute(a["expr"], variables, macros), a.get("titleFormat", ""))
+                   for a in board.get("annotations", {}).get("list", []) if "expr" in a]
+    return panels + annotations
 
 
 _LABEL_VALUES_RE = re.compile(r"^label_values\(\s*(?:(?P<metric>[^,]+?)\s*,\s*)?(?P<label>\w+)\s*\)$")

@@ -100,6 +100,9 @@ class LiveState:
         self.rank0_lines: dict[tuple[str, int], deque[tuple[str, float, float, float]]] = {}
         self.engine_kind: str | None = None
         self.newest_ns: int | None = None  # when the newest line or sample arrived (collector clock)
+        self.phase_starts: dict[str, int] = {}  # phase label -> its marker's ns (collector clock)
+        # completed requests: (end ns, TTFT s, mean ITL s), newest last
+        self.latencies: deque[tuple[int, float | None, float | None]] = deque(maxlen=4096)
 
     # -- updates --------------------------------------------------------------------------------
 
@@ -163,6 +166,7 @@ class LiveState:
     def on_marker(self, marker: Marker) -> None:
         self.counts["markers"] += 1
         if marker.kind == "phase":
+            self.phase_starts[marker.label] = marker.ts_ns
             self.phase = marker.label
             self.target_concurrency = marker.target_concurrency
         elif marker.kind == "end":
@@ -171,6 +175,22 @@ class LiveState:
 
     def on_request(self, record: RequestRecord) -> None:
         self.counts["requests"] += 1
+        if record.ok and record.end_ns is not None:
+            ttft = (record.first_token_ns - record.start_ns) / 1e9 if record.first_token_ns else None
+            itl = None
+            if record.first_token_ns and record.completion_tokens and record.completion_tokens > 1:
+                itl = (record.end_ns - record.first_token_ns) / 1e9 / (record.completion_tokens - 1)
+            self.latencies.append((record.end_ns, ttft, itl))
+
+    def latency_quantiles(self) -> dict[str, dict[str, float]]:
+        """TTFT and ITL (p50, p90) of the requests completed in the window."""
+        cutoff = self.clock_ns() - int(self.window_s * 1e9)
+        out: dict[str, dict[str, float]] = {}
+        for name, column in (("ttft", 1), ("itl", 2)):
+            values = [row[column] for row in self.latencies if row[0] >= cutoff and row[column] is not None]
+            if values:
+                out[name] = {q: float(np.quantile(np.array(values), float(q))) for q in ("0.5", "0.9")}
+        return out
 
     @property
     def inflight(self) -> int | None:
@@ -278,9 +298,11 @@ class LiveState:
         firsts = [r for (_h, p, t, _d), r in self.engine.items() if p == 0 and t == 0]
         queued = _sum(r.queue_req for r in firsts)
         if self.engine_kind != "sglang" or pp < 2 or not self.rank0_lines:
-            # vLLM's stats line gives the engine's total as logged; so does a single stage
-            return EngineNow(_sum(r.running_req for r in firsts), queued, None, slots, k, pool,
-                             "logged" if firsts else "none")
+            # vLLM's stats line gives the engine's total as logged; so does a single stage (one
+            # micro-batch, when it runs any)
+            running = _sum(r.running_req for r in firsts)
+            single = None if self.engine_kind != "sglang" or running is None else float(running > 0)
+            return EngineNow(running, queued, single, slots, k, pool, "logged" if firsts else "none")
         running = 0.0
         in_flight = 0.0
         sources = []
@@ -368,15 +390,42 @@ class LiveCollector(Collector):
         yield target
         bubble = family(mn.STAGE_BUBBLE, mn.STAGE_BUBBLE.labels)
         util = family(mn.STAGE_UTILIZATION, mn.STAGE_UTILIZATION.labels)
+        busy = family(mn.STAGE_BUSY, mn.STAGE_BUSY.labels)
         for row in s.stages():
+            if row["busy_ratio"] is not None:
+                busy.add_metric([str(row["pp_rank"]), row["busy_signal"], s.run], float(row["busy_ratio"]))
             if row["bubble_ratio"] is not None:
                 bubble.add_metric([str(row["pp_rank"]), s.run], float(row["bubble_ratio"]))
             if row["utilization_ratio"] is not None:
                 util.add_metric([str(row["pp_rank"]), s.run], float(row["utilization_ratio"]))
         yield bubble
         yield util
+        yield busy
+        yield from self._engine_and_load(s)
         for key, n in s.counts.items():
             spec = mn.COLLECTOR_COUNTERS[key]
             counter = family(spec, spec.labels)
             counter.add_metric([s.run], float(n))
             yield counter
+
+    @staticmethod
+    def _engine_and_load(s: LiveState) -> Iterable[Metric]:
+        """The engine as a whole, the phases' starts and the requests' latencies."""
+        engine = s.engine_now(s._recent_busy(0, ENGINE_BUSY_WINDOW_S))
+        for spec, value in ((mn.ENGINE_TOTAL_RUNNING, engine.running), (mn.ENGINE_POOL, engine.pool),
+                            (mn.ENGINE_MICROBATCHES, engine.microbatches_in_flight),
+                            (mn.ENGINE_STAGES, s.pp_size)):
+            fam = family(spec, spec.labels)
+            if value is not None:
+                fam.add_metric([s.run], float(value))
+            yield fam
+        starts = family(mn.LOAD_PHASE_START, mn.LOAD_PHASE_START.labels)
+        for label, ts_ns in s.phase_starts.items():
+            starts.add_metric([label, s.run], ts_ns / 1e9)
+        yield starts
+        latencies = s.latency_quantiles()
+        for spec, name in ((mn.LOAD_TTFT, "ttft"), (mn.LOAD_ITL, "itl")):
+            fam = family(spec, spec.labels)
+            for quantile, value in latencies.get(name, {}).items():
+                fam.add_metric([quantile, s.run], value)
+            yield fam

@@ -161,6 +161,26 @@ STAGE_BUBBLE = _collector("gputrace_stage_bubble_ratio", "ratio", STAGE_LABELS,
                           "Share of the last window the stage's GPUs idled while the engine had work")
 STAGE_UTILIZATION = _collector("gputrace_stage_utilization_ratio", "ratio", STAGE_LABELS,
                                "Mean NVML utilization of the stage's GPUs over the last window")
+STAGE_BUSY = _collector("gputrace_stage_busy_ratio", "ratio", ("pp_rank", "signal", "run"),
+                        "Share of the last window the stage's GPUs were busy, by the best signal they give "
+                        "(signal: SM activity where the GPU has it, else NVML utilization)")
+ENGINE_TOTAL_RUNNING = _collector("gputrace_engine_total_running_requests", "requests", RUN_LABELS,
+                                  "Requests the engine runs in all its micro-batches (one stage's "
+                                  "#running-req is one micro-batch)")
+ENGINE_POOL = _collector("gputrace_engine_max_running_requests", "requests", RUN_LABELS,
+                         "The engine's request pool: --max-running-requests (SGLang), --max-num-seqs (vLLM)")
+ENGINE_MICROBATCHES = _collector("gputrace_engine_microbatches_in_flight", "", RUN_LABELS,
+                                 "Micro-batches the engine has in flight (fewer than the stages: some idle)")
+ENGINE_STAGES = _collector("gputrace_engine_pipeline_stages", "", RUN_LABELS,
+                           "Pipeline stages (pp_size) the micro-batches in flight are set against")
+LOAD_PHASE_START = _collector("gputrace_load_phase_start_seconds", "seconds", ("phase", "run"),
+                              "When each load phase of the run began (Unix time, the collector's clock)")
+LOAD_TTFT = _collector("gputrace_load_ttft_seconds", "seconds", ("quantile", "run"),
+                       "Time to first token of the requests completed in the last window")
+LOAD_ITL = _collector("gputrace_load_itl_seconds", "seconds", ("quantile", "run"),
+                      "Mean inter-token latency per request, of the requests completed in the last window")
+LIVE_EXTRAS = (STAGE_BUSY, ENGINE_TOTAL_RUNNING, ENGINE_POOL, ENGINE_MICROBATCHES, ENGINE_STAGES,
+               LOAD_PHASE_START, LOAD_TTFT, LOAD_ITL)
 
 COLLECTOR_COUNTS = ("gpu_samples", "scheduler_events", "requests", "markers", "log_lines",
                     "unrecognised_lines", "rejected_records", "bad_marks", "bad_sample_lines",
@@ -174,6 +194,7 @@ COLLECTOR_COUNTERS = {
 
 AGENT_METRICS: tuple[MetricSpec, ...] = (*GPU_GAUGES, GPU_ENERGY, GPU_LOST, *AGENT_SELF, *DCGM_GAUGES)
 COLLECTOR_METRICS: tuple[MetricSpec, ...] = (*ENGINE_GAUGES, LOAD_INFLIGHT, LOAD_TARGET_CONCURRENCY,
-                                             STAGE_BUBBLE, STAGE_UTILIZATION, *COLLECTOR_COUNTERS.values())
+                                             STAGE_BUBBLE, STAGE_UTILIZATION, *LIVE_EXTRAS,
+                                             *COLLECTOR_COUNTERS.values())
 ALL_METRICS: tuple[MetricSpec, ...] = (*AGENT_METRICS, *COLLECTOR_METRICS)
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in ALL_METRICS}

@@ -14,7 +14,7 @@ from gputrace.exposition import Metric
 from gputrace.gpu.simulated import SimulatedSampler
 from gputrace.imports import prometheus as source
 from gputrace.live import LiveCollector, LiveState
-from gputrace.model import GpuSample, Marker, SchedulerEvent
+from gputrace.model import EngineConfig, GpuSample, Marker, RequestRecord, SchedulerEvent
 from gputrace.topology import Placement, single_node_placements
 
 # PromQL's lexical pieces, enough to tell metric names from functions, keywords and label names
@@ -133,6 +133,11 @@ def test_the_collector_exports_exactly_the_contracts_collector_metrics() -> None
                                  pp_rank=0, running_req=8, queue_req=0, gen_throughput_tok_s=100.0,
                                  token_usage=0.5, recv_ts_ns=now_ns - 4 * 10**9))
     live.on_samples([GpuSample(host="node0", gpu_index=0, ts_ns=now_ns - 10**9, utilization_ratio=0.5)])
+    live.on_config(EngineConfig(host="node0", source="file:log", engine="sglang", line_no=0, pp_size=1,
+                                max_running_requests=64))
+    live.on_request(RequestRecord(host="client", request_id="r1", start_ns=now_ns - 3 * 10**9,
+                                  first_token_ns=now_ns - 29 * 10**8, end_ns=now_ns - 2 * 10**9,
+                                  completion_tokens=11, phase="c8"))
     exported = _exported(LiveCollector(live).collect())
     _check_against_contract(exported)
     assert exported.keys() == {m.name for m in mn.COLLECTOR_METRICS}

@@ -63,6 +63,15 @@ def test_every_dashboard_query_returns_series(tmp_path: Path) -> None:
             stages = prom_get(prom, "/api/v1/query",
                               {"query": "count(count by (pp_rank) (gputrace_stage_bubble_ratio))"})["result"]
             assert float(stages[0]["value"][1]) == 8
+            # the engine's figures as the panels show them: 8 stages; C=8 at K=2 runs in a few
+            # micro-batches, the phase annotation sits at the phase's start (milliseconds)
+            def value(expr: str) -> float:
+                return float(prom_get(prom, "/api/v1/query", {"query": expr})["result"][0]["value"][1])
+            assert value("max(gputrace_engine_pipeline_stages)") == 8
+            assert 1 <= value("max(gputrace_engine_microbatches_in_flight)") <= 8
+            assert value("max(gputrace_engine_max_running_requests)") == 64
+            phase_ms = value("max by (phase) (gputrace_load_phase_start_seconds) * 1000")
+            assert abs(phase_ms / 1000 - time.time()) < 120
             run.send_signal(signal.SIGINT)  # the sweep would run its minute; stop it cleanly
             deadline = time.monotonic() + 30
             while run.poll() is None and time.monotonic() < deadline:

@@ -105,7 +105,9 @@ def test_dashboard_has_the_panels_the_issue_asks_for() -> None:
         for target in panel.get("targets", []):
             for name in re.findall(r"gputrace_\w+", target["expr"]):
                 by_metric.setdefault(name, set()).add(panel["type"])
-    assert by_metric["gputrace_gpu_utilization_ratio"] == {"heatmap", "timeseries"}
+    # the heatmap reads the busy signal (SM activity where given), not raw utilization
+    assert by_metric["gputrace_gpu_utilization_ratio"] == {"timeseries"}
+    assert by_metric["gputrace_stage_busy_ratio"] == {"heatmap", "timeseries"}
     queries = dash.dashboard_queries()
     running = [q for q in queries if "gputrace_engine_running_requests" in q.expr]
     assert running and "by (pp_rank)" in running[0].expr
@@ -234,7 +236,8 @@ def _contract_registry() -> CollectorRegistry:
     """Every metric of the contract with its labels, as a PP4 deployment on one host would export it."""
     registry = CollectorRegistry()
     label_values = {"host": "node0", "uuid": "GPU-0", "model": "NVIDIA H200", "tp_rank": "0",
-                    "dp_rank": "0", "run": "contract"}
+                    "dp_rank": "0", "run": "contract", "signal": "SM activity (GPM)", "phase": "C=8",
+                    "quantile": "0.5"}
     for spec in dash.METRICS:
         if spec.kind == "counter":
             metric: Any = Counter(spec.name.removesuffix("_total"), spec.help, spec.labels, registry=registry)
@@ -356,3 +359,24 @@ def test_gpu_queries_return_data_from_a_real_agent(agent_prometheus: str) -> Non
     assert not pending, f"no data for: {[q.expr for q in pending.values()]}"
     host = next(v for v in dash.variable_queries() if v.name == "host")
     assert _label_values(agent_prometheus, host)["data"] == ["node0"]
+
+
+def test_the_dashboard_shows_what_the_verdict_rests_on() -> None:
+    """Micro-batches in flight beside pp_size, the engine's running total beside its pool, busy
+    and bubble with the signal, TTFT/ITL in one panel each; the load phases as annotations from
+    the collector's markers (their start time as the value: Grafana's useValueForTime)."""
+    panels: dict[str, set[str]] = {}
+    for q in dash.dashboard_queries():
+        panels.setdefault(q.panel, set()).update(re.findall(r"gputrace_\w+", q.expr))
+    together = [{"gputrace_engine_microbatches_in_flight", "gputrace_engine_pipeline_stages"},
+                {"gputrace_engine_total_running_requests", "gputrace_engine_max_running_requests"},
+                {"gputrace_stage_busy_ratio", "gputrace_stage_bubble_ratio"},
+                {"gputrace_load_ttft_seconds", "gputrace_load_itl_seconds"}]
+    for names in together:
+        assert any(names <= used for used in panels.values()), names
+    busy = next(q for q in dash.dashboard_queries() if q.panel == "Busy and bubble per stage")
+    assert "{{signal}}" in busy.legend
+    phases = [a for a in dash.load_dashboard()["annotations"]["list"] if "expr" in a]
+    assert len(phases) == 1 and phases[0]["useValueForTime"]
+    assert "gputrace_load_phase_start_seconds" in phases[0]["expr"] and phases[0]["expr"].endswith("* 1000")
+    assert phases[0]["titleFormat"] == "phase {{phase}}"
