@@ -101,6 +101,10 @@ def test_running_vs_load_has_k_and_pool_lines_and_distinct_stage_markers(analysi
     assert list(k_line.get_ydata()) == [4, 4] and list(pool_line.get_ydata()) == [64, 64]
     stages = [by_label[f"stage {s}"] for s in range(4)]
     assert len({(ln.get_marker(), ln.get_markersize()) for ln in stages}) == 4
+    # the engine's total beside the stages' micro-batches: above a stage's size once several run
+    total = by_label["engine running (all micro-batches)"]
+    sizes = [float(np.nanmax(ln.get_ydata())) for ln in stages]
+    assert float(np.nanmax(total.get_ydata())) > max(sizes), (list(total.get_ydata()), sizes)
 
 
 def test_pcie_is_plotted_in_bytes_per_second_on_a_scale_that_shows_it(analysis: Analysis) -> None:

@@ -229,14 +229,31 @@ def running_vs_load(a: Analysis) -> Figure:
                 ls=LINESTYLES[s % len(LINESTYLES)], lw=1.3, alpha=0.85, label=f"stage {s}")
     if len(x):
         ax.plot(x, x, color="gray", ls=":", lw=1.2, label="offered load (y = x)")
+    total = _engine_running_by_phase(a)
+    if total is not None and not np.isnan(total[order]).all():
+        # the engine's running total beside the stages' micro-batches: a stage's "8" at a load of 32
+        # is one of 4 micro-batches, and a reader looked for the other 24
+        ax.plot(x, total[order], color="black", lw=2.2, marker="s", markersize=6,
+                label="engine running (all micro-batches)")
     _reference_lines(ax, a)
     ax.set_xlabel("requests in flight (offered load)")
-    ax.set_ylabel("#running-req per stage (micro-batch)")
+    ax.set_ylabel("running requests: per stage (micro-batch), engine total")
     ax.set_ylim(bottom=0)
     _legend_beside(ax)
-    ax.set_title("Running requests per stage vs offered load")
+    ax.set_title("Running requests (per stage and the engine's total) vs offered load")
     fig.subplots_adjust(left=LEFT_IN / WIDTH_IN, right=1 - 3.6 / WIDTH_IN)
     return fig
+
+
+def _engine_running_by_phase(a: Analysis) -> np.ndarray | None:
+    """Per phase, the requests the engine ran in all its micro-batches as the verdict counts them:
+    the micro-batches in flight times the stages' mean micro-batch."""
+    out = []
+    for pm in a.metrics:
+        sizes = [st.microbatch_size_mean for st in pm.stages if st.microbatch_size_mean]
+        mbs = pm.microbatches_in_flight
+        out.append(mbs * float(np.mean(sizes)) if sizes and mbs is not None else np.nan)
+    return None if np.isnan(out).all() else np.array(out, dtype=float)
 
 
 def bubble_bars(a: Analysis) -> Figure:
@@ -357,7 +374,8 @@ FIGURES: dict[str, tuple[str, Callable[[Analysis], bytes]]] = {
     "utilization_heatmap": ("Per-stage utilization over time", _rendered(utilization_heatmap)),
     "power": ("Power", _rendered(power_figure)),
     "pcie": ("PCIe", _rendered(pcie_figure)),
-    "running_vs_load": ("Running requests per stage vs offered load", _rendered(running_vs_load)),
+    "running_vs_load": ("Running requests per stage and in the engine vs offered load",
+                        _rendered(running_vs_load)),
     "bubble_fraction": ("Bubble fraction per stage per phase", _rendered(bubble_bars)),
 }
 """name -> (caption, function giving PNG bytes): the figures in report order, those over time

@@ -58,7 +58,14 @@ def _summary_lines(doc: dict[str, Any]) -> list[str]:
     eng = s.get("engine") or {}
     keys = ("max_running_requests", "pp_max_micro_batch_size", "pp_async_batch_depth", "decode_log_interval")
     if eng:
-        lines.append("engine: " + ", ".join(f"{k}={eng.get(k)}" for k in keys))
+        def shown(key: str) -> object:
+            value = eng.get(key)
+            pool, pp = eng.get("max_running_requests"), s.get("pp_size")
+            sglang = eng.get("engine") == "sglang"
+            if key == "pp_max_micro_batch_size" and value is None and pool and pp and sglang:
+                return f"default ({pool} // {pp} = {max(int(pool) // int(pp), 1)})"  # SGLang's rule
+            return value
+        lines.append("engine: " + ", ".join(f"{k}={shown(k)}" for k in keys))
     if s["clock_offsets"]:
         lines.append("clock offsets: " + ", ".join(
             f"{h} {o['offset_ms_last']:+.3f} ms" for h, o in s["clock_offsets"].items()))
