@@ -228,6 +228,6 @@ def test_the_page_opens_with_the_bottom_line_and_each_phase(tmp_path: Path) -> N
     c32 = next(p for p in doc["phases"] if p["label"] == "C=32")
     line = (f"C=32: better, {c32['throughput_tok_s_a']:.0f} -> {c32['throughput_tok_s_b']:.0f} tok/s "
             f"({c32['throughput_gain'] - 1:+.0%} measured")
-    assert f"<li>{html.escape(line)}" in page
+    assert f"<li class='better'>{html.escape(line)}" in page
     md = (tmp_path / "cmp" / "compare.md").read_text().splitlines()
     assert md[2] == f"**{text}**" and md[4].startswith("- C=")

@@ -24,7 +24,7 @@ td:first-child,th:first-child{text-align:left}
 .new{border-left:4px solid #c33;padding:4px 10px;margin:6px 0;background:#fff6f6}
 table.runs td,table.runs th{text-align:left}
 .bottom{font-size:1.25em;font-weight:bold;border-left:4px solid #36c;padding:6px 12px;background:#f3f7ff}
-ul.phases{margin-top:4px}"""
+ul.phases{margin-top:4px}li.better{color:#1a7f37}li.worse{color:#c33;font-weight:bold}"""
 """Only what the page uses: each class here is on some element of it."""
 
 
@@ -253,7 +253,10 @@ def render_compare_html(doc: dict[str, Any], out_dir: str | Path | None = None) 
         parts.append(f"<p class='warning'>Warning: run A and run B are {e(doc['same_run'])}: "
                      f"{e(same_run_consequence(doc))}.</p>")
     parts.append(f"<p class='bottom'>{e(bottom_line_text(doc))}</p><ul class='phases'>")
-    parts += [f"<li>{e(line)}</li>" for line in phase_verdict_lines(doc)]
+    for p, line in zip(doc["phases"], phase_verdict_lines(doc), strict=True):
+        verdict = p.get("verdict")
+        parts.append(f"<li class='{verdict}'>{e(line)}</li>" if verdict in ("better", "worse") else
+                     f"<li>{e(line)}</li>")
     parts.append("</ul><h2>What changed</h2>")
     changes = change_lines(doc)
     parts += [f"<p class='{kind}'>{e(text)}</p>" for kind, text in changes] or \
