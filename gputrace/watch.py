@@ -24,6 +24,7 @@ from gputrace.live import STALE_AFTER_S
 
 StatusSource = Callable[[], Awaitable[dict[str, Any]]]
 STALE_STYLE = "bold white on red"
+FETCH_GIVE_UP_S = 10.0  # a status request this old is abandoned and asked again
 
 
 def _bar(ratio: float | None, width: int = 20) -> Text:
@@ -52,11 +53,14 @@ def _header(status: dict[str, Any], age_s: float | None, error: str | None) -> T
         age = f"STALE: data {age_s:.0f} s old" + (" (collector not answering)" if error else "")
     else:
         age = f"data {age_s:.1f} s old"
+    # the load in flight is known when the load runs inside the collector (`gputrace run`)
+    inflight = status.get("inflight")
+    load: list[str | tuple[str, str]] = [] if inflight is None else [
+        ("  load in flight ", "dim"), _num(inflight)]
     head = Text.assemble(
         ("gputrace watch", "bold"), f"  run {status.get('run', '?')}  ",
         ("phase ", "dim"), str(status.get("phase") or "-"),
-        ("  target C ", "dim"), _num(status.get("target_concurrency")),
-        ("  in flight ", "dim"), _num(status.get("inflight")), "   ", age)
+        ("  target C ", "dim"), _num(status.get("target_concurrency")), *load, "   ", age)
     if stale and status:
         head.stylize(STALE_STYLE)
     return head
@@ -141,6 +145,46 @@ def _cbreak() -> Iterator[bool]:
         termios.tcsetattr(fd, termios.TCSADRAIN, saved)
 
 
+async def _redraw(source: StatusSource, refresh_s: float, quit_event: asyncio.Event) -> None:
+    """Ask ``source`` at most every ``refresh_s`` and redraw every ``refresh_s`` whatever it does:
+    a collector that hangs or is slow (a loaded host took over a second to answer) must not hold
+    the view, whose data meanwhile ages on screen and turns stale."""
+    status: dict[str, Any] = {}
+    read_at = time.monotonic()
+    error: str | None = None
+    pending: asyncio.Task[dict[str, Any]] | None = None
+    asked_at = 0.0
+    quit_wait = asyncio.ensure_future(quit_event.wait())
+    try:
+        with Live(render_status(status), refresh_per_second=max(1, round(1 / refresh_s)),
+                  screen=False, transient=False) as live:
+            while not quit_event.is_set():
+                now = time.monotonic()
+                if pending is None and now - asked_at >= refresh_s:
+                    pending, asked_at = asyncio.ensure_future(source()), now
+                waiting = {quit_wait} | ({pending} if pending is not None else set())
+                await asyncio.wait(waiting, timeout=refresh_s, return_when=asyncio.FIRST_COMPLETED)
+                if pending is not None and pending.done():
+                    try:
+                        status, read_at, error = pending.result(), time.monotonic(), None
+                    except Exception as exc:  # keep showing the last view; say what failed
+                        error = f"cannot read the collector: {str(exc) or type(exc).__name__}"
+                    pending = None
+                elif pending is not None and time.monotonic() - asked_at > FETCH_GIVE_UP_S:
+                    pending.cancel()
+                    pending = None
+                    error = f"cannot read the collector: no answer in {FETCH_GIVE_UP_S:.0f} s"
+                elif pending is not None and time.monotonic() - asked_at > STALE_AFTER_S:
+                    error = f"the collector has not answered for {time.monotonic() - asked_at:.0f} s"
+                at_read = data_age_s(status)
+                age_s = None if at_read is None else at_read + time.monotonic() - read_at
+                live.update(render_status(status, error, age_s))
+    finally:
+        for task in (pending, quit_wait):
+            if task is not None:
+                task.cancel()
+
+
 async def watch(source: StatusSource, refresh_s: float = 0.3) -> None:
     """Redraw from ``source`` every ``refresh_s`` until `q` or Ctrl-C."""
     quit_event = asyncio.Event()
@@ -152,23 +196,7 @@ async def watch(source: StatusSource, refresh_s: float = 0.3) -> None:
                     quit_event.set()
             loop.add_reader(sys.stdin.fileno(), on_key)
         try:
-            status: dict[str, Any] = {}
-            read_at = time.monotonic()
-            with Live(render_status(status), refresh_per_second=max(1, round(1 / refresh_s)),
-                      screen=False, transient=False) as live:
-                while not quit_event.is_set():
-                    error = None
-                    try:
-                        # a collector that hangs must not hold the view: it goes stale meanwhile
-                        status = await asyncio.wait_for(source(), timeout=max(1.0, 3 * refresh_s))
-                        read_at = time.monotonic()
-                    except Exception as exc:  # keep showing the last view; say what failed
-                        error = f"cannot read the collector: {str(exc) or type(exc).__name__}"
-                    at_read = data_age_s(status)
-                    age_s = None if at_read is None else at_read + time.monotonic() - read_at
-                    live.update(render_status(status, error, age_s))
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(quit_event.wait(), timeout=refresh_s)
+            await _redraw(source, refresh_s, quit_event)
         finally:
             if keys:
                 loop.remove_reader(sys.stdin.fileno())
