@@ -23,7 +23,7 @@ from gputrace.agent.client import AgentClient
 from gputrace.config import Config, HostConfig
 from gputrace.engines import LogParser
 from gputrace.engines.metrics_source import MetricsEndpoint, ScrapeStats, follow_metrics
-from gputrace.errors import GputraceError, SourceError, StoreWriteError, UsageError
+from gputrace.errors import ConfigError, GputraceError, SourceError, StoreWriteError, UsageError
 from gputrace.exposition import metrics_handler
 from gputrace.httpserver import (
     HttpLimits,
@@ -54,6 +54,9 @@ DEFAULT_LISTEN = "127.0.0.1:9401"
 # The file follower polls every 20 ms and an SSH hop adds milliseconds: a log silent this long after
 # a drain began has delivered every line written before it.
 DRAIN_QUIET_S = 0.3
+# each step of stop() (sources ending, connections closing) is bounded by this: SIGTERM must end
+# the process within 5 s
+STOP_STEP_S = 1.0
 
 
 @dataclass
@@ -123,14 +126,16 @@ class Collector:
             "explicit" if topo.placements else "sglang-formula"))
         if self.options.listen:
             await self._start_http(self.options.listen)
-        for ht in self._hosts:
-            ht.transport = await self._connect(ht.host)
+        for index, ht in enumerate(self._hosts):
+            with _naming(f"hosts[{index}] ({ht.host.name!r})"):
+                ht.transport = await self._connect(ht.host)
             if ht.host.log is not None:
                 self._ready[f"log {ht.host.name}"] = asyncio.Event()
                 ht.tasks.append(self._spawn(self._follow_log(ht), f"log {ht.host.name}"))
             if ht.host.agent:
-                ht.agent = AgentClient(await self._agent_url(ht), token=self.options.agent_token,
-                                       on_bad_line=self._bad_sample_line)
+                with _naming(f"hosts[{index}].agent"):
+                    url = await self._agent_url(ht)
+                ht.agent = AgentClient(url, token=self.options.agent_token, on_bad_line=self._bad_sample_line)
                 self._ready[f"agent {ht.host.name}"] = asyncio.Event()
                 ht.tasks.append(self._spawn(self._pull_agent(ht), f"agent {ht.host.name}"))
             if ht.host.engine_metrics is not None:
@@ -147,9 +152,11 @@ class Collector:
         waits = [asyncio.create_task(e.wait()) for e in self._ready.values()]
         if not waits:
             return
-        _, pending = await asyncio.wait(waits, timeout=self.options.ready_timeout_s)
-        for task in pending:
-            task.cancel()
+        try:
+            await asyncio.wait(waits, timeout=self.options.ready_timeout_s)
+        finally:
+            for task in waits:
+                task.cancel()
         late = [name for name, e in self._ready.items() if not e.is_set()]
         if late:
             log.warning("sources_not_ready", sources=late,
@@ -192,23 +199,29 @@ class Collector:
         return waiting
 
     async def stop(self) -> None:
-        """Stop every source, write what is buffered, close connections."""
-        for task in [t for ht in self._hosts for t in ht.tasks] + self._tasks:
+        """Stop every source, write what is buffered, close connections (each step bounded: a
+        process asked to stop ends within seconds)."""
+        tasks = [t for ht in self._hosts for t in ht.tasks] + self._tasks
+        for task in tasks:
             task.cancel()
-        for task in [t for ht in self._hosts for t in ht.tasks] + self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        if tasks:
+            _, stuck = await asyncio.wait(tasks, timeout=STOP_STEP_S)
+            if stuck:
+                log.warning("sources_not_stopped", sources=sorted(t.get_name() for t in stuck),
+                            waited_s=STOP_STEP_S)
         if not self.writer.flush():
             log.error("store_records_lost", rows=self.writer.backlog_rows,
                       error=self.writer.write_error)
         for ht in self._hosts:
             if ht.agent is not None:
-                await ht.agent.close()
+                with contextlib.suppress(Exception, TimeoutError):
+                    await asyncio.wait_for(ht.agent.close(), STOP_STEP_S)
             if ht.transport is not None:
-                with contextlib.suppress(Exception):
-                    await ht.transport.close()
+                with contextlib.suppress(Exception, TimeoutError):
+                    await asyncio.wait_for(ht.transport.close(), STOP_STEP_S)
         if self._listener is not None:
-            await self._listener.stop()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._listener.stop(), STOP_STEP_S)
         stopped_ns = time.time_ns()
         writer = self.writer
         outages = [*writer.outages]
@@ -225,8 +238,19 @@ class Collector:
         log.info("collector_stopped", run=str(self.store.path), **self.live.counts)
 
     async def run_until(self, stop: asyncio.Event) -> None:
-        await self.start()
+        """``start``, collect until ``stop`` is set, ``stop``; ``stop`` set while starting (the
+        readiness wait included) ends the start, and a start that fails stops what it began."""
         try:
+            starting = asyncio.ensure_future(self.start())
+            stopping = asyncio.ensure_future(stop.wait())
+            try:
+                await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (starting, stopping):
+                    task.cancel()
+                await asyncio.wait({starting, stopping})
+            if not starting.cancelled() and starting.exception() is not None:
+                raise starting.exception()  # type: ignore[misc]
             await stop.wait()
         finally:
             await self.stop()
@@ -256,7 +280,11 @@ class Collector:
         agent = ht.host.agent or ""
         if agent.startswith(("http://", "https://")):
             return agent
-        host, port = parse_listen(agent)
+        try:
+            host, port = parse_listen(agent)
+        except UsageError:
+            raise ConfigError(f"{self.cfg.path}: hosts[{self._hosts.index(ht)}].agent: expected HOST:PORT "
+                              f"(port 1-65535) or an http:// URL, got {agent!r}") from None
         if ht.host.ssh is None or ht.transport is None:
             return f"http://{host}:{port}"
         local_port = await ht.transport.forward_local_port(host, port)
@@ -458,6 +486,17 @@ class Collector:
             return web.json_response({"ok": not problems}, status=status)
         return web.json_response({"ok": not problems, "problems": problems, "failures": self._failures},
                                  status=status)
+
+
+@contextlib.contextmanager
+def _naming(key: str) -> Iterator[None]:
+    """A failure at start names the configuration entry it came from (the same error class)."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except GputraceError as exc:
+        raise type(exc)(f"{key}: {exc}") from exc
 
 
 def marker_from_json(body: Any, default_host: str) -> Marker:

@@ -464,3 +464,57 @@ def test_a_missing_log_shows_as_failing_in_health_status_watch_and_report(
     assert note in (tmp_path / "report" / "report.md").read_text()
     notes = json.loads((tmp_path / "report" / "findings.json").read_text())["notes"]
     assert any(n.startswith(note) for n in notes)
+
+
+@pytest.mark.parametrize("agent", ["127.0.0.1:70000", "not a host"])
+def test_a_bad_agent_address_ends_collect_with_the_config_key(tmp_path: Path, agent: str) -> None:
+    """[robust] 6: an agent address that cannot be one ends `collect` at once with one line naming
+    hosts[0].agent, and check-config refuses it too (it hung: start() failed outside its
+    try/finally and the log follower swallowed the cancel; only SIGKILL ended it)."""
+    log = tmp_path / "sglang.log"
+    log.touch()
+    cfg = tmp_path / "gputrace.toml"
+    cfg.write_text(f'[[hosts]]\nname = "node0"\nagent = "{agent}"\n\n'
+                   f'[hosts.log]\nkind = "file"\npath = {json.dumps(str(log))}\n\n[topology]\npp_size = 1\n')
+    checked = subprocess.run([sys.executable, "-m", "gputrace", "check-config", str(cfg)],
+                             capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 2 and "hosts[0].agent" in checked.stderr
+    collect = subprocess.run([sys.executable, "-m", "gputrace", "collect", "--config", str(cfg),
+                              "--out", str(tmp_path / "run"), "--listen", "127.0.0.1:0"],
+                             capture_output=True, text=True, timeout=60)
+    last = collect.stderr.strip().splitlines()[-1]
+    assert collect.returncode == 2 and "hosts[0].agent" in last and agent in last, collect.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
+def answers(url: str) -> bool:
+    """Whether an HTTP server answers at ``url`` (any status)."""
+    try:
+        with urllib.request.urlopen(url, timeout=1):
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_the_readiness_wait_ends_collect_within_5_s(tmp_path: Path, sig: int) -> None:
+    """[robust] 6: SIGTERM or SIGINT while `collect` waits (up to 15 s) for an agent that does not
+    answer ends it within 5 s, exit 0, the run written (the signal waited for the wait to end)."""
+    log = tmp_path / "sglang.log"
+    log.touch()
+    port = free_port()
+    proc = start_collector(write_config(tmp_path, log, free_port()), tmp_path / "run", port)
+    wait_until(lambda: answers(f"http://127.0.0.1:{port}/healthz"), timeout_s=30, proc=proc)
+    time.sleep(0.5)  # in the readiness wait: the agent is refused, retried, never ready
+    assert proc.poll() is None
+    sent = time.monotonic()
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout=15)
+    finally:
+        proc.kill()
+    took_s = time.monotonic() - sent
+    assert proc.returncode == 0 and took_s < 5.0, (took_s, proc.stderr.read() if proc.stderr else b"")
+    assert (tmp_path / "run" / "meta.json").exists()
