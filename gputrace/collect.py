@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
-from gputrace.agent.client import AgentClient
+from gputrace.agent.client import HISTORY_MARGIN_S, AgentClient
 from gputrace.config import Config, HostConfig
 from gputrace.engines import LogParser
 from gputrace.engines.metrics_source import MetricsEndpoint, ScrapeStats, follow_metrics
@@ -135,7 +135,8 @@ class Collector:
             if ht.host.agent:
                 with _naming(f"hosts[{index}].agent"):
                     url = await self._agent_url(ht)
-                ht.agent = AgentClient(url, token=self.options.agent_token, on_bad_line=self._bad_sample_line)
+                ht.agent = AgentClient(url, token=self.options.agent_token, on_bad_line=self._bad_sample_line,
+                                       history_margin_s=HISTORY_MARGIN_S)
                 self._ready[f"agent {ht.host.name}"] = asyncio.Event()
                 ht.tasks.append(self._spawn(self._pull_agent(ht), f"agent {ht.host.name}"))
             if ht.host.engine_metrics is not None:
@@ -321,9 +322,11 @@ class Collector:
             self.writer.add_many(_devices_from_info(ht.host.name, info))
         except SourceError as exc:
             log.warning("agent_info_unavailable", host=ht.host.name, error=str(exc))
-        ready = self._ready.setdefault(f"agent {ht.host.name}", asyncio.Event())
+        name = f"agent {ht.host.name}"
+        ready = self._ready.setdefault(name, asyncio.Event())
         told = False
-        async for batch in ht.agent.follow(poll_s=self.options.agent_poll_s):
+        async for batch in ht.agent.follow(poll_s=self.options.agent_poll_s,
+                                           on_problem=lambda why: self._source_problem(name, why)):
             ready.set()
             if ht.host.gpus is not None:
                 batch = [s for s in batch if s.gpu_index in ht.host.gpus]
@@ -372,10 +375,13 @@ class Collector:
                 with contextlib.suppress(GputraceError):
                     self.writer.add(await probe_clock(ht.transport, ht.host.name))
             if ht.agent is not None:
+                refused = ht.agent.stats.bad_probes
                 with contextlib.suppress(GputraceError):
                     probe = await ht.agent.probe_clock(ht.host.name)
                     self.writer.add(probe)
                     self.live.on_clock_probe(probe)  # the agent's clock is the samples' clock
+                # an answer that is no time is refused and counted; probing goes on
+                self.live.counts["bad_clock_probes"] += ht.agent.stats.bad_probes - refused
             await asyncio.sleep(self.options.probe_interval_s)
 
     async def _flush_loop(self) -> None:

@@ -220,3 +220,32 @@ def test_the_collector_does_not_import_the_agent_server() -> None:
     code = "import sys, gputrace.collect; print('gputrace.agent.server' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+async def test_a_capture_takes_agent_samples_from_its_start_not_the_agents_history(
+        tmp_path: Path, start_collector: Start) -> None:
+    """[robust] 5: against an agent up for a while, the run holds samples from its start (less the
+    stated margin), none of the agent's older ring, and no spurious gap (a 12 s capture had a
+    910 s duration and agent_samples_missed)."""
+    from gputrace.agent import client
+
+    margin_s = getattr(client, "HISTORY_MARGIN_S", 2.0)  # the stated margin
+    agent = Agent(SimulatedSampler("n0", 4), AgentSettings(port=0, interval_s=0.01, buffer_s=3.0), host="n0")
+    await agent.start()
+    try:
+        await asyncio.sleep(margin_s + 2.5)  # older history than the margin, and a ring full
+        log = tmp_path / "n0.log"
+        log.write_text(decode_lines(0, 3))
+        started_ns = time.time_ns()
+        collector = await start_collector(config(tmp_path, {"n0": log}, f"http://127.0.0.1:{agent.port}"))
+        await asyncio.sleep(0.5)
+        assert await collector.drain(timeout_s=20.0)
+        first_ns, count = collector.store.sql("SELECT min(ts_ns), count(*) FROM gpu_samples")[0]
+        agent_client = collector._hosts[0].agent
+        assert agent_client is not None
+        assert count > 100
+        assert first_ns >= started_ns - int((margin_s + 0.2) * 1e9)
+        assert first_ns <= started_ns - int((margin_s - 0.5) * 1e9)  # the margin is there
+        assert agent_client.stats.gaps == 0 and agent_client.stats.missed_samples == 0
+    finally:
+        await agent.stop()
