@@ -23,7 +23,7 @@ import pytest
 from conftest import SmallDisk
 from live_chain import free_port, http_ok, wait_until
 from slow_clients import fd_limit_of, get_within, half_sent_requests, raise_own_fd_limit
-from sshd import SshServer, sshd_server_fixture  # noqa: F401  (the sshd_server fixture)
+from sshd import SshServer, processes_matching, sshd_server_fixture  # noqa: F401  (the sshd_server fixture)
 
 from gputrace.store import Store
 
@@ -54,9 +54,9 @@ class LogWriter(threading.Thread):
 
 
 @contextlib.contextmanager
-def sim_agent(host_name: str) -> Iterator[int]:
+def sim_agent(host_name: str, port: int | None = None) -> Iterator[int]:
     """An agent with 8 simulated GPUs at 10 Hz calling its host ``host_name``; yields its port."""
-    port = free_port()
+    port = port or free_port()
     proc = subprocess.Popen([sys.executable, "-m", "gputrace", "agent", "--backend", "sim",
                              "--sim-gpus", "8", "--sim-pattern", "square:1:0.5",
                              "--listen", f"127.0.0.1:{port}", "--interval", "0.1",
@@ -518,3 +518,40 @@ def test_a_signal_during_the_readiness_wait_ends_collect_within_5_s(tmp_path: Pa
     took_s = time.monotonic() - sent
     assert proc.returncode == 0 and took_s < 5.0, (took_s, proc.stderr.read() if proc.stderr else b"")
     assert (tmp_path / "run" / "meta.json").exists()
+
+
+def test_an_agent_killed_during_collect_is_a_503_and_a_noted_gap(tmp_path: Path) -> None:
+    """[robust] 7: SIGKILL of the agent while `collect` runs: /healthz is 503 naming the agent within
+    15 s, 200 again once it is back, and the GPU gap is in meta.json and the report (it said 200
+    with no problem, and the 20 s without samples went unnoted)."""
+    from gputrace.analysis.run import analyse_store
+    from gputrace.report.render import write_report
+
+    agent_port = free_port()
+    with sim_agent("node0", agent_port) as port_a, collecting(tmp_path, port_a) as (_writer, proc, port):
+        base = f"http://127.0.0.1:{port}"
+        wait_until(lambda: http_answer(f"{base}/v1/status")[1]["counts"]["gpu_samples"] > 0, timeout_s=30)
+        agent_pid = next(pid for pid, cmd in processes_matching(f"127.0.0.1:{agent_port}")
+                         if "agent" in cmd and "collect" not in cmd)
+        os.kill(agent_pid, signal.SIGKILL)
+        killed = time.monotonic()
+        wait_until(lambda: http_answer(f"{base}/healthz")[0] == 503, timeout_s=15)
+        to_503_s = time.monotonic() - killed
+        health = http_answer(f"{base}/healthz")[1]
+        assert [p["source"] for p in health["problems"]] == ["agent node0"], health
+        assert "the agent does not answer" in health["problems"][0]["reason"]
+        time.sleep(1.0)
+        with sim_agent("node0", agent_port):
+            wait_until(lambda: http_answer(f"{base}/healthz")[0] == 200, timeout_s=30)
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert to_503_s < 15.0
+    with Store.open(tmp_path / "run", read_only=True) as store:
+        problems = store.meta.extra["collector"]["source_problems"]
+        gaps = [p for p in problems if p["source"] == "agent node0"]
+        assert len(gaps) == 1 and gaps[0]["until_ns"] is not None
+        assert (gaps[0]["until_ns"] - gaps[0]["since_ns"]) / 1e9 >= 1.0
+        write_report(analyse_store(store), tmp_path / "report", formats=["md"])
+    assert "capture problem: agent node0: the agent does not answer" in (
+        tmp_path / "report" / "report.md").read_text()
