@@ -114,7 +114,8 @@ class AgentClient:
         self.instance: str | None = None
         # None: every sample the agent holds; else start at its present, less this margin
         self.history_margin_s = history_margin_s
-        self.min_ts_ns: int | None = None  # samples older than this (agent clock) are skipped
+        self.min_ts_ns: int | None = None  # samples older than this (agent clock) are skipped ...
+        self.history_seq = 0  # ... among those the agent held at the first contact (seq up to this)
         self._started = history_margin_s is None  # the cursor was placed (at the first contact)
         self.stats = PullStats()
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -157,7 +158,7 @@ class AgentClient:
             if instance and self.instance and instance != self.instance:
                 log.warning("agent_restarted", agent=self.base_url)
                 self.stats.restarts += 1
-                self.instance, self.since = instance, 0
+                self.instance, self.since, self.history_seq = instance, 0, 0  # all new
                 continue
             self.instance = instance or self.instance
             if status == 410:
@@ -176,7 +177,7 @@ class AgentClient:
             if newest is not None and int(newest) < self.since:
                 # same instance id yet behind us: only possible if the id header was absent
                 self.stats.restarts += 1
-                self.since = 0
+                self.since = self.history_seq = 0
                 continue
             return self._parse_page(body)
         raise SourceError(f"agent {self.base_url}: cursor kept moving; giving up this pull")
@@ -188,7 +189,8 @@ class AgentClient:
                 continue
             try:
                 s = parse_sample_line(line)
-                if self.min_ts_ns is not None and s.ts_ns < self.min_ts_ns:
+                if s.seq is not None and s.seq <= self.history_seq and self.min_ts_ns is not None \
+                        and s.ts_ns < self.min_ts_ns:
                     self.stats.history_skipped += 1
                     if s.seq is not None:
                         self.since = max(self.since, s.seq)
@@ -233,6 +235,9 @@ class AgentClient:
             self.since = max(0, newest - int(per_s * margin_s * 2) - 1)
         self.instance = headers.get("X-Gputrace-Instance") or self.instance
         self.min_ts_ns = agent_now_ns - int(margin_s * 1e9) if agent_now_ns is not None else None
+        # only what the agent held then is history: a later sample stamped earlier (the agent
+        # host's clock stepped back) is the run's
+        self.history_seq = newest or 0
         self._started = True
         log.info("agent_capture_start", agent=self.base_url, since=self.since, margin_s=margin_s)
 
