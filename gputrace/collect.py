@@ -57,6 +57,9 @@ DRAIN_QUIET_S = 0.3
 # each step of stop() (sources ending, connections closing) is bounded by this: SIGTERM must end
 # the process within 5 s
 STOP_STEP_S = 1.0
+# Marks posted together are written as one batch after this pause (a mark written alone flushed
+# the store on the event loop: 1,000 marks/s timed out 5,493 of 10,000 clients, /healthz p50 633 ms).
+MARK_BATCH_S = 0.01
 
 
 @dataclass
@@ -74,6 +77,9 @@ class CollectOptions:
     log_from_start: bool = True  # read the log from its beginning (startup config lines included)
     ready_timeout_s: float = 15.0  # how long start() waits for every source to be live
     http_limits: HttpLimits = field(default_factory=HttpLimits)
+
+
+_PendingMark = tuple[Marker, "asyncio.Future[str | None]", web.Request]  # its request waits on the future
 
 
 @dataclass
@@ -116,6 +122,10 @@ class Collector:
         # task that ended): {"source", "reason", "since_ns", "until_ns"}; the open ones are current
         self._problems: list[dict[str, Any]] = []
         self._last_log_batch_ns: dict[str, int] = {}  # per log source, when its newest lines came
+        # marks posted and not yet written, each with the future its request waits on (None: stored,
+        # else why not)
+        self._marks_pending: list[_PendingMark] = []
+        self._marks_posted = asyncio.Event()
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -145,6 +155,7 @@ class Collector:
                 ht.tasks.append(self._spawn(self._scrape_engine_metrics(ht), source))
             ht.tasks.append(self._spawn(self._probe_clocks(ht), f"clock {ht.host.name}"))
         self._tasks.append(self._spawn(self._flush_loop(), "flush"))
+        self._tasks.append(self._spawn(self._write_marks(), "marks"))
         await self._wait_ready()
 
     async def _wait_ready(self) -> None:
@@ -384,6 +395,48 @@ class Collector:
                 self.live.counts["bad_clock_probes"] += ht.agent.stats.bad_probes - refused
             await asyncio.sleep(self.options.probe_interval_s)
 
+    async def _write_marks(self) -> None:
+        """Write the marks posted, a batch at a time, and tell each request whether its mark is
+        stored: a mark answered 200 is on disk, one answered with an error is not."""
+        try:
+            while True:
+                await self._marks_posted.wait()
+                await asyncio.sleep(MARK_BATCH_S)
+                self._marks_posted.clear()
+                batch, self._marks_pending = self._marks_pending, []
+                self._store_marks(batch)
+        finally:
+            for _, future, _ in self._marks_pending:
+                future.cancel()
+            self._marks_pending = []
+
+    def _store_marks(self, batch: list[_PendingMark]) -> None:
+        live = []
+        for marker, future, request in batch:
+            if future.done():
+                continue
+            if request.transport is None or request.transport.is_closing():
+                future.set_result("the client went away before it was stored")  # it saw no 200
+            else:
+                live.append((marker, future))
+        if not live:
+            return
+        try:
+            _, rejected = self.store.append_valid([m for m, _ in live])
+        except StoreWriteError as exc:
+            log.warning("marks_not_stored", marks=len(live), error=str(exc))
+            for _, future in live:
+                future.set_result(f"the store cannot be written ({exc})")
+            return
+        refused = {id(record): reason for record, reason in rejected}
+        for marker, future in live:
+            reason = refused.get(id(marker))
+            if reason is None:
+                self.live.on_marker(marker)
+            else:
+                self.live.counts["bad_marks"] += 1
+            future.set_result(None if reason is None else f"bad marker: {reason}")
+
     async def _flush_loop(self) -> None:
         while True:
             await asyncio.sleep(min(self.options.flush_s, 0.25))
@@ -470,14 +523,26 @@ class Collector:
         try:
             body = await request.json()
             marker = marker_from_json(body, default_host=self.client_host)
-        except (ValueError, TypeError, KeyError) as exc:
+        except (ValueError, TypeError, KeyError, RecursionError) as exc:
             self.live.counts["bad_marks"] += 1
-            return web.json_response({"error": f"bad marker: {exc}"}, status=400)
-        self.add_load_record(marker)
-        # a mark is rare and users expect it on disk at once; while the store cannot be written it
-        # waits in the backlog with the rest
-        stored = self.writer.flush()
-        return web.json_response({"ok": True, "ts_ns": marker.ts_ns, "stored": stored})
+            why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            return web.json_response({"error": f"bad marker: {why}"}, status=400)
+        # queued and written with the marks posted with it; answered once it is on disk
+        future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        entry = (marker, future, request)
+        self._marks_pending.append(entry)
+        self._marks_posted.set()
+        try:
+            why_not = await future
+        except asyncio.CancelledError:
+            # the request timed out or the collector stops: not stored, as its answer will say
+            with contextlib.suppress(ValueError):
+                self._marks_pending.remove(entry)
+            raise
+        if why_not is not None:
+            status = 400 if why_not.startswith("bad marker") else 503
+            return web.json_response({"error": why_not, "stored": False}, status=status)
+        return web.json_response({"ok": True, "ts_ns": marker.ts_ns, "stored": True})
 
     async def _status(self, request: web.Request) -> web.Response:
         return web.json_response(self.status())
