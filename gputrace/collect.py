@@ -59,7 +59,9 @@ DRAIN_QUIET_S = 0.3
 STOP_STEP_S = 1.0
 # Marks posted together are written as one batch after this pause (a mark written alone flushed
 # the store on the event loop: 1,000 marks/s timed out 5,493 of 10,000 clients, /healthz p50 633 ms).
-MARK_BATCH_S = 0.01
+# An append costs ~30 ms whatever its size (busy 2-core machine); at 10 ms the appends took most
+# of the loop from the requests; a mark waits about this long for its answer.
+MARK_BATCH_S = 0.05
 
 
 @dataclass
