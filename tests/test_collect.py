@@ -590,17 +590,25 @@ async def post_marks(url: str, count: int, per_s: float,
     return acked, refused, unanswered
 
 
-def test_a_flood_of_marks_is_batched_and_each_answer_is_the_truth(tmp_path: Path, agent_port: int) -> None:
-    """[robust] 8: 300 marks/s for 2 s into a running collector: each is answered within 5 s,
+def test_a_flood_of_marks_is_batched_and_each_answer_is_the_truth(tmp_path: Path) -> None:
+    """[robust] 8: 200 marks/s for 3 s into a running collector: each is answered within 5 s,
     every mark answered 200 is in the store and none answered with an error is (each mark flushed
     the store on the event loop, ~30 ms each: 5,493 of 10,000 clients timed out at 1,000/s, and
     160 marks were stored though their client was told they failed). bench/robust.py runs
-    1,000/s; 300/s leaves room for a busy CI machine."""
+    1,000/s; 200/s leaves room for a busy CI machine."""
     import asyncio
 
-    with collecting(tmp_path, agent_port) as (_writer, proc, port):
+    log = tmp_path / "sglang.log"
+    log.write_text(decode_line(0, 0))
+    cfg = tmp_path / "gputrace.toml"
+    cfg.write_text(f'[[hosts]]\nname = "node0"\n\n[hosts.log]\nkind = "file"\npath = {json.dumps(str(log))}\n')
+    port = free_port()
+    proc = start_collector(cfg, tmp_path / "run", port)
+    try:
+        wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/healthz"), timeout_s=30, proc=proc)
         acked, refused, unanswered = asyncio.run(
-            post_marks(f"http://127.0.0.1:{port}/v1/mark", 600, 300.0, 5.0))
+            post_marks(f"http://127.0.0.1:{port}/v1/mark", 600, 200.0, 5.0))
+    finally:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err.decode()[-2000:]
