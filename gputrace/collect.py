@@ -43,7 +43,7 @@ from gputrace.remote.connect import TransportFactory, connect_host
 from gputrace.remote.follow import follow_log_batches
 from gputrace.remote.ssh import HostKeyPolicy
 from gputrace.remote.transport import Transport
-from gputrace.store import REJECTS_FILE, BatchingWriter, Store
+from gputrace.store import REJECTS_FILE, BatchingWriter, Store, warm_up
 from gputrace.token_file import read_token
 from gputrace.topology import topology_to_meta
 
@@ -132,6 +132,7 @@ class Collector:
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        await asyncio.to_thread(warm_up)  # not on the loop once requests and records come
         topo = self.cfg.topology
         self.store.update_meta(topology=topology_to_meta(
             topo.pp_size, topo.tp_size, topo.dp_size, self.placements,

@@ -601,7 +601,8 @@ def test_a_flood_of_marks_is_batched_and_each_answer_is_the_truth(tmp_path: Path
     log = tmp_path / "sglang.log"
     log.write_text(decode_line(0, 0))
     cfg = tmp_path / "gputrace.toml"
-    cfg.write_text(f'[[hosts]]\nname = "node0"\n\n[hosts.log]\nkind = "file"\npath = {json.dumps(str(log))}\n')
+    cfg.write_text(f'[[hosts]]\nname = "node0"\n\n[hosts.log]\nkind = "file"\n'
+                   f'path = {json.dumps(str(log))}\n')
     port = free_port()
     proc = start_collector(cfg, tmp_path / "run", port)
     try:
