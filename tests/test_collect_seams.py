@@ -249,3 +249,38 @@ async def test_a_capture_takes_agent_samples_from_its_start_not_the_agents_histo
         assert agent_client.stats.gaps == 0 and agent_client.stats.missed_samples == 0
     finally:
         await agent.stop()
+
+
+@pytest.mark.parametrize("authorization", [b"Bearer \xff\xfe", b"Bearer tok\xc3\xa9", b"\x80"])
+async def test_a_non_utf8_token_or_a_deeply_nested_mark_is_a_4xx_without_a_traceback(
+        tmp_path: Path, start_collector: Start, authorization: bytes,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """[robust] 11: a non-UTF-8 Authorization header is a 401 and a mark nested 100,000 deep a 400,
+    on a running collector, with nothing logged as an error (both were a 500 with a traceback,
+    before authentication)."""
+    log = tmp_path / "n0.log"
+    log.write_text(decode_lines(0, 1))
+    collector = await start_collector(config(tmp_path, {"n0": log}),
+                                      options={"listen": "127.0.0.1:0", "http_token": "tok"})
+    assert collector.url is not None
+    port = int(collector.url.rsplit(":", 1)[1])
+
+    async def post(auth: bytes, body: bytes) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/mark HTTP/1.1\r\nHost: c\r\nContent-Type: application/json\r\n"
+                     b"Authorization: " + auth + b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+                     % len(body) + body)
+        await writer.drain()
+        answer = await reader.read()
+        writer.close()
+        return answer
+
+    with caplog.at_level("ERROR"):
+        refused = await post(authorization, b'{"label": "x"}')
+        nested = await post(b"Bearer tok", b"[" * 100_000 + b"]" * 100_000)
+        good = await post(b"Bearer tok", b'{"label": "C=8"}')
+    assert refused.startswith(b"HTTP/1.1 401 "), refused[:200]
+    assert nested.startswith(b"HTTP/1.1 400 ") and b"nested too deeply" in nested, nested[:300]
+    assert good.startswith(b"HTTP/1.1 200 "), good[:300]
+    assert [r.getMessage() for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")] == []
+    assert collector.store.sql("SELECT label FROM markers") == [("C=8",)]
