@@ -548,3 +548,36 @@ async def test_receive_times_are_read_on_the_injected_clock(tmp_path: Path) -> N
             break
     assert [line.text for line in lines] == [log_line(i) for i in range(3)]
     assert all(before_ns + hour_ns <= line.recv_ts_ns <= time.time_ns() + hour_ns for line in lines)
+
+
+async def test_a_docker_source_backs_off_while_the_daemon_is_down(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """[robust] 14: `docker logs` that prints only its complaint (the daemon is down) and exits is
+    retried with a growing delay: its output is no log line and does not reset the back-off (84
+    reconnects in 30 s before)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    docker = bin_dir / "docker"  # the docker CLI as it answers with no daemon behind it
+    docker.write_text(f'#!/bin/sh\necho x >> {shlex.quote(str(calls))}\n'
+                      'echo "Cannot connect to the Docker daemon at unix:///var/run/docker.sock. '
+                      'Is the docker daemon running?" >&2\nexit 1\n')
+    docker.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    backoff = Backoff(initial_s=0.05, max_s=0.8, jitter=0.0)
+    problems: list[str | None] = []
+
+    async def follow() -> None:
+        async for _ in follow_log_batches(LocalTransport(), LogSource("docker", "engine"),
+                                          backoff=backoff, on_problem=problems.append):
+            pass
+
+    task = asyncio.create_task(follow())
+    await asyncio.sleep(3.0)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    runs = len(calls.read_text().splitlines())
+    # 0.05 + 0.1 + 0.2 + 0.4 + 0.8 + 0.8 ... : at most 8 runs in 3 s (60 at a delay reset each time)
+    assert 3 <= runs <= 8, runs
+    assert any(p and "exited with status 1" in p for p in problems)

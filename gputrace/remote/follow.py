@@ -428,8 +428,9 @@ async def follow_log_batches(
             stream = await transport.open_stream(decoder.argv(transport.python),
                                                  merge_stderr=decoder.merge_stderr)
             while data := await stream.read(_READ_BYTES):
-                attempt = 0
                 lines = decoder.feed(data, clock_ns())
+                if lines:  # the source delivers again; output that is no line (docker's "cannot
+                    attempt = 0  # connect" to a daemon that is down) must not reset the back-off
                 for gap in decoder.gaps:  # recorded as a problem that is over at once
                     tell(gap)
                 decoder.gaps.clear()
