@@ -222,9 +222,8 @@ class AgentClient:
         except SourceError:  # a broken /v1/time: start by sequence only
             agent_now_ns = None
         status, headers, body = await self._get("/v1/info")
-        if status != 200:
-            raise SourceError(f"agent {self.base_url}: /v1/info answered {status}")
-        newest = _int_header(headers, "X-Gputrace-Newest-Seq")
+        # without an answer here (an older agent, a proxy's error page) the ring is read whole
+        newest = _int_header(headers, "X-Gputrace-Newest-Seq") if status == 200 else None
         try:
             info = json.loads(body)
             devices = max(1, len(info["devices"]))
@@ -233,7 +232,8 @@ class AgentClient:
             per_s = None
         if newest is not None and per_s is not None and per_s < 1e6:
             self.since = max(0, newest - int(per_s * margin_s * 2) - 1)
-        self.instance = headers.get("X-Gputrace-Instance") or self.instance
+        if status == 200:
+            self.instance = headers.get("X-Gputrace-Instance") or self.instance
         self.min_ts_ns = agent_now_ns - int(margin_s * 1e9) if agent_now_ns is not None else None
         # only what the agent held then is history: a later sample stamped earlier (the agent
         # host's clock stepped back) is the run's
