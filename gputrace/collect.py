@@ -252,21 +252,29 @@ class Collector:
             log.error("meta_not_updated", error=str(exc))
         log.info("collector_stopped", run=str(self.store.path), **self.live.counts)
 
-    async def run_until(self, stop: asyncio.Event) -> None:
-        """``start``, collect until ``stop`` is set, ``stop``; ``stop`` set while starting (the
-        readiness wait included) ends the start, and a start that fails stops what it began."""
+    async def start_unless(self, stop: asyncio.Event) -> bool:
+        """``start``, ended early when ``stop`` is set (the readiness wait included): False then.
+        A start that fails raises; either way call ``stop()`` after (it ends what start began)."""
+        starting = asyncio.ensure_future(self.start())
+        stopping = asyncio.ensure_future(stop.wait())
         try:
-            starting = asyncio.ensure_future(self.start())
-            stopping = asyncio.ensure_future(stop.wait())
-            try:
-                await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for task in (starting, stopping):
-                    task.cancel()
-                await asyncio.wait({starting, stopping})
-            if not starting.cancelled() and starting.exception() is not None:
-                raise starting.exception()  # type: ignore[misc]
-            await stop.wait()
+            await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (starting, stopping):
+                task.cancel()
+            await asyncio.wait({starting, stopping})
+        if starting.cancelled():
+            return False
+        if (error := starting.exception()) is not None:
+            raise error
+        return True
+
+    async def run_until(self, stop: asyncio.Event) -> None:
+        """``start``, collect until ``stop`` is set, ``stop``; ``stop`` set while starting ends the
+        start, and a start that fails stops what it began."""
+        try:
+            if await self.start_unless(stop):
+                await stop.wait()
         finally:
             await self.stop()
 
