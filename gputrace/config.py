@@ -218,6 +218,25 @@ def parse_ssh_target(text: str, path: Path, key: str) -> SshTarget | None:
     return SshTarget(user=user or None, host=host, port=port)
 
 
+def _agent_address(sec: _Section, text: str | None) -> str | None:
+    """``HOST:PORT``, ``[V6]:PORT`` or an http(s):// URL (a bad one made `collect` hang at start)."""
+    if text is None:
+        return None
+    if text.startswith(("http://", "https://")):
+        parts = urlsplit(text)
+        try:
+            ok = bool(parts.hostname) and parts.port != 0
+        except ValueError:  # a port out of range
+            ok = False
+    else:
+        host, sep, port = text.rpartition(":")
+        ok = (sep == ":" and port.isdigit() and 0 < int(port) < 65536 and not any(c.isspace() for c in host)
+              and (host.count(":") == 0 or (host.startswith("[") and host.endswith("]"))))
+    if not ok:
+        sec.fail(sec.key("agent"), f"expected HOST:PORT (port 1-65535) or an http(s):// URL, got {text!r}")
+    return text
+
+
 def _parse_host(path: Path, index: int, table: Any) -> HostConfig:
     sec = _Section(path, f"hosts[{index}]", table)
     name = sec.get("name", str, required=True)
@@ -232,7 +251,7 @@ def _parse_host(path: Path, index: int, table: Any) -> HostConfig:
         ssh=ssh,
         identity_file=sec.get("identity_file", str),
         known_hosts=sec.get("known_hosts", str),
-        agent=sec.get("agent", str),
+        agent=_agent_address(sec, sec.get("agent", str)),
         gpus=sec.int_list("gpus"),
         log=log,
         node_rank=sec.positive("node_rank", 0, minimum=0),

@@ -84,7 +84,9 @@ def has_token(request: web.Request, token: str | None) -> bool:
     included, compared in constant time); True when the server has no token."""
     if token is None:
         return True
-    given = request.headers.get("Authorization", "").encode()
+    # a header is read as Latin-1 with surrogates for bytes past ASCII: back to those very bytes
+    # (a plain encode() raised on them, a 500 with a traceback before authentication)
+    given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
     return hmac.compare_digest(given, f"Bearer {token}".encode())
 
 

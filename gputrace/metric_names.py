@@ -184,7 +184,7 @@ LIVE_EXTRAS = (STAGE_BUSY, ENGINE_TOTAL_RUNNING, ENGINE_POOL, ENGINE_MICROBATCHE
 
 COLLECTOR_COUNTS = ("gpu_samples", "scheduler_events", "requests", "markers", "log_lines",
                     "unrecognised_lines", "rejected_records", "bad_marks", "bad_sample_lines",
-                    "engine_metric_samples")
+                    "engine_metric_samples", "bad_clock_probes")
 """What the collector counts in a run; each is exported as gputrace_collector_<count>_total."""
 COLLECTOR_COUNTERS = {
     key: MetricSpec(f"gputrace_collector_{key}_total", "collector", "counter", "", RUN_LABELS,

@@ -107,6 +107,12 @@ def _arrow_schema(table: str) -> pa.Schema:
     return pa.schema([(name, _ARROW_TYPES[t]) for name, t in _schema(table)])
 
 
+def warm_up() -> None:
+    """Do now what the first append would: pyarrow imports pandas on its first array (1-2 s on a
+    busy machine), which on a collector's event loop held every request (marks timed out)."""
+    pa.array([0], type=pa.int64())
+
+
 def _to_arrow_column(values: Any, dtype: pa.DataType) -> pa.Array:
     """numpy or Python values -> Arrow; NaN in float columns and None become NULL."""
     if isinstance(values, pa.Array | pa.ChunkedArray):

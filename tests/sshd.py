@@ -64,6 +64,19 @@ class SshServer:
                 os.kill(pid, signal.SIGKILL)
         return len(pids)
 
+    def kill(self) -> None:
+        """SIGKILL sshd, the listener and every session (an outage: nothing answers on the port)."""
+        self.kill_sessions()
+        self.proc.kill()
+        self.proc.wait()
+
+    def restart(self, timeout_s: float = 10.0) -> None:
+        """Start sshd again on the same port, keys and config (after ``kill``)."""
+        argv = [str(a) for a in self.proc.args]  # type: ignore[union-attr]
+        self.proc = subprocess.Popen(argv, stderr=subprocess.PIPE)
+        if not _wait_listening(self.port, self.proc, timeout_s):
+            raise RuntimeError("sshd did not start again")
+
     def stop(self) -> None:
         self.kill_sessions()
         self.proc.terminate()

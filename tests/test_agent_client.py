@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator
 
@@ -15,7 +16,7 @@ import pytest
 
 from gputrace.agent.client import AgentClient, parse_sample_line
 from gputrace.agent.server import Agent, AgentSettings, sample_line
-from gputrace.errors import TransportError
+from gputrace.errors import SourceError, TransportError
 from gputrace.gpu.simulated import SimulatedSampler
 from gputrace.model import GpuSample
 
@@ -182,3 +183,51 @@ async def test_clock_probe_is_taken_on_the_injected_clock(agents: list[Agent]) -
         await client.close()
     assert probe.local_send_ns <= probe.local_recv_ns
     assert probe.offset_ns == pytest.approx(hour_ns, abs=10**9)  # the agent reads ~1 h ahead
+
+
+@pytest.mark.parametrize("answer", ['"soon"', "[1, 2]", '{"time_ns": 1e30, "host": "h"}',
+                                    '{"time_ns": 1764650000.25, "host": "h"}', '{"time_ns": "17"}',
+                                    '{"time_ns": 1764650000, "host": "h"}', '{"time_ns": true}',
+                                    '{"time_ns": 1764650000000000000, "host": ["h"]}'])
+async def test_a_malformed_time_answer_is_refused_counted_and_probing_goes_on(answer: str) -> None:
+    """[robust] 12: a /v1/time answer that is no time in ns (a string, a list, 1e30, seconds as a
+    float or int) is refused with a SourceError and counted; the next good answer is a probe (it
+    stopped probing for the run, or was applied as a -296,187 s offset)."""
+    from aiohttp import web
+
+    answers = [answer, json.dumps({"time_ns": time.time_ns(), "host": "node-b"})]
+
+    async def time_handler(request: web.Request) -> web.Response:
+        return web.Response(text=answers.pop(0), content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/v1/time", time_handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        async with AgentClient(f"http://127.0.0.1:{port}") as client:
+            with pytest.raises(SourceError, match="no time in ns"):
+                await client.probe_clock("node-b")
+            assert client.stats.bad_probes == 1
+            probe = await client.probe_clock("node-b")
+            assert abs(probe.remote_ns - time.time_ns()) < 5e9 and client.stats.bad_probes == 1
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_client_started_at_present_skips_the_agents_history(agents: list[Agent]) -> None:
+    """[robust] 5: a client told to start at the present (with a margin) gets no sample older than
+    the agent's time at first contact less the margin, and counts no gap."""
+    await asyncio.sleep(1.5)
+    async with AgentClient(f"http://127.0.0.1:{agents[0].port}", history_margin_s=0.5) as client:
+        first_contact_ns = time.time_ns()
+        got: list[GpuSample] = []
+        async for page in client.follow(poll_s=0.02):
+            got += page
+            if len(got) >= 50:
+                break
+    assert min(s.ts_ns for s in got) >= first_contact_ns - int(0.7e9)
+    assert client.stats.history_skipped > 0 and client.stats.gaps == 0

@@ -220,3 +220,69 @@ def test_the_collector_does_not_import_the_agent_server() -> None:
     code = "import sys, gputrace.collect; print('gputrace.agent.server' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+async def test_a_capture_takes_agent_samples_from_its_start_not_the_agents_history(
+        tmp_path: Path, start_collector: Start) -> None:
+    """[robust] 5: against an agent up for a while, the run holds samples from its start (less the
+    stated margin), none of the agent's older ring, and no spurious gap (a 12 s capture had a
+    910 s duration and agent_samples_missed)."""
+    from gputrace.agent import client
+
+    margin_s = getattr(client, "HISTORY_MARGIN_S", 2.0)  # the stated margin
+    agent = Agent(SimulatedSampler("n0", 4), AgentSettings(port=0, interval_s=0.01, buffer_s=3.0), host="n0")
+    await agent.start()
+    try:
+        await asyncio.sleep(margin_s + 2.5)  # older history than the margin, and a ring full
+        log = tmp_path / "n0.log"
+        log.write_text(decode_lines(0, 3))
+        started_ns = time.time_ns()
+        collector = await start_collector(config(tmp_path, {"n0": log}, f"http://127.0.0.1:{agent.port}"))
+        await asyncio.sleep(0.5)
+        assert await collector.drain(timeout_s=20.0)
+        first_ns, count = collector.store.sql("SELECT min(ts_ns), count(*) FROM gpu_samples")[0]
+        agent_client = collector._hosts[0].agent
+        assert agent_client is not None
+        assert count > 100
+        assert first_ns >= started_ns - int((margin_s + 0.2) * 1e9)
+        # the margin is there: the first sample kept is from about the margin before first contact
+        min_ts_ns = getattr(agent_client, "min_ts_ns", None)
+        assert min_ts_ns is not None and min_ts_ns <= first_ns <= min_ts_ns + int(0.5e9)
+        assert agent_client.stats.gaps == 0 and agent_client.stats.missed_samples == 0
+    finally:
+        await agent.stop()
+
+
+@pytest.mark.parametrize("authorization", [b"Bearer \xff\xfe", b"Bearer tok\xc3\xa9", b"\x80"])
+async def test_a_non_utf8_token_or_a_deeply_nested_mark_is_a_4xx_without_a_traceback(
+        tmp_path: Path, start_collector: Start, authorization: bytes,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """[robust] 11: a non-UTF-8 Authorization header is a 401 and a mark nested 100,000 deep a 400,
+    on a running collector, with nothing logged as an error (both were a 500 with a traceback,
+    before authentication)."""
+    log = tmp_path / "n0.log"
+    log.write_text(decode_lines(0, 1))
+    collector = await start_collector(config(tmp_path, {"n0": log}),
+                                      options={"listen": "127.0.0.1:0", "http_token": "tok"})
+    assert collector.url is not None
+    port = int(collector.url.rsplit(":", 1)[1])
+
+    async def post(auth: bytes, body: bytes) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/mark HTTP/1.1\r\nHost: c\r\nContent-Type: application/json\r\n"
+                     b"Authorization: " + auth + b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+                     % len(body) + body)
+        await writer.drain()
+        answer = await reader.read()
+        writer.close()
+        return answer
+
+    with caplog.at_level("ERROR"):
+        refused = await post(authorization, b'{"label": "x"}')
+        nested = await post(b"Bearer tok", b"[" * 100_000 + b"]" * 100_000)
+        good = await post(b"Bearer tok", b'{"label": "C=8"}')
+    assert refused.startswith(b"HTTP/1.1 401 "), refused[:200]
+    assert nested.startswith(b"HTTP/1.1 400 ") and b"nested too deeply" in nested, nested[:300]
+    assert good.startswith(b"HTTP/1.1 200 "), good[:300]
+    assert [r.getMessage() for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")] == []
+    assert collector.store.sql("SELECT label FROM markers") == [("C=8",)]

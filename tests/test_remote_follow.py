@@ -220,6 +220,78 @@ async def test_rotation_by_copytruncate_while_writing(sshd_server: SshServer, tm
     assert collector.texts == writer.written
 
 
+def _received(writer: LogWriter, collector: Collector) -> tuple[list[int], set[int]]:
+    """The writer's numbers of the lines received, in the order received, and those never received."""
+    number = {line: i for i, line in enumerate(writer.written)}
+    order = [number[text] for text in collector.texts]
+    return order, set(range(len(writer.written))) - set(order)
+
+
+async def _copytruncate_during_an_outage(
+        sshd_server: SshServer, tmp_path: Path, *,
+        keep_copy: bool) -> tuple[LogWriter, Collector, list[str | None], range]:
+    """A line every 5 ms; sshd killed; the log copied (or not) and truncated in place; sshd back
+    once the log is longer than it was. Returns the writer, the follower, the problems told and
+    the lines written between the copy and the truncation (those only the old file had)."""
+    path = tmp_path / "server.log"
+    writer = LogWriter(path, interval_s=0.005)
+    writer.start()
+    transport = await connect_ssh(sshd_server.options())
+    problems: list[str | None] = []
+    collector = Collector(transport, LogSource("file", str(path)), on_problem=problems.append)
+    await release(writer, collector)
+    await asyncio.sleep(0.8)
+    sshd_server.kill()
+    old_size = path.stat().st_size
+    await asyncio.sleep(0.3)  # the engine goes on writing while the collector is away
+    copied = len(writer.written)
+    if keep_copy:
+        shutil.copyfile(path, f"{path}.1")
+    os.truncate(path, 0)
+    truncated = len(writer.written)
+    while path.stat().st_size <= old_size + 2000:
+        await asyncio.sleep(0.02)
+    sshd_server.restart()
+    await asyncio.sleep(0.5)
+    writer.stop_event.set()
+    await asyncio.to_thread(writer.join)
+    deadline = time.monotonic() + 20
+    while writer.written[-1] not in collector.texts[-1:] and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.3)  # nothing more (no duplicate) arrives
+    await collector.stop()
+    await transport.close()
+    return writer, collector, problems, range(copied, truncated + 1)
+
+
+async def test_copytruncate_during_an_ssh_outage_resumes_at_the_new_content(
+        sshd_server: SshServer, tmp_path: Path) -> None:
+    """[robust] 1: sshd killed, the log copied and truncated, written past the old offset, sshd back:
+    the old content is read on from the copy, the new from its start, nothing twice, the
+    truncation recorded (it resumed at the old offset in the new content and lost 945 of 5,650)."""
+    writer, collector, problems, unknowable = await _copytruncate_during_an_outage(
+        sshd_server, tmp_path, keep_copy=True)
+    order, missing = _received(writer, collector)
+    assert order == sorted(set(order)), "a line arrived twice or out of order"
+    assert missing <= set(unknowable), f"lost {sorted(missing - set(unknowable))}"
+    assert len(writer.written) - unknowable.stop > 100
+    told = [p for p in problems if p and "truncated in place" in p]
+    assert told and "read from its copy" in told[0] and str(tmp_path / "server.log.1") in told[0]
+
+
+async def test_truncation_during_an_outage_without_a_copy_records_the_gap(
+        sshd_server: SshServer, tmp_path: Path) -> None:
+    """[robust] 1: truncated in place (no copy) while sshd was down: every line written after the
+    truncation arrives, once; what the old file held past the offset is recorded as lost."""
+    writer, collector, problems, unknowable = await _copytruncate_during_an_outage(
+        sshd_server, tmp_path, keep_copy=False)
+    order, missing = _received(writer, collector)
+    assert order == sorted(set(order)), "a line arrived twice or out of order"
+    assert missing and max(missing) < unknowable.stop, "lost lines written after the truncation"
+    assert len(writer.written) - unknowable.stop > 100
+    assert any(p and "no copy of the old content" in p and "is lost" in p for p in problems)
+
+
 async def test_hostile_path_is_followed_and_nothing_else_runs(sshd_server: SshServer, tmp_path: Path) -> None:
     """A path with spaces, quotes, `;`, `$(...)` and backticks is followed literally; nothing runs."""
     pwned = Path("/tmp/pwned-gputrace")
@@ -476,3 +548,36 @@ async def test_receive_times_are_read_on_the_injected_clock(tmp_path: Path) -> N
             break
     assert [line.text for line in lines] == [log_line(i) for i in range(3)]
     assert all(before_ns + hour_ns <= line.recv_ts_ns <= time.time_ns() + hour_ns for line in lines)
+
+
+async def test_a_docker_source_backs_off_while_the_daemon_is_down(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """[robust] 14: `docker logs` that prints only its complaint (the daemon is down) and exits is
+    retried with a growing delay: its output is no log line and does not reset the back-off (84
+    reconnects in 30 s before)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    docker = bin_dir / "docker"  # the docker CLI as it answers with no daemon behind it
+    docker.write_text(f'#!/bin/sh\necho x >> {shlex.quote(str(calls))}\n'
+                      'echo "Cannot connect to the Docker daemon at unix:///var/run/docker.sock. '
+                      'Is the docker daemon running?" >&2\nexit 1\n')
+    docker.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    backoff = Backoff(initial_s=0.05, max_s=0.8, jitter=0.0)
+    problems: list[str | None] = []
+
+    async def follow() -> None:
+        async for _ in follow_log_batches(LocalTransport(), LogSource("docker", "engine"),
+                                          backoff=backoff, on_problem=problems.append):
+            pass
+
+    task = asyncio.create_task(follow())
+    await asyncio.sleep(3.0)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    runs = len(calls.read_text().splitlines())
+    # 0.05 + 0.1 + 0.2 + 0.4 + 0.8 + 0.8 ... : at most 8 runs in 3 s (60 at a delay reset each time)
+    assert 3 <= runs <= 8, runs
+    assert any(p and "exited with status 1" in p for p in problems)

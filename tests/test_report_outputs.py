@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from analysis_synth import T0, Level, SynthRun, build, capped_run, fixed_run
 from click.testing import CliRunner
+from conftest import SmallDisk
 
 from gputrace.cli import cli as main
 from gputrace.cli import main as cli_main
@@ -339,3 +340,20 @@ def test_the_verdict_names_a_deployment_change_before_a_load_to_offer() -> None:
     doc["findings"] = doc["findings"][:1]  # no engine setting to change: the top finding it is
     assert verdict(doc).startswith("Verdict: pipeline_underfilled in phase C=1: underfilled at C=1. "
                                    "Next step: offer at least 8 requests.")
+
+
+def test_a_report_to_a_full_disk_says_where_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], small_disk: SmallDisk) -> None:
+    """[robust] 14: `report --out` on a disk that has no room left exits 1 with one line naming the
+    directory ('unexpected OSError: [Errno 28]' before)."""
+    run = tmp_path / "run"
+    build(run, SynthRun([Level("C=8", 8, 8, [0.9, 0.9], 4, 5)], pp=2))
+    out = small_disk.root / "report"
+    out.mkdir()
+    small_disk.fill()
+    filled = small_disk.filler.stat().st_size
+    os.truncate(small_disk.filler, filled - 16384)  # room for the check's empty file, not a report
+    code, _, err = _cli(capsys, "report", str(run), "--no-progress", "--out", str(out))
+    assert code == 1, err
+    assert err.strip().splitlines() == [f"gputrace: error: cannot write the report into {out}: "
+                                        "No space left on device; free space there or give --out DIR"]

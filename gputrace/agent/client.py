@@ -4,6 +4,11 @@
 forwards to the agent's loopback port. The cursor survives disconnects: a later pull resumes after
 the last sample received; a cursor older than the agent's ring jumps to the oldest sample held and
 counts the gap; a restarted agent (new instance id) is read again from its start.
+
+A capture starts at the agent's present (``history_margin_s``): the agent holds up to 15 minutes
+of samples from before the run, and a run that took them reported a 910 s duration for a 12 s
+capture. The cursor starts near the agent's newest sample and samples older than the agent's
+time at the first contact, less the margin, are skipped.
 """
 
 from __future__ import annotations
@@ -33,6 +38,10 @@ _KINDS: dict[str, tuple[type, bool]] = {
              f.default is not MISSING)
     for f in fields(GpuSample)}
 _INT64 = 1 << 63
+_MIN_EPOCH_NS = 10**18  # 2001-09-09 in ns: a smaller "time_ns" is seconds, ms or us, not ns
+# Samples taken this long before the capture started are kept (for alignment at the run's start:
+# one agent interval is 0.1 s by default, and a clock probe's round trip is well under 1 s).
+HISTORY_MARGIN_S = 2.0
 
 
 def _value_problem(kind: type, optional: bool, value: object) -> str | None:
@@ -71,6 +80,8 @@ class PullStats:
     disconnects: int = 0
     bad_lines: int = 0
     read_to_end_ns: int | None = None  # when the newest pull that found less than a page was sent
+    history_skipped: int = 0  # samples from before the capture's start (its margin aside), not kept
+    bad_probes: int = 0  # /v1/time answers that were not a time in ns (refused, probing goes on)
 
 
 def parse_sample_line(line: str) -> GpuSample:
@@ -93,13 +104,19 @@ class AgentClient:
                  ssl_context: ssl.SSLContext | None = None, page_limit: int = 5000,
                  timeout_s: float = 10.0, since: int = 0,
                  on_bad_line: Callable[[str], None] | None = None,
-                 clock_ns: Callable[[], int] = time.time_ns) -> None:
+                 clock_ns: Callable[[], int] = time.time_ns,
+                 history_margin_s: float | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.clock_ns = clock_ns  # the collector's clock, that probes are taken on
         self.on_bad_line = on_bad_line  # told why, for each line of a page that is not a sample
         self.page_limit = page_limit
         self.since = since  # the seq of the last sample received
         self.instance: str | None = None
+        # None: every sample the agent holds; else start at its present, less this margin
+        self.history_margin_s = history_margin_s
+        self.min_ts_ns: int | None = None  # samples older than this (agent clock) are skipped ...
+        self.history_seq = 0  # ... among those the agent held at the first contact (seq up to this)
+        self._started = history_margin_s is None  # the cursor was placed (at the first contact)
         self.stats = PullStats()
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._ssl: ssl.SSLContext | bool = ssl_context if ssl_context is not None else True
@@ -141,16 +158,17 @@ class AgentClient:
             if instance and self.instance and instance != self.instance:
                 log.warning("agent_restarted", agent=self.base_url)
                 self.stats.restarts += 1
-                self.instance, self.since = instance, 0
+                self.instance, self.since, self.history_seq = instance, 0, 0  # all new
                 continue
             self.instance = instance or self.instance
             if status == 410:
                 oldest = int(json.loads(body)["oldest_seq"])
                 missed = oldest - 1 - self.since
-                self.stats.gaps += 1
-                self.stats.missed_samples += missed
-                log.warning("agent_samples_missed",
-                            agent=self.base_url, missed=missed)
+                if self.stats.pages or self.min_ts_ns is None:  # before the first page: not ours
+                    self.stats.gaps += 1
+                    self.stats.missed_samples += missed
+                    log.warning("agent_samples_missed",
+                                agent=self.base_url, missed=missed)
                 self.since = oldest - 1
                 continue
             if status != 200:
@@ -159,7 +177,7 @@ class AgentClient:
             if newest is not None and int(newest) < self.since:
                 # same instance id yet behind us: only possible if the id header was absent
                 self.stats.restarts += 1
-                self.since = 0
+                self.since = self.history_seq = 0
                 continue
             return self._parse_page(body)
         raise SourceError(f"agent {self.base_url}: cursor kept moving; giving up this pull")
@@ -171,6 +189,12 @@ class AgentClient:
                 continue
             try:
                 s = parse_sample_line(line)
+                if s.seq is not None and s.seq <= self.history_seq and self.min_ts_ns is not None \
+                        and s.ts_ns < self.min_ts_ns:
+                    self.stats.history_skipped += 1
+                    if s.seq is not None:
+                        self.since = max(self.since, s.seq)
+                    continue
             except (ValueError, TypeError, RecursionError) as exc:
                 self.stats.bad_lines += 1
                 if self.stats.bad_lines == 1:  # a broken agent sends them by the page: said once
@@ -185,21 +209,66 @@ class AgentClient:
         self.stats.samples += len(out)
         return out
 
-    async def follow(self, poll_s: float = 0.5, retry_max_s: float = 10.0) -> AsyncIterator[list[GpuSample]]:
+    async def start_at_present(self) -> None:
+        """Place the cursor at the agent's present, less ``history_margin_s``: from its /v1/info
+        (newest seq, sampling rate) back over about twice the margin's samples, and skip those
+        older than its /v1/time less the margin."""
+        assert self.history_margin_s is not None
+        margin_s = self.history_margin_s
+        try:
+            agent_now_ns: int | None = (await self._time())[0]
+        except TransportError:
+            raise
+        except SourceError:  # a broken /v1/time: start by sequence only
+            agent_now_ns = None
+        status, headers, body = await self._get("/v1/info")
+        # without an answer here (an older agent, a proxy's error page) the ring is read whole
+        newest = _int_header(headers, "X-Gputrace-Newest-Seq") if status == 200 else None
+        try:
+            info = json.loads(body)
+            devices = max(1, len(info["devices"]))
+            per_s = devices * (1.0 / float(info["interval_s"]) + 6.0)  # ticks + driver samples
+        except (ValueError, TypeError, KeyError, ZeroDivisionError, RecursionError):
+            per_s = None
+        if newest is not None and per_s is not None and per_s < 1e6:
+            self.since = max(0, newest - int(per_s * margin_s * 2) - 1)
+        if status == 200:
+            self.instance = headers.get("X-Gputrace-Instance") or self.instance
+        self.min_ts_ns = agent_now_ns - int(margin_s * 1e9) if agent_now_ns is not None else None
+        # only what the agent held then is history: a later sample stamped earlier (the agent
+        # host's clock stepped back) is the run's
+        self.history_seq = newest or 0
+        self._started = True
+        log.info("agent_capture_start", agent=self.base_url, since=self.since, margin_s=margin_s)
+
+    async def follow(self, poll_s: float = 0.5, retry_max_s: float = 10.0,
+                     on_problem: Callable[[str | None], None] | None = None,
+                     ) -> AsyncIterator[list[GpuSample]]:
         """Pages forever: at once while the agent has more, every ``poll_s`` once caught up;
-        after a disconnect, retries with backoff and resumes after the last sample received."""
+        after a disconnect, retries with backoff and resumes after the last sample received.
+        ``on_problem`` is told when the agent stops answering (no GPU samples meanwhile), and
+        None once it answers again."""
         backoff = 0.2
+        told: str | None = None
         while True:
             asked_ns = time.time_ns()
             try:
+                if not self._started:
+                    await self.start_at_present()
                 page = await self.fetch_page()
             except TransportError as exc:
                 self.stats.disconnects += 1
                 log.warning("agent_unreachable", agent=self.base_url,
                             error=str(exc), since=self.since, retry_s=backoff)
+                if told is None and on_problem is not None:
+                    told = f"the agent does not answer ({exc}): no GPU samples until it does; retrying"
+                    on_problem(told)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, retry_max_s)
                 continue
+            if told is not None and on_problem is not None:
+                on_problem(None)
+            told = None
             backoff = 0.2
             if page:
                 yield page
@@ -207,16 +276,33 @@ class AgentClient:
                 self.stats.read_to_end_ns = asked_ns  # after the yield: the consumer has the page
                 await asyncio.sleep(poll_s)
 
+    async def _time(self) -> tuple[int, str]:
+        """The agent's /v1/time: (its time_ns, its host name); SourceError for an answer that is
+        not an integer time in ns (a string, a list, 1e30, seconds as a float), counted."""
+        status, _, body = await self._get("/v1/time")
+        if status != 200:
+            raise SourceError(f"agent {self.base_url}: /v1/time answered {status}")
+        try:
+            row = json.loads(body)
+            time_ns, host = row["time_ns"], row.get("host", "")
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+            time_ns, host = None, ""
+        is_ns = type(time_ns) is int and _MIN_EPOCH_NS <= time_ns < _INT64  # bool is no int here
+        if not is_ns or not isinstance(host, str):
+            self.stats.bad_probes += 1
+            if self.stats.bad_probes == 1:
+                log.warning("agent_time_refused", agent=self.base_url, answer=body[:200],
+                            why="not {'time_ns': <integer ns since the epoch>, 'host': <name>}")
+            raise SourceError(f"agent {self.base_url}: /v1/time answered no time in ns: {body[:100]!r}")
+        return time_ns, host
+
     async def probe_clock(self, host: str | None = None) -> ClockProbe:
         """One NTP-style probe of the agent host's clock (keep the one with the smallest rtt)."""
         send_ns = self.clock_ns()
-        status, _, body = await self._get("/v1/time")
+        remote_ns, remote_host = await self._time()
         recv_ns = self.clock_ns()
-        if status != 200:
-            raise SourceError(f"agent {self.base_url}: /v1/time answered {status}")
-        row = json.loads(body)
-        return ClockProbe(host=host or str(row["host"]), local_send_ns=send_ns,
-                          remote_ns=int(row["time_ns"]), local_recv_ns=recv_ns, via="agent")
+        return ClockProbe(host=host or remote_host, local_send_ns=send_ns,
+                          remote_ns=remote_ns, local_recv_ns=recv_ns, via="agent")
 
     async def info(self) -> dict[str, Any]:
         """The agent's /v1/info: host, backend, versions, devices."""
@@ -225,3 +311,10 @@ class AgentClient:
             raise SourceError(f"agent {self.base_url}: /v1/info answered {status}")
         info: dict[str, Any] = json.loads(body)
         return info
+
+
+def _int_header(headers: Any, name: str) -> int | None:
+    try:
+        return int(headers.get(name))
+    except (TypeError, ValueError):
+        return None

@@ -10,7 +10,7 @@ import click
 
 from gputrace.analysis.aligned import align_store
 from gputrace.analysis.run import analyse_aligned, store_notes
-from gputrace.errors import UsageError
+from gputrace.errors import GputraceError, UsageError
 from gputrace.prometheus.cli_options import prometheus_flags, prometheus_run, window_ns
 from gputrace.report.figures import FIGURES
 from gputrace.report.progress import LONG_RUN_S, report_progress
@@ -51,7 +51,11 @@ def command(run: str | None, formats: str, out_dir: str | None, progress: bool |
             analysis = analyse_aligned(aligned, progress=step)
             analysis.notes.extend(store_notes(store, analysis))
             add_predicted_effects(analysis, progress=step)
-            written = write_report(analysis, out_dir, fmts, progress=step)
+            try:
+                written = write_report(analysis, out_dir, fmts, progress=step)
+            except OSError as exc:  # a disk that fills while writing (the check passed before)
+                raise GputraceError(f"cannot write the report into {out_dir}: {exc.strerror or exc}; "
+                                    "free space there or give --out DIR") from exc
     for f in analysis.findings:
         click.echo(f"{f.cause} [{f.phase}] stages {','.join(map(str, f.stages))}: {f.summary} "
                    f"-> {f.recommendation}")

@@ -110,15 +110,18 @@ def command(ctx: click.Context, config_path: str, out: Path, listen: str, accept
                                            duration_per_level, warmup, stream, prompts, drain,
                                            ignore_eos, burst)
     exit_status = 0
+    started = False
 
     async def main() -> None:
-        nonlocal exit_status
+        nonlocal exit_status, started
         with open_run_store(out, cfg) as store:
             collector = Collector(cfg, store, options)
             stop = asyncio.Event()
             install_stop_signals(stop)
-            await collector.start()
             try:
+                if not await collector.start_unless(stop):
+                    return  # SIGINT/SIGTERM while starting: nothing to report
+                started = True
                 if cmd:
                     exit_status = await _run_command(list(cmd), f"{collector.url}/v1/mark", stop)
                 else:
@@ -139,7 +142,7 @@ def command(ctx: click.Context, config_path: str, out: Path, listen: str, accept
 
     asyncio.run(main())
     click.echo(f"run written to {out}", err=True)
-    if write_report:
+    if write_report and started:
         from gputrace.commands.report import command as report_command
 
         ctx.invoke(report_command, run=str(out), formats="html,md,json", out_dir=None, progress=None)

@@ -9,6 +9,7 @@ closed and the command ends on the host (see ``transport.watched_argv``).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import re
 import time
@@ -31,6 +32,7 @@ _READ_BYTES = 65536
 _RFC3339 = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)")
 _FILE_FOLLOWER_SOURCE = Path(__file__).with_name("file_follower.py").read_text()
 _SYNC = b"\n:gputrace-follow-v1:\n"  # file_follower.SYNC: frames start after it
+_TAIL_BYTES = 4096  # file_follower.TAIL_BYTES: the fingerprint of the content before the offset
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +83,7 @@ class _Decoder(Protocol):
 
     merge_stderr: bool
     problem: str | None  # why the source yields nothing right now (a file not there), else None
+    gaps: list[str]  # what was lost or could not be told since the last feed (taken by the caller)
 
     def argv(self, python: str) -> list[str]: ...
 
@@ -101,6 +104,7 @@ class _FileDecoder:
     def __init__(self, path: str, position: FilePosition | None, from_start: bool, poll_s: float) -> None:
         self.path = path
         self.problem: str | None = None
+        self.gaps: list[str] = []
         self.poll_s = poll_s
         start = (0, 0 if from_start else -1)  # offset -1: the end of the file
         self.inode, self.offset = (position.inode, position.offset) if position else start
@@ -109,10 +113,14 @@ class _FileDecoder:
         self._pending = b""  # a partial line, from byte self.offset of self.inode
         self._dropped = 0  # bytes of that line past MAX_LINE_BYTES, not kept
         self._next = self.offset  # the offset the next data frame should start at
+        # the last bytes of self.inode before self.offset (at most _TAIL_BYTES; empty: unknown): on
+        # resume the host checks the file still holds them there, else it was truncated and regrown
+        self._tail = b""
 
     def argv(self, python: str) -> list[str]:
+        tail = self._tail
         return [python, "-c", _FILE_FOLLOWER_SOURCE, self.path, str(self.inode), str(self.offset),
-                f"{self.poll_s:g}"]
+                f"{self.poll_s:g}", str(len(tail)), hashlib.sha256(tail).hexdigest()]
 
     def restart(self) -> None:
         self._frames.clear()
@@ -124,6 +132,7 @@ class _FileDecoder:
         # The file ended without a newline (rotated or truncated under a partial line).
         if self._pending:
             self.offset += len(self._pending) + self._dropped
+            self._tail = (self._tail + self._pending)[-_TAIL_BYTES:] if not self._dropped else b""
             self._dropped = 0
             out.append(FollowedLine(_text(self._pending), recv_ts_ns, FilePosition(self.inode, self.offset)))
             self._pending = b""
@@ -161,14 +170,30 @@ class _FileDecoder:
                 self._data(inode, off, bytes(frames[eol + 1:eol + 1 + length]), recv_ts_ns, out)
             elif kind == b"O":
                 self.problem = None
-                if inode != self.inode:
+                if (inode, off) != (self.inode, self._next):  # else it continues where we are
                     self._flush_pending(out, recv_ts_ns)
-                self.inode, self.offset, self._next, self._pending = inode, off, off, b""
-                self._dropped = 0
+                    self.inode, self.offset, self._next, self._pending = inode, off, off, b""
+                    self._dropped = 0
+                    self._tail = b""
             elif kind == b"T":
-                self._flush_pending(out, recv_ts_ns)
+                # the O frame that follows says where reading goes on (a copy, or the file at 0)
                 log.info("log_truncated", path=self.path, inode=inode, at_offset=off)
-                self.offset = self._next = 0
+            elif kind == b"K":
+                copy = _text(bytes(frames[eol + 1:eol + 1 + length]))
+                log.warning("log_truncated", path=self.path, at_offset=off, read_rest_from=copy)
+                self.gaps.append(f"{self.path} was truncated in place at byte {off} before it was read "
+                                 f"to its end: the rest was read from its copy {copy}; lines written "
+                                 "between the copy and the truncation, if any, are lost")
+                if off == self._next:
+                    self.inode = inode  # the copy holds the same bytes up to off: go on in it
+            elif kind == b"G":
+                self._flush_pending(out, recv_ts_ns)
+                log.warning("log_truncated", path=self.path, inode=inode, at_offset=off,
+                            why="truncated in place and written past our offset before we read on; "
+                                "no copy of the old content beside it")
+                self.gaps.append(f"{self.path} was truncated in place and rewritten past byte {off} "
+                                 "before it was read to its end, and no copy of the old content was "
+                                 f"found beside it: what it held after byte {off} is lost")
             elif kind == b"W":
                 self.problem = f"{self.path}: no such file on the host (followed once it appears)"
                 log.warning("log_file_missing", path=self.path,
@@ -186,15 +211,22 @@ class _FileDecoder:
             log.warning("log_frame_out_of_order", path=self.path, inode=inode, offset=off,
                         expected_inode=self.inode, expected_offset=self._next)
             self._flush_pending(out, recv_ts_ns)
-            self.inode, self.offset = inode, off
+            self.inode, self.offset, self._tail = inode, off, b""
         self._next = off + len(data)
-        parts = (self._pending + data).split(b"\n")
+        joined = self._pending + data
+        parts = joined.split(b"\n")
         self._pending = parts.pop()
         offset = self.offset
+        whole_from = 0  # where in joined the bytes as the file holds them begin (after a cut line)
+        at = 0
         for raw in parts:
             offset += len(raw) + 1 + self._dropped  # positions count every byte, cut ones too
+            at += len(raw) + 1
+            if self._dropped:
+                whole_from, self._tail = at, b""
             self._dropped = 0
             out.append(FollowedLine(_text(raw[:MAX_LINE_BYTES]), recv_ts_ns, FilePosition(inode, offset)))
+        self._tail = (self._tail + joined[whole_from:at])[-_TAIL_BYTES:]
         self.offset = offset
         if len(self._pending) > MAX_LINE_BYTES:
             # a "line" no engine writes (a file without newlines): keep its head, drop the rest,
@@ -213,6 +245,7 @@ class _LineDecoder:
 
     def __init__(self) -> None:
         self._pending = b""
+        self.gaps: list[str] = []
 
     def restart(self) -> None:
         self._pending = b""
@@ -371,7 +404,9 @@ async def follow_log_batches(
     ``on_caught_up`` is called once, after the first read that did not fill the read buffer: the
     follower is running and has read what the source held when it started (lines received from
     then on carry live receive times). ``on_problem`` is told why the source yields nothing (a
-    file that is not there, a lost connection) when that starts, and None when it is over.
+    file that is not there, a lost connection) when that starts, and None when it is over; a gap
+    it could not avoid (a file truncated in place before it was read to its end, e.g. during an
+    outage) is told as a problem over at once, with what was lost.
     ``clock_ns`` is the collector's clock, that receive times are read on.
     """
     caught_up = on_caught_up is None
@@ -393,8 +428,12 @@ async def follow_log_batches(
             stream = await transport.open_stream(decoder.argv(transport.python),
                                                  merge_stderr=decoder.merge_stderr)
             while data := await stream.read(_READ_BYTES):
-                attempt = 0
                 lines = decoder.feed(data, clock_ns())
+                if lines:  # the source delivers again; output that is no line (docker's "cannot
+                    attempt = 0  # connect" to a daemon that is down) must not reset the back-off
+                for gap in decoder.gaps:  # recorded as a problem that is over at once
+                    tell(gap)
+                decoder.gaps.clear()
                 tell(decoder.problem)
                 if lines:
                     yield lines

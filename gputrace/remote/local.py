@@ -64,8 +64,20 @@ class LocalStream:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self._proc.pid, signal.SIGKILL)
             await self._proc.wait()
-        with contextlib.suppress(asyncio.CancelledError):
+        try:
             await asyncio.wait_for(self._stderr_task, timeout=1.0)
+        except (asyncio.CancelledError, TimeoutError):
+            # the drain's own end is not ours to report; a cancel of this task is (it was
+            # swallowed here: a collector asked to stop kept following, SIGTERM did nothing)
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+
+
+def _kill_spawned(spawn: asyncio.Future[asyncio.subprocess.Process]) -> None:
+    if not spawn.cancelled() and spawn.exception() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(spawn.result().pid, signal.SIGKILL)
 
 
 class LocalTransport:
@@ -99,13 +111,20 @@ class LocalTransport:
         return stream
 
     async def _spawn(self, argv: Sequence[str]) -> asyncio.subprocess.Process:
+        # Shielded: asyncio (3.11) cancelled while it starts a process can wait forever for that
+        # process to exit (a collector stopped at start never ended); cancelled, the process is
+        # left to start and then killed, group and all.
+        spawn = asyncio.ensure_future(asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, start_new_session=True,
+        ))
         try:
-            return await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, start_new_session=True,
-            )
+            return await asyncio.shield(spawn)
         except OSError as exc:
             raise TransportError(f"{self.host}: cannot run {argv[0]!r}: {exc}") from exc
+        except asyncio.CancelledError:
+            spawn.add_done_callback(_kill_spawned)
+            raise
 
     async def forward_local_port(self, remote_host: str, remote_port: int) -> int:
         # The "remote" host is this machine: its loopback is ours, no forward needed.

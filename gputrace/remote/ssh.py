@@ -168,8 +168,13 @@ class SshStream:
         with contextlib.suppress(asyncssh.Error, OSError, TimeoutError):
             await asyncio.wait_for(self._process.wait_closed(), timeout=2.0)
         self._stderr_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
+        try:
             await self._stderr_task
+        except asyncio.CancelledError:
+            # the drain's, not ours: a cancel of this task (a collector stopping) goes on up
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
 
 
 class SshTransport:
