@@ -58,6 +58,22 @@ ROW_GROUP_ROWS = 65_536
 R = TypeVar("R")
 log = get_logger("store")
 
+# The import ledger: one row per file imported into the run, keyed by the sha256 of its bytes, so
+# the same content given again (under any path) adds nothing. Not a record table: no analysis reads it.
+IMPORTS_TABLE = "imported_files"
+_IMPORTS_DDL = "sha256 VARCHAR, kind VARCHAR, path VARCHAR, size_bytes BIGINT, imported_ns BIGINT"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ImportedFile:
+    """A file in the import ledger: its content's sha256, what it was imported as, from where, when."""
+
+    sha256: str
+    kind: str  # "sglang log", "aiperf", "nvidia-smi-csv", ...
+    path: str  # as it was given, resolved
+    size_bytes: int
+    imported_ns: int
+
 # What DuckDB raises when a write fails for a reason outside the data (measured on a full tmpfs:
 # IOException for a direct write or a failed checkpoint, TransactionException for a WAL commit).
 _WRITE_FAILURES: tuple[type[duckdb.Error], ...] = (
@@ -163,6 +179,8 @@ def _first_line(exc: BaseException) -> str:
 def _create_missing_tables(con: duckdb.DuckDBPyConnection, temporary: bool) -> None:
     have = {row[0] for row in con.execute(
         "SELECT table_name FROM duckdb_tables() WHERE database_name = 'run'").fetchall()}
+    if IMPORTS_TABLE not in have:
+        con.execute(f"CREATE {'TEMP ' if temporary else ''}TABLE {IMPORTS_TABLE} ({_IMPORTS_DDL})")
     for table, cols in _TABLE_COLUMNS.items():
         if table not in have:
             ddl = ", ".join(f'"{n}" {_SQL_TYPES[t]}' for n, t in cols)
@@ -473,6 +491,20 @@ class Store:
                 (self.path / name).unlink()
         if not os.listdir(self.path):
             self.path.rmdir()
+
+    def imported_file(self, sha256: str) -> ImportedFile | None:
+        """The ledger's entry for a file of this content, or None when none was imported."""
+        rows = self.sql(f"SELECT sha256, kind, path, size_bytes, imported_ns FROM {IMPORTS_TABLE} "
+                        "WHERE sha256 = ? ORDER BY imported_ns LIMIT 1", [sha256])
+        return ImportedFile(*rows[0]) if rows else None
+
+    def record_import(self, entry: ImportedFile) -> None:
+        """Add a file to the import ledger (once its rows are in)."""
+        try:
+            self._con.execute(f"INSERT INTO {IMPORTS_TABLE} VALUES (?, ?, ?, ?, ?)",
+                              [entry.sha256, entry.kind, entry.path, entry.size_bytes, entry.imported_ns])
+        except duckdb.Error as exc:
+            raise StoreWriteError(f"{self.path}: cannot write the import ledger: {_first_line(exc)}") from exc
 
     def count(self, table: str) -> int:
         _schema(table)

@@ -86,7 +86,8 @@ def command(paths: tuple[str, ...], engine: str) -> None:
 
 def _parse_all(paths: tuple[str, ...], engine: str, out: IO[str], fast: bool = True) -> tuple[int, int]:
     """Parse every file to ``out``; (lines read, lines recognised)."""
-    total_lines = total_unrecognised = 0
+    total_lines = total_unrecognised = total_bad = 0
+    first_bad: str | None = None
     totals = dict.fromkeys(KINDS, 0)
     for path in paths:
         parser = LogParser(host="", source=path, engine=engine)
@@ -101,13 +102,17 @@ def _parse_all(paths: tuple[str, ...], engine: str, out: IO[str], fast: bool = T
         counts = parser.counts
         total_lines += counts.lines
         total_unrecognised += counts.unrecognised
+        total_bad += counts.bad_values
+        if first_bad is None and counts.first_bad_value is not None:
+            first_bad = f"{path} {counts.first_bad_value}"
         for kind in KINDS:
             totals[kind] += counts.recognised.get(kind, 0)
         if len(paths) > 1:
             click.echo(f"{path}: {_summary(counts.lines, dict(counts.recognised), counts.unrecognised)}",
                        err=True)
     out.flush()
-    click.echo(f"total: {_summary(total_lines, totals, total_unrecognised)}", err=True)
+    click.echo(f"total: {_summary(total_lines, totals, total_unrecognised)}"
+               + (f"; {total_bad} bad values left out (first: {first_bad})" if total_bad else ""), err=True)
     return total_lines, sum(totals.values())
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -64,6 +65,8 @@ class ParsedLine:
     ep_rank: int | None = None
     values: dict[str, Value] = field(default_factory=dict)  # METRIC_FIELDS names
     config: dict[str, object] | None = None  # config lines: every field by its engine name
+    # fields logged with a value the value rule refuses, as ``name='text'``: not in ``values``
+    bad_values: tuple[str, ...] = ()
 
     def to_record(
         self, *, host: str, source: str, line_no: int, recv_ts_ns: int | None = None
@@ -108,22 +111,33 @@ def _config_int(cfg: dict[str, object], keys: tuple[str, ...]) -> int | None:
 
 
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+# One rule for every logged value, in every grammar and in the fast path: a count is a
+# non-negative integer within int64, a ratio or rate a finite non-negative number; anything else
+# is a bad value (counted, not stored), never a NULL that stands for "not logged".
+MAX_COUNT = 2**63 - 1
+_MAX_COUNT_DIGITS = len(str(MAX_COUNT))
+_MAX_NUMBER_CHARS = 64  # longer number text is garbage (and float() of a huge one is slow)
 
 
 _BOOLS = {"True": True, "False": False, "true": True, "false": False}
 
 
 def convert_value(text: str, kind: type) -> Value:
-    """A logged value as ``kind``; None when it does not fit (a garbled or truncated value)."""
+    """A logged value as ``kind``; None when it breaks the value rule above (a garbled, truncated,
+    negative, non-finite or out-of-range value)."""
     text = text.strip().rstrip("%")
     if kind is bool:
         return _BOOLS.get(text)
     if kind is int:
-        digits = text.lstrip("+-")
-        # More than 18 digits cannot be a count and would not fit the store's int64 columns.
-        ok = digits.isascii() and digits.isdigit() and len(digits) <= 18 and len(text) - len(digits) <= 1
-        return int(text) if ok else None
-    return float(text) if _NUMBER.fullmatch(text) else None
+        digits = text.removeprefix("+")
+        if not (digits.isascii() and digits.isdigit() and len(digits) <= _MAX_COUNT_DIGITS):
+            return None
+        count = int(digits)
+        return count if count <= MAX_COUNT else None
+    if len(text) > _MAX_NUMBER_CHARS or not _NUMBER.fullmatch(text):
+        return None
+    number = float(text)
+    return number if math.isfinite(number) and number >= 0 else None
 
 
 class LogClock:

@@ -214,6 +214,7 @@ def ingest_log(
     stats.lines = counts.lines
     stats.recognised = {k: counts.recognised.get(k, 0) for k in KINDS}
     stats.unrecognised = counts.unrecognised
+    stats.bad_values, stats.first_bad_value = counts.bad_values, counts.first_bad_value
     return stats
 
 

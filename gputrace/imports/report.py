@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,7 +15,7 @@ from gputrace.engines.common import MAX_LINE_BYTES
 from gputrace.errors import ConfigError
 from gputrace.logsetup import get_logger
 from gputrace.model import RECORD_TABLES, GpuSample, Marker, RequestRecord
-from gputrace.store import Store
+from gputrace.store import ImportedFile, Store
 
 log = get_logger("import")
 
@@ -43,6 +45,8 @@ class ImportReport:
     unrecognised: int = 0
     fast_path_lines: int = 0
     lines_cut: int = 0  # longer than MAX_LINE_BYTES: read up to it, the rest skipped
+    bad_values: int = 0  # values that break the value rule (engines.common): not stored
+    first_bad_value: str | None = None
     # -- Prometheus
     gpus: int = 0
     ranks: int = 0
@@ -87,7 +91,9 @@ class ImportReport:
                     f"unrecognised {self.unrecognised}; {self.events_written} events, "
                     f"{self.configs_written} configuration records"
                     + (f"; {self.lines_cut} lines longer than {MAX_LINE_BYTES >> 20} MiB cut there"
-                       if self.lines_cut else ""))
+                       if self.lines_cut else "")
+                    + (f"; {self.bad_values} bad values not stored (first: {self.first_bad_value})"
+                       if self.bad_values else ""))
         parts = [f"{n} {table}" for table, n in self.written.items() if n]
         line = f"{self.path} ({self.kind}): " + (", ".join(parts) or "nothing") + " imported"
         if self.bad:
@@ -145,3 +151,27 @@ def read_text(path: str | os.PathLike[str]) -> str:
         return p.read_text(encoding="utf-8", errors="replace")
     except OSError as exc:
         raise ConfigError(f"{p}: cannot read: {exc.strerror}") from exc
+
+
+def ledger_entry(path: str | os.PathLike[str], kind: str) -> ImportedFile | None:
+    """The import ledger's entry for a file (sha256 of its bytes), or None for an empty or
+    unreadable file (the importer then says what is wrong with it)."""
+    digest = hashlib.sha256()
+    size = 0
+    try:
+        with open(path, "rb") as fh:
+            while block := fh.read(1 << 20):
+                digest.update(block)
+                size += len(block)
+    except OSError:
+        return None
+    if not size:
+        return None
+    return ImportedFile(sha256=digest.hexdigest(), kind=kind, path=str(Path(path).resolve()),
+                        size_bytes=size, imported_ns=time.time_ns())
+
+
+def already_imported(path: str | os.PathLike[str], earlier: ImportedFile) -> str:
+    """The one line `gputrace import` prints for a file whose content the run holds already."""
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(earlier.imported_ns / 1e9))
+    return f"already imported: {path} (imported {when} as {earlier.path})"
