@@ -42,6 +42,7 @@ from gputrace.run_tables import (
     Window,
     probe_columns,
 )
+from gputrace.topology import check_meta_topology
 
 SCHEMA_VERSION = 1
 DB_FILE = "run.duckdb"
@@ -154,6 +155,10 @@ def _meta_from_json(raw: dict[str, Any], meta_path: Path) -> RunMeta:
             raise StoreError(f"{meta_path}: {name} must be a JSON object")
     if not isinstance(values.get("name"), str):
         raise StoreError(f"{meta_path}: name must be a string")
+    try:  # a size from input is bounded where it enters
+        check_meta_topology(values.get("topology") or {})
+    except StoreError as exc:
+        raise StoreError(f"{meta_path.parent}: {exc}") from None
     return RunMeta(**values)
 
 

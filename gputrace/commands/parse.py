@@ -14,19 +14,22 @@ import numpy as np
 from gputrace.engines import ENGINES, KINDS, LogParser, fastpath
 from gputrace.engines.common import METRIC_FIELDS, RANK_FIELDS
 from gputrace.errors import SourceError, UsageError
-from gputrace.imports.engine_log import chunk_lines, open_log, read_chunks
+from gputrace.imports.engine_log import GzipLog, chunk_lines, open_log, read_chunks
 
 
-def _chunks_of(path: str) -> Iterator[bytes]:
+def _chunks_of(path: str, cuts: list[str]) -> Iterator[bytes]:
+    """The file's chunks; a .gz file that ends early adds why to ``cuts`` (what came before is read)."""
     if path == "-":
         yield from read_chunks(sys.stdin.buffer, 1 << 20)
         return
     with open_log(path) as log:
         yield from read_chunks(log, 1 << 20)
+        if isinstance(log, GzipLog) and log.cut is not None:
+            cuts.append(log.cut)
 
 
-def _lines_of(path: str) -> Iterator[str]:
-    for chunk in _chunks_of(path):
+def _lines_of(path: str, cuts: list[str]) -> Iterator[str]:
+    for chunk in _chunks_of(path, cuts):
         yield from chunk_lines(chunk)
 
 
@@ -91,15 +94,19 @@ def _parse_all(paths: tuple[str, ...], engine: str, out: IO[str], fast: bool = T
     totals = dict.fromkeys(KINDS, 0)
     for path in paths:
         parser = LogParser(host="", source=path, engine=engine)
+        cuts: list[str] = []
         if fast and engine in ("auto", "sglang"):
-            for chunk in _chunks_of(path):
+            for chunk in _chunks_of(path, cuts):
                 _parse_chunk(parser, chunk, out)
         else:
-            for line in _lines_of(path):
+            for line in _lines_of(path, cuts):
                 parsed = parser.parse(line)
                 if parsed is not None:
                     out.write(json.dumps(parsed.to_json_obj(), default=str) + "\n")
         counts = parser.counts
+        for cut in cuts:  # damage read around: said, not an error (the lines before it are out)
+            click.echo(f"gputrace: warning: {path}: FILE CUT: {cut}: its {counts.lines} lines before that "
+                       "were read, the rest is lost", err=True)
         total_lines += counts.lines
         total_unrecognised += counts.unrecognised
         total_bad += counts.bad_values

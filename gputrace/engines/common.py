@@ -14,6 +14,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from gputrace.errors import UsageError
 from gputrace.model import EngineConfig, SchedulerEvent
+from gputrace.topology import is_parallel_size
 
 Value = int | float | bool | None
 
@@ -74,7 +75,8 @@ class ParsedLine:
         """The store record of this line."""
         if self.kind == "config":
             cfg = self.config or {}
-            typed = {name: _config_int(cfg, keys) for name, keys in CONFIG_FIELD_NAMES.items()}
+            typed = {name: _config_int(cfg, keys, name in PARALLEL_SIZES)
+                     for name, keys in CONFIG_FIELD_NAMES.items()}
             return EngineConfig(
                 host=host, source=source, engine=self.engine, line_no=line_no,
                 log_ts_ns=self.log_ts_ns, fields_json=json.dumps(cfg, default=str), **typed,
@@ -100,14 +102,31 @@ class ParsedLine:
         return obj
 
 
-def _config_int(cfg: dict[str, object], keys: tuple[str, ...]) -> int | None:
+PARALLEL_SIZES = ("pp_size", "tp_size", "dp_size")
+
+
+def _config_int(cfg: dict[str, object], keys: tuple[str, ...], is_size: bool) -> int | None:
     for key in keys:
         value = cfg.get(key)
-        # past int64 it is no setting (a garbled line) and no column could hold it: None, while
-        # fields_json keeps it as logged
-        if isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63:
+        # past int64 it is no setting (a garbled line) and no column could hold it; a parallel
+        # size outside 1..MAX_PARALLEL_SIZE is none either: None (a bad value, counted by the
+        # grammar), while fields_json keeps it as logged
+        if is_size:
+            if is_parallel_size(value):
+                return value
+        elif isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63:
             return value
     return None
+
+
+def config_bad_values(cfg: dict[str, object]) -> tuple[str, ...]:
+    """The parallel sizes of a configuration line that are none (``pp_size=-3``): not taken."""
+    bad = []
+    for name in PARALLEL_SIZES:
+        for key in CONFIG_FIELD_NAMES[name]:
+            if key in cfg and cfg[key] is not None and not is_parallel_size(cfg[key]):
+                bad.append(f"{name}={str(cfg[key])[:40]!a}")
+    return tuple(bad)
 
 
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")

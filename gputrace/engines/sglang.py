@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from gputrace.engines.common import LogClock, ParsedLine, Value, convert_value
+from gputrace.engines.common import LogClock, ParsedLine, Value, config_bad_values, convert_value
 from gputrace.engines.reprs import python_dict, python_kwargs, simple_kwargs
 
 ENGINE = "sglang"
@@ -154,4 +154,5 @@ def _config_line(line: str, marker: re.Match[str], clock: LogClock) -> ParsedLin
     if not fields:
         return None
     prefix = _prefix_fields(line[: marker.start()], clock)
-    return ParsedLine(engine=ENGINE, kind="config", config=fields, **prefix)  # type: ignore[arg-type]
+    return ParsedLine(engine=ENGINE, kind="config", config=fields, bad_values=config_bad_values(fields),
+                      **prefix)  # type: ignore[arg-type]

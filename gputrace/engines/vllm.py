@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from gputrace.engines.common import LogClock, ParsedLine, Value, convert_value
+from gputrace.engines.common import LogClock, ParsedLine, Value, config_bad_values, convert_value
 from gputrace.engines.reprs import python_dict, python_kwargs
 
 ENGINE = "vllm"
@@ -87,4 +87,4 @@ def _config_line(line: str, clock: LogClock) -> ParsedLine | None:
         return None
     ts_text, log_ts_ns, resolution = _stamp(line[: marker.start()], clock)
     return ParsedLine(engine=ENGINE, kind="config", ts_text=ts_text, log_ts_ns=log_ts_ns,
-                      ts_resolution_ns=resolution, config=fields)
+                      ts_resolution_ns=resolution, config=fields, bad_values=config_bad_values(fields))

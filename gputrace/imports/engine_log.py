@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime as dt
 import gzip
 import os
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,8 +23,11 @@ from gputrace.engines import KINDS, LogParser, fastpath
 from gputrace.engines.common import MAX_LINE_BYTES, METRIC_FIELDS, RANK_FIELDS, LogClock, ParsedLine
 from gputrace.errors import SourceError
 from gputrace.imports.report import ImportReport, write_rows
+from gputrace.logsetup import get_logger
 from gputrace.model import EngineConfig
 from gputrace.store import ROW_GROUP_ROWS, Store
+
+log = get_logger("import")
 
 CHUNK_BYTES = 8 << 20
 # Scanning costs memory per line, not per byte (about 200 bytes a line): a chunk of short or blank
@@ -34,14 +38,49 @@ _WORKERS = min(4, os.cpu_count() or 1)
 _EVENT_INT_COLUMNS = ("line_no", "log_ts_ns", "ts_resolution_ns", *RANK_FIELDS)
 
 
+class GzipLog(gzip.GzipFile):
+    """A gzip log that ends where its data does: a cut or corrupt stream (a copy stopped short, a
+    disk that filled) gives every byte that decompresses, then end of file, and says so in
+    ``cut``, instead of raising and losing the file."""
+
+    cut: str | None = None
+    decompressed_bytes = 0
+    file_bytes = 0  # the compressed file's size
+
+    def read(self, size: int | None = -1) -> bytes:
+        if self.cut is not None:
+            return b""
+        want = -1 if size is None else size
+        parts: list[bytes] = []
+        got = 0
+        try:
+            # read1 hands out what each step decompressed, so nothing before the damage is lost
+            while want < 0 or got < want:
+                part = self.read1(want - got if want >= 0 else 1 << 20)
+                if not part:
+                    break
+                parts.append(part)
+                got += len(part)
+        except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
+            at = self.decompressed_bytes + got
+            self.cut = (f"the gzip data ends before its end marker ({self.file_bytes} bytes of file, "
+                        f"{at} bytes decompressed)" if isinstance(exc, EOFError) else
+                        f"the gzip data is corrupt after {at} decompressed bytes ({exc})")
+        self.decompressed_bytes += got
+        return b"".join(parts)
+
+
 def open_log(path: str | os.PathLike[str]) -> IO[bytes]:
-    """A log file as bytes (gzip by magic number, whatever its name); SourceError if unreadable."""
+    """A log file as bytes (gzip by magic number, whatever its name: a GzipLog); SourceError if
+    unreadable."""
     try:
         raw = open(path, "rb")  # noqa: SIM115  # returned to the caller, who closes it
     except OSError as exc:
         raise SourceError(f"{path}: cannot read the log: {exc.strerror}") from exc
     if raw.peek(2)[:2] == b"\x1f\x8b":
-        return gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[return-value]
+        stream = GzipLog(fileobj=raw, mode="rb")
+        stream.file_bytes = os.fstat(raw.fileno()).st_size
+        return stream  # type: ignore[return-value]
     return raw
 
 
@@ -215,6 +254,9 @@ def ingest_log(
     stats.recognised = {k: counts.recognised.get(k, 0) for k in KINDS}
     stats.unrecognised = counts.unrecognised
     stats.bad_values, stats.first_bad_value = counts.bad_values, counts.first_bad_value
+    if isinstance(stream, GzipLog) and stream.cut is not None:
+        stats.cut = f"{stream.cut}: its {counts.lines} lines before that were read, the rest is lost"
+        log.warning("log file cut", file=str(path), cut=stats.cut)
     return stats
 
 

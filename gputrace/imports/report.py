@@ -46,6 +46,7 @@ class ImportReport:
     fast_path_lines: int = 0
     lines_cut: int = 0  # longer than MAX_LINE_BYTES: read up to it, the rest skipped
     bad_values: int = 0  # values that break the value rule (engines.common): not stored
+    cut: str | None = None  # a compressed file that ends early: where, and what was read
     first_bad_value: str | None = None
     # -- Prometheus
     gpus: int = 0
@@ -93,7 +94,8 @@ class ImportReport:
                     + (f"; {self.lines_cut} lines longer than {MAX_LINE_BYTES >> 20} MiB cut there"
                        if self.lines_cut else "")
                     + (f"; {self.bad_values} bad values not stored (first: {self.first_bad_value})"
-                       if self.bad_values else ""))
+                       if self.bad_values else "")
+                    + (f"; FILE CUT: {self.cut}" if self.cut else ""))
         parts = [f"{n} {table}" for table, n in self.written.items() if n]
         line = f"{self.path} ({self.kind}): " + (", ".join(parts) or "nothing") + " imported"
         if self.bad:
