@@ -62,14 +62,17 @@ log = get_logger("store")
 # The import ledger: one row per file imported into the run, keyed by the sha256 of its bytes, so
 # the same content given again (under any path) adds nothing. Not a record table: no analysis reads it.
 IMPORTS_TABLE = "imported_files"
-_IMPORTS_DDL = "sha256 VARCHAR, kind VARCHAR, path VARCHAR, size_bytes BIGINT, imported_ns BIGINT"
+_IMPORTS_DDL = ("sha256 VARCHAR, probe VARCHAR, kind VARCHAR, path VARCHAR, size_bytes BIGINT, "
+                "imported_ns BIGINT")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ImportedFile:
-    """A file in the import ledger: its content's sha256, what it was imported as, from where, when."""
+    """A file in the import ledger: its content's sha256 (and the cheap probe that finds the
+    candidates, gputrace.imports.ledger), what it was imported as, from where, when."""
 
     sha256: str
+    probe: str
     kind: str  # "sglang log", "aiperf", "nvidia-smi-csv", ...
     path: str  # as it was given, resolved
     size_bytes: int
@@ -497,17 +500,17 @@ class Store:
         if not os.listdir(self.path):
             self.path.rmdir()
 
-    def imported_file(self, sha256: str) -> ImportedFile | None:
-        """The ledger's entry for a file of this content, or None when none was imported."""
-        rows = self.sql(f"SELECT sha256, kind, path, size_bytes, imported_ns FROM {IMPORTS_TABLE} "
-                        "WHERE sha256 = ? ORDER BY imported_ns LIMIT 1", [sha256])
-        return ImportedFile(*rows[0]) if rows else None
+    def imported_like(self, probe: str) -> list[ImportedFile]:
+        """The ledger's files with this probe (the candidates for the same content), oldest first."""
+        names = ", ".join(f.name for f in dataclasses.fields(ImportedFile))
+        rows = self.sql(f"SELECT {names} FROM {IMPORTS_TABLE} WHERE probe = ? ORDER BY imported_ns", [probe])
+        return [ImportedFile(*row) for row in rows]
 
     def record_import(self, entry: ImportedFile) -> None:
         """Add a file to the import ledger (once its rows are in)."""
         try:
-            self._con.execute(f"INSERT INTO {IMPORTS_TABLE} VALUES (?, ?, ?, ?, ?)",
-                              [entry.sha256, entry.kind, entry.path, entry.size_bytes, entry.imported_ns])
+            self._con.execute(f"INSERT INTO {IMPORTS_TABLE} VALUES (?, ?, ?, ?, ?, ?)",
+                              [getattr(entry, f.name) for f in dataclasses.fields(ImportedFile)])
         except duckdb.Error as exc:
             raise StoreWriteError(f"{self.path}: cannot write the import ledger: {_first_line(exc)}") from exc
 

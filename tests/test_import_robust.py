@@ -4,6 +4,7 @@ value costs its row or its field (counted), never the file."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
@@ -93,6 +94,47 @@ def test_changed_content_under_the_same_path_is_imported(tmp_path: Path) -> None
     proc = _gputrace("import", "--run", str(run), "--sglang-log", str(log))
     assert proc.returncode == 0 and "already imported" not in proc.stdout
     assert _counts(run)["scheduler_events"] > before
+
+
+def test_files_that_share_their_ends_are_told_apart_by_content(tmp_path: Path) -> None:
+    """The ledger's cheap probe (size, first and last MiB) only finds candidates: two JSONL files
+    of 3 MiB that differ in one byte in the middle are both imported."""
+    lines = SGLANG.joinpath("requests.jsonl").read_text().splitlines()
+    body = [line for line in lines if '"type":"request"' in line]
+    repeat = body * (3 * (1 << 20) // len("\n".join(body)) + 1)
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("\n".join(repeat) + "\n")
+    middle = len(repeat) // 2
+    repeat[middle] = repeat[middle].replace('"prompt_tokens":', '"prompt_tokens":1', 1)
+    b.write_text("\n".join(repeat) + "\n")
+    assert a.stat().st_size + 1 == b.stat().st_size > 3 << 20
+    run = tmp_path / "run"
+    proc = _gputrace("import", "--run", str(run), "--requests", str(a), "--requests", str(b))
+    assert proc.returncode == 0 and "already imported" not in proc.stdout
+    assert _counts(run)["requests"] == 2 * len(repeat)
+
+
+@pytest.mark.parametrize("form", ["plain", "gz", "cut gz", "corrupt gz"])
+def test_the_ledger_holds_the_sha256_of_the_files_bytes(tmp_path: Path, form: str) -> None:
+    """An engine log is hashed as it is read (one pass): the recorded sha256 is the file's own,
+    whole-file one, also when the reader stopped at damage, so the same damaged file given again
+    is known."""
+    plain = SGLANG.joinpath("engine.log").read_bytes()
+    packer = zlib.compressobj(6, zlib.DEFLATED, 31)
+    data = plain if form == "plain" else packer.compress(plain) + packer.flush()
+    if form == "cut gz":
+        data = data[: len(data) * 2 // 3]
+    if form == "corrupt gz":
+        data = data[: len(data) // 3] + bytes(64) + data[len(data) // 3 + 64:]
+    log = tmp_path / "engine.log"
+    log.write_bytes(data)
+    run = tmp_path / "run"
+    assert _gputrace("import", "--run", str(run), "--sglang-log", str(log)).returncode == 0
+    with Store.open(run, read_only=True) as store:
+        assert store.sql("SELECT sha256, size_bytes FROM imported_files") == [
+            (hashlib.sha256(data).hexdigest(), len(data))]
+    again = _gputrace("import", "--run", str(run), "--sglang-log", str(log))
+    assert again.returncode == 0 and again.stdout.startswith("already imported: ")
 
 
 def _phase_throughputs(run: Path, out: Path) -> dict[str, float]:

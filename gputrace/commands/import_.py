@@ -26,9 +26,10 @@ from rich.progress import (
 
 from gputrace.engines.common import MAX_LINE_BYTES
 from gputrace.errors import SourceError
+from gputrace.imports import ledger
 from gputrace.imports.engine_log import default_source, ingest_log
 from gputrace.imports.nvidia_smi import import_nvidia_smi_csv, import_nvidia_smi_dmon, parse_tz
-from gputrace.imports.report import ImportReport, already_imported, ledger_entry
+from gputrace.imports.report import ImportReport
 from gputrace.imports.request_files import import_aiperf, import_guidellm, import_requests_jsonl
 from gputrace.store import Store
 
@@ -41,10 +42,11 @@ def _import_engine_logs(
     progress: bool | None,
 ) -> None:
     for path in paths:
-        entry = ledger_entry(path, f"{engine} log")
-        if entry is not None and (earlier := store.imported_file(entry.sha256)) is not None:
-            click.echo(already_imported(path, earlier))
+        known = ledger.check(store, path, f"{engine} log")
+        if known.earlier is not None:
+            click.echo(known.already_imported())
             continue
+        content = ledger.StreamHash()
         size = os.path.getsize(path) if os.path.isfile(path) else 0
         show = progress if progress is not None else (size >= PROGRESS_MIN_BYTES and sys.stderr.isatty())
         year_until = None
@@ -56,7 +58,8 @@ def _import_engine_logs(
                        f"({last_write.isoformat()}); --date YYYY-MM-DD sets the year", err=True)
         with _bytes_progress(f"{engine} log {os.path.basename(path)}", size, show) as advance:
             stats = ingest_log(store, path, host=host, engine=engine, source=default_source(path),
-                               tz=timezone, date=date, year_until=year_until, on_progress=advance)
+                               tz=timezone, date=date, year_until=year_until, on_progress=advance,
+                               on_bytes=content.update)
         click.echo(stats.summary())
         if not any(stats.recognised.values()):
             other = "vllm" if engine == "sglang" else "sglang"
@@ -64,7 +67,7 @@ def _import_engine_logs(
                    if stats.lines_cut else "")
             raise SourceError(f"{path}: no {engine} line recognised in its {stats.lines} lines{cut}: is it "
                               f"the engine's log (a {other} log goes in with --{other}-log)?")
-        if entry is not None:
+        if (entry := known.entry(content.finish(path))) is not None:
             store.record_import(entry)
 
 
@@ -104,12 +107,13 @@ def _import_load_and_smi_files(
     }
     for kind, import_file in importers.items():
         for path in files[kind]:
-            entry = ledger_entry(path, _LEDGER_KINDS[kind])
-            if entry is not None and (earlier := store.imported_file(entry.sha256)) is not None:
-                click.echo(already_imported(path, earlier))
+            known = ledger.check(store, path, _LEDGER_KINDS[kind])
+            if known.earlier is not None:
+                click.echo(known.already_imported())
                 continue
             click.echo(import_file(path).summary())
-            if entry is not None:
+            # these files are small and read whole by their parsers: hashed after, in one more pass
+            if (entry := known.entry(ledger.StreamHash().finish(path))) is not None:
                 store.record_import(entry)
 
 

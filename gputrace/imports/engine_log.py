@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import gzip
+import io
 import os
 import zlib
 from collections import deque
@@ -13,7 +14,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import numpy as np
 import pyarrow as pa
@@ -70,18 +71,49 @@ class GzipLog(gzip.GzipFile):
         return b"".join(parts)
 
 
-def open_log(path: str | os.PathLike[str]) -> IO[bytes]:
+class _Tee(io.RawIOBase):
+    """A file's bytes as read, each block also handed to ``on_bytes`` (the import ledger's hash:
+    one pass over the file, not two)."""
+
+    def __init__(self, raw: io.BufferedReader, on_bytes: Callable[[memoryview], None]):
+        self._raw = raw
+        self._on_bytes = on_bytes
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        n = self._raw.readinto(buffer)
+        if n:
+            self._on_bytes(memoryview(buffer)[:n])
+        return n
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
+def open_log(path: str | os.PathLike[str], on_bytes: Callable[[memoryview], None] | None = None
+             ) -> IO[bytes]:
     """A log file as bytes (gzip by magic number, whatever its name: a GzipLog); SourceError if
-    unreadable."""
+    unreadable. ``on_bytes`` sees the file's own bytes (compressed, for a .gz) as they are read."""
     try:
         raw = open(path, "rb")  # noqa: SIM115  # returned to the caller, who closes it
     except OSError as exc:
         raise SourceError(f"{path}: cannot read the log: {exc.strerror}") from exc
-    if raw.peek(2)[:2] == b"\x1f\x8b":
-        stream = GzipLog(fileobj=raw, mode="rb")
-        stream.file_bytes = os.fstat(raw.fileno()).st_size
-        return stream  # type: ignore[return-value]
-    return raw
+    gzipped = raw.peek(2)[:2] == b"\x1f\x8b"
+    file_bytes = os.fstat(raw.fileno()).st_size
+    stream: IO[bytes] = raw
+    if on_bytes is not None:
+        stream = io.BufferedReader(_Tee(raw, on_bytes), buffer_size=1 << 20)
+    if gzipped:
+        log = GzipLog(fileobj=stream, mode="rb")
+        log.file_bytes = file_bytes
+        return log  # type: ignore[return-value]
+    return stream
 
 
 def _reporting(chunks: Iterator[bytes], raw: IO[bytes], on_progress: Callable[[int], None]
@@ -210,6 +242,7 @@ def ingest_log(
     batch_rows: int = 2 * ROW_GROUP_ROWS,
     chunk_bytes: int = CHUNK_BYTES,
     on_progress: Callable[[int], None] | None = None,
+    on_bytes: Callable[[memoryview], None] | None = None,
 ) -> ImportReport:
     """Parse a whole log file and append its events and configuration lines to ``store``.
 
@@ -219,7 +252,8 @@ def ingest_log(
     ``batch_rows`` at a time, fast-path rows in whole row groups of the store (each append is one
     committed transaction, so a failure leaves every earlier batch readable); two groups a batch
     let the database write on two threads while the next batch is parsed. ``on_progress`` is
-    called with the bytes of the file read so far (compressed bytes for a .gz), chunk by chunk.
+    called with the bytes of the file read so far (compressed bytes for a .gz), chunk by chunk;
+    ``on_bytes`` with each block of the file as read (the import ledger hashes it).
     """
     source = source or str(path)
     parser = LogParser(host=host, source=source, engine=engine, tz=tz, date=date, year_until=year_until)
@@ -227,7 +261,7 @@ def ingest_log(
                          written={"scheduler_events": 0, "engine_configs": 0})
     events = _EventColumns()
     configs: list[EngineConfig] = []
-    with open_log(path) as stream:
+    with open_log(path, on_bytes) as stream:
         chunks = read_chunks(stream, chunk_bytes, on_cut=stats.count_cut_line)
         if on_progress is not None:
             raw: IO[bytes] = stream.fileobj if isinstance(stream, gzip.GzipFile) else stream

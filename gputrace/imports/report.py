@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +13,7 @@ from gputrace.engines.common import MAX_LINE_BYTES
 from gputrace.errors import ConfigError
 from gputrace.logsetup import get_logger
 from gputrace.model import RECORD_TABLES, GpuSample, Marker, RequestRecord
-from gputrace.store import ImportedFile, Store
+from gputrace.store import Store
 
 log = get_logger("import")
 
@@ -154,26 +152,3 @@ def read_text(path: str | os.PathLike[str]) -> str:
     except OSError as exc:
         raise ConfigError(f"{p}: cannot read: {exc.strerror}") from exc
 
-
-def ledger_entry(path: str | os.PathLike[str], kind: str) -> ImportedFile | None:
-    """The import ledger's entry for a file (sha256 of its bytes), or None for an empty or
-    unreadable file (the importer then says what is wrong with it)."""
-    digest = hashlib.sha256()
-    size = 0
-    try:
-        with open(path, "rb") as fh:
-            while block := fh.read(1 << 20):
-                digest.update(block)
-                size += len(block)
-    except OSError:
-        return None
-    if not size:
-        return None
-    return ImportedFile(sha256=digest.hexdigest(), kind=kind, path=str(Path(path).resolve()),
-                        size_bytes=size, imported_ns=time.time_ns())
-
-
-def already_imported(path: str | os.PathLike[str], earlier: ImportedFile) -> str:
-    """The one line `gputrace import` prints for a file whose content the run holds already."""
-    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(earlier.imported_ns / 1e9))
-    return f"already imported: {path} (imported {when} as {earlier.path})"
