@@ -340,7 +340,7 @@ def _is_timezone(name: str) -> bool:
         return True
     try:
         ZoneInfo(name)
-    except (ZoneInfoNotFoundError, ValueError):
+    except (ZoneInfoNotFoundError, ValueError, OSError):  # OSError: "America" is a directory
         return False
     return True
 

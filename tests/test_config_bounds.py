@@ -69,6 +69,8 @@ def test_collect_refuses_a_huge_pp_size_at_once(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("text", "key"), [
     (HOST.replace('path = "/tmp', 'timezone = "Mars/Olympus_Mons"\npath = "/tmp'),
      "hosts[0].log.timezone: unknown timezone 'Mars/Olympus_Mons'"),
+    (HOST.replace('path = "/tmp', 'timezone = "America"\npath = "/tmp'),
+     "hosts[0].log.timezone: unknown timezone 'America'"),
     (HOST + '\n[topology]\npp_size = 2\n[[topology.map]]\nhost = "node0"\ngpu = 0\npp_rank = -1\n',
      "topology.map[0].pp_rank: must be from 0 to 1"),
     (HOST + '\n[topology]\npp_size = 2\n[[topology.map]]\nhost = "node0"\ngpu = 0\npp_rank = 2\n',
@@ -94,6 +96,20 @@ def test_check_config_catches_what_would_fail_later(tmp_path: Path, text: str, k
     """Each is one error line naming the key, exit 2 (a bad timezone used to pass and the capture
     then ran without its engine log; deep TOML was 'unexpected RecursionError', exit 1)."""
     assert key in _one_error_line(_check(tmp_path, text))
+
+
+@pytest.mark.parametrize(("option", "path"), [
+    ("--sglang-log", Path(__file__).parent / "data/engines/sglang-0.5.23-pp2/default/engine.log"),
+    ("--nvidia-smi-csv", Path(__file__).parent / "import_data" / "nvidia_smi_query.csv"),
+])
+@pytest.mark.parametrize("zone", ["America", "Mars/Base", "+99:00", "a" * 5000])
+def test_import_refuses_a_bad_timezone_in_one_line(tmp_path: Path, option: str, path: Path,
+                                                     zone: str) -> None:
+    """`import --timezone` with a directory of the zone database, an unknown name, an offset of
+    days or a name too long for a file: one error line, exit 2, no run left behind."""
+    proc = _gputrace("import", "--run", str(tmp_path / "run"), "--timezone", zone, option, str(path))
+    assert "unknown time" in _one_error_line(proc) or "expected UTC" in _one_error_line(proc)
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(("ssh", "host", "port"), [

@@ -173,8 +173,8 @@ class LogClock:
                  year_until: Callable[[], dt.date] | None = None):
         try:
             self.tz = dt.UTC if tz.upper() in ("UTC", "Z") else ZoneInfo(tz)
-        except (ZoneInfoNotFoundError, ValueError) as exc:
-            raise UsageError(f"unknown timezone {tz!r} (use an IANA name like Europe/Berlin)") from exc
+        except (ZoneInfoNotFoundError, ValueError, OSError) as exc:  # OSError: a directory ("America")
+            raise UsageError(f"unknown timezone {tz[:100]!r} (use an IANA name like Europe/Berlin)") from exc
         self.is_utc = self.tz is dt.UTC
         if isinstance(date, str):
             try:
