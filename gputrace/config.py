@@ -35,15 +35,19 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
+import ipaddress
+import math
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from gputrace.errors import ConfigError
-from gputrace.topology import Placement, sglang_placements
+from gputrace.topology import MAX_GPU_INDEX, MAX_GPUS, MAX_PARALLEL_SIZE, Placement, sglang_placements
 
 LOG_KINDS = ("file", "journald", "docker", "command")
 ENGINES = ("sglang", "vllm")
@@ -175,10 +179,34 @@ class _Section:
                 self.fail(f"{self.key(name)}[{i}]", f"expected an integer >= {minimum}, got {item!r}")
         return tuple(value)
 
-    def positive(self, name: str, default: int, minimum: int = 1) -> int:
+    def positive(self, name: str, default: int, minimum: int = 1, maximum: int | None = None) -> int:
         value: int = self.get(name, int, default)
         if value < minimum:
             self.fail(self.key(name), f"must be >= {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            self.fail(self.key(name), f"must be <= {maximum}, got {value}")
+        return value
+
+    def size(self, name: str) -> int:
+        """A parallel size or node count: 1 to MAX_PARALLEL_SIZE (default 1)."""
+        return self.positive(name, 1, minimum=1, maximum=MAX_PARALLEL_SIZE)
+
+    def rank(self, name: str, size: int, size_name: str, required: bool = False) -> int:
+        """A rank within its size: 0 to size - 1."""
+        value: int = self.get(name, int, 0, required=required)
+        if not 0 <= value < size:
+            self.fail(self.key(name), f"must be from 0 to {size - 1} ({size_name}: {size}), got {value}")
+        return value
+
+    def number(self, name: str, default: float | None, minimum: float = 0.0,
+               exclusive: bool = False) -> float | None:
+        """A finite number >= ``minimum`` (> with ``exclusive``); TOML's nan and inf are refused."""
+        value: float | None = self.get(name, float, default)
+        if value is None:
+            return None
+        if not math.isfinite(value) or value < minimum or (exclusive and value == minimum):
+            bound = f"> {minimum:g}" if exclusive else f">= {minimum:g}"
+            self.fail(self.key(name), f"must be a finite number {bound}, got {value!r}")
         return value
 
     def done(self) -> None:
@@ -203,14 +231,25 @@ def _did_you_mean(key: str, known: set[str]) -> str:
 
 
 def parse_ssh_target(text: str, path: Path, key: str) -> SshTarget | None:
-    """``user@host:port`` (user and port optional); ``local`` means this machine."""
+    """``user@host:port`` (user and port optional; an IPv6 address in brackets when a port
+    follows, ``root@[::1]:22``, bare otherwise); ``local`` means this machine."""
     if text in ("", "local"):
         return None
     user, _, hostport = text.rpartition("@")
-    host, port = hostport, 22
-    if hostport.count(":") == 1:
+    host, port_text = hostport, None
+    if hostport.startswith("["):
+        inside, bracket, rest = hostport[1:].partition("]")
+        if not bracket or (rest and not rest.startswith(":")):
+            raise ConfigError(f"{path}: {key}: {text!r}: an IPv6 address goes in brackets, "
+                              "as in root@[::1]:22")
+        host, port_text = inside, (rest[1:] if rest else None)
+    elif hostport.count(":") == 1:
         host, _, port_text = hostport.partition(":")
-        if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+    if host.count(":") > 0 and not _is_ipv6(host):
+        raise ConfigError(f"{path}: {key}: {host!r} is not a host name or IP address")
+    port = 22
+    if port_text is not None:
+        if not (port_text.isascii() and port_text.isdigit()) or not 0 < int(port_text) < 65536:
             raise ConfigError(f"{path}: {key}: port must be 1-65535, got {port_text!r}")
         port = int(port_text)
     if not host:
@@ -235,6 +274,20 @@ def _agent_address(sec: _Section, text: str | None) -> str | None:
     if not ok:
         sec.fail(sec.key("agent"), f"expected HOST:PORT (port 1-65535) or an http(s):// URL, got {text!r}")
     return text
+
+
+def _is_ipv6(text: str) -> bool:
+    try:
+        ipaddress.IPv6Address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def ssh_target_text(target: SshTarget) -> str:
+    """``user@host:port`` as the config writes it (an IPv6 address in brackets)."""
+    host = f"[{target.host}]" if ":" in target.host else target.host
+    return f"{target.user + '@' if target.user else ''}{host}:{target.port}"
 
 
 def _parse_host(path: Path, index: int, table: Any) -> HostConfig:
@@ -293,37 +346,62 @@ def _parse_log(path: Path, prefix: str, table: Any) -> LogSource:
     if engine not in ENGINES:
         sec.fail(sec.key("engine"), f"must be one of {', '.join(ENGINES)}, got {engine!r}")
     timezone = sec.get("timezone", str, "UTC")
+    if not _is_timezone(timezone):
+        sec.fail(sec.key("timezone"),
+                 f"unknown timezone {timezone!r} (an IANA name like Europe/Berlin, or UTC)")
     sec.done()
     return LogSource(kind=kind, target=target, engine=engine, timezone=timezone)
 
 
+def _is_timezone(name: str) -> bool:
+    """Whether the engine's log clock (engines.common.LogClock) takes this zone name."""
+    if name.upper() in ("UTC", "Z"):
+        return True
+    try:
+        ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError, OSError):  # OSError: "America" is a directory
+        return False
+    return True
+
+
 def _parse_topology(path: Path, table: Any, host_names: set[str]) -> TopologyConfig:
     sec = _Section(path, "topology", table)
-    placements = []
-    for i, row in enumerate(sec.get("map", list, [])):
+    rows = sec.get("map", list, [])
+    topo = TopologyConfig(
+        pp_size=sec.size("pp_size"),
+        tp_size=sec.size("tp_size"),
+        dp_size=sec.size("dp_size"),
+        nnodes=sec.size("nnodes"),
+        base_gpu_id=sec.positive("base_gpu_id", 0, minimum=0, maximum=MAX_GPU_INDEX),
+        gpu_id_step=sec.positive("gpu_id_step", 1, maximum=MAX_GPU_INDEX),
+    )
+    gpus = topo.pp_size * topo.tp_size * topo.dp_size
+    if gpus > MAX_GPUS:
+        sec.fail("topology", f"pp_size x tp_size x dp_size = {gpus} GPUs, more than gputrace "
+                             f"handles ({MAX_GPUS})")
+    placements: list[Placement] = []
+    mapped: dict[tuple[str, int], int] = {}
+    for i, row in enumerate(rows):
         rs = _Section(path, f"topology.map[{i}]", row)
         host = rs.get("host", str, required=True)
         if host not in host_names:
             rs.fail(rs.key("host"), f"no host named {host!r} in [[hosts]]")
-        placements.append(Placement(
+        placement = Placement(
             host=host,
-            gpu_index=rs.positive("gpu", 0, minimum=0),
-            pp_rank=rs.get("pp_rank", int, required=True),
-            tp_rank=rs.positive("tp_rank", 0, minimum=0),
-            dp_rank=rs.positive("dp_rank", 0, minimum=0),
-        ))
+            gpu_index=rs.positive("gpu", 0, minimum=0, maximum=MAX_GPU_INDEX),
+            pp_rank=rs.rank("pp_rank", topo.pp_size, "pp_size", required=True),
+            # tp and dp ranks only within the largest size: a table may be given without tp/dp sizes
+            tp_rank=rs.rank("tp_rank", MAX_PARALLEL_SIZE, "the largest size"),
+            dp_rank=rs.rank("dp_rank", MAX_PARALLEL_SIZE, "the largest size"),
+        )
         rs.done()
-    topo = TopologyConfig(
-        pp_size=sec.positive("pp_size", 1),
-        tp_size=sec.positive("tp_size", 1),
-        dp_size=sec.positive("dp_size", 1),
-        nnodes=sec.positive("nnodes", 1),
-        base_gpu_id=sec.positive("base_gpu_id", 0, minimum=0),
-        gpu_id_step=sec.positive("gpu_id_step", 1),
-        placements=tuple(placements),
-    )
+        first = mapped.setdefault((host, placement.gpu_index), i)
+        if first != i:
+            rs.fail(rs.key("gpu"), f"GPU {placement.gpu_index} of host {host!r} is mapped twice "
+                                   f"(also in topology.map[{first}])")
+        placements.append(placement)
     sec.done()
-    return topo
+    return dataclasses.replace(topo, placements=tuple(placements))
 
 
 def _parse_load(path: Path, table: Any) -> LoadConfig:
@@ -333,10 +411,11 @@ def _parse_load(path: Path, table: Any) -> LoadConfig:
         model=sec.get("model", str, "default"),
         concurrency=sec.int_list("concurrency", (1, 8, 32, 64), minimum=1) or (1,),
         max_tokens=sec.positive("max_tokens", 512),
-        requests_per_level=sec.get("requests_per_level", int),
-        duration_per_level_s=sec.get("duration_per_level_s", float),
+        requests_per_level=(None if sec.get("requests_per_level", int) is None
+                            else sec.positive("requests_per_level", 1)),
+        duration_per_level_s=sec.number("duration_per_level_s", None, exclusive=True),
         prompts_file=sec.get("prompts_file", str),
-        temperature=sec.get("temperature", float, 0.0),
+        temperature=sec.number("temperature", 0.0) or 0.0,
         stream=sec.get("stream", bool, True),
         ignore_eos=sec.get("ignore_eos", bool, False),
         burst=sec.get("burst", bool, False),
@@ -353,6 +432,8 @@ def parse_config(text: str, path: Path) -> Config:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    except RecursionError:  # tomllib recurses per level of nested arrays and inline tables
+        raise ConfigError(f"{path}: not a gputrace.toml: arrays or tables nested too deeply") from None
     top = _Section(path, "", raw)
     run = top.get("run", dict, {})
     run_sec = _Section(path, "run", run)
@@ -369,6 +450,10 @@ def parse_config(text: str, path: Path) -> Config:
         names.add(h.name)
     topo_table = top.get("topology", dict)
     topology = _parse_topology(path, topo_table, names) if topo_table is not None else TopologyConfig()
+    for i, h in enumerate(hosts):
+        if h.node_rank >= topology.nnodes:
+            top.fail(f"hosts[{i}].node_rank", f"must be below topology.nnodes ({topology.nnodes}), "
+                                              f"got {h.node_rank}")
     load_table = top.get("load", dict)
     load = _parse_load(path, load_table) if load_table is not None else None
     top.done()

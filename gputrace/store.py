@@ -42,6 +42,7 @@ from gputrace.run_tables import (
     Window,
     probe_columns,
 )
+from gputrace.topology import check_meta_topology
 
 SCHEMA_VERSION = 1
 DB_FILE = "run.duckdb"
@@ -57,6 +58,25 @@ ROW_GROUP_ROWS = 65_536
 
 R = TypeVar("R")
 log = get_logger("store")
+
+# The import ledger: one row per file imported into the run, keyed by the sha256 of its bytes, so
+# the same content given again (under any path) adds nothing. Not a record table: no analysis reads it.
+IMPORTS_TABLE = "imported_files"
+_IMPORTS_DDL = ("sha256 VARCHAR, probe VARCHAR, kind VARCHAR, path VARCHAR, size_bytes BIGINT, "
+                "imported_ns BIGINT")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ImportedFile:
+    """A file in the import ledger: its content's sha256 (and the cheap probe that finds the
+    candidates, gputrace.imports.ledger), what it was imported as, from where, when."""
+
+    sha256: str
+    probe: str
+    kind: str  # "sglang log", "aiperf", "nvidia-smi-csv", ...
+    path: str  # as it was given, resolved
+    size_bytes: int
+    imported_ns: int
 
 # What DuckDB raises when a write fails for a reason outside the data (measured on a full tmpfs:
 # IOException for a direct write or a failed checkpoint, TransactionException for a WAL commit).
@@ -144,6 +164,10 @@ def _meta_from_json(raw: dict[str, Any], meta_path: Path) -> RunMeta:
             raise StoreError(f"{meta_path}: {name} must be a JSON object")
     if not isinstance(values.get("name"), str):
         raise StoreError(f"{meta_path}: name must be a string")
+    try:  # a size from input is bounded where it enters
+        check_meta_topology(values.get("topology") or {})
+    except StoreError as exc:
+        raise StoreError(f"{meta_path.parent}: {exc}") from None
     return RunMeta(**values)
 
 
@@ -169,6 +193,8 @@ def _first_line(exc: BaseException) -> str:
 def _create_missing_tables(con: duckdb.DuckDBPyConnection, temporary: bool) -> None:
     have = {row[0] for row in con.execute(
         "SELECT table_name FROM duckdb_tables() WHERE database_name = 'run'").fetchall()}
+    if IMPORTS_TABLE not in have:
+        con.execute(f"CREATE {'TEMP ' if temporary else ''}TABLE {IMPORTS_TABLE} ({_IMPORTS_DDL})")
     for table, cols in _TABLE_COLUMNS.items():
         if table not in have:
             ddl = ", ".join(f'"{n}" {_SQL_TYPES[t]}' for n, t in cols)
@@ -479,6 +505,20 @@ class Store:
                 (self.path / name).unlink()
         if not os.listdir(self.path):
             self.path.rmdir()
+
+    def imported_like(self, probe: str) -> list[ImportedFile]:
+        """The ledger's files with this probe (the candidates for the same content), oldest first."""
+        names = ", ".join(f.name for f in dataclasses.fields(ImportedFile))
+        rows = self.sql(f"SELECT {names} FROM {IMPORTS_TABLE} WHERE probe = ? ORDER BY imported_ns", [probe])
+        return [ImportedFile(*row) for row in rows]
+
+    def record_import(self, entry: ImportedFile) -> None:
+        """Add a file to the import ledger (once its rows are in)."""
+        try:
+            self._con.execute(f"INSERT INTO {IMPORTS_TABLE} VALUES (?, ?, ?, ?, ?, ?)",
+                              [getattr(entry, f.name) for f in dataclasses.fields(ImportedFile)])
+        except duckdb.Error as exc:
+            raise StoreWriteError(f"{self.path}: cannot write the import ledger: {_first_line(exc)}") from exc
 
     def count(self, table: str) -> int:
         _schema(table)

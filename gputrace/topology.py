@@ -9,9 +9,22 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from gputrace.errors import ConfigError, StoreError
+
+# The largest pipeline, tensor or data parallel size (and node count) gputrace takes from any
+# input (config, log, meta.json, command line): far beyond any deployment (the largest run
+# PP x TP in the tens), and small enough that what is built per stage or GPU stays small (a
+# pp_size of 10^9 from a config built placements until the collector held 2.8 GB).
+MAX_PARALLEL_SIZE = 1024
+MAX_GPUS = 65_536  # pp x tp x dp: the GPUs of one deployment
+MAX_GPU_INDEX = 1023  # a GPU's index on its host (NVML numbers a node's GPUs from 0; nodes hold 8 or 16)
+
+
+def is_parallel_size(value: object) -> TypeGuard[int]:
+    """Whether ``value`` is a parallel size gputrace takes: an integer from 1 to MAX_PARALLEL_SIZE."""
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_PARALLEL_SIZE
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,8 +52,8 @@ def sglang_node_placements(
     gpu_id = base_gpu_id + (pp_rank % pp_per_node) * tp_per_node + (tp_rank % tp_per_node) * step,
     with pp_per_node = max(pp_size // nnodes, 1) and nnodes_per_pp_rank = max(nnodes // pp_size, 1).
     """
-    if pp_size < 1 or tp_size < 1 or nnodes < 1:
-        raise ConfigError(f"topology: pp_size, tp_size and nnodes must be >= 1 "
+    if not all(is_parallel_size(v) for v in (pp_size, tp_size, nnodes)):
+        raise ConfigError(f"topology: pp_size, tp_size and nnodes must be 1 to {MAX_PARALLEL_SIZE} "
                           f"(got {pp_size}, {tp_size}, {nnodes})")
     if not 0 <= node_rank < nnodes:
         raise ConfigError(f"topology: node_rank {node_rank} outside 0..{nnodes - 1}")
@@ -84,14 +97,34 @@ def topology_to_meta(pp_size: int, tp_size: int, dp_size: int,
     }
 
 
+def check_meta_topology(topology: Mapping[str, Any]) -> None:
+    """StoreError naming the field when meta.json's topology holds a size gputrace does not take
+    (negative, zero, past MAX_PARALLEL_SIZE, not an integer) or a placement outside them."""
+    for name in ("pp_size", "tp_size", "dp_size"):
+        value = topology.get(name)
+        if value is not None and not is_parallel_size(value):
+            raise StoreError(f"meta.json topology.{name}: {value!a} is not a parallel size "
+                             f"(an integer from 1 to {MAX_PARALLEL_SIZE})")
+    placements_from_meta(topology)
+
+
 def placements_from_meta(topology: Mapping[str, Any]) -> list[Placement]:
-    """Inverse of :func:`topology_to_meta`."""
+    """Inverse of :func:`topology_to_meta`; StoreError for a row that is no placement or whose
+    ranks fall outside the sizes (a rank from 0 to size - 1)."""
     rows: Sequence[Mapping[str, Any]] = topology.get("placements", [])
+    sizes = {name: topology.get(f"{name[:2]}_size") for name in ("pp_rank", "tp_rank", "dp_rank")}
     out = []
     for i, row in enumerate(rows if isinstance(rows, list) else [rows]):
         try:
-            out.append(Placement(**row))
+            placement = Placement(**row)
         except TypeError as exc:  # not a mapping, or keys that are not a placement's
             raise StoreError(f"meta.json topology.placements[{i}]: not a placement ({row!a}): "
                              f"{exc}") from None
+        for name, size in sizes.items():
+            rank = getattr(placement, name)
+            limit = size if is_parallel_size(size) else MAX_PARALLEL_SIZE
+            if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < limit:
+                raise StoreError(f"meta.json topology.placements[{i}].{name}: {rank!a} is outside "
+                                 f"0 to {limit - 1}")
+        out.append(placement)
     return out

@@ -35,12 +35,13 @@ class SshServer:
     host_key_path: Path
     client_key_path: Path
     known_hosts_path: Path
+    listen: str = "127.0.0.1"  # the address sshd listens on (``::1`` for IPv6)
 
     def options(self, *, known_hosts: Path | None = None,
                 policy: HostKeyPolicy = HostKeyPolicy.VERIFY) -> SshOptions:
         """Client options for this server (as root, with the test client key)."""
         return SshOptions(
-            host="127.0.0.1", port=self.port, username="root",
+            host=self.listen, port=self.port, username="root",
             identity_files=(str(self.client_key_path),),
             known_hosts_path=str(known_hosts or self.known_hosts_path), host_key_policy=policy,
             keepalive_interval_s=2.0, connect_timeout_s=10.0,
@@ -50,7 +51,7 @@ class SshServer:
     def host_key_line(self) -> str:
         """The known_hosts line that trusts this server's host key."""
         key = Path(str(self.host_key_path) + ".pub").read_text().split()
-        return f"[127.0.0.1]:{self.port} {key[0]} {key[1]}\n"
+        return f"[{self.listen}]:{self.port} {key[0]} {key[1]}\n"
 
     def session_pids(self) -> list[int]:
         """The sshd processes serving connections (the children of the listener, and theirs)."""
@@ -142,9 +143,9 @@ def wait_no_processes(marker: str, timeout_s: float = 5.0) -> list[tuple[int, st
     return left
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+def _free_port(listen: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET6 if ":" in listen else socket.AF_INET) as sock:
+        sock.bind((listen, 0))
         return int(sock.getsockname()[1])
 
 
@@ -157,8 +158,8 @@ def write_key(path: Path, alg: str = "ssh-ed25519") -> Path:
 
 
 @contextlib.contextmanager
-def running_sshd(root: Path, sshd: str = "/usr/sbin/sshd") -> Iterator[SshServer]:
-    """Start sshd under ``root`` (a temporary directory) and stop it afterwards."""
+def running_sshd(root: Path, sshd: str = "/usr/sbin/sshd", listen: str = "127.0.0.1") -> Iterator[SshServer]:
+    """Start sshd under ``root`` (a temporary directory), listening on ``listen``, and stop it afterwards."""
     root.mkdir(parents=True, exist_ok=True)
     host_key = write_key(root / "host_ed25519")
     client_key = write_key(root / "client_ed25519")
@@ -167,19 +168,20 @@ def running_sshd(root: Path, sshd: str = "/usr/sbin/sshd") -> Iterator[SshServer
     # sshd refuses to start without its privilege-separation directory.
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
     for _attempt in range(5):
-        port = _free_port()
+        port = _free_port(listen)
         config = root / "sshd_config"
+        address = f"[{listen}]" if ":" in listen else listen
         config.write_text(
-            f"ListenAddress 127.0.0.1:{port}\nHostKey {host_key}\nPidFile {root / 'sshd.pid'}\n"
+            f"ListenAddress {address}:{port}\nHostKey {host_key}\nPidFile {root / 'sshd.pid'}\n"
             f"AuthorizedKeysFile {authorized}\nUsePAM no\nStrictModes no\n"
             "PermitRootLogin prohibit-password\nPasswordAuthentication no\n"
             "KbdInteractiveAuthentication no\nAllowTcpForwarding yes\nX11Forwarding no\n"
             "PrintMotd no\nMaxSessions 100\nMaxStartups 100\nLogLevel ERROR\n"
         )
         proc = subprocess.Popen([sshd, "-D", "-e", "-f", str(config)], stderr=subprocess.PIPE)
-        if _wait_listening(port, proc):
+        if _wait_listening(port, proc, listen):
             known = root / "known_hosts"
-            server = SshServer(proc, port, root, host_key, client_key, known)
+            server = SshServer(proc, port, root, host_key, client_key, known, listen)
             known.write_text(server.host_key_line())
             try:
                 yield server
@@ -191,13 +193,14 @@ def running_sshd(root: Path, sshd: str = "/usr/sbin/sshd") -> Iterator[SshServer
     raise RuntimeError("sshd did not start: " + (proc.stderr.read().decode() if proc.stderr else ""))
 
 
-def _wait_listening(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> bool:
+def _wait_listening(port: int, proc: subprocess.Popen[bytes], listen: str = "127.0.0.1",
+                    timeout_s: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             return False
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
+        with socket.socket(socket.AF_INET6 if ":" in listen else socket.AF_INET) as sock:
+            if sock.connect_ex((listen, port)) == 0:
                 return True
         time.sleep(0.02)
     return False

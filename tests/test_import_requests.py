@@ -198,7 +198,7 @@ def test_guidellm_json_nested_past_any_report_is_refused_in_one_line(tmp_path: P
 
     deep = tmp_path / "deep.json"
     deep.write_text("[" * 100_000 + "]" * 100_000)
-    with pytest.raises(ConfigError, match="not a guidellm JSON report"):
+    with pytest.raises(ConfigError, match=r"not a guidellm (JSON|benchmarks) report"):
         parse_guidellm(deep, host="c")
 
 

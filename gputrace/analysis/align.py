@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from gputrace.topology import Placement, placements_from_meta, sglang_placements
+from gputrace.topology import Placement, is_parallel_size, placements_from_meta, sglang_placements
 
 PROBE_BURST_GAP_NS = 5_000_000_000
 """Probes closer than this form one burst; the smallest round trip of a burst is kept."""
@@ -230,9 +230,11 @@ def stage_mapping(topology: Mapping[str, Any], engine_pp_size: int | None,
         return StageMapping(pp, tp, tuple(placements), f"meta.topology ({topology.get('source', '?')})")
     hosts = sorted({h for h, _ in gpu_keys})
     n_gpu = max(len(gpu_keys), 1)
-    if engine_pp_size:
-        pp, tp, source = engine_pp_size, engine_tp_size or 1, "engine config + SGLang formula"
-    elif log_pp_ranks:
+    # sizes outside 1..MAX_PARALLEL_SIZE (a store written before they were bounded) are not taken
+    if is_parallel_size(engine_pp_size):
+        pp, source = engine_pp_size, "engine config + SGLang formula"
+        tp = engine_tp_size if is_parallel_size(engine_tp_size) else 1
+    elif is_parallel_size(log_pp_ranks):
         pp, tp, source = log_pp_ranks, max(n_gpu // log_pp_ranks, 1), "log ranks + SGLang formula"
     else:
         pp, tp, source = 1, n_gpu, "assumed: one stage"

@@ -6,7 +6,7 @@ import os
 
 import click
 
-from gputrace.config import load_config
+from gputrace.config import load_config, ssh_target_text
 
 
 @click.command("check-config")
@@ -20,11 +20,7 @@ def command(path: str) -> None:
                f"nnodes={topo.nnodes}" + (f", {len(topo.placements)} explicit placements"
                                           if topo.placements else ""))
     for h in cfg.hosts:
-        if h.ssh is None:
-            where = "local"
-        else:
-            user = f"{h.ssh.user}@" if h.ssh.user else ""
-            where = f"ssh {user}{h.ssh.host}:{h.ssh.port}"
+        where = "local" if h.ssh is None else f"ssh {ssh_target_text(h.ssh)}"
         log = f"{h.log.kind} {h.log.target!r} ({h.log.engine})" if h.log else "no log source"
         click.echo(f"  host {h.name}: {where}; agent {h.agent or 'none'}; {log}")
         if h.ssh is None and h.log is not None and h.log.kind == "file" and \

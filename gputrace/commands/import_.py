@@ -26,6 +26,7 @@ from rich.progress import (
 
 from gputrace.engines.common import MAX_LINE_BYTES
 from gputrace.errors import SourceError
+from gputrace.imports import ledger
 from gputrace.imports.engine_log import default_source, ingest_log
 from gputrace.imports.nvidia_smi import import_nvidia_smi_csv, import_nvidia_smi_dmon, parse_tz
 from gputrace.imports.report import ImportReport
@@ -41,6 +42,11 @@ def _import_engine_logs(
     progress: bool | None,
 ) -> None:
     for path in paths:
+        known = ledger.check(store, path, f"{engine} log")
+        if known.earlier is not None:
+            click.echo(known.already_imported())
+            continue
+        content = ledger.StreamHash()
         size = os.path.getsize(path) if os.path.isfile(path) else 0
         show = progress if progress is not None else (size >= PROGRESS_MIN_BYTES and sys.stderr.isatty())
         year_until = None
@@ -52,7 +58,8 @@ def _import_engine_logs(
                        f"({last_write.isoformat()}); --date YYYY-MM-DD sets the year", err=True)
         with _bytes_progress(f"{engine} log {os.path.basename(path)}", size, show) as advance:
             stats = ingest_log(store, path, host=host, engine=engine, source=default_source(path),
-                               tz=timezone, date=date, year_until=year_until, on_progress=advance)
+                               tz=timezone, date=date, year_until=year_until, on_progress=advance,
+                               on_bytes=content.update)
         click.echo(stats.summary())
         if not any(stats.recognised.values()):
             other = "vllm" if engine == "sglang" else "sglang"
@@ -60,6 +67,8 @@ def _import_engine_logs(
                    if stats.lines_cut else "")
             raise SourceError(f"{path}: no {engine} line recognised in its {stats.lines} lines{cut}: is it "
                               f"the engine's log (a {other} log goes in with --{other}-log)?")
+        if (entry := known.entry(content.finish(path))) is not None:
+            store.record_import(entry)
 
 
 @contextmanager
@@ -76,6 +85,11 @@ def _bytes_progress(what: str, total_bytes: int, enabled: bool) -> Iterator[Call
         yield lambda done: bar.update(task, completed=done)
 
 
+# what the ledger calls each kind of file (the names the import summaries use)
+_LEDGER_KINDS = {"aiperf": "aiperf", "guidellm": "guidellm", "requests": "gputrace-jsonl",
+                 "smi_csv": "nvidia-smi-csv", "smi_dmon": "nvidia-smi-dmon"}
+
+
 def _import_load_and_smi_files(
     store: Store, host: str, host_given: bool, timezone: str, files: dict[str, tuple[str, ...]],
     smi_fields: str | None, aiperf_phase: str | None,
@@ -83,15 +97,24 @@ def _import_load_and_smi_files(
     """Request files (AIPerf, guidellm, gputrace JSONL) and nvidia-smi captures."""
     tz = parse_tz(timezone)
     fields = [f.strip() for f in smi_fields.split(",") if f.strip()] if smi_fields else None
-    results: list[ImportReport] = []
-    results += [import_aiperf(store, p, host, aiperf_phase) for p in files["aiperf"]]
-    results += [import_guidellm(store, p, host) for p in files["guidellm"]]
     # gputrace's own JSONL names its client host; --host replaces it only when given.
-    results += [import_requests_jsonl(store, p, host if host_given else None) for p in files["requests"]]
-    results += [import_nvidia_smi_csv(store, p, host, fields, tz) for p in files["smi_csv"]]
-    results += [import_nvidia_smi_dmon(store, p, host, tz) for p in files["smi_dmon"]]
-    for result in results:
-        click.echo(result.summary())
+    importers: dict[str, Callable[[str], ImportReport]] = {
+        "aiperf": lambda p: import_aiperf(store, p, host, aiperf_phase),
+        "guidellm": lambda p: import_guidellm(store, p, host),
+        "requests": lambda p: import_requests_jsonl(store, p, host if host_given else None),
+        "smi_csv": lambda p: import_nvidia_smi_csv(store, p, host, fields, tz),
+        "smi_dmon": lambda p: import_nvidia_smi_dmon(store, p, host, tz),
+    }
+    for kind, import_file in importers.items():
+        for path in files[kind]:
+            known = ledger.check(store, path, _LEDGER_KINDS[kind])
+            if known.earlier is not None:
+                click.echo(known.already_imported())
+                continue
+            click.echo(import_file(path).summary())
+            # these files are small and read whole by their parsers: hashed after, in one more pass
+            if (entry := known.entry(ledger.StreamHash().finish(path))) is not None:
+                store.record_import(entry)
 
 
 _FILE = click.Path(dir_okay=False, path_type=str)

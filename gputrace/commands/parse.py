@@ -14,19 +14,22 @@ import numpy as np
 from gputrace.engines import ENGINES, KINDS, LogParser, fastpath
 from gputrace.engines.common import METRIC_FIELDS, RANK_FIELDS
 from gputrace.errors import SourceError, UsageError
-from gputrace.imports.engine_log import chunk_lines, open_log, read_chunks
+from gputrace.imports.engine_log import GzipLog, chunk_lines, open_log, read_chunks
 
 
-def _chunks_of(path: str) -> Iterator[bytes]:
+def _chunks_of(path: str, cuts: list[str]) -> Iterator[bytes]:
+    """The file's chunks; a .gz file that ends early adds why to ``cuts`` (what came before is read)."""
     if path == "-":
         yield from read_chunks(sys.stdin.buffer, 1 << 20)
         return
     with open_log(path) as log:
         yield from read_chunks(log, 1 << 20)
+        if isinstance(log, GzipLog) and log.cut is not None:
+            cuts.append(log.cut)
 
 
-def _lines_of(path: str) -> Iterator[str]:
-    for chunk in _chunks_of(path):
+def _lines_of(path: str, cuts: list[str]) -> Iterator[str]:
+    for chunk in _chunks_of(path, cuts):
         yield from chunk_lines(chunk)
 
 
@@ -86,28 +89,37 @@ def command(paths: tuple[str, ...], engine: str) -> None:
 
 def _parse_all(paths: tuple[str, ...], engine: str, out: IO[str], fast: bool = True) -> tuple[int, int]:
     """Parse every file to ``out``; (lines read, lines recognised)."""
-    total_lines = total_unrecognised = 0
+    total_lines = total_unrecognised = total_bad = 0
+    first_bad: str | None = None
     totals = dict.fromkeys(KINDS, 0)
     for path in paths:
         parser = LogParser(host="", source=path, engine=engine)
+        cuts: list[str] = []
         if fast and engine in ("auto", "sglang"):
-            for chunk in _chunks_of(path):
+            for chunk in _chunks_of(path, cuts):
                 _parse_chunk(parser, chunk, out)
         else:
-            for line in _lines_of(path):
+            for line in _lines_of(path, cuts):
                 parsed = parser.parse(line)
                 if parsed is not None:
                     out.write(json.dumps(parsed.to_json_obj(), default=str) + "\n")
         counts = parser.counts
+        for cut in cuts:  # damage read around: said, not an error (the lines before it are out)
+            click.echo(f"gputrace: warning: {path}: FILE CUT: {cut}: its {counts.lines} lines before that "
+                       "were read, the rest is lost", err=True)
         total_lines += counts.lines
         total_unrecognised += counts.unrecognised
+        total_bad += counts.bad_values
+        if first_bad is None and counts.first_bad_value is not None:
+            first_bad = f"{path} {counts.first_bad_value}"
         for kind in KINDS:
             totals[kind] += counts.recognised.get(kind, 0)
         if len(paths) > 1:
             click.echo(f"{path}: {_summary(counts.lines, dict(counts.recognised), counts.unrecognised)}",
                        err=True)
     out.flush()
-    click.echo(f"total: {_summary(total_lines, totals, total_unrecognised)}", err=True)
+    click.echo(f"total: {_summary(total_lines, totals, total_unrecognised)}"
+               + (f"; {total_bad} bad values left out (first: {first_bad})" if total_bad else ""), err=True)
     return total_lines, sum(totals.values())
 
 

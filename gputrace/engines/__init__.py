@@ -49,6 +49,14 @@ class ParseCounts:
     lines: int = 0
     recognised: Counter[str] = field(default_factory=Counter)  # per kind
     unrecognised: int = 0
+    bad_values: int = 0  # values a recognised line logged that break the value rule: not stored
+    first_bad_value: str | None = None  # "line N: name='text'"
+
+    def count_bad(self, line_no: int, bad_values: tuple[str, ...]) -> None:
+        if bad_values:
+            self.bad_values += len(bad_values)
+            if self.first_bad_value is None:
+                self.first_bad_value = f"line {line_no}: {bad_values[0]}"
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -87,6 +95,7 @@ class LogParser:
 
     def parse(self, line: str) -> ParsedLine | None:
         """Parse and count the next line; returns the engine-neutral ParsedLine."""
+        line_no = self.next_line_no
         self.next_line_no += 1
         self.counts.lines += 1
         try:
@@ -97,6 +106,7 @@ class LogParser:
             self.counts.unrecognised += 1
         else:
             self.counts.recognised[parsed.kind] += 1
+            self.counts.count_bad(line_no, parsed.bad_values)
         return parsed
 
     def feed(self, line: str, recv_ts_ns: int | None = None) -> SchedulerEvent | EngineConfig | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from gputrace.errors import UsageError
 from gputrace.model import EngineConfig, SchedulerEvent
+from gputrace.topology import is_parallel_size
 
 Value = int | float | bool | None
 
@@ -64,6 +66,8 @@ class ParsedLine:
     ep_rank: int | None = None
     values: dict[str, Value] = field(default_factory=dict)  # METRIC_FIELDS names
     config: dict[str, object] | None = None  # config lines: every field by its engine name
+    # fields logged with a value the value rule refuses, as ``name='text'``: not in ``values``
+    bad_values: tuple[str, ...] = ()
 
     def to_record(
         self, *, host: str, source: str, line_no: int, recv_ts_ns: int | None = None
@@ -71,7 +75,8 @@ class ParsedLine:
         """The store record of this line."""
         if self.kind == "config":
             cfg = self.config or {}
-            typed = {name: _config_int(cfg, keys) for name, keys in CONFIG_FIELD_NAMES.items()}
+            typed = {name: _config_int(cfg, keys, name in PARALLEL_SIZES)
+                     for name, keys in CONFIG_FIELD_NAMES.items()}
             return EngineConfig(
                 host=host, source=source, engine=self.engine, line_no=line_no,
                 log_ts_ns=self.log_ts_ns, fields_json=json.dumps(cfg, default=str), **typed,
@@ -97,33 +102,61 @@ class ParsedLine:
         return obj
 
 
-def _config_int(cfg: dict[str, object], keys: tuple[str, ...]) -> int | None:
+PARALLEL_SIZES = ("pp_size", "tp_size", "dp_size")
+
+
+def _config_int(cfg: dict[str, object], keys: tuple[str, ...], is_size: bool) -> int | None:
     for key in keys:
         value = cfg.get(key)
-        # past int64 it is no setting (a garbled line) and no column could hold it: None, while
-        # fields_json keeps it as logged
-        if isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63:
+        # past int64 it is no setting (a garbled line) and no column could hold it; a parallel
+        # size outside 1..MAX_PARALLEL_SIZE is none either: None (a bad value, counted by the
+        # grammar), while fields_json keeps it as logged
+        if is_size:
+            if is_parallel_size(value):
+                return value
+        elif isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63:
             return value
     return None
 
 
+def config_bad_values(cfg: dict[str, object]) -> tuple[str, ...]:
+    """The parallel sizes of a configuration line that are none (``pp_size=-3``): not taken."""
+    bad = []
+    for name in PARALLEL_SIZES:
+        for key in CONFIG_FIELD_NAMES[name]:
+            if key in cfg and cfg[key] is not None and not is_parallel_size(cfg[key]):
+                bad.append(f"{name}={str(cfg[key])[:40]!a}")
+    return tuple(bad)
+
+
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+# One rule for every logged value, in every grammar and in the fast path: a count is a
+# non-negative integer within int64, a ratio or rate a finite non-negative number; anything else
+# is a bad value (counted, not stored), never a NULL that stands for "not logged".
+MAX_COUNT = 2**63 - 1
+_MAX_COUNT_DIGITS = len(str(MAX_COUNT))
+_MAX_NUMBER_CHARS = 64  # longer number text is garbage (and float() of a huge one is slow)
 
 
 _BOOLS = {"True": True, "False": False, "true": True, "false": False}
 
 
 def convert_value(text: str, kind: type) -> Value:
-    """A logged value as ``kind``; None when it does not fit (a garbled or truncated value)."""
+    """A logged value as ``kind``; None when it breaks the value rule above (a garbled, truncated,
+    negative, non-finite or out-of-range value)."""
     text = text.strip().rstrip("%")
     if kind is bool:
         return _BOOLS.get(text)
     if kind is int:
-        digits = text.lstrip("+-")
-        # More than 18 digits cannot be a count and would not fit the store's int64 columns.
-        ok = digits.isascii() and digits.isdigit() and len(digits) <= 18 and len(text) - len(digits) <= 1
-        return int(text) if ok else None
-    return float(text) if _NUMBER.fullmatch(text) else None
+        digits = text.removeprefix("+")
+        if not (digits.isascii() and digits.isdigit() and len(digits) <= _MAX_COUNT_DIGITS):
+            return None
+        count = int(digits)
+        return count if count <= MAX_COUNT else None
+    if len(text) > _MAX_NUMBER_CHARS or not _NUMBER.fullmatch(text):
+        return None
+    number = float(text)
+    return number if math.isfinite(number) and number >= 0 else None
 
 
 class LogClock:
@@ -140,8 +173,8 @@ class LogClock:
                  year_until: Callable[[], dt.date] | None = None):
         try:
             self.tz = dt.UTC if tz.upper() in ("UTC", "Z") else ZoneInfo(tz)
-        except (ZoneInfoNotFoundError, ValueError) as exc:
-            raise UsageError(f"unknown timezone {tz!r} (use an IANA name like Europe/Berlin)") from exc
+        except (ZoneInfoNotFoundError, ValueError, OSError) as exc:  # OSError: a directory ("America")
+            raise UsageError(f"unknown timezone {tz[:100]!r} (use an IANA name like Europe/Berlin)") from exc
         self.is_utc = self.tz is dt.UTC
         if isinstance(date, str):
             try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from gputrace.engines.common import LogClock, ParsedLine, Value, convert_value
+from gputrace.engines.common import LogClock, ParsedLine, Value, config_bad_values, convert_value
 from gputrace.engines.reprs import python_dict, python_kwargs, simple_kwargs
 
 ENGINE = "sglang"
@@ -33,7 +33,10 @@ _BRACKETS = re.compile(r"\[([^\[\]]*)\]")
 RANK_TAG = re.compile(r"(?<![A-Za-z0-9_])(DP|PP|ATTN_CP|MOE_DP|TP|EP)(\d{1,9})(?![A-Za-z0-9_])")
 RANK_FIELDS = {"DP": "dp_rank", "PP": "pp_rank", "TP": "tp_rank", "EP": "ep_rank"}
 _GPU_TAG = re.compile(r"\[gpu(?:_id)?=(\d+)\]")
-_FIELD = re.compile(r"(#?[A-Za-z][\w \-/()]*?): ([-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?%?|True|False)")
+# A value is the text up to the next separator (a comma, a space, v0.1's ". "): the value rule
+# (common.convert_value) decides whether it is one, so `-5`, `inf` or `1e309` are bad values,
+# counted, not silently absent.
+_FIELD = re.compile(r"(#?[A-Za-z][\w \-/()]*?): ([^\s,]*[^\s,.])")
 
 # SGLang's field names (all versions) -> SchedulerEvent fields.
 _KEYS: dict[str, str] = {
@@ -65,10 +68,12 @@ _FIELD_TYPES: dict[str, type] = {
 }
 
 
-def batch_fields(message: str) -> dict[str, Value]:
-    """The SchedulerEvent metric fields named in a batch message (unknown names ignored)."""
+def batch_fields(message: str) -> tuple[dict[str, Value], tuple[str, ...]]:
+    """The SchedulerEvent metric fields named in a batch message (unknown names ignored), and the
+    known fields whose value breaks the value rule (``name='text'``, not kept)."""
     values: dict[str, Value] = {}
     fallback: dict[str, Value] = {}
+    bad: list[str] = []
     for key, text in _FIELD.findall(message):
         key = key.strip()
         name = _KEYS.get(key)
@@ -78,12 +83,16 @@ def batch_fields(message: str) -> dict[str, Value]:
             target = fallback
             if name is None:
                 continue
+        if name in target:
+            continue
         value = convert_value(text, _FIELD_TYPES[name])
-        if value is not None and name not in target:
+        if value is None:
+            bad.append(f"{name}={text[:40]!a}")
+        else:
             target[name] = value
     for name, value in fallback.items():
         values.setdefault(name, value)
-    return values
+    return values, tuple(bad)
 
 
 def _prefix_fields(head: str, clock: LogClock) -> dict[str, object]:
@@ -125,11 +134,12 @@ def parse_line(line: str, clock: LogClock) -> ParsedLine | None:
             kind = "decode"
         else:
             return _config_line(line, marker, clock)
-    values = batch_fields(message)
-    if not values:
+    values, bad = batch_fields(message)
+    if not values:  # not one value the rule takes: no scheduler line
         return None
     prefix = _prefix_fields(head, clock)
-    return ParsedLine(engine=ENGINE, kind=kind, values=values, **prefix)  # type: ignore[arg-type]
+    return ParsedLine(engine=ENGINE, kind=kind, values=values, bad_values=bad,
+                      **prefix)  # type: ignore[arg-type]
 
 
 def _config_line(line: str, marker: re.Match[str], clock: LogClock) -> ParsedLine | None:
@@ -144,4 +154,5 @@ def _config_line(line: str, marker: re.Match[str], clock: LogClock) -> ParsedLin
     if not fields:
         return None
     prefix = _prefix_fields(line[: marker.start()], clock)
-    return ParsedLine(engine=ENGINE, kind="config", config=fields, **prefix)  # type: ignore[arg-type]
+    return ParsedLine(engine=ENGINE, kind="config", config=fields, bad_values=config_bad_values(fields),
+                      **prefix)  # type: ignore[arg-type]

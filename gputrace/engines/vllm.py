@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from gputrace.engines.common import LogClock, ParsedLine, Value, convert_value
+from gputrace.engines.common import LogClock, ParsedLine, Value, config_bad_values, convert_value
 from gputrace.engines.reprs import python_dict, python_kwargs
 
 ENGINE = "vllm"
@@ -21,7 +21,8 @@ _TIMESTAMP = re.compile(
     r"(?<![\d:.-])(?:(\d{4})-)?(\d\d)-(\d\d) (\d\d:\d\d:\d\d)(?:[.,](\d{1,9}))?(?![\d:])"
 )
 _ENGINE_INDEX = re.compile(r"(?<!\w)Engine (\d+): *$")
-_FIELD = re.compile(r"([A-Za-z][A-Za-z ]*?): ([-+]?\d+(?:\.\d+)?)")
+# the value is the text up to the next separator; the value rule (common.convert_value) judges it
+_FIELD = re.compile(r"([A-Za-z][A-Za-z ]*?): ([^\s,]*[^\s,.])")
 _KEYS: dict[str, tuple[str, type, float]] = {  # field, type, divisor
     "Avg prompt throughput": ("input_throughput_tok_s", float, 1.0),
     "Avg generation throughput": ("gen_throughput_tok_s", float, 1.0),
@@ -39,17 +40,18 @@ def parse_line(line: str, clock: LogClock) -> ParsedLine | None:
     if marker is None:
         return _config_line(line, clock)
     values: dict[str, Value] = {}
+    bad: list[str] = []
     for key, text in _FIELD.findall(line, marker.start()):
         spec = _KEYS.get(key.strip())
         if spec is None or spec[0] in values:
             continue
         name, kind, divisor = spec
         value = convert_value(text, kind)
-        if isinstance(value, float) and divisor != 1.0:
-            value = value / divisor
-        if value is not None:
-            values[name] = value
-    if not values:
+        if value is None:
+            bad.append(f"{name}={text[:40]!a}")
+            continue
+        values[name] = value / divisor if isinstance(value, float) and divisor != 1.0 else value
+    if not values:  # not one value the rule takes: no scheduler line
         return None
     head = line[: marker.start()]
     ts_text, log_ts_ns, resolution = _stamp(head, clock)
@@ -58,7 +60,7 @@ def parse_line(line: str, clock: LogClock) -> ParsedLine | None:
     dp_rank = int(engine_index.group(1)) if engine_index else None
     return ParsedLine(
         engine=ENGINE, kind="stats", ts_text=ts_text, log_ts_ns=log_ts_ns,
-        ts_resolution_ns=resolution, dp_rank=dp_rank, values=values,
+        ts_resolution_ns=resolution, dp_rank=dp_rank, values=values, bad_values=tuple(bad),
     )
 
 
@@ -85,4 +87,4 @@ def _config_line(line: str, clock: LogClock) -> ParsedLine | None:
         return None
     ts_text, log_ts_ns, resolution = _stamp(line[: marker.start()], clock)
     return ParsedLine(engine=ENGINE, kind="config", ts_text=ts_text, log_ts_ns=log_ts_ns,
-                      ts_resolution_ns=resolution, config=fields)
+                      ts_resolution_ns=resolution, config=fields, bad_values=config_bad_values(fields))

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import datetime as dt
 import gzip
+import io
 import os
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import numpy as np
 import pyarrow as pa
@@ -22,8 +24,11 @@ from gputrace.engines import KINDS, LogParser, fastpath
 from gputrace.engines.common import MAX_LINE_BYTES, METRIC_FIELDS, RANK_FIELDS, LogClock, ParsedLine
 from gputrace.errors import SourceError
 from gputrace.imports.report import ImportReport, write_rows
+from gputrace.logsetup import get_logger
 from gputrace.model import EngineConfig
 from gputrace.store import ROW_GROUP_ROWS, Store
+
+log = get_logger("import")
 
 CHUNK_BYTES = 8 << 20
 # Scanning costs memory per line, not per byte (about 200 bytes a line): a chunk of short or blank
@@ -34,15 +39,81 @@ _WORKERS = min(4, os.cpu_count() or 1)
 _EVENT_INT_COLUMNS = ("line_no", "log_ts_ns", "ts_resolution_ns", *RANK_FIELDS)
 
 
-def open_log(path: str | os.PathLike[str]) -> IO[bytes]:
-    """A log file as bytes (gzip by magic number, whatever its name); SourceError if unreadable."""
+class GzipLog(gzip.GzipFile):
+    """A gzip log that ends where its data does: a cut or corrupt stream (a copy stopped short, a
+    disk that filled) gives every byte that decompresses, then end of file, and says so in
+    ``cut``, instead of raising and losing the file."""
+
+    cut: str | None = None
+    decompressed_bytes = 0
+    file_bytes = 0  # the compressed file's size
+
+    def read(self, size: int | None = -1) -> bytes:
+        if self.cut is not None:
+            return b""
+        want = -1 if size is None else size
+        parts: list[bytes] = []
+        got = 0
+        try:
+            # read1 hands out what each step decompressed, so nothing before the damage is lost
+            while want < 0 or got < want:
+                part = self.read1(want - got if want >= 0 else 1 << 20)
+                if not part:
+                    break
+                parts.append(part)
+                got += len(part)
+        except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
+            at = self.decompressed_bytes + got
+            self.cut = (f"the gzip data ends before its end marker ({self.file_bytes} bytes of file, "
+                        f"{at} bytes decompressed)" if isinstance(exc, EOFError) else
+                        f"the gzip data is corrupt after {at} decompressed bytes ({exc})")
+        self.decompressed_bytes += got
+        return b"".join(parts)
+
+
+class _Tee(io.RawIOBase):
+    """A file's bytes as read, each block also handed to ``on_bytes`` (the import ledger's hash:
+    one pass over the file, not two)."""
+
+    def __init__(self, raw: io.BufferedReader, on_bytes: Callable[[memoryview], None]):
+        self._raw = raw
+        self._on_bytes = on_bytes
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        n = self._raw.readinto(buffer)
+        if n:
+            self._on_bytes(memoryview(buffer)[:n])
+        return n
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
+def open_log(path: str | os.PathLike[str], on_bytes: Callable[[memoryview], None] | None = None
+             ) -> IO[bytes]:
+    """A log file as bytes (gzip by magic number, whatever its name: a GzipLog); SourceError if
+    unreadable. ``on_bytes`` sees the file's own bytes (compressed, for a .gz) as they are read."""
     try:
         raw = open(path, "rb")  # noqa: SIM115  # returned to the caller, who closes it
     except OSError as exc:
         raise SourceError(f"{path}: cannot read the log: {exc.strerror}") from exc
-    if raw.peek(2)[:2] == b"\x1f\x8b":
-        return gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[return-value]
-    return raw
+    gzipped = raw.peek(2)[:2] == b"\x1f\x8b"
+    file_bytes = os.fstat(raw.fileno()).st_size
+    stream: IO[bytes] = raw
+    if on_bytes is not None:
+        stream = io.BufferedReader(_Tee(raw, on_bytes), buffer_size=1 << 20)
+    if gzipped:
+        log = GzipLog(fileobj=stream, mode="rb")
+        log.file_bytes = file_bytes
+        return log  # type: ignore[return-value]
+    return stream
 
 
 def _reporting(chunks: Iterator[bytes], raw: IO[bytes], on_progress: Callable[[int], None]
@@ -171,6 +242,7 @@ def ingest_log(
     batch_rows: int = 2 * ROW_GROUP_ROWS,
     chunk_bytes: int = CHUNK_BYTES,
     on_progress: Callable[[int], None] | None = None,
+    on_bytes: Callable[[memoryview], None] | None = None,
 ) -> ImportReport:
     """Parse a whole log file and append its events and configuration lines to ``store``.
 
@@ -180,7 +252,8 @@ def ingest_log(
     ``batch_rows`` at a time, fast-path rows in whole row groups of the store (each append is one
     committed transaction, so a failure leaves every earlier batch readable); two groups a batch
     let the database write on two threads while the next batch is parsed. ``on_progress`` is
-    called with the bytes of the file read so far (compressed bytes for a .gz), chunk by chunk.
+    called with the bytes of the file read so far (compressed bytes for a .gz), chunk by chunk;
+    ``on_bytes`` with each block of the file as read (the import ledger hashes it).
     """
     source = source or str(path)
     parser = LogParser(host=host, source=source, engine=engine, tz=tz, date=date, year_until=year_until)
@@ -188,7 +261,7 @@ def ingest_log(
                          written={"scheduler_events": 0, "engine_configs": 0})
     events = _EventColumns()
     configs: list[EngineConfig] = []
-    with open_log(path) as stream:
+    with open_log(path, on_bytes) as stream:
         chunks = read_chunks(stream, chunk_bytes, on_cut=stats.count_cut_line)
         if on_progress is not None:
             raw: IO[bytes] = stream.fileobj if isinstance(stream, gzip.GzipFile) else stream
@@ -214,6 +287,10 @@ def ingest_log(
     stats.lines = counts.lines
     stats.recognised = {k: counts.recognised.get(k, 0) for k in KINDS}
     stats.unrecognised = counts.unrecognised
+    stats.bad_values, stats.first_bad_value = counts.bad_values, counts.first_bad_value
+    if isinstance(stream, GzipLog) and stream.cut is not None:
+        stats.cut = f"{stream.cut}: its {counts.lines} lines before that were read, the rest is lost"
+        log.warning("log file cut", file=str(path), cut=stats.cut)
     return stats
 
 

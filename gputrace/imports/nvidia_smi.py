@@ -68,13 +68,14 @@ def parse_tz(spec: str | None) -> dt.tzinfo:
         try:
             hours, _, minutes = spec[1:].partition(":")
             delta = dt.timedelta(hours=int(hours), minutes=int(minutes or 0))
-        except ValueError:
-            raise ConfigError(f"--tz: expected UTC, +HH:MM or a zone name, got {spec!r}") from None
-        return dt.timezone(delta if spec[0] == "+" else -delta)
+            return dt.timezone(delta if spec[0] == "+" else -delta)
+        except (ValueError, OverflowError):  # also an offset of a day or more
+            raise ConfigError(f"--timezone: expected UTC, +HH:MM (under 24 h) or a zone name, "
+                              f"got {spec[:100]!r}") from None
     try:
         return zoneinfo.ZoneInfo(spec)
-    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
-        raise ConfigError(f"--tz: unknown time zone {spec!r}") from None
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError, OSError):  # OSError: "America" is a directory
+        raise ConfigError(f"--timezone: unknown time zone {spec[:100]!r}") from None
 
 
 class _Clock:

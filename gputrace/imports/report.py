@@ -43,6 +43,9 @@ class ImportReport:
     unrecognised: int = 0
     fast_path_lines: int = 0
     lines_cut: int = 0  # longer than MAX_LINE_BYTES: read up to it, the rest skipped
+    bad_values: int = 0  # values that break the value rule (engines.common): not stored
+    cut: str | None = None  # a compressed file that ends early: where, and what was read
+    first_bad_value: str | None = None
     # -- Prometheus
     gpus: int = 0
     ranks: int = 0
@@ -87,7 +90,10 @@ class ImportReport:
                     f"unrecognised {self.unrecognised}; {self.events_written} events, "
                     f"{self.configs_written} configuration records"
                     + (f"; {self.lines_cut} lines longer than {MAX_LINE_BYTES >> 20} MiB cut there"
-                       if self.lines_cut else ""))
+                       if self.lines_cut else "")
+                    + (f"; {self.bad_values} bad values not stored (first: {self.first_bad_value})"
+                       if self.bad_values else "")
+                    + (f"; FILE CUT: {self.cut}" if self.cut else ""))
         parts = [f"{n} {table}" for table, n in self.written.items() if n]
         line = f"{self.path} ({self.kind}): " + (", ".join(parts) or "nothing") + " imported"
         if self.bad:
@@ -145,3 +151,4 @@ def read_text(path: str | os.PathLike[str]) -> str:
         return p.read_text(encoding="utf-8", errors="replace")
     except OSError as exc:
         raise ConfigError(f"{p}: cannot read: {exc.strerror}") from exc
+

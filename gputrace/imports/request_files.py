@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -24,23 +25,41 @@ from gputrace.store import Store
 _C_LABEL = re.compile(r"^C=(\d+)$")
 
 
-def _json_lines(text: str) -> Iterator[tuple[int, Any | None]]:
-    """(line number, parsed object or None when the line is not JSON) for each non-empty line."""
+class _BadValue(ValueError):
+    """A value no record field can take (NaN, Infinity, 1e400): its row is skipped with this reason."""
+
+
+def _json_lines(text: str) -> Iterator[tuple[int, Any | None, str]]:
+    """(line number, parsed object or None, why not) for each non-empty line. NaN and Infinity
+    parse (Python's json.dumps writes them); the fields that hold them are judged per row."""
     for no, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            yield no, json.loads(line)
+            yield no, json.loads(line), ""
         except ValueError:
-            yield no, None
+            yield no, None, "not JSON"
+        except RecursionError:
+            yield no, None, "JSON nested too deeply"
+
+
+def _number(value: Any) -> float | int | None:
+    """A JSON number (not a bool) or None; _BadValue when it is not finite."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _BadValue(f"{value!r} where a finite number belongs")
+    return value
 
 
 def _ns(seconds: Any) -> int | None:
-    return round(float(seconds) * 1e9) if isinstance(seconds, int | float) else None
+    value = _number(seconds)
+    return None if value is None else round(float(value) * 1e9)
 
 
 def _int(value: Any) -> int | None:
-    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+    number = _number(value)
+    return None if number is None else int(number)
 
 
 def _target(label: str | None) -> int | None:
@@ -68,18 +87,58 @@ _TIME_UNITS_NS = {"ns": 1.0, "us": 1e3, "µs": 1e3, "ms": 1e6, "s": 1e9, "sec": 
 def _aiperf_metric_ns(metrics: dict[str, Any], name: str) -> float | None:
     """A time metric ({"value": 255.9, "unit": "ms"}) in ns."""
     m = metrics.get(name)
-    if not isinstance(m, dict) or not isinstance(m.get("value"), int | float):
+    value = _number(m.get("value")) if isinstance(m, dict) else None
+    if value is None:
         return None
-    scale = _TIME_UNITS_NS.get(str(m.get("unit", "ms")))
-    return None if scale is None else float(m["value"]) * scale
+    scale = _TIME_UNITS_NS.get(str(m.get("unit", "ms"))) if isinstance(m, dict) else None
+    return None if scale is None else float(value) * scale
 
 
 def _aiperf_metric(metrics: dict[str, Any], *names: str) -> int | None:
     for name in names:
         m = metrics.get(name)
-        if isinstance(m, dict) and isinstance(m.get("value"), int | float):
-            return int(m["value"])
+        value = _int(m.get("value")) if isinstance(m, dict) else None
+        if value is not None:
+            return value
     return None
+
+
+def _aiperf_request(obj: Any, no: int, host: str, phase: str | None) -> RequestRecord | str:
+    """One profile_export line as a record, or why it is none."""
+    meta = obj.get("metadata") if isinstance(obj, dict) else None
+    if not isinstance(meta, dict):
+        return "no 'metadata' object"
+    metrics = obj.get("metrics") if isinstance(obj.get("metrics"), dict) else {}
+    # Older AIPerf wrote timestamp_ns where newer writes request_start_ns.
+    start = _int(meta.get("request_start_ns", meta.get("timestamp_ns")))
+    if start is None:
+        return "no request_start_ns"
+    end = _int(meta.get("request_end_ns"))
+    if end is None and (latency := _aiperf_metric_ns(metrics, "request_latency")) is not None:
+        end = start + int(latency)
+    ttft = _aiperf_metric_ns(metrics, "time_to_first_token")
+    err = obj.get("error")
+    error = None
+    if err:
+        error = (
+            f"{err.get('type') or 'error'} ({err.get('code')}): {err.get('message') or ''}".strip()
+            if isinstance(err, dict) else str(err)
+        )[:200]
+    rid = meta.get("x_request_id") or obj.get("record_id") or f"aiperf-{meta.get('session_num', no)}"
+    label = "warmup" if meta.get("benchmark_phase") == "warmup" else phase
+    return RequestRecord(
+        host=host,
+        request_id=str(rid),
+        start_ns=start,
+        first_token_ns=start + int(ttft) if ttft is not None else None,
+        end_ns=end,
+        prompt_tokens=_aiperf_metric(metrics, "input_sequence_length", "error_isl"),
+        completion_tokens=_aiperf_metric(metrics, "output_sequence_length", "output_token_count"),
+        ok=error is None,
+        error=error,
+        phase=label,
+        source="aiperf",
+    )
 
 
 def parse_aiperf(path: str | os.PathLike[str], host: str, phase: str | None = None) -> ImportReport:
@@ -90,49 +149,20 @@ def parse_aiperf(path: str | os.PathLike[str], host: str, phase: str | None = No
     out = ImportReport(str(path), "aiperf")
     requests: list[RequestRecord] = []
     lines = 0
-    for no, obj in _json_lines(text):
+    for no, obj, why in _json_lines(text):
         lines += 1
         if obj is None:
-            out.skip(f"line {no}", "not JSON")
+            out.skip(f"line {no}", why)
             continue
-        meta = obj.get("metadata") if isinstance(obj, dict) else None
-        if not isinstance(meta, dict):
-            out.skip(f"line {no}", "no 'metadata' object")
+        try:
+            request = _aiperf_request(obj, no, host, phase)
+        except _BadValue as exc:
+            out.skip(f"line {no}", str(exc))
             continue
-        metrics = obj.get("metrics") if isinstance(obj.get("metrics"), dict) else {}
-        # Older AIPerf wrote timestamp_ns where newer writes request_start_ns.
-        start = _int(meta.get("request_start_ns", meta.get("timestamp_ns")))
-        if start is None:
-            out.skip(f"line {no}", "no request_start_ns")
-            continue
-        end = _int(meta.get("request_end_ns"))
-        if end is None and (latency := _aiperf_metric_ns(metrics, "request_latency")) is not None:
-            end = start + int(latency)
-        ttft = _aiperf_metric_ns(metrics, "time_to_first_token")
-        err = obj.get("error")
-        error = None
-        if err:
-            error = (
-                f"{err.get('type') or 'error'} ({err.get('code')}): {err.get('message') or ''}".strip()
-                if isinstance(err, dict) else str(err)
-            )[:200]
-        rid = meta.get("x_request_id") or obj.get("record_id") or f"aiperf-{meta.get('session_num', no)}"
-        label = "warmup" if meta.get("benchmark_phase") == "warmup" else phase
-        requests.append(
-            RequestRecord(
-                host=host,
-                request_id=str(rid),
-                start_ns=start,
-                first_token_ns=start + int(ttft) if ttft is not None else None,
-                end_ns=end,
-                prompt_tokens=_aiperf_metric(metrics, "input_sequence_length", "error_isl"),
-                completion_tokens=_aiperf_metric(metrics, "output_sequence_length", "output_token_count"),
-                ok=error is None,
-                error=error,
-                phase=label,
-                source="aiperf",
-            )
-        )
+        if isinstance(request, str):
+            out.skip(f"line {no}", request)
+        else:
+            requests.append(request)
     if lines and not requests:
         hint = ""
         if text.lstrip().startswith("{") and '"records"' in text[:20000]:
@@ -221,21 +251,62 @@ def _guidellm_request(
     )
 
 
+# Deeper than any guidellm report nests (about 8 levels); far below Python's recursion limit.
+MAX_JSON_DEPTH = 200
+_JSON_STRUCTURE = re.compile(r'[\[\]{}"\\]')
+
+
+def _json_without_deep_values(text: str, out: ImportReport) -> Any:
+    """A JSON document whose values nested past MAX_JSON_DEPTH are read as null, each counted in
+    ``out`` as a bad row; ConfigError when it is still not JSON."""
+    kept: list[str] = []
+    depth, begin, in_string, escaped_at, cut_from = 0, 0, False, -1, -1
+    for m in _JSON_STRUCTURE.finditer(text):
+        char, at = m.group(), m.start()
+        if in_string:
+            if at == escaped_at:  # \" or \\ inside a string
+                continue
+            if char == "\\":
+                escaped_at = at + 1
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            if depth == MAX_JSON_DEPTH + 1:
+                cut_from = at
+        elif char in "]}":
+            if depth == MAX_JSON_DEPTH + 1:
+                kept += [text[begin:cut_from], "null"]
+                begin = at + 1
+                out.skip(f"character {cut_from}",
+                         f"a value nested deeper than {MAX_JSON_DEPTH} levels (read as null)")
+            depth -= 1
+    kept.append(text[begin:])
+    try:
+        return json.loads("".join(kept))
+    except (ValueError, RecursionError):
+        raise ConfigError(f"{out.path}: not a guidellm JSON report (not JSON)") from None
+
+
 def parse_guidellm(path: str | os.PathLike[str], host: str) -> ImportReport:
     """guidellm's benchmarks report (``benchmarks.json``: GenerativeBenchmarksReport): each benchmark
     of the sweep becomes a phase ("C=8" for a concurrent strategy), with its successful,
     incomplete and errored requests."""
     text = read_text(path)
+    out = ImportReport(str(path), "guidellm")
     try:
         report = json.loads(text)
-    except (ValueError, RecursionError):  # RecursionError: nested deeper than any report
+    except ValueError:
         raise ConfigError(
             f"{path}: not a guidellm JSON report (not JSON; YAML and CSV reports are not read)"
         ) from None
+    except RecursionError:  # one value nested past any report's depth: that value goes, not the file
+        report = _json_without_deep_values(text, out)
     benchmarks = report.get("benchmarks") if isinstance(report, dict) else None
     if not isinstance(benchmarks, list):
         raise ConfigError(f"{path}: not a guidellm benchmarks report (no top-level 'benchmarks' list)")
-    out = ImportReport(str(path), "guidellm")
     markers: list[Marker] = []
     last_end: int | None = None
     for bi, bench in enumerate(benchmarks):
@@ -247,15 +318,22 @@ def parse_guidellm(path: str | os.PathLike[str], host: str) -> ImportReport:
         for status in ("successful", "incomplete", "errored"):
             items = bench["requests"].get(status) or []
             for ri, item in enumerate(items if isinstance(items, list) else []):
-                rec = _guidellm_request(item, status, host, label, f"guidellm-{bi}-{status}-{ri}") \
-                    if isinstance(item, dict) else None
+                try:
+                    rec = _guidellm_request(item, status, host, label, f"guidellm-{bi}-{status}-{ri}") \
+                        if isinstance(item, dict) else None
+                except _BadValue as exc:
+                    out.skip(f"benchmark {bi} {status}[{ri}]", str(exc))
+                    continue
                 if rec is None:
                     out.skip(f"benchmark {bi} {status}[{ri}]", "no request start time")
                     continue
                 mine.append(rec)
         if not mine:
             continue
-        start = _ns(bench.get("start_time")) or min(r.start_ns for r in mine)
+        try:
+            start = _ns(bench.get("start_time")) or min(r.start_ns for r in mine)
+        except _BadValue:  # the benchmark's own start is not a time: its first request's is
+            start = min(r.start_ns for r in mine)
         markers.append(Marker(host=host, ts_ns=start, label=label, kind="phase", target_concurrency=target))
         ends = [r.end_ns for r in mine if r.end_ns is not None]
         last_end = max([*ends, last_end or 0]) or None
@@ -277,11 +355,11 @@ def parse_requests_jsonl(path: str | os.PathLike[str], host: str | None = None) 
     """``gputrace load --out`` files: request and marker lines (``host`` replaces theirs if given)."""
     out = ImportReport(str(path), "gputrace-jsonl")
     lines = 0
-    for no, obj in _json_lines(read_text(path)):
+    for no, obj, why in _json_lines(read_text(path)):
         lines += 1
         record = record_from_obj(obj)
         if record is None:
-            out.skip(f"line {no}", "not a gputrace request or marker")
+            out.skip(f"line {no}", why or "not a gputrace request or marker")
             continue
         if host is not None and record.host != host:
             record = dataclasses.replace(record, host=host)
