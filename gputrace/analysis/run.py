@@ -13,6 +13,7 @@ from gputrace.analysis.aligned import AlignedRun, align
 from gputrace.analysis.diagnose import Finding, Thresholds, diagnose
 from gputrace.analysis.engine_metrics import COMPARED, disagreement_notes, series_from_columns
 from gputrace.analysis.metrics import (
+    BUSY_RANKING,
     BUSY_SIGNALS,
     PhaseMetrics,
     StageSeries,
@@ -112,6 +113,11 @@ def busy_signal_notes(metrics: list[PhaseMetrics], th: Thresholds = DEFAULT_THRE
         spun = [st for st in pm.stages if st.busy_signal == BUSY_SIGNALS["sm_active"]
                 and st.utilization_mean is not None and st.sm_active_mean is not None
                 and st.utilization_mean - st.sm_active_mean > th.utilization_spin_gap]
+        scheduled = [st for st in pm.stages if st.busy_signal == BUSY_SIGNALS["schedule"]]
+        if scheduled:
+            notes.append(f"{pm.label}: stages {', '.join(str(st.pp_rank) for st in scheduled)} take their "
+                         f"busy figure from the {scheduled[0].busy_signal}: stage {scheduled[0].pp_rank}'s "
+                         f"{scheduled[0].busy_signal_reason}")
         if not spun:
             continue
         util = max(st.utilization_mean or 0.0 for st in spun)
@@ -121,6 +127,9 @@ def busy_signal_notes(metrics: list[PhaseMetrics], th: Thresholds = DEFAULT_THRE
             f"{util:.0%} but SM activity at most {sm:.0%}: NCCL's waiting kernels (a PP rank waiting "
             "to receive) count as busy in utilization.gpu, so their busy and bubble figures use SM "
             "activity (GPM) instead")
+    if any(st.busy_signal != BUSY_SIGNALS["sm_active"] for pm in metrics for st in pm.stages):
+        notes.append("busy figures per stage from the best signal present, in this order: "
+                     + " > ".join(BUSY_RANKING))
     return notes
 
 
