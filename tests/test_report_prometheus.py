@@ -329,3 +329,24 @@ def test_where_nothing_waits_the_ranks_sum_is_bounded_by_the_requests_in_the_sys
     assert load[:6].tolist() == pytest.approx([1.02, 0.9, 8.1, 7.8, 16.0, 32.0])
     assert np.isnan(load[6])  # no queue read: no load claimed
     assert engine_load(ranks, 7, None, pool=12)[:6].tolist() == [8.0, 8.0, 12.0, 12.0, 12.0, 28.0]
+
+
+@pytest.mark.parametrize(("found", "schema"), [
+    (["DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_PROF_PCIE_TX_BYTES"], "4.8"),
+    (["DCGM_FI_DEV_GPU_UTIL_RATIO", "DCGM_FI_PROF_PCIE_TX_BYTES"], "4.9"),
+    (["DCGM_FI_DEV_GPU_UTIL_RATIO", "DCGM_FI_PROF_PCIE_TX_BYTES_PER_SECOND"], "4.10"),
+    (["DCGM_FI_DEV_SM_CLOCK_HERTZ"], "4.9+"),
+    (["DCGM_FI_DEV_SM_CLOCK", "DCGM_FI_DEV_SM_CLOCK_HERTZ"], "4.8+4.9+"),
+    (["gputrace_gpu_utilization_ratio"], ""),
+])
+def test_the_import_names_the_dcgm_exporter_schema(found: list[str], schema: str) -> None:
+    """[busy] dcgm-exporter's schema from the series found: the names before 4.9, 4.9's DCGM 4.7
+    names (4.10 told apart only by PCIe/NVLink *_PER_SECOND), both in one range, or none."""
+    from gputrace.imports.prometheus import GPU_FIELDS, dcgm_schema
+    assert dcgm_schema(found) == schema
+    # each series converts by its own name: 4.9's utilization is already a ratio, its clocks in Hz
+    assert GPU_FIELDS["DCGM_FI_DEV_GPU_UTIL"] == ("utilization_ratio", 100.0)
+    assert GPU_FIELDS["DCGM_FI_DEV_GPU_UTIL_RATIO"] == ("utilization_ratio", 1.0)
+    assert GPU_FIELDS["DCGM_FI_DEV_SM_CLOCK_HERTZ"] == ("sm_clock_hz", 1.0)
+    assert GPU_FIELDS["DCGM_FI_DEV_FB_USED_BYTES"] == ("memory_used_bytes", 1.0)
+    assert GPU_FIELDS["DCGM_FI_DEV_GPU_ENERGY_JOULES_TOTAL"] == ("energy_j", 1.0)

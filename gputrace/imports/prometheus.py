@@ -27,10 +27,12 @@ from gputrace.store import Store
 from gputrace.topology import Placement, topology_to_meta
 
 # The one metric-name table: each series' name -> (GpuSample field, the exporter's units per SI
-# unit). gputrace's own first, then dcgm-exporter's (GPU_UTIL in %, clocks in MHz, FB in MiB,
-# energy in mJ): where two give one field, the first found fills it.
+# unit). gputrace's own first, then dcgm-exporter's, both schemas: before 4.9 GPU_UTIL in %, clocks
+# in MHz, FB in MiB, energy in mJ; 4.9's names in SI units, 4.10's PCIe/NVLink *_PER_SECOND. Each
+# series is converted by its own name, so a Prometheus holding both (an upgrade mid-range) reads
+# both; where two give one field, the first found fills it.
 GPU_FIELDS: dict[str, tuple[str, float]] = {
-    m.name: (m.field, m.scale) for m in (*mn.GPU_GAUGES, mn.GPU_ENERGY, *mn.DCGM_GAUGES) if m.field}
+    m.name: (m.field, m.scale) for m in (*mn.GPU_GAUGES, mn.GPU_ENERGY, *mn.DCGM_ALL) if m.field}
 GPU_FIELDS["DCGM_FI_DEV_CLOCK_THROTTLE_REASONS"] = ("clock_event_reasons", 1.0)  # before DCGM 3.3
 GPU_INT_FIELDS = ("memory_used_bytes", "memory_total_bytes", "clock_event_reasons")
 ENGINE_FIELDS = {
@@ -60,10 +62,12 @@ ENGINE_FIELDS.update({escaped(name): f for name, f in list(ENGINE_FIELDS.items()
 ENGINE_PREFIXES = {"sglang:": "sglang", "sglang_": "sglang", "vllm:": "vllm", "vllm_": "vllm"}
 # What the diagnosis uses, each with the series that can give it: the import says which it found.
 SERIES_ROLES: dict[str, tuple[str, ...]] = {
-    "GPU busy": (mn.GPU_UTILIZATION.name, "DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_PROF_GR_ENGINE_ACTIVE"),
-    "SM activity": (mn.GPU_SM_ACTIVE.name, "DCGM_FI_PROF_SM_ACTIVE"),
-    "GPU power": (mn.GPU_POWER.name, "DCGM_FI_DEV_POWER_USAGE"),
-    "PCIe traffic": (mn.GPU_PCIE_TX.name, "DCGM_FI_PROF_PCIE_TX_BYTES"),
+    "GPU busy": (mn.GPU_UTILIZATION.name, "DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_PROF_GR_ENGINE_ACTIVE",
+                 "DCGM_FI_DEV_GPU_UTIL_RATIO", "DCGM_FI_PROF_GR_ENGINE_UTIL_RATIO"),
+    "SM activity": (mn.GPU_SM_ACTIVE.name, "DCGM_FI_PROF_SM_ACTIVE", "DCGM_FI_PROF_SM_UTIL_RATIO"),
+    "GPU power": (mn.GPU_POWER.name, "DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_DEV_BOARD_POWER_WATTS"),
+    "PCIe traffic": (mn.GPU_PCIE_TX.name, "DCGM_FI_PROF_PCIE_TX_BYTES",
+                     "DCGM_FI_PROF_PCIE_TX_BYTES_PER_SECOND"),
     "clock events": (mn.GPU_CLOCK_EVENT_REASONS.name, "DCGM_FI_DEV_CLOCKS_EVENT_REASONS",
                      "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS"),
     "engine running requests": (mn.ENGINE_RUNNING.name, "sglang:num_running_reqs",
@@ -251,6 +255,7 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
                             [*gpu_series, *engine_series, *target_series, *inflight_series]}
                            | ({E2E_SUM_METRICS[0]} if in_system_series else set()))
     summary.lacking = [role for role, names in SERIES_ROLES.items() if not set(names) & set(summary.found)]
+    summary.dcgm_schema = dcgm_schema(summary.found)
 
     # GPUs: one array per (host, gpu) and field; the labels give the device and its stage.
     gpus: dict[tuple[str, int], dict[str, np.ndarray]] = {}
@@ -311,6 +316,8 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
                 "newest logged line per rank at each scrape; GPU values the agent's newest sample",
         "series_found": summary.found, "series_lacking": summary.lacking,
     }
+    if summary.dcgm_schema:
+        extra["dcgm_schema"] = summary.dcgm_schema
     engine = next(iter(engines)) if len(engines) == 1 else "unknown"
     with Store.create(out, name=name or f"prometheus-{start_ms // 1000}", topology=topology,
                       extra=extra) as store:
@@ -334,6 +341,24 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
                                   pp_max_micro_batch_size=engine_config.get("pp_max_micro_batch_size"))
             write_rows(store, summary, "engine_configs", [config])
     return summary
+
+
+def dcgm_schema(found: Sequence[str]) -> str:
+    """Which dcgm-exporter schema the found series are in: "4.8" (the names before 4.9), "4.9",
+    "4.10" (only the PCIe/NVLink names tell it from 4.9; "4.9+" without them), both joined by "+"
+    (an upgrade within the range), or "" without DCGM_FI_* series."""
+    have = set(found)
+    old = {m.name for m in mn.DCGM_GAUGES}
+    new = {m.name for m in mn.DCGM_GAUGES_4_9} | {m.name for m in mn.DCGM_GAUGES_4_10}
+    per_second = {m.name for m in mn.DCGM_GAUGES_4_10} - old - {m.name for m in mn.DCGM_GAUGES_4_9}
+    seen = []
+    if have & (old - new):
+        seen.append("4.8")
+    if have & (new - old - per_second):
+        seen.append("4.10" if have & per_second else "4.9" if have & (old & new) else "4.9+")
+    elif have & per_second:
+        seen.append("4.10")
+    return "+".join(seen)
 
 
 def _int_column(v: np.ndarray) -> np.ma.MaskedArray[Any, Any]:
