@@ -306,3 +306,16 @@ def test_without_sm_activity_a_spinning_stage_is_not_taken_as_busy(tmp_path: Pat
     notes = "\n".join(a.notes)
     assert "take their busy figure from the schedule from the log" in notes and "W idle" in notes
     assert "in this order: the engine's device timer > SM activity" in notes
+
+
+def test_the_engines_device_timer_ranks_first(tmp_path: Path) -> None:
+    """[busy] The ranking's top: with SGLang's device timer on (forward_execution_seconds_total in
+    its /metrics), each stage's busy figure is the timer's, above SM activity, and with NCCL's spin
+    filling utilization.gpu the bubbles still match the truth within 2 points."""
+    result = run_scenario("bunched", 0, {"nccl_spin": True, "device_timer": True, "phase_s": 40.0})
+    with Store.open(write_store(result, tmp_path / "run"), read_only=True) as store:
+        a = analyse_store(store)
+    for pm, gt in zip(a.metrics, result.ground_truth["phases"], strict=True):
+        for stage, gs in zip(pm.stages, gt["stages"], strict=True):
+            assert stage.busy_signal == "the engine's device timer (forward_execution_seconds)"
+            assert abs((stage.bubble_fraction or 0) - gs["bubble_fraction"]) <= 0.02, (pm.label, stage)

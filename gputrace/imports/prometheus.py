@@ -8,6 +8,7 @@ evaluation time (one clock for all hosts).
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import re
 from collections.abc import Sequence
@@ -89,6 +90,10 @@ ENGINE_LOAD_SOURCE = "prometheus engine running + queued requests"
 # sglang:http_requests_active would say it directly, but it reads high: 2-3 at C=1 and 20 at C=16
 # on the real engine.) Its window is centred on each step (a trailing one lags a level step by
 # half its length) and holds several requests' completions.
+# SGLang's own timers per pp_rank, kept as the collector's engine-metrics source keeps them (the
+# analysis takes each stage's busy figure from them where they rank above the GPUs' signal)
+ENGINE_TIMERS = ("sglang:scheduler_stage_seconds_total", "sglang:forward_execution_seconds_total")
+ENGINE_TIMER_METRICS = {**{n: n for n in ENGINE_TIMERS}, **{escaped(n): n for n in ENGINE_TIMERS}}
 E2E_SUM = "sglang:e2e_request_latency_seconds_sum"
 E2E_SUM_METRICS = (E2E_SUM, escaped(E2E_SUM))
 LITTLE_WINDOW_S = 10.0
@@ -238,6 +243,7 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
 
     gpu_series = fetch([*GPU_FIELDS, mn.GPU_LOST.name], AGENT_LABELS)
     engine_series = fetch(list(ENGINE_FIELDS), ENGINE_LABELS)
+    timer_series = fetch(list(ENGINE_TIMER_METRICS), ENGINE_LABELS | {"category", "forward_overlap"})
     target_series = fetch([TARGET_METRIC], LOAD_LABELS)
     inflight_series = fetch([INFLIGHT_METRIC], LOAD_LABELS)
     # the latency sum a half window beyond each end: the window is centred on every step
@@ -252,7 +258,7 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
                           f"sglang:* or vllm:* ones, between {start_ms / 1000:.3f} and "
                           f"{end_ms / 1000:.3f}{where}")
     summary.found = sorted({s.labels.get("__name__", "") for s in
-                            [*gpu_series, *engine_series, *target_series, *inflight_series]}
+                            [*gpu_series, *engine_series, *timer_series, *target_series, *inflight_series]}
                            | ({E2E_SUM_METRICS[0]} if in_system_series else set()))
     summary.lacking = [role for role, names in SERIES_ROLES.items() if not set(names) & set(summary.found)]
     summary.dcgm_schema = dcgm_schema(summary.found)
@@ -325,6 +331,8 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
         _write_gpus(store, summary, gpus, grid_ns)
         _write_engine(store, summary, ranks, grid_ns, step_ms, client.base_url, engine)
         write_rows(store, summary, "devices", list(devices.values()))
+        if timer_series:
+            write_rows(store, summary, "engine_metrics", engine_timer_rows(timer_series, client.base_url))
         load_source = "prometheus " + INFLIGHT_METRIC
         if np.isnan(inflight).all() and engine in ("sglang", "vllm"):
             in_system = requests_in_system(in_system_series, start_ms - margin * step_ms, step_ms,
@@ -341,6 +349,26 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
                                   pp_max_micro_batch_size=engine_config.get("pp_max_micro_batch_size"))
             write_rows(store, summary, "engine_configs", [config])
     return summary
+
+
+def engine_timer_rows(series: Sequence[Series], url: str) -> dict[str, list[Any]]:
+    """SGLang's timer counters as engine_metrics rows (Prometheus' evaluation times; the counter's
+    value at each step, its canonical name, its labels less the scrape's own)."""
+    keys = ("host", "source", "ts_ns", "name", "labels_json", "value")
+    cols: dict[str, list[Any]] = {k: [] for k in keys}
+    for s in series:
+        name = ENGINE_TIMER_METRICS[s.labels.get("__name__", "")]
+        labels = json.dumps({k: v for k, v in s.labels.items() if k not in ("__name__", "job", "instance")},
+                            sort_keys=True)
+        ok = ~np.isnan(s.values)
+        n = int(ok.sum())
+        cols["host"] += [s.labels.get("host", "") or s.labels.get("instance", "")] * n
+        cols["source"] += [url] * n
+        cols["ts_ns"] += (s.ts_ms[ok].astype(np.int64) * 1_000_000).tolist()
+        cols["name"] += [name] * n
+        cols["labels_json"] += [labels] * n
+        cols["value"] += s.values[ok].astype(np.float64).tolist()
+    return cols
 
 
 def dcgm_schema(found: Sequence[str]) -> str:
