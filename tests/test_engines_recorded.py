@@ -441,3 +441,35 @@ def test_sglang_decode_log_interval_2_is_named_aliased_and_its_throughput_not_ta
     assert c6.engine_gen_throughput_tok_s is not None and c6.client_throughput_tok_s is not None
     assert c6.engine_gen_throughput_tok_s < 0.75 * c6.client_throughput_tok_s
     assert c6.throughput_tok_s == c6.client_throughput_tok_s
+
+
+@pytest.mark.parametrize(("name", "limit"), [("default", ADMISSION_LIMIT), ("seqs4", 4)])
+def test_vllm_no_running_count_above_the_limit(imported, name: str, limit: int) -> None:  # type: ignore[no-untyped-def]
+    """[busy] vLLM admits at most --max-num-seqs: no finding states more running requests than
+    that, whatever its flipping gauges average to (the engine's guarantee, not a reading)."""
+    analysis = _analysis(imported("vllm", name))
+    assert analysis.findings
+    for f in analysis.findings:
+        running = f.evidence.get("engine_running_estimate")
+        assert running is None or running <= limit, f
+        stated = re.search(r"the engine runs (?:about )?(\d+)", f.summary)
+        assert stated is None or int(stated.group(1)) <= limit, f.summary
+
+
+def test_a_queue_gauge_read_low_never_makes_the_running_count_exceed_the_limit(imported) -> None:  # type: ignore[no-untyped-def]
+    """[busy] The C=16 phase with its queue read low (vLLM's waiting gauge at 0 between turnovers
+    pulls the mean down): offered less queued would say 14 running; the engine admits 8, so the
+    running count the rules use and state is 8."""
+    import dataclasses
+
+    from gputrace.analysis.diagnose import Thresholds, admission_bound, phase_context
+
+    analysis = _analysis(imported("vllm", "default"))
+    pm = next(p for p in analysis.metrics if p.label == "C=16")
+    low = dataclasses.replace(pm, inflight_mean=16.0, stages=[dataclasses.replace(st, queue_req_mean=2.0)
+                                                               for st in pm.stages])
+    ctx = phase_context(low, analysis.run.engine, analysis.run.pp_size, Thresholds())
+    assert ctx.engine_running == ADMISSION_LIMIT and ctx.pool_full
+    found = admission_bound(low, analysis.run.engine, ctx.load, ctx.queue_mean, ctx.engine_running,
+                            Thresholds())
+    assert found is not None and f"the engine runs {ADMISSION_LIMIT} requests" in found.summary

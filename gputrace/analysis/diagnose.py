@@ -194,6 +194,10 @@ def phase_context(pm: PhaseMetrics, engine: Mapping[str, Any], pp_size: int, th:
     # interval, Prometheus scrape) catches requests mid-turnover, hence at_limit's band
     engine_running = (load - queue_mean) if load is not None and queue_mean is not None else None
     mrr = int(engine["max_running_requests"]) if engine.get("max_running_requests") else None
+    if engine_running is not None and mrr is not None:
+        # the engine admits at most its limit: a queue gauge that flips between 0 and the limit at
+        # each batch turnover (vLLM at PP=2 on a CPU) reads low on average, never the running high
+        engine_running = min(engine_running, float(mrr))
     return PhaseContext(
         pm=pm, engine=engine, pp_size=pp_size, th=th, busy=busy,
         mean_bubble=float(np.nanmean(bubble)) if not np.isnan(bubble).all() else 0.0,
