@@ -4,6 +4,7 @@ offered load, queue, token usage, power, PCIe, throughput and request latencies.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -426,7 +427,11 @@ def phase_metrics(run: AlignedRun, series: StageSeries, phase: Phase) -> PhaseMe
                                              series.idle_power_w, strict=True)]
     gen = engine_throughput(run, phase.start_ns, phase.end_ns)
     client_tput = _f(tokens / phase.duration_s) if phase.duration_s > 0 else None
-    sampled = int(run.engine.get("decode_log_interval") or 1) > 1
+    # a log that can hide micro-batches: SGLang's, every interval-th step, the interval sharing a
+    # factor with the micro-batch slots (coprime, every micro-batch is logged in turn)
+    interval = int(run.engine.get("decode_log_interval") or 1)
+    slots = run.pp_size + int(run.engine.get("pp_async_batch_depth") or 0)
+    sampled = run.engine.get("engine", "sglang") == "sglang" and math.gcd(interval, slots) > 1
     if sampled and gen is not None and client_tput is not None and abs(gen - client_tput) > \
             client_tput * (THROUGHPUT_ALIAS_RATIO + THROUGHPUT_EDGE_S / max(phase.duration_s, 1.0)):
         gen_taken = None  # a sampled log that hides micro-batches: its throughput is not the engine's
