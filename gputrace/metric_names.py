@@ -128,6 +128,45 @@ DCGM_GAUGES = (
           "The rate of data received over NVLink, in bytes per second."),
 )
 
+# dcgm-exporter 4.9.0 (DCGM 4.7) renamed the deprecated default and profiling fields to DCGM 4.7's
+# names, eleven with a new unit (utilization a 0-1 ratio, clocks in Hz, energy in J, memory in
+# bytes); 4.10.0 (DCGM 4.8) renamed the PCIe and NVLink byte rates to *_PER_SECOND (both releases'
+# notes, github.com/NVIDIA/dcgm-exporter/releases; names from DCGM's field-identifier reference).
+# The clock-event bitmask kept its name.
+_DCGM_OLD = {m.name: m for m in DCGM_GAUGES}
+DCGM_GAUGES_4_9 = (
+    _dcgm("DCGM_FI_DEV_GPU_UTIL_RATIO", "utilization_ratio", 1.0, "GPU utilization (ratio 0-1)."),
+    _dcgm("DCGM_FI_DEV_MEMORY_UTIL_RATIO", "memory_utilization_ratio", 1.0,
+          "Memory utilization (ratio 0-1)."),
+    _dcgm("DCGM_FI_DEV_BOARD_POWER_WATTS", "power_w", 1.0, "Power draw (in W)."),
+    _dcgm("DCGM_FI_DEV_GPU_ENERGY_JOULES_TOTAL", "energy_j", 1.0,
+          "Total energy consumption since boot (in J)."),
+    _dcgm("DCGM_FI_DEV_SM_CLOCK_HERTZ", "sm_clock_hz", 1.0, "SM clock frequency (in Hz)."),
+    _dcgm("DCGM_FI_DEV_MEMORY_CLOCK_HERTZ", "memory_clock_hz", 1.0, "Memory clock frequency (in Hz)."),
+    _dcgm("DCGM_FI_DEV_GPU_TEMP_CELSIUS", "temperature_c", 1.0, "GPU temperature (in C)."),
+    _dcgm("DCGM_FI_DEV_FB_USED_BYTES", "memory_used_bytes", 1.0, "Framebuffer memory used (in bytes)."),
+    _DCGM_OLD["DCGM_FI_DEV_CLOCKS_EVENT_REASONS"],
+    _dcgm("DCGM_FI_PROF_GR_ENGINE_UTIL_RATIO", "utilization_ratio", 1.0,
+          "Ratio of time the graphics engine is active."),
+    _dcgm("DCGM_FI_PROF_SM_UTIL_RATIO", "sm_active_ratio", 1.0,
+          "The ratio of cycles an SM has at least 1 warp assigned."),
+    _dcgm("DCGM_FI_PROF_SM_OCCUPANCY_RATIO", "sm_occupancy_ratio", 1.0,
+          "The ratio of number of warps resident on an SM."),
+    _dcgm("DCGM_FI_PROF_TENSOR_UTIL_RATIO", "tensor_active_ratio", 1.0,
+          "Ratio of cycles the tensor (HMMA) pipe is active."),
+    *(_DCGM_OLD[n] for n in ("DCGM_FI_PROF_PCIE_TX_BYTES", "DCGM_FI_PROF_PCIE_RX_BYTES",
+                             "DCGM_FI_PROF_NVLINK_TX_BYTES", "DCGM_FI_PROF_NVLINK_RX_BYTES")),
+)
+DCGM_GAUGES_4_10 = (
+    *(m for m in DCGM_GAUGES_4_9 if not m.name.startswith(("DCGM_FI_PROF_PCIE", "DCGM_FI_PROF_NVLINK"))),
+    *(_dcgm(f"{m.name}_PER_SECOND", m.field or "", 1.0, m.help) for m in DCGM_GAUGES
+      if m.name.startswith(("DCGM_FI_PROF_PCIE", "DCGM_FI_PROF_NVLINK"))),
+)
+DCGM_SCHEMAS: dict[str, tuple[MetricSpec, ...]] = {"4.8": DCGM_GAUGES, "4.9": DCGM_GAUGES_4_9,
+                                                   "4.10": DCGM_GAUGES_4_10}
+"""dcgm-exporter's names and units by the release that introduced them (4.8: every release before 4.9)."""
+DCGM_ALL = tuple({m.name: m for schema in DCGM_SCHEMAS.values() for m in schema}.values())
+
 # -- the agent itself ---------------------------------------------------------------------------
 
 AGENT_UP = _agent("gputrace_agent_up", "gauge", "", "1 while the agent samples")
@@ -192,7 +231,7 @@ COLLECTOR_COUNTERS = {
     for key in COLLECTOR_COUNTS
 }
 
-AGENT_METRICS: tuple[MetricSpec, ...] = (*GPU_GAUGES, GPU_ENERGY, GPU_LOST, *AGENT_SELF, *DCGM_GAUGES)
+AGENT_METRICS: tuple[MetricSpec, ...] = (*GPU_GAUGES, GPU_ENERGY, GPU_LOST, *AGENT_SELF, *DCGM_ALL)
 COLLECTOR_METRICS: tuple[MetricSpec, ...] = (*ENGINE_GAUGES, LOAD_INFLIGHT, LOAD_TARGET_CONCURRENCY,
                                              STAGE_BUBBLE, STAGE_UTILIZATION, *LIVE_EXTRAS,
                                              *COLLECTOR_COUNTERS.values())

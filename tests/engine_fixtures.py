@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine_servers import SETTINGS, EngineSetting
+from engine_servers import FIXTURE_ONLY_SETTINGS, SETTINGS, EngineSetting
 
 from gputrace.engines import LogParser
 from gputrace.model import RequestRecord
@@ -16,7 +16,7 @@ FIXTURES = Path(__file__).resolve().parent / "data" / "engines"
 
 
 def setting(engine: str, name: str) -> EngineSetting:
-    for s in SETTINGS:
+    for s in (*SETTINGS, *FIXTURE_ONLY_SETTINGS):
         if s.engine == engine and s.name == name:
             return s
     raise KeyError(f"no recorded setting {engine}/{name}")

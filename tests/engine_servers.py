@@ -49,6 +49,9 @@ SETTINGS: tuple[EngineSetting, ...] = (
     EngineSetting("vllm", "default"),
     EngineSetting("vllm", "seqs4", ("--max-num-seqs", "4")),
 )
+# Recorded as fixtures only (tests/engines/record_fixtures.py), not run by the engine tier: the
+# log sampled every 2nd step at loads whose micro-batches are unequal (C=6: 4 and 2).
+FIXTURE_ONLY_SETTINGS = (EngineSetting("sglang", "interval2", ("--decode-log-interval", "2")),)
 
 
 def engines_available() -> str | None:
@@ -218,6 +221,9 @@ WATCHED_METRICS = (
     "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:gen_throughput", "sglang:token_usage",
     "sglang:num_used_tokens", "sglang:realtime_tokens_total", "sglang:prompt_tokens_total",
     "sglang:generation_tokens_total", "sglang:num_requests_total",
+    # the scheduler loop's own timers per pp_rank (SGLang 0.5.23+): wall time by category
+    "sglang:scheduler_stage_seconds_total", "sglang:scheduler_idle_seconds_total",
+    "sglang:forward_execution_seconds_total", "sglang:fwd_occupancy",
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
     "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
 )

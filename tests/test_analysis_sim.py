@@ -267,3 +267,55 @@ def test_each_scenarios_fix_removes_its_cause_at_the_stated_throughput(scenario:
             assert after[label]["throughput_tok_s"] == stated["fixed_throughput_tok_s"]
             if fix["knob"] != "--decode-log-interval":  # a measurement fix changes no throughput
                 assert stated["fixed_throughput_tok_s"] > stated["throughput_tok_s"], (label, fix)
+
+
+def analysed_from_smi_csv(tmp_path: Path, scenario: str, seed: int) -> tuple[Analysis, dict]:  # type: ignore[type-arg]
+    """A run with NCCL's spinning receive, imported as an nvidia-smi CSV (utilization and power, no
+    SM activity), its log and its requests: what a user without GPM or DCGM profiling has."""
+    result = run_scenario(scenario, seed, {"nccl_spin": True})
+    write_log(result, tmp_path / "server.log")
+    write_gpu_csv(result, tmp_path / "gpu.csv", sample_columns(result))
+    write_jsonl(tmp_path / "requests.jsonl", request_records(result))
+    with Store.create(tmp_path / "imported") as store:
+        ingest_log(store, tmp_path / "server.log", host="gpu-box", engine="sglang")
+        import_nvidia_smi_csv(store, tmp_path / "gpu.csv", host="gpu-box")
+        import_requests_jsonl(store, tmp_path / "requests.jsonl", host="client")
+        return analyse_store(store), dict(result.ground_truth)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("scenario", ["bunched", pytest.param("microbatch-cap", marks=pytest.mark.slow),
+                                      pytest.param("stage-imbalance", marks=pytest.mark.slow)])
+def test_without_sm_activity_a_spinning_stage_is_not_taken_as_busy(tmp_path: Path, scenario: str,
+                                                                   seed: int) -> None:
+    """[busy] Must show 1: NCCL spin with utilization and power only: where utilization.gpu reads
+    more than the log's schedule allows, the busy figure is the schedule's (shared out by power),
+    every stage's bubble within 5 points of the true compute-idle share, and the report says which
+    signal it used and why utilization was not taken."""
+    a, truth = analysed_from_smi_csv(tmp_path, scenario, seed)
+    distrusted = False
+    for pm, gt in zip(a.metrics, truth["phases"], strict=True):
+        for stage, gs in zip(pm.stages, gt["stages"], strict=True):
+            assert stage.bubble_fraction is not None
+            assert abs(stage.bubble_fraction - gs["bubble_fraction"]) <= 0.05, (pm.label, stage, gs)
+            if stage.busy_signal == "schedule from the log":
+                distrusted = True
+                assert stage.utilization_mean is not None and stage.utilization_mean > 0.95
+                assert "NCCL's waiting kernels count in utilization.gpu" in (stage.busy_signal_reason or "")
+    assert distrusted
+    notes = "\n".join(a.notes)
+    assert "take their busy figure from the schedule from the log" in notes and "W idle" in notes
+    assert "in this order: the engine's device timer > SM activity" in notes
+
+
+def test_the_engines_device_timer_ranks_first(tmp_path: Path) -> None:
+    """[busy] The ranking's top: with SGLang's device timer on (forward_execution_seconds_total in
+    its /metrics), each stage's busy figure is the timer's, above SM activity, and with NCCL's spin
+    filling utilization.gpu the bubbles still match the truth within 2 points."""
+    result = run_scenario("bunched", 0, {"nccl_spin": True, "device_timer": True, "phase_s": 40.0})
+    with Store.open(write_store(result, tmp_path / "run"), read_only=True) as store:
+        a = analyse_store(store)
+    for pm, gt in zip(a.metrics, result.ground_truth["phases"], strict=True):
+        for stage, gs in zip(pm.stages, gt["stages"], strict=True):
+            assert stage.busy_signal == "the engine's device timer (forward_execution_seconds)"
+            assert abs((stage.bubble_fraction or 0) - gs["bubble_fraction"]) <= 0.02, (pm.label, stage)

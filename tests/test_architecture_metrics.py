@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
+import pytest
+
 from gputrace import dashboard as dash
 from gputrace import metric_names as mn
 from gputrace.agent.metrics import GpuCollector
@@ -107,20 +109,24 @@ def _check_against_contract(exported: dict[str, tuple[str, str, set[frozenset[st
         assert (kind, help_text, label_sets) == (spec.kind, spec.help, {frozenset(spec.labels)}), name
 
 
-def test_the_agent_exports_exactly_the_contracts_agent_metrics() -> None:
-    """Every series of the agent (DCGM names on, a topology) is in the contract with its type, help
-    and labels; every agent metric is exported unless the simulated GPU lacks its field (NVLink)."""
+@pytest.mark.parametrize("schema", sorted(mn.DCGM_SCHEMAS))
+def test_the_agent_exports_exactly_the_contracts_agent_metrics(schema: str) -> None:
+    """Every series of the agent (DCGM names on, in each dcgm-exporter schema, a topology) is in the
+    contract with its type, help and labels; every agent metric is exported, DCGM's in the schema
+    asked for, unless the simulated GPU lacks its field (NVLink)."""
     sampler = SimulatedSampler("node0", 2, pattern="constant:0.5")
     ring = SampleRing(60 * 10**9)
     loop = SamplingLoop(sampler, ring, 0.1)
     loop.tick()
     collector = GpuCollector(loop.stats, ring, sampler.devices(), "node0", single_node_placements("node0", 2),
-                             dcgm_compat=True)
+                             dcgm_compat=True, dcgm_schema=schema)
     exported = _exported(collector.collect())
     _check_against_contract(exported)
-    nvlink = {"gputrace_gpu_nvlink_tx_bytes_per_second", "gputrace_gpu_nvlink_rx_bytes_per_second",
-              "DCGM_FI_PROF_NVLINK_TX_BYTES", "DCGM_FI_PROF_NVLINK_RX_BYTES"}  # the simulated GPUs have none
-    assert exported.keys() == {m.name for m in mn.AGENT_METRICS} - nvlink
+    served = {m.name for m in mn.DCGM_SCHEMAS[schema]}
+    other_schemas = {m.name for m in mn.DCGM_ALL} - served
+    nvlink = {name for name in served | {m.name for m in mn.GPU_GAUGES}
+              if "nvlink" in name.lower()}  # the simulated GPUs have none
+    assert exported.keys() == {m.name for m in mn.AGENT_METRICS} - other_schemas - nvlink
 
 
 def test_the_collector_exports_exactly_the_contracts_collector_metrics() -> None:

@@ -82,7 +82,7 @@ async def _load(url: str, seconds: float, concurrency: int) -> None:
 @pytest.fixture
 async def sim(tmp_path: Path) -> AsyncIterator[SimServer]:
     """A simulated SGLang PP8 whose pool (max_running_requests 16) a load of 32 fills: 16 wait."""
-    params = scenario_params("pool-bound", {"max_running_requests": 16})
+    params = scenario_params("pool-bound", {"max_running_requests": 16, "device_timer": True})
     srv = await start_sim_server(params, log_path=tmp_path / "sched.log", speed=SPEED)
     yield srv
     await srv.close()

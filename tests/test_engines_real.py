@@ -200,6 +200,46 @@ def test_sglang_request_records_match_the_engine_counters(sglang_run: Capture) -
     assert sum(pt or 0 for _, _, pt, _ in rows) == _counter_delta(sglang_run, "sglang:prompt_tokens_total")
 
 
+
+def test_sglang_capture_has_a_busy_and_bubble_per_stage_from_its_stage_timers(sglang_run: Capture,
+                                                                              tmp_path: Path) -> None:
+    """[busy] Must show 2: the capture with the engine's own /metrics scrapes beside it (the
+    collector's engine-metrics source stores the same rows) and no GPU samples (this CPU has
+    none; the agent's are simulated): every stage of every phase gets its busy figure from
+    sglang:scheduler_stage_seconds_total{category="run_batch"}, its bubble by the same definition,
+    and the log schedule's figure beside it, agreeing within 10 points or saying why not."""
+    import shutil
+
+    from gputrace.analysis.run import analyse_store
+
+    run = tmp_path / "run"
+    shutil.copytree(sglang_run.run_dir, run)
+    keys = ("host", "source", "ts_ns", "name", "labels_json", "value")
+    cols: dict[str, list[object]] = {k: [] for k in keys}
+    for snap in sglang_run.scraper.snapshots:
+        for sample in snap["samples"]:  # type: ignore[attr-defined]
+            labels = json.dumps(sample["labels"], sort_keys=True)
+            for key, value in (("host", "engine-host"), ("source", "metrics"), ("ts_ns", snap["ts_ns"]),
+                               ("name", sample["name"]), ("labels_json", labels),
+                               ("value", float(sample["value"]))):
+                cols[key].append(value)
+    with Store.open(run) as store:
+        store.sql("DELETE FROM gpu_samples")
+        store.sql("DELETE FROM engine_metrics")
+        store.append_columns("engine_metrics", cols)
+        analysis = analyse_store(store)
+    phases = [pm for pm in analysis.metrics if pm.label.startswith("C=")]
+    assert [pm.label for pm in phases] == [f"C={c}" for c in CONCURRENCY]
+    for pm in phases:
+        for st in pm.stages:
+            assert st.busy_signal == "the engine's loop timers (run_batch)", (pm.label, st)
+            assert st.busy_fraction is not None and 0.0 < st.busy_fraction <= 1.0
+            assert st.bubble_fraction is not None and st.schedule_busy_fraction is not None
+            agree = abs(st.busy_fraction - st.schedule_busy_fraction) <= 0.10
+            assert ("agree within 10%" if agree else "they differ by") in (st.busy_signal_reason or "")
+            print(f"\n{pm.label} stage {st.pp_rank}: busy {st.busy_fraction:.2f} (loop timers), bubble "
+                  f"{st.bubble_fraction:.2f}, log schedule {st.schedule_busy_fraction:.2f}")
+
 def test_sglang_capture_parses_as_the_fixture_does(sglang_run: Capture) -> None:
     """Format drift: a fresh capture's lines have the kinds and fields the recorded fixture has."""
     recorded = fixture_dir("sglang", "default") / "engine.log"

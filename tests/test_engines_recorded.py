@@ -368,3 +368,108 @@ def test_sglang_k16_bunches_the_running_requests_k4_spreads_them(imported, name:
     assert len(bunched) == 1 and bunched[0].evidence["reason"] == "bunched", findings
     assert bunched[0].details == {"knob": "--pp-max-micro-batch-size", "value": 4}
     assert bunched[0].evidence["microbatch_size_max"] >= 7 and bunched[0].evidence["microbatch_size_p10"] <= 1
+
+
+def _with_engine_metrics(run: Path, engine: str, name: str) -> Path:
+    """The imported fixture with its /metrics scrapes (metrics.ndjson) stored as the collector's
+    engine-metrics source stores them: one row per sample, the counters as read."""
+    keys = ("host", "source", "ts_ns", "name", "labels_json", "value")
+    cols: dict[str, list[object]] = {k: [] for k in keys}
+    for line in (fixture_dir(engine, name) / "metrics.ndjson").read_text().splitlines():
+        snap = json.loads(line)
+        for s in snap["samples"]:
+            for key, value in (("host", "engine-host"), ("source", "metrics"), ("ts_ns", int(snap["ts_ns"])),
+                               ("name", s["name"]), ("labels_json", json.dumps(s["labels"], sort_keys=True)),
+                               ("value", float(s["value"]))):
+                cols[key].append(value)
+    with Store.open(run) as store:
+        if not store.sql("SELECT count(*) FROM engine_metrics")[0][0]:
+            store.append_columns("engine_metrics", cols)
+    return run
+
+
+def _run_batch_share(name: str, rank: str, window: tuple[int, int]) -> float:
+    """A rank's run_batch seconds over the window's scrapes, per second, straight from the fixture."""
+    points = [(ts, v) for ts, v in metrics_series("sglang", name, "sglang:scheduler_stage_seconds_total",
+                                                  category="run_batch", pp_rank=rank)
+              if window[0] <= ts < window[1]]
+    return (points[-1][1] - points[0][1]) / ((points[-1][0] - points[0][0]) / 1e9)
+
+
+def test_sglang_stage_timers_give_each_stage_and_phase_a_busy_and_bubble(imported) -> None:  # type: ignore[no-untyped-def]
+    """[busy] Must show 2 on a recorded real SGLang 0.5.23 (PP=2, CPU, no GPU samples): each stage's
+    busy figure in each phase comes from sglang:scheduler_stage_seconds_total{category="run_batch"}
+    (the share of the phase's scrapes the rank spent in the forward), its bubble is the phase's work
+    share less it, and the log schedule's figure stands beside it with their agreement said."""
+    run = _with_engine_metrics(imported("sglang", "interval2"), "sglang", "interval2")
+    analysis = _analysis(run)
+    assert [pm.label for pm in analysis.metrics if pm.label.startswith("C=")] == ["C=3", "C=6"]
+    for pm in analysis.metrics:
+        if not pm.label.startswith("C="):
+            continue
+        for st in pm.stages:
+            assert st.busy_signal == "the engine's loop timers (run_batch)", (pm.label, st)
+            assert st.busy_fraction is not None and 0.05 < st.busy_fraction <= 1.0
+            assert st.busy_fraction == pytest.approx(_run_batch_share("interval2", str(st.pp_rank),
+                                                                      (pm.start_ns, pm.end_ns)), rel=1e-6)
+            assert st.bubble_fraction == pytest.approx(max(pm.work_share - st.busy_fraction, 0.0))
+            assert st.schedule_busy_fraction is not None
+            agree = abs(st.busy_fraction - st.schedule_busy_fraction) <= 0.10
+            assert ("agree within 10%" if agree else "they differ by") in (st.busy_signal_reason or "")
+        note = next(n for n in analysis.notes
+                    if n.startswith(f"{pm.label}: busy from the engine's loop timers"))
+        assert "the log's schedule gives" in note
+    assert not any("busy and bubble fractions are not available" in n for n in analysis.notes)
+
+
+def test_sglang_decode_log_interval_2_is_named_aliased_and_its_throughput_not_taken(imported) -> None:  # type: ignore[no-untyped-def]
+    """[busy] Must show 3 on a recorded real SGLang with --decode-log-interval 2 (PP=2, two
+    micro-batch slots: every rank logs one of the two micro-batches): log_sampling_aliased names
+    the flag, and no phase takes as the engine's throughput a log figure the client's tokens
+    contradict (more than 25 % apart): each phase's throughput is within 15 % of the client's."""
+    analysis = _analysis(imported("sglang", "interval2"))
+    (aliased,) = [f for f in analysis.findings if f.cause == "log_sampling_aliased"]
+    assert aliased.details == {"knob": "--decode-log-interval", "value": 1}
+    assert aliased.evidence["decode_log_interval"] == 2 and aliased.evidence["microbatch_slots"] == 2
+    for pm in analysis.metrics:
+        if not pm.label.startswith("C=") or pm.client_throughput_tok_s is None:
+            continue
+        assert pm.throughput_tok_s is not None
+        assert abs(pm.throughput_tok_s - pm.client_throughput_tok_s) <= 0.15 * pm.client_throughput_tok_s, pm
+    # the log's figure at C=6 (one of two micro-batches logged) is half the client's: not taken
+    c6 = next(pm for pm in analysis.metrics if pm.label == "C=6")
+    assert c6.engine_gen_throughput_tok_s is not None and c6.client_throughput_tok_s is not None
+    assert c6.engine_gen_throughput_tok_s < 0.75 * c6.client_throughput_tok_s
+    assert c6.throughput_tok_s == c6.client_throughput_tok_s
+
+
+@pytest.mark.parametrize(("name", "limit"), [("default", ADMISSION_LIMIT), ("seqs4", 4)])
+def test_vllm_no_running_count_above_the_limit(imported, name: str, limit: int) -> None:  # type: ignore[no-untyped-def]
+    """[busy] vLLM admits at most --max-num-seqs: no finding states more running requests than
+    that, whatever its flipping gauges average to (the engine's guarantee, not a reading)."""
+    analysis = _analysis(imported("vllm", name))
+    assert analysis.findings
+    for f in analysis.findings:
+        running = f.evidence.get("engine_running_estimate")
+        assert running is None or running <= limit, f
+        stated = re.search(r"the engine runs (?:about )?(\d+)", f.summary)
+        assert stated is None or int(stated.group(1)) <= limit, f.summary
+
+
+def test_a_queue_gauge_read_low_never_makes_the_running_count_exceed_the_limit(imported) -> None:  # type: ignore[no-untyped-def]
+    """[busy] The C=16 phase with its queue read low (vLLM's waiting gauge at 0 between turnovers
+    pulls the mean down): offered less queued would say 14 running; the engine admits 8, so the
+    running count the rules use and state is 8."""
+    import dataclasses
+
+    from gputrace.analysis.diagnose import Thresholds, admission_bound, phase_context
+
+    analysis = _analysis(imported("vllm", "default"))
+    pm = next(p for p in analysis.metrics if p.label == "C=16")
+    low = dataclasses.replace(pm, inflight_mean=16.0, stages=[dataclasses.replace(st, queue_req_mean=2.0)
+                                                               for st in pm.stages])
+    ctx = phase_context(low, analysis.run.engine, analysis.run.pp_size, Thresholds())
+    assert ctx.engine_running == ADMISSION_LIMIT and ctx.pool_full
+    found = admission_bound(low, analysis.run.engine, ctx.load, ctx.queue_mean, ctx.engine_running,
+                            Thresholds())
+    assert found is not None and f"the engine runs {ADMISSION_LIMIT} requests" in found.summary

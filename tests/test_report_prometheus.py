@@ -329,3 +329,45 @@ def test_where_nothing_waits_the_ranks_sum_is_bounded_by_the_requests_in_the_sys
     assert load[:6].tolist() == pytest.approx([1.02, 0.9, 8.1, 7.8, 16.0, 32.0])
     assert np.isnan(load[6])  # no queue read: no load claimed
     assert engine_load(ranks, 7, None, pool=12)[:6].tolist() == [8.0, 8.0, 12.0, 12.0, 12.0, 28.0]
+
+
+@pytest.mark.parametrize(("found", "schema"), [
+    (["DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_PROF_PCIE_TX_BYTES"], "4.8"),
+    (["DCGM_FI_DEV_GPU_UTIL_RATIO", "DCGM_FI_PROF_PCIE_TX_BYTES"], "4.9"),
+    (["DCGM_FI_DEV_GPU_UTIL_RATIO", "DCGM_FI_PROF_PCIE_TX_BYTES_PER_SECOND"], "4.10"),
+    (["DCGM_FI_DEV_SM_CLOCK_HERTZ"], "4.9+"),
+    (["DCGM_FI_DEV_SM_CLOCK", "DCGM_FI_DEV_SM_CLOCK_HERTZ"], "4.8+4.9+"),
+    (["gputrace_gpu_utilization_ratio"], ""),
+])
+def test_the_import_names_the_dcgm_exporter_schema(found: list[str], schema: str) -> None:
+    """[busy] dcgm-exporter's schema from the series found: the names before 4.9, 4.9's DCGM 4.7
+    names (4.10 told apart only by PCIe/NVLink *_PER_SECOND), both in one range, or none."""
+    from gputrace.imports.prometheus import GPU_FIELDS, dcgm_schema
+    assert dcgm_schema(found) == schema
+    # each series converts by its own name: 4.9's utilization is already a ratio, its clocks in Hz
+    assert GPU_FIELDS["DCGM_FI_DEV_GPU_UTIL"] == ("utilization_ratio", 100.0)
+    assert GPU_FIELDS["DCGM_FI_DEV_GPU_UTIL_RATIO"] == ("utilization_ratio", 1.0)
+    assert GPU_FIELDS["DCGM_FI_DEV_SM_CLOCK_HERTZ"] == ("sm_clock_hz", 1.0)
+    assert GPU_FIELDS["DCGM_FI_DEV_FB_USED_BYTES"] == ("memory_used_bytes", 1.0)
+    assert GPU_FIELDS["DCGM_FI_DEV_GPU_ENERGY_JOULES_TOTAL"] == ("energy_j", 1.0)
+
+
+def test_sglang_stage_timers_from_prometheus_are_kept_as_engine_metrics() -> None:
+    """[busy] report --prometheus keeps SGLang's loop and device timers (either spelling of the
+    name) as the collector's engine-metrics rows, so the analysis ranks them the same way."""
+    from gputrace.analysis.engine_metrics import engine_busy, series_from_columns
+    from gputrace.imports.prometheus import engine_timer_rows
+    from gputrace.prometheus.client import Series
+
+    t_ms = np.arange(0, 11_000, 1000, dtype=np.int64) + 1_700_000_000_000
+    series = [Series({"__name__": "sglang_scheduler_stage_seconds_total", "category": "run_batch",
+                      "pp_rank": str(rank), "tp_rank": "0", "instance": "node0:30000", "job": "sglang"},
+                     t_ms, np.arange(11, dtype=np.float64) * share)
+              for rank, share in ((0, 0.6), (1, 0.3))]
+    cols = engine_timer_rows(series, "http://prom")
+    assert set(cols["name"]) == {"sglang:scheduler_stage_seconds_total"}
+    assert all('"job"' not in lj and '"category": "run_batch"' in lj for lj in cols["labels_json"])
+    mapping = {k: np.asarray(v) for k, v in cols.items()}
+    busy = engine_busy(series_from_columns(mapping), int(t_ms[0]) * 10**6, int(t_ms[-1] + 1) * 10**6)
+    assert {r: round(b.busy_fraction, 3) for r, b in busy.items()} == {0: 0.6, 1: 0.3}
+    assert {b.signal for b in busy.values()} == {"loop timers"}

@@ -31,6 +31,16 @@ DCGM_SERIES = (("DCGM_FI_DEV_GPU_UTIL", 100.0, "utilization_ratio"),
                ("DCGM_FI_PROF_PCIE_RX_BYTES", 1.0, "pcie_rx_bytes_per_s"),
                ("DCGM_FI_DEV_SM_CLOCK", 1e-6, "sm_clock_hz"),
                ("DCGM_FI_DEV_CLOCKS_EVENT_REASONS", 1.0, "clock_event_reasons"))
+# The same series under dcgm-exporter 4.10's names (4.9's DCGM 4.7 renames in SI units, PCIe
+# *_PER_SECOND): utilization a ratio, clocks in Hz
+DCGM_SERIES_4_10 = (("DCGM_FI_DEV_GPU_UTIL_RATIO", 1.0, "utilization_ratio"),
+                    ("DCGM_FI_PROF_SM_UTIL_RATIO", 1.0, "sm_active_ratio"),
+                    ("DCGM_FI_PROF_GR_ENGINE_UTIL_RATIO", 1.0, "utilization_ratio"),
+                    ("DCGM_FI_DEV_BOARD_POWER_WATTS", 1.0, "power_w"),
+                    ("DCGM_FI_PROF_PCIE_TX_BYTES_PER_SECOND", 1.0, "pcie_tx_bytes_per_s"),
+                    ("DCGM_FI_PROF_PCIE_RX_BYTES_PER_SECOND", 1.0, "pcie_rx_bytes_per_s"),
+                    ("DCGM_FI_DEV_SM_CLOCK_HERTZ", 1.0, "sm_clock_hz"),
+                    ("DCGM_FI_DEV_CLOCKS_EVENT_REASONS", 1.0, "clock_event_reasons"))
 ENGINE_SERIES = ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:gen_throughput",
                  "sglang:token_usage")
 E2E = "sglang:e2e_request_latency_seconds"  # SGLang's end-to-end latency histogram (_sum, _count)
@@ -40,13 +50,13 @@ def _labels(labels: dict[str, str]) -> str:
     return "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}"
 
 
-def _dcgm_lines(store: Store) -> list[str]:
+def _dcgm_lines(store: Store, series: tuple[tuple[str, float, str], ...] = DCGM_SERIES) -> list[str]:
     """The GPU samples as dcgm-exporter exports them, one value a second: the mean of the second's
     samples (DCGM averages its profiling fields over the collect interval)."""
     devices = {d["gpu_index"]: d for d in store.arrow("devices").to_pylist()}
     g = store.columns("gpu_samples", order_by="gpu_index, ts_ns")
     out = []
-    for name, scale, attr in DCGM_SERIES:
+    for name, scale, attr in series:
         out.append(f"# TYPE {name} gauge")
         for gpu, dev in sorted(devices.items()):
             mine = g["gpu_index"] == gpu
@@ -146,3 +156,36 @@ def test_report_from_dcgm_and_sglang_series_finds_the_ground_truth(scenario: str
         best = max(doc["phases"], key=lambda p: _overlap(p, phase["start_ns"], phase["end_ns"]))
         found = sorted({f["cause"] for f in doc["findings"] if f["phase"] == best["label"]})
         assert found == sorted(phase["causes"]), (phase["label"], best["label"], doc["findings"])
+
+
+@pytest.mark.system
+def test_both_dcgm_exporter_schemas_give_the_same_findings(tmp_path: Path) -> None:
+    """[busy] Must show 5: the same run backfilled under dcgm-exporter's names before 4.9 (%, MHz)
+    and under 4.10's (4.9's DCGM 4.7 renames in ratios and Hz, PCIe *_PER_SECOND): each import says
+    which schema it found, converts each series by its own name, and the findings are the same."""
+    result = run_scenario("microbatch-cap", 0)
+    write_store(result, tmp_path / "sim")
+    start_s, end_s = result.start_ns // 10**9, result.start_ns // 10**9 + int(result.end_s) + 1
+    findings, busy = {}, {}
+    for schema, series in (("4.8", DCGM_SERIES), ("4.10", DCGM_SERIES_4_10)):
+        work = tmp_path / schema
+        work.mkdir()
+        with Store.open(tmp_path / "sim", read_only=True) as store:
+            lines = _dcgm_lines(store, series) + _engine_lines(store)
+        with backfilled_prometheus(work, lines) as prom:
+            done = subprocess.run(gputrace_argv(
+                "report", "--prometheus", prom, "--start", str(start_s), "--end", str(end_s), "--step", "1s",
+                "--max-running-requests", "64", "--pp-max-micro-batch-size", "2", "--run-out",
+                str(work / "run"), "--out", str(work / "report"), "--format", "json"),
+                capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert f"dcgm-exporter schema: {schema} " in done.stdout, done.stdout
+        doc = json.loads((work / "report" / "findings.json").read_text())
+        findings[schema] = sorted((f["phase"], f["cause"]) for f in doc["findings"])
+        busy[schema] = [(row["phase"], row["pp_rank"], round(row["busy_fraction"] or 0, 3))
+                        for row in doc["table"]]
+        with Store.open(work / "run", read_only=True) as store:
+            g = store.columns("gpu_samples")
+        assert np.nanmax(g["utilization_ratio"]) <= 1.0 and np.nanmin(g["sm_clock_hz"]) > 1e8  # SI units
+    assert findings["4.8"] == findings["4.10"] and findings["4.8"]
+    assert busy["4.8"] == busy["4.10"]

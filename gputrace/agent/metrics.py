@@ -23,11 +23,13 @@ class GpuCollector(Collector):
     """Builds gputrace_* (and optionally DCGM_FI_*) families from the newest samples per GPU."""
 
     def __init__(self, stats: LoopStats, ring: SampleRing, devices: Sequence[DeviceInfo], host: str,
-                 placements: Sequence[Placement] | None = None, dcgm_compat: bool = False) -> None:
+                 placements: Sequence[Placement] | None = None, dcgm_compat: bool = False,
+                 dcgm_schema: str = "4.8") -> None:
         self.stats = stats
         self.ring = ring
         self.host = host
         self.dcgm_compat = dcgm_compat
+        self.dcgm_gauges = mn.DCGM_SCHEMAS[dcgm_schema]  # the names and units of that dcgm-exporter
         rank_of = {p.gpu_index: p for p in placements or ()}
         self.label_names = [n for n in mn.GPU_LABELS if placements or n not in mn.RANK_LABELS]
         self._labels: dict[int, list[str]] = {}
@@ -68,7 +70,7 @@ class GpuCollector(Collector):
             lost.add_metric(labels, 1.0 if s[_LOST] else 0.0)
         families += [energy, lost]
         if self.dcgm_compat:
-            families += self._families(mn.DCGM_GAUGES, self._dcgm_label_dicts, latest, sources)
+            families += self._families(self.dcgm_gauges, self._dcgm_label_dicts, latest, sources)
         st = self.stats
         families += [family(mn.AGENT_UP, value=1.0),
                      family(mn.AGENT_SAMPLES, value=float(st.samples)),

@@ -54,6 +54,7 @@ class AgentSettings:
     tls_cert: str | None = None
     tls_key: str | None = None
     dcgm_compat: bool = False
+    dcgm_schema: str = "4.8"  # the dcgm-exporter whose names --dcgm-compat serves (metric_names.DCGM_SCHEMAS)
     placements: Sequence[Placement] | None = None  # this host's GPUs' ranks (by gpu_index)
     http_limits: HttpLimits = field(default_factory=HttpLimits)
 
@@ -106,7 +107,8 @@ class Agent:
         self.loop = SamplingLoop(sampler, self.ring, settings.interval_s)
         self.devices = sampler.devices()
         self._metrics = metrics_handler(GpuCollector(self.loop.stats, self.ring, self.devices, host,
-                                                     settings.placements, settings.dcgm_compat))
+                                                     settings.placements, settings.dcgm_compat,
+                                                     settings.dcgm_schema))
         self.app = self._make_app()
         self._listener = HttpListener(self.app, "agent", settings.http_limits)
         self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gputrace-encode")

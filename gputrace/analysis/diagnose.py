@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from gputrace.analysis.metrics import PhaseMetrics, StageMetrics
+from gputrace.analysis.metrics import PhaseMetrics, StageMetrics, throughput_aliased
 
 CAUSES = ("admission_bound", "microbatch_cap", "pipeline_underfilled", "stage_imbalance", "client_bound",
           "kv_cache_bound", "pcie_bound", "throttling", "log_sampling_aliased", "cannot_tell")
@@ -194,6 +194,10 @@ def phase_context(pm: PhaseMetrics, engine: Mapping[str, Any], pp_size: int, th:
     # interval, Prometheus scrape) catches requests mid-turnover, hence at_limit's band
     engine_running = (load - queue_mean) if load is not None and queue_mean is not None else None
     mrr = int(engine["max_running_requests"]) if engine.get("max_running_requests") else None
+    if engine_running is not None and mrr is not None:
+        # the engine admits at most its limit: a queue gauge that flips between 0 and the limit at
+        # each batch turnover (vLLM at PP=2 on a CPU) reads low on average, never the running high
+        engine_running = min(engine_running, float(mrr))
     return PhaseContext(
         pm=pm, engine=engine, pp_size=pp_size, th=th, busy=busy,
         mean_bubble=float(np.nanmean(bubble)) if not np.isnan(bubble).all() else 0.0,
@@ -460,10 +464,33 @@ def diagnose_phase(pm: PhaseMetrics, engine: Mapping[str, Any], pp_size: int,
     return out
 
 
+HIDDEN_TOLERANCE_REQS = 0.75  # a running mean this far from every whole number of logged sizes
+
+
 def aliased_cycle(interval: int, in_flight: int) -> int:
     """The common factor of the decode log interval and the micro-batches a rank cycles through:
     above 1, each rank logs only in_flight / factor of them (every interval-th decode step)."""
     return math.gcd(interval, in_flight) if in_flight >= 2 else 1
+
+
+def hidden_microbatches(p: PhaseMetrics, slots: int) -> str | None:
+    """Evidence from one phase that its log hides micro-batches (the interval sharing a factor with
+    the slots below a full pipeline): every stage logs one size while the running requests are no
+    whole number of such micro-batches (C=6 run as 4 and 2, logged as 4s only), or the log's
+    generation throughput is above the client's by more than the log's noise."""
+    sizes = [st.microbatch_size_mean for st in p.stages if st.log_lines >= 3 and st.microbatch_size_mean]
+    load = p.inflight_mean if p.inflight_mean is not None else p.target_concurrency
+    queued = max((st.queue_req_mean or 0.0 for st in p.stages), default=0.0)
+    if sizes and load and all(st.distinct_microbatch_sizes <= 1 for st in p.stages if st.log_lines >= 3):
+        size, running = float(sizes[0] or 0.0), max(float(load) - queued, 0.0)
+        whole = [m * size for m in range(1, slots + 1)]
+        if size > 0 and min(abs(running - w) for w in whole) > HIDDEN_TOLERANCE_REQS:
+            return (f"every stage logs micro-batches of {size:.0f} only while {running:.1f} requests run: "
+                    f"no whole number of them")
+    if throughput_aliased(p):
+        return (f"the log's generation throughput {p.engine_gen_throughput_tok_s:.1f} tok/s against the "
+                f"client's {p.client_throughput_tok_s:.1f} tok/s")
+    return None
 
 
 def diagnose_log_sampling(phases: Sequence[PhaseMetrics], engine: Mapping[str, Any], pp_size: int,
@@ -478,10 +505,16 @@ def diagnose_log_sampling(phases: Sequence[PhaseMetrics], engine: Mapping[str, A
     # only a full pipeline (every slot non-empty) holds its number in flight steady enough to tell
     # from the mean (a partly filled one varies, and the measured mean is not close enough)
     factor = aliased_cycle(interval, slots)
-    aliased: dict[str, dict[str, int]] = {}
+    aliased: dict[str, dict[str, Any]] = {}
     for p in phases:
         mean = p.microbatches_in_flight
-        if factor <= 1 or (mean is not None and mean < slots - th.steady_in_flight):
+        if factor <= 1:
+            continue
+        if mean is not None and mean < slots - th.steady_in_flight:
+            hidden = hidden_microbatches(p, slots)  # below a full pipeline: only on evidence
+            if hidden is not None:
+                aliased[p.label] = {"microbatches_in_flight": slots, "common_factor": factor,
+                                    "microbatches_logged": slots // factor, "evidence": hidden}
             continue
         if (p.inflight_mean or p.target_concurrency or 0) > 1:
             aliased[p.label] = {"microbatches_in_flight": slots, "common_factor": factor,

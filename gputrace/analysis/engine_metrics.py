@@ -8,16 +8,26 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from gputrace.analysis.metrics import PhaseMetrics
+from gputrace.analysis.metrics import BUSY_SIGNALS, PhaseMetrics
 
 # Per engine: the queue gauge and the generated-tokens counter.
 QUEUE_SERIES = ("sglang:num_queue_reqs", "vllm:num_requests_waiting")
 TOKEN_SERIES = ("sglang:realtime_tokens_total", "vllm:generation_tokens_total")
-COMPARED = QUEUE_SERIES + TOKEN_SERIES
+# SGLang's own timers per pp_rank (0.5.23): the scheduler loop's wall time by category, whose
+# run_batch is the forward (on a CPU the compute itself, on a GPU the host's launch and sync); a PP
+# rank's wait for the previous stage's activations (_pp_recv_proxy_tensors, called from the PP loop
+# outside any timed stage) falls in "other", its wait for the forwarded requests in recv_requests,
+# so neither counts as busy. forward_execution_seconds_total is the device timer
+# (SGLANG_ENABLE_METRICS_DEVICE_TIMER=1; without it the counter stays absent and fwd_occupancy NaN).
+STAGE_SECONDS = "sglang:scheduler_stage_seconds_total"
+DEVICE_SECONDS = "sglang:forward_execution_seconds_total"
+LOOP_SERIES = (STAGE_SECONDS, DEVICE_SECONDS)
+COMPARED = QUEUE_SERIES + TOKEN_SERIES + LOOP_SERIES
+LOOP_AGREEMENT = 0.10  # the loop timers' busy and the log schedule's agree within this
 MIN_SAMPLES = 3  # scrapes a phase needs before its figures are compared
 QUEUE_TOLERANCE_REQS = 2.0  # a queue read at other moments differs by a few requests
 QUEUE_TOLERANCE_RATIO = 0.25
@@ -122,3 +132,91 @@ def disagreement_notes(series: Sequence[MetricSeries], phases: Sequence[PhaseMet
                          "(--decode-log-interval) or lines were lost; the engine's metrics are read at "
                          "every scrape")
     return notes
+
+
+@dataclass(frozen=True)
+class EngineBusy:
+    """One stage in one phase, from the engine's own timers: the share of the phase it ran the
+    forward (``busy_fraction``), from which timer, and the share its loop's categories account for."""
+
+    pp_rank: int
+    busy_fraction: float
+    signal: str  # "device timer" | "loop timers"
+    loop_share: float | None  # the categories' time over the wall time (about 1 when every scrape is there)
+
+
+def _rank(s: MetricSeries) -> int | None:
+    try:
+        return int(s.labels.get("pp_rank", "0"))
+    except ValueError:
+        return None
+
+
+def _increase(s: MetricSeries, start_ns: int, end_ns: int) -> tuple[float, float] | None:
+    """A counter's rise over the phase's scrapes (a restart's reset skipped) and the seconds it spans."""
+    inside = (s.ts_ns >= start_ns) & (s.ts_ns < end_ns)
+    if inside.sum() < MIN_SAMPLES:
+        return None
+    t, v = s.ts_ns[inside], s.value[inside]
+    rises = np.diff(v)
+    return float(rises[rises >= 0].sum()), (t[-1] - t[0]) / 1e9
+
+
+def engine_busy(series: Sequence[MetricSeries], start_ns: int, end_ns: int) -> dict[int, EngineBusy]:
+    """Per pp_rank (tp_rank 0) the share of [start, end) it spent in the forward by the engine's own
+    timers: the device timer where SGLang has it on, else the loop's run_batch category."""
+    out: dict[int, EngineBusy] = {}
+    by_rank: dict[int, dict[str, float]] = {}
+    span: dict[int, float] = {}
+    for s in series:
+        rank = _rank(s)
+        if rank is None or s.labels.get("tp_rank", "0") not in ("0", "") or s.name not in LOOP_SERIES:
+            continue
+        rise = _increase(s, start_ns, end_ns)
+        if rise is None or rise[1] <= 0:
+            continue
+        key = "device" if s.name == DEVICE_SECONDS else s.labels.get("category", "other")
+        acc = by_rank.setdefault(rank, {})
+        acc[key] = acc.get(key, 0.0) + rise[0]
+        span[rank] = max(span.get(rank, 0.0), rise[1])
+    for rank, acc in sorted(by_rank.items()):
+        seconds = span[rank]
+        loop_total = sum(v for k, v in acc.items() if k != "device")
+        loop_share = loop_total / seconds if loop_total > 0 else None
+        if "device" in acc:
+            out[rank] = EngineBusy(rank, min(acc["device"] / seconds, 1.0), "device timer", loop_share)
+        elif "run_batch" in acc:
+            out[rank] = EngineBusy(rank, min(acc["run_batch"] / seconds, 1.0), "loop timers", loop_share)
+    return out
+
+
+def with_engine_timers(pm: PhaseMetrics, series: Sequence[MetricSeries]) -> PhaseMetrics:
+    """The phase with each stage's busy and bubble taken from the engine's own timers where they rank
+    above the stage's signal (the device timer above all; the loop timers below SM activity), the
+    bubble by the same definition (the share of the phase with work that the stage did not
+    compute), and the log schedule's figure beside it with their agreement."""
+    timers = engine_busy(series, pm.start_ns, pm.end_ns)
+    if not timers:
+        return pm
+    schedule = None if pm.allowed_busy_fraction is None else pm.allowed_busy_fraction * pm.work_share
+    stages = []
+    for st in pm.stages:
+        eb = timers.get(st.pp_rank)
+        if eb is None or (eb.signal == "loop timers" and st.busy_signal == BUSY_SIGNALS["sm_active"]):
+            stages.append(st)
+            continue
+        if schedule is None:
+            beside = "the log gives no schedule to check it against"
+        elif abs(eb.busy_fraction - schedule) <= LOOP_AGREEMENT:
+            beside = f"the log's schedule gives {schedule:.0%}: they agree within {LOOP_AGREEMENT:.0%}"
+        else:
+            beside = (f"the log's schedule gives {schedule:.0%}: they differ by "
+                      f"{abs(eb.busy_fraction - schedule):.0%}, since the schedule counts a stage busy "
+                      "whenever a micro-batch is at it and the timer counts only the forward (the "
+                      "scheduling, sampling and hand-off between forwards are not in it)")
+        signal = BUSY_SIGNALS["device_timer" if eb.signal == "device timer" else "loop_timers"]
+        stages.append(replace(
+            st, busy_fraction=eb.busy_fraction, bubble_fraction=max(pm.work_share - eb.busy_fraction, 0.0),
+            busy_signal=signal, schedule_busy_fraction=schedule,
+            busy_signal_reason=f"{eb.busy_fraction:.0%} busy by the engine's {eb.signal}; {beside}"))
+    return replace(pm, stages=stages)

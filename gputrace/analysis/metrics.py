@@ -4,7 +4,8 @@ offered load, queue, token usage, power, PCIe, throughput and request latencies.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,7 @@ class StageSeries:
     sm_clock_hz: np.ndarray
     throttled: np.ndarray
     sm_active: np.ndarray  # GPM SM activity; NaN where the GPU has none (before Hopper, or off)
+    idle_power_w: np.ndarray  # per stage: what it draws with no work (see idle_power); NaN without power
 
 
 def _stage_mean(run: AlignedRun, values: np.ndarray) -> np.ndarray:
@@ -60,11 +62,58 @@ def stage_series(run: AlignedRun) -> StageSeries:
         sm_clock_hz=_stage_mean(run, g["sm_clock_hz"]),
         throttled=_stage_mean(run, throttled.astype(np.float64)),
         sm_active=_stage_mean(run, g["sm_active_ratio"]),
+        idle_power_w=idle_power(_stage_mean(run, g["power_w"]), run.work_ratio),
     )
 
 
+IDLE_CELLS_MIN = 10  # cells without work a stage needs before their median is its idle power
+IDLE_SMOOTH_CELLS = 3  # power's sample noise (a few W) averaged out before the run's lowest is taken
+
+
+def idle_power(power_w: np.ndarray, work_ratio: np.ndarray) -> np.ndarray:
+    """Per stage (rows of ``power_w``) its power with no work: the median over the cells where the
+    engine held no request, else (a run that never idles) the lowest power any stage held over
+    a few cells, an upper bound on idle that the ratios of stages' power above it tolerate."""
+    out = np.full(power_w.shape[0], np.nan)
+    lowest = []
+    for s, row in enumerate(power_w):
+        ok = ~np.isnan(row)
+        if ok.sum() < IDLE_SMOOTH_CELLS:
+            lowest.append(np.nan)
+            continue
+        smooth = np.convolve(row[ok], np.ones(IDLE_SMOOTH_CELLS) / IDLE_SMOOTH_CELLS, "valid")
+        lowest.append(float(smooth.min()))
+        idle_cells = row[ok & (work_ratio < 0.01)]
+        if idle_cells.size >= IDLE_CELLS_MIN:
+            out[s] = float(np.median(idle_cells))
+    if not np.isnan(lowest).all():
+        out = np.where(np.isnan(out), np.nanmin(lowest), out)
+    return out
+
+
 BUSY_SIGNALS = {"utilization": "utilization.gpu (NVML)", "sm_active": "SM activity (GPM)",
+                "schedule": "schedule from the log",
+                "device_timer": "the engine's device timer (forward_execution_seconds)",
+                "loop_timers": "the engine's loop timers (run_batch)",
                 "none": "none (no GPU samples)"}
+# The one order in which a stage's busy figure is taken, best first; the report states it.
+BUSY_RANKING = ("the engine's device timer", "SM activity (GPM, DCGM PROF_SM_ACTIVE)",
+                "the engine's loop timers", "the schedule from the log (micro-batches in flight / "
+                "pp_size, shared out by each stage's power above idle)",
+                "utilization.gpu only where the schedule agrees (NCCL's waiting receive counts in it)")
+UTILIZATION_AGREES = 0.1  # utilization.gpu this far above the schedule's busy figure is not taken
+# A sampled log's generation throughput this far from the client's is not taken as the engine's
+# (micro-batches the log never shows: a real SGLang at interval 2 read 42 % above the client at
+# one load, 50 % below at another); a phase's edges blur the log's by about a second.
+THROUGHPUT_ALIAS_RATIO = 0.25
+THROUGHPUT_EDGE_S = 1.0
+
+
+def throughput_aliased(pm: PhaseMetrics) -> bool:
+    """The phase's log throughput was not taken: a sampled log read above the client's tokens."""
+    gen, client = pm.engine_gen_throughput_tok_s, pm.client_throughput_tok_s
+    return gen is not None and client is not None and pm.throughput_tok_s != gen and \
+        abs(gen - client) > client * (THROUGHPUT_ALIAS_RATIO + THROUGHPUT_EDGE_S / max(pm.duration_s, 1.0))
 
 
 def busy_signal(sm_active: np.ndarray, w: np.ndarray) -> str:
@@ -107,6 +156,8 @@ class StageMetrics:
     distinct_microbatch_sizes: int
     busy_signal: str = "utilization.gpu (NVML)"  # the series busy and bubble came from (BUSY_SIGNALS)
     sm_active_mean: float | None = None
+    busy_signal_reason: str | None = None  # why a better-ranked signal was not used, or was replaced
+    schedule_busy_fraction: float | None = None  # the log schedule's figure, beside an engine timer's
 
 
 @dataclass
@@ -354,6 +405,7 @@ def phase_metrics(run: AlignedRun, series: StageSeries, phase: Phase) -> PhaseMe
             distinct_microbatch_sizes=len(np.unique(mb)),
             busy_signal=BUSY_SIGNALS[signals[s] if has_busy else "none"],
             sm_active_mean=_wmean(series.sm_active[s, cells], w),
+            busy_signal_reason="no SM activity on these GPUs" if signals[s] == "utilization" else None,
         ))
 
     # Micro-batches in flight = requests the engine runs (offered minus queued) / micro-batch size.
@@ -368,8 +420,23 @@ def phase_metrics(run: AlignedRun, series: StageSeries, phase: Phase) -> PhaseMe
         running = max(load - queued, float(np.mean(mb_sizes)))
         mb_in_flight = min(float(slots), running / float(np.mean(mb_sizes)))
         allowed = min(1.0, mb_in_flight / run.pp_size)
+    if mb_in_flight is not None:
+        above_idle = [_wmean(series.power_w[s, cells], w) for s in range(run.pp_size)]
+        stages = [checked_utilization(st, mb_in_flight, run.pp_size, work, w, above, float(idle))
+                  for st, above, idle in zip(stages, _power_shares(above_idle, series.idle_power_w),
+                                             series.idle_power_w, strict=True)]
     gen = engine_throughput(run, phase.start_ns, phase.end_ns)
     client_tput = _f(tokens / phase.duration_s) if phase.duration_s > 0 else None
+    # a log that can hide micro-batches: SGLang's, every interval-th step, the interval sharing a
+    # factor with the micro-batch slots (coprime, every micro-batch is logged in turn)
+    interval = int(run.engine.get("decode_log_interval") or 1)
+    slots = run.pp_size + int(run.engine.get("pp_async_batch_depth") or 0)
+    sampled = run.engine.get("engine", "sglang") == "sglang" and math.gcd(interval, slots) > 1
+    if sampled and gen is not None and client_tput is not None and abs(gen - client_tput) > \
+            client_tput * (THROUGHPUT_ALIAS_RATIO + THROUGHPUT_EDGE_S / max(phase.duration_s, 1.0)):
+        gen_taken = None  # a sampled log that hides micro-batches: its throughput is not the engine's
+    else:
+        gen_taken = gen
     # abandoned at the drain: the client stopped waiting, so neither failed nor complete
     abandoned = rq.get("abandoned", np.zeros(len(rq["ok"]), dtype=bool))
     unfinished = int((in_phase & (np.isnan(rq["end_ns"]) | abandoned)).sum())
@@ -380,10 +447,44 @@ def phase_metrics(run: AlignedRun, series: StageSeries, phase: Phase) -> PhaseMe
         work_share=float(np.sum(work * w) / np.sum(w)) if len(w) else 0.0,
         requests_completed=int(done.sum()),
         requests_failed=int((in_phase & ~rq["ok"] & ~abandoned).sum()),
-        throughput_tok_s=gen if gen is not None else client_tput,
+        throughput_tok_s=gen_taken if gen_taken is not None else client_tput,
         client_throughput_tok_s=client_tput, engine_gen_throughput_tok_s=gen,
         unfinished_requests=unfinished,
         ttft_s_p50=_pct(ttft, 50), ttft_s_p90=_pct(ttft, 90),
         itl_s_mean=_f(np.nanmean(itl)) if len(itl) and not np.isnan(itl).all() else None,
         itl_s_p90=_pct(itl, 90),
         microbatches_in_flight=mb_in_flight, allowed_busy_fraction=allowed, stages=stages)
+
+
+def _power_shares(power_w: list[float | None], idle_w: np.ndarray) -> list[float | None]:
+    """Each stage's power above idle as a share of the highest stage's (None without power)."""
+    above = [None if p is None or np.isnan(i) else max(p - float(i), 0.0) for p, i in zip(power_w, idle_w,
+                                                                                          strict=True)]
+    top = max((a for a in above if a is not None), default=0.0)
+    return [None if a is None or top <= 0 else a / top for a in above]
+
+
+def checked_utilization(st: StageMetrics, in_flight: float, pp_size: int, work: np.ndarray, w: np.ndarray,
+                        power_share: float | None, idle_w: float) -> StageMetrics:
+    """A stage whose busy figure is utilization.gpu, checked against the schedule from the log: a
+    stage computes at most ``allowed`` (micro-batches in flight / pp_size) of the time it has work,
+    the bottleneck stage that much and the others by their power above idle against its. Where
+    utilization reads more than that, NCCL's waiting receive is counted in it (a PP rank waiting
+    for its input runs a spinning kernel): the schedule's figure is taken instead, and says why."""
+    if st.busy_signal != BUSY_SIGNALS["utilization"] or st.busy_fraction is None:
+        return st
+    allowed = min(1.0, in_flight / pp_size)
+    share = 1.0 if power_share is None else power_share
+    busy_row = allowed * share * work
+    busy, bubble = busy_and_bubble(busy_row[None, :], work, w)
+    if st.busy_fraction <= float(busy[0]) + UTILIZATION_AGREES:
+        return replace(st, busy_signal_reason=(st.busy_signal_reason or "") + (
+            f"; the schedule allows {float(busy[0]):.0%}, utilization agrees"))
+    power = "" if st.power_w_mean is None or np.isnan(idle_w) else (
+        f", power {st.power_w_mean:.0f} W against {idle_w:.0f} W idle")
+    return replace(st, busy_fraction=_f(busy[0]), bubble_fraction=_f(bubble[0]),
+                   busy_signal=BUSY_SIGNALS["schedule"],
+                   busy_signal_reason=(
+                       f"utilization.gpu read {st.busy_fraction:.0%} busy but the schedule from the log "
+                       f"allows {allowed:.0%} ({in_flight:.1f} micro-batches in flight for {pp_size} "
+                       f"stages){power}: NCCL's waiting kernels count in utilization.gpu"))

@@ -3,7 +3,7 @@ streams, phases, metrics, findings."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,8 +11,15 @@ import numpy as np
 
 from gputrace.analysis.aligned import AlignedRun, align
 from gputrace.analysis.diagnose import Finding, Thresholds, diagnose
-from gputrace.analysis.engine_metrics import COMPARED, disagreement_notes, series_from_columns
+from gputrace.analysis.engine_metrics import (
+    COMPARED,
+    MetricSeries,
+    disagreement_notes,
+    series_from_columns,
+    with_engine_timers,
+)
 from gputrace.analysis.metrics import (
+    BUSY_RANKING,
     BUSY_SIGNALS,
     PhaseMetrics,
     StageSeries,
@@ -112,6 +119,16 @@ def busy_signal_notes(metrics: list[PhaseMetrics], th: Thresholds = DEFAULT_THRE
         spun = [st for st in pm.stages if st.busy_signal == BUSY_SIGNALS["sm_active"]
                 and st.utilization_mean is not None and st.sm_active_mean is not None
                 and st.utilization_mean - st.sm_active_mean > th.utilization_spin_gap]
+        timed = [st for st in pm.stages if st.busy_signal in (BUSY_SIGNALS["loop_timers"],
+                                                               BUSY_SIGNALS["device_timer"])]
+        if timed:
+            notes.append(f"{pm.label}: busy from {timed[0].busy_signal}: " + "; ".join(
+                f"stage {st.pp_rank} {st.busy_signal_reason}" for st in timed))
+        scheduled = [st for st in pm.stages if st.busy_signal == BUSY_SIGNALS["schedule"]]
+        if scheduled:
+            notes.append(f"{pm.label}: stages {', '.join(str(st.pp_rank) for st in scheduled)} take their "
+                         f"busy figure from the {scheduled[0].busy_signal}: stage {scheduled[0].pp_rank}'s "
+                         f"{scheduled[0].busy_signal_reason}")
         if not spun:
             continue
         util = max(st.utilization_mean or 0.0 for st in spun)
@@ -121,12 +138,17 @@ def busy_signal_notes(metrics: list[PhaseMetrics], th: Thresholds = DEFAULT_THRE
             f"{util:.0%} but SM activity at most {sm:.0%}: NCCL's waiting kernels (a PP rank waiting "
             "to receive) count as busy in utilization.gpu, so their busy and bubble figures use SM "
             "activity (GPM) instead")
+    if any(st.busy_signal != BUSY_SIGNALS["sm_active"] for pm in metrics for st in pm.stages):
+        notes.append("busy figures per stage from the best signal present, in this order: "
+                     + " > ".join(BUSY_RANKING))
     return notes
 
 
 def analyse_aligned(run: AlignedRun, th: Thresholds = DEFAULT_THRESHOLDS,
-                    progress: Callable[[str], None] | None = None) -> Analysis:
-    """Phases, metrics and findings of an aligned run."""
+                    progress: Callable[[str], None] | None = None,
+                    engine_series: Sequence[MetricSeries] = ()) -> Analysis:
+    """Phases, metrics and findings of an aligned run; ``engine_series``, the engine's own metrics,
+    give the stages' busy figures where its timers rank above the GPUs' signal."""
     series = stage_series(run)
     phases = find_phases(run)
     notes = list(run.notes)
@@ -137,7 +159,11 @@ def analyse_aligned(run: AlignedRun, th: Thresholds = DEFAULT_THRESHOLDS,
     for ph in phases:
         if progress:
             progress(ph.label)
-        metrics.append(phase_metrics(run, series, ph))
+        metrics.append(with_engine_timers(phase_metrics(run, series, ph), engine_series))
+    if any(st.busy_signal in (BUSY_SIGNALS["loop_timers"], BUSY_SIGNALS["device_timer"])
+           for pm in metrics for st in pm.stages):
+        notes = [n.replace("busy and bubble fractions are not available",
+                           "busy and bubble fractions from the engine's own timers") for n in notes]
     findings = diagnose(metrics, run.engine, run.pp_size, th)
     notes.extend(busy_signal_notes(metrics, th))
     notes.extend(schedule_notes(run))
@@ -202,7 +228,9 @@ def analyse_tables(tables: RunTables, th: Thresholds = DEFAULT_THRESHOLDS,
     """Align and diagnose a run's tables (read with the engine metrics in COMPARED)."""
     if progress:
         progress("align")
-    analysis = analyse_aligned(align(tables), th, progress)
+    engine_series = (series_from_columns(tables.engine_metrics.as_mapping()) if len(tables.engine_metrics)
+                     else [])
+    analysis = analyse_aligned(align(tables), th, progress, engine_series)
     analysis.notes.extend(table_notes(tables.meta.extra, tables.engine_metrics, analysis))
     return analysis
 

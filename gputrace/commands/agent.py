@@ -89,10 +89,14 @@ async def _serve(agent: Agent) -> None:
 @click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), default=None)
 @click.option("--insecure", is_flag=True, help="Allow a non-loopback address without a token.")
 @click.option("--dcgm-compat", is_flag=True, help="Also export DCGM-exporter metric names and labels.")
+@click.option("--dcgm-schema", type=click.Choice(["4.8", "4.9", "4.10"]), default="4.8", show_default=True,
+              help="Which dcgm-exporter's names and units --dcgm-compat serves: 4.8 (every release before "
+                   "4.9: %, MHz, mJ, MiB), 4.9 (DCGM 4.7 names: ratios, Hz, J, bytes), 4.10 (PCIe/NVLink "
+                   "*_PER_SECOND).")
 def command(listen: str, interval: float, buffer_: str, backend: str, sim_feed: str | None,
             sim_gpus: int, sim_pattern: str, host_name: str | None, topology: str | None,
             token_file: str | None, tls_cert: str | None, tls_key: str | None, insecure: bool,
-            dcgm_compat: bool) -> None:
+            dcgm_compat: bool, dcgm_schema: str) -> None:
     """Sample this host's GPUs (NVML, or simulated) and serve /metrics, /v1/samples, /v1/time,
     /v1/info and /healthz."""
     host, port = parse_listen(listen)
@@ -104,6 +108,7 @@ def command(listen: str, interval: float, buffer_: str, backend: str, sim_feed: 
     settings = AgentSettings(listen_host=host, port=port, interval_s=interval,
                              buffer_s=parse_duration_s(buffer_), token=token, insecure=insecure,
                              tls_cert=tls_cert, tls_key=tls_key, dcgm_compat=dcgm_compat,
+                             dcgm_schema=dcgm_schema,
                              placements=parse_topology(topology, host_name or socket.gethostname())
                              if topology else None)
     check_exposure(settings)  # before touching NVML: a refused start should not wait on the driver

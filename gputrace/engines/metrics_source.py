@@ -28,6 +28,8 @@ RETRY = Backoff(initial_s=1.0, max_s=30.0)
 KEPT_SAMPLES = frozenset({
     "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "sglang:gen_throughput",
     "sglang:cache_hit_rate", "sglang:fwd_occupancy", "sglang:forward_execution_seconds_total",
+    # the scheduler loop's wall time per pp_rank by category (0.5.23+): run_batch is the forward
+    "sglang:scheduler_stage_seconds_total", "sglang:scheduler_idle_seconds_total",
     "sglang:realtime_tokens_total", "sglang:prompt_tokens_total", "sglang:generation_tokens_total",
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
     "vllm:gpu_cache_usage_perc", "vllm:generation_tokens_total", "vllm:prompt_tokens_total",

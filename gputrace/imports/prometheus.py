@@ -8,6 +8,7 @@ evaluation time (one clock for all hosts).
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import re
 from collections.abc import Sequence
@@ -27,10 +28,12 @@ from gputrace.store import Store
 from gputrace.topology import Placement, topology_to_meta
 
 # The one metric-name table: each series' name -> (GpuSample field, the exporter's units per SI
-# unit). gputrace's own first, then dcgm-exporter's (GPU_UTIL in %, clocks in MHz, FB in MiB,
-# energy in mJ): where two give one field, the first found fills it.
+# unit). gputrace's own first, then dcgm-exporter's, both schemas: before 4.9 GPU_UTIL in %, clocks
+# in MHz, FB in MiB, energy in mJ; 4.9's names in SI units, 4.10's PCIe/NVLink *_PER_SECOND. Each
+# series is converted by its own name, so a Prometheus holding both (an upgrade mid-range) reads
+# both; where two give one field, the first found fills it.
 GPU_FIELDS: dict[str, tuple[str, float]] = {
-    m.name: (m.field, m.scale) for m in (*mn.GPU_GAUGES, mn.GPU_ENERGY, *mn.DCGM_GAUGES) if m.field}
+    m.name: (m.field, m.scale) for m in (*mn.GPU_GAUGES, mn.GPU_ENERGY, *mn.DCGM_ALL) if m.field}
 GPU_FIELDS["DCGM_FI_DEV_CLOCK_THROTTLE_REASONS"] = ("clock_event_reasons", 1.0)  # before DCGM 3.3
 GPU_INT_FIELDS = ("memory_used_bytes", "memory_total_bytes", "clock_event_reasons")
 ENGINE_FIELDS = {
@@ -60,10 +63,12 @@ ENGINE_FIELDS.update({escaped(name): f for name, f in list(ENGINE_FIELDS.items()
 ENGINE_PREFIXES = {"sglang:": "sglang", "sglang_": "sglang", "vllm:": "vllm", "vllm_": "vllm"}
 # What the diagnosis uses, each with the series that can give it: the import says which it found.
 SERIES_ROLES: dict[str, tuple[str, ...]] = {
-    "GPU busy": (mn.GPU_UTILIZATION.name, "DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_PROF_GR_ENGINE_ACTIVE"),
-    "SM activity": (mn.GPU_SM_ACTIVE.name, "DCGM_FI_PROF_SM_ACTIVE"),
-    "GPU power": (mn.GPU_POWER.name, "DCGM_FI_DEV_POWER_USAGE"),
-    "PCIe traffic": (mn.GPU_PCIE_TX.name, "DCGM_FI_PROF_PCIE_TX_BYTES"),
+    "GPU busy": (mn.GPU_UTILIZATION.name, "DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_PROF_GR_ENGINE_ACTIVE",
+                 "DCGM_FI_DEV_GPU_UTIL_RATIO", "DCGM_FI_PROF_GR_ENGINE_UTIL_RATIO"),
+    "SM activity": (mn.GPU_SM_ACTIVE.name, "DCGM_FI_PROF_SM_ACTIVE", "DCGM_FI_PROF_SM_UTIL_RATIO"),
+    "GPU power": (mn.GPU_POWER.name, "DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_DEV_BOARD_POWER_WATTS"),
+    "PCIe traffic": (mn.GPU_PCIE_TX.name, "DCGM_FI_PROF_PCIE_TX_BYTES",
+                     "DCGM_FI_PROF_PCIE_TX_BYTES_PER_SECOND"),
     "clock events": (mn.GPU_CLOCK_EVENT_REASONS.name, "DCGM_FI_DEV_CLOCKS_EVENT_REASONS",
                      "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS"),
     "engine running requests": (mn.ENGINE_RUNNING.name, "sglang:num_running_reqs",
@@ -85,6 +90,10 @@ ENGINE_LOAD_SOURCE = "prometheus engine running + queued requests"
 # sglang:http_requests_active would say it directly, but it reads high: 2-3 at C=1 and 20 at C=16
 # on the real engine.) Its window is centred on each step (a trailing one lags a level step by
 # half its length) and holds several requests' completions.
+# SGLang's own timers per pp_rank, kept as the collector's engine-metrics source keeps them (the
+# analysis takes each stage's busy figure from them where they rank above the GPUs' signal)
+ENGINE_TIMERS = ("sglang:scheduler_stage_seconds_total", "sglang:forward_execution_seconds_total")
+ENGINE_TIMER_METRICS = {**{n: n for n in ENGINE_TIMERS}, **{escaped(n): n for n in ENGINE_TIMERS}}
 E2E_SUM = "sglang:e2e_request_latency_seconds_sum"
 E2E_SUM_METRICS = (E2E_SUM, escaped(E2E_SUM))
 LITTLE_WINDOW_S = 10.0
@@ -234,6 +243,7 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
 
     gpu_series = fetch([*GPU_FIELDS, mn.GPU_LOST.name], AGENT_LABELS)
     engine_series = fetch(list(ENGINE_FIELDS), ENGINE_LABELS)
+    timer_series = fetch(list(ENGINE_TIMER_METRICS), ENGINE_LABELS | {"category", "forward_overlap"})
     target_series = fetch([TARGET_METRIC], LOAD_LABELS)
     inflight_series = fetch([INFLIGHT_METRIC], LOAD_LABELS)
     # the latency sum a half window beyond each end: the window is centred on every step
@@ -248,9 +258,10 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
                           f"sglang:* or vllm:* ones, between {start_ms / 1000:.3f} and "
                           f"{end_ms / 1000:.3f}{where}")
     summary.found = sorted({s.labels.get("__name__", "") for s in
-                            [*gpu_series, *engine_series, *target_series, *inflight_series]}
+                            [*gpu_series, *engine_series, *timer_series, *target_series, *inflight_series]}
                            | ({E2E_SUM_METRICS[0]} if in_system_series else set()))
     summary.lacking = [role for role, names in SERIES_ROLES.items() if not set(names) & set(summary.found)]
+    summary.dcgm_schema = dcgm_schema(summary.found)
 
     # GPUs: one array per (host, gpu) and field; the labels give the device and its stage.
     gpus: dict[tuple[str, int], dict[str, np.ndarray]] = {}
@@ -311,6 +322,8 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
                 "newest logged line per rank at each scrape; GPU values the agent's newest sample",
         "series_found": summary.found, "series_lacking": summary.lacking,
     }
+    if summary.dcgm_schema:
+        extra["dcgm_schema"] = summary.dcgm_schema
     engine = next(iter(engines)) if len(engines) == 1 else "unknown"
     with Store.create(out, name=name or f"prometheus-{start_ms // 1000}", topology=topology,
                       extra=extra) as store:
@@ -318,6 +331,8 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
         _write_gpus(store, summary, gpus, grid_ns)
         _write_engine(store, summary, ranks, grid_ns, step_ms, client.base_url, engine)
         write_rows(store, summary, "devices", list(devices.values()))
+        if timer_series:
+            write_rows(store, summary, "engine_metrics", engine_timer_rows(timer_series, client.base_url))
         load_source = "prometheus " + INFLIGHT_METRIC
         if np.isnan(inflight).all() and engine in ("sglang", "vllm"):
             in_system = requests_in_system(in_system_series, start_ms - margin * step_ms, step_ms,
@@ -334,6 +349,44 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
                                   pp_max_micro_batch_size=engine_config.get("pp_max_micro_batch_size"))
             write_rows(store, summary, "engine_configs", [config])
     return summary
+
+
+def engine_timer_rows(series: Sequence[Series], url: str) -> dict[str, list[Any]]:
+    """SGLang's timer counters as engine_metrics rows (Prometheus' evaluation times; the counter's
+    value at each step, its canonical name, its labels less the scrape's own)."""
+    keys = ("host", "source", "ts_ns", "name", "labels_json", "value")
+    cols: dict[str, list[Any]] = {k: [] for k in keys}
+    for s in series:
+        name = ENGINE_TIMER_METRICS[s.labels.get("__name__", "")]
+        labels = json.dumps({k: v for k, v in s.labels.items() if k not in ("__name__", "job", "instance")},
+                            sort_keys=True)
+        ok = ~np.isnan(s.values)
+        n = int(ok.sum())
+        cols["host"] += [s.labels.get("host", "") or s.labels.get("instance", "")] * n
+        cols["source"] += [url] * n
+        cols["ts_ns"] += (s.ts_ms[ok].astype(np.int64) * 1_000_000).tolist()
+        cols["name"] += [name] * n
+        cols["labels_json"] += [labels] * n
+        cols["value"] += s.values[ok].astype(np.float64).tolist()
+    return cols
+
+
+def dcgm_schema(found: Sequence[str]) -> str:
+    """Which dcgm-exporter schema the found series are in: "4.8" (the names before 4.9), "4.9",
+    "4.10" (only the PCIe/NVLink names tell it from 4.9; "4.9+" without them), both joined by "+"
+    (an upgrade within the range), or "" without DCGM_FI_* series."""
+    have = set(found)
+    old = {m.name for m in mn.DCGM_GAUGES}
+    new = {m.name for m in mn.DCGM_GAUGES_4_9} | {m.name for m in mn.DCGM_GAUGES_4_10}
+    per_second = {m.name for m in mn.DCGM_GAUGES_4_10} - old - {m.name for m in mn.DCGM_GAUGES_4_9}
+    seen = []
+    if have & (old - new):
+        seen.append("4.8")
+    if have & (new - old - per_second):
+        seen.append("4.10" if have & per_second else "4.9" if have & (old & new) else "4.9+")
+    elif have & per_second:
+        seen.append("4.10")
+    return "+".join(seen)
 
 
 def _int_column(v: np.ndarray) -> np.ma.MaskedArray[Any, Any]:

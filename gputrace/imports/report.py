@@ -54,6 +54,7 @@ class ImportReport:
     runs: list[str] = field(default_factory=list)
     found: list[str] = field(default_factory=list)  # metric names with series in the range
     lacking: list[str] = field(default_factory=list)  # diagnosis inputs none of whose series was there
+    dcgm_schema: str = ""  # dcgm-exporter's names found: "4.8" (before 4.9), "4.9", "4.10"; "" none
 
     def skip(self, where: str, why: str) -> None:
         self.bad += 1

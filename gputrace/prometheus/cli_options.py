@@ -20,6 +20,12 @@ from gputrace.imports.prometheus import (
 )
 from gputrace.prometheus.client import MAX_POINTS_PER_SERIES, PrometheusClient
 
+DCGM_SCHEMA_WORDS = {"4.8": "the names before 4.9: utilization in %, MHz, mJ, MiB",
+                     "4.9": "DCGM 4.7 names: ratios, Hz, J, bytes",
+                     "4.9+": "DCGM 4.7 names: ratios, Hz, J, bytes; 4.9 or later",
+                     "4.10": "4.9's names, PCIe and NVLink as *_PER_SECOND"}
+"""dcgm-exporter's schemas as the import reports them (each series converted to SI by its own name)."""
+
 
 def prometheus_flags(fn: Callable[..., Any]) -> Callable[..., Any]:
     """The flags of `report --prometheus` (all passed on as keyword arguments)."""
@@ -108,6 +114,9 @@ def prometheus_run(prometheus_url: str | None, prom_start: str | None, prom_end:
                f"at a {step_ms / 1000:g} s step in {summary.queries} range queries "
                f"({summary.windows} window(s) of at most {MAX_POINTS_PER_SERIES} steps per metric)")
     click.echo(f"series found: {', '.join(summary.found)}")
+    if summary.dcgm_schema:
+        words = DCGM_SCHEMA_WORDS.get(summary.dcgm_schema, "names of several releases, each converted")
+        click.echo(f"dcgm-exporter schema: {summary.dcgm_schema} ({words})")
     if summary.lacking:
         click.echo(f"lacking (no series for): {', '.join(summary.lacking)}")
     return str(run_dir), default_out

@@ -63,7 +63,7 @@ def snapshot_samples(p: SimParams, snap: MetricSnapshot) -> list[Sample]:
         labels = {"model_name": p.model_path, "engine_type": "unified", "tp_rank": "0", "pp_rank": str(s)}
         out += [(name, labels, float(fields[f]), "gauge") for f, name in SGLANG_GAUGES.items() if f in fields]
         out.append(("sglang:realtime_tokens_total", labels, snap.tokens_total, "counter"))
-        if s < len(snap.forward_s):
+        if p.device_timer and s < len(snap.forward_s):  # SGLANG_ENABLE_METRICS_DEVICE_TIMER=1 only
             out.append(("sglang:forward_execution_seconds_total", labels, snap.forward_s[s], "counter"))
     return out
 

@@ -18,6 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine_servers import (
+    FIXTURE_ONLY_SETTINGS,
     MODEL_DIR,
     REPO,
     SETTINGS,
@@ -30,6 +31,9 @@ from engine_servers import (
 
 FIXTURES = REPO / "tests" / "data" / "engines"
 CONCURRENCY = "1,4,16"
+# settings swept at other loads: interval2 at loads whose micro-batches are unequal (K = 4: C=6
+# runs micro-batches of 4 and 2, C=3 of 2 and 1)
+CONCURRENCY_BY_SETTING = {"interval2": "3,6"}
 # SGLang logs every micro-batch of every rank (about 40-70 tok/s for one request here); vLLM is
 # faster but logs its stats only every 10 s, so its levels are longer.
 LEVEL_S = {"sglang": 20.0, "vllm": 30.0}
@@ -39,7 +43,8 @@ MAX_TOKENS = {"sglang": 32, "vllm": 64}
 def load_argv(setting: EngineSetting, url: str, model: str, out: Path) -> list[str]:
     """The `gputrace load` command the fixture's requests come from."""
     return [sys.executable, "-m", "gputrace", "load", "--url", url, "--model", model,
-            "--concurrency", CONCURRENCY, "--duration-per-level", str(LEVEL_S[setting.engine]),
+            "--concurrency", CONCURRENCY_BY_SETTING.get(setting.name, CONCURRENCY),
+            "--duration-per-level", str(LEVEL_S[setting.engine]),
             "--max-tokens", str(MAX_TOKENS[setting.engine]), "--ignore-eos", "--host", "client",
             "--out", str(out)]
 
@@ -90,7 +95,8 @@ def main() -> int:
     if reason:
         print(f"record_fixtures: {reason}", file=sys.stderr)
         return 2
-    chosen = [s for s in SETTINGS if not args.only or f"{s.engine}/{s.name}" in args.only]
+    chosen = [s for s in (*SETTINGS, *FIXTURE_ONLY_SETTINGS)
+              if not args.only or f"{s.engine}/{s.name}" in args.only]
     if not chosen:
         print(f"record_fixtures: no setting matches {args.only}", file=sys.stderr)
         return 2
