@@ -35,12 +35,13 @@ class SshServer:
     host_key_path: Path
     client_key_path: Path
     known_hosts_path: Path
+    address: str = "127.0.0.1"
 
     def options(self, *, known_hosts: Path | None = None,
                 policy: HostKeyPolicy = HostKeyPolicy.VERIFY) -> SshOptions:
         """Client options for this server (as root, with the test client key)."""
         return SshOptions(
-            host="127.0.0.1", port=self.port, username="root",
+            host=self.address, port=self.port, username="root",
             identity_files=(str(self.client_key_path),),
             known_hosts_path=str(known_hosts or self.known_hosts_path), host_key_policy=policy,
             keepalive_interval_s=2.0, connect_timeout_s=10.0,
@@ -50,7 +51,7 @@ class SshServer:
     def host_key_line(self) -> str:
         """The known_hosts line that trusts this server's host key."""
         key = Path(str(self.host_key_path) + ".pub").read_text().split()
-        return f"[127.0.0.1]:{self.port} {key[0]} {key[1]}\n"
+        return f"[{self.address}]:{self.port} {key[0]} {key[1]}\n"
 
     def session_pids(self) -> list[int]:
         """The sshd processes serving connections (the children of the listener, and theirs)."""
@@ -129,9 +130,9 @@ def wait_no_processes(marker: str, timeout_s: float = 5.0) -> list[tuple[int, st
     return left
 
 
-def _free_port() -> int:
+def _free_port(address: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((address, 0))
         return int(sock.getsockname()[1])
 
 
@@ -144,8 +145,12 @@ def write_key(path: Path, alg: str = "ssh-ed25519") -> Path:
 
 
 @contextlib.contextmanager
-def running_sshd(root: Path, sshd: str = "/usr/sbin/sshd") -> Iterator[SshServer]:
-    """Start sshd under ``root`` (a temporary directory) and stop it afterwards."""
+def running_sshd(root: Path, sshd: str = "/usr/sbin/sshd", *, address: str = "127.0.0.1",
+                 env: dict[str, str] | None = None,
+                 session_env: dict[str, str] | None = None) -> Iterator[SshServer]:
+    """Start sshd under ``root`` (a temporary directory) on ``address`` (a loopback address) and
+    stop it afterwards. ``env``: the listener's environment; ``session_env``: set in every session
+    (sshd builds a session's environment afresh, so a preloaded library must be named here too)."""
     root.mkdir(parents=True, exist_ok=True)
     host_key = write_key(root / "host_ed25519")
     client_key = write_key(root / "client_ed25519")
@@ -154,19 +159,22 @@ def running_sshd(root: Path, sshd: str = "/usr/sbin/sshd") -> Iterator[SshServer
     # sshd refuses to start without its privilege-separation directory.
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
     for _attempt in range(5):
-        port = _free_port()
+        port = _free_port(address)
+        set_env = " ".join(f'"{k}={v}"' for k, v in (session_env or {}).items())
         config = root / "sshd_config"
         config.write_text(
-            f"ListenAddress 127.0.0.1:{port}\nHostKey {host_key}\nPidFile {root / 'sshd.pid'}\n"
+            (f"SetEnv {set_env}\n" if set_env else "")
+            + f"ListenAddress {address}:{port}\nHostKey {host_key}\nPidFile {root / 'sshd.pid'}\n"
             f"AuthorizedKeysFile {authorized}\nUsePAM no\nStrictModes no\n"
             "PermitRootLogin prohibit-password\nPasswordAuthentication no\n"
             "KbdInteractiveAuthentication no\nAllowTcpForwarding yes\nX11Forwarding no\n"
             "PrintMotd no\nMaxSessions 100\nMaxStartups 100\nLogLevel ERROR\n"
         )
-        proc = subprocess.Popen([sshd, "-D", "-e", "-f", str(config)], stderr=subprocess.PIPE)
-        if _wait_listening(port, proc):
+        proc = subprocess.Popen([sshd, "-D", "-e", "-f", str(config)], stderr=subprocess.PIPE,
+                                env=env)
+        if wait_listening(port, proc, address=address):
             known = root / "known_hosts"
-            server = SshServer(proc, port, root, host_key, client_key, known)
+            server = SshServer(proc, port, root, host_key, client_key, known, address)
             known.write_text(server.host_key_line())
             try:
                 yield server
@@ -178,13 +186,14 @@ def running_sshd(root: Path, sshd: str = "/usr/sbin/sshd") -> Iterator[SshServer
     raise RuntimeError("sshd did not start: " + (proc.stderr.read().decode() if proc.stderr else ""))
 
 
-def _wait_listening(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> bool:
+def wait_listening(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 10.0,
+                    address: str = "127.0.0.1") -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             return False
         with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
+            if sock.connect_ex((address, port)) == 0:
                 return True
         time.sleep(0.02)
     return False
