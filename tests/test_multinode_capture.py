@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +22,7 @@ from live_chain import free_port, http_ok, wait_until
 from testhosts import TestHost, gputrace_argv
 
 from gputrace.sim.params import SCENARIOS
+from gputrace.sim.run import run_scenario
 from gputrace.store import Store
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]
@@ -117,9 +117,13 @@ def test_pp8_over_two_skewed_hosts(tmp_path: Path, restart_sshd: bool,
         assert {(p["host"], p["gpu_index"], p["pp_rank"]) for p in placements} == \
             {(h.name, g, 4 * r + g) for r, h in enumerate(hosts) for g in range(4)}
         problems = store.meta.extra["collector"]
+    # the findings: per phase, the causes the simulator's ground truth gives the same deployment
+    # under the same levels (run in virtual time)
     report = json.loads((run_dir / "report" / "findings.json").read_text())
-    causes = {f["cause"] for f in report["findings"]}
-    assert set(SCENARIOS[SCENARIO].causes) <= causes, (causes, report.get("notes"))
+    found = {(f["phase"], f["cause"]) for f in report["findings"]}
+    truth = run_scenario(SCENARIO, 0, {"concurrency": (8, 32), "phase_s": 6.0, "max_tokens": 128})
+    assert found == {(ph["label"], c) for ph in truth.ground_truth["phases"] for c in ph["causes"]}
+    assert set(SCENARIOS[SCENARIO].causes) <= {cause for _, cause in found}
     markdown = (run_dir / "report" / "report.md").read_text()
     for rank, host in enumerate(hosts):
         for gpu in range(4):
