@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,9 +37,20 @@ def libfaketime() -> str | None:
     return next((p for p in LIBFAKETIME_CANDIDATES if Path(p).exists()), None)
 
 
-def faketime_env(offset_s: float, library: str) -> dict[str, str]:
-    """What puts a process (and its children) ``offset_s`` seconds off the real wall clock."""
-    return {"LD_PRELOAD": library, "FAKETIME": f"{offset_s:+.6f}s"}
+CLOCK_RELOAD_S = 1  # how often each process of a host rereads its clock's offset (set_offset)
+
+
+def faketime_env(spec_file: Path, library: str) -> dict[str, str]:
+    """What puts a process (and its children) off the real wall clock by the offset written in
+    ``spec_file`` (libfaketime's syntax, ``+2.5s``), reread every CLOCK_RELOAD_S."""
+    return {"LD_PRELOAD": library, "FAKETIME_TIMESTAMP_FILE": str(spec_file),
+            "FAKETIME_CACHE_DURATION": str(CLOCK_RELOAD_S)}
+
+
+def write_offset(spec_file: Path, offset_s: float) -> None:
+    tmp = spec_file.with_suffix(".tmp")
+    tmp.write_text(f"{offset_s:+.6f}s\n")
+    tmp.replace(spec_file)  # a process rereading it never sees half a line
 
 
 def gputrace_argv(*args: str) -> list[str]:
@@ -58,6 +70,27 @@ class TestHost:
     sshd: SshServer
     env: dict[str, str]  # the faketime variables every process of this host gets
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    # (real time.time_ns() when set, offset_s): the host's clock history, for set_offset
+    offsets: list[tuple[int, float]] = field(default_factory=list)
+
+    def set_offset(self, offset_s: float) -> None:
+        """Step this host's clock to ``offset_s`` off the real one: every process of the host
+        (running ones too) follows within CLOCK_RELOAD_S."""
+        write_offset(self.root / "faketime", offset_s)
+        self.offset_s = offset_s
+        self.offsets.append((time.time_ns(), offset_s))
+
+    def offset_at(self, real_ns: int) -> float | None:
+        """The offset set at real time ``real_ns``; None within CLOCK_RELOAD_S after a change
+        (processes of the host disagree then)."""
+        current = None
+        for since_ns, offset_s in self.offsets:
+            if real_ns < since_ns:
+                break
+            if real_ns < since_ns + (CLOCK_RELOAD_S + 0.5) * 1e9 and current is not None:
+                return None
+            current = offset_s
+        return current
 
     @property
     def log_path(self) -> Path:
@@ -131,11 +164,14 @@ def running_test_hosts(root: Path, offsets_s: Sequence[float], *, library: str,
     with contextlib.ExitStack() as stack:
         for i, offset_s in enumerate(offsets_s):
             host_root = root / f"node{i}"
-            env = faketime_env(offset_s, library)
+            host_root.mkdir(parents=True)
+            write_offset(host_root / "faketime", offset_s)
+            env = faketime_env(host_root / "faketime", library)
             server = stack.enter_context(running_sshd(
                 host_root, sshd, address=f"127.0.0.{FIRST_ADDRESS + i}", env={**os.environ, **env},
                 session_env=env))
-            host = TestHost(f"node{i}", server.address, offset_s, host_root, server, env)
+            host = TestHost(f"node{i}", server.address, offset_s, host_root, server, env,
+                            offsets=[(0, offset_s)])
             stack.callback(host.stop)
             hosts.append(host)
         yield hosts
