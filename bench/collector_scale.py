@@ -95,8 +95,8 @@ def _machine_busy_s() -> float:
     return (sum(values) - values[3] - values[4]) / os.sysconf("SC_CLK_TCK")
 
 
-def _status(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(url + "/v1/status", timeout=10) as resp:
+def _status(url: str, timeout_s: float = 10.0) -> dict[str, Any]:
+    with urllib.request.urlopen(url + "/v1/status", timeout=timeout_s) as resp:
         doc: dict[str, Any] = json.loads(resp.read())
         return doc
 
@@ -120,7 +120,7 @@ def _free_port() -> int:
 
 
 def measure(n_hosts: int, duration_s: float, gpus: int, sample_hz: float, lines_per_s: float,
-            root: Path, say: Any) -> dict[str, Any]:
+            root: Path, say: Any, asyncio_debug: bool = False) -> dict[str, Any]:
     sys.path.insert(0, str(TESTS))
     testhosts = importlib.import_module("testhosts")  # the tests' own test hosts
     library = testhosts.libfaketime()
@@ -146,8 +146,10 @@ def measure(n_hosts: int, duration_s: float, gpus: int, sample_hz: float, lines_
         with open(root / "collector.out", "wb") as out:
             collector = subprocess.Popen(
                 [sys.executable, "-m", "gputrace", "collect", "--config", str(cfg), "--out", str(run_dir),
-                 "--listen", f"127.0.0.1:{listen_port}"], stdout=out, stderr=subprocess.STDOUT)
+                 "--listen", f"127.0.0.1:{listen_port}"], stdout=out, stderr=subprocess.STDOUT,
+                env={**os.environ, **({"PYTHONASYNCIODEBUG": "1"} if asyncio_debug else {})})
         rows: list[dict[str, float]] = []
+        stalls: list[float] = []  # how long each /v1/status took: the event loop's responsiveness
         try:
             _wait(lambda: _status(url) is not None, 120, "collector")
             writer.start()
@@ -156,7 +158,14 @@ def measure(n_hosts: int, duration_s: float, gpus: int, sample_hz: float, lines_
             prev: dict[str, float] | None = None
             while (elapsed := time.monotonic() - t0) < duration_s:
                 time.sleep(min(SAMPLE_EVERY_S, duration_s - elapsed))
-                st = _status(url)
+                asked = time.monotonic()
+                try:
+                    st = _status(url, timeout_s=60.0)
+                except TimeoutError:
+                    say("  the collector's /v1/status did not answer in 60 s: its event loop is stalled")
+                    stalls.append(60.0)
+                    continue
+                stalls.append(time.monotonic() - asked)
                 counts, store = st["counts"], st["store"]
                 row = {"t_s": time.monotonic() - t0, "cpu_s": _proc_cpu_s(collector.pid) - cpu0,
                        "machine_busy_s": _machine_busy_s() - busy0, "rss_mb": _proc_rss_mb(collector.pid),
@@ -186,11 +195,11 @@ def measure(n_hosts: int, duration_s: float, gpus: int, sample_hz: float, lines_
             except subprocess.TimeoutExpired:
                 collector.kill()
                 collector.wait()
-    return _summarise(n_hosts, duration_s, rows, writer, run_dir, [h.name for h in hosts])
+    return _summarise(n_hosts, duration_s, rows, writer, run_dir, [h.name for h in hosts], stalls)
 
 
 def _summarise(n_hosts: int, duration_s: float, rows: list[dict[str, float]], writer: LogWriter,
-               run_dir: Path, names: list[str]) -> dict[str, Any]:
+               run_dir: Path, names: list[str], stalls: list[float]) -> dict[str, Any]:
     lags_ms: list[float] = []
     lost = duplicated = 0
     with Store.open(run_dir, read_only=True) as store:
@@ -230,6 +239,7 @@ def _summarise(n_hosts: int, duration_s: float, rows: list[dict[str, float]], wr
         "collector_cpu_share_of_core": round(cpu_share, 3),
         "collector_rss_mb": round(rows[-1]["rss_mb"], 1) if rows else None,
         "machine_busy_share": round(machine, 3),
+        "status_answer_s_max": round(max(stalls or [0.0]), 2),
         "lag_ms_p50": q(0.5), "lag_ms_p99": q(0.99), "lag_ms_max": q(1.0),
         "log_lines_written": writer.total(), "log_lines_lost": lost, "log_lines_duplicated": duplicated,
         "gpu_samples_stored": samples,
@@ -246,6 +256,8 @@ def main() -> None:
     ap.add_argument("--lines-per-s", type=float, default=60.0, help="scheduler log lines per host per s")
     ap.add_argument("--reference-duration", type=float, default=60.0, help="seconds for the 1-host reference")
     ap.add_argument("--json", action="store_true", help="also print every figure and the timelines as JSON")
+    ap.add_argument("--asyncio-debug", action="store_true",
+                    help="run the collector with PYTHONASYNCIODEBUG=1: it logs every callback over 0.1 s")
     args = ap.parse_args()
 
     def say(text: str) -> None:
@@ -258,7 +270,13 @@ def main() -> None:
             root.mkdir()
             say(f"== {n} host(s), {args.gpus} GPUs at {args.sample_hz:g} Hz and {args.lines_per_s:g} "
                 f"log lines/s each")
-            results.append(measure(n, duration, args.gpus, args.sample_hz, args.lines_per_s, root, say))
+            results.append(measure(n, duration, args.gpus, args.sample_hz, args.lines_per_s, root, say,
+                                   args.asyncio_debug))
+            if args.asyncio_debug:
+                slow = [line for line in (root / "collector.out").read_text(errors="replace").splitlines()
+                        if "Executing" in line and "took" in line]
+                say(f"  callbacks over 0.1 s: {len(slow)}; slowest: "
+                    + " | ".join(sorted(slow, key=lambda t: -float(t.rsplit("took ", 1)[1].split()[0]))[:3]))
     ref, big = results
     extra = max(1, big["hosts"] - ref["hosts"])
     # per host: what each host beyond the reference's one adds
@@ -274,6 +292,7 @@ def main() -> None:
     for key in ("in_rows_per_s_median", "written_rows_per_s_median", "backlog_rows_first_half_max",
                 "backlog_rows_second_half_max", "collector_cpu_share_of_core", "collector_cpu_share_per_host",
                 "hosts_per_core", "collector_rss_mb", "collector_rss_mb_per_host", "machine_busy_share",
+                "status_answer_s_max",
                 "lag_ms_p50", "lag_ms_p99", "lag_ms_max", "log_lines_written", "log_lines_lost",
                 "log_lines_duplicated", "gpu_samples_stored"):
         print(f"{key:34s}{ref[key]!s:>20s}{big[key]!s:>14s}")
