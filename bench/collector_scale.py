@@ -186,7 +186,14 @@ def measure(n_hosts: int, duration_s: float, gpus: int, sample_hz: float, lines_
                 prev = row
             writer.stop.set()
             writer.join()
-            time.sleep(2.0)  # the last lines arrive
+            # the lines still on their way arrive before the collector is stopped (a minute at most)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                with contextlib.suppress(OSError):
+                    if writer.total() - _status(url, 60.0)["counts"].get("log_lines", 0) <= 0:
+                        break
+                time.sleep(1.0)
+            time.sleep(1.0)
         finally:
             writer.stop.set()
             collector.send_signal(signal.SIGINT)
