@@ -89,7 +89,7 @@ class RealtimeSim:
         self.layout = NodeLayout.sglang(params, 1 + (len(relay.writers) if relay else 0))
         self._files = NodeFiles(params, self.layout, 0, log_path, feed_path, self.wall0_ns, speed)
         if relay is not None:
-            relay.start(0.0, speed)
+            relay.start(self.now_s(), speed)
 
     # -- clocks --------------------------------------------------------------------------------
 
