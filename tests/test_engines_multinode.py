@@ -88,6 +88,7 @@ def test_sglang_two_nodes_captured_over_two_test_hosts(
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     with Store.open(run_dir, read_only=True) as store:
+        collector = store.meta.extra.get("collector")
         for rank, host in enumerate(hosts):
             written = [line for line in host.log_path.read_text(errors="replace").splitlines()
                        if SGLANG_BATCH.search(line)]
@@ -96,7 +97,8 @@ def test_sglang_two_nodes_captured_over_two_test_hosts(
             n, distinct, stored_ranks = store.sql(
                 "SELECT count(*), count(DISTINCT line_no), list(DISTINCT pp_rank) FROM scheduler_events "
                 "WHERE host = ?", [host.name])[0]
-            assert n == distinct == len(written), (host.name, n, distinct, len(written))
+            assert n == distinct == len(written), (host.name, n, distinct, len(written), collector,
+                                                   out.stderr[-1500:])
             assert stored_ranks == [rank]
             probes = store.sql("SELECT remote_ns - (local_send_ns + local_recv_ns) // 2, "
                                "local_recv_ns - local_send_ns FROM clock_probes WHERE host = ?", [host.name])
