@@ -61,11 +61,15 @@ def batch_lines(log_path: Path) -> int:
     return sum(1 for line in log_path.read_text().splitlines() if " batch, " in line)
 
 
-@pytest.mark.parametrize("restart_sshd", [False, True], ids=["steady", "sshd-restarted"])
-def test_pp8_over_two_skewed_hosts(tmp_path: Path, restart_sshd: bool,
+STEP_S = 0.04  # node1's clock steps this much mid-run (the collector's probes must follow it)
+
+
+@pytest.mark.parametrize("disturbance", ["none", "sshd-restarted", "clock-stepped"])
+def test_pp8_over_two_skewed_hosts(tmp_path: Path, disturbance: str,
                                    test_hosts: Callable[[Sequence[float]], list[TestHost]]) -> None:
     """PP8 over two test hosts 3.7 s apart: offsets within 5 ms, nothing lost or doubled, stages
-    0-3 on node0 and 4-7 on node1, and the scenario's causes found."""
+    0-3 on node0 and 4-7 on node1, and the findings the ground truth's; with node1's sshd killed
+    and restarted mid-run, or node1's clock stepped by 40 ms mid-run."""
     hosts = test_hosts(OFFSETS_S)
     url, agent_ports = start_deployment(hosts)
     cfg = tmp_path / "gputrace.toml"
@@ -76,11 +80,14 @@ def test_pp8_over_two_skewed_hosts(tmp_path: Path, restart_sshd: bool,
     argv = gputrace_argv("run", "--config", str(cfg), "--out", str(run_dir),
                          "--listen", f"127.0.0.1:{free_port()}", "--url", url,
                          "--concurrency", "8,32", "--duration-per-level", "6", "--max-tokens", "128",
-                         "--warmup", "0", "--drain", "0.5")
+                         "--warmup", "0", "--drain", "20")  # every request ends: the logs stop
     restarter = None
-    if restart_sshd:
+    if disturbance == "sshd-restarted":
         # mid-run: the collector's connection to node1 (log follower, agent forward, probes) drops
         restarter = threading.Timer(8.0, hosts[1].restart_sshd)
+    elif disturbance == "clock-stepped":
+        restarter = threading.Timer(8.0, hosts[1].set_offset, (OFFSETS_S[1] + STEP_S,))
+    if restarter is not None:
         restarter.start()
     out = subprocess.run(argv, capture_output=True, text=True, timeout=240)
     if restarter is not None:
@@ -89,14 +96,22 @@ def test_pp8_over_two_skewed_hosts(tmp_path: Path, restart_sshd: bool,
     time.sleep(0.2)
 
     with Store.open(run_dir, read_only=True) as store:
-        # offsets: per host, every probe burst (ssh and agent) within 5 ms of the set offset
+        # offsets: per host, every probe burst (ssh and agent) within 5 ms of the offset set then
+        # (the bound of one probe is its round trip's half: taken where the machine stretched one)
         for host in hosts:
             probes = store.sql("SELECT via, remote_ns - (local_send_ns + local_recv_ns) // 2, "
-                               "local_recv_ns - local_send_ns FROM clock_probes WHERE host = ?", [host.name])
-            assert {via for via, _, _ in probes} == {"ssh", "agent"}, probes
-            for via, offset_ns, rtt_ns in probes:
-                error_ns = abs(offset_ns - host.offset_s * 1e9)
+                               "local_recv_ns - local_send_ns, local_recv_ns FROM clock_probes "
+                               "WHERE host = ?", [host.name])
+            assert {via for via, _, _, _ in probes} == {"ssh", "agent"}, probes
+            seen = set()
+            for via, offset_ns, rtt_ns, at_ns in probes:
+                expected_s = host.offset_at(at_ns)
+                if expected_s is None:
+                    continue  # within the second the host's processes take to follow a step
+                seen.add(expected_s)
+                error_ns = abs(offset_ns - expected_s * 1e9)
                 assert error_ns < max(TOLERANCE_NS, rtt_ns / 2), (host.name, via, offset_ns, rtt_ns)
+            assert seen == {off for _, off in host.offsets}, (host.name, seen)  # the step was followed
         # every log line once: the store's events are the file's batch lines, no line twice
         for host in hosts:
             n, distinct = store.sql("SELECT count(*), count(DISTINCT line_no) FROM scheduler_events "
@@ -128,7 +143,7 @@ def test_pp8_over_two_skewed_hosts(tmp_path: Path, restart_sshd: bool,
     for rank, host in enumerate(hosts):
         for gpu in range(4):
             assert f"| {host.name} | {gpu} | {4 * rank + gpu} |" in markdown.replace("  ", " ")
-    if restart_sshd:
+    if disturbance == "sshd-restarted":
         dropped = [p for p in problems["source_problems"] if p["source"].endswith("node1")]
         assert dropped, problems  # the drop was seen (and recovered from: all counted above)
 
