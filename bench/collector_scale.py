@@ -111,6 +111,12 @@ def _wait(predicate: Any, timeout_s: float, what: str) -> None:
     raise RuntimeError(f"{what}: not ready within {timeout_s:.0f} s")
 
 
+def _agent_newest_seq(url: str) -> int:
+    """How many samples the agent has taken (its newest sequence number)."""
+    with urllib.request.urlopen(url + "/v1/samples?since=0&limit=1", timeout=30) as resp:
+        return int(resp.headers.get("X-Gputrace-Newest-Seq", 0))
+
+
 def _free_port() -> int:
     import socket
 
@@ -150,6 +156,7 @@ def measure(n_hosts: int, duration_s: float, gpus: int, sample_hz: float, lines_
                 env={**os.environ, **({"PYTHONASYNCIODEBUG": "1"} if asyncio_debug else {})})
         rows: list[dict[str, float]] = []
         stalls: list[float] = []  # how long each /v1/status took: the event loop's responsiveness
+        produced = 0
         try:
             _wait(lambda: _status(url) is not None, 120, "collector")
             writer.start()
@@ -194,6 +201,8 @@ def measure(n_hosts: int, duration_s: float, gpus: int, sample_hz: float, lines_
                         break
                 time.sleep(1.0)
             time.sleep(1.0)
+            produced = sum(_agent_newest_seq(f"http://{h.address}:{p}")
+                           for h, p in zip(hosts, ports, strict=True))
         finally:
             writer.stop.set()
             collector.send_signal(signal.SIGINT)
@@ -202,7 +211,10 @@ def measure(n_hosts: int, duration_s: float, gpus: int, sample_hz: float, lines_
             except subprocess.TimeoutExpired:
                 collector.kill()
                 collector.wait()
-    return _summarise(n_hosts, duration_s, rows, writer, run_dir, [h.name for h in hosts], stalls)
+    summary = _summarise(n_hosts, duration_s, rows, writer, run_dir, [h.name for h in hosts], stalls)
+    # the agents' sequence numbers count every sample they took (one per GPU per tick)
+    summary["gpu_samples_taken"] = produced
+    return summary
 
 
 def _summarise(n_hosts: int, duration_s: float, rows: list[dict[str, float]], writer: LogWriter,
@@ -301,7 +313,7 @@ def main() -> None:
                 "hosts_per_core", "collector_rss_mb", "collector_rss_mb_per_host", "machine_busy_share",
                 "status_answer_s_max",
                 "lag_ms_p50", "lag_ms_p99", "lag_ms_max", "log_lines_written", "log_lines_lost",
-                "log_lines_duplicated", "gpu_samples_stored"):
+                "log_lines_duplicated", "gpu_samples_taken", "gpu_samples_stored"):
         print(f"{key:34s}{ref[key]!s:>20s}{big[key]!s:>14s}")
     if args.json:
         print(json.dumps(results, indent=1))
