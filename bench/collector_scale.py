@@ -8,7 +8,8 @@ real sshd on 127.0.0.N and its own clock under libfaketime), each with a sim-bac
 
 Printed, beside the same measurement with one host (the reference, run first in the same
 invocation): rows per second into the collector and written to the store, the backlog over time
-(the store writer's queue and the log lines appended but not yet received: it must stay flat), the
+(the store writer's queue and the log lines appended but not yet received; apart, the samples the
+agents took that the collector has not pulled: each must stay flat), the
 collector's CPU (share of one core) and RSS in all and per host, and the lag from a line's append
 to its receipt by the collector (the store adds at most its flush interval, 0.5 s, on top). The
 collector is one asyncio process: one core is its limit, and `hosts per core` extrapolates it.
@@ -178,7 +179,11 @@ def measure(n_hosts: int, duration_s: float, gpus: int, sample_hz: float, lines_
                        "machine_busy_s": _machine_busy_s() - busy0, "rss_mb": _proc_rss_mb(collector.pid),
                        "in_rows": counts.get("log_lines", 0) + counts.get("gpu_samples", 0),
                        "written_rows": store["rows_written"], "store_backlog_rows": store["backlog_rows"],
-                       "lines_in_flight": writer.total() - counts.get("log_lines", 0)}
+                       "lines_in_flight": writer.total() - counts.get("log_lines", 0),
+                       # samples the agents took that the collector has not pulled yet
+                       "samples_waiting": sum(_agent_newest_seq(f"http://{h.address}:{p}")
+                                              for h, p in zip(hosts, ports, strict=True))
+                       - counts.get("gpu_samples", 0)}
                 if prev is not None:
                     dt = row["t_s"] - prev["t_s"]
                     row["in_rows_per_s"] = (row["in_rows"] - prev["in_rows"]) / dt
@@ -187,7 +192,8 @@ def measure(n_hosts: int, duration_s: float, gpus: int, sample_hz: float, lines_
                     say(f"  t={row['t_s']:6.0f} s  in {row['in_rows_per_s']:7.0f} rows/s  written "
                         f"{row['written_rows_per_s']:7.0f} rows/s  store backlog "
                         f"{row['store_backlog_rows']:6.0f}"
-                        f"  lines in flight {row['lines_in_flight']:5.0f}  cpu {row['cpu_share']:.0%}"
+                        f"  lines in flight {row['lines_in_flight']:5.0f}  samples waiting "
+                        f"{row['samples_waiting']:6.0f}  cpu {row['cpu_share']:.0%}"
                         f"  rss {row['rss_mb']:.0f} MB")
                 rows.append(row)
                 prev = row
@@ -246,6 +252,7 @@ def _summarise(n_hosts: int, duration_s: float, rows: list[dict[str, float]], wr
     cpu_share = statistics.median(r["cpu_share"] for r in rated) if rated else float("nan")
     machine = rows[-1]["machine_busy_s"] / rows[-1]["t_s"] / (os.cpu_count() or 1) if rows else float("nan")
     backlog = [r["store_backlog_rows"] + r["lines_in_flight"] for r in rated]
+    waiting = [r["samples_waiting"] for r in rated]
     return {
         "hosts": n_hosts, "duration_s": duration_s,
         "in_rows_per_s_median": round(statistics.median(r["in_rows_per_s"] for r in rated), 1)
@@ -255,6 +262,8 @@ def _summarise(n_hosts: int, duration_s: float, rows: list[dict[str, float]], wr
         "backlog_rows_first_half_max": max(backlog[:len(backlog) // 2] or [0]),
         "backlog_rows_second_half_max": max(r["store_backlog_rows"] + r["lines_in_flight"] for r in half)
         if half else None,
+        "samples_waiting_first_half_max": max(waiting[:len(waiting) // 2] or [0]),
+        "samples_waiting_second_half_max": max(waiting[len(waiting) // 2:] or [0]),
         "collector_cpu_share_of_core": round(cpu_share, 3),
         "collector_rss_mb": round(rows[-1]["rss_mb"], 1) if rows else None,
         "machine_busy_share": round(machine, 3),
@@ -309,7 +318,9 @@ def main() -> None:
     big_label = f"{big['hosts']} hosts"
     print(f"\n{'':34s}{'1 host (reference)':>20s}{big_label:>14s}")
     for key in ("in_rows_per_s_median", "written_rows_per_s_median", "backlog_rows_first_half_max",
-                "backlog_rows_second_half_max", "collector_cpu_share_of_core", "collector_cpu_share_per_host",
+                "backlog_rows_second_half_max", "samples_waiting_first_half_max",
+                "samples_waiting_second_half_max", "collector_cpu_share_of_core",
+                "collector_cpu_share_per_host",
                 "hosts_per_core", "collector_rss_mb", "collector_rss_mb_per_host", "machine_busy_share",
                 "status_answer_s_max",
                 "lag_ms_p50", "lag_ms_p99", "lag_ms_max", "log_lines_written", "log_lines_lost",
