@@ -35,10 +35,11 @@ class DemoPlan:
     level_s: float = 9.0
     max_tokens: int = 256
     speed: float = 1.0
+    nodes: int = 1  # the PP8 engine over this many simulated nodes (SGLang's --nnodes)
 
     @classmethod
-    def for_mode(cls, quick: bool) -> DemoPlan:
-        return cls(level_s=4.0) if quick else cls()
+    def for_mode(cls, quick: bool, nodes: int = 1) -> DemoPlan:
+        return cls(level_s=4.0, nodes=nodes) if quick else cls(nodes=nodes)
 
 
 SCENARIO = "motivating"
@@ -129,13 +130,21 @@ def child_process(argv: list[str], log_path: Path) -> Iterator[subprocess.Popen[
                     proc.wait()
 
 
-def write_config(path: Path, log_file: Path, agent_port: int, pp_size: int = 8) -> None:
-    path.write_text(
-        "# written by `gputrace demo`: one local host running the simulated SGLang PP8 server\n"
-        f'[run]\nname = "{path.stem}"\n\n'
-        f'[[hosts]]\nname = "{SIM_HOST}"\nagent = "127.0.0.1:{agent_port}"\n\n'
+def node_name(rank: int) -> str:
+    return f"sim-node{rank}"
+
+
+def write_config(path: Path, log_files: list[Path], agent_ports: list[int], pp_size: int = 8) -> None:
+    """One local [[hosts]] per simulated node (node_rank in order), with its log and agent."""
+    hosts = "".join(
+        f'[[hosts]]\nname = "{node_name(rank)}"\nagent = "127.0.0.1:{port}"\nnode_rank = {rank}\n\n'
         f'[hosts.log]\nkind = "file"\npath = {json.dumps(str(log_file))}\nengine = "sglang"\n\n'
-        f"[topology]\npp_size = {pp_size}\ntp_size = 1\n"
+        for rank, (log_file, port) in enumerate(zip(log_files, agent_ports, strict=True)))
+    nodes = len(log_files)
+    path.write_text(
+        f"# written by `gputrace demo`: the simulated SGLang PP{pp_size} server on {nodes} local node(s)\n"
+        f'[run]\nname = "{path.stem}"\n\n{hosts}'
+        f"[topology]\npp_size = {pp_size}\ntp_size = 1\nnnodes = {nodes}\n"
     )
 
 
@@ -146,38 +155,52 @@ def run_one(out: Path, label: str, scenario: str, plan: DemoPlan,
     sets = [f"--set={key}={value}" for key, value in {**LOGGED_AS_ADVISED, **(overrides or {})}.items()]
     work = out / "work" / label
     work.mkdir(parents=True, exist_ok=True)
-    log_file, feed = work / "sglang.log", work / "gpu-feed.ndjson"
-    sim_port, agent_port, collector_port = free_port(), free_port(), free_port()
+    nodes = range(plan.nodes)
+    logs, feeds = [work / f"sglang-{r}.log" for r in nodes], [work / f"gpu-feed-{r}.ndjson" for r in nodes]
+    sim_port, collector_port, dist_port = free_port(), free_port(), free_port()
+    agent_ports = [free_port() for _ in nodes]
     config = work / f"{label}.toml"
-    write_config(config, log_file, agent_port)
+    write_config(config, logs, agent_ports)
     run_dir = out / label
     changed = ", ".join(f"{k}={v}" for k, v in (overrides or {}).items()) or "defaults"
-    say(f"[{label}] simulated SGLang PP8 ({scenario}, {changed}) on :{sim_port}, agent on :{agent_port}")
-    sim_argv = _gputrace("sim", "serve", "--scenario", scenario, "--port", str(sim_port),
-                         "--log", str(log_file), "--gpu-feed", str(feed), "--speed", str(plan.speed), *sets)
-    with child_process(sim_argv, work / "sim.out") as sim:
-        _wait_http(f"http://127.0.0.1:{sim_port}/v1/models", sim, "simulator")
-        agent_argv = _gputrace("agent", "--backend", "sim", "--sim-feed", str(feed),
-                               "--listen", f"127.0.0.1:{agent_port}", "--interval", "0.1",
-                               "--host-name", SIM_HOST, "--topology", "pp=8,tp=1")
-        with child_process(agent_argv, work / "agent.out") as agent:
-            _wait_http(f"http://127.0.0.1:{agent_port}/healthz", agent, "agent")
-            say(f"[{label}] sweeping C={','.join(map(str, plan.concurrency))}, "
-                f"{plan.level_s:.0f} s per level")
-            run_argv = _gputrace(
-                "run", "--config", str(config), "--out", str(run_dir),
-                "--listen", f"127.0.0.1:{collector_port}",
-                "--url", f"http://127.0.0.1:{sim_port}", "--model", "default",
-                "--concurrency", ",".join(map(str, plan.concurrency)),
-                "--duration-per-level", str(plan.level_s), "--max-tokens", str(plan.max_tokens),
-                "--warmup", "0", "--drain", "0.5")
-            with open(work / "run.out", "wb") as run_log:
-                status = subprocess.run(run_argv, stdout=run_log, stderr=subprocess.STDOUT,
-                                        check=False).returncode
-            if status != 0:
-                tail = (work / "run.out").read_text(errors="replace").strip().splitlines()[-5:]
-                raise SourceError(f"demo: `gputrace run` for {label} failed (status {status}): "
-                                  + " | ".join(tail))
+    where = f" over {plan.nodes} nodes" if plan.nodes > 1 else ""
+    say(f"[{label}] simulated SGLang PP8{where} ({scenario}, {changed}) on :{sim_port}, "
+        f"agents on :{', :'.join(map(str, agent_ports))}")
+    multi = (["--nnodes", str(plan.nodes), "--dist-init-addr", f"127.0.0.1:{dist_port}"]
+             if plan.nodes > 1 else [])
+    with contextlib.ExitStack() as stack:
+        sims, agents = [], []
+        for rank in nodes:
+            sim_argv = _gputrace("sim", "serve", "--scenario", scenario, "--port", str(sim_port),
+                                 "--log", str(logs[rank]), "--gpu-feed", str(feeds[rank]), "--speed",
+                                 str(plan.speed), *multi, *(["--node-rank", str(rank)] if multi else []),
+                                 *sets)
+            sims.append(stack.enter_context(child_process(sim_argv, work / f"sim-{rank}.out")))
+        for rank in nodes:  # the nodes join node 0 before it serves
+            agent_argv = _gputrace("agent", "--backend", "sim", "--sim-feed", str(feeds[rank]),
+                                   "--listen", f"127.0.0.1:{agent_ports[rank]}", "--interval", "0.1",
+                                   "--host-name", node_name(rank),
+                                   "--topology", f"pp=8,tp=1,nnodes={plan.nodes},node_rank={rank}")
+            agents.append(stack.enter_context(child_process(agent_argv, work / f"agent-{rank}.out")))
+        _wait_http(f"http://127.0.0.1:{sim_port}/v1/models", sims[0], "simulator")
+        for rank in nodes:
+            _wait_http(f"http://127.0.0.1:{agent_ports[rank]}/healthz", agents[rank], "agent")
+        say(f"[{label}] sweeping C={','.join(map(str, plan.concurrency))}, "
+            f"{plan.level_s:.0f} s per level")
+        run_argv = _gputrace(
+            "run", "--config", str(config), "--out", str(run_dir),
+            "--listen", f"127.0.0.1:{collector_port}",
+            "--url", f"http://127.0.0.1:{sim_port}", "--model", "default",
+            "--concurrency", ",".join(map(str, plan.concurrency)),
+            "--duration-per-level", str(plan.level_s), "--max-tokens", str(plan.max_tokens),
+            "--warmup", "0", "--drain", "0.5")
+        with open(work / "run.out", "wb") as run_log:
+            status = subprocess.run(run_argv, stdout=run_log, stderr=subprocess.STDOUT,
+                                    check=False).returncode
+        if status != 0:
+            tail = (work / "run.out").read_text(errors="replace").strip().splitlines()[-5:]
+            raise SourceError(f"demo: `gputrace run` for {label} failed (status {status}): "
+                              + " | ".join(tail))
     return DemoRun(label, scenario, run_dir, run_dir / "report", tuple((overrides or {}).items()))
 
 
@@ -212,12 +235,14 @@ class DemoResult:
         return [r for r in (self.defaults, self.recommended, self.first_try) if r is not None]
 
 
-def run_demo(out: Path, quick: bool, say: Callable[[str], None]) -> DemoResult:
+def run_demo(out: Path, quick: bool, say: Callable[[str], None], nodes: int = 1) -> DemoResult:
     if out.exists() and any(out.iterdir()):
         raise UsageError(f"--out {out}: not empty; choose another directory or remove it")
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("GPUTRACE_DEMO", "1")
-    plan = DemoPlan.for_mode(quick)
+    if nodes < 1 or 8 % nodes:
+        raise UsageError(f"--nodes {nodes}: PP8 splits over 1, 2, 4 or 8 nodes")
+    plan = DemoPlan.for_mode(quick, nodes)
     # The deployments are independent processes on loopback: the defaults and the first try run
     # side by side; gputrace's recommendation needs the defaults' findings first.
     with ThreadPoolExecutor(max_workers=2) as pool:

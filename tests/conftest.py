@@ -8,10 +8,11 @@ import contextlib
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
+from testhosts import TestHost, libfaketime
 
 
 def require_binary(*candidates: str) -> str:
@@ -73,3 +74,27 @@ def small_disk(tmp_path: Path) -> Iterator[SmallDisk]:
         yield SmallDisk(root)
     finally:
         subprocess.run(["umount", "-l", str(root)], capture_output=True)
+
+
+@pytest.fixture
+def test_hosts(tmp_path: Path) -> Iterator[Callable[[Sequence[float]], list[TestHost]]]:
+    """Call with clock offsets in seconds: that many test hosts (testhosts.py), each its own sshd on
+    127.0.0.2.., its own directory and, under libfaketime, its own clock; all stopped afterwards."""
+    from testhosts import running_test_hosts
+
+    sshd = require_binary("/usr/sbin/sshd", "sshd")
+    require_binary("faketime")  # the package that brings libfaketime.so.1
+    library = libfaketime()
+    if library is None:
+        pytest.fail("faketime is installed but libfaketime.so.1 was not found")
+    with contextlib.ExitStack() as stack:
+        made = 0
+
+        def make(offsets_s: Sequence[float]) -> list[TestHost]:
+            nonlocal made
+            root = tmp_path / f"hosts{made}"
+            made += 1
+            root.mkdir()
+            return stack.enter_context(running_test_hosts(root, offsets_s, library=library, sshd=sshd))
+
+        yield make

@@ -35,13 +35,13 @@ class SshServer:
     host_key_path: Path
     client_key_path: Path
     known_hosts_path: Path
-    listen: str = "127.0.0.1"  # the address sshd listens on (``::1`` for IPv6)
+    address: str = "127.0.0.1"
 
     def options(self, *, known_hosts: Path | None = None,
                 policy: HostKeyPolicy = HostKeyPolicy.VERIFY) -> SshOptions:
         """Client options for this server (as root, with the test client key)."""
         return SshOptions(
-            host=self.listen, port=self.port, username="root",
+            host=self.address, port=self.port, username="root",
             identity_files=(str(self.client_key_path),),
             known_hosts_path=str(known_hosts or self.known_hosts_path), host_key_policy=policy,
             keepalive_interval_s=2.0, connect_timeout_s=10.0,
@@ -51,7 +51,7 @@ class SshServer:
     def host_key_line(self) -> str:
         """The known_hosts line that trusts this server's host key."""
         key = Path(str(self.host_key_path) + ".pub").read_text().split()
-        return f"[{self.listen}]:{self.port} {key[0]} {key[1]}\n"
+        return f"[{self.address}]:{self.port} {key[0]} {key[1]}\n"
 
     def session_pids(self) -> list[int]:
         """The sshd processes serving connections (the children of the listener, and theirs)."""
@@ -75,7 +75,7 @@ class SshServer:
         """Start sshd again on the same port, keys and config (after ``kill``)."""
         argv = [str(a) for a in self.proc.args]  # type: ignore[union-attr]
         self.proc = subprocess.Popen(argv, stderr=subprocess.PIPE)
-        if not _wait_listening(self.port, self.proc, timeout_s):
+        if not wait_listening(self.port, self.proc, timeout_s, address=self.address):
             raise RuntimeError("sshd did not start again")
 
     def stop(self) -> None:
@@ -143,9 +143,9 @@ def wait_no_processes(marker: str, timeout_s: float = 5.0) -> list[tuple[int, st
     return left
 
 
-def _free_port(listen: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET6 if ":" in listen else socket.AF_INET) as sock:
-        sock.bind((listen, 0))
+def _free_port(address: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as sock:
+        sock.bind((address, 0))
         return int(sock.getsockname()[1])
 
 
@@ -158,8 +158,12 @@ def write_key(path: Path, alg: str = "ssh-ed25519") -> Path:
 
 
 @contextlib.contextmanager
-def running_sshd(root: Path, sshd: str = "/usr/sbin/sshd", listen: str = "127.0.0.1") -> Iterator[SshServer]:
-    """Start sshd under ``root`` (a temporary directory), listening on ``listen``, and stop it afterwards."""
+def running_sshd(root: Path, sshd: str = "/usr/sbin/sshd", *, address: str = "127.0.0.1",
+                 env: dict[str, str] | None = None,
+                 session_env: dict[str, str] | None = None) -> Iterator[SshServer]:
+    """Start sshd under ``root`` (a temporary directory) on ``address`` (a loopback address) and
+    stop it afterwards. ``env``: the listener's environment; ``session_env``: set in every session
+    (sshd builds a session's environment afresh, so a preloaded library must be named here too)."""
     root.mkdir(parents=True, exist_ok=True)
     host_key = write_key(root / "host_ed25519")
     client_key = write_key(root / "client_ed25519")
@@ -168,20 +172,23 @@ def running_sshd(root: Path, sshd: str = "/usr/sbin/sshd", listen: str = "127.0.
     # sshd refuses to start without its privilege-separation directory.
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
     for _attempt in range(5):
-        port = _free_port(listen)
+        port = _free_port(address)
+        set_env = " ".join(f'"{k}={v}"' for k, v in (session_env or {}).items())
         config = root / "sshd_config"
-        address = f"[{listen}]" if ":" in listen else listen
+        listen_address = f"[{address}]" if ":" in address else address
         config.write_text(
-            f"ListenAddress {address}:{port}\nHostKey {host_key}\nPidFile {root / 'sshd.pid'}\n"
+            (f"SetEnv {set_env}\n" if set_env else "")
+            + f"ListenAddress {listen_address}:{port}\nHostKey {host_key}\nPidFile {root / 'sshd.pid'}\n"
             f"AuthorizedKeysFile {authorized}\nUsePAM no\nStrictModes no\n"
             "PermitRootLogin prohibit-password\nPasswordAuthentication no\n"
             "KbdInteractiveAuthentication no\nAllowTcpForwarding yes\nX11Forwarding no\n"
             "PrintMotd no\nMaxSessions 100\nMaxStartups 100\nLogLevel ERROR\n"
         )
-        proc = subprocess.Popen([sshd, "-D", "-e", "-f", str(config)], stderr=subprocess.PIPE)
-        if _wait_listening(port, proc, listen):
+        proc = subprocess.Popen([sshd, "-D", "-e", "-f", str(config)], stderr=subprocess.PIPE,
+                                env=env)
+        if wait_listening(port, proc, address=address):
             known = root / "known_hosts"
-            server = SshServer(proc, port, root, host_key, client_key, known, listen)
+            server = SshServer(proc, port, root, host_key, client_key, known, address)
             known.write_text(server.host_key_line())
             try:
                 yield server
@@ -193,14 +200,14 @@ def running_sshd(root: Path, sshd: str = "/usr/sbin/sshd", listen: str = "127.0.
     raise RuntimeError("sshd did not start: " + (proc.stderr.read().decode() if proc.stderr else ""))
 
 
-def _wait_listening(port: int, proc: subprocess.Popen[bytes], listen: str = "127.0.0.1",
-                    timeout_s: float = 10.0) -> bool:
+def wait_listening(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 10.0,
+                    address: str = "127.0.0.1") -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             return False
-        with socket.socket(socket.AF_INET6 if ":" in listen else socket.AF_INET) as sock:
-            if sock.connect_ex((listen, port)) == 0:
+        with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as sock:
+            if sock.connect_ex((address, port)) == 0:
                 return True
         time.sleep(0.02)
     return False

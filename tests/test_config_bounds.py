@@ -144,7 +144,7 @@ async def test_an_ipv6_target_reaches_a_real_sshd_on_ipv6_loopback(tmp_path: Pat
     from conftest import require_binary
 
     sshd = require_binary(*SSHD_CANDIDATES)
-    with running_sshd(tmp_path / "sshd", sshd, listen="::1") as server:
+    with running_sshd(tmp_path / "sshd", sshd, address="::1") as server:
         path = tmp_path / "gputrace.toml"
         path.write_text(
             f'[[hosts]]\nname = "v6"\nssh = "root@[::1]:{server.port}"\n'

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from gputrace.demo import FIRST_TRY, top_recommendation
+from gputrace.demo import FIRST_TRY, SCENARIO, DemoPlan, run_one, top_recommendation
+from gputrace.store import Store
 
 
 def _phases(doc: dict) -> dict[str, float]:  # type: ignore[type-arg]
@@ -54,3 +55,21 @@ def test_quick_demo_applies_its_own_recommendation(tmp_path: Path) -> None:
         assert (out / run / "report" / "report.html").stat().st_size > 10_000
     assert any((out / "compare-defaults-recommended").iterdir())
     assert any((out / "compare-defaults-k64").iterdir())
+
+
+@pytest.mark.slow
+def test_demo_run_over_two_nodes(tmp_path: Path) -> None:
+    """`demo --nodes 2`'s run: the PP8 engine over two simulated nodes, each its own log and
+    agent; the store holds stages 0-3 from sim-node0 and 4-7 from sim-node1, GPUs 0-3 on each,
+    and the report's mapping says so."""
+    plan = DemoPlan(concurrency=(8,), level_s=4.0, max_tokens=64, nodes=2)
+    run = run_one(tmp_path, "two-nodes", SCENARIO, plan, lambda _: None)
+    with Store.open(run.run_dir, read_only=True) as store:
+        stages = dict(store.sql("SELECT host, list(DISTINCT pp_rank ORDER BY pp_rank) FROM scheduler_events "
+                                "GROUP BY host"))
+        gpus = dict(store.sql("SELECT host, list(DISTINCT gpu_index ORDER BY gpu_index) FROM gpu_samples "
+                              "GROUP BY host"))
+    assert stages == {"sim-node0": [0, 1, 2, 3], "sim-node1": [4, 5, 6, 7]}
+    assert gpus == {"sim-node0": [0, 1, 2, 3], "sim-node1": [0, 1, 2, 3]}
+    markdown = (run.report_dir / "report.md").read_text()
+    assert "| sim-node1 | 3 | 7 |" in markdown

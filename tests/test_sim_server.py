@@ -120,3 +120,44 @@ async def test_load_writes_parsable_log_and_feed(server, tmp_path):
         mine = [(iv["start_ns"], iv["end_ns"]) for iv in intervals if iv["gpu"] == gpu]
         assert all(a < b for a, b in mine)
         assert all(mine[i][1] <= mine[i + 1][0] for i in range(len(mine) - 1))
+
+
+async def test_two_nodes_write_their_own_ranks_in_their_own_clock(tmp_path):
+    """--nnodes 2: node 0 logs PP0-3 and feeds its GPUs 0-3; node 1 (a clock 3.7 s ahead) logs
+    PP4-7 and feeds its GPUs 0-3, every stamp 3.7 s later than node 0 would have written it."""
+    import socket
+    import time
+
+    from gputrace.sim.nodes import NodeLayout, run_node
+
+    params = scenario_params("motivating", {"max_tokens": 16})
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dist_port = sock.getsockname()[1]
+    stop = asyncio.Event()
+    node1 = asyncio.create_task(run_node(
+        params, NodeLayout.sglang(params, 2), 1, ("127.0.0.1", dist_port), str(tmp_path / "n1.log"),
+        str(tmp_path / "n1.feed"), stop, clock_ns=lambda: time.time_ns() + 3_700_000_000))
+    srv = await start_sim_server(params, log_path=tmp_path / "n0.log", feed_path=tmp_path / "n0.feed",
+                                 speed=SPEED, nnodes=2, dist_init_addr=("127.0.0.1", dist_port))
+    try:
+        payload = {"model": "m", "prompt": "hello", "max_tokens": 8}
+        async with aiohttp.ClientSession() as s, s.post(srv.url + "/v1/completions", json=payload) as r:
+            assert r.status == 200
+    finally:
+        await srv.close()
+    await asyncio.wait_for(node1, 10)  # node 1 ends with node 0
+    stages = {}
+    for node in (0, 1):
+        parser = LogParser(host=f"n{node}", source="file", engine="sglang")
+        events = [e for line in (tmp_path / f"n{node}.log").read_text().splitlines()
+                  if (e := parser.feed(line)) is not None and hasattr(e, "pp_rank")]
+        stages[node] = {e.pp_rank for e in events}
+        feed = [json.loads(line) for line in (tmp_path / f"n{node}.feed").read_text().splitlines()]
+        assert feed[0]["gpus"] == 4 and {f["gpu"] for f in feed[1:]} == {0, 1, 2, 3}
+    assert stages == {0: {0, 1, 2, 3}, 1: {4, 5, 6, 7}}
+    # the first request's pass: node 1's stage 4 starts 3.7 s (its clock) after node 0's stage 0,
+    # plus four stages' hand-over and the hello's trip (this loop was busy starting node 0's server)
+    first = {node: json.loads((tmp_path / f"n{node}.feed").read_text().splitlines()[1])["start_ns"]
+             for node in (0, 1)}
+    assert 3.7e9 < first[1] - first[0] < 4.2e9

@@ -84,14 +84,17 @@ def recommendation_effect(result: DemoResult) -> str:
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("demo-out"),
               show_default=True, help="Directory for the three runs, their reports and the comparisons.")
 @click.option("--quick", is_flag=True, help="Shorter load levels: 4 s each, about 80 s in all.")
-def command(out: Path, quick: bool) -> None:
+@click.option("--nodes", type=int, default=1, show_default=True,
+              help="Run the PP8 engine over this many simulated nodes (each its own log and agent; "
+                   "2: stages 0-3 and 4-7, as SGLang places them).")
+def command(out: Path, quick: bool, nodes: int) -> None:
     """Run the whole chain on loopback against a simulated SGLang PP8 deployment: the simulator's
     OpenAI-compatible server, an agent with simulated GPUs, the collector and the load generator.
     Three runs: the defaults; gputrace's top recommendation from the defaults' findings, applied;
     and --pp-max-micro-batch-size 64 (the change people try first); then their comparisons."""
     console = Console(stderr=True)
     started = time.monotonic()
-    result = run_demo(out, quick, lambda msg: console.print(msg, highlight=False))
+    result = run_demo(out, quick, lambda msg: console.print(msg, highlight=False), nodes)
     table, remaining = summary_table(result)
     out_console = Console(width=200)
     out_console.print(table)

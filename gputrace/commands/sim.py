@@ -78,21 +78,43 @@ def command(ctx: click.Context, scenario: str | None, out_dir: str | None, seed:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=_SET_HELP)
 @click.option("--params", "params_file", type=click.Path(dir_okay=False), help="TOML file of overrides.")
+@click.option("--nnodes", type=int, default=1, show_default=True,
+              help="Nodes the engine spans (SGLang's --nnodes); each runs its own `sim serve`.")
+@click.option("--node-rank", type=int, default=0, show_default=True,
+              help="This node (SGLang's --node-rank): 0 runs the engine and its HTTP endpoint, the "
+                   "others write their ranks' log and GPU feed in their own clock.")
+@click.option("--dist-init-addr", default=None, metavar="HOST:PORT",
+              help="Where node 0 waits for the other nodes (SGLang's --dist-init-addr).")
 def serve(scenario: str, host: str, port: int, log_path: str, gpu_feed: str | None, speed: float,
-          seed: int, sets: tuple[str, ...], params_file: str | None) -> None:
+          seed: int, sets: tuple[str, ...], params_file: str | None, nnodes: int, node_rank: int,
+          dist_init_addr: str | None) -> None:
     """Serve the simulated engine over OpenAI's HTTP API in (scaled) real time.
 
     Clients drive the load; the scheduler log goes to --log as the engine runs and the GPUs'
-    busy intervals to --gpu-feed. Stop with Ctrl-C.
+    busy intervals to --gpu-feed. Stop with Ctrl-C. Over several nodes (--nnodes), every node runs
+    this command with its --node-rank and the same engine settings; each writes the log lines of
+    the ranks SGLang places on it, and its GPUs' feed, stamped with its own clock.
     """
+    from gputrace.sim.nodes import parse_dist_init_addr, serve_node_forever
     from gputrace.sim.params import scenario_params
     from gputrace.sim.server import serve_forever
 
     if speed <= 0:
         raise UsageError("--speed must be > 0")
+    if nnodes < 1 or not 0 <= node_rank < nnodes:
+        raise UsageError(f"--nnodes {nnodes} --node-rank {node_rank}: need nnodes >= 1 and "
+                         f"0 <= node-rank < nnodes")
+    if nnodes > 1 and dist_init_addr is None:
+        raise UsageError("--nnodes > 1 needs --dist-init-addr HOST:PORT (where node 0 listens)")
+    addr = parse_dist_init_addr(dist_init_addr) if dist_init_addr else None
     params = scenario_params(scenario, {**_overrides(params_file, sets), "seed": seed})
     if params.engine != "sglang":
         raise UsageError("sim serve: only the SGLang model serves in real time; the vLLM model runs in "
                          "virtual time (gputrace sim --scenario ... --set engine=vllm)")
+    if node_rank > 0:
+        assert dist_init_addr is not None
+        serve_node_forever(params, nnodes, node_rank, dist_init_addr, log_path, gpu_feed)
+        return
     serve_forever(params, host=host, port=port, log_path=log_path, feed_path=gpu_feed, speed=speed,
-                  announce=lambda url: click.echo(f"gputrace sim serve: {scenario} on {url}", err=True))
+                  announce=lambda url: click.echo(f"gputrace sim serve: {scenario} on {url}", err=True),
+                  nnodes=nnodes, dist_init_addr=addr)

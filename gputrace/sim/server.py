@@ -26,13 +26,13 @@ from gputrace.exposition import metrics_handler
 from gputrace.httpserver import web
 from gputrace.logsetup import get_logger
 from gputrace.sim.engine import EngineTrace, PipelineEngine, SimRequest
-from gputrace.sim.logfmt import LinePrefix, decode_message, prefill_message, startup_lines
 from gputrace.sim.metrics import SGLANG_GAUGES, MetricSnapshot, SnapshotCollector
+from gputrace.sim.nodes import FEED_KIND, NodeFiles, NodeLayout, NodeRelay
 from gputrace.sim.params import SimParams
 
 log = get_logger("sim.server")
 
-FEED_KIND = "gputrace-sim-gpu"
+__all__ = ["FEED_KIND", "RealtimeSim", "SimServer", "serve_forever", "start_sim_server"]
 TICK_S = 0.01  # how often the engine catches up with the wall clock (and files are flushed)
 _WORDS = ("the", "pipeline", "stage", "token", "batch", "GPU", "idle", "busy", "layer", "cache")
 
@@ -65,7 +65,8 @@ class RealtimeSim:
     """The engine model tied to the wall clock: virtual t = (wall - start) * speed."""
 
     def __init__(self, params: SimParams, log_path: str | os.PathLike[str],
-                 feed_path: str | os.PathLike[str] | None, speed: float = 1.0):
+                 feed_path: str | os.PathLike[str] | None, speed: float = 1.0,
+                 relay: NodeRelay | None = None):
         self.p = params
         self.speed = speed
         self.wall0_ns = time.time_ns()
@@ -73,7 +74,6 @@ class RealtimeSim:
         self._lines: list[tuple[float, int, int, str, dict[str, Any]]] = []
         self.engine = PipelineEngine(params, on_log=self._on_log)
         self._rng = np.random.default_rng(params.seed)
-        self._prefix = LinePrefix(params.pp_size, params.tp_size)
         self._next_rid = 0
         self._iv_done = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -84,21 +84,12 @@ class RealtimeSim:
         self.e2e_count = 0
         self._tok_done = 0
         self._forward_s = [0.0] * params.pp_size
-        try:
-            self._log = open(log_path, "a", encoding="utf-8")  # noqa: SIM115  # closed in close()
-            self._feed = open(feed_path, "ab") if feed_path else None  # noqa: SIM115
-        except OSError as exc:
-            raise SourceError(f"simulator: cannot open its output file: {exc}") from exc
-        self._log.write("\n".join(startup_lines(params, self.wall0_ns, self._prefix)) + "\n")
-        self._log.flush()
-        if self._feed is not None:
-            header = {"feed": FEED_KIND, "version": 1, "host": "sim-node0",
-                      "gpus": params.pp_size * params.tp_size, "gpu_name": params.gpu_name,
-                      "power_limit_w": params.power_limit_w, "idle_power_w": params.idle_power_w,
-                      "pcie_gen": params.pcie_gen, "pcie_width": params.pcie_width,
-                      "memory_total_bytes": params.memory_total_bytes}
-            self._feed.write((json.dumps(header) + "\n").encode())
-            self._feed.flush()
+        # this process is node 0; the ranks SGLang places on other nodes go to them through relay
+        self.relay = relay
+        self.layout = NodeLayout.sglang(params, 1 + (len(relay.writers) if relay else 0))
+        self._files = NodeFiles(params, self.layout, 0, log_path, feed_path, self.wall0_ns, speed)
+        if relay is not None:
+            relay.start(self.now_s(), speed)
 
     # -- clocks --------------------------------------------------------------------------------
 
@@ -172,35 +163,39 @@ class RealtimeSim:
             return
         self._lines.sort(key=lambda r: (r[0], r[1]))
         cut = 0
-        out = []
+        by_node: list[list[tuple[float, int, str, dict[str, Any]]]] = [[] for _ in range(self.layout.nnodes)]
         for t_s, _, stage, kind, fields in self._lines:
             if t_s > upto_s:
                 break
             cut += 1
             self._stage_fields[stage].update(
                 {f: float(v) for f, v in fields.items() if f in SGLANG_GAUGES})
-            message = decode_message(fields) if kind == "decode" else prefill_message(fields)
-            out.append(f"{self._prefix.rank(self.wall_ns(t_s), stage)} {message}\n")
-        if out:
+            by_node[self.layout.node_of_stage(stage)].append((t_s, stage, kind, fields))
+        if cut:
             del self._lines[:cut]
-            self._log.write("".join(out))
-            self._log.flush()
+            self._files.write_log(by_node[0])
+            for node in range(1, self.layout.nnodes):
+                if self.relay is not None:
+                    self.relay.send(node, by_node[node], [])
 
     def _flush_feed(self) -> None:
         tr = self.engine.trace
         n = len(tr.iv_start)
         for i in range(self._iv_done, n):  # counted when issued: at most a pipeline's pass early
             self._forward_s[tr.iv_stage[i]] += tr.iv_end[i] - tr.iv_start[i]
-        if self._feed is not None and n > self._iv_done:
+        if n > self._iv_done:
             tp = self.p.tp_size
-            out = []
+            by_node: list[list[tuple[float, float, int, int, int]]] = [[] for _ in range(self.layout.nnodes)]
             for i in range(self._iv_done, n):
-                start, end = self.wall_ns(tr.iv_start[i]), self.wall_ns(tr.iv_end[i])
-                for g in range(tr.iv_stage[i] * tp, tr.iv_stage[i] * tp + tp):
-                    out.append(f'{{"gpu": {g}, "start_ns": {start}, "end_ns": {end}, '
-                               f'"tx_bytes": {tr.iv_tx_bytes[i]}, "rx_bytes": {tr.iv_rx_bytes[i]}}}\n')
-            self._feed.write("".join(out).encode())
-            self._feed.flush()
+                stage = tr.iv_stage[i]
+                for rank in range(tp):
+                    node, gpu = self.layout.gpu_of[(stage, rank)]
+                    by_node[node].append((tr.iv_start[i], tr.iv_end[i], gpu, int(tr.iv_tx_bytes[i]),
+                                          int(tr.iv_rx_bytes[i])))
+            self._files.write_feed(by_node[0])
+            for node in range(1, self.layout.nnodes):
+                if self.relay is not None:
+                    self.relay.send(node, [], by_node[node])
         self._iv_done = n
         if n > 100_000:  # a long serve must not keep every interval: the feed file has them
             self._tokens_total += sum(tr.tok_n[self._tok_done:])  # a few batches early
@@ -210,9 +205,7 @@ class RealtimeSim:
 
     def close(self) -> None:
         self._flush_log(float("inf"))
-        self._log.close()
-        if self._feed is not None:
-            self._feed.close()
+        self._files.close()
 
 
 # -- HTTP --------------------------------------------------------------------------------------
@@ -255,6 +248,8 @@ class SimServer:
             await self.task
         await self.runner.cleanup()
         self.sim.close()
+        if self.sim.relay is not None:
+            await self.sim.relay.close()
 
 
 def build_app(sim: RealtimeSim) -> web.Application:
@@ -360,9 +355,17 @@ def build_app(sim: RealtimeSim) -> web.Application:
 
 async def start_sim_server(params: SimParams, *, host: str = "127.0.0.1", port: int = 0,
                            log_path: str | os.PathLike[str], feed_path: str | os.PathLike[str] | None = None,
-                           speed: float = 1.0) -> SimServer:
-    """Start the real-time simulator and its HTTP server on the running loop (port 0: a free one)."""
-    sim = RealtimeSim(params, log_path, feed_path, speed)
+                           speed: float = 1.0, nnodes: int = 1,
+                           dist_init_addr: tuple[str, int] | None = None) -> SimServer:
+    """Start the real-time simulator and its HTTP server on the running loop (port 0: a free one).
+    With ``nnodes`` > 1 this is node 0: it waits on ``dist_init_addr`` for the other nodes
+    (``gputrace sim serve --node-rank r``), which write their ranks' log and GPU feed."""
+    relay = None
+    if nnodes > 1:
+        if dist_init_addr is None:
+            raise SourceError("simulator: a multi-node engine needs --dist-init-addr")
+        relay = await NodeRelay.accept(*dist_init_addr, nnodes)
+    sim = RealtimeSim(params, log_path, feed_path, speed, relay)
     runner = web.AppRunner(build_app(sim), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -371,6 +374,8 @@ async def start_sim_server(params: SimParams, *, host: str = "127.0.0.1", port: 
     except OSError as exc:
         await runner.cleanup()
         sim.close()
+        if relay is not None:
+            await relay.close()
         raise SourceError(f"simulator: cannot listen on {host}:{port}: {exc.strerror}") from exc
     bound = int(runner.addresses[0][1]) if runner.addresses else port
     task = asyncio.create_task(sim.run())
@@ -379,12 +384,14 @@ async def start_sim_server(params: SimParams, *, host: str = "127.0.0.1", port: 
 
 
 def serve_forever(params: SimParams, *, host: str, port: int, log_path: str, feed_path: str | None,
-                  speed: float, announce: Callable[[str], None] | None = None) -> None:
+                  speed: float, announce: Callable[[str], None] | None = None, nnodes: int = 1,
+                  dist_init_addr: tuple[str, int] | None = None) -> None:
     """Run the server until SIGINT/SIGTERM (``gputrace sim serve``)."""
 
     async def main() -> None:
         server = await start_sim_server(params, host=host, port=port, log_path=log_path,
-                                        feed_path=feed_path, speed=speed)
+                                        feed_path=feed_path, speed=speed, nnodes=nnodes,
+                                        dist_init_addr=dist_init_addr)
         if announce is not None:
             announce(server.url)
         stop = asyncio.Event()
