@@ -144,7 +144,8 @@ class Collector:
         self._tasks.append(self._spawn(self._flush_loop(), "flush"))
         self._tasks.append(self._spawn(self._write_marks(), "marks"))
         # Hosts connect side by side; the first host (in config order) that fails is the error.
-        results = await asyncio.gather(*(self._start_host(index, ht) for index, ht in enumerate(self._hosts)), return_exceptions=True)
+        starts = (self._start_host(index, ht) for index, ht in enumerate(self._hosts))
+        results = await asyncio.gather(*starts, return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 raise result
