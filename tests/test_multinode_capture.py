@@ -117,12 +117,13 @@ def test_pp8_over_two_skewed_hosts(tmp_path: Path, disturbance: str,
             n, distinct = store.sql("SELECT count(*), count(DISTINCT line_no) FROM scheduler_events "
                                     "WHERE host = ?", [host.name])[0]
             assert n == distinct == batch_lines(host.log_path), host.name
-        # every GPU sample once: the agent's sequence numbers from its first, without a gap
+        # every GPU sample once: the agent's sequence numbers from the capture's start (its 2 s
+        # margin: the agent's older history is not the run's) to its end, without a gap
         for host in hosts:
             n, distinct, lo, hi, gpus = store.sql(
                 "SELECT count(*), count(DISTINCT seq), min(seq), max(seq), count(DISTINCT gpu_index) "
                 "FROM gpu_samples WHERE host = ?", [host.name])[0]
-            assert gpus == 4 and n == distinct == hi - lo + 1 and lo == 1, (host.name, n, distinct, lo, hi)
+            assert gpus == 4 and n == distinct == hi - lo + 1, (host.name, n, distinct, lo, hi)
         # the stages each node's log names are the ones SGLang places there
         for rank, host in enumerate(hosts):
             stages = {r[0] for r in store.sql("SELECT DISTINCT pp_rank FROM scheduler_events WHERE host = ?",
