@@ -74,6 +74,52 @@ class GpuSampleColumns:
             raise KeyError(name)
         return np.asarray(getattr(self, name))
 
+    def extents(self) -> GpuExtents:
+        """Per GPU (by ``k``): its first and last sample time and its number of rows."""
+        n = len(self.keys)
+        count = np.bincount(self.k, minlength=n).astype(np.int64) if len(self.k) else np.zeros(n, np.int64)
+        first = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
+        last = np.full(n, np.iinfo(np.int64).min, dtype=np.int64)
+        np.minimum.at(first, self.k, self.ts_ns)
+        np.maximum.at(last, self.k, self.ts_ns)
+        return GpuExtents(first, last, count)
+
+    def between(self, lo_ns: int | None, hi_ns: int | None) -> GpuSampleColumns:
+        """The rows with ``lo_ns <= ts_ns <= hi_ns`` (host clock; None: open), keys unchanged."""
+        if lo_ns is None and hi_ns is None:
+            return self
+        sel = np.ones(len(self.ts_ns), dtype=bool)
+        if lo_ns is not None:
+            sel &= self.ts_ns >= lo_ns
+        if hi_ns is not None:
+            sel &= self.ts_ns <= hi_ns
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name)[sel]
+                                            for f in dataclasses.fields(self) if f.name != "keys"})
+
+
+@dataclass(frozen=True)
+class GpuExtents:
+    """Per GPU (indexed like ``keys``): first and last sample time (host clock) and row count."""
+
+    first_ts_ns: np.ndarray
+    last_ts_ns: np.ndarray
+    count: np.ndarray
+
+
+class GpuSamples(Protocol):
+    """A run's GPU samples as alignment reads them: a time range at a time, so a run of hundreds
+    of GPUs over hours is never in memory at once (the store streams them from its database;
+    GpuSampleColumns holds them in memory)."""
+
+    @property
+    def keys(self) -> tuple[tuple[str, int], ...]: ...
+
+    def __len__(self) -> int: ...
+
+    def extents(self) -> GpuExtents: ...
+
+    def between(self, lo_ns: int | None, hi_ns: int | None) -> GpuSampleColumns: ...
+
 
 @dataclass(frozen=True)
 class SchedulerEventColumns:
@@ -221,7 +267,7 @@ class RunTables:
     source: str  # where the run came from, for messages (the store's path)
     window_ns: Window = (None, None)
     clock_probes: ClockProbeColumns = field(default_factory=ClockProbeColumns)
-    gpu_samples: GpuSampleColumns = field(default_factory=GpuSampleColumns)
+    gpu_samples: GpuSamples = field(default_factory=GpuSampleColumns)
     scheduler_events: SchedulerEventColumns = field(default_factory=SchedulerEventColumns)
     requests: RequestColumns = field(default_factory=RequestColumns)
     load_gauge: LoadGaugeColumns = field(default_factory=LoadGaugeColumns)

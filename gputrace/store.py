@@ -33,6 +33,7 @@ from gputrace.run_tables import (
     GPU_METRICS,
     EngineMetricColumns,
     EngineSettings,
+    GpuExtents,
     GpuSampleColumns,
     LoadGaugeColumns,
     ReadMargins,
@@ -550,23 +551,8 @@ class Store:
         except duckdb.Error as exc:
             raise StoreError(f"{self.path}: setting receive times failed: {exc}") from exc
 
-    def _read_gpu_samples(self, lo: int | None, hi: int | None, margin_ns: int) -> GpuSampleColumns:
-        # a dense GPU id computed in SQL so no strings cross per row
-        where = _within("ts_ns", lo, hi, margin_ns)
-        keys_tbl = self.sql_arrow(f"SELECT DISTINCT host, gpu_index FROM gpu_samples WHERE {where} "
-                                  "ORDER BY host, gpu_index")
-        keys = tuple((str(h), int(g)) for h, g in zip(keys_tbl.column("host").to_pylist(),
-                                                      keys_tbl.column("gpu_index").to_pylist(), strict=True))
-        cols = ", ".join(f"s.{m}" for m in GPU_METRICS)
-        samples = self.sql_arrow(
-            f"SELECT k.k, s.ts_ns, s.lost, {cols} FROM gpu_samples s JOIN "
-            "(SELECT host, gpu_index, row_number() OVER (ORDER BY host, gpu_index) - 1 AS k "
-            f" FROM (SELECT DISTINCT host, gpu_index FROM gpu_samples WHERE {where})) k "
-            f"USING (host, gpu_index) WHERE {_within('s.ts_ns', lo, hi, margin_ns)}")
-        lost = np.asarray(samples.column("lost").to_numpy(zero_copy_only=False), dtype=bool)
-        metrics = {m: _numbers(samples, m) for m in GPU_METRICS}
-        return GpuSampleColumns(keys, _numbers(samples, "k", np.int64), _numbers(samples, "ts_ns", np.int64),
-                                lost, **metrics)
+    def _read_gpu_samples(self, lo: int | None, hi: int | None, margin_ns: int) -> StoreGpuSamples:
+        return StoreGpuSamples(self, _within("ts_ns", lo, hi, margin_ns))
 
     def _read_scheduler_events(self, where: str) -> SchedulerEventColumns:
         kinds = ", ".join(f"'{k}'" for k in EVENT_KINDS)
@@ -602,6 +588,53 @@ class Store:
             self._con.execute(f"COPY {table} TO '{target}' (FORMAT parquet)")
             written.append(target)
         return written
+
+
+class StoreGpuSamples:
+    """A run's GPU samples within a window, read from the database a time range at a time
+    (``between``): 512 GPUs x 8 h at 10 Hz are 147 M rows, 11 GB as numpy columns. Each row's GPU
+    comes back as a dense id ``k`` into ``keys`` (sorted by host, gpu_index), computed in SQL so
+    no strings cross per row. The store must stay open while it is read."""
+
+    def __init__(self, store: Store, where: str):
+        self._store = store
+        self._where = where
+        ext = store.sql_arrow(
+            "SELECT host, gpu_index, min(ts_ns) AS first_ts_ns, max(ts_ns) AS last_ts_ns, count(*) AS n "
+            f"FROM gpu_samples WHERE {where} GROUP BY host, gpu_index ORDER BY host, gpu_index")
+        self.keys = tuple((str(h), int(g)) for h, g in zip(ext.column("host").to_pylist(),
+                                                           ext.column("gpu_index").to_pylist(), strict=True))
+        self._extents = GpuExtents(_numbers(ext, "first_ts_ns", np.int64),
+                                   _numbers(ext, "last_ts_ns", np.int64), _numbers(ext, "n", np.int64))
+        self._keys_table = pa.table({"host": pa.array([h for h, _ in self.keys], pa.string()),
+                                     "gpu_index": pa.array([g for _, g in self.keys], pa.int64()),
+                                     "k": pa.array(np.arange(len(self.keys)), pa.int64())})
+
+    def __len__(self) -> int:
+        return int(self._extents.count.sum())
+
+    def extents(self) -> GpuExtents:
+        return self._extents
+
+    def between(self, lo_ns: int | None, hi_ns: int | None) -> GpuSampleColumns:
+        cols = ", ".join(f"s.{m}" for m in GPU_METRICS)
+        con = self._store._con
+        try:
+            con.register("_gputrace_gpu_keys", self._keys_table)
+            try:
+                samples = con.sql(
+                    f"SELECT k.k, s.ts_ns, s.lost, {cols} FROM gpu_samples s "
+                    f"JOIN _gputrace_gpu_keys k USING (host, gpu_index) "
+                    f"WHERE {_within('s.ts_ns', lo_ns, hi_ns, 0)} AND "
+                    f"{self._where.replace('ts_ns', 's.ts_ns')}").to_arrow_table()
+            finally:
+                con.unregister("_gputrace_gpu_keys")
+        except duckdb.Error as exc:
+            raise StoreError(f"{self._store.path}: query failed: {exc}") from exc
+        lost = np.asarray(samples.column("lost").to_numpy(zero_copy_only=False), dtype=bool)
+        metrics = {m: _numbers(samples, m) for m in GPU_METRICS}
+        return GpuSampleColumns(self.keys, _numbers(samples, "k", np.int64),
+                                _numbers(samples, "ts_ns", np.int64), lost, **metrics)
 
 
 # Per record type, rows kept in memory while the store cannot be written. A GpuSample with its
