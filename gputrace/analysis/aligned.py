@@ -32,6 +32,7 @@ from gputrace.errors import AnalysisError
 from gputrace.model import DeviceInfo
 from gputrace.run_tables import (
     DEFAULT_MARGINS,
+    EVENT_KINDS,
     GPU_METRICS,
     ClockProbeColumns,
     EngineSettings,
@@ -246,14 +247,16 @@ def _place_events(ev: SchedulerEventColumns, clocks: ClockModel, notes: list[str
     """Each scheduler line in the collector's clock: its receive time where it has one (clamped
     into the logged second), else spread by order within its second."""
     offsets = np.zeros(len(ev))
-    for h in np.unique(ev.host):
-        sel = ev.host == h
+    for code, host in enumerate(ev.host_names):
+        if host not in clocks.points:
+            continue  # no probes: offset 0
+        sel = ev.host_code == code
         host_t = np.where(np.isnan(ev.log_ts_ns[sel]), ev.recv_ts_ns[sel], ev.log_ts_ns[sel])
-        offsets[sel] = clocks.offset_ns(str(h), np.nan_to_num(host_t).astype(np.int64))
-    source_key = (np.char.add(ev.host.astype(str), ev.source.astype(str)) if len(ev)
-                  else np.zeros(0, dtype=str))
+        offsets[sel] = clocks.offset_ns(host, np.nan_to_num(host_t).astype(np.int64))
+    source_key = ev.host_code.astype(np.int64) * max(len(ev.source_names), 1) + ev.source_code
     t_ns, by_recv = place_log_events(ev.log_ts_ns, ev.ts_resolution_ns, ev.recv_ts_ns, source_key,
                                      ev.line_no, offsets)
+    del offsets, source_key
     if not len(ev):
         placement = "no engine log"
     elif by_recv.all():
@@ -264,7 +267,7 @@ def _place_events(ev: SchedulerEventColumns, clocks: ClockModel, notes: list[str
                      "order within the second")
     else:
         placement = f"receive time for {by_recv.mean():.0%} of lines, spread by order for the rest"
-    pp_rank = np.nan_to_num(ev.pp_rank, nan=0).astype(np.int64)
+    pp_rank = np.nan_to_num(ev.pp_rank, nan=0).astype(np.int32)
     return _PlacedEvents(t_ns, pp_rank, placement, int(pp_rank.max()) + 1 if len(ev) else None)
 
 
@@ -525,28 +528,30 @@ def _stages_on_grid(ev: SchedulerEventColumns, placed: _PlacedEvents, pp: int, g
     """Each stage's lines in time order, and its last logged state held on the grid."""
     out = _StagesOnGrid([], np.full((pp, len(grid)), np.nan), np.full((pp, len(grid)), np.nan),
                         np.full((pp, len(grid)), np.nan))
-    dp_rank = np.nan_to_num(ev.dp_rank, nan=0).astype(np.int64)
-    values = {c: np.asarray(getattr(ev, c), dtype=np.float64) for c in _EVENT_VALUES}
+    kinds = np.asarray(EVENT_KINDS, dtype=object)  # a line's kind: one of three shared strings
     t_ns = placed.t_ns
     for s in range(pp):
         sel = np.flatnonzero((placed.pp_rank == s) & ~np.isnan(t_ns))
         sel = sel[np.argsort(t_ns[sel], kind="stable")]
-        out.events.append(StageEvents(t_ns[sel], ev.kind[sel], *(values[c][sel] for c in _EVENT_VALUES)))
-        _hold_stage_state(out, s, t_ns, dp_rank, values, sel, grid)
+        stage = StageEvents(t_ns[sel], kinds[ev.kind_code[sel]],
+                            *(np.asarray(getattr(ev, c)[sel], dtype=np.float64) for c in _EVENT_VALUES))
+        out.events.append(stage)
+        dp_rank = np.nan_to_num(ev.dp_rank[sel], nan=0).astype(np.int64)
+        _hold_stage_state(out, s, stage, dp_rank, grid)
     return out
 
 
-def _hold_stage_state(out: _StagesOnGrid, stage: int, t_ns: np.ndarray, dp_rank: np.ndarray,
-                      values: dict[str, np.ndarray], sel: np.ndarray, grid: np.ndarray) -> None:
+def _hold_stage_state(out: _StagesOnGrid, stage: int, ev: StageEvents, dp_rank: np.ndarray,
+                      grid: np.ndarray) -> None:
     run_sum = np.zeros(len(grid))
     q_sum = np.zeros(len(grid))
     seen = np.zeros(len(grid), dtype=bool)
-    for d in np.unique(dp_rank[sel]):
-        sd = sel[dp_rank[sel] == d]
-        max_age = _max_age_ns(t_ns[sd])
-        r = hold_last(t_ns[sd], values["running_req"][sd], grid, max_age)
-        q = hold_last(t_ns[sd], values["queue_req"][sd], grid, max_age)
-        u = hold_last(t_ns[sd], values["token_usage"][sd], grid, max_age)
+    for d in np.unique(dp_rank):
+        sd = np.flatnonzero(dp_rank == d)
+        max_age = _max_age_ns(ev.t_ns[sd])
+        r = hold_last(ev.t_ns[sd], ev.running_req[sd], grid, max_age)
+        q = hold_last(ev.t_ns[sd], ev.queue_req[sd], grid, max_age)
+        u = hold_last(ev.t_ns[sd], ev.token_usage[sd], grid, max_age)
         seen |= ~np.isnan(r)
         run_sum += np.nan_to_num(r)
         q_sum += np.nan_to_num(q)
