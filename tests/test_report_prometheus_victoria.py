@@ -20,6 +20,7 @@ from live_chain import free_port, gputrace_argv, http_ok, wait_until
 from test_report_prometheus_backfill import _dcgm_lines, _engine_lines, backfilled_prometheus
 
 from gputrace.demo import child_process
+from gputrace.imports.prometheus import coarse_step_reason
 from gputrace.sim import run_scenario
 from gputrace.sim.outputs import write_store
 from gputrace.store import Store
@@ -102,3 +103,27 @@ def test_victoria_metrics_gives_the_findings_prometheus_gives(pool_bound: tuple[
         assert (a["phase"], a["pp_rank"]) == (b["phase"], b["pp_rank"])
         for key in ("busy_fraction", "bubble_fraction"):
             assert a[key] is not None and abs(a[key] - b[key]) < 0.01, (a["phase"], a["pp_rank"], key)
+
+
+@pytest.mark.system
+def test_a_step_coarser_than_the_data_gets_no_bubble_figures(pool_bound: tuple[list[str], int, int],
+                                                             tmp_path: Path) -> None:
+    """Series held every second, queried every 5 s (what a downsampled store answers): the
+    report gives no busy or bubble fraction and says why, on the command line and in its notes;
+    at 1 s the same store gives them (the test above)."""
+    lines, start_s, end_s = pool_bound
+    with backfilled_victoria_metrics(tmp_path, lines) as vm:
+        doc, out = _report(vm, start_s, end_s, tmp_path, step="5s")
+    why = "the query step (5 s) is coarser than the GPU series' own interval (1 s"
+    assert why in out
+    assert any(why in n for n in doc["notes"])
+    assert doc["table"] and all(r["busy_fraction"] is None and r["bubble_fraction"] is None
+                                for r in doc["table"])
+
+
+def test_coarse_step_reason_names_the_step_and_the_interval() -> None:
+    """Refused past 1.5 intervals (Thanos' 5 m over 1 s samples); a step at the data's interval,
+    or an interval not known, is not refused."""
+    assert coarse_step_reason(1000, 1000) is None and coarse_step_reason(300_000, None) is None
+    reason = coarse_step_reason(300_000, 1000)
+    assert reason is not None and "(300 s)" in reason and "(1 s;" in reason and "--step 1s" in reason

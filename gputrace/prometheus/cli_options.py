@@ -110,4 +110,6 @@ def prometheus_run(prometheus_url: str | None, prom_start: str | None, prom_end:
     click.echo(f"series found: {', '.join(summary.found)}")
     if summary.lacking:
         click.echo(f"lacking (no series for): {', '.join(summary.lacking)}")
+    for problem in summary.problems:
+        click.echo(problem)
     return str(run_dir), default_out
