@@ -147,8 +147,8 @@ class SchedulerEventColumns:
     new_seq: np.ndarray = field(default_factory=lambda: _empty(np.float32))
     new_token: np.ndarray = field(default_factory=lambda: _empty(np.float32))
 
-    def __len__(self) -> int:
-        return len(self.kind_code)
+    def __len__(self) -> int:  # placement and stage reads fill different columns
+        return max(len(self.kind_code), len(self.line_no))
 
     @classmethod
     def from_text(cls, host: Sequence[str], source: Sequence[str], kind: Sequence[str],
@@ -168,6 +168,28 @@ class SchedulerEventColumns:
     def kind(self) -> np.ndarray:
         """Each line's kind as text (an object array of EVENT_KINDS' three strings)."""
         return np.asarray(np.asarray(EVENT_KINDS, dtype=object)[self.kind_code])
+
+    def placement(self) -> SchedulerEventColumns:
+        return self
+
+    def stage_rows(self, pp_rank: int) -> SchedulerEventColumns:
+        sel = np.nan_to_num(self.pp_rank, nan=0) == pp_rank
+        return dataclasses.replace(self, **{name: getattr(self, name)[sel] for name in event_column_dtypes()})
+
+
+class SchedulerEvents(Protocol):
+    """A run's engine log lines as alignment reads them: first the columns that place them in
+    time (``placement``: host and source codes, line_no, the times, pp_rank), then one stage's
+    lines at a time (``stage_rows``: kind, dp_rank and the values), each in the order
+    ``placement`` gave them. Columns a step does not need may be empty. The store reads each from
+    its database, so a 13 M-line log is never in memory as every column of every line at once;
+    SchedulerEventColumns holds them in memory."""
+
+    def __len__(self) -> int: ...
+
+    def placement(self) -> SchedulerEventColumns: ...
+
+    def stage_rows(self, pp_rank: int) -> SchedulerEventColumns: ...
 
 
 def event_column_dtypes() -> dict[str, np.dtype[Any]]:
@@ -300,7 +322,7 @@ class RunTables:
     window_ns: Window = (None, None)
     clock_probes: ClockProbeColumns = field(default_factory=ClockProbeColumns)
     gpu_samples: GpuSamples = field(default_factory=GpuSampleColumns)
-    scheduler_events: SchedulerEventColumns = field(default_factory=SchedulerEventColumns)
+    scheduler_events: SchedulerEvents = field(default_factory=SchedulerEventColumns)
     requests: RequestColumns = field(default_factory=RequestColumns)
     load_gauge: LoadGaugeColumns = field(default_factory=LoadGaugeColumns)
     markers: tuple[Marker, ...] = ()

@@ -555,47 +555,8 @@ class Store:
     def _read_gpu_samples(self, lo: int | None, hi: int | None, margin_ns: int) -> StoreGpuSamples:
         return StoreGpuSamples(self, _within("ts_ns", lo, hi, margin_ns))
 
-    def _read_scheduler_events(self, where: str) -> SchedulerEventColumns:
-        """The lines alignment places, streamed in batches into numeric columns (dictionary codes
-        for the text): a 2 GiB log's 13 M lines never cross as Arrow strings or Python objects."""
-        kinds = ", ".join(f"'{k}'" for k in EVENT_KINDS)
-        rows = f"FROM scheduler_events WHERE coalesce(tp_rank, 0) = 0 AND kind IN ({kinds}) AND {where}"
-        text = self.sql_arrow(f"SELECT host, source, count(*) AS n {rows} GROUP BY host, source "
-                              "ORDER BY host, source")
-        pairs = list(zip(text.column("host").to_pylist(), text.column("source").to_pylist(), strict=True))
-        host_names = tuple(sorted({str(h) for h, _ in pairs}))
-        source_names = tuple(sorted({str(src) for _, src in pairs}))
-        n = int(sum(text.column("n").to_pylist()))
-        codes = pa.table({"host": [h for h, _ in pairs], "source": [src for _, src in pairs],
-                          "host_code": pa.array([host_names.index(str(h)) for h, _ in pairs], pa.int32()),
-                          "source_code": pa.array([source_names.index(str(src)) for _, src in pairs],
-                                                  pa.int32())})
-        kind_code = " ".join(f"WHEN '{k}' THEN {i}" for i, k in enumerate(EVENT_KINDS))
-        out = {name: np.empty(n, dtype=dtype) for name, dtype in event_column_dtypes().items()}
-        numbers = [name for name in out if name not in ("host_code", "source_code", "kind_code")]
-        query = (f"SELECT c.host_code, c.source_code, (CASE e.kind {kind_code} END)::TINYINT AS kind_code, "
-                 f"{', '.join(f'e.{c}' for c in numbers)} FROM scheduler_events e "
-                 f"JOIN _gputrace_event_text c USING (host, source) "
-                 f"WHERE coalesce(e.tp_rank, 0) = 0 AND e.kind IN ({kinds}) AND {where}")
-        filled = 0
-        try:
-            self._con.register("_gputrace_event_text", codes)
-            try:
-                for batch in self._con.sql(query).to_arrow_reader(ROW_GROUP_ROWS * 4):
-                    end = filled + batch.num_rows
-                    if end > n:
-                        raise StoreError(f"{self.path}: the engine log lines changed while they were read")
-                    for name, arr in out.items():
-                        col = batch.column(name)
-                        arr[filled:end] = col.to_numpy(zero_copy_only=False) if not col.null_count else \
-                            col.cast(pa.float64()).fill_null(np.nan).to_numpy(zero_copy_only=False)
-                    filled = end
-            finally:
-                self._con.unregister("_gputrace_event_text")
-        except duckdb.Error as exc:
-            raise StoreError(f"{self.path}: query failed: {exc}") from exc
-        return SchedulerEventColumns(host_names, source_names,
-                                     **{name: arr[:filled] for name, arr in out.items()})
+    def _read_scheduler_events(self, where: str) -> StoreSchedulerEvents:
+        return StoreSchedulerEvents(self, where)
 
     def _read_requests(self, where: str) -> RequestColumns:
         numbers = ("start_ns", "first_token_ns", "end_ns", "prompt_tokens", "completion_tokens")
@@ -623,6 +584,67 @@ class Store:
             self._con.execute(f"COPY {table} TO '{target}' (FORMAT parquet)")
             written.append(target)
         return written
+
+
+class StoreSchedulerEvents:
+    """The engine log lines alignment places (attention-TP rank 0's decode, prefill and stats
+    lines within a window), read from the database when asked: the columns that place them, then
+    one stage's at a time (SchedulerEvents), streamed in batches into numeric columns (codes for
+    the text), in the table's insertion order (DuckDB keeps it for a filtered scan). A 2 GiB log's
+    13 M lines held every column of every line and their object strings at once: 12 GB."""
+
+    _PLACEMENT = ("host_code", "source_code", "line_no", "log_ts_ns", "ts_resolution_ns", "recv_ts_ns",
+                  "pp_rank")
+    _STAGE = ("kind_code", "dp_rank", "running_req", "queue_req", "token_usage", "gen_throughput_tok_s",
+              "new_seq", "new_token")
+
+    def __init__(self, store: Store, where: str):
+        self._store = store
+        kinds = ", ".join(f"'{k}'" for k in EVENT_KINDS)
+        self._where = f"coalesce(tp_rank, 0) = 0 AND kind IN ({kinds}) AND {where}"
+        text = store.sql_arrow("SELECT host, source, count(*) AS n FROM scheduler_events "
+                               f"WHERE {self._where} GROUP BY host, source")
+        self.host_names = tuple(sorted({str(h) for h in text.column("host").to_pylist()}))
+        self.source_names = tuple(sorted({str(src) for src in text.column("source").to_pylist()}))
+        self._n = int(sum(text.column("n").to_pylist()))
+
+    def __len__(self) -> int:
+        return self._n
+
+    def placement(self) -> SchedulerEventColumns:
+        return self._read(self._PLACEMENT, self._where, self._n)
+
+    def stage_rows(self, pp_rank: int) -> SchedulerEventColumns:
+        where = f"{self._where} AND coalesce(pp_rank, 0) = {int(pp_rank)}"
+        (n,) = self._store.sql(f"SELECT count(*) FROM scheduler_events WHERE {where}")[0]
+        return self._read(self._STAGE, where, int(n))
+
+    def _read(self, names: tuple[str, ...], where: str, n: int) -> SchedulerEventColumns:
+        dtypes = event_column_dtypes()
+        out = {name: np.empty(n, dtype=dtypes[name]) for name in names}
+        kind_code = " ".join(f"WHEN '{k}' THEN {i}" for i, k in enumerate(EVENT_KINDS))
+        exprs = {"host_code": "(list_position($hosts, host) - 1)::INTEGER",
+                 "source_code": "(list_position($sources, source) - 1)::INTEGER",
+                 "kind_code": f"(CASE kind {kind_code} END)::TINYINT"}
+        select = ", ".join(f"{exprs.get(name, name)} AS {name}" for name in names)
+        params = {"hosts": list(self.host_names), "sources": list(self.source_names)}
+        params = {k: v for k, v in params.items() if f"${k}" in select}
+        filled = 0
+        try:
+            rel = self._store._con.sql(f"SELECT {select} FROM scheduler_events WHERE {where}", params=params)
+            for batch in rel.to_arrow_reader(ROW_GROUP_ROWS * 4):
+                end = filled + batch.num_rows
+                if end > n:
+                    raise StoreError(f"{self._store.path}: the engine log lines changed while they were read")
+                for name, arr in out.items():
+                    col = batch.column(name)
+                    arr[filled:end] = col.to_numpy(zero_copy_only=False) if not col.null_count else \
+                        col.cast(pa.float64()).fill_null(np.nan).to_numpy(zero_copy_only=False)
+                filled = end
+        except duckdb.Error as exc:
+            raise StoreError(f"{self._store.path}: query failed: {exc}") from exc
+        return SchedulerEventColumns(self.host_names, self.source_names,
+                                     **{name: arr[:filled] for name, arr in out.items()})
 
 
 class StoreGpuSamples:

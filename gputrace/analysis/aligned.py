@@ -44,6 +44,7 @@ from gputrace.run_tables import (
     RunSource,
     RunTables,
     SchedulerEventColumns,
+    SchedulerEvents,
     Window,
 )
 
@@ -243,9 +244,10 @@ class _PlacedEvents:
     log_pp: int | None  # pipeline stages seen in the log
 
 
-def _place_events(ev: SchedulerEventColumns, clocks: ClockModel, notes: list[str]) -> _PlacedEvents:
+def _place_events(lines: SchedulerEvents, clocks: ClockModel, notes: list[str]) -> _PlacedEvents:
     """Each scheduler line in the collector's clock: its receive time where it has one (clamped
     into the logged second), else spread by order within its second."""
+    ev = lines.placement()
     offsets = np.zeros(len(ev))
     for code, host in enumerate(ev.host_names):
         if host not in clocks.points:
@@ -484,10 +486,11 @@ def gpu_metrics_on_grid(tables: RunTables, run: AlignedRun) -> dict[str, np.ndar
 # queue and token usage per stage) and the run-wide ones (grid, work, in flight, engine running,
 # the busy window and its convolutions).
 _RUN_SERIES_PER_CELL = 8
-# What it holds per engine log line: the columns read (3 dictionary-decoded text columns and 12
-# numbers: 8 bytes each), the times placed and their offsets, and the stage's copy (StageEvents: 8
-# columns); per request: its columns as read and in the collector's clock.
-_BYTES_PER_EVENT = 8 * (15 + 3 + 8)
+# What it holds per engine log line, at most: while placing them, the columns that place a line
+# (40 bytes) and placement's temporaries (about 10 floats); after, its time and stage (12 bytes) and
+# its stage's copy (StageEvents: 8 columns of 8 bytes); per request: its columns as read and in
+# the collector's clock.
+_BYTES_PER_EVENT = 8 * 16
 _BYTES_PER_REQUEST = 8 * (9 + 8)
 # the GPU samples in flight: one read's columns, reordered, and its per-GPU cells
 _GPU_READ_BYTES = GPU_READ_ROWS * (8 * 2 + 1 + 8 * len(GPU_METRICS)) * 3
@@ -523,20 +526,26 @@ class _StagesOnGrid:
 _EVENT_VALUES = ("running_req", "queue_req", "token_usage", "gen_throughput_tok_s", "new_seq", "new_token")
 
 
-def _stages_on_grid(ev: SchedulerEventColumns, placed: _PlacedEvents, pp: int, grid: np.ndarray
+def _stages_on_grid(lines: SchedulerEvents, placed: _PlacedEvents, pp: int, grid: np.ndarray
                     ) -> _StagesOnGrid:
-    """Each stage's lines in time order, and its last logged state held on the grid."""
+    """Each stage's lines in time order, and its last logged state held on the grid; read one
+    stage at a time."""
     out = _StagesOnGrid([], np.full((pp, len(grid)), np.nan), np.full((pp, len(grid)), np.nan),
                         np.full((pp, len(grid)), np.nan))
     kinds = np.asarray(EVENT_KINDS, dtype=object)  # a line's kind: one of three shared strings
-    t_ns = placed.t_ns
     for s in range(pp):
-        sel = np.flatnonzero((placed.pp_rank == s) & ~np.isnan(t_ns))
+        at = np.flatnonzero(placed.pp_rank == s)  # the stage's lines, in the order read
+        ev = lines.stage_rows(s) if len(at) else SchedulerEventColumns()
+        if len(ev) != len(at):
+            raise AnalysisError("the engine log lines changed while they were read: report again")
+        t_ns = placed.t_ns[at]
+        sel = np.flatnonzero(~np.isnan(t_ns))
         sel = sel[np.argsort(t_ns[sel], kind="stable")]
         stage = StageEvents(t_ns[sel], kinds[ev.kind_code[sel]],
                             *(np.asarray(getattr(ev, c)[sel], dtype=np.float64) for c in _EVENT_VALUES))
         out.events.append(stage)
         dp_rank = np.nan_to_num(ev.dp_rank[sel], nan=0).astype(np.int64)
+        del ev
         _hold_stage_state(out, s, stage, dp_rank, grid)
     return out
 
