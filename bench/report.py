@@ -159,25 +159,30 @@ def child_reference(run: str) -> dict[str, object]:
                        "bubble_fraction": r.bubble} for r in table.itertuples()]}
 
 
-def child_command(run: str, out: str) -> dict[str, object]:
+def child_command(run: str, out: str, timeout_s: float) -> dict[str, object]:
     """The command users run, `gputrace report RUN` (what-if and all), in its own process: its
-    peak RSS is this process's largest child's."""
+    peak RSS is this process's largest child's; stopped after ``timeout_s``."""
     t0 = time.perf_counter()
-    proc = subprocess.run([str(Path(sys.executable).with_name("gputrace")), "report", run, "--out", out,
-                           "--no-progress"], capture_output=True, text=True)
-    if proc.returncode:
+    try:
+        proc = subprocess.run([str(Path(sys.executable).with_name("gputrace")), "report", run, "--out", out,
+                               "--no-progress"], capture_output=True, text=True, timeout=timeout_s or None)
+    except subprocess.TimeoutExpired:
+        proc = None
+    if proc is not None and proc.returncode:
         raise SystemExit(f"gputrace report failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return {"wall_s": time.perf_counter() - t0, "cpu_s": usage.ru_utime + usage.ru_stime,
-            "command_rss_mb": usage.ru_maxrss / 1024, "findings": proc.stdout.count(" -> ")}
+            "command_rss_mb": usage.ru_maxrss / 1024, "finished": proc is not None,
+            "findings": proc.stdout.count(" -> ") if proc is not None else None}
 
 
-def scale(hours: float, gpus: list[int]) -> None:
-    """`gputrace report` on synthetic stores of growing GPU counts: time and peak RSS, and their
-    growth from the smallest."""
-    print(f"`gputrace report` on synthetic PP8 stores, {hours:g} h at 10 Hz (one run each)")
-    print(f"{'GPUs':>5} {'samples':>12} {'store GB':>9} {'wall s':>8} {'CPU s':>8} {'peak RSS MB':>12} "
-          f"{'time x':>7} {'RSS x':>6} {'findings':>8}")
+def scale(hours: float, gpus: list[int], timeout_s: float) -> None:
+    """The report on synthetic stores of growing GPU counts: time and peak RSS, and their growth
+    from the smallest; without the what-if (read, align, analyse, figures, HTML/MD/JSON) and the
+    whole `gputrace report` command."""
+    print(f"the report on synthetic PP8 stores, {hours:g} h at 10 Hz (one run each)")
+    print(f"{'GPUs':>5} {'samples':>12} {'store GB':>9} | {'no what-if: s':>13} {'CPU s':>7} {'RSS MB':>7} "
+          f"{'time x':>6} {'RSS x':>6} | {'gputrace report: s':>18} {'CPU s':>7} {'RSS MB':>7}")
     base: tuple[float, float] | None = None
     for n_gpus in gpus:
         with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
@@ -185,15 +190,23 @@ def scale(hours: float, gpus: list[int]) -> None:
             subprocess.run([sys.executable, __file__, "--make", "synth", str(n_gpus), str(hours), str(run)],
                            check=True)
             size_gb = sum(f.stat().st_size for f in run.iterdir()) / 1e9
-            _, _, res = run_child(["--child", "command", str(run), str(Path(tmp) / "out")])
-            wall, cpu, mb = float(res["wall_s"]), float(res["cpu_s"]), float(res["command_rss_mb"])
+            wall, mb, res = run_child(["--child", "report", str(run), str(Path(tmp) / "a")])
+            cpu = float(res["cpu_s"])  # type: ignore[arg-type]
             base = base or (wall, mb)
             samples = n_gpus * int(hours * 3600e9 // PERIOD_NS)
-            print(f"{n_gpus:>5} {samples:>12,} {size_gb:>9.2f} {wall:>8.1f} {cpu:>8.1f} {mb:>12.0f} "
-                  f"{wall / base[0]:>6.1f}x {mb / base[1]:>5.1f}x {res['findings']:>8}", flush=True)
-    print("wall/CPU s and peak RSS of the `gputrace report` process (HTML, Markdown, JSON, what-if);\n"
-          "x: against the first row. GPU samples are read a time range at a time and reduced to\n"
-          "stages, so memory follows stages x cells, not GPUs x hours")
+            line = (f"{n_gpus:>5} {samples:>12,} {size_gb:>9.2f} | {wall:>13.1f} {cpu:>7.1f} {mb:>7.0f} "
+                    f"{wall / base[0]:>5.1f}x {mb / base[1]:>5.1f}x | ")
+            if timeout_s:
+                _, _, cmd = run_child(["--child", "command", str(run), str(Path(tmp) / "out"),
+                                       str(timeout_s)])
+                done = "" if cmd["finished"] else f" (stopped at {timeout_s:g} s)"
+                line += (f"{float(cmd['wall_s']):>18.1f} {float(cmd['cpu_s']):>7.1f} "  # type: ignore[arg-type]
+                         f"{float(cmd['command_rss_mb']):>7.0f}{done}")  # type: ignore[arg-type]
+            print(line, flush=True)
+    print("s: wall seconds of a fresh process; CPU s: its CPU time; RSS MB: its peak RSS; x: against the\n"
+          "first row. GPU samples are read a time range at a time and reduced to stages, so memory\n"
+          "follows stages x cells, not GPUs x hours. gputrace report adds the what-if (every phase\n"
+          "replayed in the simulator), stopped after --command-timeout")
 
 
 def run_child(args: list[str]) -> tuple[float, float, dict[str, object]]:
@@ -232,9 +245,12 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         kind, run = sys.argv[2], sys.argv[3]
         t0 = time.perf_counter()
-        res = (child_report(run, sys.argv[4]) if kind == "report" else child_command(run, sys.argv[4])
-               if kind == "command" else child_reference(run))
+        res = (child_report(run, sys.argv[4]) if kind == "report" else
+               child_command(run, sys.argv[4], float(sys.argv[5])) if kind == "command" else
+               child_reference(run))
         res["seconds"] = time.perf_counter() - t0
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        res.setdefault("cpu_s", usage.ru_utime + usage.ru_stime)
         res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(json.dumps(res, default=float))
         return
@@ -246,9 +262,11 @@ def main() -> None:
     ap.add_argument("--scale", metavar="GPUS", default=None,
                     help="Instead: `gputrace report` alone on synthetic stores of these GPU counts "
                          "(e.g. 8,64,512 with --hours 8), printing the growth of time and peak RSS.")
+    ap.add_argument("--command-timeout", type=float, default=1800,
+                    help="With --scale: seconds the whole `gputrace report` may take; 0: skip it.")
     args = ap.parse_args()
     if args.scale:
-        scale(args.hours, [int(g) for g in args.scale.split(",")])
+        scale(args.hours, [int(g) for g in args.scale.split(",")], args.command_timeout)
         return
     print(f"{'run':>16} {'report s':>9} {'(table s)':>9} {'report MB':>10} {'pandas s':>9} "
           f"{'(table s)':>9} {'pandas MB':>10} {'speedup':>8} {'max |diff|':>10}")
