@@ -639,7 +639,7 @@ class StoreSchedulerEvents:
                 for name, arr in out.items():
                     col = batch.column(name)
                     arr[filled:end] = col.to_numpy(zero_copy_only=False) if not col.null_count else \
-                        col.cast(pa.float64()).fill_null(np.nan).to_numpy(zero_copy_only=False)
+                        col.cast(pa.float64(), safe=False).fill_null(np.nan).to_numpy(zero_copy_only=False)
                 filled = end
         except duckdb.Error as exc:
             raise StoreError(f"{self._store.path}: query failed: {exc}") from exc
