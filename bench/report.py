@@ -3,6 +3,7 @@ plain pandas merge_asof + groupby reference computing the same phase-by-stage ta
 micro-batch size, power per phase and stage) in the same run.
 
     python bench/report.py [--hours H] [--gpus 8,64] [--source sim|synth]
+    python bench/report.py --scale 8,64,512 --hours 8     # `gputrace report` alone, growing GPUs
 
 Each measurement runs in a fresh child process (peak RSS = its ru_maxrss). Runs come from the
 simulator by default (the microbatch-cap preset as PP8 x TP(n/8), four levels of H/4 each, 10 Hz
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -30,6 +32,7 @@ from gputrace.topology import single_node_placements, topology_to_meta
 T0 = 1_764_486_000_000_000_000
 PERIOD_NS = 100_000_000
 LEVELS = (1, 8, 32, 64)
+SAMPLES_PER_APPEND = 1 << 20
 
 
 def synthesise(path: Path, n_gpus: int, hours: float, seed: int = 0) -> None:
@@ -42,14 +45,21 @@ def synthesise(path: Path, n_gpus: int, hours: float, seed: int = 0) -> None:
     level_len = n // len(LEVELS)
     level = np.minimum(np.arange(n) // level_len, len(LEVELS) - 1)
     busy = np.minimum(1.0, np.array(LEVELS)[level] / 64 + 0.05)
+    gpu_index = np.array([p.gpu_index for p in placements], dtype=np.int64)
     with Store.create(path, topology=topology_to_meta(pp, tp, 1, placements, "bench")) as store:
-        for p in placements:
-            u = np.clip(busy + rng.normal(0, 0.08, n), 0, 1)
+        # In time order, every GPU's samples of a few minutes per append, as a collector writes them
+        # (a store read by time range reads only the row groups of that range).
+        block = max(SAMPLES_PER_APPEND // len(placements), 1)
+        for b0 in range(0, n, block):
+            b1 = min(b0 + block, n)
+            u = np.clip(busy[b0:b1, None] + rng.normal(0, 0.08, (b1 - b0, len(placements))), 0, 1).ravel()
+            m = len(u)
             store.append_columns("gpu_samples", {
-                "host": "node0", "gpu_index": np.full(n, p.gpu_index), "ts_ns": ts,
+                "host": "node0", "gpu_index": np.tile(gpu_index, b1 - b0),
+                "ts_ns": np.repeat(ts[b0:b1], len(placements)),
                 "utilization_ratio": u, "power_w": 60 + 290 * u,
                 "pcie_tx_bytes_per_s": u * 2e9, "pcie_rx_bytes_per_s": u * 2e9,
-                "sm_clock_hz": np.full(n, 1.98e9), "seq": np.arange(n)})
+                "sm_clock_hz": np.full(m, 1.98e9), "seq": np.repeat(np.arange(b0, b1), len(placements))})
         store.append([DeviceInfo("node0", p.gpu_index, power_limit_w=350.0, pcie_max_gen=5,
                                  pcie_max_width=16) for p in placements])
         store.append([EngineConfig("node0", "log", "sglang", 0, pp_size=pp, tp_size=tp,
@@ -149,6 +159,56 @@ def child_reference(run: str) -> dict[str, object]:
                        "bubble_fraction": r.bubble} for r in table.itertuples()]}
 
 
+def child_command(run: str, out: str, timeout_s: float) -> dict[str, object]:
+    """The command users run, `gputrace report RUN` (what-if and all), in its own process: its
+    peak RSS is this process's largest child's; stopped after ``timeout_s``."""
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run([str(Path(sys.executable).with_name("gputrace")), "report", run, "--out", out,
+                               "--no-progress"], capture_output=True, text=True, timeout=timeout_s or None)
+    except subprocess.TimeoutExpired:
+        proc = None
+    if proc is not None and proc.returncode:
+        raise SystemExit(f"gputrace report failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {"wall_s": time.perf_counter() - t0, "cpu_s": usage.ru_utime + usage.ru_stime,
+            "command_rss_mb": usage.ru_maxrss / 1024, "finished": proc is not None,
+            "findings": proc.stdout.count(" -> ") if proc is not None else None}
+
+
+def scale(hours: float, gpus: list[int], timeout_s: float) -> None:
+    """The report on synthetic stores of growing GPU counts: time and peak RSS, and their growth
+    from the smallest; without the what-if (read, align, analyse, figures, HTML/MD/JSON) and the
+    whole `gputrace report` command."""
+    print(f"the report on synthetic PP8 stores, {hours:g} h at 10 Hz (one run each)")
+    print(f"{'GPUs':>5} {'samples':>12} {'store GB':>9} | {'no what-if: s':>13} {'CPU s':>7} {'RSS MB':>7} "
+          f"{'time x':>6} {'RSS x':>6} | {'gputrace report: s':>18} {'CPU s':>7} {'RSS MB':>7}")
+    base: tuple[float, float] | None = None
+    for n_gpus in gpus:
+        with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
+            run = Path(tmp) / "run"
+            subprocess.run([sys.executable, __file__, "--make", "synth", str(n_gpus), str(hours), str(run)],
+                           check=True)
+            size_gb = sum(f.stat().st_size for f in run.iterdir()) / 1e9
+            wall, mb, res = run_child(["--child", "report", str(run), str(Path(tmp) / "a")])
+            cpu = float(res["cpu_s"])  # type: ignore[arg-type]
+            base = base or (wall, mb)
+            samples = n_gpus * int(hours * 3600e9 // PERIOD_NS)
+            line = (f"{n_gpus:>5} {samples:>12,} {size_gb:>9.2f} | {wall:>13.1f} {cpu:>7.1f} {mb:>7.0f} "
+                    f"{wall / base[0]:>5.1f}x {mb / base[1]:>5.1f}x | ")
+            if timeout_s:
+                _, _, cmd = run_child(["--child", "command", str(run), str(Path(tmp) / "out"),
+                                       str(timeout_s)])
+                done = "" if cmd["finished"] else f" (stopped at {timeout_s:g} s)"
+                line += (f"{float(cmd['wall_s']):>18.1f} {float(cmd['cpu_s']):>7.1f} "  # type: ignore[arg-type]
+                         f"{float(cmd['command_rss_mb']):>7.0f}{done}")  # type: ignore[arg-type]
+            print(line, flush=True)
+    print("s: wall seconds of a fresh process; CPU s: its CPU time; RSS MB: its peak RSS; x: against the\n"
+          "first row. GPU samples are read a time range at a time and reduced to stages, so memory\n"
+          "follows stages x cells, not GPUs x hours. gputrace report adds the what-if (every phase\n"
+          "replayed in the simulator), stopped after --command-timeout")
+
+
 def run_child(args: list[str]) -> tuple[float, float, dict[str, object]]:
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, check=True)
@@ -185,8 +245,12 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         kind, run = sys.argv[2], sys.argv[3]
         t0 = time.perf_counter()
-        res = child_report(run, sys.argv[4]) if kind == "report" else child_reference(run)
+        res = (child_report(run, sys.argv[4]) if kind == "report" else
+               child_command(run, sys.argv[4], float(sys.argv[5])) if kind == "command" else
+               child_reference(run))
         res["seconds"] = time.perf_counter() - t0
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        res.setdefault("cpu_s", usage.ru_utime + usage.ru_stime)
         res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(json.dumps(res, default=float))
         return
@@ -195,7 +259,15 @@ def main() -> None:
     ap.add_argument("--gpus", default="8,64")
     ap.add_argument("--source", choices=("sim", "synth"), default="sim")
     ap.add_argument("--repeats", type=int, default=3, help="Runs of each, interleaved; medians shown.")
+    ap.add_argument("--scale", metavar="GPUS", default=None,
+                    help="Instead: `gputrace report` alone on synthetic stores of these GPU counts "
+                         "(e.g. 8,64,512 with --hours 8), printing the growth of time and peak RSS.")
+    ap.add_argument("--command-timeout", type=float, default=1800,
+                    help="With --scale: seconds the whole `gputrace report` may take; 0: skip it.")
     args = ap.parse_args()
+    if args.scale:
+        scale(args.hours, [int(g) for g in args.scale.split(",")], args.command_timeout)
+        return
     print(f"{'run':>16} {'report s':>9} {'(table s)':>9} {'report MB':>10} {'pandas s':>9} "
           f"{'(table s)':>9} {'pandas MB':>10} {'speedup':>8} {'max |diff|':>10}")
     for n_gpus in (int(g) for g in args.gpus.split(",")):

@@ -74,29 +74,129 @@ class GpuSampleColumns:
             raise KeyError(name)
         return np.asarray(getattr(self, name))
 
+    def extents(self) -> GpuExtents:
+        """Per GPU (by ``k``): its first and last sample time and its number of rows."""
+        n = len(self.keys)
+        count = np.bincount(self.k, minlength=n).astype(np.int64) if len(self.k) else np.zeros(n, np.int64)
+        first = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
+        last = np.full(n, np.iinfo(np.int64).min, dtype=np.int64)
+        np.minimum.at(first, self.k, self.ts_ns)
+        np.maximum.at(last, self.k, self.ts_ns)
+        return GpuExtents(first, last, count)
+
+    def between(self, lo_ns: int | None, hi_ns: int | None) -> GpuSampleColumns:
+        """The rows with ``lo_ns <= ts_ns <= hi_ns`` (host clock; None: open), keys unchanged."""
+        if lo_ns is None and hi_ns is None:
+            return self
+        sel = np.ones(len(self.ts_ns), dtype=bool)
+        if lo_ns is not None:
+            sel &= self.ts_ns >= lo_ns
+        if hi_ns is not None:
+            sel &= self.ts_ns <= hi_ns
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name)[sel]
+                                            for f in dataclasses.fields(self) if f.name != "keys"})
+
+
+@dataclass(frozen=True)
+class GpuExtents:
+    """Per GPU (indexed like ``keys``): first and last sample time (host clock) and row count."""
+
+    first_ts_ns: np.ndarray
+    last_ts_ns: np.ndarray
+    count: np.ndarray
+
+
+class GpuSamples(Protocol):
+    """A run's GPU samples as alignment reads them: a time range at a time, so a run of hundreds
+    of GPUs over hours is never in memory at once (the store streams them from its database;
+    GpuSampleColumns holds them in memory)."""
+
+    @property
+    def keys(self) -> tuple[tuple[str, int], ...]: ...
+
+    def __len__(self) -> int: ...
+
+    def extents(self) -> GpuExtents: ...
+
+    def between(self, lo_ns: int | None, hi_ns: int | None) -> GpuSampleColumns: ...
+
 
 @dataclass(frozen=True)
 class SchedulerEventColumns:
-    """Attention-TP rank 0's decode, prefill and stats lines; integer columns as float (NaN: NULL)."""
+    """Attention-TP rank 0's decode, prefill and stats lines, every column numeric: the text ones
+    as dictionary codes (``host_code`` into ``host_names``, ``source_code`` into ``source_names``,
+    ``kind_code`` into EVENT_KINDS), counts and ranks as float32 (exact to 2**24), the rest float64;
+    NaN: NULL. A string object per line and text column took 60 bytes a line; a 13.8 M-line log
+    held 12 GB ([robust] item 9)."""
 
-    host: np.ndarray = field(default_factory=lambda: _empty(object))
-    source: np.ndarray = field(default_factory=lambda: _empty(object))
-    kind: np.ndarray = field(default_factory=lambda: _empty(object))
+    host_names: tuple[str, ...] = ()
+    source_names: tuple[str, ...] = ()
+    host_code: np.ndarray = field(default_factory=lambda: _empty(np.int32))
+    source_code: np.ndarray = field(default_factory=lambda: _empty(np.int32))
+    kind_code: np.ndarray = field(default_factory=lambda: _empty(np.int8))
     line_no: np.ndarray = field(default_factory=lambda: _empty(np.float64))
     log_ts_ns: np.ndarray = field(default_factory=lambda: _empty(np.float64))
-    ts_resolution_ns: np.ndarray = field(default_factory=lambda: _empty(np.float64))
+    ts_resolution_ns: np.ndarray = field(default_factory=lambda: _empty(np.float32))
     recv_ts_ns: np.ndarray = field(default_factory=lambda: _empty(np.float64))
-    dp_rank: np.ndarray = field(default_factory=lambda: _empty(np.float64))
-    pp_rank: np.ndarray = field(default_factory=lambda: _empty(np.float64))
-    running_req: np.ndarray = field(default_factory=lambda: _empty(np.float64))
-    queue_req: np.ndarray = field(default_factory=lambda: _empty(np.float64))
+    dp_rank: np.ndarray = field(default_factory=lambda: _empty(np.float32))
+    pp_rank: np.ndarray = field(default_factory=lambda: _empty(np.float32))
+    running_req: np.ndarray = field(default_factory=lambda: _empty(np.float32))
+    queue_req: np.ndarray = field(default_factory=lambda: _empty(np.float32))
     token_usage: np.ndarray = field(default_factory=lambda: _empty(np.float64))
     gen_throughput_tok_s: np.ndarray = field(default_factory=lambda: _empty(np.float64))
-    new_seq: np.ndarray = field(default_factory=lambda: _empty(np.float64))
-    new_token: np.ndarray = field(default_factory=lambda: _empty(np.float64))
+    new_seq: np.ndarray = field(default_factory=lambda: _empty(np.float32))
+    new_token: np.ndarray = field(default_factory=lambda: _empty(np.float32))
 
-    def __len__(self) -> int:
-        return len(self.host)
+    def __len__(self) -> int:  # placement and stage reads fill different columns
+        return max(len(self.kind_code), len(self.line_no))
+
+    @classmethod
+    def from_text(cls, host: Sequence[str], source: Sequence[str], kind: Sequence[str],
+                  **numbers: Sequence[float]) -> SchedulerEventColumns:
+        """Columns from text values (tests, in-memory runs): the text dictionary-encoded, each
+        number column in its dtype."""
+        host_names, host_code = np.unique(np.asarray(host, dtype=object).astype(str), return_inverse=True)
+        source_names, source_code = np.unique(np.asarray(source, dtype=object).astype(str),
+                                              return_inverse=True)
+        kind_of = {k: i for i, k in enumerate(EVENT_KINDS)}
+        dtypes = event_column_dtypes()
+        return cls(tuple(map(str, host_names)), tuple(map(str, source_names)), host_code.astype(np.int32),
+                   source_code.astype(np.int32), np.array([kind_of[k] for k in kind], dtype=np.int8),
+                   **{name: np.asarray(v, dtype=dtypes[name]) for name, v in numbers.items()})
+
+    @property
+    def kind(self) -> np.ndarray:
+        """Each line's kind as text (an object array of EVENT_KINDS' three strings)."""
+        return np.asarray(np.asarray(EVENT_KINDS, dtype=object)[self.kind_code])
+
+    def placement(self) -> SchedulerEventColumns:
+        return self
+
+    def stage_rows(self, pp_rank: int) -> SchedulerEventColumns:
+        sel = np.nan_to_num(self.pp_rank, nan=0) == pp_rank
+        return dataclasses.replace(self, **{name: getattr(self, name)[sel] for name in event_column_dtypes()})
+
+
+class SchedulerEvents(Protocol):
+    """A run's engine log lines as alignment reads them: first the columns that place them in
+    time (``placement``: host and source codes, line_no, the times, pp_rank), then one stage's
+    lines at a time (``stage_rows``: kind, dp_rank and the values), each in the order
+    ``placement`` gave them. Columns a step does not need may be empty. The store reads each from
+    its database, so a 13 M-line log is never in memory as every column of every line at once;
+    SchedulerEventColumns holds them in memory."""
+
+    def __len__(self) -> int: ...
+
+    def placement(self) -> SchedulerEventColumns: ...
+
+    def stage_rows(self, pp_rank: int) -> SchedulerEventColumns: ...
+
+
+def event_column_dtypes() -> dict[str, np.dtype[Any]]:
+    """SchedulerEventColumns' array columns and the dtype of each."""
+    empty = SchedulerEventColumns()
+    return {f.name: getattr(empty, f.name).dtype for f in dataclasses.fields(SchedulerEventColumns)
+            if isinstance(getattr(empty, f.name), np.ndarray)}
 
 
 @dataclass(frozen=True)
@@ -221,8 +321,8 @@ class RunTables:
     source: str  # where the run came from, for messages (the store's path)
     window_ns: Window = (None, None)
     clock_probes: ClockProbeColumns = field(default_factory=ClockProbeColumns)
-    gpu_samples: GpuSampleColumns = field(default_factory=GpuSampleColumns)
-    scheduler_events: SchedulerEventColumns = field(default_factory=SchedulerEventColumns)
+    gpu_samples: GpuSamples = field(default_factory=GpuSampleColumns)
+    scheduler_events: SchedulerEvents = field(default_factory=SchedulerEventColumns)
     requests: RequestColumns = field(default_factory=RequestColumns)
     load_gauge: LoadGaugeColumns = field(default_factory=LoadGaugeColumns)
     markers: tuple[Marker, ...] = ()

@@ -33,6 +33,7 @@ from gputrace.run_tables import (
     GPU_METRICS,
     EngineMetricColumns,
     EngineSettings,
+    GpuExtents,
     GpuSampleColumns,
     LoadGaugeColumns,
     ReadMargins,
@@ -40,6 +41,7 @@ from gputrace.run_tables import (
     RunTables,
     SchedulerEventColumns,
     Window,
+    event_column_dtypes,
     probe_columns,
 )
 from gputrace.topology import check_meta_topology
@@ -56,6 +58,7 @@ REJECTS_FILE = "rejects.ndjson"  # records set aside because a value did not fit
 # a partial group that the next append or the checkpoint rewrites.
 ROW_GROUP_ROWS = 65_536
 
+READ_MEMORY_LIMIT = "256MB"  # DuckDB's block cache while a run is read for the analysis
 R = TypeVar("R")
 log = get_logger("store")
 
@@ -548,6 +551,11 @@ class Store:
         lo, hi = window_ns
         # DuckDB draws its own progress bar on stdout for long queries; the report has its own.
         self.sql("SET enable_progress_bar = false")
+        # DuckDB keeps the blocks it read cached up to its memory limit (80 % of RAM by default):
+        # reading 147 M GPU samples a time range at a time grew it by 40 MB/s past 4 GB (128 GPUs x 8 h:
+        # 1.88 GB peak, 1.06 GB with this limit, as fast). What the
+        # analysis reads is scanned once; its own queries aggregate to a few rows.
+        self.sql(f"SET memory_limit = '{READ_MEMORY_LIMIT}'")
         return RunTables(
             meta=self.meta, source=str(self.path), window_ns=window_ns,
             clock_probes=probe_columns(self.records(ClockProbe)),
@@ -596,31 +604,11 @@ class Store:
         except duckdb.Error as exc:
             raise StoreError(f"{self.path}: setting receive times failed: {exc}") from exc
 
-    def _read_gpu_samples(self, lo: int | None, hi: int | None, margin_ns: int) -> GpuSampleColumns:
-        # a dense GPU id computed in SQL so no strings cross per row
-        where = _within("ts_ns", lo, hi, margin_ns)
-        keys_tbl = self.sql_arrow(f"SELECT DISTINCT host, gpu_index FROM gpu_samples WHERE {where} "
-                                  "ORDER BY host, gpu_index")
-        keys = tuple((str(h), int(g)) for h, g in zip(keys_tbl.column("host").to_pylist(),
-                                                      keys_tbl.column("gpu_index").to_pylist(), strict=True))
-        cols = ", ".join(f"s.{m}" for m in GPU_METRICS)
-        samples = self.sql_arrow(
-            f"SELECT k.k, s.ts_ns, s.lost, {cols} FROM gpu_samples s JOIN "
-            "(SELECT host, gpu_index, row_number() OVER (ORDER BY host, gpu_index) - 1 AS k "
-            f" FROM (SELECT DISTINCT host, gpu_index FROM gpu_samples WHERE {where})) k "
-            f"USING (host, gpu_index) WHERE {_within('s.ts_ns', lo, hi, margin_ns)}")
-        lost = np.asarray(samples.column("lost").to_numpy(zero_copy_only=False), dtype=bool)
-        metrics = {m: _numbers(samples, m) for m in GPU_METRICS}
-        return GpuSampleColumns(keys, _numbers(samples, "k", np.int64), _numbers(samples, "ts_ns", np.int64),
-                                lost, **metrics)
+    def _read_gpu_samples(self, lo: int | None, hi: int | None, margin_ns: int) -> StoreGpuSamples:
+        return StoreGpuSamples(self, _within("ts_ns", lo, hi, margin_ns))
 
-    def _read_scheduler_events(self, where: str) -> SchedulerEventColumns:
-        kinds = ", ".join(f"'{k}'" for k in EVENT_KINDS)
-        names = [f.name for f in dataclasses.fields(SchedulerEventColumns)]
-        ev = self.sql_arrow(f"SELECT {', '.join(names)} FROM scheduler_events "
-                            f"WHERE coalesce(tp_rank, 0) = 0 AND kind IN ({kinds}) AND {where}")
-        text = ("host", "source", "kind")
-        return SchedulerEventColumns(**{n: _objects(ev, n) if n in text else _numbers(ev, n) for n in names})
+    def _read_scheduler_events(self, where: str) -> StoreSchedulerEvents:
+        return StoreSchedulerEvents(self, where)
 
     def _read_requests(self, where: str) -> RequestColumns:
         numbers = ("start_ns", "first_token_ns", "end_ns", "prompt_tokens", "completion_tokens")
@@ -648,6 +636,114 @@ class Store:
             self._con.execute(f"COPY {table} TO '{target}' (FORMAT parquet)")
             written.append(target)
         return written
+
+
+class StoreSchedulerEvents:
+    """The engine log lines alignment places (attention-TP rank 0's decode, prefill and stats
+    lines within a window), read from the database when asked: the columns that place them, then
+    one stage's at a time (SchedulerEvents), streamed in batches into numeric columns (codes for
+    the text), in the table's insertion order (DuckDB keeps it for a filtered scan). A 2 GiB log's
+    13 M lines held every column of every line and their object strings at once: 12 GB."""
+
+    _PLACEMENT = ("host_code", "source_code", "line_no", "log_ts_ns", "ts_resolution_ns", "recv_ts_ns",
+                  "pp_rank")
+    _STAGE = ("kind_code", "dp_rank", "running_req", "queue_req", "token_usage", "gen_throughput_tok_s",
+              "new_seq", "new_token")
+
+    def __init__(self, store: Store, where: str):
+        self._store = store
+        kinds = ", ".join(f"'{k}'" for k in EVENT_KINDS)
+        self._where = f"coalesce(tp_rank, 0) = 0 AND kind IN ({kinds}) AND {where}"
+        text = store.sql_arrow("SELECT host, source, count(*) AS n FROM scheduler_events "
+                               f"WHERE {self._where} GROUP BY host, source")
+        self.host_names = tuple(sorted({str(h) for h in text.column("host").to_pylist()}))
+        self.source_names = tuple(sorted({str(src) for src in text.column("source").to_pylist()}))
+        self._n = int(sum(text.column("n").to_pylist()))
+
+    def __len__(self) -> int:
+        return self._n
+
+    def placement(self) -> SchedulerEventColumns:
+        return self._read(self._PLACEMENT, self._where, self._n)
+
+    def stage_rows(self, pp_rank: int) -> SchedulerEventColumns:
+        where = f"{self._where} AND coalesce(pp_rank, 0) = {int(pp_rank)}"
+        (n,) = self._store.sql(f"SELECT count(*) FROM scheduler_events WHERE {where}")[0]
+        return self._read(self._STAGE, where, int(n))
+
+    def _read(self, names: tuple[str, ...], where: str, n: int) -> SchedulerEventColumns:
+        dtypes = event_column_dtypes()
+        out = {name: np.empty(n, dtype=dtypes[name]) for name in names}
+        kind_code = " ".join(f"WHEN '{k}' THEN {i}" for i, k in enumerate(EVENT_KINDS))
+        exprs = {"host_code": "(list_position($hosts, host) - 1)::INTEGER",
+                 "source_code": "(list_position($sources, source) - 1)::INTEGER",
+                 "kind_code": f"(CASE kind {kind_code} END)::TINYINT"}
+        select = ", ".join(f"{exprs.get(name, name)} AS {name}" for name in names)
+        params = {"hosts": list(self.host_names), "sources": list(self.source_names)}
+        params = {k: v for k, v in params.items() if f"${k}" in select}
+        filled = 0
+        try:
+            rel = self._store._con.sql(f"SELECT {select} FROM scheduler_events WHERE {where}", params=params)
+            for batch in rel.to_arrow_reader(ROW_GROUP_ROWS * 4):
+                end = filled + batch.num_rows
+                if end > n:
+                    raise StoreError(f"{self._store.path}: the engine log lines changed while they were read")
+                for name, arr in out.items():
+                    col = batch.column(name)
+                    arr[filled:end] = col.to_numpy(zero_copy_only=False) if not col.null_count else \
+                        col.cast(pa.float64(), safe=False).fill_null(np.nan).to_numpy(zero_copy_only=False)
+                filled = end
+        except duckdb.Error as exc:
+            raise StoreError(f"{self._store.path}: query failed: {exc}") from exc
+        return SchedulerEventColumns(self.host_names, self.source_names,
+                                     **{name: arr[:filled] for name, arr in out.items()})
+
+
+class StoreGpuSamples:
+    """A run's GPU samples within a window, read from the database a time range at a time
+    (``between``): 512 GPUs x 8 h at 10 Hz are 147 M rows, 11 GB as numpy columns. Each row's GPU
+    comes back as a dense id ``k`` into ``keys`` (sorted by host, gpu_index), computed in SQL so
+    no strings cross per row. The store must stay open while it is read."""
+
+    def __init__(self, store: Store, where: str):
+        self._store = store
+        self._where = where
+        ext = store.sql_arrow(
+            "SELECT host, gpu_index, min(ts_ns) AS first_ts_ns, max(ts_ns) AS last_ts_ns, count(*) AS n "
+            f"FROM gpu_samples WHERE {where} GROUP BY host, gpu_index ORDER BY host, gpu_index")
+        self.keys = tuple((str(h), int(g)) for h, g in zip(ext.column("host").to_pylist(),
+                                                           ext.column("gpu_index").to_pylist(), strict=True))
+        self._extents = GpuExtents(_numbers(ext, "first_ts_ns", np.int64),
+                                   _numbers(ext, "last_ts_ns", np.int64), _numbers(ext, "n", np.int64))
+        self._keys_table = pa.table({"host": pa.array([h for h, _ in self.keys], pa.string()),
+                                     "gpu_index": pa.array([g for _, g in self.keys], pa.int64()),
+                                     "k": pa.array(np.arange(len(self.keys)), pa.int64())})
+
+    def __len__(self) -> int:
+        return int(self._extents.count.sum())
+
+    def extents(self) -> GpuExtents:
+        return self._extents
+
+    def between(self, lo_ns: int | None, hi_ns: int | None) -> GpuSampleColumns:
+        cols = ", ".join(f"s.{m}" for m in GPU_METRICS)
+        con = self._store._con
+        try:
+            con.register("_gputrace_gpu_keys", self._keys_table)
+            try:
+                samples = con.sql(
+                    f"SELECT k.k, s.ts_ns, s.lost, {cols} FROM gpu_samples s "
+                    f"JOIN _gputrace_gpu_keys k USING (host, gpu_index) "
+                    f"WHERE {_within('s.ts_ns', lo_ns, hi_ns, 0)} AND "
+                    f"{self._where.replace('ts_ns', 's.ts_ns')}").to_arrow_table()
+            finally:
+                con.unregister("_gputrace_gpu_keys")
+        except duckdb.Error as exc:
+            raise StoreError(f"{self._store.path}: query failed: {exc}") from exc
+        lost = np.asarray(samples.column("lost").to_numpy(zero_copy_only=False), dtype=bool)
+        metrics = {m: _numbers(samples, m) for m in GPU_METRICS}
+        return GpuSampleColumns(self.keys, _numbers(samples, "k", np.int64),
+                                _numbers(samples, "ts_ns", np.int64), lost, **metrics)
 
 
 # Per record type, rows kept in memory while the store cannot be written. A GpuSample with its

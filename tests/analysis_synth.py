@@ -3,6 +3,7 @@ run store (``build``) or held in memory as the store would read them (``synth_ta
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -200,10 +201,11 @@ def _event_columns(events: Sequence[SchedulerEvent]) -> SchedulerEventColumns:
     """Attention-TP rank 0's placed kinds, as the store selects them."""
     kept = [e for e in events if (e.tp_rank or 0) == 0 and e.kind in EVENT_KINDS]
     text = ("host", "source", "kind")
-    return SchedulerEventColumns(**{
-        name: np.asarray([getattr(e, name) for e in kept], dtype=object) if name in text
-        else _floats([getattr(e, name) for e in kept])
-        for name in SchedulerEventColumns.__dataclass_fields__})
+    numbers = [f.name for f in dataclasses.fields(SchedulerEventColumns)
+               if not f.name.endswith(("_code", "_names"))]
+    return SchedulerEventColumns.from_text(
+        *([getattr(e, name) for e in kept] for name in text),
+        **{name: _floats([getattr(e, name) for e in kept]) for name in numbers})
 
 
 def _request_columns(reqs: Sequence[RequestRecord]) -> RequestColumns:

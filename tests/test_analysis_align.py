@@ -6,10 +6,12 @@ import dataclasses
 from pathlib import Path
 
 import numpy as np
+import pytest
 from analysis_synth import Level, SynthRun, build, synth_tables
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gputrace.analysis import aligned
 from gputrace.analysis.align import (
     clock_model,
     count_in_flight,
@@ -24,7 +26,7 @@ from gputrace.analysis.align import (
 from gputrace.analysis.aligned import align, align_store
 from gputrace.analysis.run import analyse_store, analyse_tables
 from gputrace.model import EngineConfig
-from gputrace.run_tables import ClockProbeColumns, EngineSettings
+from gputrace.run_tables import ClockProbeColumns, EngineSettings, GpuExtents, GpuSampleColumns, GpuSamples
 from gputrace.store import Store
 from gputrace.topology import single_node_placements, topology_to_meta
 
@@ -142,8 +144,8 @@ def test_in_memory_tables_align_as_the_store_reads_them(tmp_path: Path) -> None:
         stored = align_store(store)
     memory = align(synth_tables(spec)[0])
     assert np.array_equal(stored.grid_ns, memory.grid_ns) and stored.gpu_keys == memory.gpu_keys
-    for metric, values in stored.gpu.items():
-        assert np.array_equal(values, memory.gpu[metric], equal_nan=True), metric
+    for name, values in stored.stage_gpu.items():
+        assert np.array_equal(values, memory.stage_gpu[name], equal_nan=True), name
     for name in ("stage_running", "stage_queue", "stage_token_usage", "work_ratio", "inflight",
                  "power_limit_w", "pcie_capacity_bytes_per_s", "engine_running"):
         assert np.array_equal(getattr(stored, name), getattr(memory, name), equal_nan=True), name
@@ -180,3 +182,55 @@ def test_engine_settings_merge_config_lines() -> None:
     assert "tp_size" not in merged and merged.get("tp_size") is None
     unconfigured = EngineSettings.from_rows([], engine_of_lines="vllm")
     assert dict(unconfigured) == {"engine": "vllm"} and unconfigured.fields is None
+
+
+def test_gpu_samples_read_a_range_at_a_time_align_as_read_whole(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run read from the store a few hundred rows at a time (clock offset and all) gives the
+    same stage series, grid and sample periods as the run read whole: memory follows the read,
+    not the run."""
+    spec = SynthRun([Level("C=1", 1, 1, [0.2, 0.1], 1, 4), Level("C=8", 8, 8, [0.9, 0.8], 4, 4, queue=2)],
+                    pp=2, gpu_offset_ns=1_500_000_000)
+    build(tmp_path / "r", spec)
+    with Store.open(tmp_path / "r", read_only=True) as store:
+        whole = align_store(store)
+        tables = store.read_run()
+        reads = _CountedReads(tables.gpu_samples)
+        assert len(reads) > 150
+        monkeypatch.setattr(aligned, "GPU_READ_ROWS", 20)
+        chunked = align(dataclasses.replace(tables, gpu_samples=reads))
+    assert len(reads.ranges) > 5 and all(lo is not None and hi is not None for lo, hi in reads.ranges[1:])
+    assert np.array_equal(whole.grid_ns, chunked.grid_ns) and whole.period_ns == chunked.period_ns
+    assert not np.isnan(whole.stage_gpu["utilization"]).all()
+    assert not np.isnan(whole.stage_gpu["power_w"]).all()
+    for name, values in whole.stage_gpu.items():
+        assert np.array_equal(values, chunked.stage_gpu[name], equal_nan=True), name
+    assert whole.sample_period_ns_by_gpu == chunked.sample_period_ns_by_gpu
+    assert np.array_equal(whole.engine_running, chunked.engine_running, equal_nan=True)
+
+
+def test_held_bytes_counts_log_lines_and_requests() -> None:
+    """The guard counts what the analysis holds: a 13.8 M-line log weighs as much as its lines,
+    whatever the grid, and 512 GPUs cost nothing beyond their stages."""
+    small = aligned.held_bytes(3600, 8, 0, 0)
+    assert aligned.held_bytes(3600, 8, 13_800_000, 0) - small > 13_800_000 * 100
+    assert aligned.held_bytes(288_000, 8, 0, 0) < aligned.MAX_GRID_BYTES // 4
+
+
+class _CountedReads:
+    """GPU samples that record each range read."""
+
+    def __init__(self, samples: GpuSamples):
+        self._samples = samples
+        self.keys = samples.keys
+        self.ranges: list[tuple[int | None, int | None]] = []
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def extents(self) -> GpuExtents:
+        return self._samples.extents()
+
+    def between(self, lo_ns: int | None, hi_ns: int | None) -> GpuSampleColumns:
+        self.ranges.append((lo_ns, hi_ns))
+        return self._samples.between(lo_ns, hi_ns)

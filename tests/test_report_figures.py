@@ -15,6 +15,7 @@ from analysis_synth import T0, Level, SynthRun, build
 from click.testing import CliRunner
 from matplotlib.lines import Line2D
 
+from gputrace.analysis.aligned import gpu_metrics_on_grid
 from gputrace.analysis.run import Analysis, analyse_store
 from gputrace.cli import cli as main
 from gputrace.report.document import STAGE_COLUMNS, phase_stage_table, shown_columns, stage_columns
@@ -166,9 +167,10 @@ def test_interleaved_utilization_samples_all_reach_the_grid(analysis: Analysis, 
                               "utilization_ratio IS NOT NULL")[0]
         (n_ticks,) = store.sql("SELECT count(*) FROM gpu_samples WHERE gpu_index = 0 AND "
                                "power_w IS NOT NULL")[0]
+        gpu = gpu_metrics_on_grid(store.read_run(), analysis.run)
     gpu0 = analysis.run.gpu_keys.index(("node0", 0))
-    assert int((~np.isnan(analysis.run.gpu["utilization_ratio"][gpu0])).sum()) == n_util
-    assert int((~np.isnan(analysis.run.gpu["power_w"][gpu0])).sum()) == n_ticks
+    assert int((~np.isnan(gpu["utilization_ratio"][gpu0])).sum()) == n_util
+    assert int((~np.isnan(gpu["power_w"][gpu0])).sum()) == n_ticks
 
 
 def test_phase_by_stage_table_holds_only_per_stage_values(agent_run: Path, tmp_path: Path) -> None:

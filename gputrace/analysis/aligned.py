@@ -32,20 +32,37 @@ from gputrace.errors import AnalysisError
 from gputrace.model import DeviceInfo
 from gputrace.run_tables import (
     DEFAULT_MARGINS,
+    EVENT_KINDS,
     GPU_METRICS,
     ClockProbeColumns,
     EngineSettings,
     GpuSampleColumns,
+    GpuSamples,
     LoadGaugeColumns,
     ReadMargins,
     RequestColumns,
     RunSource,
     RunTables,
     SchedulerEventColumns,
+    SchedulerEvents,
     Window,
 )
 
-__all__ = ["GPU_METRICS", "MAX_GRID_BYTES", "AlignedRun", "StageEvents", "align", "align_store"]
+__all__ = ["GPU_METRICS", "MAX_GRID_BYTES", "STAGE_GPU_SERIES", "AlignedRun", "StageEvents", "align",
+           "align_store", "gpu_metrics_on_grid"]
+
+# clocks_event_reasons bits that mean the GPU was slowed down (not idle or app-clock settings):
+# SW power cap 0x4, HW slowdown 0x8, SW thermal 0x20, HW thermal 0x40, HW power brake 0x80.
+THROTTLE_REASON_MASK = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
+
+STAGE_GPU_SERIES = ("utilization", "power_w", "power_share", "pcie_tx_bytes_per_s", "pcie_rx_bytes_per_s",
+                    "pcie_tx_share", "pcie_rx_share", "sm_clock_hz", "throttled", "sm_active")
+"""The GPU series every figure and metric reads, per stage (the mean over its GPUs)."""
+
+GPU_READ_ROWS = 1_000_000
+"""GPU sample rows read and put on the grid at a time (about 75 MB of columns, three times that
+while gridded): the run's samples are read a time range at a time and reduced to stages, so
+memory follows stages x cells, not GPUs x hours (512 GPUs x 8 h at 10 Hz: 147 M rows)."""
 
 
 @dataclass
@@ -64,7 +81,7 @@ class StageEvents:
 
 @dataclass
 class AlignedRun:
-    """All streams of a run on one clock; GPU arrays are (n_gpu, n_cells), stage arrays (pp, n_cells)."""
+    """All streams of a run on one clock; stage arrays are (pp, n_cells)."""
 
     name: str
     period_ns: int
@@ -72,7 +89,9 @@ class AlignedRun:
     mapping: StageMapping
     gpu_keys: list[tuple[str, int]]
     gpu_stage: np.ndarray
-    gpu: dict[str, np.ndarray]
+    # each of STAGE_GPU_SERIES, (pp, n_cells): the mean over the stage's GPUs (NaN: none held it);
+    # the per-GPU arrays are never held at once (gpu_metrics_on_grid gives them for a small run)
+    stage_gpu: dict[str, np.ndarray]
     power_limit_w: np.ndarray
     pcie_capacity_bytes_per_s: np.ndarray
     stage_events: list[StageEvents]
@@ -105,8 +124,9 @@ class AlignedRun:
 
 
 MAX_GRID_BYTES = 2 << 30
-"""The aligned arrays' size at most (a float per grid cell per GPU metric and per stage series): a
-run whose streams span far longer than a benchmark (a log appended to over weeks, files from
+"""What alignment and the analysis may hold at once, at most (held_bytes: the stage series per
+grid cell, the engine's log lines, the requests, one read of GPU samples): a run whose streams
+span far longer than a benchmark (a log appended to over weeks, files from
 different days) is refused with what it holds, to be analysed a window at a time."""
 DEFAULT_PERIOD_NS = 1_000_000_000  # the grid's period without GPU samples to take it from
 
@@ -124,25 +144,31 @@ def align(tables: RunTables) -> AlignedRun:
     lo, hi = _check_window(tables.window_ns)
     notes: list[str] = []
     clocks = _clock_model(tables.clock_probes, notes)
-    gpu_rows = _gpu_rows(tables.gpu_samples, clocks)
+    samples = tables.gpu_samples
+    gpu_span = _gpu_span(samples, clocks)
     events = _place_events(tables.scheduler_events, clocks, notes)
     engine = tables.engine
     mapping = stage_mapping(tables.meta.topology, engine.get("pp_size"), engine.get("tp_size"),
-                            gpu_rows.keys, events.log_pp)
-    gpu_stage = np.array([s if (s := mapping.stage_of(h, g)) is not None else -1 for h, g in gpu_rows.keys],
+                            samples.keys, events.log_pp)
+    gpu_stage = np.array([s if (s := mapping.stage_of(h, g)) is not None else -1 for h, g in samples.keys],
                          dtype=np.int64)
     requests = _requests_in_reference(tables.requests, clocks)
     markers = _markers_within(sorted(
         ({**dataclasses.asdict(m), "ts_ns": int(clocks.to_reference(m.host, np.array([m.ts_ns]))[0])}
          for m in tables.markers), key=lambda m: m["ts_ns"]), lo, hi)
-    period = sample_period_ns(gpu_rows.ts_by_gpu) if any(len(t) > 1 for t in gpu_rows.ts_by_gpu) \
-        else DEFAULT_PERIOD_NS
-    grid = _grid(tables, gpu_rows, events, requests, period, mapping.pp_size)
-    gpu, series_periods = _gpu_on_grid(tables.gpu_samples, gpu_rows, grid, period)
-    power_limit, pcie_cap = _device_limits(tables.devices, gpu_rows.keys)
+    first, whole = _first_read(samples)
+    first_ts = _gpu_rows(first, clocks).ts_by_gpu
+    period = sample_period_ns(first_ts) if any(len(t) > 1 for t in first_ts) else DEFAULT_PERIOD_NS
+    del first_ts
+    grid = _grid(tables, gpu_span, events, requests, period, mapping.pp_size)
+    power_limit, pcie_cap = _device_limits(tables.devices, samples.keys)
+    stage_gpu, series_periods = _gpu_on_grid(samples, first if whole else None, clocks,
+                                             _StageOf(gpu_stage, mapping.pp_size, power_limit, pcie_cap),
+                                             grid, period)
+    del first
     stages = _stages_on_grid(tables.scheduler_events, events, mapping.pp_size, grid)
     engine_running, running_sources = reconstruct_engine_running(
-        stages.events, grid, engine, mapping.pp_size, _stage_busy(gpu, gpu_stage, 0, grid, period))
+        stages.events, grid, engine, mapping.pp_size, _stage_busy(stage_gpu, 0, grid, period))
     if not len(tables.scheduler_events):
         notes.append("no engine log: the micro-batch cap, underfilled pipeline, KV-cache and "
                      "log-sampling causes cannot be diagnosed")
@@ -150,8 +176,9 @@ def align(tables: RunTables) -> AlignedRun:
         notes.append("no GPU samples: busy and bubble fractions are not available")
     work = _work(requests, tables.load_gauge, stages, len(tables.scheduler_events) > 0, grid, period, notes)
     return AlignedRun(
-        name=tables.meta.name, period_ns=period, grid_ns=grid, mapping=mapping, gpu_keys=list(gpu_rows.keys),
-        gpu_stage=gpu_stage, gpu=gpu, power_limit_w=power_limit, pcie_capacity_bytes_per_s=pcie_cap,
+        name=tables.meta.name, period_ns=period, grid_ns=grid, mapping=mapping,
+        gpu_keys=list(samples.keys), gpu_stage=gpu_stage, stage_gpu=stage_gpu, power_limit_w=power_limit,
+        pcie_capacity_bytes_per_s=pcie_cap,
         stage_events=stages.events, stage_running=stages.running, stage_queue=stages.queue,
         stage_token_usage=stages.token_usage, work_ratio=work.ratio, work_source=work.source,
         inflight=work.inflight, requests=requests, markers=markers, engine=engine,
@@ -217,18 +244,21 @@ class _PlacedEvents:
     log_pp: int | None  # pipeline stages seen in the log
 
 
-def _place_events(ev: SchedulerEventColumns, clocks: ClockModel, notes: list[str]) -> _PlacedEvents:
+def _place_events(lines: SchedulerEvents, clocks: ClockModel, notes: list[str]) -> _PlacedEvents:
     """Each scheduler line in the collector's clock: its receive time where it has one (clamped
     into the logged second), else spread by order within its second."""
+    ev = lines.placement()
     offsets = np.zeros(len(ev))
-    for h in np.unique(ev.host):
-        sel = ev.host == h
+    for code, host in enumerate(ev.host_names):
+        if host not in clocks.points:
+            continue  # no probes: offset 0
+        sel = ev.host_code == code
         host_t = np.where(np.isnan(ev.log_ts_ns[sel]), ev.recv_ts_ns[sel], ev.log_ts_ns[sel])
-        offsets[sel] = clocks.offset_ns(str(h), np.nan_to_num(host_t).astype(np.int64))
-    source_key = (np.char.add(ev.host.astype(str), ev.source.astype(str)) if len(ev)
-                  else np.zeros(0, dtype=str))
+        offsets[sel] = clocks.offset_ns(host, np.nan_to_num(host_t).astype(np.int64))
+    source_key = ev.host_code.astype(np.int64) * max(len(ev.source_names), 1) + ev.source_code
     t_ns, by_recv = place_log_events(ev.log_ts_ns, ev.ts_resolution_ns, ev.recv_ts_ns, source_key,
                                      ev.line_no, offsets)
+    del offsets, source_key
     if not len(ev):
         placement = "no engine log"
     elif by_recv.all():
@@ -239,7 +269,7 @@ def _place_events(ev: SchedulerEventColumns, clocks: ClockModel, notes: list[str
                      "order within the second")
     else:
         placement = f"receive time for {by_recv.mean():.0%} of lines, spread by order for the rest"
-    pp_rank = np.nan_to_num(ev.pp_rank, nan=0).astype(np.int64)
+    pp_rank = np.nan_to_num(ev.pp_rank, nan=0).astype(np.int32)
     return _PlacedEvents(t_ns, pp_rank, placement, int(pp_rank.max()) + 1 if len(ev) else None)
 
 
@@ -283,14 +313,12 @@ def _iso(t_ns: float | None) -> str:
     return dt.datetime.fromtimestamp(float(t_ns) / 1e9, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _spans(gpu_rows: _GpuRows, events: _PlacedEvents, requests: dict[str, np.ndarray],
+def _spans(gpu_span: tuple[int, int] | None, events: _PlacedEvents, requests: dict[str, np.ndarray],
            period: int) -> list[tuple[str, float, float]]:
     """(stream, first, last) of each stream that holds data."""
     spans: list[tuple[str, float, float]] = []
-    ts_by_gpu = gpu_rows.ts_by_gpu
-    if any(len(t) for t in ts_by_gpu):
-        spans.append(("GPU samples", min(t[0] for t in ts_by_gpu if len(t)) - period,
-                      max(t[-1] for t in ts_by_gpu if len(t))))
+    if gpu_span is not None:
+        spans.append(("GPU samples", gpu_span[0] - period, gpu_span[1]))
     if len(events.t_ns) and not np.isnan(events.t_ns).all():
         spans.append(("engine log lines", np.nanmin(events.t_ns), np.nanmax(events.t_ns)))
     if len(requests["start_ns"]):
@@ -299,11 +327,11 @@ def _spans(gpu_rows: _GpuRows, events: _PlacedEvents, requests: dict[str, np.nda
     return spans
 
 
-def _grid(tables: RunTables, gpu_rows: _GpuRows, events: _PlacedEvents, requests: dict[str, np.ndarray],
-          period: int, pp_size: int) -> np.ndarray:
+def _grid(tables: RunTables, gpu_span: tuple[int, int] | None, events: _PlacedEvents,
+          requests: dict[str, np.ndarray], period: int, pp_size: int) -> np.ndarray:
     """The grid spanning every stream within the window; AnalysisError for none, or too many cells."""
     lo, hi = tables.window_ns
-    spans = _spans(gpu_rows, events, requests, period)
+    spans = _spans(gpu_span, events, requests, period)
     if not spans:
         where = "" if tables.window_ns == (None, None) else f" between {_iso(lo)} and {_iso(hi)}"
         untimed = ""
@@ -318,7 +346,7 @@ def _grid(tables: RunTables, gpu_rows: _GpuRows, events: _PlacedEvents, requests
     if end <= start:
         raise AnalysisError(f"{tables.source}: no data between {_iso(lo)} and {_iso(hi)}")
     n_cells = -(-(end - start) // period)
-    grid_bytes = 8 * n_cells * (len(GPU_METRICS) * max(len(gpu_rows.keys), 1) + 4 * max(pp_size, 1) + 8)
+    grid_bytes = held_bytes(n_cells, pp_size, len(tables.scheduler_events), len(tables.requests))
     if grid_bytes > MAX_GRID_BYTES:
         held = "; ".join(f"{name} {_iso(first)} to {_iso(last)}" for name, first, last in spans)
         raise AnalysisError(
@@ -329,18 +357,152 @@ def _grid(tables: RunTables, gpu_rows: _GpuRows, events: _PlacedEvents, requests
     return make_grid(start, end, period)
 
 
-def _gpu_on_grid(samples: GpuSampleColumns, gpu_rows: _GpuRows, grid: np.ndarray, period: int
-                 ) -> tuple[dict[str, np.ndarray], list[int | None]]:
-    """Each GPU metric on the grid, (n_gpu, n_cells); and each GPU's own sample period."""
-    gpu = {m: np.full((len(gpu_rows.keys), len(grid)), np.nan) for m in GPU_METRICS}
-    if not len(samples):
-        return gpu, [None] * len(gpu_rows.keys)
-    order = gpu_rows.order
-    lost = np.asarray(samples.lost, dtype=bool)[order]
-    values = {m: np.asarray(samples.metric(m), dtype=np.float64)[order] for m in GPU_METRICS}
-    _fill_gpu_metrics(gpu, values, lost, gpu_rows.ts_by_gpu, gpu_rows.bounds, grid, period)
-    return gpu, _series_periods(gpu_rows.ts_by_gpu, gpu_rows.bounds, values["power_w"],
-                                values["utilization_ratio"])
+def _gpu_span(samples: GpuSamples, clocks: ClockModel) -> tuple[int, int] | None:
+    """The first and last GPU sample in the collector's clock (None: no samples)."""
+    ext = samples.extents()
+    held = np.flatnonzero(ext.count > 0)
+    if not len(held):
+        return None
+    first = [int(clocks.to_reference(samples.keys[i][0], ext.first_ts_ns[i:i + 1])[0]) for i in held]
+    last = [int(clocks.to_reference(samples.keys[i][0], ext.last_ts_ns[i:i + 1])[0]) for i in held]
+    return min(first), max(last)
+
+
+def _first_read(samples: GpuSamples) -> tuple[GpuSampleColumns, bool]:
+    """The first GPU_READ_ROWS rows or so (by time), to take the sample period from; and whether
+    they are all of them (then they are gridded as they are, not read again)."""
+    if len(samples) <= GPU_READ_ROWS:
+        return samples.between(None, None), True
+    ext = samples.extents()
+    held = ext.count > 0
+    lo, hi = int(ext.first_ts_ns[held].min()), int(ext.last_ts_ns[held].max())
+    return samples.between(lo, lo + int((hi - lo) * GPU_READ_ROWS / len(samples))), False
+
+
+@dataclass(frozen=True)
+class _StageOf:
+    """What reduces GPUs to stages: each GPU's stage (-1: none) and its limits."""
+
+    gpu_stage: np.ndarray
+    pp: int
+    power_limit_w: np.ndarray
+    pcie_capacity_bytes_per_s: np.ndarray
+
+
+def _gpu_on_grid(samples: GpuSamples, whole: GpuSampleColumns | None, clocks: ClockModel, stage_of: _StageOf,
+                 grid: np.ndarray, period: int) -> tuple[dict[str, np.ndarray], list[int | None]]:
+    """Each of STAGE_GPU_SERIES on the grid, (pp, n_cells); and each GPU's own sample period.
+
+    The samples are read a range of cells at a time (``whole``: all of them, already read), each
+    range's rows with the margin the clock offsets and NVML's window need, put on the grid per GPU
+    and reduced to stages: the per-GPU arrays exist for one range only."""
+    out = {name: np.full((stage_of.pp, len(grid)), np.nan) for name in STAGE_GPU_SERIES}
+    n_gpu = len(samples.keys)
+    if not len(samples) or not len(grid):
+        return out, [None] * n_gpu
+    periods: list[list[int]] = [[] for _ in range(n_gpu)]
+    if whole is not None:
+        _grid_range(whole, clocks, stage_of, grid, 0, len(grid), period, out, periods)
+    else:
+        offsets = [0.0, *(float(x) for _, host_offsets in clocks.points.values() for x in host_offsets)]
+        slack = 1_000_000  # the offsets are rounded to the ns; a ms more costs nothing
+        rows_per_cell = len(samples) / len(grid)
+        step = max(min(int(GPU_READ_ROWS / max(rows_per_cell, 1e-9)), GPU_READ_ROWS // max(n_gpu, 1)), 1)
+        for c0 in range(0, len(grid), step):
+            c1 = min(c0 + step, len(grid))
+            # a cell (t - P, t] takes the first sample at or after t within P (window_index):
+            # the rows from grid[c0] to grid[c1 - 1] + P in the collector's clock
+            chunk = samples.between(int(grid[c0]) + int(min(offsets)) - slack,
+                                    int(grid[c1 - 1]) + period + int(max(offsets)) + slack)
+            _grid_range(chunk, clocks, stage_of, grid, c0, c1, period, out, periods)
+    return out, [int(np.median(p)) if p else None for p in periods]
+
+
+def _grid_range(chunk: GpuSampleColumns, clocks: ClockModel, stage_of: _StageOf, grid: np.ndarray, c0: int,
+                c1: int, period: int, out: dict[str, np.ndarray], periods: list[list[int]]) -> None:
+    """Cells c0..c1 of every stage series from these rows; each GPU's sample period in them."""
+    rows = _gpu_rows(chunk, clocks)
+    order = rows.order
+    lost = np.asarray(chunk.lost, dtype=bool)[order]
+    values = {m: np.asarray(chunk.metric(m), dtype=np.float64)[order] for m in GPU_METRICS}
+    gpu = {m: np.full((len(rows.keys), c1 - c0), np.nan) for m in GPU_METRICS}
+    _fill_gpu_metrics(gpu, values, lost, rows.ts_by_gpu, rows.bounds, grid[c0:c1], period)
+    for i, p in enumerate(_series_periods(rows.ts_by_gpu, rows.bounds, values["power_w"],
+                                          values["utilization_ratio"])):
+        if p is not None:
+            periods[i].append(p)
+    del values, lost
+    for name, v in _stage_means(gpu, stage_of).items():
+        out[name][:, c0:c1] = v
+
+
+def _stage_means(gpu: dict[str, np.ndarray], stage_of: _StageOf) -> dict[str, np.ndarray]:
+    """Each of STAGE_GPU_SERIES from per-GPU metrics: averaged over the GPUs of each stage."""
+    reasons = gpu["clock_event_reasons"]
+    throttled = np.where(np.isnan(reasons), np.nan,
+                         (np.nan_to_num(reasons).astype(np.int64) & THROTTLE_REASON_MASK) != 0)
+    plain = {"utilization": "utilization_ratio", "power_w": "power_w", "sm_clock_hz": "sm_clock_hz",
+             "pcie_tx_bytes_per_s": "pcie_tx_bytes_per_s", "pcie_rx_bytes_per_s": "pcie_rx_bytes_per_s",
+             "sm_active": "sm_active_ratio"}
+    shares = {"power_share": ("power_w", stage_of.power_limit_w),
+              "pcie_tx_share": ("pcie_tx_bytes_per_s", stage_of.pcie_capacity_bytes_per_s),
+              "pcie_rx_share": ("pcie_rx_bytes_per_s", stage_of.pcie_capacity_bytes_per_s)}
+
+    def per_gpu(name: str) -> np.ndarray:  # one at a time: each is GPUs x cells
+        if name in plain:
+            return gpu[plain[name]]
+        if name in shares:
+            metric, limit = shares[name]
+            return np.asarray(gpu[metric] / limit[:, None])
+        return np.asarray(throttled, dtype=np.float64)
+
+    return {name: _stage_mean(per_gpu(name), stage_of) for name in STAGE_GPU_SERIES}
+
+
+def _stage_mean(values: np.ndarray, stage_of: _StageOf) -> np.ndarray:
+    out = np.full((stage_of.pp, values.shape[1]), np.nan)
+    for s in range(stage_of.pp):
+        rows = np.flatnonzero(stage_of.gpu_stage == s)
+        if len(rows) and not np.isnan(values[rows]).all():
+            with np.errstate(all="ignore"):
+                out[s] = np.nanmean(values[rows], axis=0) if len(rows) > 1 else values[rows[0]]
+    return out
+
+
+def gpu_metrics_on_grid(tables: RunTables, run: AlignedRun) -> dict[str, np.ndarray]:
+    """Each GPU metric of every GPU on the run's grid, (n_gpu, n_cells), all at once: for a small
+    run (tests, a look at one GPU); the analysis keeps only the stages' means."""
+    samples = tables.gpu_samples.between(None, None)
+    rows = _gpu_rows(samples, run.clocks)
+    gpu = {m: np.full((len(rows.keys), len(run.grid_ns)), np.nan) for m in GPU_METRICS}
+    if len(samples):
+        values = {m: np.asarray(samples.metric(m), dtype=np.float64)[rows.order] for m in GPU_METRICS}
+        _fill_gpu_metrics(gpu, values, np.asarray(samples.lost, dtype=bool)[rows.order], rows.ts_by_gpu,
+                          rows.bounds, run.grid_ns, run.period_ns)
+    return gpu
+
+
+# What the analysis holds per grid cell: the stage series (STAGE_GPU_SERIES and the log's running,
+# queue and token usage per stage) and the run-wide ones (grid, work, in flight, engine running,
+# the busy window and its convolutions).
+_RUN_SERIES_PER_CELL = 8
+# What it holds per engine log line, at most: while placing them, the columns that place a line
+# (40 bytes) and placement's temporaries; after, its time and stage (12 bytes) and its stage's copy
+# (StageEvents: 8 columns of 8 bytes). Measured: 122 bytes a line of peak RSS (a report on 2.6 M
+# lines peaked at 527 MB, on 0.65 M at 289 MB). Per request: its columns as read and in the
+# collector's clock.
+_BYTES_PER_EVENT = 8 * 16
+_BYTES_PER_REQUEST = 8 * (9 + 8)
+# the GPU samples in flight: one read's columns, reordered, and its per-GPU cells
+_GPU_READ_BYTES = GPU_READ_ROWS * (8 * 2 + 1 + 8 * len(GPU_METRICS)) * 3
+
+
+def held_bytes(n_cells: int, pp_size: int, n_events: int, n_requests: int) -> int:
+    """About what the aligned run and its analysis hold at once: a grid of ``n_cells`` over
+    ``pp_size`` stages, with these engine log lines and requests."""
+    per_cell = (len(STAGE_GPU_SERIES) + 3) * max(pp_size, 1) + _RUN_SERIES_PER_CELL
+    return (8 * n_cells * per_cell + _BYTES_PER_EVENT * n_events + _BYTES_PER_REQUEST * n_requests
+            + _GPU_READ_BYTES)
 
 
 def _device_limits(devices: tuple[DeviceInfo, ...], gpu_keys: tuple[tuple[str, int], ...]
@@ -365,33 +527,41 @@ class _StagesOnGrid:
 _EVENT_VALUES = ("running_req", "queue_req", "token_usage", "gen_throughput_tok_s", "new_seq", "new_token")
 
 
-def _stages_on_grid(ev: SchedulerEventColumns, placed: _PlacedEvents, pp: int, grid: np.ndarray
+def _stages_on_grid(lines: SchedulerEvents, placed: _PlacedEvents, pp: int, grid: np.ndarray
                     ) -> _StagesOnGrid:
-    """Each stage's lines in time order, and its last logged state held on the grid."""
+    """Each stage's lines in time order, and its last logged state held on the grid; read one
+    stage at a time."""
     out = _StagesOnGrid([], np.full((pp, len(grid)), np.nan), np.full((pp, len(grid)), np.nan),
                         np.full((pp, len(grid)), np.nan))
-    dp_rank = np.nan_to_num(ev.dp_rank, nan=0).astype(np.int64)
-    values = {c: np.asarray(getattr(ev, c), dtype=np.float64) for c in _EVENT_VALUES}
-    t_ns = placed.t_ns
+    kinds = np.asarray(EVENT_KINDS, dtype=object)  # a line's kind: one of three shared strings
     for s in range(pp):
-        sel = np.flatnonzero((placed.pp_rank == s) & ~np.isnan(t_ns))
+        at = np.flatnonzero(placed.pp_rank == s)  # the stage's lines, in the order read
+        ev = lines.stage_rows(s) if len(at) else SchedulerEventColumns()
+        if len(ev) != len(at):
+            raise AnalysisError("the engine log lines changed while they were read: report again")
+        t_ns = placed.t_ns[at]
+        sel = np.flatnonzero(~np.isnan(t_ns))
         sel = sel[np.argsort(t_ns[sel], kind="stable")]
-        out.events.append(StageEvents(t_ns[sel], ev.kind[sel], *(values[c][sel] for c in _EVENT_VALUES)))
-        _hold_stage_state(out, s, t_ns, dp_rank, values, sel, grid)
+        stage = StageEvents(t_ns[sel], kinds[ev.kind_code[sel]],
+                            *(np.asarray(getattr(ev, c)[sel], dtype=np.float64) for c in _EVENT_VALUES))
+        out.events.append(stage)
+        dp_rank = np.nan_to_num(ev.dp_rank[sel], nan=0).astype(np.int64)
+        del ev
+        _hold_stage_state(out, s, stage, dp_rank, grid)
     return out
 
 
-def _hold_stage_state(out: _StagesOnGrid, stage: int, t_ns: np.ndarray, dp_rank: np.ndarray,
-                      values: dict[str, np.ndarray], sel: np.ndarray, grid: np.ndarray) -> None:
+def _hold_stage_state(out: _StagesOnGrid, stage: int, ev: StageEvents, dp_rank: np.ndarray,
+                      grid: np.ndarray) -> None:
     run_sum = np.zeros(len(grid))
     q_sum = np.zeros(len(grid))
     seen = np.zeros(len(grid), dtype=bool)
-    for d in np.unique(dp_rank[sel]):
-        sd = sel[dp_rank[sel] == d]
-        max_age = _max_age_ns(t_ns[sd])
-        r = hold_last(t_ns[sd], values["running_req"][sd], grid, max_age)
-        q = hold_last(t_ns[sd], values["queue_req"][sd], grid, max_age)
-        u = hold_last(t_ns[sd], values["token_usage"][sd], grid, max_age)
+    for d in np.unique(dp_rank):
+        sd = np.flatnonzero(dp_rank == d)
+        max_age = _max_age_ns(ev.t_ns[sd])
+        r = hold_last(ev.t_ns[sd], ev.running_req[sd], grid, max_age)
+        q = hold_last(ev.t_ns[sd], ev.queue_req[sd], grid, max_age)
+        u = hold_last(ev.t_ns[sd], ev.token_usage[sd], grid, max_age)
         seen |= ~np.isnan(r)
         run_sum += np.nan_to_num(r)
         q_sum += np.nan_to_num(q)
@@ -491,18 +661,14 @@ def _series_periods(ts_by_gpu: list[np.ndarray], bounds: np.ndarray, power_w: np
 BUSY_WINDOW_NS = 2_000_000_000  # the compute share around a line, for counting micro-batches
 
 
-def _stage_busy(gpu: dict[str, np.ndarray], gpu_stage: np.ndarray, stage: int, grid: np.ndarray,
-                period: int) -> np.ndarray:
+def _stage_busy(stage_gpu: dict[str, np.ndarray], stage: int, grid: np.ndarray, period: int) -> np.ndarray:
     """A stage's compute share on the grid, averaged over BUSY_WINDOW_NS: SM activity where the
     GPUs have it (NCCL's spinning receive fills utilization.gpu), else utilization."""
-    rows = np.flatnonzero(gpu_stage == stage)
-    if not len(rows):
+    if stage >= len(stage_gpu["sm_active"]):
         return np.full(len(grid), np.nan)
-    series = gpu["sm_active_ratio"][rows]
-    if np.isnan(series).all():
-        series = gpu["utilization_ratio"][rows]
-    with np.errstate(all="ignore"):
-        mean = np.nanmean(series, axis=0) if len(rows) > 1 else series[0]
+    mean = stage_gpu["sm_active"][stage]
+    if np.isnan(mean).all():
+        mean = stage_gpu["utilization"][stage]
     width = max(int(BUSY_WINDOW_NS // max(period, 1)), 1)
     ok = ~np.isnan(mean)
     num = np.convolve(np.where(ok, mean, 0.0), np.ones(width), mode="same")

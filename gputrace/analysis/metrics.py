@@ -13,10 +13,6 @@ import numpy as np
 from gputrace.analysis.aligned import AlignedRun
 from gputrace.analysis.phases import Phase
 
-# clocks_event_reasons bits that mean the GPU was slowed down (not idle or app-clock settings):
-# SW power cap 0x4, HW slowdown 0x8, SW thermal 0x20, HW thermal 0x40, HW power brake 0x80.
-THROTTLE_REASON_MASK = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
-
 
 @dataclass
 class StageSeries:
@@ -35,35 +31,10 @@ class StageSeries:
     idle_power_w: np.ndarray  # per stage: what it draws with no work (see idle_power); NaN without power
 
 
-def _stage_mean(run: AlignedRun, values: np.ndarray) -> np.ndarray:
-    out = np.full((run.pp_size, values.shape[1]), np.nan)
-    for s in range(run.pp_size):
-        rows = run.stage_gpu_rows(s)
-        if len(rows) and not np.isnan(values[rows]).all():
-            with np.errstate(all="ignore"):
-                out[s] = np.nanmean(values[rows], axis=0) if len(rows) > 1 else values[rows[0]]
-    return out
-
-
 def stage_series(run: AlignedRun) -> StageSeries:
-    """Average each GPU metric over the GPUs of each stage."""
-    g = run.gpu
-    reasons = g["clock_event_reasons"]
-    throttled = np.where(np.isnan(reasons), np.nan,
-                         (np.nan_to_num(reasons).astype(np.int64) & THROTTLE_REASON_MASK) != 0)
-    return StageSeries(
-        utilization=_stage_mean(run, g["utilization_ratio"]),
-        power_w=_stage_mean(run, g["power_w"]),
-        power_share=_stage_mean(run, g["power_w"] / run.power_limit_w[:, None]),
-        pcie_tx_bytes_per_s=_stage_mean(run, g["pcie_tx_bytes_per_s"]),
-        pcie_rx_bytes_per_s=_stage_mean(run, g["pcie_rx_bytes_per_s"]),
-        pcie_tx_share=_stage_mean(run, g["pcie_tx_bytes_per_s"] / run.pcie_capacity_bytes_per_s[:, None]),
-        pcie_rx_share=_stage_mean(run, g["pcie_rx_bytes_per_s"] / run.pcie_capacity_bytes_per_s[:, None]),
-        sm_clock_hz=_stage_mean(run, g["sm_clock_hz"]),
-        throttled=_stage_mean(run, throttled.astype(np.float64)),
-        sm_active=_stage_mean(run, g["sm_active_ratio"]),
-        idle_power_w=idle_power(_stage_mean(run, g["power_w"]), run.work_ratio),
-    )
+    """Each GPU metric averaged over the GPUs of each stage (alignment reduces them as it reads),
+    and each stage's idle power from those averages."""
+    return StageSeries(**run.stage_gpu, idle_power_w=idle_power(run.stage_gpu["power_w"], run.work_ratio))
 
 
 IDLE_CELLS_MIN = 10  # cells without work a stage needs before their median is its idle power

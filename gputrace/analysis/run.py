@@ -202,11 +202,14 @@ def capture_problem_notes(extra: dict[str, Any]) -> list[str]:
 
 def import_notes(extra: dict[str, Any]) -> list[str]:
     """What a Prometheus import lacked (the series each missing figure could come from)."""
-    lacking = extra.get("series_lacking")
-    if extra.get("source") != "prometheus" or not isinstance(lacking, list) or not lacking:
+    if extra.get("source") != "prometheus":
         return []
+    refused = [str(extra["bubble_refused"])] if extra.get("bubble_refused") else []
+    lacking = extra.get("series_lacking")
+    if not isinstance(lacking, list) or not lacking:
+        return refused
     return [f"Prometheus had no series for: {', '.join(map(str, lacking))} (series found: "
-            f"{', '.join(map(str, extra.get('series_found') or []))})"]
+            f"{', '.join(map(str, extra.get('series_found') or []))})", *refused]
 
 
 def table_notes(extra: dict[str, Any], engine_metrics: EngineMetricColumns, analysis: Analysis) -> list[str]:

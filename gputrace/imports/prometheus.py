@@ -223,6 +223,46 @@ def _int_label(labels: dict[str, str], name: str) -> int | None:
     return int(text) if text.lstrip("-").isdigit() else None
 
 
+BUSY_FIELDS = ("utilization_ratio", "sm_active_ratio")  # what busy and bubble fractions come from
+COARSE_STEP_RATIO = 1.5  # a step this much longer than the data's own interval drops samples
+DATA_INTERVAL_WINDOW_MS = 3_600_000  # the samples counted to find the data's interval
+
+
+def data_interval_ms(client: PrometheusClient, names: Sequence[str], matchers: Sequence[Matcher],
+                     start_ms: int, end_ms: int) -> int | None:
+    """The spacing of the samples the server holds for these series (the GPUs' busy ones): the
+    last hour of the range (or all of it) over the samples in it (``count_over_time``, the
+    median over the series); None when it cannot tell."""
+    window_ms = min(end_ms - start_ms, DATA_INTERVAL_WINDOW_MS)
+    if not names or window_ms < 1000:
+        return None
+    for name in names:  # one name a query: count_over_time drops the name, so two would collide
+        expr = f"count_over_time({selector([name], matchers, AGENT_LABELS)}[{window_ms}ms])"
+        try:
+            data = client.get("/api/v1/query", {"query": expr, "time": f"{end_ms / 1000:.3f}"}, post=True)
+            counts = [float(r["value"][1]) for r in (data or {}).get("result", [])]
+        except (SourceError, TypeError, KeyError, IndexError, ValueError, AttributeError):
+            continue
+        counts = [c for c in counts if c > 1]
+        if counts:
+            return round(window_ms / float(np.median(counts)))
+    return None
+
+
+def coarse_step_reason(step_ms: int, interval_ms: int | None) -> str | None:
+    """Why busy and bubble fractions cannot come from this step (None: they can): a step coarser
+    than the data's own interval (a downsampled store, as Thanos' 5 m and 1 h resolutions, or a
+    step longer than the scrape interval) keeps one sample of several, or their average, and a
+    bubble is the time a stage idled between its samples' neighbours."""
+    if interval_ms is None or step_ms <= COARSE_STEP_RATIO * interval_ms:
+        return None
+    interval_s = float(f"{interval_ms / 1000:.2g}")  # counted over a window: 1.007 s is 1 s
+    return (f"the query step ({step_ms / 1000:g} s) is coarser than the GPU series' own interval "
+            f"({interval_s:g} s; a downsampled store or a long step): busy and bubble fractions "
+            f"are not given, they would be averaged away; query at --step {interval_s:g}s "
+            "from a store that holds the raw samples")
+
+
 def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, end_ms: int, step_ms: int,
                       matchers: Sequence[Matcher] = (), engine_config: dict[str, int] | None = None,
                       max_points: int = MAX_POINTS_PER_SERIES, name: str | None = None) -> ImportReport:
@@ -251,6 +291,10 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
     in_system_series = [s for name in E2E_SUM_METRICS for s in client.query_range_chunked(
         selector([name], matchers, E2E_LABELS), start_ms - margin * step_ms, end_ms + margin * step_ms,
         step_ms, max_points)]
+    interval_ms = data_interval_ms(client, sorted({s.labels.get("__name__", "") for s in gpu_series
+                                                   if GPU_FIELDS.get(s.labels.get("__name__", ""), ("",))[0]
+                                                   in BUSY_FIELDS}), matchers, start_ms, end_ms)
+    refused = coarse_step_reason(step_ms, interval_ms)
     summary.queries = client.queries
     if not gpu_series and not engine_series:
         where = f" matching {{{', '.join(map(str, matchers))}}}" if matchers else ""
@@ -321,9 +365,15 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
         "note": "times are Prometheus evaluation times at the step; engine values are the collector's "
                 "newest logged line per rank at each scrape; GPU values the agent's newest sample",
         "series_found": summary.found, "series_lacking": summary.lacking,
+        "data_interval_ms": interval_ms, "bubble_refused": refused,
     }
     if summary.dcgm_schema:
         extra["dcgm_schema"] = summary.dcgm_schema
+    if refused:
+        summary.problems.append(refused)
+        for fields in gpus.values():  # the busy series at this step are averaged or skipped samples
+            for name in BUSY_FIELDS:
+                fields.pop(name, None)
     engine = next(iter(engines)) if len(engines) == 1 else "unknown"
     with Store.create(out, name=name or f"prometheus-{start_ms // 1000}", topology=topology,
                       extra=extra) as store:

@@ -119,4 +119,6 @@ def prometheus_run(prometheus_url: str | None, prom_start: str | None, prom_end:
         click.echo(f"dcgm-exporter schema: {summary.dcgm_schema} ({words})")
     if summary.lacking:
         click.echo(f"lacking (no series for): {', '.join(summary.lacking)}")
+    for problem in summary.problems:
+        click.echo(problem)
     return str(run_dir), default_out
