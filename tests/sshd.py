@@ -143,7 +143,8 @@ def wait_no_processes(marker: str, timeout_s: float = 5.0) -> list[tuple[int, st
     return left
 
 
-def _free_port(address: str = "127.0.0.1") -> int:
+def free_port_on(address: str = "127.0.0.1") -> int:
+    """A port free on ``address`` (a test host's sshd may hold one that 127.0.0.1 has free)."""
     with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as sock:
         sock.bind((address, 0))
         return int(sock.getsockname()[1])
@@ -172,7 +173,7 @@ def running_sshd(root: Path, sshd: str = "/usr/sbin/sshd", *, address: str = "12
     # sshd refuses to start without its privilege-separation directory.
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
     for _attempt in range(5):
-        port = _free_port(address)
+        port = free_port_on(address)
         set_env = " ".join(f'"{k}={v}"' for k, v in (session_env or {}).items())
         config = root / "sshd_config"
         listen_address = f"[{address}]" if ":" in address else address

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from live_chain import free_port, http_ok, wait_until
+from sshd import free_port_on
 from testhosts import TestHost, gputrace_argv
 
 from gputrace.sim.params import SCENARIOS
@@ -48,7 +49,7 @@ def start_deployment(hosts: list[TestHost]) -> tuple[str, list[int]]:
     wait_until(lambda: http_ok(f"{url}/v1/models"), what="simulator node 0", proc=head.procs[-1])
     ports = []
     for rank, host in enumerate(hosts):
-        port = free_port()
+        port = free_port_on(host.address)  # 127.0.0.1's free ports can be taken on the host's address
         host.spawn_agent(port, topology=f"{TOPOLOGY},node_rank={rank}")
         ports.append(port)
     for host, port in zip(hosts, ports, strict=True):
