@@ -36,8 +36,8 @@ TOPOLOGY = "pp=8,tp=1,nnodes=2"
 
 def start_deployment(hosts: list[TestHost]) -> tuple[str, list[int]]:
     """Simulator node r and an agent on test host r; the engine's URL and the agents' ports."""
-    dist_port, sim_port = free_port(), free_port()
     head = hosts[0]
+    dist_port, sim_port = free_port_on(head.address), free_port_on(head.address)
     for rank, host in enumerate(hosts):
         args = ["sim", "serve", "--scenario", SCENARIO, "--nnodes", str(len(hosts)), "--node-rank", str(rank),
                 "--dist-init-addr", f"{head.address}:{dist_port}", "--log", str(host.log_path),
