@@ -16,6 +16,7 @@ from gputrace.report.figures import FIGURES
 from gputrace.report.progress import LONG_RUN_S, report_progress
 from gputrace.report.render import parse_formats, write_report
 from gputrace.store import Store
+from gputrace.whatif.advise import advise_analysis
 from gputrace.whatif.effects import add_predicted_effects
 
 
@@ -47,11 +48,17 @@ def command(run: str | None, formats: str, out_dir: str | None, progress: bool |
         duration_s = float(aligned.grid_ns[-1] - aligned.grid_ns[0]) / 1e9
         enabled = progress if progress is not None else duration_s > LONG_RUN_S
         n_phases = max(len(aligned.markers), 1)
-        with report_progress(n_phases + len(FIGURES) + 2, enabled) as step:
+        with report_progress(n_phases + len(FIGURES) + 3, enabled) as step:
             analysis = analyse_aligned(aligned, progress=step)
             analysis.notes.extend(store_notes(store, analysis))
-            add_predicted_effects(analysis, progress=step)
-            written = write_report(analysis, out_dir, fmts, progress=step)
+            # the advice: the model fitted once and searched, beside the findings; the findings'
+            # own predicted effects reuse its replays
+            advice, model, predictions = advise_analysis(analysis, progress=step)
+            add_predicted_effects(analysis, progress=step, model=model, predictions=predictions)
+            written = write_report(analysis, out_dir, fmts, progress=step,
+                                   advice=None if advice is None else advice.to_dict())
+    if advice is not None:
+        click.echo(advice.sentence())
     for f in analysis.findings:
         click.echo(f"{f.cause} [{f.phase}] stages {','.join(map(str, f.stages))}: {f.summary} "
                    f"-> {f.recommendation}")

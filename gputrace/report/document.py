@@ -3,6 +3,7 @@ mapping. ``findings.json`` is exactly this document (schema ``gputrace.findings/
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
@@ -75,11 +76,13 @@ def finding_entry(f: Finding) -> dict[str, Any]:
     return entry
 
 
-def build_document(a: Analysis) -> dict[str, Any]:
-    """The findings.json document."""
+def build_document(a: Analysis, advice: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The findings.json document; ``advice`` the what-if search's (gputrace.whatif.advise), set
+    beside the findings."""
     return {
         "schema": SCHEMA,
         "summary": a.summary(),
+        "advice": None if advice is None else dict(advice),
         "findings": [finding_entry(f) for f in a.findings],
         "phases": [{k: v for k, v in pm.to_dict().items() if k != "stages"} for pm in a.metrics],
         "table": phase_stage_table(a),

@@ -14,12 +14,14 @@ candidate clears its band the advice is to keep the current settings, with the r
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gputrace.errors import UsageError
-from gputrace.whatif.fit import FittedModel
+from gputrace.analysis.run import Analysis
+from gputrace.errors import GputraceError, UsageError
+from gputrace.whatif.effects import fit_note
+from gputrace.whatif.fit import FittedModel, fit_model
 from gputrace.whatif.outcome import PhaseOutcome
 from gputrace.whatif.predict import PhasePrediction, finding_change, predict
 
@@ -396,11 +398,40 @@ def _keep_reason(trades: list[Option], objective: str, slo: Mapping[str, float],
     if not trades:
         return f"none of the {n} change sets replayed gains beyond its band at any phase"
     best = trades[0]
+    if best.origin.startswith("finding: "):
+        origin = best.origin.removeprefix("finding: ")
+        return _keep_text(objective, f"{best.describe()} (it addresses {origin})")
+    return _keep_text(objective, best.describe())
+
+
+def _keep_text(objective: str, best: str) -> str:
     if objective == "slo":
-        return (f"no change set that gains beyond its band meets the SLO at every phase; the most "
-                f"gaining, {best.describe()}")
+        return ("no change set that gains beyond its band meets the SLO at every phase; the most "
+                f"gaining, {best}")
     if objective == "peak":
-        return ("no change set gains beyond its band at the highest load level; the most gaining, "
-                f"{best.describe()}")
-    return (f"every change that gains beyond its band costs another phase beyond its band; the most "
-            f"gaining, {best.describe()}")
+        return f"no change set gains beyond its band at the highest load level; the most gaining, {best}"
+    return ("every change that gains beyond its band costs another phase beyond its band; the most "
+            f"gaining, {best}")
+
+
+def advise_analysis(analysis: Analysis, objective: str = "throughput", slo: Mapping[str, float] | None = None,
+                    progress: Callable[[str], None] | None = None
+                    ) -> tuple[Advice | None, FittedModel | None, dict[str, list[PhasePrediction]]]:
+    """Fit the model to the analysed run once and search it: the advice (None where the run has
+    no throughput to fit, or the fit fails: said in the notes), the model, and the confirmed
+    predictions for reuse. Reads the findings, never edits them."""
+    if not any(pm.throughput_tok_s for pm in analysis.metrics):
+        return None, None, {}
+    if progress:
+        progress("what-if fit")
+    try:
+        model = fit_model(analysis)
+    except GputraceError as exc:
+        analysis.notes.append(f"no advice: the what-if model could not be fitted to this run ({exc})")
+        return None, None, {}
+    analysis.notes.append(fit_note(model))
+    if progress:
+        progress("advice")
+    advice, confirmed = search(model, [f.to_dict() for f in analysis.findings], objective, slo,
+                               {pm.label: pm.duration_s for pm in analysis.metrics})
+    return advice, model, confirmed

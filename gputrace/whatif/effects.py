@@ -5,10 +5,10 @@ this runs after them, inside ``report``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from gputrace.analysis.diagnose import Finding
+from gputrace.analysis.diagnose import Finding, changes_the_deployment
 from gputrace.analysis.run import Analysis
 from gputrace.errors import GputraceError
 from gputrace.whatif.fit import FittedModel, fit_model
@@ -70,11 +70,10 @@ def effect_text(e: dict[str, Any]) -> str:
 
 
 def _moves(e: dict[str, Any], band: float, up: bool) -> bool:
-    """Whether the change itself moves the model's figure past its band, up or down: predicted
-    against the model's replay of the run unchanged (against the measurement where that replay is
-    unknown). A model that replays C=4 at 49 tok/s where 90 were measured "costs" C=4 49 under any
-    change; one that halves C=64 under the change costs it, however close to the run its figure."""
-    reference = e.get("unchanged_tok_s") or e["measured_tok_s"]
+    """Whether the change moves a phase past its band, up or down. A prediction is calibrated
+    (measured x model(change) / model(as run)), so against the measurement it is what the change
+    itself moves, not the fit's offset from the run."""
+    reference = e["measured_tok_s"]
     if not reference:
         return False
     moved = float(e["predicted_tok_s"]) / float(reference) - 1
@@ -88,38 +87,46 @@ def rank_by_gain(findings: list[Finding]) -> list[Finding]:
         return float(f.details["predicted"]["net_gain_tok_s"])
 
     causes = [f for f in findings if f.cause != "cannot_tell"]
-    gains = sorted((f for f in causes if "predicted" in f.details and net(f) > 0), key=lambda f: -net(f))
+    # a finding about the offered load ("offer at least 8 requests") is a fact about the load,
+    # never ranked as a gain of the configuration
+    gains = sorted((f for f in causes if "predicted" in f.details and net(f) > 0
+                    and changes_the_deployment(f.details.get("knob"))), key=lambda f: -net(f))
     losses = sorted((f for f in causes if "predicted" in f.details and net(f) <= 0), key=lambda f: -net(f))
-    rest = [f for f in causes if "predicted" not in f.details]
+    rest = [f for f in causes if "predicted" not in f.details or (f not in gains and net(f) > 0)]
     return gains + rest + losses + [f for f in findings if f.cause == "cannot_tell"]
 
 
-def add_predicted_effects(analysis: Analysis, progress: Callable[[str], None] | None = None
+def add_predicted_effects(analysis: Analysis, progress: Callable[[str], None] | None = None,
+                          model: FittedModel | None = None,
+                          predictions: Mapping[str, list[PhasePrediction]] | None = None
                           ) -> FittedModel | None:
-    """Fit the model to ``analysis``, give each finding it can weigh ``details["predicted"]`` and
-    the text on its recommendation, rank the findings, and note the fit's quality. None where no
-    finding names a change the model can make (nothing is fitted then)."""
+    """Fit the model to ``analysis`` (or take ``model``, already fitted and noted), give each
+    finding it can weigh ``details["predicted"]`` and the text on its recommendation, rank the
+    findings, and note the fit's quality. ``predictions`` (change key -> rows, the advice's
+    search) are reused rather than replayed again. None where no finding names a change the
+    model can make (nothing is fitted then)."""
     wanted = [f for f in analysis.findings if f.cause != "cannot_tell" and f.details.get("knob")]
     if not wanted or not any(pm.throughput_tok_s for pm in analysis.metrics):
         return None
-    if progress:
-        progress("what-if fit")
-    try:
-        model = fit_model(analysis)
-    except GputraceError as exc:  # the report stands without predictions; say why they are missing
-        analysis.notes.append(f"no predicted effects: the what-if model could not be fitted to this "
-                              f"run ({exc})")
-        return None
-    analysis.notes.append(fit_note(model))
-    unchanged = {m.label: s.throughput_tok_s for m, s in zip(model.measured, model.simulated, strict=True)}
-    runs: dict[str, list[PhasePrediction]] = {}
+    if model is None:
+        if progress:
+            progress("what-if fit")
+        try:
+            model = fit_model(analysis)
+        except GputraceError as exc:  # the report stands without predictions; say why they are missing
+            analysis.notes.append(f"no predicted effects: the what-if model could not be fitted to this "
+                                  f"run ({exc})")
+            return None
+        analysis.notes.append(fit_note(model))
+    unchanged = {m.label: model.unchanged_tok_s(m.label) for m in model.measured}
+    runs: dict[str, list[PhasePrediction]] = dict(predictions or {})
     for f in wanted:
         change = finding_change(model, f.to_dict())
         if change is None:
             continue
         key = repr(sorted(change.items()))
         if key not in runs:
-            if len(runs) >= MAX_CHANGES:
+            if len(runs) >= MAX_CHANGES + len(predictions or {}):
                 continue
             runs[key] = predict(model, change)
         effect = _effect(f, runs[key], unchanged)
@@ -137,5 +144,9 @@ def fit_note(model: FittedModel) -> str:
         measured, simulated = row["throughput_tok_s"]
         if measured is not None and simulated is not None:
             parts.append(f"{row['phase']} {measured:.0f}/{simulated:.0f}")
-    return ("what-if model (the simulator fitted to this run) replays it at measured/simulated tok/s "
-            f"{', '.join(parts)}; predictions carry ±{model.uncertainty_ratio:.0%}")
+    text = ("what-if model (the simulator fitted to this run) replays it at measured/simulated tok/s "
+            f"{', '.join(parts)}; predictions carry ±{model.uncertainty_ratio:.0%} (wider where a change "
+            "runs micro-batches past those the run ran), as measured x model(change) / model(as run)")
+    if model.correction:
+        text += "; corrected per phase " + ", ".join(f"{k} x{v:.2f}" for k, v in model.correction.items())
+    return text
