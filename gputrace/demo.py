@@ -1,8 +1,9 @@
 """`gputrace demo`: the whole chain on loopback with no GPU: the simulator's real-time SGLang PP8
 server, an agent with the simulated backend, and `gputrace run` (collector + load generator +
-report), as real processes. Three runs of the motivating deployment: its defaults; gputrace's own
-top recommendation from the first run's findings, applied; and the change people try first
-(--pp-max-micro-batch-size 64); then the comparisons.
+report), as real processes. Three runs of the motivating deployment: its defaults; gputrace's
+advice from the defaults' report (findings.json "advice"), applied, unless it is to keep the
+settings; and the change people try first (--pp-max-micro-batch-size 64); then the comparisons.
+Each run's throughput per phase is shown beside what the model fitted to the defaults predicted.
 """
 
 from __future__ import annotations
@@ -86,6 +87,53 @@ def top_recommendation(doc: dict[str, Any]) -> Recommendation | None:
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class DemoAdvice:
+    """The defaults' advice (findings.json "advice"): the settings to change (empty: keep), its
+    sentence, and per phase the model's figures."""
+
+    changes: tuple[tuple[str, str, Any], ...]  # (simulator knob, engine flag, value)
+    sentence: str
+    reason: str
+    alternatives: tuple[str, ...]
+    unchanged_tok_s: dict[str, float | None]  # the calibrated model as run
+    predicted_tok_s: dict[str, float]
+    band_ratio: dict[str, float]
+
+    @property
+    def keep(self) -> bool:
+        return not self.changes
+
+    @property
+    def overrides(self) -> dict[str, Any]:
+        return {knob: value for knob, _, value in self.changes}
+
+
+def advice_of(doc: dict[str, Any]) -> DemoAdvice | None:
+    """The advice of a report's findings.json; None where the report has none."""
+    a = doc.get("advice")
+    if not a:
+        return None
+    phases = a.get("phases", [])
+    return DemoAdvice(tuple((c["knob"], c["flag"], c["value"]) for c in a.get("changes", [])),
+                      a.get("sentence", ""), a.get("reason", ""),
+                      tuple(alt.get("text", "") for alt in a.get("alternatives", [])),
+                      {p["phase"]: p.get("unchanged_tok_s") for p in phases},
+                      {p["phase"]: p["predicted_tok_s"] for p in phases},
+                      {p["phase"]: p["band_ratio"] for p in phases})
+
+
+def predicted_by_defaults(run: DemoRun, overrides: dict[str, Any]) -> dict[str, float | None]:
+    """Per phase, what the model fitted to ``run`` predicts under ``overrides`` (`gputrace whatif`)."""
+    sets = [f"--set={k}={v}" for k, v in overrides.items()]
+    done = subprocess.run(_gputrace("whatif", str(run.run_dir), *sets, "--format", "json"),
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SourceError(f"demo: whatif on {run.label} failed: {done.stderr.strip()[-300:]}")
+    doc = json.loads(done.stdout)
+    return {p["label"]: p["predicted"]["throughput_tok_s"] for p in doc["phases"]}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -140,7 +188,8 @@ def run_one(out: Path, label: str, scenario: str, plan: DemoPlan,
             say: Callable[[str], None], overrides: dict[str, Any] | None = None) -> DemoRun:
     """Serve the scenario (with ``overrides``), capture a sweep against it with `gputrace run`,
     write its report."""
-    sets = [f"--set={key}={value}" for key, value in (overrides or {}).items()]
+    sets = [f"--set={key}={','.join(map(str, value)) if isinstance(value, (list, tuple)) else value}"
+            for key, value in (overrides or {}).items()]
     work = out / "work" / label
     work.mkdir(parents=True, exist_ok=True)
     log_file, feed = work / "sglang.log", work / "gpu-feed.ndjson"
@@ -199,14 +248,16 @@ def findings_of(run: DemoRun) -> dict[str, Any]:
 @dataclass(frozen=True, slots=True)
 class DemoResult:
     defaults: DemoRun
-    recommended: DemoRun | None  # None when the defaults' run had no finding to apply
-    recommendation: Recommendation | None
+    advised: DemoRun | None  # None when the advice is to keep the settings (or there is none)
+    advice: DemoAdvice | None
     first_try: DemoRun
     comparisons: tuple[Path, ...]
+    # per run label, per phase: the throughput the model fitted to the defaults predicted for it
+    predicted: dict[str, dict[str, float | None]]
 
     @property
     def runs(self) -> list[DemoRun]:
-        return [r for r in (self.defaults, self.recommended, self.first_try) if r is not None]
+        return [r for r in (self.defaults, self.advised, self.first_try) if r is not None]
 
 
 def run_demo(out: Path, quick: bool, say: Callable[[str], None]) -> DemoResult:
@@ -216,19 +267,25 @@ def run_demo(out: Path, quick: bool, say: Callable[[str], None]) -> DemoResult:
     os.environ.setdefault("GPUTRACE_DEMO", "1")
     plan = DemoPlan.for_mode(quick)
     # The deployments are independent processes on loopback: the defaults and the first try run
-    # side by side; gputrace's recommendation needs the defaults' findings first.
+    # side by side; gputrace's advice needs the defaults' report first.
     with ThreadPoolExecutor(max_workers=2) as pool:
         defaults_future = pool.submit(run_one, out, "defaults", SCENARIO, plan, say)
         first_future = pool.submit(run_one, out, "k64", SCENARIO, plan, say, FIRST_TRY)
         defaults = defaults_future.result()
-        rec = top_recommendation(findings_of(defaults))
-        recommended = None
-        if rec is None:
-            say("[recommended] the defaults' run has no finding with a setting to change")
+        advice = advice_of(findings_of(defaults))
+        advised = None
+        predicted: dict[str, dict[str, float | None]] = {}
+        if advice is None:
+            say("[advised] the defaults' report has no advice (the what-if model could not be fitted)")
+        elif advice.keep:
+            say(f"[advised] gputrace's advice: {advice.sentence}")
         else:
-            say(f"[recommended] gputrace's top recommendation: {rec.knob} {rec.value} "
-                f"({rec.cause} at {rec.phase})")
-            recommended = run_one(out, "recommended", SCENARIO, plan, say, rec.overrides)
+            say(f"[advised] gputrace's advice: {advice.sentence}")
+            predicted["advised"] = dict(advice.predicted_tok_s)
+            advised = run_one(out, "advised", SCENARIO, plan, say, advice.overrides)
+        predicted["k64"] = predicted_by_defaults(defaults, FIRST_TRY)
+        if advice is not None:
+            predicted["defaults"] = dict(advice.unchanged_tok_s)
         first_try = first_future.result()
-    comparisons = [compare(out, defaults, run) for run in (recommended, first_try) if run is not None]
-    return DemoResult(defaults, recommended, rec, first_try, tuple(comparisons))
+    comparisons = [compare(out, defaults, run) for run in (advised, first_try) if run is not None]
+    return DemoResult(defaults, advised, advice, first_try, tuple(comparisons), predicted)

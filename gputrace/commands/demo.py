@@ -27,12 +27,13 @@ def _fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-RUN_TITLES = {"defaults": "defaults", "recommended": "gputrace's recommendation", "k64": "K=64 (first try)"}
+RUN_TITLES = {"defaults": "defaults", "advised": "gputrace's advice", "k64": "K=64 (first try)"}
 
 
 def summary_table(result: DemoResult) -> tuple[Table, dict[str, list[str]]]:
-    """Per phase: each run's throughput and bubble, and its gain over the defaults; the findings
-    that remain in each run."""
+    """Per phase: each run's measured throughput beside what the model fitted to the defaults
+    predicted for it (for the defaults, its replay as they ran), its bubble, its gain over the
+    defaults; the findings that remain in each run."""
     docs = {run.label: findings_of(run) for run in result.runs}
     rows = {label: _phase_rows(doc) for label, doc in docs.items()}
     base = rows["defaults"]
@@ -41,6 +42,7 @@ def summary_table(result: DemoResult) -> tuple[Table, dict[str, list[str]]]:
     for run in result.runs:
         name = RUN_TITLES.get(run.label, run.label)
         table.add_column(f"{name} tok/s", justify="right")
+        table.add_column("predicted" if run.label != "defaults" else "model as run", justify="right")
         table.add_column("bubble", justify="right")
         if run.label != "defaults":
             table.add_column("vs defaults", justify="right")
@@ -48,7 +50,8 @@ def summary_table(result: DemoResult) -> tuple[Table, dict[str, list[str]]]:
         cells = [label]
         for run in result.runs:
             row = rows[run.label].get(label, {})
-            cells += [_fmt(row.get("tok_s"), ".0f"), _fmt(row.get("bubble"), ".0%")]
+            predicted = result.predicted.get(run.label, {}).get(label)
+            cells += [_fmt(row.get("tok_s"), ".0f"), _fmt(predicted, ".0f"), _fmt(row.get("bubble"), ".0%")]
             if run.label != "defaults":
                 gain = _gain(base[label].get("tok_s"), row.get("tok_s"))
                 cells.append(_fmt(gain, "+.0%"))
@@ -62,22 +65,24 @@ def _gain(before: float | None, after: float | None) -> float | None:
     return after / before - 1 if before and after else None
 
 
-def recommendation_effect(result: DemoResult) -> str:
-    """What gputrace's recommendation did at the phase its finding named, measured."""
-    rec, run = result.recommendation, result.recommended
-    if rec is None or run is None:
-        return "gputrace's recommendation: none (no finding with a setting to change)"
-    before = _phase_rows(findings_of(result.defaults)).get(rec.phase, {}).get("tok_s")
-    after = _phase_rows(findings_of(run)).get(rec.phase, {}).get("tok_s")
-    gain = _gain(before, after)
-    text = (f"gputrace's recommendation: {rec.knob} {rec.value} (from {rec.cause} at {rec.phase}): "
-            f"{_fmt(before, '.0f')} -> {_fmt(after, '.0f')} tok/s at {rec.phase} ({_fmt(gain, '+.0%')})")
-    if rec.predicted:
-        p = rec.predicted
-        predicted_gain = _gain(p.get("measured_tok_s"), p.get("predicted_tok_s"))
-        text += (f"; predicted before the rerun: {_fmt(p.get('predicted_tok_s'), '.0f')} tok/s "
-                 f"({_fmt(predicted_gain, '+.0%')}, ±{_fmt(p.get('band_ratio'), '.0%')})")
-    return text
+def advice_effect(result: DemoResult) -> list[str]:
+    """The advice, and what it did per phase, measured (or why the settings are kept)."""
+    advice, run = result.advice, result.advised
+    if advice is None:
+        return ["gputrace's advice: none (the what-if model could not be fitted to the defaults)"]
+    lines = [f"gputrace's advice: {advice.sentence}"]
+    if advice.keep or run is None:
+        lines += [f"  alternative that trades: {alt}" for alt in advice.alternatives]
+        return lines
+    before, after = _phase_rows(findings_of(result.defaults)), _phase_rows(findings_of(run))
+    moves = []
+    for label, row in before.items():
+        gain = _gain(row.get("tok_s"), after.get(label, {}).get("tok_s"))
+        predicted = _gain(row.get("tok_s"), advice.predicted_tok_s.get(label))
+        moves.append(f"{label} {_fmt(gain, '+.0%')} measured (predicted {_fmt(predicted, '+.0%')} "
+                     f"±{_fmt(advice.band_ratio.get(label), '.0%')})")
+    lines.append("applied, vs defaults: " + ", ".join(moves))
+    return lines
 
 
 @click.command("demo")
@@ -87,15 +92,17 @@ def recommendation_effect(result: DemoResult) -> str:
 def command(out: Path, quick: bool) -> None:
     """Run the whole chain on loopback against a simulated SGLang PP8 deployment: the simulator's
     OpenAI-compatible server, an agent with simulated GPUs, the collector and the load generator.
-    Three runs: the defaults; gputrace's top recommendation from the defaults' findings, applied;
-    and --pp-max-micro-batch-size 64 (the change people try first); then their comparisons."""
+    Three runs: the defaults; gputrace's advice from the defaults' report, applied (unless it is
+    to keep the settings: then it says why); and --pp-max-micro-batch-size 64 (the change people
+    try first); then their comparisons."""
     console = Console(stderr=True)
     started = time.monotonic()
     result = run_demo(out, quick, lambda msg: console.print(msg, highlight=False))
     table, remaining = summary_table(result)
     out_console = Console(width=200)
     out_console.print(table)
-    out_console.print(recommendation_effect(result))
+    for line in advice_effect(result):
+        out_console.print(line)
     for run in result.runs:
         name = RUN_TITLES.get(run.label, run.label)
         out_console.print(f"findings, {name}: {', '.join(remaining[run.label]) or 'none'}")
