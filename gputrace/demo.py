@@ -1,8 +1,9 @@
 """`gputrace demo`: the whole chain on loopback with no GPU: the simulator's real-time SGLang PP8
-server, an agent with the simulated backend, and `gputrace run` (collector + load generator +
-report), as real processes. Three runs of the motivating deployment: its defaults; gputrace's own
-top recommendation from the first run's findings, applied; and the change people try first
-(--pp-max-micro-batch-size 64); then the comparisons.
+server, an agent with the simulated backend, and `gputrace run` (collector + load generator), as
+real processes; each run is then analysed here (``analyse_run``) and its report written from that
+analysis, which the demo reads its decisions from. Three runs of the motivating deployment: its
+defaults; gputrace's own top recommendation from the first run's findings, applied; and the
+change people try first (--pp-max-micro-batch-size 64); then the comparisons.
 """
 
 from __future__ import annotations
@@ -14,15 +15,22 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from numbers import Integral
 from pathlib import Path
 from typing import Any
 
+from gputrace.analyse import analyse_run
+from gputrace.analysis.predicted import PredictedEffect
+from gputrace.analysis.run import Analysis
 from gputrace.errors import SourceError, UsageError
+from gputrace.report.render import write_report
+from gputrace.store import Store
 
 SIM_HOST = "sim-node0"
 
@@ -56,6 +64,7 @@ class DemoRun:
     scenario: str
     run_dir: Path
     report_dir: Path
+    analysis: Analysis  # what its report renders
     overrides: tuple[tuple[str, Any], ...] = ()
 
 
@@ -68,21 +77,21 @@ class Recommendation:
     knob: str
     value: int
     text: str
-    predicted: dict[str, Any] | None = None  # the what-if model's effect (findings.json "predicted")
+    predicted: PredictedEffect | None = None  # the what-if model's effect (findings.json "predicted")
 
     @property
     def overrides(self) -> dict[str, Any]:
         return {FLAG_PARAMS[self.knob]: self.value}
 
 
-def top_recommendation(doc: dict[str, Any]) -> Recommendation | None:
-    """From findings.json (ranked most important first): the first with an engine flag and value."""
-    for f in doc.get("findings", []):
-        details = f.get("change") or {}
-        knob, value = details.get("knob"), details.get("value")
-        if knob in FLAG_PARAMS and isinstance(value, int) and value > 0:
-            return Recommendation(f["cause"], f["phase"], knob, value, f.get("recommendation", ""),
-                                  f.get("predicted"))
+def top_recommendation(analysis: Analysis) -> Recommendation | None:
+    """The first finding (ranked most important first) with an engine flag and value."""
+    for f in analysis.findings:
+        knob, value = f.details.get("knob"), f.details.get("value")
+        if knob in FLAG_PARAMS and isinstance(value, Integral) and not isinstance(value, bool) \
+                and int(value) > 0:
+            return Recommendation(f.cause, f.phase, str(knob), int(value), analysis.recommendation_of(f),
+                                  analysis.effect_of(f))
     return None
 
 
@@ -136,10 +145,15 @@ def write_config(path: Path, log_file: Path, agent_port: int, pp_size: int = 8) 
     )
 
 
+# One report at a time: the runs capture side by side, but the figures are drawn with pyplot, whose
+# state (rcParams, the current figure) is global to the process.
+_REPORTING = threading.Lock()
+
+
 def run_one(out: Path, label: str, scenario: str, plan: DemoPlan,
             say: Callable[[str], None], overrides: dict[str, Any] | None = None) -> DemoRun:
     """Serve the scenario (with ``overrides``), capture a sweep against it with `gputrace run`,
-    write its report."""
+    analyse the run and write its report."""
     sets = [f"--set={key}={value}" for key, value in (overrides or {}).items()]
     work = out / "work" / label
     work.mkdir(parents=True, exist_ok=True)
@@ -167,7 +181,7 @@ def run_one(out: Path, label: str, scenario: str, plan: DemoPlan,
                 "--url", f"http://127.0.0.1:{sim_port}", "--model", "default",
                 "--concurrency", ",".join(map(str, plan.concurrency)),
                 "--duration-per-level", str(plan.level_s), "--max-tokens", str(plan.max_tokens),
-                "--warmup", "0", "--drain", "0.5")
+                "--warmup", "0", "--drain", "0.5", "--no-report")
             with open(work / "run.out", "wb") as run_log:
                 status = subprocess.run(run_argv, stdout=run_log, stderr=subprocess.STDOUT,
                                         check=False).returncode
@@ -175,7 +189,12 @@ def run_one(out: Path, label: str, scenario: str, plan: DemoPlan,
                 tail = (work / "run.out").read_text(errors="replace").strip().splitlines()[-5:]
                 raise SourceError(f"demo: `gputrace run` for {label} failed (status {status}): "
                                   + " | ".join(tail))
-    return DemoRun(label, scenario, run_dir, run_dir / "report", tuple((overrides or {}).items()))
+    report_dir = run_dir / "report"
+    say(f"[{label}] analysing the run and writing its report")
+    with _REPORTING, Store.open(run_dir, read_only=True) as store:
+        analysis = analyse_run(store)
+        write_report(analysis, report_dir)
+    return DemoRun(label, scenario, run_dir, report_dir, analysis, tuple((overrides or {}).items()))
 
 
 def compare(out: Path, a: DemoRun, b: DemoRun) -> Path:
@@ -185,15 +204,6 @@ def compare(out: Path, a: DemoRun, b: DemoRun) -> Path:
     if status.returncode != 0:
         raise SourceError(f"demo: compare failed: {status.stderr.strip()[-300:]}")
     return target
-
-
-def findings_of(run: DemoRun) -> dict[str, Any]:
-    path = run.report_dir / "findings.json"
-    try:
-        doc: dict[str, Any] = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise SourceError(f"demo: no readable findings for {run.label} at {path}: {exc}") from exc
-    return doc
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,7 +231,7 @@ def run_demo(out: Path, quick: bool, say: Callable[[str], None]) -> DemoResult:
         defaults_future = pool.submit(run_one, out, "defaults", SCENARIO, plan, say)
         first_future = pool.submit(run_one, out, "k64", SCENARIO, plan, say, FIRST_TRY)
         defaults = defaults_future.result()
-        rec = top_recommendation(findings_of(defaults))
+        rec = top_recommendation(defaults.analysis)
         recommended = None
         if rec is None:
             say("[recommended] the defaults' run has no finding with a setting to change")

@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
 import click
 from rich.console import Console
 from rich.table import Table
 
-from gputrace.demo import DemoResult, findings_of, run_demo
+from gputrace.analysis.run import Analysis
+from gputrace.demo import DemoResult, run_demo
 
 
-def _phase_rows(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    rows: dict[str, dict[str, Any]] = {}
-    for phase in doc.get("phases", []):
-        bubbles = [r["bubble_fraction"] for r in doc.get("table", [])
-                   if r.get("phase") == phase.get("label") and r.get("bubble_fraction") is not None]
-        rows[phase["label"]] = {"tok_s": phase.get("throughput_tok_s"),
-                                "bubble": sum(bubbles) / len(bubbles) if bubbles else None}
+def _phase_rows(analysis: Analysis) -> dict[str, dict[str, float | None]]:
+    """Per phase: the throughput and the mean bubble over the stages with one."""
+    rows: dict[str, dict[str, float | None]] = {}
+    for pm in analysis.metrics:
+        bubbles = [st.bubble_fraction for st in pm.stages if st.bubble_fraction is not None]
+        rows[pm.label] = {"tok_s": pm.throughput_tok_s,
+                          "bubble": sum(bubbles) / len(bubbles) if bubbles else None}
     return rows
 
 
@@ -33,8 +33,7 @@ RUN_TITLES = {"defaults": "defaults", "recommended": "gputrace's recommendation"
 def summary_table(result: DemoResult) -> tuple[Table, dict[str, list[str]]]:
     """Per phase: each run's throughput and bubble, and its gain over the defaults; the findings
     that remain in each run."""
-    docs = {run.label: findings_of(run) for run in result.runs}
-    rows = {label: _phase_rows(doc) for label, doc in docs.items()}
+    rows = {run.label: _phase_rows(run.analysis) for run in result.runs}
     base = rows["defaults"]
     table = Table(title="gputrace demo: the motivating SGLang PP8 deployment (max_running_requests 64)")
     table.add_column("phase", justify="right")
@@ -53,8 +52,8 @@ def summary_table(result: DemoResult) -> tuple[Table, dict[str, list[str]]]:
                 gain = _gain(base[label].get("tok_s"), row.get("tok_s"))
                 cells.append(_fmt(gain, "+.0%"))
         table.add_row(*cells)
-    remaining = {label: [f"{f['cause']} [{f['phase']}]" for f in doc.get("findings", [])]
-                 for label, doc in docs.items()}
+    remaining = {run.label: [f"{f.cause} [{f.phase}]" for f in run.analysis.findings]
+                 for run in result.runs}
     return table, remaining
 
 
@@ -67,16 +66,16 @@ def recommendation_effect(result: DemoResult) -> str:
     rec, run = result.recommendation, result.recommended
     if rec is None or run is None:
         return "gputrace's recommendation: none (no finding with a setting to change)"
-    before = _phase_rows(findings_of(result.defaults)).get(rec.phase, {}).get("tok_s")
-    after = _phase_rows(findings_of(run)).get(rec.phase, {}).get("tok_s")
+    before = _phase_rows(result.defaults.analysis).get(rec.phase, {}).get("tok_s")
+    after = _phase_rows(run.analysis).get(rec.phase, {}).get("tok_s")
     gain = _gain(before, after)
     text = (f"gputrace's recommendation: {rec.knob} {rec.value} (from {rec.cause} at {rec.phase}): "
             f"{_fmt(before, '.0f')} -> {_fmt(after, '.0f')} tok/s at {rec.phase} ({_fmt(gain, '+.0%')})")
     if rec.predicted:
         p = rec.predicted
-        predicted_gain = _gain(p.get("measured_tok_s"), p.get("predicted_tok_s"))
-        text += (f"; predicted before the rerun: {_fmt(p.get('predicted_tok_s'), '.0f')} tok/s "
-                 f"({_fmt(predicted_gain, '+.0%')}, ±{_fmt(p.get('band_ratio'), '.0%')})")
+        predicted_gain = _gain(p.measured_tok_s, p.predicted_tok_s)
+        text += (f"; predicted before the rerun: {_fmt(p.predicted_tok_s, '.0f')} tok/s "
+                 f"({_fmt(predicted_gain, '+.0%')}, ±{_fmt(p.band_ratio, '.0%')})")
     return text
 
 

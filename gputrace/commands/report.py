@@ -8,15 +8,14 @@ from typing import Any
 
 import click
 
+from gputrace.analyse import analyse_run
 from gputrace.analysis.aligned import align_store
-from gputrace.analysis.run import analyse_aligned, store_notes
 from gputrace.errors import UsageError
 from gputrace.prometheus.cli_options import prometheus_flags, prometheus_run, window_ns
 from gputrace.report.figures import FIGURES
 from gputrace.report.progress import LONG_RUN_S, report_progress
 from gputrace.report.render import parse_formats, write_report
 from gputrace.store import Store
-from gputrace.whatif.effects import add_predicted_effects
 
 
 @click.command("report")
@@ -48,13 +47,11 @@ def command(run: str | None, formats: str, out_dir: str | None, progress: bool |
         enabled = progress if progress is not None else duration_s > LONG_RUN_S
         n_phases = max(len(aligned.markers), 1)
         with report_progress(n_phases + len(FIGURES) + 2, enabled) as step:
-            analysis = analyse_aligned(aligned, progress=step)
-            analysis.notes.extend(store_notes(store, analysis))
-            add_predicted_effects(analysis, progress=step)
+            analysis = analyse_run(store, window, aligned=aligned, progress=step)
             written = write_report(analysis, out_dir, fmts, progress=step)
     for f in analysis.findings:
         click.echo(f"{f.cause} [{f.phase}] stages {','.join(map(str, f.stages))}: {f.summary} "
-                   f"-> {f.recommendation}")
+                   f"-> {analysis.recommendation_of(f)}")
     if not analysis.findings:
         click.echo("no finding: every phase is healthy")
     for path in written:

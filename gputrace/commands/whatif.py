@@ -7,8 +7,7 @@ from pathlib import Path
 
 import click
 
-from gputrace.analysis.aligned import align_store
-from gputrace.analysis.run import analyse_aligned
+from gputrace.analyse import analyse_run
 from gputrace.errors import UsageError
 from gputrace.sim.params import parse_set_options
 from gputrace.store import Store
@@ -44,7 +43,7 @@ def command(run: str, sets: tuple[str, ...], concurrency: str | None, formats: s
     if concurrency is not None:
         changes["concurrency"] = concurrency
     with Store.open(run, read_only=True) as store:
-        analysis = analyse_aligned(align_store(store))
+        analysis = analyse_run(store, effects=False)
     changes = check_changes(analysis.run.engine, analysis.run.pp_size, changes)
     click.echo(f"fitting the simulator to {run} ...", err=True)
     model = fit_model(analysis)

@@ -15,7 +15,7 @@ fitted, a first replay sets the overall scale).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -255,7 +255,7 @@ def _scaled(p: SimParams, a: float, b: float) -> SimParams:
                                context_token_s=p.context_token_s * b)
 
 
-def stage_multipliers(metrics: list[PhaseMetrics], pp_size: int) -> np.ndarray:
+def stage_multipliers(metrics: Sequence[PhaseMetrics], pp_size: int) -> np.ndarray:
     """Each stage's busy share against the stages' mean, averaged over phases by busy time."""
     num, den = np.zeros(pp_size), 0.0
     for pm in metrics:
