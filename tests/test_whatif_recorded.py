@@ -120,23 +120,24 @@ def test_a_cost_or_gain_that_is_the_fits_offset_is_not_claimed(tmp_path_factory:
     and C=16 at about 93 where 60 were. Raising the admission limit to 16 moves neither: the
     recommendation says the model gives the same unchanged and claims no cost at C=4 (it said
     'costs C=4 90 -> 49 tok/s', the fit's offset, for a limit that 4 requests never reach)."""
-    from gputrace.whatif.effects import add_predicted_effects
+    from gputrace.whatif.effects import with_predicted_effects
 
-    analysis = _analysis(_imported(tmp_path_factory, "sglang", "default"))
-    model = add_predicted_effects(analysis)
+    analysis, model = with_predicted_effects(_analysis(_imported(tmp_path_factory, "sglang", "default")))
     assert model is not None
     (finding,) = [f for f in analysis.findings if f.cause == "admission_bound"]
-    effect = finding.details["predicted"]
+    effect = analysis.effects[finding.key]
     replay = {row["phase"]: row["throughput_tok_s"][1] for row in model.quality_rows()}
-    assert effect["unchanged_tok_s"] == pytest.approx(replay["C=16"], abs=0.1)
-    (c4,) = [o for o in effect["other_phases"] if o["phase"] == "C=4"]
-    assert c4["unchanged_tok_s"] == pytest.approx(replay["C=4"], abs=0.1)
+    assert effect.unchanged_tok_s == pytest.approx(replay["C=16"], abs=0.1)
+    (c4,) = [o for o in effect.other_phases if o.phase == "C=4"]
+    assert c4.unchanged_tok_s == pytest.approx(replay["C=4"], abs=0.1)
     # what makes the old text misleading: the model is far off the run where the change does nothing
-    assert c4["predicted_tok_s"] < 0.7 * c4["measured_tok_s"]
-    assert abs(c4["predicted_tok_s"] / c4["unchanged_tok_s"] - 1) < effect["band_ratio"]
-    assert "costs" not in finding.recommendation
-    assert (f"; the model gives {effect['unchanged_tok_s']:.0f} tok/s there unchanged: no clear gain from "
-            "the change itself") in finding.recommendation
+    assert c4.predicted_tok_s < 0.7 * c4.measured_tok_s
+    assert c4.unchanged_tok_s is not None
+    assert abs(c4.predicted_tok_s / c4.unchanged_tok_s - 1) < effect.band_ratio
+    recommendation = analysis.recommendation_of(finding)
+    assert "costs" not in recommendation
+    assert (f"; the model gives {effect.unchanged_tok_s:.0f} tok/s there unchanged: no clear gain from "
+            "the change itself") in recommendation
 
 
 def test_compare_of_the_recorded_vllm_settings_sets_predicted_beside_measured(

@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
 import click
 from rich.console import Console
 from rich.table import Table
 
-from gputrace.demo import DemoResult, findings_of, run_demo
+from gputrace.analysis.run import Analysis
+from gputrace.demo import DemoResult, run_demo
 
 
-def _phase_rows(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    rows: dict[str, dict[str, Any]] = {}
-    for phase in doc.get("phases", []):
-        bubbles = [r["bubble_fraction"] for r in doc.get("table", [])
-                   if r.get("phase") == phase.get("label") and r.get("bubble_fraction") is not None]
-        rows[phase["label"]] = {"tok_s": phase.get("throughput_tok_s"),
-                                "bubble": sum(bubbles) / len(bubbles) if bubbles else None}
+def _phase_rows(analysis: Analysis) -> dict[str, dict[str, float | None]]:
+    """Per phase: the throughput and the mean bubble over the stages with one."""
+    rows: dict[str, dict[str, float | None]] = {}
+    for pm in analysis.metrics:
+        bubbles = [st.bubble_fraction for st in pm.stages if st.bubble_fraction is not None]
+        rows[pm.label] = {"tok_s": pm.throughput_tok_s,
+                          "bubble": sum(bubbles) / len(bubbles) if bubbles else None}
     return rows
 
 
@@ -32,10 +32,9 @@ RUN_TITLES = {"defaults": "defaults", "advised": "gputrace's advice", "k64": "K=
 
 def summary_table(result: DemoResult) -> tuple[Table, dict[str, list[str]]]:
     """Per phase: each run's measured throughput beside what the model fitted to the defaults
-    predicted for it (for the defaults, its replay as they ran), its bubble, its gain over the
+    predicted for it (for the defaults, its replay as they ran), its bubble and its gain over the
     defaults; the findings that remain in each run."""
-    docs = {run.label: findings_of(run) for run in result.runs}
-    rows = {label: _phase_rows(doc) for label, doc in docs.items()}
+    rows = {run.label: _phase_rows(run.analysis) for run in result.runs}
     base = rows["defaults"]
     table = Table(title="gputrace demo: the motivating SGLang PP8 deployment (max_running_requests 64)")
     table.add_column("phase", justify="right")
@@ -56,8 +55,8 @@ def summary_table(result: DemoResult) -> tuple[Table, dict[str, list[str]]]:
                 gain = _gain(base[label].get("tok_s"), row.get("tok_s"))
                 cells.append(_fmt(gain, "+.0%"))
         table.add_row(*cells)
-    remaining = {label: [f"{f['cause']} [{f['phase']}]" for f in doc.get("findings", [])]
-                 for label, doc in docs.items()}
+    remaining = {run.label: [f"{f.cause} [{f.phase}]" for f in run.analysis.findings]
+                 for run in result.runs}
     return table, remaining
 
 
@@ -66,22 +65,21 @@ def _gain(before: float | None, after: float | None) -> float | None:
 
 
 def advice_effect(result: DemoResult) -> list[str]:
-    """The advice, and what it did per phase, measured (or why the settings are kept)."""
+    """The advice, and what it did per phase, measured beside predicted (or why the settings are
+    kept, with the alternatives that trade)."""
     advice, run = result.advice, result.advised
     if advice is None:
         return ["gputrace's advice: none (the what-if model could not be fitted to the defaults)"]
-    lines = [f"gputrace's advice: {advice.sentence}"]
+    lines = [f"gputrace's advice: {advice.sentence()}"]
     if advice.keep or run is None:
-        lines += [f"  alternative that trades: {alt}" for alt in advice.alternatives]
+        lines += [f"  alternative that trades: {alt.describe()}" for alt in advice.alternatives]
         return lines
-    before, after = _phase_rows(findings_of(result.defaults)), _phase_rows(findings_of(run))
+    before, after = _phase_rows(result.defaults.analysis), _phase_rows(run.analysis)
     moves = []
-    for label, row in before.items():
-        gain = _gain(row.get("tok_s"), after.get(label, {}).get("tok_s"))
-        predicted = _gain(row.get("tok_s"), advice.predicted_tok_s.get(label))
-        moves.append(f"{label} {_fmt(gain, '+.0%')} measured (predicted {_fmt(predicted, '+.0%')} "
-                     f"±{_fmt(advice.band_ratio.get(label), '.0%')})")
-    lines.append("applied, vs defaults: " + ", ".join(moves))
+    for p in advice.phases:
+        gain = _gain(before.get(p.phase, {}).get("tok_s"), after.get(p.phase, {}).get("tok_s"))
+        moves.append(f"{p.phase} {_fmt(gain, '+.0%')} (predicted {p.gain_ratio:+.0%} ±{p.band_ratio:.0%})")
+    lines.append("applied, measured vs defaults: " + ", ".join(moves))
     return lines
 
 
@@ -92,7 +90,7 @@ def advice_effect(result: DemoResult) -> list[str]:
 def command(out: Path, quick: bool) -> None:
     """Run the whole chain on loopback against a simulated SGLang PP8 deployment: the simulator's
     OpenAI-compatible server, an agent with simulated GPUs, the collector and the load generator.
-    Three runs: the defaults; gputrace's advice from the defaults' report, applied (unless it is
+    Three runs: the defaults; gputrace's advice from the defaults' analysis, applied (unless it is
     to keep the settings: then it says why); and --pp-max-micro-batch-size 64 (the change people
     try first); then their comparisons."""
     console = Console(stderr=True)

@@ -8,16 +8,15 @@ from typing import Any
 
 import click
 
+from gputrace.analyse import analyse_run
 from gputrace.analysis.aligned import align_store
-from gputrace.analysis.run import analyse_aligned, store_notes
 from gputrace.errors import UsageError
 from gputrace.prometheus.cli_options import prometheus_flags, prometheus_run, window_ns
 from gputrace.report.figures import FIGURES
 from gputrace.report.progress import LONG_RUN_S, report_progress
 from gputrace.report.render import parse_formats, write_report
 from gputrace.store import Store
-from gputrace.whatif.advise import advise_analysis
-from gputrace.whatif.effects import add_predicted_effects
+from gputrace.whatif.advise import advisor
 
 
 @click.command("report")
@@ -49,19 +48,13 @@ def command(run: str | None, formats: str, out_dir: str | None, progress: bool |
         enabled = progress if progress is not None else duration_s > LONG_RUN_S
         n_phases = max(len(aligned.markers), 1)
         with report_progress(n_phases + len(FIGURES) + 3, enabled) as step:
-            analysis = analyse_aligned(aligned, progress=step)
-            analysis.notes.extend(store_notes(store, analysis))
-            # the advice: the model fitted once and searched, beside the findings; the findings'
-            # own predicted effects reuse its replays
-            advice, model, predictions = advise_analysis(analysis, progress=step)
-            add_predicted_effects(analysis, progress=step, model=model, predictions=predictions)
-            written = write_report(analysis, out_dir, fmts, progress=step,
-                                   advice=None if advice is None else advice.to_dict())
-    if advice is not None:
-        click.echo(advice.sentence())
+            analysis = analyse_run(store, window, aligned=aligned, advise=advisor(), progress=step)
+            written = write_report(analysis, out_dir, fmts, progress=step)
+    if analysis.advice is not None:
+        click.echo(f"Advice: {analysis.advice.to_dict()['sentence']}")
     for f in analysis.findings:
         click.echo(f"{f.cause} [{f.phase}] stages {','.join(map(str, f.stages))}: {f.summary} "
-                   f"-> {f.recommendation}")
+                   f"-> {analysis.recommendation_of(f)}")
     if not analysis.findings:
         click.echo("no finding: every phase is healthy")
     for path in written:

@@ -7,12 +7,11 @@ from pathlib import Path
 
 import click
 
-from gputrace.analysis.aligned import align_store
-from gputrace.analysis.run import analyse_aligned
+from gputrace.analyse import analyse_run
 from gputrace.errors import UsageError
 from gputrace.sim.params import parse_set_options
 from gputrace.store import Store
-from gputrace.whatif.advise import OBJECTIVES, advise_analysis, parse_slo
+from gputrace.whatif.advise import OBJECTIVES, advisor, parse_slo
 from gputrace.whatif.fit import fit_model
 from gputrace.whatif.predict import CHANGEABLE, check_changes, predict
 from gputrace.whatif.render import render_advice_markdown, render_markdown, whatif_document
@@ -59,7 +58,7 @@ def command(run: str, sets: tuple[str, ...], concurrency: str | None, search: bo
     if concurrency is not None:
         changes["concurrency"] = concurrency
     with Store.open(run, read_only=True) as store:
-        analysis = analyse_aligned(align_store(store))
+        analysis = analyse_run(store, effects=False)
     changes = check_changes(analysis.run.engine, analysis.run.pp_size, changes)
     click.echo(f"fitting the simulator to {run} ...", err=True)
     model = fit_model(analysis)
@@ -81,13 +80,13 @@ def _write(texts: dict[str, str], fmts: list[str], out_dir: str | None, stem: st
 
 
 def _search(run: str, objective: str, slo: dict[str, float], fmts: list[str], out_dir: str | None) -> None:
-    with Store.open(run, read_only=True) as store:
-        analysis = analyse_aligned(align_store(store))
+    hook = advisor(objective, slo)
     click.echo(f"fitting the simulator to {run} and searching its settings ...", err=True)
-    advice, _, _ = advise_analysis(analysis, objective, slo)
-    if advice is None:
-        raise UsageError(f"{run}: no phase with a throughput to fit: nothing to advise"
-                         + (f" ({analysis.notes[-1]})" if analysis.notes else ""))
-    doc = {"schema": "gputrace.advice/1", "run": run, **advice.to_dict()}
+    with Store.open(run, read_only=True) as store:
+        analysis = analyse_run(store, effects=False, advise=hook)
+    if analysis.advice is None:
+        raise UsageError(f"{run}: no phase with a throughput the what-if model can be fitted to: "
+                         "nothing to advise")
+    doc = {"schema": "gputrace.advice/1", "run": run, **analysis.advice.to_dict()}
     texts = {"md": render_advice_markdown(doc), "json": json.dumps(doc, indent=2, default=str) + "\n"}
     _write(texts, fmts, out_dir, "advice")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import base64
 import html
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -275,13 +275,12 @@ def parse_formats(spec: str | Sequence[str]) -> list[str]:
 
 
 def write_report(a: Analysis, out_dir: str | Path, formats: Sequence[str] = FORMATS,
-                 progress: Callable[[str], None] | None = None,
-                 advice: Mapping[str, Any] | None = None) -> list[Path]:
-    """Write the chosen formats into ``out_dir``; returns the files written. ``advice``: the
-    what-if search's, which the reports open with."""
+                 progress: Callable[[str], None] | None = None) -> list[Path]:
+    """Write the chosen formats into ``out_dir``; returns the files written. Where the analysis
+    has advice, the reports open with it."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    doc = build_document(a, advice)
+    doc = build_document(a)
     written: list[Path] = []
     if "json" in formats:
         (out / "findings.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")

@@ -145,6 +145,7 @@ class Advice:
     reason: str
     candidates: int  # change sets replayed
     slo: Mapping[str, float] = field(default_factory=dict)
+    fit: str = ""  # the model's replay of the run as it ran, and its corrections (fit_note)
 
     @property
     def keep(self) -> bool:
@@ -164,7 +165,7 @@ class Advice:
         return {"changes": [c.to_dict() for c in self.changes], "objective": self.objective,
                 "slo": dict(self.slo), "phases": [p.to_dict() for p in self.phases],
                 "alternatives": [a.to_dict() for a in self.alternatives], "reason": self.reason,
-                "candidates": self.candidates, "sentence": self.sentence()}
+                "candidates": self.candidates, "fit": self.fit, "sentence": self.sentence()}
 
 
 def parse_slo(text: str | None) -> dict[str, float]:
@@ -357,9 +358,9 @@ def search(model: FittedModel, findings: Sequence[Mapping[str, Any]], objective:
         best = eligible[0]
         alternatives = tuple([o for o in eligible[1:] + trades if o is not best][:3])
         return Advice(best.changes, objective, best.phases, _unique(alternatives), _why(best, objective),
-                      n, slo), confirmed
+                      n, slo, fit_note(model)), confirmed
     return Advice((), objective, as_run, _unique(tuple(trades[:3])), _keep_reason(trades, objective, slo, n),
-                  n, slo), confirmed
+                  n, slo, fit_note(model)), confirmed
 
 
 def _unchanged(model: FittedModel, label: str) -> PhaseOutcome:
@@ -414,24 +415,28 @@ def _keep_text(objective: str, best: str) -> str:
             f"gaining, {best}")
 
 
-def advise_analysis(analysis: Analysis, objective: str = "throughput", slo: Mapping[str, float] | None = None,
-                    progress: Callable[[str], None] | None = None
-                    ) -> tuple[Advice | None, FittedModel | None, dict[str, list[PhasePrediction]]]:
-    """Fit the model to the analysed run once and search it: the advice (None where the run has
-    no throughput to fit, or the fit fails: said in the notes), the model, and the confirmed
-    predictions for reuse. Reads the findings, never edits them."""
-    if not any(pm.throughput_tok_s for pm in analysis.metrics):
-        return None, None, {}
-    if progress:
-        progress("what-if fit")
-    try:
-        model = fit_model(analysis)
-    except GputraceError as exc:
-        analysis.notes.append(f"no advice: the what-if model could not be fitted to this run ({exc})")
-        return None, None, {}
-    analysis.notes.append(fit_note(model))
-    if progress:
-        progress("advice")
-    advice, confirmed = search(model, [f.to_dict() for f in analysis.findings], objective, slo,
-                               {pm.label: pm.duration_s for pm in analysis.metrics})
-    return advice, model, confirmed
+Hook = Callable[[Analysis, "FittedModel | None"], "Advice | None"]
+
+
+def advisor(objective: str = "throughput", slo: Mapping[str, float] | None = None) -> Hook:
+    """``analyse_run``'s advise hook: from the finished analysis and the model its effects fitted
+    (fitted here where none was), the advice; None where the run has no throughput to fit or the
+    fit fails. Reads the findings, never edits them."""
+    if objective not in OBJECTIVES:
+        raise UsageError(f"--objective {objective!r}: choose from {', '.join(OBJECTIVES)}")
+    if objective == "slo" and not slo:
+        raise UsageError("the slo objective needs --slo ttft_p90=2s,itl_p90=80ms (one or both)")
+
+    def hook(analysis: Analysis, model: FittedModel | None) -> Advice | None:
+        if not any(pm.throughput_tok_s for pm in analysis.metrics):
+            return None
+        if model is None:
+            try:
+                model = fit_model(analysis)
+            except GputraceError:
+                return None
+        advice, _ = search(model, [f.to_dict() for f in analysis.findings], objective, slo,
+                           {pm.label: pm.duration_s for pm in analysis.metrics})
+        return advice
+
+    return hook

@@ -15,7 +15,7 @@ fitted, a first replay sets the overall scale).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +82,9 @@ class FittedModel:
     notes: list[str] = field(default_factory=list)
     replays: tuple[tuple[PhaseOutcome, ...], ...] = ()  # the run as it ran, one per replay seed
     correction: dict[str, float] = field(default_factory=dict)  # phase label -> factor
+    # predictions already replayed (whatif.predict), by change and seeds: the findings' effects
+    # and the advice's search share them
+    predictions: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def labels(self) -> list[str]:
@@ -296,7 +299,7 @@ def _scaled(p: SimParams, a: float, b: float) -> SimParams:
                                context_token_s=p.context_token_s * b)
 
 
-def stage_multipliers(metrics: list[PhaseMetrics], pp_size: int) -> np.ndarray:
+def stage_multipliers(metrics: Sequence[PhaseMetrics], pp_size: int) -> np.ndarray:
     """Each stage's busy share against the stages' mean, averaged over phases by busy time."""
     num, den = np.zeros(pp_size), 0.0
     for pm in metrics:

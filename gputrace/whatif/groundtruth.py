@@ -144,7 +144,7 @@ def _weighted(before: Mapping[str, float], after: Mapping[str, float], weights: 
 def score_advice(name: str, seed: int) -> AdviceScore:
     """Fit a virtual run as a capture, take its advice, run the simulator at it and at each
     finding's configuration change (same seed), and score both on the default objective."""
-    from gputrace.whatif.advise import NOT_CONFIGURATION, advise_analysis
+    from gputrace.whatif.advise import NOT_CONFIGURATION, search
     from gputrace.whatif.predict import finding_change
 
     result = run_scenario(name, seed)
@@ -152,8 +152,9 @@ def score_advice(name: str, seed: int) -> AdviceScore:
         write_store(result, Path(tmp) / "run")
         with Store.open(Path(tmp) / "run", read_only=True) as store:
             analysis = analyse_store(store)
-    advice, model, _ = advise_analysis(analysis)
-    assert advice is not None and model is not None
+    model = fit_model(analysis)  # as the advise hook does where the effects fitted none
+    advice, _ = search(model, [f.to_dict() for f in analysis.findings],
+                       durations={pm.label: pm.duration_s for pm in analysis.metrics})
     weights = {pm.label: pm.duration_s for pm in analysis.metrics}
     bands = {p.phase: p.band_ratio for p in advice.phases}
     before = _truth_tok_s(result)

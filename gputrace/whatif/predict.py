@@ -154,6 +154,10 @@ def predict(model: FittedModel, changes: Mapping[str, Any],
     p = changed_params(model, changes)
     all_seeds = tuple(REPLAY_SEEDS[:len(model.replays)]) if model.replays else REPLAY_SEEDS
     use = seeds if seeds is not None else all_seeds
+    key = f"{sorted(changes.items())!r} at {use!r}"
+    if key in model.predictions:
+        cached: list[PhasePrediction] = model.predictions[key]
+        return cached
     by_level = {m.concurrency: i for i, m in enumerate(model.measured)}
     # as many levels as captured: each phase keeps its place (a finding's level raised stays its
     # phase); other levels pair with the captured phase at the same level, if any
@@ -178,6 +182,7 @@ def predict(model: FittedModel, changes: Mapping[str, Any],
             unchanged = dataclasses.replace(base, throughput_tok_s=tok_s)
         out.append(PhasePrediction(o.label, o.concurrency, measured, predicted, band + widen, unchanged, o,
                                    why))
+    model.predictions[key] = out
     return out
 
 
