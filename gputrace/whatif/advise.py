@@ -359,7 +359,9 @@ def search(model: FittedModel, findings: Sequence[Mapping[str, Any]], objective:
         alternatives = tuple([o for o in eligible[1:] + trades if o is not best][:3])
         return Advice(best.changes, objective, best.phases, _unique(alternatives), _why(best, objective),
                       n, slo, fit_note(model)), confirmed
-    return Advice((), objective, as_run, _unique(tuple(trades[:3])), _keep_reason(trades, objective, slo, n),
+    tried = sorted(options, key=lambda o: (not o.origin.startswith("finding: "), -o.weighted_gain_tok_s))
+    return Advice((), objective, as_run, _unique(tuple(trades[:3])),
+                  _keep_reason(trades, objective, slo, n, tried[0] if tried else None),
                   n, slo, fit_note(model)), confirmed
 
 
@@ -395,9 +397,19 @@ def _why(best: Option, objective: str) -> str:
     return text
 
 
-def _keep_reason(trades: list[Option], objective: str, slo: Mapping[str, float], n: int) -> str:
+def _keep_reason(trades: list[Option], objective: str, slo: Mapping[str, float], n: int,
+                 closest: Option | None) -> str:
     if not trades:
-        return f"none of the {n} change sets replayed gains beyond its band at any phase"
+        text = f"none of the {n} change sets replayed gains beyond its band at any phase"
+        if closest is not None and closest.phases:
+            top = max(closest.phases, key=lambda p: p.gain_ratio)
+            origin = closest.origin.removeprefix("finding: ")
+            text += (f"; the findings' change {', '.join(c.text() for c in closest.changes)} ({origin}) "
+                     f"moves {top.phase} {top.gain_ratio:+.0%} against its band of ±{top.band_ratio:.0%}")
+            losses = [f"{p.phase} {p.gain_ratio:+.0%}" for p in closest.phases if p.loses]
+            if losses:
+                text += f" and costs {', '.join(losses)}"
+        return text
     best = trades[0]
     if best.origin.startswith("finding: "):
         origin = best.origin.removeprefix("finding: ")
