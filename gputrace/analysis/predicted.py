@@ -58,11 +58,8 @@ class PredictedEffect:
         band = self.band_ratio
         if self.within_uncertainty:
             text += ", inside the model's uncertainty: no clear gain"
-        elif self.unchanged_tok_s and not moves(self.predicted_tok_s, self.unchanged_tok_s,
-                                                 self.measured_tok_s, band, up=True):
-            # measured -> predicted is then the fit's offset from the run, not the change's effect
-            text += (f"; the model gives {self.unchanged_tok_s:.0f} tok/s there unchanged: no clear "
-                     "gain from the change itself")
+        elif moves(self.predicted_tok_s, self.unchanged_tok_s, self.measured_tok_s, band, up=False):
+            text += "; a loss at this phase"
         costs = [f"C={o.concurrency} {o.measured_tok_s:.0f} -> {o.predicted_tok_s:.0f}"
                  for o in self.other_phases
                  if moves(o.predicted_tok_s, o.unchanged_tok_s, o.measured_tok_s, band, up=False)]
