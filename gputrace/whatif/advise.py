@@ -27,6 +27,7 @@ from gputrace.whatif.predict import PhasePrediction, finding_change, predict
 
 OBJECTIVES = ("throughput", "peak", "slo")
 SCREEN_SEEDS = (0,)  # a candidate's first replay; the best CONFIRM are replayed at every seed
+SCREEN_PHASE_S = 30.0  # a screening replay's phases at most this long (the run as it ran as long)
 CONFIRM = 4
 MAX_CANDIDATES = 36
 PAIR_FROM = 4  # the best single changes combined in pairs
@@ -40,7 +41,7 @@ FLAGS = {"sglang": {"pp_max_micro_batch_size": "--pp-max-micro-batch-size",
                     "stage_cost_multipliers": "SGLANG_PP_LAYER_PARTITION"},
          "vllm": {"max_running_requests": "--max-num-seqs",
                   "chunked_prefill_size": "--max-num-batched-tokens",
-                  "max_total_num_tokens": "--num-gpu-blocks-override"}}
+                  "max_total_num_tokens": "KV cache tokens (--num-gpu-blocks-override x block size)"}}
 # Findings whose change is to the offered load, the log or the hardware: facts and information,
 # never ranked as a configuration gain
 NOT_CONFIGURATION = frozenset({"concurrency", "client", "link", "--decode-log-interval", "cooling/power"})
@@ -311,8 +312,8 @@ def search(model: FittedModel, findings: Sequence[Mapping[str, Any]], objective:
     for change, origin in pool:
         changes = _changes_of(model, change)
         assert changes is not None
-        screened.append((change, origin, Option(changes, _phases(model, predict(model, change, SCREEN_SEEDS),
-                                                                  weights), origin)))
+        rows = predict(model, change, SCREEN_SEEDS, SCREEN_PHASE_S)
+        screened.append((change, origin, Option(changes, _phases(model, rows, weights), origin)))
     # pairs of the best single changes on different knobs
     singles = sorted(screened, key=lambda s: -s[2].weighted_gain_tok_s)[:PAIR_FROM]
     seen = {_key(c) for c, _, _ in screened}
@@ -326,8 +327,8 @@ def search(model: FittedModel, findings: Sequence[Mapping[str, Any]], objective:
             seen.add(_key(pair))
             changes = _changes_of(model, pair)
             assert changes is not None
-            screened.append((pair, "pair", Option(changes, _phases(model, predict(model, pair, SCREEN_SEEDS),
-                                                                   weights), "pair")))
+            rows = predict(model, pair, SCREEN_SEEDS, SCREEN_PHASE_S)
+            screened.append((pair, "pair", Option(changes, _phases(model, rows, weights), "pair")))
 
     def rank(o: Option) -> float:
         s = score(o, objective, slo)

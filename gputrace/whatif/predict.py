@@ -147,17 +147,27 @@ def extrapolation_band(model: FittedModel, o: PhaseOutcome, changes: Mapping[str
 
 
 def predict(model: FittedModel, changes: Mapping[str, Any],
-            seeds: tuple[int, ...] | None = None) -> list[PhasePrediction]:
+            seeds: tuple[int, ...] | None = None, phase_s: float | None = None) -> list[PhasePrediction]:
     """Run the fitted model under ``changes`` (at ``seeds``, default the fit's replay seeds);
     pair each level with the captured phase at it and calibrate it against the model's replay of
-    that phase as it ran at the same seeds."""
+    that phase as it ran at the same seeds. ``phase_s``: replay each phase this long at most (a
+    search's screening), the run as it ran replayed as long for the ratio."""
     p = changed_params(model, changes)
     all_seeds = tuple(REPLAY_SEEDS[:len(model.replays)]) if model.replays else REPLAY_SEEDS
     use = seeds if seeds is not None else all_seeds
-    key = f"{sorted(changes.items())!r} at {use!r}"
+    short = phase_s is not None and phase_s < p.phase_s
+    key = f"{sorted(changes.items())!r} at {use!r}" + (f" for {phase_s} s" if short else "")
     if key in model.predictions:
         cached: list[PhasePrediction] = model.predictions[key]
         return cached
+    if short:
+        assert phase_s is not None
+        p = dataclasses.replace(p, phase_s=phase_s)
+        base_key = f"as run at {use!r} for {phase_s} s"
+        if base_key not in model.predictions:
+            model.predictions[base_key] = replay_seeds(dataclasses.replace(model.params, phase_s=phase_s),
+                                                       model.labels, use)
+        short_runs: list[list[PhaseOutcome]] = model.predictions[base_key]
     by_level = {m.concurrency: i for i, m in enumerate(model.measured)}
     # as many levels as captured: each phase keeps its place (a finding's level raised stays its
     # phase); other levels pair with the captured phase at the same level, if any
@@ -166,6 +176,8 @@ def predict(model: FittedModel, changes: Mapping[str, Any],
     outcomes = median_outcomes(runs)
     as_run_runs = [list(model.replays[all_seeds.index(s)]) for s in use if s in all_seeds] \
         if model.replays else []
+    if short:
+        as_run_runs = short_runs
     as_run = median_outcomes(as_run_runs) if len(as_run_runs) == len(use) else model.simulated
     out = []
     for i, o in enumerate(outcomes):
