@@ -28,7 +28,7 @@ from gputrace.whatif.predict import PhasePrediction, finding_change, predict
 OBJECTIVES = ("throughput", "peak", "slo")
 SCREEN_SEEDS = (0,)  # a candidate's first replay; the best CONFIRM are replayed at every seed
 SCREEN_PHASE_S = 30.0  # a screening replay's phases at most this long (the run as it ran as long)
-CONFIRM = 4
+CONFIRM = 2
 MAX_CANDIDATES = 36
 PAIR_FROM = 4  # the best single changes combined in pairs
 SLO_KEYS = ("ttft_p90", "itl_p90")
