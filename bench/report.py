@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -119,6 +120,34 @@ def child_report(run: str, out: str) -> dict[str, object]:
     return {"table_s": table_s, "table": [{k: r[k] for k in keys} for r in phase_stage_table(a)]}
 
 
+def child_command(run: str, out: str) -> dict[str, object]:
+    """The real `gputrace report` command (analysis, the what-if's effects and the advice, the
+    figures and the three formats), in this process; its CPU seconds."""
+    from gputrace.cli import main as gputrace_main
+
+    c0 = time.process_time()
+    gputrace_main(["report", run, "--out", out, "--no-progress", "--format", "html,md,json"])
+    return {"cpu_s": time.process_time() - c0}
+
+
+def child_sql(run: str) -> dict[str, object]:
+    """DuckDB SQL: the phase-by-stage busy table, GPU samples ASOF JOINed onto the phase markers,
+    GROUP BY phase and stage; its CPU seconds."""
+    c0 = time.process_time()
+    with Store.open(run, read_only=True) as store:
+        placements = store.meta.topology["placements"]
+        values = ", ".join(f"('{p['host']}', {int(p['gpu_index'])}, {int(p['pp_rank'])})" for p in placements)
+        rows = store.sql(
+            f"WITH pl(host, gpu_index, pp_rank) AS (VALUES {values}), "
+            "m AS (SELECT ts_ns, label FROM markers), "
+            "s AS (SELECT g.ts_ns - 100000000 AS win_ns, g.utilization_ratio AS u, pl.pp_rank "
+            "      FROM gpu_samples g JOIN pl USING (host, gpu_index)) "
+            "SELECT m.label, s.pp_rank, avg(s.u) AS busy, count(*) AS n "
+            "FROM s ASOF JOIN m ON s.win_ns >= m.ts_ns WHERE m.label <> 'end' "
+            "GROUP BY 1, 2 ORDER BY 1, 2")
+    return {"cpu_s": time.process_time() - c0, "rows": len(rows)}
+
+
 def child_reference(run: str) -> dict[str, object]:
     """pandas: merge_asof GPU samples onto phases and in-flight counts, groupby phase and stage."""
     import pandas as pd
@@ -159,7 +188,7 @@ def child_reference(run: str) -> dict[str, object]:
                        "bubble_fraction": r.bubble} for r in table.itertuples()]}
 
 
-def child_command(run: str, out: str, timeout_s: float) -> dict[str, object]:
+def child_command_process(run: str, out: str, timeout_s: float) -> dict[str, object]:
     """The command users run, `gputrace report RUN` (what-if and all), in its own process: its
     peak RSS is this process's largest child's; stopped after ``timeout_s``."""
     t0 = time.perf_counter()
@@ -197,7 +226,7 @@ def scale(hours: float, gpus: list[int], timeout_s: float) -> None:
             line = (f"{n_gpus:>5} {samples:>12,} {size_gb:>9.2f} | {wall:>13.1f} {cpu:>7.1f} {mb:>7.0f} "
                     f"{wall / base[0]:>5.1f}x {mb / base[1]:>5.1f}x | ")
             if timeout_s:
-                _, _, cmd = run_child(["--child", "command", str(run), str(Path(tmp) / "out"),
+                _, _, cmd = run_child(["--child", "command-process", str(run), str(Path(tmp) / "out"),
                                        str(timeout_s)])
                 done = "" if cmd["finished"] else f" (stopped at {timeout_s:g} s)"
                 line += (f"{float(cmd['wall_s']):>18.1f} {float(cmd['cpu_s']):>7.1f} "  # type: ignore[arg-type]
@@ -245,9 +274,16 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         kind, run = sys.argv[2], sys.argv[3]
         t0 = time.perf_counter()
-        res = (child_report(run, sys.argv[4]) if kind == "report" else
-               child_command(run, sys.argv[4], float(sys.argv[5])) if kind == "command" else
-               child_reference(run))
+        if kind == "report":
+            res = child_report(run, sys.argv[4])
+        elif kind == "command-process":
+            res = child_command_process(run, sys.argv[4], float(sys.argv[5]))
+        elif kind == "command":
+            res = child_command(run, sys.argv[4])
+        elif kind == "sql":
+            res = child_sql(run)
+        else:
+            res = child_reference(run)
         res["seconds"] = time.perf_counter() - t0
         usage = resource.getrusage(resource.RUSAGE_SELF)
         res.setdefault("cpu_s", usage.ru_utime + usage.ru_stime)
@@ -264,10 +300,13 @@ def main() -> None:
                          "(e.g. 8,64,512 with --hours 8), printing the growth of time and peak RSS.")
     ap.add_argument("--command-timeout", type=float, default=1800,
                     help="With --scale: seconds the whole `gputrace report` may take; 0: skip it.")
+    ap.add_argument("--no-command", dest="command", action="store_false",
+                    help="Skip the real `gputrace report` against the DuckDB SQL reference.")
     args = ap.parse_args()
     if args.scale:
         scale(args.hours, [int(g) for g in args.scale.split(",")], args.command_timeout)
         return
+    cpu_rows: list[str] = []
     print(f"{'run':>16} {'report s':>9} {'(table s)':>9} {'report MB':>10} {'pandas s':>9} "
           f"{'(table s)':>9} {'pandas MB':>10} {'speedup':>8} {'max |diff|':>10}")
     for n_gpus in (int(g) for g in args.gpus.split(",")):
@@ -282,6 +321,8 @@ def main() -> None:
             r_wall, r_mb, r_res = _median_run(r_runs)
             p_wall, p_mb, p_res = _median_run(p_runs)
             diff = compare_tables(r_res["table"], p_res["table"])  # type: ignore[arg-type]
+            if args.command:
+                cpu_rows.append(command_cpu(n_gpus, args.hours, run, Path(tmp), args.repeats))
             print(f"{n_gpus:>3} GPUs x {args.hours:g} h {r_wall:>9.2f} {r_res['table_s']:>9.2f} "
                   f"{r_mb:>10.0f} {p_wall:>9.2f} {p_res['seconds']:>9.2f} {p_mb:>10.0f} "
                   f"{p_wall / r_wall:>7.2f}x {diff:>10.4f}")
@@ -289,6 +330,30 @@ def main() -> None:
     print("report s / pandas s: wall time of a fresh process each, including imports (the report also\n"
           "draws 5 figures and writes HTML, Markdown and JSON); (table s): reading the store and\n"
           "computing the phase-by-stage table only; MB: peak RSS; speedup = pandas s / report s")
+    print_command_rows(cpu_rows)
+
+
+def command_cpu(n_gpus: int, hours: float, run: str | Path, tmp: str | Path, repeats: int) -> str:
+    """One row: the real command's CPU seconds beside the DuckDB SQL reference's (medians)."""
+    cmd, sql = [], []
+    for i in range(repeats):  # interleaved
+        out = str(Path(tmp) / f"cmd{i}")
+        cmd.append(float(str(run_child(["--child", "command", str(run), out])[2]["cpu_s"])))
+        sql.append(float(str(run_child(["--child", "sql", str(run)])[2]["cpu_s"])))
+    c, q = statistics.median(cmd), statistics.median(sql)
+    return f"{n_gpus:>3} GPUs x {hours:g} h {c:>14.2f} {q:>10.2f} {c / q:>7.1f}x"
+
+
+def print_command_rows(rows: list[str]) -> None:
+    if not rows:
+        return
+    print()
+    print("The real `gputrace report` (its what-if effects and the advice included) beside a DuckDB SQL "
+          "query of the\nphase-by-stage busy table (ASOF JOIN + GROUP BY) on the same store; CPU seconds "
+          "of the call, medians:")
+    print(f"{'run':>16} {'report cpu s':>14} {'SQL cpu s':>10} {'ratio':>8}")
+    print("\n".join(rows))
+    print("ratio = report / SQL (the issue's target: at most 5x)")
 
 
 if __name__ == "__main__":

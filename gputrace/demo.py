@@ -1,8 +1,11 @@
 """`gputrace demo`: the whole chain on loopback with no GPU: the simulator's real-time SGLang PP8
-server, an agent with the simulated backend, and `gputrace run` (collector + load generator +
-report), as real processes. Three runs of the motivating deployment: its defaults; gputrace's own
-top recommendation from the first run's findings, applied; and the change people try first
-(--pp-max-micro-batch-size 64); then the comparisons.
+server, an agent with the simulated backend, and `gputrace run` (collector + load generator), as
+real processes; each run is then analysed here (``analyse_run``) and its report written from that
+analysis, which the demo reads its decisions from. Three runs of the motivating deployment: its
+defaults; gputrace's advice from the defaults' analysis (``Analysis.advice``), applied, unless it
+is to keep the settings (then the demo says why); and the change people try first
+(--pp-max-micro-batch-size 64); then the comparisons. Each run's throughput per phase is shown
+beside what the model fitted to the defaults predicted for it.
 """
 
 from __future__ import annotations
@@ -14,15 +17,25 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from numbers import Integral
 from pathlib import Path
 from typing import Any
 
-from gputrace.errors import SourceError, UsageError
+from gputrace.analyse import analyse_run
+from gputrace.analysis.predicted import PredictedEffect
+from gputrace.analysis.run import Analysis
+from gputrace.errors import GputraceError, SourceError, UsageError
+from gputrace.report.render import write_report
+from gputrace.store import Store
+from gputrace.whatif.advise import Advice, advisor
+from gputrace.whatif.fit import FittedModel, fit_model
+from gputrace.whatif.predict import predict
 
 SIM_HOST = "sim-node0"
 
@@ -60,7 +73,15 @@ class DemoRun:
     scenario: str
     run_dir: Path
     report_dir: Path
+    analysis: Analysis  # what its report renders
     overrides: tuple[tuple[str, Any], ...] = ()
+    model: FittedModel | None = None  # the what-if model its effects fitted (None: none was)
+
+    @property
+    def advice(self) -> Advice | None:
+        """The advice of its analysis (None where the run has none)."""
+        a = self.analysis.advice
+        return a if isinstance(a, Advice) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,21 +93,21 @@ class Recommendation:
     knob: str
     value: int
     text: str
-    predicted: dict[str, Any] | None = None  # the what-if model's effect (findings.json "predicted")
+    predicted: PredictedEffect | None = None  # the what-if model's effect (findings.json "predicted")
 
     @property
     def overrides(self) -> dict[str, Any]:
         return {FLAG_PARAMS[self.knob]: self.value}
 
 
-def top_recommendation(doc: dict[str, Any]) -> Recommendation | None:
-    """From findings.json (ranked most important first): the first with an engine flag and value."""
-    for f in doc.get("findings", []):
-        details = f.get("change") or {}
-        knob, value = details.get("knob"), details.get("value")
-        if knob in FLAG_PARAMS and isinstance(value, int) and value > 0:
-            return Recommendation(f["cause"], f["phase"], knob, value, f.get("recommendation", ""),
-                                  f.get("predicted"))
+def top_recommendation(analysis: Analysis) -> Recommendation | None:
+    """The first finding (ranked most important first) with an engine flag and value."""
+    for f in analysis.findings:
+        knob, value = f.details.get("knob"), f.details.get("value")
+        if knob in FLAG_PARAMS and isinstance(value, Integral) and not isinstance(value, bool) \
+                and int(value) > 0:
+            return Recommendation(f.cause, f.phase, str(knob), int(value), analysis.recommendation_of(f),
+                                  analysis.effect_of(f))
     return None
 
 
@@ -148,11 +169,17 @@ def write_config(path: Path, log_files: list[Path], agent_ports: list[int], pp_s
     )
 
 
+# One report at a time: the runs capture side by side, but the figures are drawn with pyplot, whose
+# state (rcParams, the current figure) is global to the process.
+_REPORTING = threading.Lock()
+
+
 def run_one(out: Path, label: str, scenario: str, plan: DemoPlan,
             say: Callable[[str], None], overrides: dict[str, Any] | None = None) -> DemoRun:
     """Serve the scenario (with ``overrides``), capture a sweep against it with `gputrace run`,
-    write its report."""
-    sets = [f"--set={key}={value}" for key, value in {**LOGGED_AS_ADVISED, **(overrides or {})}.items()]
+    analyse the run and write its report."""
+    sets = [f"--set={key}={','.join(map(str, value)) if isinstance(value, (list, tuple)) else value}"
+            for key, value in {**LOGGED_AS_ADVISED, **(overrides or {})}.items()]
     work = out / "work" / label
     work.mkdir(parents=True, exist_ok=True)
     nodes = range(plan.nodes)
@@ -193,7 +220,7 @@ def run_one(out: Path, label: str, scenario: str, plan: DemoPlan,
             "--url", f"http://127.0.0.1:{sim_port}", "--model", "default",
             "--concurrency", ",".join(map(str, plan.concurrency)),
             "--duration-per-level", str(plan.level_s), "--max-tokens", str(plan.max_tokens),
-            "--warmup", "0", "--drain", "0.5")
+            "--warmup", "0", "--drain", "0.5", "--no-report")
         with open(work / "run.out", "wb") as run_log:
             status = subprocess.run(run_argv, stdout=run_log, stderr=subprocess.STDOUT,
                                     check=False).returncode
@@ -201,7 +228,23 @@ def run_one(out: Path, label: str, scenario: str, plan: DemoPlan,
             tail = (work / "run.out").read_text(errors="replace").strip().splitlines()[-5:]
             raise SourceError(f"demo: `gputrace run` for {label} failed (status {status}): "
                               + " | ".join(tail))
-    return DemoRun(label, scenario, run_dir, run_dir / "report", tuple((overrides or {}).items()))
+    report_dir = run_dir / "report"
+    say(f"[{label}] analysing the run and writing its report")
+    with _REPORTING, Store.open(run_dir, read_only=True) as store:
+        models: list[FittedModel | None] = []
+        hook = advisor()
+
+        def advise(a: Analysis, model: FittedModel | None) -> Any:
+            if model is None and any(pm.throughput_tok_s for pm in a.metrics):
+                with contextlib.suppress(GputraceError):  # the hook says none then
+                    model = fit_model(a)
+            models.append(model)
+            return hook(a, model)
+
+        analysis = analyse_run(store, advise=advise)
+        write_report(analysis, report_dir)
+    return DemoRun(label, scenario, run_dir, report_dir, analysis, tuple((overrides or {}).items()),
+                   models[0] if models else None)
 
 
 def compare(out: Path, a: DemoRun, b: DemoRun) -> Path:
@@ -213,26 +256,30 @@ def compare(out: Path, a: DemoRun, b: DemoRun) -> Path:
     return target
 
 
-def findings_of(run: DemoRun) -> dict[str, Any]:
-    path = run.report_dir / "findings.json"
-    try:
-        doc: dict[str, Any] = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise SourceError(f"demo: no readable findings for {run.label} at {path}: {exc}") from exc
-    return doc
-
-
 @dataclass(frozen=True, slots=True)
 class DemoResult:
     defaults: DemoRun
-    recommended: DemoRun | None  # None when the defaults' run had no finding to apply
-    recommendation: Recommendation | None
+    advised: DemoRun | None  # None when the advice is to keep the settings (or there is none)
     first_try: DemoRun
     comparisons: tuple[Path, ...]
+    # per run label, per phase: the throughput the model fitted to the defaults predicted for it
+    # (for the defaults, the model's replay of them as they ran)
+    predicted: dict[str, dict[str, float | None]]
+
+    @property
+    def advice(self) -> Advice | None:
+        return self.defaults.advice
 
     @property
     def runs(self) -> list[DemoRun]:
-        return [r for r in (self.defaults, self.recommended, self.first_try) if r is not None]
+        return [r for r in (self.defaults, self.advised, self.first_try) if r is not None]
+
+
+def predicted_by(run: DemoRun, overrides: dict[str, Any]) -> dict[str, float | None]:
+    """Per phase, what the model fitted to ``run`` predicts under ``overrides``."""
+    if run.model is None:
+        return {}
+    return {r.label: r.predicted.throughput_tok_s for r in predict(run.model, overrides)}
 
 
 def run_demo(out: Path, quick: bool, say: Callable[[str], None], nodes: int = 1) -> DemoResult:
@@ -244,19 +291,24 @@ def run_demo(out: Path, quick: bool, say: Callable[[str], None], nodes: int = 1)
         raise UsageError(f"--nodes {nodes}: PP8 splits over 1, 2, 4 or 8 nodes")
     plan = DemoPlan.for_mode(quick, nodes)
     # The deployments are independent processes on loopback: the defaults and the first try run
-    # side by side; gputrace's recommendation needs the defaults' findings first.
+    # side by side; gputrace's advice needs the defaults' analysis first.
     with ThreadPoolExecutor(max_workers=2) as pool:
         defaults_future = pool.submit(run_one, out, "defaults", SCENARIO, plan, say)
         first_future = pool.submit(run_one, out, "k64", SCENARIO, plan, say, FIRST_TRY)
         defaults = defaults_future.result()
-        rec = top_recommendation(findings_of(defaults))
-        recommended = None
-        if rec is None:
-            say("[recommended] the defaults' run has no finding with a setting to change")
+        advice = defaults.advice
+        advised = None
+        predicted: dict[str, dict[str, float | None]] = {}
+        if advice is None:
+            say("[advised] the defaults' analysis has no advice (the what-if model could not be fitted)")
         else:
-            say(f"[recommended] gputrace's top recommendation: {rec.knob} {rec.value} "
-                f"({rec.cause} at {rec.phase})")
-            recommended = run_one(out, "recommended", SCENARIO, plan, say, rec.overrides)
+            say(f"[advised] gputrace's advice: {advice.sentence()}")
+            predicted["defaults"] = {p.phase: p.unchanged_tok_s for p in advice.phases}
+            if not advice.keep:
+                predicted["advised"] = {p.phase: p.predicted_tok_s for p in advice.phases}
+                advised = run_one(out, "advised", SCENARIO, plan, say,
+                                  {c.knob: c.value for c in advice.changes})
+        predicted["k64"] = predicted_by(defaults, FIRST_TRY)
         first_try = first_future.result()
-    comparisons = [compare(out, defaults, run) for run in (recommended, first_try) if run is not None]
-    return DemoResult(defaults, recommended, rec, first_try, tuple(comparisons))
+    comparisons = [compare(out, defaults, run) for run in (advised, first_try) if run is not None]
+    return DemoResult(defaults, advised, first_try, tuple(comparisons), predicted)

@@ -4,6 +4,7 @@ compared with itself, and no CSS the page does not use."""
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import json
 import re
@@ -95,9 +96,9 @@ def test_the_top_finding_is_the_one_the_report_leads_with(tmp_path: Path) -> Non
 
     with Store.open(_capped(tmp_path / "a"), read_only=True) as store:
         analysis = analyse_store(store)
-    analysis.findings.insert(0, Finding("pipeline_underfilled", "C=1", [0, 1, 2, 3], {}, 0.7,
-                                        "offer at least 4 requests", "1 micro-batch for 4 stages",
-                                        details={"knob": "concurrency", "value": 4}))
+    load = Finding("pipeline_underfilled", "C=1", [0, 1, 2, 3], {}, 0.7, "offer at least 4 requests",
+                   "1 micro-batch for 4 stages", details={"knob": "concurrency", "value": 4})
+    analysis = dataclasses.replace(analysis, findings=(load, *analysis.findings))
     top = top_finding(analysis)
     assert top is not None and top["cause"] == "microbatch_cap" and top["phase"] == "C=32"
     opening = verdict(build_document(analysis))

@@ -3,6 +3,7 @@ the simulator run at the changed setting; `gputrace whatif`; findings' predicted
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -12,12 +13,11 @@ import pytest
 
 from gputrace.analysis.run import Analysis, analyse_store
 from gputrace.demo import top_recommendation
-from gputrace.report.document import build_document
 from gputrace.sim.outputs import write_store
 from gputrace.sim.params import SCENARIOS
 from gputrace.sim.run import run_scenario
 from gputrace.store import Store
-from gputrace.whatif.effects import add_predicted_effects
+from gputrace.whatif.effects import with_predicted_effects
 from gputrace.whatif.fit import fit_model
 from gputrace.whatif.groundtruth import OTHER_CHANGES, format_table, score_change, score_fixes
 
@@ -103,24 +103,26 @@ def test_fit_reads_prefill_tokens_from_the_prefill_lines(tmp_path: Path) -> None
 def test_findings_carry_predicted_effects_and_demo_second_run(motivating_run: Path) -> None:
     """Must show 3 (virtual time): every finding with a change gets its predicted effect; the
     top recommendation (as the demo picks it) predicts the second run within 15 %."""
-    analysis = _analysis(motivating_run)
-    add_predicted_effects(analysis)
-    predicted = [f for f in analysis.findings if "predicted" in f.details]
+    analysis, _ = with_predicted_effects(_analysis(motivating_run))
+    predicted = [f for f in analysis.findings if analysis.effect_of(f) is not None]
     assert len(predicted) == len([f for f in analysis.findings if f.details.get("knob")])
     for f in predicted:
-        e = f.details["predicted"]
-        assert f"predicted: {e['measured_tok_s']:.0f} -> {e['predicted_tok_s']:.0f} tok/s at " \
-            f"C={e['concurrency']} (±" in f.recommendation
-    nets = [f.details["predicted"]["net_gain_tok_s"] for f in predicted]
+        e = analysis.effects[f.key]
+        assert f"predicted: {e.measured_tok_s:.0f} -> {e.predicted_tok_s:.0f} tok/s at " \
+            f"C={e.concurrency} (±" in analysis.recommendation_of(f)
+        assert "predicted:" not in f.recommendation  # the finding itself is as the rules built it
+    nets = [analysis.effects[f.key].net_gain_tok_s for f in predicted]
     assert nets == sorted(nets, reverse=True)
-    rec = top_recommendation(build_document(analysis))
+    rec = top_recommendation(analysis)
     assert rec is not None and rec.knob == "--pp-max-micro-batch-size"
     second = run_scenario("motivating", 0, rec.overrides).ground_truth["phases"]
     truth = {ph["label"]: ph["throughput_tok_s"] for ph in second}
     top = next(f for f in analysis.findings if f.details.get("knob") == rec.knob)
-    assert abs(top.details["predicted"]["predicted_tok_s"] / truth[rec.phase] - 1) < 0.15
-    for other in top.details["predicted"]["other_phases"]:
-        assert abs(other["predicted_tok_s"] / truth[other["phase"]] - 1) < 0.15, other
+    effect = analysis.effects[top.key]
+    assert rec.predicted == effect
+    assert abs(effect.predicted_tok_s / truth[rec.phase] - 1) < 0.15
+    for other in effect.other_phases:
+        assert abs(other.predicted_tok_s / truth[other.phase] - 1) < 0.15, other
 
 
 def _whatif(run: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -158,26 +160,18 @@ def test_whatif_rejects_unknown_keys_and_impossible_values(motivating_run: Path)
 
 
 def test_effect_text_claims_only_what_the_change_itself_moves() -> None:
-    """A level whose prediction falls below the measurement only because the model replays it low
-    unchanged is no cost; one the change itself lowers past the band is (K = 4 at C=64: the model
-    gives 2538 unchanged, 1290 with it), even where the prediction sits inside the band of the
-    measurement (a demo run: 1958 measured, 2751 replayed unchanged, 1392 with K = 4, ±30%)."""
-    from gputrace.whatif.effects import effect_text
+    """Predictions are calibrated (measured x model(change) / model(as run)), so the text weighs
+    them against the measurement: a phase the change lowers past the band is a cost, one inside
+    the band is none, whatever the model's own replay of the run was."""
+    from gputrace.analysis.predicted import PhaseEffect, PredictedEffect
 
-    effect = {"phase": "C=32", "concurrency": 32, "measured_tok_s": 1058.6, "predicted_tok_s": 1284.8,
-              "unchanged_tok_s": 1000.0, "band_ratio": 0.19, "within_uncertainty": False,
-              "other_phases": [
-                  {"phase": "C=64", "concurrency": 64, "measured_tok_s": 2104.0, "predicted_tok_s": 1290.0,
-                   "unchanged_tok_s": 2538.0},
-                  {"phase": "C=8", "concurrency": 8, "measured_tok_s": 273.0, "predicted_tok_s": 200.0,
-                   "unchanged_tok_s": 201.0}]}
-    assert effect_text(effect) == ("predicted: 1059 -> 1285 tok/s at C=32 (±19%); costs C=64 2104 -> "
-                                   "1290 tok/s")
-    effect["unchanged_tok_s"] = 1266.0  # the gain is the fit's offset: the model gives as much unchanged
-    assert effect_text(effect) == ("predicted: 1059 -> 1285 tok/s at C=32 (±19%); the model gives 1266 "
-                                   "tok/s there unchanged: no clear gain from the change itself; costs "
-                                   "C=64 2104 -> 1290 tok/s")
-    effect["band_ratio"] = 0.30
-    effect["other_phases"] = [{"phase": "C=64", "concurrency": 64, "measured_tok_s": 1957.6,
-                               "predicted_tok_s": 1392.3, "unchanged_tok_s": 2751.2}]
-    assert effect_text(effect).endswith("; costs C=64 1958 -> 1392 tok/s")
+    effect = PredictedEffect("C=32", 32, 1058.6, 1284.8, 1000.0, band_ratio=0.19, gain_ratio=0.2137,
+                             within_uncertainty=False, net_gain_tok_s=0.0, other_phases=(
+                                 PhaseEffect("C=64", 64, 2104.0, 1290.0, 2538.0),
+                                 PhaseEffect("C=8", 8, 273.0, 240.0, 201.0)))
+    assert effect.text() == ("predicted: 1059 -> 1285 tok/s at C=32 (±19%); costs C=64 2104 -> "
+                             "1290 tok/s")
+    # the model's replay unchanged does not enter: the prediction is already relative to it
+    assert dataclasses.replace(effect, unchanged_tok_s=1266.0).text() == effect.text()
+    loss = dataclasses.replace(effect, predicted_tok_s=700.0, gain_ratio=-0.34)
+    assert loss.text().startswith("predicted: 1059 -> 700 tok/s at C=32 (±19%); a loss at this phase")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -57,9 +57,10 @@ def changes_the_deployment(knob: object) -> bool:
     return isinstance(knob, str) and knob not in LOAD_KNOBS
 
 
-@dataclass
+@dataclass(frozen=True)
 class Finding:
-    """One diagnosed cause in one phase ("*" for the whole run)."""
+    """One diagnosed cause in one phase ("*" for the whole run). Built once by the rules; what is
+    computed about it later (its predicted effect, the advice) is data beside it, keyed by ``key``."""
 
     cause: str
     phase: str
@@ -73,6 +74,12 @@ class Finding:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def key(self) -> str:
+        """The finding's identity within its run: its cause, phase and knob (the rules give at most
+        one finding of a cause per phase)."""
+        return f"{self.cause}@{self.phase}:{self.details.get('knob') or ''}"
 
 
 def _vals(stages: Sequence[StageMetrics], name: str) -> np.ndarray:
@@ -539,24 +546,29 @@ def diagnose_log_sampling(phases: Sequence[PhaseMetrics], engine: Mapping[str, A
         details={"knob": "--decode-log-interval", "value": 1})
 
 
-def note_k_trade_offs(found: list[Finding], phases: Sequence[PhaseMetrics], engine: Mapping[str, Any],
-                      pp_size: int) -> None:
+def note_k_trade_offs(found: Sequence[Finding], phases: Sequence[PhaseMetrics],
+                      engine: Mapping[str, Any], pp_size: int) -> list[Finding]:
     """A K chosen for one phase's load caps the engine at K x slots: say so where another phase of
     the run offered more (that phase would then queue behind K)."""
     slots = pp_size + int(engine.get("pp_async_batch_depth") or 0)
     loads = {pm.label: pm.inflight_mean if pm.inflight_mean is not None else pm.target_concurrency
              for pm in phases}
+    out = []
     for f in found:
         if f.details.get("knob") != "--pp-max-micro-batch-size" or not f.details.get("value"):
+            out.append(f)
             continue
         bound = int(f.details["value"]) * slots
         higher = [f"{label} ({load:.0f})" for label, load in loads.items()
                   if label != f.phase and load is not None and load > bound + 0.5]
         if higher:
-            f.recommendation += (f"; at this K the engine admits at most {bound} (K x {slots} slots), "
-                                 f"fewer than offered in {', '.join(higher)}")
-            f.details["caps_phases"] = len(higher)
-            f.impact /= 1 + 2 * len(higher)  # a change that costs other phases ranks lower
+            f = replace(f, recommendation=f.recommendation + (
+                f"; at this K the engine admits at most {bound} (K x {slots} slots), "
+                f"fewer than offered in {', '.join(higher)}"),
+                details={**f.details, "caps_phases": len(higher)},
+                impact=f.impact / (1 + 2 * len(higher)))  # a change that costs other phases ranks lower
+        out.append(f)
+    return out
 
 
 def cannot_tell(phases: Sequence[PhaseMetrics], pp_size: int) -> list[Finding]:
@@ -596,7 +608,7 @@ def diagnose(phases: Sequence[PhaseMetrics], engine: Mapping[str, Any], pp_size:
     found: list[Finding] = []
     for pm in phases:
         found.extend(diagnose_phase(pm, engine, pp_size, th))
-    note_k_trade_offs(found, phases, engine, pp_size)
+    found = note_k_trade_offs(found, phases, engine, pp_size)
     aliased = diagnose_log_sampling(phases, engine, pp_size, th)
     if aliased:
         found.append(aliased)

@@ -3,9 +3,9 @@ streams, phases, metrics, findings."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -32,20 +32,43 @@ from gputrace.analysis.phases import (
     phases_from_markers,
     phases_from_request_labels,
 )
+from gputrace.analysis.predicted import PredictedEffect
 from gputrace.run_tables import EngineMetricColumns, RunSource, RunTables
 
 
-@dataclass
+class Advice(Protocol):
+    """The advice for the deployment, computed after the findings from the whole analysis (the
+    advisor, ``gputrace.analyse.Advise``, produces it); findings.json carries ``to_dict()`` as
+    ``advice``."""
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
 class Analysis:
-    """The result of analysing one run."""
+    """The result of analysing one run: what every output renders. Immutable: a later step (the
+    what-if's predicted effects, the advice, the store's notes) makes a new one with
+    ``dataclasses.replace``, never edits this one or its findings."""
 
     run: AlignedRun
     series: StageSeries
-    phases: list[Phase]
-    metrics: list[PhaseMetrics]
-    findings: list[Finding]
-    notes: list[str] = field(default_factory=list)
+    phases: tuple[Phase, ...]
+    metrics: tuple[PhaseMetrics, ...]
+    findings: tuple[Finding, ...]  # most important first
+    notes: tuple[str, ...] = ()
     thresholds: Thresholds = field(default_factory=Thresholds)  # what the rules were applied with
+    # the what-if model's effect of a finding's change, by Finding.key (gputrace.whatif.effects)
+    effects: Mapping[str, PredictedEffect] = field(default_factory=dict)
+    advice: Advice | None = None  # None: no advice computed
+
+    def effect_of(self, finding: Finding) -> PredictedEffect | None:
+        """The predicted effect of a finding's change, None where the what-if gave none."""
+        return self.effects.get(finding.key)
+
+    def recommendation_of(self, finding: Finding) -> str:
+        """A finding's recommendation as the report states it: with its predicted effect."""
+        effect = self.effect_of(finding)
+        return finding.recommendation if effect is None else f"{finding.recommendation}; {effect.text()}"
 
     def sample_period_ns(self) -> float | None:
         """The GPUs' sample period: the median of each GPU's own (one series' spacing); None
@@ -172,7 +195,7 @@ def analyse_aligned(run: AlignedRun, th: Thresholds = DEFAULT_THRESHOLDS,
         notes.append(f"decode lines are logged every {int(interval)}th step (--decode-log-interval): "
                      "micro-batch sizes are sampled; --decode-log-interval 1 (or a value coprime with "
                      "the micro-batch slots) shows every step")
-    return Analysis(run, series, phases, metrics, findings, notes, th)
+    return Analysis(run, series, tuple(phases), tuple(metrics), tuple(findings), tuple(notes), th)
 
 
 def capture_problem_notes(extra: dict[str, Any]) -> list[str]:
@@ -226,6 +249,11 @@ def store_notes(store: RunSource, analysis: Analysis) -> list[str]:
     return table_notes(store.meta.extra, store.read_engine_metrics(COMPARED), analysis)
 
 
+def with_notes(analysis: Analysis, notes: list[str]) -> Analysis:
+    """``analysis`` with ``notes`` added after its own."""
+    return replace(analysis, notes=(*analysis.notes, *notes)) if notes else analysis
+
+
 def analyse_tables(tables: RunTables, th: Thresholds = DEFAULT_THRESHOLDS,
                    progress: Callable[[str], None] | None = None) -> Analysis:
     """Align and diagnose a run's tables (read with the engine metrics in COMPARED)."""
@@ -234,8 +262,7 @@ def analyse_tables(tables: RunTables, th: Thresholds = DEFAULT_THRESHOLDS,
     engine_series = (series_from_columns(tables.engine_metrics.as_mapping()) if len(tables.engine_metrics)
                      else [])
     analysis = analyse_aligned(align(tables), th, progress, engine_series)
-    analysis.notes.extend(table_notes(tables.meta.extra, tables.engine_metrics, analysis))
-    return analysis
+    return with_notes(analysis, table_notes(tables.meta.extra, tables.engine_metrics, analysis))
 
 
 def analyse_store(store: RunSource, th: Thresholds = DEFAULT_THRESHOLDS,

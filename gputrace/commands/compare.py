@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import click
 
-from gputrace.analysis.aligned import align_store
+from gputrace.analyse import analyse_run
 from gputrace.analysis.compare import RunRef, compare_analyses
-from gputrace.analysis.run import analyse_aligned
 from gputrace.prometheus.cli_options import window_ns
 from gputrace.report.compare_render import render_compare_markdown, same_run_consequence, write_compare
 from gputrace.report.render import parse_formats
@@ -43,10 +42,10 @@ def command(run_a: str, run_b: str, out_dir: str | None, formats: str, start_a: 
     window_a = window_ns(start_a, end_a, ("--start-a", "--end-a"))
     window_b = window_ns(start_b, end_b, ("--start-b", "--end-b"))
     with Store.open(run_a, read_only=True) as sa:
-        a = analyse_aligned(align_store(sa, window_a))
+        a = analyse_run(sa, window_a, effects=False)
         ref_a = RunRef(run_a, f"{sa.meta.name}@{sa.meta.created_ns}", window_a)
     with Store.open(run_b, read_only=True) as sb:
-        b = analyse_aligned(align_store(sb, window_b))
+        b = analyse_run(sb, window_b, effects=False)
         ref_b = RunRef(run_b, f"{sb.meta.name}@{sb.meta.created_ns}", window_b)
     doc = compare_analyses(a, b, ref_a, ref_b)
     if predict and not doc["same_run"]:

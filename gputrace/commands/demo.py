@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
 import click
 from rich.console import Console
 from rich.table import Table
 
-from gputrace.demo import DemoResult, findings_of, run_demo
+from gputrace.analysis.run import Analysis
+from gputrace.demo import DemoResult, run_demo
 
 
-def _phase_rows(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    rows: dict[str, dict[str, Any]] = {}
-    for phase in doc.get("phases", []):
-        bubbles = [r["bubble_fraction"] for r in doc.get("table", [])
-                   if r.get("phase") == phase.get("label") and r.get("bubble_fraction") is not None]
-        rows[phase["label"]] = {"tok_s": phase.get("throughput_tok_s"),
-                                "bubble": sum(bubbles) / len(bubbles) if bubbles else None}
+def _phase_rows(analysis: Analysis) -> dict[str, dict[str, float | None]]:
+    """Per phase: the throughput and the mean bubble over the stages with one."""
+    rows: dict[str, dict[str, float | None]] = {}
+    for pm in analysis.metrics:
+        bubbles = [st.bubble_fraction for st in pm.stages if st.bubble_fraction is not None]
+        rows[pm.label] = {"tok_s": pm.throughput_tok_s,
+                          "bubble": sum(bubbles) / len(bubbles) if bubbles else None}
     return rows
 
 
@@ -27,20 +27,21 @@ def _fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-RUN_TITLES = {"defaults": "defaults", "recommended": "gputrace's recommendation", "k64": "K=64 (first try)"}
+RUN_TITLES = {"defaults": "defaults", "advised": "gputrace's advice", "k64": "K=64 (first try)"}
 
 
 def summary_table(result: DemoResult) -> tuple[Table, dict[str, list[str]]]:
-    """Per phase: each run's throughput and bubble, and its gain over the defaults; the findings
-    that remain in each run."""
-    docs = {run.label: findings_of(run) for run in result.runs}
-    rows = {label: _phase_rows(doc) for label, doc in docs.items()}
+    """Per phase: each run's measured throughput beside what the model fitted to the defaults
+    predicted for it (for the defaults, its replay as they ran), its bubble and its gain over the
+    defaults; the findings that remain in each run."""
+    rows = {run.label: _phase_rows(run.analysis) for run in result.runs}
     base = rows["defaults"]
     table = Table(title="gputrace demo: the motivating SGLang PP8 deployment (max_running_requests 64)")
     table.add_column("phase", justify="right")
     for run in result.runs:
         name = RUN_TITLES.get(run.label, run.label)
         table.add_column(f"{name} tok/s", justify="right")
+        table.add_column("predicted" if run.label != "defaults" else "model as run", justify="right")
         table.add_column("bubble", justify="right")
         if run.label != "defaults":
             table.add_column("vs defaults", justify="right")
@@ -48,13 +49,14 @@ def summary_table(result: DemoResult) -> tuple[Table, dict[str, list[str]]]:
         cells = [label]
         for run in result.runs:
             row = rows[run.label].get(label, {})
-            cells += [_fmt(row.get("tok_s"), ".0f"), _fmt(row.get("bubble"), ".0%")]
+            predicted = result.predicted.get(run.label, {}).get(label)
+            cells += [_fmt(row.get("tok_s"), ".0f"), _fmt(predicted, ".0f"), _fmt(row.get("bubble"), ".0%")]
             if run.label != "defaults":
                 gain = _gain(base[label].get("tok_s"), row.get("tok_s"))
                 cells.append(_fmt(gain, "+.0%"))
         table.add_row(*cells)
-    remaining = {label: [f"{f['cause']} [{f['phase']}]" for f in doc.get("findings", [])]
-                 for label, doc in docs.items()}
+    remaining = {run.label: [f"{f.cause} [{f.phase}]" for f in run.analysis.findings]
+                 for run in result.runs}
     return table, remaining
 
 
@@ -62,22 +64,23 @@ def _gain(before: float | None, after: float | None) -> float | None:
     return after / before - 1 if before and after else None
 
 
-def recommendation_effect(result: DemoResult) -> str:
-    """What gputrace's recommendation did at the phase its finding named, measured."""
-    rec, run = result.recommendation, result.recommended
-    if rec is None or run is None:
-        return "gputrace's recommendation: none (no finding with a setting to change)"
-    before = _phase_rows(findings_of(result.defaults)).get(rec.phase, {}).get("tok_s")
-    after = _phase_rows(findings_of(run)).get(rec.phase, {}).get("tok_s")
-    gain = _gain(before, after)
-    text = (f"gputrace's recommendation: {rec.knob} {rec.value} (from {rec.cause} at {rec.phase}): "
-            f"{_fmt(before, '.0f')} -> {_fmt(after, '.0f')} tok/s at {rec.phase} ({_fmt(gain, '+.0%')})")
-    if rec.predicted:
-        p = rec.predicted
-        predicted_gain = _gain(p.get("measured_tok_s"), p.get("predicted_tok_s"))
-        text += (f"; predicted before the rerun: {_fmt(p.get('predicted_tok_s'), '.0f')} tok/s "
-                 f"({_fmt(predicted_gain, '+.0%')}, ±{_fmt(p.get('band_ratio'), '.0%')})")
-    return text
+def advice_effect(result: DemoResult) -> list[str]:
+    """The advice, and what it did per phase, measured beside predicted (or why the settings are
+    kept, with the alternatives that trade)."""
+    advice, run = result.advice, result.advised
+    if advice is None:
+        return ["gputrace's advice: none (the what-if model could not be fitted to the defaults)"]
+    lines = [f"gputrace's advice: {advice.sentence()}"]
+    if advice.keep or run is None:
+        lines += [f"  alternative that trades: {alt.describe()}" for alt in advice.alternatives]
+        return lines
+    before, after = _phase_rows(result.defaults.analysis), _phase_rows(run.analysis)
+    moves = []
+    for p in advice.phases:
+        gain = _gain(before.get(p.phase, {}).get("tok_s"), after.get(p.phase, {}).get("tok_s"))
+        moves.append(f"{p.phase} {_fmt(gain, '+.0%')} (predicted {p.gain_ratio:+.0%} ±{p.band_ratio:.0%})")
+    lines.append("applied, measured vs defaults: " + ", ".join(moves))
+    return lines
 
 
 @click.command("demo")
@@ -90,15 +93,17 @@ def recommendation_effect(result: DemoResult) -> str:
 def command(out: Path, quick: bool, nodes: int) -> None:
     """Run the whole chain on loopback against a simulated SGLang PP8 deployment: the simulator's
     OpenAI-compatible server, an agent with simulated GPUs, the collector and the load generator.
-    Three runs: the defaults; gputrace's top recommendation from the defaults' findings, applied;
-    and --pp-max-micro-batch-size 64 (the change people try first); then their comparisons."""
+    Three runs: the defaults; gputrace's advice from the defaults' analysis, applied (unless it is
+    to keep the settings: then it says why); and --pp-max-micro-batch-size 64 (the change people
+    try first); then their comparisons."""
     console = Console(stderr=True)
     started = time.monotonic()
     result = run_demo(out, quick, lambda msg: console.print(msg, highlight=False), nodes)
     table, remaining = summary_table(result)
     out_console = Console(width=200)
     out_console.print(table)
-    out_console.print(recommendation_effect(result))
+    for line in advice_effect(result):
+        out_console.print(line)
     for run in result.runs:
         name = RUN_TITLES.get(run.label, run.label)
         out_console.print(f"findings, {name}: {', '.join(remaining[run.label]) or 'none'}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from gputrace.analysis.run import analyse_store
+from gputrace.analyse import analyse_run
 from gputrace.errors import UsageError
 from gputrace.report.perfetto import write_trace
 from gputrace.store import Store
@@ -25,4 +25,4 @@ def command(run: str, parquet_dir: str | None, perfetto_file: str | None) -> Non
             for path in store.export_parquet(parquet_dir):
                 click.echo(f"wrote {path}")
         if perfetto_file:
-            click.echo(f"wrote {write_trace(analyse_store(store), perfetto_file)}")
+            click.echo(f"wrote {write_trace(analyse_run(store, effects=False), perfetto_file)}")

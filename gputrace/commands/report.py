@@ -8,15 +8,15 @@ from typing import Any
 
 import click
 
+from gputrace.analyse import analyse_run
 from gputrace.analysis.aligned import align_store
-from gputrace.analysis.run import analyse_aligned, store_notes
 from gputrace.errors import GputraceError, UsageError
 from gputrace.prometheus.cli_options import prometheus_flags, prometheus_run, window_ns
 from gputrace.report.figures import FIGURES
 from gputrace.report.progress import LONG_RUN_S, report_progress
 from gputrace.report.render import parse_formats, write_report
 from gputrace.store import Store
-from gputrace.whatif.effects import add_predicted_effects
+from gputrace.whatif.advise import advisor
 
 
 @click.command("report")
@@ -47,18 +47,18 @@ def command(run: str | None, formats: str, out_dir: str | None, progress: bool |
         duration_s = float(aligned.grid_ns[-1] - aligned.grid_ns[0]) / 1e9
         enabled = progress if progress is not None else duration_s > LONG_RUN_S
         n_phases = max(len(aligned.markers), 1)
-        with report_progress(n_phases + len(FIGURES) + 2, enabled) as step:
-            analysis = analyse_aligned(aligned, progress=step)
-            analysis.notes.extend(store_notes(store, analysis))
-            add_predicted_effects(analysis, progress=step)
+        with report_progress(n_phases + len(FIGURES) + 3, enabled) as step:
+            analysis = analyse_run(store, window, aligned=aligned, advise=advisor(), progress=step)
             try:
                 written = write_report(analysis, out_dir, fmts, progress=step)
             except OSError as exc:  # a disk that fills while writing (the check passed before)
                 raise GputraceError(f"cannot write the report into {out_dir}: {exc.strerror or exc}; "
                                     "free space there or give --out DIR") from exc
+    if analysis.advice is not None:
+        click.echo(f"Advice: {analysis.advice.to_dict()['sentence']}")
     for f in analysis.findings:
         click.echo(f"{f.cause} [{f.phase}] stages {','.join(map(str, f.stages))}: {f.summary} "
-                   f"-> {f.recommendation}")
+                   f"-> {analysis.recommendation_of(f)}")
     if not analysis.findings:
         click.echo("no finding: every phase is healthy")
     for path in written:

@@ -7,6 +7,7 @@ from dataclasses import asdict
 from typing import Any
 
 from gputrace.analysis.diagnose import Finding, rule_table
+from gputrace.analysis.predicted import PredictedEffect
 from gputrace.analysis.run import Analysis
 
 SCHEMA = "gputrace.findings/1"
@@ -64,31 +65,38 @@ def phase_stage_table(a: Analysis) -> list[dict[str, Any]]:
     return rows
 
 
-def finding_entry(f: Finding) -> dict[str, Any]:
+def finding_entry(f: Finding, effect: PredictedEffect | None = None) -> dict[str, Any]:
     """A finding as findings.json gives it: ``change`` is the setting it names (knob and value,
-    the value None where it is not one number), for tools that apply or compare it."""
+    the value None where it is not one number), for tools that apply or compare it; ``predicted``
+    the what-if model's effect of that change (``Analysis.effects``), also said in the
+    recommendation."""
     entry = {k: v for k, v in f.to_dict().items() if k not in ("impact", "details")}
+    if effect is not None:
+        entry["recommendation"] = f"{f.recommendation}; {effect.text()}"
     if f.details.get("knob"):
         entry["change"] = {"knob": f.details["knob"], "value": f.details.get("value")}
-    if f.details.get("predicted"):  # the what-if model's effect of the change (gputrace.whatif)
-        entry["predicted"] = f.details["predicted"]
+    if effect is not None:
+        entry["predicted"] = effect.to_dict()
     return entry
 
 
 def build_document(a: Analysis) -> dict[str, Any]:
-    """The findings.json document."""
-    return {
+    """The findings.json document (``advice`` only where the analysis has one)."""
+    doc = {
         "schema": SCHEMA,
         "summary": a.summary(),
-        "findings": [finding_entry(f) for f in a.findings],
+        "findings": [finding_entry(f, a.effect_of(f)) for f in a.findings],
         "phases": [{k: v for k, v in pm.to_dict().items() if k != "stages"} for pm in a.metrics],
         "table": phase_stage_table(a),
         "mapping": [asdict(p) for p in a.run.mapping.placements],
-        "notes": a.notes,
+        "notes": list(a.notes),
         # the rules in the order they are tried and the thresholds they were applied with
         "rules": [{"rule": name, "checks": text} for name, text in rule_table()],
         "thresholds": asdict(a.thresholds),
     }
+    if a.advice is not None:
+        doc["advice"] = a.advice.to_dict()
+    return doc
 
 
 def fmt(value: Any, key: str = "") -> str:

@@ -108,6 +108,35 @@ def verdict(doc: dict[str, Any]) -> str:
     return text
 
 
+ADVICE_COLUMNS = (("phase", "phase"), ("measured_tok_s", "measured tok/s"),
+                  ("unchanged_tok_s", "model as run tok/s"), ("predicted_tok_s", "predicted tok/s"),
+                  ("gain", "gain"), ("band", "band"), ("ttft_s_p90", "TTFT p90 s"),
+                  ("itl_s_p90", "ITL p90 s"))
+
+
+def advice_sentence(doc: dict[str, Any]) -> str | None:
+    """The advice's one sentence (None where the run has no advice)."""
+    advice = doc.get("advice")
+    return None if not advice else f"Advice: {advice['sentence']}"
+
+
+def advice_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per phase: measured, the model as run, predicted under the advice, its gain and band."""
+    rows = []
+    for p in (doc.get("advice") or {}).get("phases", []):
+        rows.append({**p, "gain": f"{p['gain_ratio']:+.0%}", "band": f"±{p['band_ratio']:.0%}"
+                     + (" (extrapolated)" if p.get("extrapolation") else "")})
+    return rows
+
+
+def advice_notes(doc: dict[str, Any]) -> list[str]:
+    """The alternatives that trade, and why a band is wide."""
+    advice = doc.get("advice") or {}
+    out = [f"Alternative: {a['text']}" for a in advice.get("alternatives", [])]
+    out += sorted({p["extrapolation"] for p in advice.get("phases", []) if p.get("extrapolation")})
+    return out
+
+
 def _finding_text(f: dict[str, Any]) -> tuple[str, str, str]:
     head = f"{f['cause']} (phase {f['phase']}, stages {', '.join(map(str, f['stages']))}, " \
            f"confidence {f['confidence']:.2f})"
@@ -153,6 +182,9 @@ def render_html(a: Analysis, doc: dict[str, Any], figures: dict[str, bytes]) -> 
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>gputrace report: "
              f"{e(doc['summary']['run'])}</title><style>{CSS}</style></head><body>",
              f"<h1>Bubble diagnosis: {e(doc['summary']['run'])}</h1>",
+             *([f"<p class='verdict'>{e(sentence)}</p>", _html_table(ADVICE_COLUMNS, advice_rows(doc)),
+                *(f"<p class='note'>{e(n)}</p>" for n in advice_notes(doc))]
+               if (sentence := advice_sentence(doc)) else []),
              f"<p class='verdict'>{e(verdict(doc))}</p><h2>Summary</h2><ul>"]
     parts += [f"<li>{e(line)}</li>" for line in _summary_lines(doc)]
     parts.append("</ul><h2>Findings</h2>")
@@ -210,8 +242,13 @@ def _md_code(text: object) -> str:
 
 
 def render_markdown(a: Analysis, doc: dict[str, Any], figure_files: dict[str, str]) -> str:
-    out = [f"# Bubble diagnosis: {_md(doc['summary']['run'])}", "", _md(verdict(doc)), "",
-           "## Summary", ""]
+    out = [f"# Bubble diagnosis: {_md(doc['summary']['run'])}", ""]
+    sentence = advice_sentence(doc)
+    if sentence:
+        out += [_md(sentence), "", *_md_table(ADVICE_COLUMNS, advice_rows(doc)), ""]
+        out += [f"- {_md(n)}" for n in advice_notes(doc)]
+        out += [""] if advice_notes(doc) else []
+    out += [_md(verdict(doc)), "", "## Summary", ""]
     out += [f"- {_md(line)}" for line in _summary_lines(doc)]
     out += ["", "## Findings", ""]
     if not doc["findings"]:
@@ -254,7 +291,8 @@ def parse_formats(spec: str | Sequence[str]) -> list[str]:
 
 def write_report(a: Analysis, out_dir: str | Path, formats: Sequence[str] = FORMATS,
                  progress: Callable[[str], None] | None = None) -> list[Path]:
-    """Write the chosen formats into ``out_dir``; returns the files written."""
+    """Write the chosen formats into ``out_dir``; returns the files written. Where the analysis
+    has advice, the reports open with it."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     doc = build_document(a)

@@ -45,6 +45,7 @@ class SimRequest:
     prefilled: int = 0
     generated: int = 0
     first_token_s: float | None = None
+    last_token_s: float | None = None  # its latest token so far (ITL of a request not yet done)
     finish_s: float | None = None
     kv_tokens: int = 0  # KV-cache tokens it holds
     listener: TokenListener | None = None
@@ -393,6 +394,7 @@ class PipelineEngine:
             emitted += 1
             if req.first_token_s is None:
                 req.first_token_s = done
+            req.last_token_s = done
             if req.listener is not None:
                 req.listener.tokens(done, req.generated)
             if req.generated >= req.output_tokens or req.aborted:

@@ -66,15 +66,17 @@ class SimResult:
         }
 
 
-def simulate(params: SimParams, scenario: str = "custom") -> SimResult:
-    """Run ``params`` in virtual time, without the ground truth; deterministic for a given ``params.seed``."""
+def simulate(params: SimParams, scenario: str = "custom", log: bool = True) -> SimResult:
+    """Run ``params`` in virtual time, without the ground truth; deterministic for a given
+    ``params.seed``. ``log=False``: no scheduler log lines (a what-if replay reads only the trace
+    and the requests; the same run otherwise)."""
     rng = np.random.default_rng(params.seed)
     records: list[tuple[float, int, int, str, dict[str, float | int | bool]]] = []
 
     def on_log(t_s: float, stage: int, kind: str, fields: dict[str, float | int | bool]) -> None:
         records.append((t_s, len(records), stage, kind, fields))
 
-    engine = PipelineEngine(params, on_log=on_log)
+    engine = PipelineEngine(params, on_log=on_log if log else None)
     client = ClosedLoopClient(params, engine, rng)
     if params.client_mode == "burst":
         phases = _run_bursts(params, engine, client)
@@ -92,7 +94,8 @@ def simulate(params: SimParams, scenario: str = "custom") -> SimResult:
     end_s = max(end_s, min(engine.now, deadline))
     start_ns = parse_start_ns(params.start)
     result = SimResult(scenario, params, start_ns, end_s, phases, client.requests, engine)
-    _format_log(result, records)
+    if log:
+        _format_log(result, records)
     return result
 
 

@@ -1,15 +1,16 @@
-"""Each finding's recommendation with its predicted effect: the fitted model run under the change
-the finding names (its details' knob and value), the gain at its phase, the cost at the others,
-and the findings ranked by the net gain over the run's levels. diagnose's rules are untouched:
-this runs after them, inside ``report``."""
+"""Each finding's predicted effect: the fitted model run under the change the finding names (its
+details' knob and value), the gain at its phase, the cost at the others, and the findings ranked
+by the net gain over the run's levels. The effects are data beside the findings
+(``Analysis.effects``); the findings themselves are untouched."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 
-from gputrace.analysis.diagnose import Finding
-from gputrace.analysis.run import Analysis
+from gputrace.analysis.diagnose import Finding, changes_the_deployment
+from gputrace.analysis.predicted import PhaseEffect, PredictedEffect
+from gputrace.analysis.run import Analysis, with_notes
 from gputrace.errors import GputraceError
 from gputrace.whatif.fit import FittedModel, fit_model
 from gputrace.whatif.predict import PhasePrediction, finding_change, predict
@@ -18,7 +19,7 @@ MAX_CHANGES = 4  # distinct changes simulated per report: one replay of the run 
 
 
 def _effect(f: Finding, rows: list[PhasePrediction], unchanged: dict[str, float | None]
-            ) -> dict[str, Any] | None:
+            ) -> PredictedEffect | None:
     """The change's effect at the finding's phase and the others; ``unchanged`` is the model's
     replay of the run as it ran (phase label -> tok/s), what the change itself moves."""
     def base(r: PhasePrediction) -> float | None:
@@ -30,89 +31,55 @@ def _effect(f: Finding, rows: list[PhasePrediction], unchanged: dict[str, float 
         return None
     assert at.measured.throughput_tok_s is not None and at.predicted.throughput_tok_s is not None
     band = at.band_ratio
-    others: list[dict[str, Any]] = []
+    others: list[PhaseEffect] = []
     for r in rows:
         if r is at or r.measured is None or r.measured.throughput_tok_s is None \
                 or r.predicted.throughput_tok_s is None:
             continue
-        others.append({"phase": r.label, "concurrency": r.concurrency,
-                       "measured_tok_s": round(r.measured.throughput_tok_s, 1),
-                       "predicted_tok_s": round(r.predicted.throughput_tok_s, 1),
-                       "unchanged_tok_s": base(r)})
+        others.append(PhaseEffect(r.label, r.concurrency, round(r.measured.throughput_tok_s, 1),
+                                  round(r.predicted.throughput_tok_s, 1), base(r)))
     gain_here = at.predicted.throughput_tok_s - at.measured.throughput_tok_s
-    net = sum(o["predicted_tok_s"] - o["measured_tok_s"] for o in others) + gain_here
-    return {"phase": f.phase, "concurrency": at.concurrency,
-            "measured_tok_s": round(at.measured.throughput_tok_s, 1),
-            "predicted_tok_s": round(at.predicted.throughput_tok_s, 1), "unchanged_tok_s": base(at),
-            "band_ratio": round(band, 4), "gain_ratio": round(at.gain_ratio, 4),
-            "within_uncertainty": abs(at.gain_ratio) <= band,
-            "net_gain_tok_s": round(net, 1), "other_phases": others}
+    net = sum(o.predicted_tok_s - o.measured_tok_s for o in others) + gain_here
+    return PredictedEffect(
+        f.phase, at.concurrency, round(at.measured.throughput_tok_s, 1),
+        round(at.predicted.throughput_tok_s, 1), base(at), round(band, 4), round(at.gain_ratio, 4),
+        abs(at.gain_ratio) <= band, round(net, 1), tuple(others))
 
 
-def effect_text(e: dict[str, Any]) -> str:
-    """``predicted: 248 -> 312 tok/s at C=32 (±8 %)``, the levels it costs, and a gain the model
-    cannot tell from none."""
-    # levels, not phase labels: a label is the run's text, the recommendation goes in a code span
-    text = (f"predicted: {e['measured_tok_s']:.0f} -> {e['predicted_tok_s']:.0f} tok/s at "
-            f"C={e['concurrency']} (±{e['band_ratio']:.0%})")
-    band = e["band_ratio"]
-    if e["within_uncertainty"]:
-        text += ", inside the model's uncertainty: no clear gain"
-    elif e.get("unchanged_tok_s") and not _moves(e, band, up=True):
-        # measured -> predicted is then the fit's offset from the run, not the change's effect
-        text += (f"; the model gives {e['unchanged_tok_s']:.0f} tok/s there unchanged: no clear gain "
-                 "from the change itself")
-    costs = [f"C={o['concurrency']} {o['measured_tok_s']:.0f} -> {o['predicted_tok_s']:.0f}"
-             for o in e["other_phases"] if _moves(o, band, up=False)]
-    if costs:
-        text += "; costs " + ", ".join(costs) + " tok/s"
-    return text
-
-
-def _moves(e: dict[str, Any], band: float, up: bool) -> bool:
-    """Whether the change itself moves the model's figure past its band, up or down: predicted
-    against the model's replay of the run unchanged (against the measurement where that replay is
-    unknown). A model that replays C=4 at 49 tok/s where 90 were measured "costs" C=4 49 under any
-    change; one that halves C=64 under the change costs it, however close to the run its figure."""
-    reference = e.get("unchanged_tok_s") or e["measured_tok_s"]
-    if not reference:
-        return False
-    moved = float(e["predicted_tok_s"]) / float(reference) - 1
-    return moved > band if up else moved < -band
-
-
-def rank_by_gain(findings: list[Finding]) -> list[Finding]:
+def rank_by_gain(findings: Sequence[Finding], effects: Mapping[str, PredictedEffect]) -> list[Finding]:
     """Predicted gains first (largest net gain over the levels first), then the findings the
     model cannot weigh in their order, then predicted losses; "cannot tell" stays last."""
     def net(f: Finding) -> float:
-        return float(f.details["predicted"]["net_gain_tok_s"])
+        return effects[f.key].net_gain_tok_s
 
     causes = [f for f in findings if f.cause != "cannot_tell"]
-    gains = sorted((f for f in causes if "predicted" in f.details and net(f) > 0), key=lambda f: -net(f))
-    losses = sorted((f for f in causes if "predicted" in f.details and net(f) <= 0), key=lambda f: -net(f))
-    rest = [f for f in causes if "predicted" not in f.details]
+    # a finding about the offered load ("offer at least 8 requests") is a fact about the load,
+    # never ranked as a gain of the configuration
+    gains = sorted((f for f in causes if f.key in effects and net(f) > 0
+                    and changes_the_deployment(f.details.get("knob"))), key=lambda f: -net(f))
+    losses = sorted((f for f in causes if f.key in effects and net(f) <= 0), key=lambda f: -net(f))
+    rest = [f for f in causes if f.key not in effects or (f not in gains and net(f) > 0)]
     return gains + rest + losses + [f for f in findings if f.cause == "cannot_tell"]
 
 
-def add_predicted_effects(analysis: Analysis, progress: Callable[[str], None] | None = None
-                          ) -> FittedModel | None:
-    """Fit the model to ``analysis``, give each finding it can weigh ``details["predicted"]`` and
-    the text on its recommendation, rank the findings, and note the fit's quality. None where no
-    finding names a change the model can make (nothing is fitted then)."""
+def with_predicted_effects(analysis: Analysis, progress: Callable[[str], None] | None = None
+                           ) -> tuple[Analysis, FittedModel | None]:
+    """``analysis`` with the predicted effect of each finding it can weigh (``effects``), its
+    findings ranked by them and the fit's quality noted; and the model fitted (None where no
+    finding names a change the model can make: nothing is fitted then)."""
     wanted = [f for f in analysis.findings if f.cause != "cannot_tell" and f.details.get("knob")]
     if not wanted or not any(pm.throughput_tok_s for pm in analysis.metrics):
-        return None
+        return analysis, None
     if progress:
         progress("what-if fit")
     try:
         model = fit_model(analysis)
     except GputraceError as exc:  # the report stands without predictions; say why they are missing
-        analysis.notes.append(f"no predicted effects: the what-if model could not be fitted to this "
-                              f"run ({exc})")
-        return None
-    analysis.notes.append(fit_note(model))
-    unchanged = {m.label: s.throughput_tok_s for m, s in zip(model.measured, model.simulated, strict=True)}
+        return with_notes(analysis, [f"no predicted effects: the what-if model could not be fitted "
+                                     f"to this run ({exc})"]), None
+    unchanged = {m.label: model.unchanged_tok_s(m.label) for m in model.measured}
     runs: dict[str, list[PhasePrediction]] = {}
+    effects: dict[str, PredictedEffect] = {}
     for f in wanted:
         change = finding_change(model, f.to_dict())
         if change is None:
@@ -124,10 +91,10 @@ def add_predicted_effects(analysis: Analysis, progress: Callable[[str], None] | 
             runs[key] = predict(model, change)
         effect = _effect(f, runs[key], unchanged)
         if effect is not None:
-            f.details["predicted"] = effect
-            f.recommendation += f"; {effect_text(effect)}"
-    analysis.findings[:] = rank_by_gain(analysis.findings)
-    return model
+            effects[f.key] = effect
+    ranked = rank_by_gain(analysis.findings, effects)
+    return replace(analysis, findings=tuple(ranked), effects=effects,
+                   notes=(*analysis.notes, fit_note(model))), model
 
 
 def fit_note(model: FittedModel) -> str:
@@ -137,5 +104,9 @@ def fit_note(model: FittedModel) -> str:
         measured, simulated = row["throughput_tok_s"]
         if measured is not None and simulated is not None:
             parts.append(f"{row['phase']} {measured:.0f}/{simulated:.0f}")
-    return ("what-if model (the simulator fitted to this run) replays it at measured/simulated tok/s "
-            f"{', '.join(parts)}; predictions carry ±{model.uncertainty_ratio:.0%}")
+    text = ("what-if model (the simulator fitted to this run) replays it at measured/simulated tok/s "
+            f"{', '.join(parts)}; predictions carry ±{model.uncertainty_ratio:.0%} (wider where a change "
+            "runs micro-batches past those the run ran), as measured x model(change) / model(as run)")
+    if model.correction:
+        text += "; corrected per phase " + ", ".join(f"{k} x{v:.2f}" for k, v in model.correction.items())
+    return text

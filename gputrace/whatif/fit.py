@@ -15,7 +15,7 @@ fitted, a first replay sets the overall scale).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,11 +25,18 @@ from gputrace.analysis.diagnose import engine_kind
 from gputrace.analysis.metrics import PhaseMetrics
 from gputrace.analysis.run import Analysis
 from gputrace.sim.params import SimParams, make_params
-from gputrace.sim.run import SimResult, run_params
-from gputrace.whatif.outcome import PhaseOutcome, measured_outcomes, phase_concurrency, simulated_outcomes
+from gputrace.sim.simulate import SimResult, simulate
+from gputrace.whatif.outcome import PhaseOutcome, measured_outcomes, phase_concurrency, trace_outcomes
 
 COST_FIELDS = ("launch_s", "weight_read_s", "decode_token_s", "prefill_token_s", "context_token_s")
-MAX_PHASE_S = 300.0  # a longer captured phase is replayed this long: steady state, bounded time
+# A captured phase is replayed long enough for a steady state and no longer: a few of its
+# requests' lives (the median request's start to end), at least STEADY_MIN_S, at most MAX_PHASE_S
+MAX_PHASE_S = 120.0
+STEADY_MIN_S = 20.0
+STEADY_LIFETIMES = 2.0
+# the replay of the run as it ran within this of each measured phase, else that phase is
+# corrected (its measured / replayed factor applies to what the model gives there)
+CALIBRATION_TOLERANCE = 0.05
 TIE_WEIGHT = 0.3  # pull of a = b on the least squares (relative units)
 UNCERTAINTY_FLOOR = 0.03  # seed-to-seed spread of a phase's throughput in the simulator
 LINK_EFFICIENCY = 0.8  # a PCIe link's payload rate against its raw rate (TLP/DLLP overhead)
@@ -60,7 +67,12 @@ class PhaseWork:
 
 @dataclass
 class FittedModel:
-    """The fitted simulator parameters, how well they replay the run, and its uncertainty."""
+    """The fitted simulator parameters, how well they replay the run, and its uncertainty.
+
+    ``simulated`` is the model's replay of the run as it ran (per phase the median over
+    REPLAY_SEEDS; ``replays`` holds each seed's), ``correction`` per phase the factor that brings
+    that replay to the measurement where the model's shape cannot (1 where it is within
+    CALIBRATION_TOLERANCE): predictions are measured x model(change) / model(as run)."""
 
     params: SimParams
     measured: list[PhaseOutcome]
@@ -68,10 +80,28 @@ class FittedModel:
     uncertainty_ratio: float  # relative band on a predicted throughput (RMS residual, floored)
     scale: dict[str, float] = field(default_factory=dict)  # a, b and the replay's correction
     notes: list[str] = field(default_factory=list)
+    replays: tuple[tuple[PhaseOutcome, ...], ...] = ()  # the run as it ran, one per replay seed
+    correction: dict[str, float] = field(default_factory=dict)  # phase label -> factor
+    # predictions already replayed (whatif.predict), by change and seeds: the findings' effects
+    # and the advice's search share them
+    predictions: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def labels(self) -> list[str]:
         return [m.label for m in self.measured]
+
+    @property
+    def largest_microbatch(self) -> float | None:
+        """The largest decode micro-batch the run's lines show (what the fit has seen)."""
+        seen = [m.microbatch_size_max for m in self.measured if m.microbatch_size_max]
+        return max(seen) if seen else None
+
+    def unchanged_tok_s(self, label: str) -> float | None:
+        """The calibrated model's throughput for the run as it ran at a phase."""
+        for s in self.simulated:
+            if s.label == label and s.throughput_tok_s is not None:
+                return s.throughput_tok_s * self.correction.get(label, 1.0)
+        return None
 
     def quality_rows(self) -> list[dict[str, Any]]:
         """Per phase: measured against simulated throughput, TTFT p50 and ITL p50."""
@@ -80,7 +110,8 @@ class FittedModel:
             rows.append({"phase": m.label, "concurrency": m.concurrency,
                          "throughput_tok_s": (m.throughput_tok_s, s.throughput_tok_s),
                          "ttft_s_p50": (m.ttft_s_p50, s.ttft_s_p50), "itl_s_p50": (m.itl_s_p50, s.itl_s_p50),
-                         "throughput_error": relative_error(s.throughput_tok_s, m.throughput_tok_s)})
+                         "throughput_error": relative_error(s.throughput_tok_s, m.throughput_tok_s),
+                         "correction": self.correction.get(m.label, 1.0)})
         return rows
 
 
@@ -112,7 +143,7 @@ def _load_params(analysis: Analysis) -> dict[str, Any]:
     out: dict[str, Any] = {"concurrency": tuple(phase_concurrency(pm) for pm in analysis.metrics)}
     durations = [pm.duration_s for pm in analysis.metrics if pm.duration_s > 0]
     if durations:
-        out["phase_s"] = min(float(np.median(durations)), MAX_PHASE_S)
+        out["phase_s"] = min(float(np.median(durations)), steady_phase_s(rq))
     ok = rq["ok"] & np.isfinite(rq["completion_tokens"].astype(float)) if len(rq["ok"]) else np.zeros(0, bool)
     prompt = rq["prompt_tokens"][ok].astype(float) if len(rq["ok"]) else np.zeros(0)
     prompt = prompt[np.isfinite(prompt)]
@@ -132,6 +163,19 @@ def _load_params(analysis: Analysis) -> dict[str, Any]:
     if short:
         out["client_max_inflight"] = max(round(max(short)), 1)
     return out
+
+
+def steady_phase_s(requests: Mapping[str, np.ndarray]) -> float:
+    """How long a replayed phase must be for a steady state: STEADY_LIFETIMES of the median
+    request's life (start to end), within [STEADY_MIN_S, MAX_PHASE_S]."""
+    if not len(requests["ok"]):
+        return MAX_PHASE_S
+    ok = requests["ok"].astype(bool)
+    life_s = (requests["end_ns"][ok].astype(float) - requests["start_ns"][ok].astype(float)) / 1e9
+    life_s = life_s[np.isfinite(life_s) & (life_s > 0)]
+    if not len(life_s):
+        return MAX_PHASE_S
+    return float(np.clip(STEADY_LIFETIMES * float(np.median(life_s)), STEADY_MIN_S, MAX_PHASE_S))
 
 
 def _link_params(analysis: Analysis, works: list[PhaseWork], pp_size: int) -> dict[str, Any]:
@@ -255,7 +299,7 @@ def _scaled(p: SimParams, a: float, b: float) -> SimParams:
                                context_token_s=p.context_token_s * b)
 
 
-def stage_multipliers(metrics: list[PhaseMetrics], pp_size: int) -> np.ndarray:
+def stage_multipliers(metrics: Sequence[PhaseMetrics], pp_size: int) -> np.ndarray:
     """Each stage's busy share against the stages' mean, averaged over phases by busy time."""
     num, den = np.zeros(pp_size), 0.0
     for pm in metrics:
@@ -306,20 +350,31 @@ def initial_params(analysis: Analysis) -> tuple[SimParams, list[PhaseWork]]:
 
 
 def replay(p: SimParams, seed: int = 0) -> SimResult:
-    """The fitted model run over the captured phases (the same seed each time)."""
-    return run_params(dataclasses.replace(p, seed=seed), "whatif")
+    """The fitted model run over the captured phases: the engine's trace and the requests only
+    (no log text, no ground truth)."""
+    return simulate(dataclasses.replace(p, seed=seed), "whatif", log=False)
+
+
+def replay_seeds(p: SimParams, labels: list[str] | None, seeds: tuple[int, ...] = REPLAY_SEEDS
+                 ) -> list[list[PhaseOutcome]]:
+    """One replay's outcomes per seed."""
+    return [trace_outcomes(replay(p, seed), labels) for seed in seeds]
+
+
+def median_outcomes(runs: list[list[PhaseOutcome]]) -> list[PhaseOutcome]:
+    """Per phase, the run's outcome of median throughput."""
+    out = []
+    for phase in zip(*runs, strict=True):
+        ranked = sorted(phase, key=lambda o: -1.0 if o.throughput_tok_s is None else o.throughput_tok_s)
+        out.append(ranked[len(ranked) // 2])
+    return out
 
 
 def replayed_outcomes(p: SimParams, labels: list[str] | None) -> list[PhaseOutcome]:
     """Per phase, the outcome of median throughput over replays at REPLAY_SEEDS: one seed's
     arrivals and lengths can hold a phase 5 % off the others (kv-bound at C=64: 681 tok/s at
     seed 0, 722 at seeds 1 and 2), and a prediction is of the setting, not of one draw."""
-    runs = [simulated_outcomes(replay(p, seed), labels) for seed in REPLAY_SEEDS]
-    out = []
-    for phase in zip(*runs, strict=True):
-        ranked = sorted(phase, key=lambda o: -1.0 if o.throughput_tok_s is None else o.throughput_tok_s)
-        out.append(ranked[len(ranked) // 2])
-    return out
+    return median_outcomes(replay_seeds(p, labels))
 
 
 def _scale_correction(measured: list[PhaseOutcome], simulated: list[PhaseOutcome]) -> float:
@@ -345,10 +400,10 @@ def _fit_shape_by_replay(p: SimParams, measured: list[PhaseOutcome], labels: lis
     the overall correction."""
     def at(log2_ratio: float) -> tuple[float, SimParams, list[PhaseOutcome], float]:
         shaped = _scaled(p, 1.0, 2.0 ** log2_ratio)
-        first = simulated_outcomes(replay(shaped), labels)
+        first = trace_outcomes(replay(shaped), labels)
         c = _scale_correction(measured, first)
         scaled = _scaled(shaped, c, c)
-        sim = simulated_outcomes(replay(scaled), labels)
+        sim = trace_outcomes(replay(scaled), labels)
         return _rms_error(measured, sim), scaled, sim, c
 
     lo, hi = SHAPE_LOG2_RANGE
@@ -378,13 +433,16 @@ def fit_model(analysis: Analysis) -> FittedModel:
     if not works:
         notes.append("no phase has both GPU busy figures and decode lines: the cost model is the "
                      "simulator's default, scaled by the replay alone")
-    simulated = simulated_outcomes(replay(p), labels)
-    # The replay corrects the scale only where the steps were not counted (no fit, or vLLM's
-    # engine-wide lines, whose steps are estimated): a replay's throughput also moves with how the
-    # load bunches into micro-batches (a K of 64 under 32 requests), which a cost scale must not
-    # absorb; there its residual is the band instead.
+    simulated = trace_outcomes(replay(p), labels)
+    # The replay corrects the scale where the steps were not counted (no fit, or vLLM's
+    # engine-wide lines, whose steps are estimated), and where every phase replays off the same
+    # way (a bias of the whole cost: the real-time server's own overhead, say); a replay's
+    # throughput also moves with how the load bunches into micro-batches (a K of 64 under 32
+    # requests), which a cost scale must not absorb where the phases disagree: there the
+    # per-phase calibration below takes it.
     counted = bool(works) and p.engine == "sglang"
-    correction = _scale_correction(measured, simulated) if not counted else 1.0
+    correction = _scale_correction(measured, simulated) if not counted or _one_way(measured, simulated) \
+        else 1.0
     if not works and len([m for m in measured if m.throughput_tok_s]) >= 2:
         p, _, correction = _fit_shape_by_replay(p, measured, labels)
         notes[-1] = ("no phase has both GPU busy figures and decode lines: the cost model's scale and "
@@ -394,10 +452,37 @@ def fit_model(analysis: Analysis) -> FittedModel:
     if runs_on_cpu(analysis.run.engine):
         notes.append("the log states a CPU device: each step costs its flat part plus compute per "
                      "token from the first token (no memory-bound floor)")
-    simulated = replayed_outcomes(p, labels)  # the fit's quality, as a prediction is made
+    runs = replay_seeds(p, labels)  # the fit's quality, as a prediction is made
+    simulated = median_outcomes(runs)
     rms = _rms_error(measured, simulated)
+    calibration = phase_corrections(measured, simulated)
+    if calibration:
+        notes.append("the model's shape does not replay every phase within "
+                     f"{CALIBRATION_TOLERANCE:.0%}: corrected per phase (measured / replayed) "
+                     + ", ".join(f"{k} x{v:.2f}" for k, v in calibration.items())
+                     + "; predictions are measured x model(change) / model(as run) at every phase")
     return FittedModel(p, measured, simulated, max(rms, UNCERTAINTY_FLOOR),
                        {"cost_scale": round((p.launch_s + p.weight_read_s) /
                                             (SimParams().launch_s + SimParams().weight_read_s), 4),
                         "token_scale": round(p.decode_token_s / SimParams().decode_token_s, 4),
-                        "replay_correction": round(correction, 4)}, notes)
+                        "replay_correction": round(correction, 4)}, notes,
+                       tuple(tuple(r) for r in runs), calibration)
+
+
+def _one_way(measured: list[PhaseOutcome], simulated: list[PhaseOutcome]) -> bool:
+    """Whether every phase replays off the measurement the same way, beyond REPLAY_TOLERANCE."""
+    errors = [e for m, s in zip(measured, simulated, strict=True)
+              if (e := relative_error(s.throughput_tok_s, m.throughput_tok_s)) is not None]
+    return bool(errors) and (all(e > REPLAY_TOLERANCE for e in errors) or
+                             all(e < -REPLAY_TOLERANCE for e in errors))
+
+
+def phase_corrections(measured: list[PhaseOutcome], simulated: list[PhaseOutcome]) -> dict[str, float]:
+    """Per phase whose replay is off its measurement by more than CALIBRATION_TOLERANCE: the
+    factor measured / replayed."""
+    out = {}
+    for m, s in zip(measured, simulated, strict=True):
+        error = relative_error(s.throughput_tok_s, m.throughput_tok_s)
+        if error is not None and abs(error) > CALIBRATION_TOLERANCE:
+            out[m.label] = round(1.0 / (1.0 + error), 4)
+    return out

@@ -103,3 +103,95 @@ def format_table(scores: list[Score]) -> list[str]:
         lines.append(f"{s.scenario:16s} {s.seed:4d} {s.change[:44]:44s} {s.phase:>6s} {before:>8s} "
                      f"{s.predicted_tok_s:9.0f} {s.truth_tok_s:8.0f} {s.error_ratio:+7.1%}")
     return lines
+
+
+@dataclass(frozen=True, slots=True)
+class AdviceScore:
+    """The advice for one virtual run, applied by running the simulator at the advised setting
+    (same seed), beside the best single finding's change run the same way. Gains are the
+    duration-weighted throughput gain over the run's phases (tok/s) where no phase loses beyond
+    its band, else None (not eligible on the default objective)."""
+
+    scenario: str
+    seed: int
+    advice: str  # the change set, or "keep"
+    advice_gain_tok_s: float  # 0 for keep
+    advice_phase_ratios: tuple[tuple[str, float, float], ...]  # (phase, truth after / before - 1, band)
+    advice_loses: bool  # a phase lost beyond its band, in the simulator
+    best_finding: str | None
+    best_finding_gain_tok_s: float  # the best eligible finding change's gain; 0 where none is
+
+    @property
+    def ok(self) -> bool:
+        """At least the best finding's gain (within 1 % of the weighted throughput's noise floor)
+        and no phase lost beyond its band."""
+        return not self.advice_loses and self.advice_gain_tok_s >= self.best_finding_gain_tok_s - 1e-6
+
+
+def _truth_tok_s(result: SimResult) -> dict[str, float]:
+    return {ph["label"]: float(ph["throughput_tok_s"]) for ph in result.ground_truth["phases"]}
+
+
+def _weighted(before: Mapping[str, float], after: Mapping[str, float], weights: Mapping[str, float],
+              bands: Mapping[str, float]) -> tuple[float | None, bool]:
+    """(duration-weighted gain, whether a phase lost beyond its band)."""
+    loses = any(after[k] < before[k] * (1 - bands.get(k, 0.0)) for k in before if before[k] > 0)
+    total = sum(weights.values()) or 1.0
+    gain = sum((after[k] - before[k]) * weights.get(k, 0.0) for k in before) / total
+    return (None if loses else gain), loses
+
+
+def score_advice(name: str, seed: int) -> AdviceScore:
+    """Fit a virtual run as a capture, take its advice, run the simulator at it and at each
+    finding's configuration change (same seed), and score both on the default objective."""
+    from gputrace.whatif.advise import NOT_CONFIGURATION, search
+    from gputrace.whatif.predict import finding_change
+
+    result = run_scenario(name, seed)
+    with tempfile.TemporaryDirectory(prefix="gputrace-advice-") as tmp:
+        write_store(result, Path(tmp) / "run")
+        with Store.open(Path(tmp) / "run", read_only=True) as store:
+            analysis = analyse_store(store)
+    model = fit_model(analysis)  # as the advise hook does where the effects fitted none
+    advice, _ = search(model, [f.to_dict() for f in analysis.findings],
+                       durations={pm.label: pm.duration_s for pm in analysis.metrics})
+    weights = {pm.label: pm.duration_s for pm in analysis.metrics}
+    bands = {p.phase: p.band_ratio for p in advice.phases}
+    before = _truth_tok_s(result)
+    ratios: tuple[tuple[str, float, float], ...] = ()
+    advice_gain, loses = 0.0, False
+    if not advice.keep:
+        change = {c.knob: c.value for c in advice.changes}
+        if "stage_cost_multipliers" in change:
+            change = model_change(model, change)
+        after = _truth_tok_s(run_params(dataclasses.replace(result.params, **change), name))
+        gain, loses = _weighted(before, after, weights, bands)
+        advice_gain = gain if gain is not None else min(0.0, sum(after.values()) - sum(before.values()))
+        ratios = tuple((k, after[k] / before[k] - 1 if before[k] else 0.0, bands.get(k, 0.0)) for k in before)
+    best, best_gain = None, 0.0
+    tried: set[str] = set()
+    for f in analysis.findings:
+        if f.cause == "cannot_tell" or f.details.get("knob") in NOT_CONFIGURATION:
+            continue
+        fix = finding_change(model, f.to_dict())
+        if not fix or repr(sorted(fix.items())) in tried:
+            continue
+        tried.add(repr(sorted(fix.items())))
+        fixed = dataclasses.replace(result.params, **model_change(model, fix))
+        after = _truth_tok_s(run_params(fixed, name))
+        gain, _ = _weighted(before, after, weights, bands)
+        if gain is not None and gain > best_gain:
+            best, best_gain = f"{f.details.get('knob')} {f.details.get('value')} ({f.cause})", gain
+    text = "keep" if advice.keep else ", ".join(c.text() for c in advice.changes)
+    return AdviceScore(name, seed, text, advice_gain, ratios, loses, best, best_gain)
+
+
+def format_advice_table(scores: list[AdviceScore]) -> list[str]:
+    lines = [f"{'scenario':16s} {'seed':>4s} {'advice':34s} {'gain tok/s':>10s} {'best finding':34s} "
+             f"{'gain tok/s':>10s} {'ok':>3s}  phases (truth gain / band)"]
+    for s in scores:
+        phases = " ".join(f"{k} {r:+.0%}/{b:.0%}" for k, r, b in s.advice_phase_ratios)
+        lines.append(f"{s.scenario:16s} {s.seed:4d} {s.advice[:34]:34s} {s.advice_gain_tok_s:10.1f} "
+                     f"{(s.best_finding or '-')[:34]:34s} {s.best_finding_gain_tok_s:10.1f} "
+                     f"{'yes' if s.ok else 'NO':>3s}  {phases}")
+    return lines

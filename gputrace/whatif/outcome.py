@@ -8,9 +8,12 @@ from typing import Any
 
 import numpy as np
 
+from gputrace.analysis.diagnose import engine_kind
 from gputrace.analysis.metrics import PhaseMetrics
 from gputrace.analysis.run import Analysis
 from gputrace.sim.run import SimResult
+from gputrace.sim.samples import cumulative
+from gputrace.sim.truth import work_intervals
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +28,9 @@ class PhaseOutcome:
     itl_s_p50: float | None
     itl_s_p90: float | None
     bubble_fraction_by_stage: tuple[float | None, ...]
+    # decode micro-batch sizes the phase ran (requests per step): its 90th percentile and largest
+    microbatch_size_p90: float | None = None
+    microbatch_size_max: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,9 +75,27 @@ def measured_outcomes(analysis: Analysis) -> list[PhaseOutcome]:
                                       rq["end_ns"][sel] / 1e9, rq["completion_tokens"][sel].astype(float))
         else:
             lat = NO_LATENCIES
+        sizes = _logged_microbatch_sizes(analysis, pm.start_ns, pm.end_ns)
         out.append(PhaseOutcome(pm.label, phase_concurrency(pm), pm.throughput_tok_s, *lat,
-                                tuple(st.bubble_fraction for st in pm.stages)))
+                                tuple(st.bubble_fraction for st in pm.stages),
+                                float(np.percentile(sizes, 90)) if len(sizes) else None,
+                                float(sizes.max()) if len(sizes) else None))
     return out
+
+
+def _logged_microbatch_sizes(analysis: Analysis, start_ns: int, end_ns: int) -> np.ndarray:
+    """The decode lines' running requests in [start, end): SGLang's per micro-batch; vLLM's
+    engine-wide lines over its pp_size batches in flight."""
+    run = analysis.run
+    parts = []
+    for ev in run.stage_events:
+        lo, hi = np.searchsorted(ev.t_ns, [start_ns, end_ns])
+        running = ev.running_req[lo:hi][ev.kind[lo:hi] != "prefill"]
+        parts.append(running[np.isfinite(running) & (running > 0)])
+    sizes = np.concatenate(parts) if parts else np.zeros(0)
+    if engine_kind(run.engine) == "vllm" and run.pp_size > 1:
+        sizes = np.maximum(sizes / run.pp_size, 1.0)
+    return sizes
 
 
 def simulated_outcomes(result: SimResult, labels: list[str] | None = None) -> list[PhaseOutcome]:
@@ -90,4 +114,50 @@ def simulated_outcomes(result: SimResult, labels: list[str] | None = None) -> li
         label = labels[i] if labels and i < len(labels) else ph.label
         out.append(PhaseOutcome(label, ph.target_concurrency, float(truth["throughput_tok_s"]), *lat,
                                 tuple(float(s["bubble_fraction"]) for s in truth["stages"])))
+    return out
+
+
+def _overlap(starts: np.ndarray, ends: np.ndarray, a: float, b: float) -> float:
+    c = cumulative(starts, np.minimum(ends, b + 1.0), np.array([a, b]))
+    return float(c[1] - c[0])
+
+
+def trace_outcomes(result: SimResult, labels: list[str] | None = None) -> list[PhaseOutcome]:
+    """Each phase of a replay from its engine trace and requests alone (no log, no ground truth):
+    throughput (tokens out of the last stage in the phase over its length), TTFT of the requests
+    it started, ITL of each request from its first token to its latest (a phase replayed shorter
+    than a request's life still has one), bubble per stage and the decode micro-batch sizes."""
+    p = result.params
+    tr = result.engine.trace
+    iv = result.intervals
+    tok_t, tok_n = np.asarray(tr.tok_t, dtype=np.float64), np.asarray(tr.tok_n, dtype=np.float64)
+    w_start, w_end = work_intervals(np.asarray(tr.work_t, dtype=np.float64),
+                                    np.asarray(tr.work_delta, dtype=np.int64))
+    reqs = result.requests
+    start = np.array([r.client_start_s for r in reqs], dtype=np.float64)
+    first = np.array([np.nan if r.first_token_s is None else r.first_token_s + p.client_latency_s
+                      for r in reqs], dtype=np.float64)
+    last = np.array([np.nan if r.last_token_s is None else r.last_token_s + p.client_latency_s
+                     for r in reqs], dtype=np.float64)
+    generated = np.array([r.generated for r in reqs], dtype=np.float64)
+    by_stage = [iv["stage"] == s for s in range(p.pp_size)]
+    decode_sizes = iv["reqs"][iv["decode"] & (iv["stage"] == 0)]
+    decode_start = iv["start_s"][iv["decode"] & (iv["stage"] == 0)]
+    out = []
+    for i, ph in enumerate(result.phases):
+        a, b = ph.start_s, ph.end_s
+        dur = b - a
+        in_tok = (tok_t >= a) & (tok_t < b)
+        throughput = float(tok_n[in_tok].sum()) / dur if dur > 0 else 0.0
+        sel = np.array([r.phase == ph.label for r in reqs], dtype=bool) if reqs else np.zeros(0, bool)
+        lat = latency_percentiles(start[sel], first[sel], last[sel], generated[sel]) if sel.any() \
+            else NO_LATENCIES
+        has_work = _overlap(w_start, w_end, a, b)
+        bubbles = tuple(round(max(has_work - _overlap(iv["start_s"][m], iv["end_s"][m], a, b), 0.0) / dur, 4)
+                        for m in by_stage) if dur > 0 else ()
+        sizes = decode_sizes[(decode_start >= a) & (decode_start < b)]
+        label = labels[i] if labels and i < len(labels) else ph.label
+        out.append(PhaseOutcome(label, ph.target_concurrency, throughput, *lat, bubbles,
+                                float(np.percentile(sizes, 90)) if len(sizes) else None,
+                                float(sizes.max()) if len(sizes) else None))
     return out

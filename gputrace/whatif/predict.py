@@ -14,7 +14,7 @@ import numpy as np
 from gputrace.analysis.diagnose import engine_kind
 from gputrace.errors import ConfigError, UsageError
 from gputrace.sim.params import SimParams, make_params
-from gputrace.whatif.fit import FittedModel, relative_error, replayed_outcomes
+from gputrace.whatif.fit import REPLAY_SEEDS, FittedModel, median_outcomes, relative_error, replay_seeds
 from gputrace.whatif.outcome import PhaseOutcome
 
 # What a what-if may change: the deployment's settings and the load. The cost model is the fit's.
@@ -30,15 +30,27 @@ HEALTHY_LINK = {"pcie_bandwidth_bytes_per_s": SimParams().pcie_bandwidth_bytes_p
                 "pcie_latency_s": SimParams().pcie_latency_s}
 
 
+# A band widens this much per doubling of the largest micro-batch a change runs past the largest
+# the run ran (the step cost there is extrapolated, not measured)
+EXTRAPOLATION_PER_DOUBLING = 0.15
+
+
 @dataclass(frozen=True, slots=True)
 class PhasePrediction:
-    """One level: measured (None where the capture had no such level) against predicted."""
+    """One level: measured (None where the capture had no such level) against predicted.
+
+    ``predicted`` is the calibrated figure, measured x model(change) / model(as run) where the
+    run had the level (the model's own figure elsewhere); ``unchanged`` the calibrated model's
+    replay of the run as it ran there; ``replay`` the model's raw figures under the change."""
 
     label: str
     concurrency: int
     measured: PhaseOutcome | None
     predicted: PhaseOutcome
     band_ratio: float
+    unchanged: PhaseOutcome | None = None
+    replay: PhaseOutcome | None = None
+    extrapolation: str | None = None  # why the band is wide, where it is
 
     @property
     def gain_ratio(self) -> float | None:
@@ -49,8 +61,11 @@ class PhasePrediction:
     def to_dict(self) -> dict[str, Any]:
         return {"label": self.label, "concurrency": self.concurrency,
                 "measured": self.measured.to_dict() if self.measured else None,
-                "predicted": self.predicted.to_dict(), "band_ratio": round(self.band_ratio, 4),
-                "gain_ratio": None if self.gain_ratio is None else round(self.gain_ratio, 4)}
+                "predicted": self.predicted.to_dict(),
+                "unchanged": self.unchanged.to_dict() if self.unchanged else None,
+                "band_ratio": round(self.band_ratio, 4),
+                "gain_ratio": None if self.gain_ratio is None else round(self.gain_ratio, 4),
+                "extrapolation": self.extrapolation}
 
 
 def parse_changes(items: Mapping[str, Any]) -> dict[str, Any]:
@@ -97,18 +112,89 @@ def changed_params(model: FittedModel, changes: Mapping[str, Any]) -> SimParams:
     return p
 
 
-def predict(model: FittedModel, changes: Mapping[str, Any]) -> list[PhasePrediction]:
-    """Run the fitted model under ``changes``; pair each level with the captured phase at it."""
+def _ratio(new: float | None, old: float | None) -> float | None:
+    return new / old if new is not None and old is not None and old > 0 else None
+
+
+def _scaled_by(measured: float | None, new: float | None, old: float | None) -> float | None:
+    """measured x new / old; the model's own figure where the ratio is unknown."""
+    r = _ratio(new, old)
+    return measured * r if r is not None and measured is not None else new
+
+
+def calibrated(measured: PhaseOutcome, change: PhaseOutcome, as_run: PhaseOutcome) -> PhaseOutcome:
+    """The measured phase moved by what the change moves in the model: each figure measured x
+    model(change) / model(as run)."""
+    def f(name: str) -> float | None:
+        return _scaled_by(getattr(measured, name), getattr(change, name), getattr(as_run, name))
+
+    return dataclasses.replace(
+        change, label=measured.label, throughput_tok_s=f("throughput_tok_s"), ttft_s_p50=f("ttft_s_p50"),
+        ttft_s_p90=f("ttft_s_p90"), itl_s_p50=f("itl_s_p50"), itl_s_p90=f("itl_s_p90"))
+
+
+def extrapolation_band(model: FittedModel, o: PhaseOutcome, changes: Mapping[str, Any]
+                       ) -> tuple[float, str | None]:
+    """The band's widening where the change runs micro-batches past those the run ran (and why)."""
+    seen = model.largest_microbatch
+    size = o.microbatch_size_p90
+    if not seen or not size or size <= seen * 1.05:
+        return 0.0, None
+    k = changes.get("pp_max_micro_batch_size")
+    what = f"K={k} runs" if k is not None else "the change runs"
+    return (EXTRAPOLATION_PER_DOUBLING * float(np.log2(size / seen)),
+            f"{what} micro-batches of {size:.0f}; this run never ran more than {seen:.0f}: wide band")
+
+
+def predict(model: FittedModel, changes: Mapping[str, Any],
+            seeds: tuple[int, ...] | None = None, phase_s: float | None = None) -> list[PhasePrediction]:
+    """Run the fitted model under ``changes`` (at ``seeds``, default the fit's replay seeds);
+    pair each level with the captured phase at it and calibrate it against the model's replay of
+    that phase as it ran at the same seeds. ``phase_s``: replay each phase this long at most (a
+    search's screening), the run as it ran replayed as long for the ratio."""
     p = changed_params(model, changes)
-    by_level = {m.concurrency: m for m in model.measured}
+    all_seeds = tuple(REPLAY_SEEDS[:len(model.replays)]) if model.replays else REPLAY_SEEDS
+    use = seeds if seeds is not None else all_seeds
+    short = phase_s is not None and phase_s < p.phase_s
+    key = f"{sorted(changes.items())!r} at {use!r}" + (f" for {phase_s} s" if short else "")
+    if key in model.predictions:
+        cached: list[PhasePrediction] = model.predictions[key]
+        return cached
+    if short:
+        assert phase_s is not None
+        p = dataclasses.replace(p, phase_s=phase_s)
+        base_key = f"as run at {use!r} for {phase_s} s"
+        if base_key not in model.predictions:
+            model.predictions[base_key] = replay_seeds(dataclasses.replace(model.params, phase_s=phase_s),
+                                                       model.labels, use)
+        short_runs: list[list[PhaseOutcome]] = model.predictions[base_key]
+    by_level = {m.concurrency: i for i, m in enumerate(model.measured)}
     # as many levels as captured: each phase keeps its place (a finding's level raised stays its
     # phase); other levels pair with the captured phase at the same level, if any
     same_phases = len(p.concurrency) == len(model.measured)
-    outcomes = replayed_outcomes(p, model.labels if same_phases else None)
+    runs = replay_seeds(p, model.labels if same_phases else None, use)
+    outcomes = median_outcomes(runs)
+    as_run_runs = [list(model.replays[all_seeds.index(s)]) for s in use if s in all_seeds] \
+        if model.replays else []
+    if short:
+        as_run_runs = short_runs
+    as_run = median_outcomes(as_run_runs) if len(as_run_runs) == len(use) else model.simulated
     out = []
     for i, o in enumerate(outcomes):
-        measured = model.measured[i] if same_phases else by_level.get(o.concurrency)
-        out.append(PhasePrediction(o.label, o.concurrency, measured, o, model.uncertainty_ratio))
+        j = i if same_phases else by_level.get(o.concurrency)
+        measured = model.measured[j] if j is not None else None
+        band = model.uncertainty_ratio
+        widen, why = extrapolation_band(model, o, changes)
+        unchanged, predicted = None, o
+        if measured is not None and j is not None:
+            base = as_run[j]
+            predicted = calibrated(measured, o, base)
+            corr = model.correction.get(measured.label, 1.0)
+            tok_s = None if base.throughput_tok_s is None else base.throughput_tok_s * corr
+            unchanged = dataclasses.replace(base, throughput_tok_s=tok_s)
+        out.append(PhasePrediction(o.label, o.concurrency, measured, predicted, band + widen, unchanged, o,
+                                   why))
+    model.predictions[key] = out
     return out
 
 

@@ -75,3 +75,20 @@ def render_markdown(doc: Mapping[str, Any]) -> str:
             "|---|---|---|---|---|---|---|---|---|"]
     out += [_prediction_row(ph, band) for ph in doc["phases"]]
     return "\n".join(out) + "\n"
+
+
+def render_advice_markdown(doc: Mapping[str, Any]) -> str:
+    """`whatif --search`: the advice's sentence, per phase measured -> predicted, the alternatives."""
+    out = [f"# Advice: {doc['run']}", "", doc["sentence"], "",
+           f"objective: {doc['objective']}" + (f" (SLO {doc['slo']})" if doc.get("slo") else "")
+           + f"; {doc['candidates']} change sets replayed", "",
+           "| phase | measured tok/s | model as run tok/s | predicted tok/s | gain | band | TTFT p90 s "
+           "| ITL p90 s |", "|---|---|---|---|---|---|---|---|"]
+    for p in doc["phases"]:
+        out.append(f"| {p['phase']} | {_num(p['measured_tok_s'], '.0f')} "
+                   f"| {_num(p['unchanged_tok_s'], '.0f')} | {_num(p['predicted_tok_s'], '.0f')} "
+                   f"| {p['gain_ratio']:+.0%} | ±{p['band_ratio']:.0%} "
+                   f"| {_num(p['ttft_s_p90'], '.3f')} | {_num(p['itl_s_p90'], '.4f')} |")
+    notes = [f"- alternative: {a['text']}" for a in doc["alternatives"]]
+    notes += [f"- {x}" for x in sorted({p["extrapolation"] for p in doc["phases"] if p.get("extrapolation")})]
+    return "\n".join(out + (["", *notes] if notes else [])) + "\n"

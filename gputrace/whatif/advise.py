@@ -1,0 +1,455 @@
+"""One answer for the deployment: the configuration that serves the run's measured load best.
+
+Candidates are every finding's change (the load's findings excepted: "offer more requests" is a
+fact about the load, not a setting) and, around the run's settings, the engine knobs the
+simulator models (SGLang: K, the request pool, the prefill chunk, the async depth; vLLM:
+max_num_seqs and max_num_batched_tokens), alone and in pairs, a few dozen at most. Each is
+replayed by the calibrated model under the run's own phases (screened on one replay seed, the
+best confirmed on all of them). The objective, by default: no phase loses beyond its band, and the
+most throughput gained over the phases weighted by their duration; ``peak`` (the highest load
+level) and an SLO (the most throughput whose every phase meets it) as options. Where no
+candidate clears its band the advice is to keep the current settings, with the reason.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gputrace.analysis.run import Analysis
+from gputrace.errors import GputraceError, UsageError
+from gputrace.whatif.effects import fit_note
+from gputrace.whatif.fit import FittedModel, fit_model
+from gputrace.whatif.outcome import PhaseOutcome
+from gputrace.whatif.predict import PhasePrediction, finding_change, predict
+
+OBJECTIVES = ("throughput", "peak", "slo")
+SCREEN_SEEDS = (0,)  # a candidate's first replay; the best CONFIRM are replayed at every seed
+SCREEN_PHASE_S = 30.0  # a screening replay's phases at most this long (the run as it ran as long)
+CONFIRM = 2
+MAX_CANDIDATES = 36
+PAIR_FROM = 4  # the best single changes combined in pairs
+SLO_KEYS = ("ttft_p90", "itl_p90")
+# SGLang's and vLLM's flags for the simulator's knobs
+FLAGS = {"sglang": {"pp_max_micro_batch_size": "--pp-max-micro-batch-size",
+                    "max_running_requests": "--max-running-requests",
+                    "chunked_prefill_size": "--chunked-prefill-size",
+                    "pp_async_batch_depth": "--pp-async-batch-depth",
+                    "max_total_num_tokens": "--max-total-tokens",
+                    "stage_cost_multipliers": "SGLANG_PP_LAYER_PARTITION"},
+         "vllm": {"max_running_requests": "--max-num-seqs",
+                  "chunked_prefill_size": "--max-num-batched-tokens",
+                  "max_total_num_tokens": "KV cache tokens (--num-gpu-blocks-override x block size)"}}
+# Findings whose change is to the offered load, the log or the hardware: facts and information,
+# never ranked as a configuration gain
+NOT_CONFIGURATION = frozenset({"concurrency", "client", "link", "--decode-log-interval", "cooling/power"})
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One setting of the advice: the simulator's knob, the engine's flag, the value."""
+
+    knob: str
+    flag: str
+    value: Any
+
+    def to_dict(self) -> dict[str, Any]:
+        value = list(self.value) if isinstance(self.value, tuple) else self.value
+        return {"knob": self.knob, "flag": self.flag, "value": value}
+
+    def text(self) -> str:
+        if self.knob == "stage_cost_multipliers":
+            return f"{self.flag} (an even layer split)"
+        return f"{self.flag} {self.value}"
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseAdvice:
+    """One phase under a change set: measured, the calibrated model as run, and predicted."""
+
+    phase: str
+    concurrency: int
+    duration_s: float
+    measured_tok_s: float
+    unchanged_tok_s: float | None
+    predicted_tok_s: float
+    band_ratio: float
+    ttft_s_p90: float | None
+    itl_s_p90: float | None
+    extrapolation: str | None = None
+
+    @property
+    def gain_ratio(self) -> float:
+        return self.predicted_tok_s / self.measured_tok_s - 1.0 if self.measured_tok_s > 0 else 0.0
+
+    @property
+    def gains(self) -> bool:
+        return self.gain_ratio > self.band_ratio
+
+    @property
+    def loses(self) -> bool:
+        return self.gain_ratio < -self.band_ratio
+
+    def to_dict(self) -> dict[str, Any]:
+        def r(x: float | None, n: int) -> float | None:
+            return None if x is None else round(x, n)
+
+        return {"phase": self.phase, "concurrency": self.concurrency,
+                "duration_s": round(self.duration_s, 1), "measured_tok_s": round(self.measured_tok_s, 1),
+                "unchanged_tok_s": r(self.unchanged_tok_s, 1),
+                "predicted_tok_s": round(self.predicted_tok_s, 1), "gain_ratio": round(self.gain_ratio, 4),
+                "band_ratio": round(self.band_ratio, 4), "ttft_s_p90": r(self.ttft_s_p90, 4),
+                "itl_s_p90": r(self.itl_s_p90, 5), "extrapolation": self.extrapolation}
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """A candidate change set and its predicted effect per phase."""
+
+    changes: tuple[Change, ...]
+    phases: tuple[PhaseAdvice, ...]
+    origin: str  # "finding: cause at phase" or "around the run's settings"
+
+    @property
+    def weighted_gain_tok_s(self) -> float:
+        """Throughput gained over the run's phases, weighted by their duration."""
+        total = sum(p.duration_s for p in self.phases)
+        if total <= 0:
+            return 0.0
+        return sum((p.predicted_tok_s - p.measured_tok_s) * p.duration_s for p in self.phases) / total
+
+    def describe(self) -> str:
+        """``--pp-max-micro-batch-size 4: +9 % at C=8, C=32; -45 % at C=64``."""
+        name = ", ".join(c.text() for c in self.changes) or "keep"
+        ups = [f"{p.gain_ratio:+.0%} at {p.phase}" for p in self.phases if p.gains]
+        downs = [f"{p.gain_ratio:+.0%} at {p.phase}" for p in self.phases if p.loses]
+        moves = "; ".join(ups + downs) or "no phase moves beyond its band"
+        return f"{name}: {moves}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"changes": [c.to_dict() for c in self.changes], "origin": self.origin,
+                "weighted_gain_tok_s": round(self.weighted_gain_tok_s, 1),
+                "phases": [p.to_dict() for p in self.phases], "text": self.describe()}
+
+
+@dataclass(frozen=True, slots=True)
+class Advice:
+    """The configuration to run (``changes`` empty: keep the current settings), per phase
+    measured -> predicted, the alternatives that trade, and why."""
+
+    changes: tuple[Change, ...]
+    objective: str
+    phases: tuple[PhaseAdvice, ...]
+    alternatives: tuple[Option, ...]
+    reason: str
+    candidates: int  # change sets replayed
+    slo: Mapping[str, float] = field(default_factory=dict)
+    fit: str = ""  # the model's replay of the run as it ran, and its corrections (fit_note)
+
+    @property
+    def keep(self) -> bool:
+        return not self.changes
+
+    def sentence(self) -> str:
+        """The verdict in one sentence."""
+        if self.keep:
+            return f"Keep the current settings: {self.reason}."
+        what = ", ".join(c.text() for c in self.changes)
+        ups = [p for p in self.phases if p.gains]
+        moved = ", ".join(f"{p.phase} {p.measured_tok_s:.0f} -> {p.predicted_tok_s:.0f} tok/s "
+                          f"({p.gain_ratio:+.0%} ±{p.band_ratio:.0%})" for p in ups)
+        return f"Set {what}: predicted {moved or 'no phase beyond its band'}; {self.reason}."
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"changes": [c.to_dict() for c in self.changes], "objective": self.objective,
+                "slo": dict(self.slo), "phases": [p.to_dict() for p in self.phases],
+                "alternatives": [a.to_dict() for a in self.alternatives], "reason": self.reason,
+                "candidates": self.candidates, "fit": self.fit, "sentence": self.sentence()}
+
+
+def parse_slo(text: str | None) -> dict[str, float]:
+    """``ttft_p90=2s,itl_p90=80ms`` -> {"ttft_p90": 2.0, "itl_p90": 0.08} (seconds)."""
+    out: dict[str, float] = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip().lower()
+        if not sep or key not in SLO_KEYS:
+            raise UsageError(f"--slo {item!r}: expected {' or '.join(k + '=VALUE' for k in SLO_KEYS)}")
+        scale = 1e-3 if value.endswith("ms") else 1.0
+        number = value.removesuffix("ms").removesuffix("s")
+        try:
+            out[key] = float(number) * scale
+        except ValueError:
+            raise UsageError(f"--slo {item!r}: {value!r} is not a time (2s, 80ms)") from None
+        if out[key] <= 0:
+            raise UsageError(f"--slo {item!r}: must be > 0")
+    return out
+
+
+def _engine(model: FittedModel) -> str:
+    return "vllm" if model.params.engine == "vllm" else "sglang"
+
+
+def to_change(model: FittedModel, knob: str, value: Any) -> Change | None:
+    flag = FLAGS[_engine(model)].get(knob)
+    return None if flag is None else Change(knob, flag, value)
+
+
+def _neighbours(model: FittedModel) -> list[dict[str, Any]]:
+    """Single changes around the run's settings on the knobs the simulator models."""
+    p = model.params
+    levels = sorted({m.concurrency for m in model.measured if m.concurrency > 0})
+    top = levels[-1] if levels else p.max_running_requests
+    out: list[dict[str, Any]] = []
+    if p.engine == "sglang":
+        k0 = p.micro_batch_cap
+        ks = {k0 // 2, k0 * 2, *(max(-(-c // p.slots), 1) for c in levels)}
+        out += [{"pp_max_micro_batch_size": k} for k in sorted(ks)
+                if 1 <= k <= p.max_running_requests and k != k0]
+        depth = p.pp_async_batch_depth
+        out += [{"pp_async_batch_depth": d} for d in (depth + 1, depth + 2) if d != depth]
+    pools = {p.max_running_requests * 2, top} - {p.max_running_requests}
+    if p.engine == "vllm":
+        pools |= {max(p.max_running_requests // 2, 1)}
+    out += [{"max_running_requests": m} for m in sorted(pools) if m >= 1]
+    chunk = p.chunked_prefill_size
+    out += [{"chunked_prefill_size": c, "max_prefill_tokens": max(c, p.max_prefill_tokens)}
+            for c in (chunk // 2, chunk * 2) if c >= 64]
+    return out
+
+
+def _key(change: Mapping[str, Any]) -> str:
+    return repr(sorted(change.items()))
+
+
+def _changes_of(model: FittedModel, change: Mapping[str, Any]) -> tuple[Change, ...] | None:
+    out = []
+    for knob, value in change.items():
+        if knob == "max_prefill_tokens":  # rides with the chunk
+            continue
+        c = to_change(model, knob, value)
+        if c is None:
+            return None
+        out.append(c)
+    return tuple(out)
+
+
+def candidates(model: FittedModel, findings: Sequence[Mapping[str, Any]]) -> list[tuple[dict[str, Any], str]]:
+    """(change, origin): each finding's configuration change, then the neighbours; deduplicated."""
+    out: dict[str, tuple[dict[str, Any], str]] = {}
+    for f in findings:
+        knob = (f.get("details") or {}).get("knob")
+        if f.get("cause") == "cannot_tell" or knob in NOT_CONFIGURATION:
+            continue
+        change = finding_change(model, f)
+        if change and _changes_of(model, change) is not None:
+            out.setdefault(_key(change), (change, f"finding: {f.get('cause')} at {f.get('phase')}"))
+    for change in _neighbours(model):
+        out.setdefault(_key(change), (change, "around the run's settings"))
+    return list(out.values())[:MAX_CANDIDATES]
+
+
+def _phases(model: FittedModel, rows: list[PhasePrediction], durations: Mapping[str, float]
+            ) -> tuple[PhaseAdvice, ...]:
+    out = []
+    for r in rows:
+        m = r.measured
+        if m is None or not m.throughput_tok_s or r.predicted.throughput_tok_s is None:
+            continue
+        out.append(PhaseAdvice(m.label, m.concurrency, durations.get(m.label, 1.0), m.throughput_tok_s,
+                               r.unchanged.throughput_tok_s if r.unchanged else None,
+                               r.predicted.throughput_tok_s, r.band_ratio, r.predicted.ttft_s_p90,
+                               r.predicted.itl_s_p90, r.extrapolation))
+    return tuple(out)
+
+
+def _meets(phases: Sequence[PhaseAdvice], slo: Mapping[str, float]) -> bool:
+    for p in phases:
+        for key, limit in slo.items():
+            value = p.ttft_s_p90 if key == "ttft_p90" else p.itl_s_p90
+            if value is not None and value > limit:
+                return False
+    return True
+
+
+def score(o: Option, objective: str, slo: Mapping[str, float]) -> float | None:
+    """The objective's figure for an option; None where it is not eligible (a phase lost beyond
+    its band, the SLO missed, or no phase gained beyond its band)."""
+    if not o.phases:
+        return None
+    if objective == "peak":
+        top = max(o.phases, key=lambda p: p.concurrency)
+        return top.predicted_tok_s - top.measured_tok_s if top.gains else None
+    if any(p.loses for p in o.phases) or not any(p.gains for p in o.phases):
+        return None
+    if objective == "slo" and not _meets(o.phases, slo):
+        return None
+    gain = o.weighted_gain_tok_s
+    return gain if gain > 0 else None
+
+
+def _durations(model: FittedModel, durations: Mapping[str, float] | None) -> dict[str, float]:
+    return {m.label: float((durations or {}).get(m.label) or 1.0) for m in model.measured}
+
+
+def search(model: FittedModel, findings: Sequence[Mapping[str, Any]], objective: str = "throughput",
+           slo: Mapping[str, float] | None = None, durations: Mapping[str, float] | None = None
+           ) -> tuple[Advice, dict[str, list[PhasePrediction]]]:
+    """The advice for the fitted run, and every confirmed prediction (change key -> rows) for
+    reuse (a finding's predicted effect)."""
+    if objective not in OBJECTIVES:
+        raise UsageError(f"--objective {objective!r}: choose from {', '.join(OBJECTIVES)}")
+    slo = dict(slo or {})
+    if objective == "slo" and not slo:
+        raise UsageError("the slo objective needs --slo ttft_p90=2s,itl_p90=80ms (one or both)")
+    weights = _durations(model, durations)
+    pool = candidates(model, findings)
+    screened: list[tuple[dict[str, Any], str, Option]] = []
+    for change, origin in pool:
+        changes = _changes_of(model, change)
+        assert changes is not None
+        rows = predict(model, change, SCREEN_SEEDS, SCREEN_PHASE_S)
+        screened.append((change, origin, Option(changes, _phases(model, rows, weights), origin)))
+    # pairs of the best single changes on different knobs
+    singles = sorted(screened, key=lambda s: -s[2].weighted_gain_tok_s)[:PAIR_FROM]
+    seen = {_key(c) for c, _, _ in screened}
+    for i, (a, _, _) in enumerate(singles):
+        for b, _, _ in singles[i + 1:]:
+            if set(a) & set(b) or len(screened) >= MAX_CANDIDATES + PAIR_FROM * 2:
+                continue
+            pair = {**a, **b}
+            if _key(pair) in seen:
+                continue
+            seen.add(_key(pair))
+            changes = _changes_of(model, pair)
+            assert changes is not None
+            rows = predict(model, pair, SCREEN_SEEDS, SCREEN_PHASE_S)
+            screened.append((pair, "pair", Option(changes, _phases(model, rows, weights), "pair")))
+
+    def rank(o: Option) -> float:
+        s = score(o, objective, slo)
+        return -math.inf if s is None else s
+
+    # the best by the objective, and the best trades (the most gained anywhere), confirmed
+    by_objective = sorted(screened, key=lambda s: -rank(s[2]))[:CONFIRM]
+    by_gain = sorted(screened, key=lambda s: -s[2].weighted_gain_tok_s)[:CONFIRM]
+    confirmed: dict[str, list[PhasePrediction]] = {}
+    options: list[Option] = []
+    for change, origin, _ in [*by_objective, *by_gain]:
+        if _key(change) in confirmed:
+            continue
+        rows = predict(model, change)
+        confirmed[_key(change)] = rows
+        changes = _changes_of(model, change)
+        assert changes is not None
+        options.append(Option(changes, _phases(model, rows, weights), origin))
+    as_run = _phases(model, [PhasePrediction(m.label, m.concurrency, m, m, model.uncertainty_ratio,
+                                             _unchanged(model, m.label), None) for m in model.measured],
+                     weights)
+    eligible = sorted((o for o in options if score(o, objective, slo) is not None),
+                      key=lambda o: -(score(o, objective, slo) or 0.0))
+    trades = [o for o in sorted(options, key=lambda o: -o.weighted_gain_tok_s)
+              if any(p.gains for p in o.phases)]
+    n = len(screened)
+    if eligible:
+        best = eligible[0]
+        alternatives = tuple([o for o in eligible[1:] + trades if o is not best][:3])
+        return Advice(best.changes, objective, best.phases, _unique(alternatives), _why(best, objective),
+                      n, slo, fit_note(model)), confirmed
+    tried = sorted(options, key=lambda o: (not o.origin.startswith("finding: "), -o.weighted_gain_tok_s))
+    return Advice((), objective, as_run, _unique(tuple(trades[:3])),
+                  _keep_reason(trades, objective, slo, n, tried[0] if tried else None),
+                  n, slo, fit_note(model)), confirmed
+
+
+def _unchanged(model: FittedModel, label: str) -> PhaseOutcome:
+    m = next(x for x in model.measured if x.label == label)
+    tok_s = model.unchanged_tok_s(label)
+    return PhaseOutcome(label, m.concurrency, tok_s, None, None, None, None, ())
+
+
+def _unique(options: tuple[Option, ...]) -> tuple[Option, ...]:
+    out: list[Option] = []
+    for o in options:
+        if all(o.changes != x.changes for x in out):
+            out.append(o)
+    return tuple(out)
+
+
+def _why(best: Option, objective: str) -> str:
+    held = [p.phase for p in best.phases if not p.gains and not p.loses]
+    goal = {"throughput": "the most throughput over the run's phases, weighted by their duration",
+            "peak": "the most throughput at the highest load level",
+            "slo": "the most throughput within the SLO"}[objective]
+    text = f"{goal} ({best.weighted_gain_tok_s:+.0f} tok/s on average)"
+    if objective != "peak":
+        text += ", no phase loses beyond its band"
+    if held:
+        text += f" ({', '.join(held)} within it)"
+    if best.origin.startswith("finding: "):
+        text += f"; it addresses {best.origin.removeprefix('finding: ')}"
+    wide = [p.extrapolation for p in best.phases if p.extrapolation]
+    if wide:
+        text += f"; {wide[0]}"
+    return text
+
+
+def _keep_reason(trades: list[Option], objective: str, slo: Mapping[str, float], n: int,
+                 closest: Option | None) -> str:
+    if not trades:
+        text = f"none of the {n} change sets replayed gains beyond its band at any phase"
+        if closest is not None and closest.phases:
+            top = max(closest.phases, key=lambda p: p.gain_ratio)
+            origin = closest.origin.removeprefix("finding: ")
+            text += (f"; the findings' change {', '.join(c.text() for c in closest.changes)} ({origin}) "
+                     f"moves {top.phase} {top.gain_ratio:+.0%} against its band of ±{top.band_ratio:.0%}")
+            losses = [f"{p.phase} {p.gain_ratio:+.0%}" for p in closest.phases if p.loses]
+            if losses:
+                text += f" and costs {', '.join(losses)}"
+        return text
+    best = trades[0]
+    if best.origin.startswith("finding: "):
+        origin = best.origin.removeprefix("finding: ")
+        return _keep_text(objective, f"{best.describe()} (it addresses {origin})")
+    return _keep_text(objective, best.describe())
+
+
+def _keep_text(objective: str, best: str) -> str:
+    if objective == "slo":
+        return ("no change set that gains beyond its band meets the SLO at every phase; the most "
+                f"gaining, {best}")
+    if objective == "peak":
+        return f"no change set gains beyond its band at the highest load level; the most gaining, {best}"
+    return ("every change that gains beyond its band costs another phase beyond its band; the most "
+            f"gaining, {best}")
+
+
+Hook = Callable[[Analysis, "FittedModel | None"], "Advice | None"]
+
+
+def advisor(objective: str = "throughput", slo: Mapping[str, float] | None = None) -> Hook:
+    """``analyse_run``'s advise hook: from the finished analysis and the model its effects fitted
+    (fitted here where none was), the advice; None where the run has no throughput to fit or the
+    fit fails. Reads the findings, never edits them."""
+    if objective not in OBJECTIVES:
+        raise UsageError(f"--objective {objective!r}: choose from {', '.join(OBJECTIVES)}")
+    if objective == "slo" and not slo:
+        raise UsageError("the slo objective needs --slo ttft_p90=2s,itl_p90=80ms (one or both)")
+
+    def hook(analysis: Analysis, model: FittedModel | None) -> Advice | None:
+        if not any(pm.throughput_tok_s for pm in analysis.metrics):
+            return None
+        if model is None:
+            try:
+                model = fit_model(analysis)
+            except GputraceError:
+                return None
+        advice, _ = search(model, [f.to_dict() for f in analysis.findings], objective, slo,
+                           {pm.label: pm.duration_s for pm in analysis.metrics})
+        return advice
+
+    return hook

@@ -1,0 +1,96 @@
+"""[advisor] The advice: the search over the engine's settings, its objectives and its verdict;
+on simulator ground truth (a reduced Must show 2: bench/advisor.py runs every scenario x 3 seeds)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from gputrace.cli import cli
+from gputrace.errors import UsageError
+from gputrace.sim.outputs import write_store
+from gputrace.sim.params import SimParams
+from gputrace.sim.run import run_scenario
+from gputrace.whatif.advise import MAX_CANDIDATES, Option, PhaseAdvice, candidates, parse_slo, score
+from gputrace.whatif.fit import FittedModel
+from gputrace.whatif.groundtruth import score_advice
+from gputrace.whatif.outcome import PhaseOutcome
+
+
+def _model(levels: tuple[int, ...] = (1, 8, 32, 64)) -> FittedModel:
+    measured = [PhaseOutcome(f"C={c}", c, 30.0 * c, None, None, None, None, (), 8.0, 8.0) for c in levels]
+    return FittedModel(SimParams(concurrency=levels), measured, measured, 0.03)
+
+
+def test_parse_slo() -> None:
+    assert parse_slo("ttft_p90=2s,itl_p90=80ms") == {"ttft_p90": 2.0, "itl_p90": pytest.approx(0.08)}
+    assert parse_slo(None) == {}
+    for bad in ("ttft=2s", "itl_p90=fast", "ttft_p90=0s"):
+        with pytest.raises(UsageError):
+            parse_slo(bad)
+
+
+def test_candidates_are_configuration_changes_around_the_run_bounded() -> None:
+    """A finding about the offered load is never a configuration candidate; K, the pool, the
+    prefill chunk and the async depth are searched around the run's settings."""
+    findings = [
+        {"cause": "pipeline_underfilled", "phase": "C=1", "details": {"knob": "concurrency", "value": 8}},
+        {"cause": "client_bound", "phase": "C=64", "details": {"knob": "client", "value": 64}},
+        {"cause": "pipeline_underfilled", "phase": "C=32",
+         "details": {"knob": "--pp-max-micro-batch-size", "value": 4}},
+    ]
+    pool = candidates(_model(), findings)
+    changes = [c for c, _ in pool]
+    assert changes[0] == {"pp_max_micro_batch_size": 4}
+    assert pool[0][1] == "finding: pipeline_underfilled at C=32"
+    assert not any("concurrency" in c or "client_max_inflight" in c for c in changes)
+    knobs = {k for c in changes for k in c}
+    assert {"pp_max_micro_batch_size", "max_running_requests", "chunked_prefill_size",
+            "pp_async_batch_depth"} <= knobs
+    assert len(pool) <= MAX_CANDIDATES
+
+
+def _option(gains: dict[str, float], band: float = 0.05) -> Option:
+    phases = tuple(PhaseAdvice(label, int(label[2:]), 10.0, 100.0, 100.0, 100.0 * (1 + g), band, None, None)
+                   for label, g in gains.items())
+    return Option((), phases, "test")
+
+
+def test_objectives() -> None:
+    """Default: no phase lost beyond its band and a gain beyond it somewhere; peak: the highest
+    level; slo: every phase within it."""
+    trade = _option({"C=8": 0.2, "C=64": -0.4})
+    clean = _option({"C=8": 0.1, "C=64": 0.0})
+    inside = _option({"C=8": 0.04, "C=64": 0.0})
+    assert score(trade, "throughput", {}) is None
+    assert score(clean, "throughput", {}) == pytest.approx(5.0)
+    assert score(inside, "throughput", {}) is None  # inside the band: no clear gain
+    assert score(_option({"C=8": -0.5, "C=64": 0.2}), "peak", {}) == pytest.approx(20.0)
+    slow = Option((), tuple(p.__class__(p.phase, p.concurrency, p.duration_s, p.measured_tok_s,
+                                        p.unchanged_tok_s, p.predicted_tok_s, p.band_ratio, 3.0, 0.05)
+                            for p in clean.phases), "test")
+    assert score(slow, "slo", {"ttft_p90": 2.0}) is None
+    assert score(slow, "slo", {"ttft_p90": 4.0}) == pytest.approx(5.0)
+
+
+@pytest.mark.slow
+def test_advice_on_ground_truth_and_whatif_search(tmp_path: Path) -> None:
+    """pool-bound (a pool of 32 under 64 requests): the advice, run in the simulator, gains at
+    least as much as the best finding's change and loses no phase beyond its band; `whatif
+    --search` prints the same advice with the model's replay of the run within 5 %."""
+    s = score_advice("pool-bound", 0)
+    assert s.ok and s.advice_gain_tok_s > 0, s
+    assert "--max-running-requests" in s.advice
+    run = write_store(run_scenario("pool-bound", 0), tmp_path / "run")
+    done = CliRunner().invoke(cli, ["whatif", str(run), "--search", "--format", "json"])
+    assert done.exit_code == 0, done.output
+    doc = json.loads(done.output[done.output.index("{"):])
+    assert doc["changes"] and doc["changes"][0]["flag"] == "--max-running-requests"
+    for p in doc["phases"]:
+        assert abs(p["unchanged_tok_s"] / p["measured_tok_s"] - 1) <= 0.05
+        assert p["predicted_tok_s"] > p["measured_tok_s"] * (1 + p["band_ratio"])
+    bad = CliRunner().invoke(cli, ["whatif", str(run), "--objective", "peak"])
+    assert bad.exit_code != 0 and "--search" in bad.output + str(bad.exception)
