@@ -29,6 +29,7 @@ from gputrace.analysis.metrics import PhaseMetrics
 from gputrace.analysis.run import Analysis, analyse_store
 from gputrace.engines import LogParser
 from gputrace.store import Store
+from gputrace.vocabulary import Change
 
 RECORDED = [(s.engine, s.name) for s in SETTINGS]
 SGLANG_BATCH = re.compile(r"\] (?:Prefill|Decode) batch[,.]")
@@ -366,5 +367,5 @@ def test_sglang_k16_bunches_the_running_requests_k4_spreads_them(imported, name:
         assert not bunched, bunched
         return
     assert len(bunched) == 1 and bunched[0].evidence["reason"] == "bunched", findings
-    assert bunched[0].details == {"knob": "--pp-max-micro-batch-size", "value": 4}
+    assert bunched[0].change == Change("pp_max_micro_batch_size", "--pp-max-micro-batch-size", 4)
     assert bunched[0].evidence["microbatch_size_max"] >= 7 and bunched[0].evidence["microbatch_size_p10"] <= 1

@@ -92,11 +92,12 @@ def test_the_top_finding_is_the_one_the_report_leads_with(tmp_path: Path) -> Non
     from gputrace.report.document import build_document
     from gputrace.report.render import verdict
     from gputrace.store import Store
+    from gputrace.vocabulary import Change
 
     with Store.open(_capped(tmp_path / "a"), read_only=True) as store:
         analysis = analyse_store(store)
     load = Finding("pipeline_underfilled", "C=1", [0, 1, 2, 3], {}, 0.7, "offer at least 4 requests",
-                   "1 micro-batch for 4 stages", details={"knob": "concurrency", "value": 4})
+                   "1 micro-batch for 4 stages", change=Change.of_flag("concurrency", 4))
     analysis = dataclasses.replace(analysis, findings=(load, *analysis.findings))
     top = top_finding(analysis)
     assert top is not None and top["cause"] == "microbatch_cap" and top["phase"] == "C=32"

@@ -105,7 +105,7 @@ def test_findings_carry_predicted_effects_and_demo_second_run(motivating_run: Pa
     top recommendation (as the demo picks it) predicts the second run within 15 %."""
     analysis, _ = with_predicted_effects(_analysis(motivating_run))
     predicted = [f for f in analysis.findings if analysis.effect_of(f) is not None]
-    assert len(predicted) == len([f for f in analysis.findings if f.details.get("knob")])
+    assert len(predicted) == len([f for f in analysis.findings if f.change is not None])
     for f in predicted:
         e = analysis.effects[f.key]
         assert f"predicted: {e.measured_tok_s:.0f} -> {e.predicted_tok_s:.0f} tok/s at " \
@@ -117,7 +117,7 @@ def test_findings_carry_predicted_effects_and_demo_second_run(motivating_run: Pa
     assert rec is not None and rec.knob == "--pp-max-micro-batch-size"
     second = run_scenario("motivating", 0, rec.overrides).ground_truth["phases"]
     truth = {ph["label"]: ph["throughput_tok_s"] for ph in second}
-    top = next(f for f in analysis.findings if f.details.get("knob") == rec.knob)
+    top = next(f for f in analysis.findings if f.change is not None and f.change.flag == rec.knob)
     effect = analysis.effects[top.key]
     assert rec.predicted == effect
     assert abs(effect.predicted_tok_s / truth[rec.phase] - 1) < 0.15
