@@ -22,6 +22,7 @@ from gputrace.analysis.metrics import busy_and_bubble
 from gputrace.exposition import Collector, Metric, family
 from gputrace.model import ClockProbe, GpuSample, Marker, RequestRecord, SchedulerEvent
 from gputrace.topology import Placement
+from gputrace.vocabulary import LiveStatus
 
 RankKey = tuple[str, int, int, int]  # host, pp_rank, tp_rank, dp_rank
 
@@ -178,10 +179,10 @@ class LiveState:
         _busy, bubble = busy_and_bubble(np.array([utilization]), work)
         return float(bubble[0])
 
-    def status(self) -> dict[str, Any]:
-        """The JSON `watch` reads from the collector's /v1/status."""
-        return {"run": self.run, "phase": self.phase, "target_concurrency": self.target_concurrency,
-                "inflight": self.inflight, "counts": dict(self.counts), "stages": self.stages()}
+    def status(self) -> LiveStatus:
+        """What `watch` shows (the collector's /v1/status adds the store and the problems)."""
+        return LiveStatus(self.run, self.phase, self.target_concurrency, self.inflight, dict(self.counts),
+                          tuple(self.stages()))
 
 
 def _mean(values: list[float]) -> float | None:

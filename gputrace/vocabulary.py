@@ -8,18 +8,20 @@ every layer may import it.
 - ``Cause``: what a finding diagnosed; a ``str`` enum, so findings.json holds the same strings.
 - ``Change``: a setting and its value (``knob`` the setting's name, ``flag`` how a user sets it).
 - ``CaptureProblem``: what the collector records in ``meta.extra["collector"]`` when a source
-  delivered nothing for a while.
+  delivered nothing for a while (and what /v1/status and /healthz list while it lasts).
+- ``LiveStatus``: the collector's /v1/status document, which `gputrace watch` renders.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
 from gputrace.run_tables import EngineSettings
 
-__all__ = ["FLAG_KNOBS", "LOAD_KNOBS", "CaptureProblem", "Cause", "Change", "EngineSettings"]
+__all__ = ["FLAG_KNOBS", "LOAD_KNOBS", "CaptureProblem", "Cause", "Change", "EngineSettings", "LiveStatus"]
 
 
 class Cause(StrEnum):
@@ -106,3 +108,35 @@ class CaptureProblem:
         span = ("until the end of the capture" if self.until_ns is None else
                 f"for {(self.until_ns - (self.since_ns or self.until_ns)) / 1e9:.0f} s")
         return f"capture problem: {self.source}: {self.reason} ({span})"
+
+
+@dataclass(frozen=True, slots=True)
+class LiveStatus:
+    """The collector's live view (its /v1/status JSON): the run, the load phase, per pipeline stage
+    the live GPU, engine and bubble figures (rows as ``LiveState.stages`` builds them), the store
+    writer's health and the problems that keep the capture from being complete right now."""
+
+    run: str | None = None
+    phase: str | None = None
+    target_concurrency: int | None = None
+    inflight: float | None = None
+    counts: Mapping[str, int] = field(default_factory=dict)
+    stages: tuple[Mapping[str, Any], ...] = ()
+    store: Mapping[str, Any] | None = None
+    problems: tuple[CaptureProblem, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"run": self.run, "phase": self.phase, "target_concurrency": self.target_concurrency,
+                "inflight": self.inflight, "counts": dict(self.counts),
+                "stages": [dict(row) for row in self.stages],
+                "store": None if self.store is None else dict(self.store),
+                "problems": [p.to_dict() for p in self.problems]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LiveStatus:
+        """From the JSON (what is missing stays unknown)."""
+        store = d.get("store")
+        return cls(d.get("run"), d.get("phase"), d.get("target_concurrency"), d.get("inflight"),
+                   dict(d.get("counts") or {}), tuple(d.get("stages") or ()),
+                   store if isinstance(store, Mapping) else None,
+                   tuple(CaptureProblem.from_dict(p) for p in d.get("problems") or () if isinstance(p, dict)))

@@ -17,7 +17,9 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-StatusSource = Callable[[], Awaitable[dict[str, Any]]]
+from gputrace.vocabulary import LiveStatus
+
+StatusSource = Callable[[], Awaitable[LiveStatus]]
 
 
 def _bar(ratio: float | None, width: int = 20) -> Text:
@@ -32,13 +34,13 @@ def _num(value: Any, fmt: str = "{:.0f}", suffix: str = "") -> str:
     return "n/a" if value is None else fmt.format(value) + suffix
 
 
-def render_status(status: dict[str, Any], error: str | None = None) -> Group:
+def render_status(status: LiveStatus, error: str | None = None) -> Group:
     """The view of one /v1/status document."""
     head = Text.assemble(
-        ("gputrace watch", "bold"), f"  run {status.get('run', '?')}  ",
-        ("phase ", "dim"), str(status.get("phase") or "-"),
-        ("  target C ", "dim"), _num(status.get("target_concurrency")),
-        ("  in flight ", "dim"), _num(status.get("inflight")),
+        ("gputrace watch", "bold"), f"  run {status.run or '?'}  ",
+        ("phase ", "dim"), str(status.phase or "-"),
+        ("  target C ", "dim"), _num(status.target_concurrency),
+        ("  in flight ", "dim"), _num(status.inflight),
     )
     table = Table(expand=False, header_style="bold")
     for col, justify in (("stage", "right"), ("GPUs", "left"), ("utilization", "left"), ("util", "right"),
@@ -46,7 +48,7 @@ def render_status(status: dict[str, Any], error: str | None = None) -> Group:
                          ("running", "right"), ("queued", "right"), ("tok/s", "right"),
                          ("bubble", "right")):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
-    for row in status.get("stages", []):
+    for row in status.stages:
         util = row.get("utilization_ratio")
         bubble = row.get("bubble_ratio")
         table.add_row(
@@ -58,14 +60,13 @@ def render_status(status: dict[str, Any], error: str | None = None) -> Group:
             _num(row.get("gen_throughput_tok_s"), "{:.1f}"),
             Text(_num(bubble, "{:.0%}"), style="red" if (bubble or 0) > 0.3 else ""),
         )
-    counts = status.get("counts", {})
+    counts = status.counts
     foot = Text(f"samples {counts.get('gpu_samples', 0)}  log events {counts.get('scheduler_events', 0)}"
                 f"  requests {counts.get('requests', 0)}   q or Ctrl-C quits", style="dim")
     parts: list[Any] = [head, table, foot]
-    for problem in status.get("problems", []):
+    for problem in status.problems:
         # a failing source or a store that cannot be written: the capture is not complete
-        parts.append(Text(f"failing: {problem.get('source', '?')}: {problem.get('reason', '?')}",
-                          style="bold red"))
+        parts.append(Text(f"failing: {problem.source}: {problem.reason}", style="bold red"))
     if error:
         parts.append(Text(error, style="bold red"))
     return Group(*parts)
@@ -101,7 +102,7 @@ async def watch(source: StatusSource, refresh_s: float = 0.3) -> None:
                     quit_event.set()
             loop.add_reader(sys.stdin.fileno(), on_key)
         try:
-            status: dict[str, Any] = {}
+            status = LiveStatus()
             with Live(render_status(status), refresh_per_second=max(1, round(1 / refresh_s)),
                       screen=False, transient=False) as live:
                 while not quit_event.is_set():
