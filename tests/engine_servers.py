@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -16,6 +15,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
+
+from helpers import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 ENGINES_VENV = Path(os.environ.get("GPUTRACE_ENGINES_VENV", REPO / ".venv-engines"))
@@ -59,11 +60,6 @@ def engines_available() -> str | None:
         return f"{MODEL_DIR} has no model: run `make engines`"
     return None
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _without_flag(args: list[str], flag: str) -> list[str]:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import asyncssh
 import pytest
+from helpers import free_port
 
 from gputrace.remote.ssh import HostKeyPolicy, SshOptions
 
@@ -129,11 +130,6 @@ def wait_no_processes(marker: str, timeout_s: float = 5.0) -> list[tuple[int, st
     return left
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
 
 def write_key(path: Path, alg: str = "ssh-ed25519") -> Path:
     key = asyncssh.generate_private_key(alg)
@@ -154,7 +150,7 @@ def running_sshd(root: Path, sshd: str = "/usr/sbin/sshd") -> Iterator[SshServer
     # sshd refuses to start without its privilege-separation directory.
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
     for _attempt in range(5):
-        port = _free_port()
+        port = free_port()
         config = root / "sshd_config"
         config.write_text(
             f"ListenAddress 127.0.0.1:{port}\nHostKey {host_key}\nPidFile {root / 'sshd.pid'}\n"
