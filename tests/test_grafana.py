@@ -182,10 +182,11 @@ def _start_prometheus(tmp: Path, targets: list[str]) -> Iterator[str]:
               if targets else []}
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
-    proc = subprocess.Popen(
-        [binary, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'tsdb'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=subprocess.DEVNULL, stderr=(tmp / "prometheus.log").open("wb"))
+    with (tmp / "prometheus.log").open("wb") as log:  # the child keeps its own descriptor
+        proc = subprocess.Popen(
+            [binary, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=subprocess.DEVNULL, stderr=log)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
@@ -287,11 +288,11 @@ def test_every_query_returns_data_for_the_metric_contract(contract_prometheus: s
 def sim_agent(tmp_path: Path) -> Iterator[str]:
     """`gputrace agent --backend sim` on loopback, 4 simulated GPUs as a PP4 pipeline."""
     port = free_port()
-    log = (tmp_path / "agent.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gputrace", "agent", "--backend", "sim", "--listen", f"127.0.0.1:{port}",
-         "--interval", "0.1", "--sim-gpus", str(PP_SIZE), "--topology", f"pp={PP_SIZE},tp=1",
-         "--host-name", "node0"], stdout=subprocess.DEVNULL, stderr=log)
+    with (tmp_path / "agent.log").open("wb") as log:  # the child keeps its own descriptor
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gputrace", "agent", "--backend", "sim", "--listen", f"127.0.0.1:{port}",
+             "--interval", "0.1", "--sim-gpus", str(PP_SIZE), "--topology", f"pp={PP_SIZE},tp=1",
+             "--host-name", "node0"], stdout=subprocess.DEVNULL, stderr=log)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
