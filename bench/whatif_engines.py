@@ -76,7 +76,7 @@ def _analysis(run: Path) -> Analysis:
 
 
 def _recommendation(analysis: Analysis) -> Finding:
-    """The admission-limit finding at C=16 (its details name the flag and the value)."""
+    """The admission-limit finding at C=16 (its change names the flag and the value)."""
     for f in analysis.findings:
         if f.phase == "C=16" and f.cause == "admission_bound":
             return f
@@ -87,7 +87,8 @@ def one_repeat(engine_name: str, work: Path) -> list[dict[str, object]]:
     """Measure the default, apply its recommendation, measure again; the rows of :func:`compared`."""
     before = _analysis(_load_and_import(EngineSetting(engine_name, "default"), work / "default"))
     finding = _recommendation(before)
-    flag, value = str(finding.details["knob"]), int(finding.details["value"])
+    assert finding.change is not None and finding.change.value is not None
+    flag, value = finding.change.flag, finding.change.value
     applied = EngineSetting(engine_name, "applied", (flag, str(value)))
     _load_and_import(applied, work / "applied")
     return compared(engine_name, work)
@@ -98,10 +99,11 @@ def compared(engine_name: str, work: Path) -> list[dict[str, object]]:
     ``work``/applied/run, per level."""
     before = _analysis(work / "default" / "run")
     finding = _recommendation(before)
-    flag, value = str(finding.details["knob"]), int(finding.details["value"])
+    assert finding.change is not None and finding.change.value is not None
+    flag, value = finding.change.flag, finding.change.value
     model = fit_model(before)
-    change = finding_change(model, {"details": finding.details, "phase": finding.phase})
-    assert change is not None, finding.details
+    change = finding_change(model, finding.change, finding.phase)
+    assert change is not None, finding.change
     predicted = {row.label: row.predicted for row in predict(model, change)}
     after: dict[str, PhaseOutcome] = {m.label: m for m in measured_outcomes(
         _analysis(work / "applied" / "run"))}

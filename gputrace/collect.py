@@ -46,6 +46,7 @@ from gputrace.remote.transport import Transport
 from gputrace.store import REJECTS_FILE, BatchingWriter, Store, warm_up
 from gputrace.token_file import read_token
 from gputrace.topology import topology_to_meta
+from gputrace.vocabulary import CaptureProblem, LiveStatus
 
 log = get_logger("collect")
 MAX_CONCURRENCY = 1 << 31  # a phase's target: far above any real load, well inside int64
@@ -121,8 +122,8 @@ class Collector:
         self._failures: list[str] = []
         self._ready: dict[str, asyncio.Event] = {}
         # per source, what keeps it from delivering (a log file not there, a lost connection, a
-        # task that ended): {"source", "reason", "since_ns", "until_ns"}; the open ones are current
-        self._problems: list[dict[str, Any]] = []
+        # task that ended); the open ones (until_ns None) are current
+        self._problems: list[CaptureProblem] = []
         self._last_log_batch_ns: dict[str, int] = {}  # per log source, when its newest lines came
         # marks posted and not yet written, each with the future its request waits on (None: stored,
         # else why not)
@@ -206,7 +207,7 @@ class Collector:
     def _not_drained(self, asked_ns: int) -> list[str]:
         """The sources still delivering what they held at ``asked_ns``."""
         now_ns = time.time_ns()
-        open_problems = {p["source"] for p in self._problems if p["until_ns"] is None}
+        open_problems = {p.source for p in self._problems if p.until_ns is None}
         running = {t.get_name() for ht in self._hosts for t in ht.tasks if not t.done()}
         waiting = []
         for ht in self._hosts:
@@ -255,7 +256,7 @@ class Collector:
         try:
             self.store.update_meta(extra={"collector": {
                 "counts": dict(self.live.counts), "failures": self._failures,
-                "source_problems": self._problems, "store_outages": outages,
+                "source_problems": [p.to_dict() for p in self._problems], "store_outages": outages,
                 "dropped_records": dict(writer.dropped), "stopped_ns": stopped_ns}})
         except StoreWriteError as exc:
             log.error("meta_not_updated", error=str(exc))
@@ -467,29 +468,28 @@ class Collector:
     def _source_problem(self, source: str, reason: str | None) -> None:
         """``source`` has a problem from now on (``reason``), or none any more (None)."""
         now = time.time_ns()
-        for problem in self._problems:
-            if problem["source"] == source and problem["until_ns"] is None:
-                if problem["reason"] == reason:
+        for i, problem in enumerate(self._problems):
+            if problem.source == source and problem.until_ns is None:
+                if problem.reason == reason:
                     return
-                problem["until_ns"] = now
+                self._problems[i] = dataclasses.replace(problem, until_ns=now)
         if reason is not None:
-            self._problems.append({"source": source, "reason": reason, "since_ns": now, "until_ns": None})
+            self._problems.append(CaptureProblem(source, reason, now))
 
-    def problems(self) -> list[dict[str, Any]]:
+    def problems(self) -> list[CaptureProblem]:
         """What keeps the capture from being complete right now: failing sources, the store."""
-        current = [{"source": p["source"], "reason": p["reason"], "since_ns": p["since_ns"]}
-                   for p in self._problems if p["until_ns"] is None]
+        current = [p for p in self._problems if p.until_ns is None]
         if self.writer.write_error is not None:
             dropped = sum(self.writer.dropped.values())
-            current.append({"source": "store", "since_ns": self.writer.failing_since_ns,
-                            "reason": f"cannot write ({self.writer.write_error}): "
-                                      f"{self.writer.backlog_rows} records waiting in memory, "
-                                      f"{dropped} dropped"})
+            current.append(CaptureProblem(
+                "store", f"cannot write ({self.writer.write_error}): {self.writer.backlog_rows} records "
+                         f"waiting in memory, {dropped} dropped", self.writer.failing_since_ns))
         return current
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> LiveStatus:
         """/v1/status: the live view, the store's state and the current problems."""
-        return {**self.live.status(), "store": self.writer.health(), "problems": self.problems()}
+        return dataclasses.replace(self.live.status(), store=self.writer.health(),
+                                   problems=tuple(self.problems()))
 
     def _bad_sample_line(self, reason: str) -> None:
         self.live.counts["bad_sample_lines"] += 1
@@ -567,7 +567,7 @@ class Collector:
         return web.json_response({"ok": True, "ts_ns": marker.ts_ns, "stored": True})
 
     async def _status(self, request: web.Request) -> web.Response:
-        return web.json_response(self.status())
+        return web.json_response(self.status().to_dict())
 
     async def _healthz(self, request: web.Request) -> web.Response:
         """200 while every source delivers and the store takes what they send; 503 with the
@@ -577,7 +577,8 @@ class Collector:
         status = 503 if problems else 200
         if not has_token(request, self.options.http_token or None):
             return web.json_response({"ok": not problems}, status=status)
-        return web.json_response({"ok": not problems, "problems": problems, "failures": self._failures},
+        return web.json_response({"ok": not problems, "problems": [p.to_dict() for p in problems],
+                                  "failures": self._failures},
                                  status=status)
 
 

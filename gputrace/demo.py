@@ -23,7 +23,6 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from numbers import Integral
 from pathlib import Path
 from typing import Any
 
@@ -103,11 +102,9 @@ class Recommendation:
 def top_recommendation(analysis: Analysis) -> Recommendation | None:
     """The first finding (ranked most important first) with an engine flag and value."""
     for f in analysis.findings:
-        knob, value = f.details.get("knob"), f.details.get("value")
-        if knob in FLAG_PARAMS and isinstance(value, Integral) and not isinstance(value, bool) \
-                and int(value) > 0:
-            return Recommendation(f.cause, f.phase, str(knob), int(value), analysis.recommendation_of(f),
-                                  analysis.effect_of(f))
+        if f.change is not None and f.change.flag in FLAG_PARAMS and f.change.value:
+            return Recommendation(f.cause, f.phase, f.change.flag, f.change.value,
+                                  analysis.recommendation_of(f), analysis.effect_of(f))
     return None
 
 

@@ -28,6 +28,7 @@ from gputrace.analysis.schedule import engine_totals, line_sizes
 from gputrace.exposition import Collector, Metric, family
 from gputrace.model import ClockProbe, EngineConfig, GpuSample, Marker, RequestRecord, SchedulerEvent
 from gputrace.topology import Placement
+from gputrace.vocabulary import LiveStatus
 
 RankKey = tuple[str, int, int, int]  # host, pp_rank, tp_rank, dp_rank
 
@@ -319,15 +320,14 @@ class LiveState:
             sources.append(str(totals.source[-1]))
         return EngineNow(running, queued, in_flight, slots, k, pool, "/".join(sorted(set(sources))))
 
-    def status(self) -> dict[str, Any]:
-        """The JSON `watch` reads from the collector's /v1/status."""
+    def status(self) -> LiveStatus:
+        """What `watch` shows (the collector's /v1/status adds the store and the problems)."""
         stages = self.stages()
         engine = self.engine_now(self._recent_busy(0, ENGINE_BUSY_WINDOW_S))
-        return {"run": self.run, "phase": self.phase, "target_concurrency": self.target_concurrency,
-                "inflight": self.inflight, "counts": dict(self.counts), "stages": stages,
-                "pp_size": self.pp_size, "engine": asdict(engine),
-                "finding": current_finding(engine, stages, self.pp_size),
-                "now_ns": self.clock_ns(), "newest_data_ns": self.newest_ns}
+        return LiveStatus(self.run, self.phase, self.target_concurrency, self.inflight, dict(self.counts),
+                          tuple(stages), pp_size=self.pp_size, engine=asdict(engine),
+                          finding=current_finding(engine, stages, self.pp_size),
+                          now_ns=self.clock_ns(), newest_data_ns=self.newest_ns)
 
 
 def current_finding(engine: EngineNow, stages: list[dict[str, Any]], pp_size: int | None) -> str:

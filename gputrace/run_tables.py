@@ -249,6 +249,9 @@ class EngineMetricColumns:
 _SETTING_NAMES = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "fields_json")
 
 
+ENGINE_KINDS = ("sglang", "vllm")
+
+
 @dataclass(frozen=True)
 class EngineSettings(Mapping[str, Any]):
     """The engine's configuration as its log gave it: every config line merged (later lines win,
@@ -295,6 +298,35 @@ class EngineSettings(Mapping[str, Any]):
                      ) -> EngineSettings:
         ordered = sorted(configs, key=lambda c: c.line_no)
         return cls.from_rows([dataclasses.asdict(c) for c in ordered], engine_of_lines)
+
+    @property
+    def kind(self) -> str:
+        """"sglang" or "vllm" (SGLang when the log named neither)."""
+        return self.engine if self.engine in ENGINE_KINDS else "sglang"
+
+    @property
+    def admission_limit(self) -> int | None:
+        """The engine-wide admission limit: SGLang's request pool (max_running_requests), vLLM's
+        max_num_seqs (logged under the same name); None where not logged."""
+        return int(self.max_running_requests) if self.max_running_requests else None
+
+    def slots_at(self, pp_size: int) -> int:
+        """SGLang's micro-batch slots under PP: pp_size + pp_async_batch_depth (0 where not logged).
+        ``pp_size`` is the run's (the log's ranks where its configuration line did not say)."""
+        return pp_size + int(self.pp_async_batch_depth or 0)
+
+    @property
+    def slot_count(self) -> int | None:
+        """``slots_at`` the logged pp_size; None where the log did not state it."""
+        return None if self.pp_size is None else self.slots_at(self.pp_size)
+
+    def microbatch_cap_at(self, pp_size: int) -> int | None:
+        """SGLang's micro-batch cap K: --pp-max-micro-batch-size where set, else its default
+        max(max_running_requests // pp_size, 1); None where neither is logged."""
+        if self.pp_max_micro_batch_size:
+            return int(self.pp_max_micro_batch_size)
+        limit = self.admission_limit
+        return None if limit is None else max(limit // pp_size, 1)
 
     def _known(self) -> Iterator[str]:
         for name in (*_SETTING_NAMES, "fields"):

@@ -21,8 +21,9 @@ from rich.table import Table
 from rich.text import Text
 
 from gputrace.live import STALE_AFTER_S
+from gputrace.vocabulary import LiveStatus
 
-StatusSource = Callable[[], Awaitable[dict[str, Any]]]
+StatusSource = Callable[[], Awaitable[LiveStatus]]
 STALE_STYLE = "bold white on red"
 FETCH_GIVE_UP_S = 10.0  # a status request this old is abandoned and asked again
 
@@ -39,13 +40,13 @@ def _num(value: Any, fmt: str = "{:.0f}", suffix: str = "") -> str:
     return "n/a" if value is None else fmt.format(value) + suffix
 
 
-def data_age_s(status: dict[str, Any]) -> float | None:
+def data_age_s(status: LiveStatus) -> float | None:
     """How old the newest line or sample was when the collector answered (its own clock)."""
-    now, newest = status.get("now_ns"), status.get("newest_data_ns")
+    now, newest = status.now_ns, status.newest_data_ns
     return None if now is None or newest is None else max(0.0, (now - newest) / 1e9)
 
 
-def _header(status: dict[str, Any], age_s: float | None, error: str | None) -> Text:
+def _header(status: LiveStatus, age_s: float | None, error: str | None) -> Text:
     stale = error is not None or age_s is None or age_s > STALE_AFTER_S
     if age_s is None:
         age = "no data yet"
@@ -54,22 +55,22 @@ def _header(status: dict[str, Any], age_s: float | None, error: str | None) -> T
     else:
         age = f"data {age_s:.1f} s old"
     # the load in flight is known when the load runs inside the collector (`gputrace run`)
-    inflight = status.get("inflight")
+    inflight = status.inflight
     load: list[str | tuple[str, str]] = [] if inflight is None else [
         ("  load in flight ", "dim"), _num(inflight)]
     head = Text.assemble(
-        ("gputrace watch", "bold"), f"  run {status.get('run', '?')}  ",
-        ("phase ", "dim"), str(status.get("phase") or "-"),
-        ("  target C ", "dim"), _num(status.get("target_concurrency")), *load, "   ", age)
-    if stale and status:
+        ("gputrace watch", "bold"), f"  run {status.run or '?'}  ",
+        ("phase ", "dim"), str(status.phase or "-"),
+        ("  target C ", "dim"), _num(status.target_concurrency), *load, "   ", age)
+    if stale and status != LiveStatus():
         head.stylize(STALE_STYLE)
     return head
 
 
-def _engine_line(status: dict[str, Any]) -> Text:
+def _engine_line(status: LiveStatus) -> Text:
     """The engine's figures once: what a stage's "running 8" is one micro-batch of."""
-    e = status.get("engine") or {}
-    pp = status.get("pp_size")
+    e = status.engine or {}
+    pp = status.pp_size
     pool = f" of {e['pool']} (pool)" if e.get("pool") else ""
     parts: list[str | tuple[str, str]] = [
         ("engine  ", "bold"), ("running ", "dim"), _num(e.get("running")) + pool,
@@ -83,7 +84,7 @@ def _engine_line(status: dict[str, Any]) -> Text:
     return Text.assemble(*parts)
 
 
-def render_status(status: dict[str, Any], error: str | None = None, age_s: float | None = None) -> Group:
+def render_status(status: LiveStatus, error: str | None = None, age_s: float | None = None) -> Group:
     """The view of one /v1/status document; ``age_s``: how old its data is now (the collector's
     own figure when omitted)."""
     age_s = data_age_s(status) if age_s is None else age_s
@@ -93,7 +94,7 @@ def render_status(status: dict[str, Any], error: str | None = None, age_s: float
                          ("PCIe TX MB/s", "right"), ("PCIe RX MB/s", "right"), ("tok/s", "right")):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     signals = []
-    for row in status.get("stages", []):
+    for row in status.stages:
         busy = row.get("busy_ratio", row.get("utilization_ratio"))
         bubble = row.get("bubble_ratio")
         if row.get("busy_signal") and row["busy_signal"] not in signals:
@@ -107,20 +108,19 @@ def render_status(status: dict[str, Any], error: str | None = None, age_s: float
             _num(_mb(row.get("pcie_rx_bytes_per_s")), "{:.1f}"),
             _num(row.get("gen_throughput_tok_s"), "{:.1f}"),
         )
-    counts = status.get("counts", {})
+    counts = status.counts
     signal = f"busy and bubble from {' / '.join(signals)}   " if signals else ""
     foot = Text(f"{signal}samples {counts.get('gpu_samples', 0)}  log events "
                 f"{counts.get('scheduler_events', 0)}  requests {counts.get('requests', 0)}   "
                 "q or Ctrl-C quits", style="dim")
-    finding = status.get("finding")
+    finding = status.finding
     parts: list[Any] = [_header(status, age_s, error), _engine_line(status), table]
     if finding:
         parts.append(Text.assemble(("now: ", "bold"), finding))
     parts.append(foot)
-    for problem in status.get("problems", []):
+    for problem in status.problems:
         # a failing source or a store that cannot be written: the capture is not complete
-        parts.append(Text(f"failing: {problem.get('source', '?')}: {problem.get('reason', '?')}",
-                          style="bold red"))
+        parts.append(Text(f"failing: {problem.source}: {problem.reason}", style="bold red"))
     if error:
         parts.append(Text(error, style="bold red"))
     return Group(*parts)
@@ -149,10 +149,10 @@ async def _redraw(source: StatusSource, refresh_s: float, quit_event: asyncio.Ev
     """Ask ``source`` at most every ``refresh_s`` and redraw every ``refresh_s`` whatever it does:
     a collector that hangs or is slow (a loaded host took over a second to answer) must not hold
     the view, whose data meanwhile ages on screen and turns stale."""
-    status: dict[str, Any] = {}
+    status = LiveStatus()
     read_at = time.monotonic()
     error: str | None = None
-    pending: asyncio.Task[dict[str, Any]] | None = None
+    pending: asyncio.Task[LiveStatus] | None = None
     asked_at = 0.0
     quit_wait = asyncio.ensure_future(quit_event.wait())
     try:

@@ -98,3 +98,15 @@ def test_hosts(tmp_path: Path) -> Iterator[Callable[[Sequence[float]], list[Test
             return stack.enter_context(running_test_hosts(root, offsets_s, library=library, sshd=sshd))
 
         yield make
+
+
+@pytest.fixture(scope="session")
+def motivating_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The motivating deployment (SGLang PP8, max_running_requests 64) simulated in virtual time,
+    seed 0, as a run store: read-only for the tests that share it."""
+    from gputrace.sim.outputs import write_store
+    from gputrace.sim.run import run_scenario
+
+    out = tmp_path_factory.mktemp("motivating") / "run"
+    write_store(run_scenario("motivating", 0), out)
+    return out

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -17,6 +16,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
+
+from helpers import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 ENGINES_VENV = Path(os.environ.get("GPUTRACE_ENGINES_VENV", REPO / ".venv-engines"))
@@ -75,11 +76,6 @@ def engine_tier_missing() -> str | None:
     ) if reason is not None]
     return "the engine tier needs: " + "; ".join(missing) if missing else None
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _without_flag(args: list[str], flag: str) -> list[str]:

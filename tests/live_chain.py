@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -16,17 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from conftest import require_binary
+from helpers import free_port
 
 from gputrace.demo import child_process
 
 HOST = "sim-node0"
 PP_SIZE = 8
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def gputrace_argv(*args: str) -> list[str]:

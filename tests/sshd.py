@@ -86,6 +86,8 @@ class SshServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        if self.proc.stderr is not None:  # the pipe kept for a failed start's message
+            self.proc.stderr.close()
 
 
 def _children() -> dict[int, list[int]]:
@@ -172,6 +174,7 @@ def running_sshd(root: Path, sshd: str = "/usr/sbin/sshd", *, address: str = "12
     authorized.write_text(Path(str(client_key) + ".pub").read_text())
     # sshd refuses to start without its privilege-separation directory.
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
+    failed = ""
     for _attempt in range(5):
         port = free_port_on(address)
         set_env = " ".join(f'"{k}={v}"' for k, v in (session_env or {}).items())
@@ -198,7 +201,10 @@ def running_sshd(root: Path, sshd: str = "/usr/sbin/sshd", *, address: str = "12
             return
         proc.kill()
         proc.wait()
-    raise RuntimeError("sshd did not start: " + (proc.stderr.read().decode() if proc.stderr else ""))
+        if proc.stderr is not None:
+            failed = proc.stderr.read().decode()
+            proc.stderr.close()
+    raise RuntimeError("sshd did not start: " + failed)
 
 
 def wait_listening(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 10.0,

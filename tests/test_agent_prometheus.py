@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import time
 from collections.abc import AsyncIterator
@@ -13,6 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 from conftest import require_binary
+from helpers import free_port
 
 from gputrace.agent.server import Agent, AgentSettings
 from gputrace.gpu.simulated import SimulatedSampler
@@ -22,11 +22,6 @@ pytestmark = pytest.mark.system
 
 TOKEN = "prom-scrape-token"
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
@@ -57,7 +52,7 @@ scrape_configs:
     static_configs:
       - targets: ["127.0.0.1:{agent.port}"]
 """)
-    port = _free_port()
+    port = free_port()
     log = (tmp_path / "prometheus.log").open("w")
     proc = subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
                              f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=log)

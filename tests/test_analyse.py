@@ -12,8 +12,6 @@ import pytest
 from gputrace.analyse import analyse_run
 from gputrace.analysis.run import Analysis
 from gputrace.report.document import build_document
-from gputrace.sim.outputs import write_store
-from gputrace.sim.run import run_scenario
 from gputrace.store import Store
 from gputrace.whatif.fit import FittedModel
 
@@ -24,13 +22,6 @@ class _Keep:
 
     def to_dict(self) -> dict[str, Any]:
         return {"changes": [], "reason": self.reason}
-
-
-@pytest.fixture(scope="module")
-def motivating_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("analyse") / "motivating"
-    write_store(run_scenario("motivating", 0), out)
-    return out
 
 
 @pytest.mark.slow

@@ -13,7 +13,8 @@ from analysis_synth import Level, SynthRun, synth_tables
 
 from gputrace.analysis.diagnose import CAUSES
 from gputrace.analysis.run import Analysis, analyse_tables
-from gputrace.run_tables import LoadGaugeColumns, RequestColumns, RunTables
+from gputrace.run_tables import EngineSettings, LoadGaugeColumns, RequestColumns, RunTables
+from gputrace.vocabulary import Change
 
 
 def _analyse(path: Path, spec: SynthRun, edit: Callable[[RunTables], RunTables] | None = None) -> Analysis:
@@ -38,7 +39,7 @@ def test_microbatch_cap_first_with_k(tmp_path: Path) -> None:
     assert first.cause == "microbatch_cap" and first.evidence["K"] == 2
     assert first.evidence["K_from"] == "--pp-max-micro-batch-size"
     assert first.recommendation.startswith("--pp-max-micro-batch-size 4 ")
-    assert first.details == {"knob": "--pp-max-micro-batch-size", "value": 4}
+    assert first.change == Change("pp_max_micro_batch_size", "--pp-max-micro-batch-size", 4)
     assert _causes(a) == {"microbatch_cap"}
 
 
@@ -90,7 +91,7 @@ def test_no_client_bound_from_a_level_detected_in_the_gauge_itself(tmp_path: Pat
     pm = _analyse(tmp_path / "r", spec).metrics[0]
     asked = dataclasses.replace(pm, target_concurrency=1, inflight_mean=0.6)
     detected = dataclasses.replace(asked, source="detected from client requests in flight")
-    engine = {"engine": "vllm", "max_running_requests": 8}
+    engine = EngineSettings(engine="vllm", max_running_requests=8)
     assert "client_bound" in {f.cause for f in diagnose([asked], engine, 4)}
     assert "client_bound" not in {f.cause for f in diagnose([detected], engine, 4)}
 
@@ -176,7 +177,7 @@ def test_without_the_clients_level_the_limit_covers_the_gauges_peak(tmp_path: Pa
     pm = _analyse(tmp_path / "r", spec).metrics[0]
     gauge_only = dataclasses.replace(pm, target_concurrency=None, inflight_mean=14.6, inflight_p90=16.0,
                                      source="detected from client requests in flight")
-    engine = {"engine": "sglang", "max_running_requests": 8}
+    engine = EngineSettings(engine="sglang", max_running_requests=8)
     (bound,) = [f for f in diagnose([gauge_only], engine, 2) if f.cause == "admission_bound"]
     assert bound.recommendation == "--max-running-requests 16"
     asked = dataclasses.replace(gauge_only, target_concurrency=15, inflight_mean=14.6)

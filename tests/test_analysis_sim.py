@@ -19,6 +19,7 @@ from gputrace.sim.params import SCENARIOS
 from gputrace.sim.run import run_scenario
 from gputrace.sim.truth import fix_for, scenario_fixes
 from gputrace.store import Store
+from gputrace.vocabulary import Change
 
 SEEDS = (0, 1, 2)
 _CACHE: dict[tuple[str, int], tuple[Analysis, dict]] = {}  # type: ignore[type-arg]
@@ -71,7 +72,7 @@ def test_microbatch_cap_is_the_first_finding(sim_dir: Path) -> None:
     ev = first.evidence
     assert ev["K"] == 2 and ev["K_from"] == "--pp-max-micro-batch-size" and ev["pp_size"] == 8
     assert first.recommendation.startswith("--pp-max-micro-batch-size ")
-    caps = {f.phase: f.details["value"] for f in a.findings if f.cause == "microbatch_cap"}
+    caps = {f.phase: f.change.value for f in a.findings if f.cause == "microbatch_cap" and f.change}
     assert caps == {"C=32": 4, "C=64": 8}
 
 
@@ -151,7 +152,7 @@ def test_log_sampling_aliased_where_the_interval_shares_a_factor(tmp_path: Path,
     assert all(truth_aliased) and len(aliased) == 1 and aliased[0].phase == "*"
     (phase,) = aliased[0].evidence["aliased_phases"].values()
     assert phase == {"microbatches_in_flight": 8, "common_factor": 8 // logged, "microbatches_logged": logged}
-    assert aliased[0].details == {"knob": "--decode-log-interval", "value": 1}
+    assert aliased[0].change == Change("decode_log_interval", "--decode-log-interval", 1)
 
 
 def test_below_one_request_per_stage_the_bubble_is_not_the_bottleneck(sim_dir: Path) -> None:
@@ -164,7 +165,7 @@ def test_below_one_request_per_stage_the_bubble_is_not_the_bottleneck(sim_dir: P
     light = under["C=1"]
     assert light.evidence["reason"] == "light_load" and light.evidence["bubble_is_the_bottleneck"] is False
     assert "the bubble is not the bottleneck at this load" in light.summary
-    assert light.details == {"knob": "concurrency", "value": 8}
+    assert light.change == Change("concurrency", "concurrency", 8)
     for label in ("C=8", "C=32"):
         assert under[label].evidence["reason"] == "bunched"
         assert "not the bottleneck" not in under[label].summary + under[label].recommendation
@@ -243,10 +244,11 @@ def test_the_recommended_change_is_the_ground_truths_fix(sim_dir: Path, scenario
             assert found, (gt["label"], cause)
             if fix is None:  # no setting removes it (a light load: the finding asks for more load)
                 continue
-            details = found[0].details
-            assert details["knob"] == fix["knob"], (gt["label"], cause, details, fix)
+            change = found[0].change
+            assert change is not None and change.flag == fix["knob"], (gt["label"], cause, change, fix)
             if isinstance(fix["value"], int):
-                assert abs(details["value"] - fix["value"]) <= 0.25 * fix["value"], (gt["label"], fix)
+                assert change.value is not None
+                assert abs(change.value - fix["value"]) <= 0.25 * fix["value"], (gt["label"], fix)
 
 
 @pytest.mark.slow

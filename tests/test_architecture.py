@@ -71,3 +71,114 @@ def test_the_sql_check_sees_sql() -> None:
     statements = {m.group(0).split()[0] for t in store_strings if (m := SQL_STATEMENT.search(t))}
     assert statements >= {"SELECT", "INSERT", "UPDATE", "CREATE", "SET"}
     assert not SQL_STATEMENT.search("Select a window from the run, then update the report")
+
+
+# -- the layers, package by package ---------------------------------------------------------------
+# Data flows one way: sources -> capture -> store -> analysis -> advice/whatif -> outputs. Each
+# top-level module or package of gputrace has a layer; a layer imports only the layers in its row
+# (and itself). A new package fails the test below until it is given a layer here.
+LAYER_OF = {
+    # shared vocabulary and plumbing, importable from every layer
+    **dict.fromkeys(("gputrace", "errors", "model", "backoff", "logsetup", "run_tables", "vocabulary",
+                     "topology", "metric_names", "token_file", "config", "httpserver", "exposition",
+                     "dashboard"), "base"),
+    # what produces the records: NVML and its agent, engine logs and metrics, SSH, the load
+    **dict.fromkeys(("gpu", "engines", "remote", "load", "agent"), "sources"),
+    "store": "store",
+    # from sources into the store: the collector (and its live view), importers of files and Prometheus
+    **dict.fromkeys(("collect", "live", "imports", "prometheus"), "capture"),
+    "analysis": "analysis",
+    # the simulated deployment: it speaks the sources' formats and writes stores
+    "sim": "sim",
+    # what is computed from the analysis: the what-if, the advice, and the one pipeline running them
+    **dict.fromkeys(("whatif", "advice", "analyse"), "advice"),
+    "report": "outputs",
+    # the command line and the demo: they wire every layer together
+    **dict.fromkeys(("cli", "__main__", "commands", "demo", "watch"), "cli"),
+}
+MAY_IMPORT = {
+    "base": {"base"},
+    "sources": {"base"},
+    "store": {"base"},
+    "capture": {"base", "sources", "store"},
+    "analysis": {"base"},  # pure: RunTables in, results out (no store, no sources)
+    "sim": {"base", "sources", "store", "capture"},
+    "advice": {"base", "store", "analysis", "sim"},
+    "outputs": {"base", "analysis", "advice"},  # the report renders the analysis result only
+    "cli": {"base", "sources", "store", "capture", "analysis", "sim", "advice", "outputs"},
+}
+# Arrows against the table that exist today, each with its reason; remove one when it is fixed.
+EXCEPTIONS = {
+    ("live", "analysis"): "the live view's busy and bubble use the report's formula "
+                          "(gputrace.analysis.metrics.busy_and_bubble, a pure function)",
+}
+# click is the command line's library: gputrace/commands/ and the group they hang from (cli.py).
+CLICK_ALLOWED = ("gputrace.commands", "gputrace.cli")
+
+
+def _top(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _package_graph() -> dict[str, set[str]]:
+    from test_architecture_imports import GRAPH
+
+    out: dict[str, set[str]] = {}
+    for module, imported in GRAPH.items():
+        out.setdefault(_top(module), set()).update(_top(m) for m in imported if _top(m) != _top(module))
+    return out
+
+
+def test_every_package_has_a_layer() -> None:
+    """Each top-level module and package of gputrace is placed in the layer table."""
+    assert sorted(set(_package_graph()) - set(LAYER_OF)) == []
+
+
+def _violations(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{pkg} ({LAYER_OF[pkg]}) -> {dep} ({LAYER_OF[dep]})"
+                  for pkg, deps in graph.items() for dep in deps
+                  if pkg in LAYER_OF and dep in LAYER_OF and LAYER_OF[dep] != LAYER_OF[pkg]
+                  and LAYER_OF[dep] not in MAY_IMPORT[LAYER_OF[pkg]] and (pkg, dep) not in EXCEPTIONS)
+
+
+def test_no_package_imports_a_layer_it_may_not() -> None:
+    """No package imports a layer outside its row of MAY_IMPORT (deferred imports included), but
+    for the listed exceptions."""
+    assert _violations(_package_graph()) == []
+
+
+def test_the_exceptions_are_still_needed() -> None:
+    """Every listed exception is an arrow that exists (a fixed one leaves the list)."""
+    graph = _package_graph()
+    assert [arrow for arrow in EXCEPTIONS if arrow[1] not in graph.get(arrow[0], set())] == []
+
+
+def test_no_import_cycle_between_packages() -> None:
+    """No package reaches itself through other packages (imports/ <-> prometheus/ did)."""
+    from test_architecture_imports import cycles
+
+    assert cycles(_package_graph()) == []
+
+
+def test_the_layer_check_sees_a_violation() -> None:
+    """The check refuses what the table forbids (analysis reading the store, a source importing
+    capture, the report importing a command) and passes the arrows the data flow has."""
+    assert _violations({"analysis": {"store", "run_tables"}, "engines": {"collect"},
+                        "report": {"commands", "analysis"}}) == [
+        "analysis (analysis) -> store (store)", "engines (sources) -> collect (capture)",
+        "report (outputs) -> commands (cli)"]
+    assert _violations({"collect": {"store", "remote"}, "whatif": {"analysis", "sim"}}) == []
+
+
+def test_click_only_in_the_commands() -> None:
+    """No module outside gputrace/commands/ (and the group in gputrace/cli.py) imports click."""
+    from test_architecture_imports import MODULES
+
+    importers = []
+    for module, path in MODULES.items():
+        if module.startswith(CLICK_ALLOWED):
+            continue
+        if any(n == "click" or n.startswith("click.") for n in _imports(ast.parse(path.read_text()))):
+            importers.append(module)
+    assert importers == []

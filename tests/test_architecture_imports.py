@@ -46,7 +46,7 @@ def _imported(module: str, path: Path) -> set[str]:
 GRAPH: dict[str, set[str]] = {m: _imported(m, p) for m, p in MODULES.items()}
 
 
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """The strongly connected components with more than one module (Tarjan's algorithm)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -85,12 +85,12 @@ def test_the_graph_sees_top_level_and_deferred_imports() -> None:
     """The reader finds a known top-level import and a known function-level one."""
     assert "gputrace.errors" in GRAPH["gputrace.config"]
     assert "gputrace.gpu.nvml" in GRAPH["gputrace.commands.agent"]  # imported inside _make_sampler
-    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 def test_the_package_has_no_import_cycle() -> None:
     """No module of gputrace reaches itself through its imports, deferred ones included."""
-    assert _cycles(GRAPH) == []
+    assert cycles(GRAPH) == []
 
 
 def test_the_package_imports_absolutely() -> None:

@@ -433,6 +433,7 @@ def test_a_missing_log_shows_as_failing_in_health_status_watch_and_report(
 
     from gputrace.analysis.run import analyse_store
     from gputrace.report.render import write_report
+    from gputrace.vocabulary import LiveStatus
     from gputrace.watch import render_status
 
     missing = tmp_path / "nowhere" / "sglang.log"
@@ -454,7 +455,7 @@ def test_a_missing_log_shows_as_failing_in_health_status_watch_and_report(
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err.decode()[-2000:]
     console = Console(record=True, width=200)
-    console.print(render_status(status))
+    console.print(render_status(LiveStatus.from_dict(status)))
     assert f"failing: log node0: {missing}: no such file" in console.export_text()
     with Store.open(tmp_path / "run", read_only=True) as store:
         problems = store.meta.extra["collector"]["source_problems"]

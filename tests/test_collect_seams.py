@@ -154,11 +154,11 @@ async def test_an_attached_load_shows_its_requests_in_flight_live(
     log = tmp_path / "n0.log"
     log.touch()
     collector = await start_collector(config(tmp_path, {"n0": log}))
-    assert collector.status()["inflight"] is None
+    assert collector.status().inflight is None
     load = CountingLoad()
     collector.attach_load(load)
     load.inflight = 3
-    assert collector.status()["inflight"] == 3
+    assert collector.status().inflight == 3
 
 
 async def _answers(url: str, headers: dict[str, str]) -> tuple[int, str | None]:

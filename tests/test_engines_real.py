@@ -341,7 +341,8 @@ def _store_findings(capture: Capture) -> dict[str, set[tuple[str, object, object
     assert gpus[0] == 2 and gpus[1] > 0, gpus  # the agent's samples were captured beside the log
     out: dict[str, set[tuple[str, object, object]]] = {}
     for f in findings:
-        out.setdefault(f.phase, set()).add((f.cause, f.details.get("knob"), f.details.get("value")))
+        flag, value = (f.change.flag, f.change.value) if f.change else (None, None)
+        out.setdefault(f.phase, set()).add((f.cause, flag, value))
     return out
 
 
@@ -426,7 +427,8 @@ def _apply_recommendation(capture: Capture, tmp: Path, queue_metric: str, **labe
         findings = [f for f in analyse_store(store).findings if f.phase == "C=16"]
     bound = [f for f in findings if f.cause == "admission_bound"]
     assert bound, [f.cause for f in findings]
-    flag, value = bound[0].details["knob"], bound[0].details["value"]
+    assert bound[0].change is not None
+    flag, value = bound[0].change.flag, bound[0].change.value
     assert value == 16
     engine = capture.engine.setting.engine
     applied = EngineSetting(engine, "applied", (flag, str(value)))

@@ -22,13 +22,15 @@ from pathlib import Path
 import pytest
 from engine_fixtures import client_requests, fixture_dir, metrics_series
 from engine_servers import ADMISSION_LIMIT, SETTINGS
+from helpers import analyse
 from live_chain import free_port, wait_until
 
 from gputrace.analysis.aligned import align_store
 from gputrace.analysis.metrics import PhaseMetrics
-from gputrace.analysis.run import Analysis, analyse_store
+from gputrace.analysis.run import Analysis
 from gputrace.engines import LogParser
 from gputrace.store import Store
+from gputrace.vocabulary import Change
 
 RECORDED = [(s.engine, s.name) for s in SETTINGS]
 SGLANG_BATCH = re.compile(r"\] (?:Prefill|Decode) batch[,.]")
@@ -77,10 +79,6 @@ def imported(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyp
 
     return get
 
-
-def _analysis(run: Path) -> Analysis:
-    with Store.open(run, read_only=True) as store:
-        return analyse_store(store)
 
 
 def _load_phases(analysis: Analysis) -> list[PhaseMetrics]:
@@ -168,7 +166,7 @@ def test_report_is_written(imported, tmp_path: Path, engine: str, name: str) -> 
 def test_a_run_without_gpu_samples_says_cannot_tell_not_healthy(imported, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """The CPU engines give no GPU samples: the report says it cannot tell how busy the stages
     were and what to add, and nowhere that a phase is healthy."""
-    findings = _analysis(imported("vllm", "default")).findings
+    findings = analyse(imported("vllm", "default")).findings
     missing = [f for f in findings if f.cause == "cannot_tell"]
     assert [f.evidence["missing"] for f in missing] == ["gpu_samples"] and missing[0].phase == "*"
     assert findings[-1].cause == "cannot_tell"  # after every cause that was found
@@ -185,7 +183,7 @@ def test_a_stage_without_gpu_samples_names_no_busy_signal(imported, tmp_path: Pa
                                                           name: str) -> None:
     """[diagnosis] Must show 3 on the real engines (CPU builds, no GPU samples): no stage's busy
     figure is said to come from utilization.gpu or SM activity; each row says there was none."""
-    analysis = _analysis(imported(engine, name))
+    analysis = analyse(imported(engine, name))
     rows = [st for pm in analysis.metrics for st in pm.stages]
     assert rows and all(st.busy_fraction is None for st in rows)
     assert {st.busy_signal for st in rows} == {"none (no GPU samples)"}
@@ -230,7 +228,7 @@ def test_sglang_at_c16_names_the_request_pool_not_k(imported, name: str) -> None
     """SGLang at C=16 with max_running_requests 8: 8 run, 8 wait, whatever K is (a rerun with
     K=16 gave one micro-batch of 8 and the same 8 waiting). The bound is the pool: the finding
     must name --max-running-requests, and no finding may recommend raising K."""
-    findings = [f for f in _analysis(imported("sglang", name)).findings if f.phase in ("C=16", "*")]
+    findings = [f for f in analyse(imported("sglang", name)).findings if f.phase in ("C=16", "*")]
     assert not any(f.cause == "microbatch_cap" for f in findings), [f.cause for f in findings]
     bound = [f for f in findings if f.cause == "admission_bound"]
     assert bound and bound[0].recommendation == "--max-running-requests 16", findings
@@ -240,7 +238,7 @@ def test_sglang_at_c16_names_the_request_pool_not_k(imported, name: str) -> None
 @pytest.mark.parametrize(("name", "limit"), [("default", 8), ("seqs4", 4)])
 def test_vllm_at_c16_names_max_num_seqs(imported, name: str, limit: int) -> None:  # type: ignore[no-untyped-def]
     """vLLM at C=16 keeps 16 - max_num_seqs waiting: the finding names --max-num-seqs 16."""
-    findings = [f for f in _analysis(imported("vllm", name)).findings if f.phase in ("C=16", "*")]
+    findings = [f for f in analyse(imported("vllm", name)).findings if f.phase in ("C=16", "*")]
     bound = [f for f in findings if f.cause == "admission_bound"]
     assert bound and bound[0].recommendation == "--max-num-seqs 16", findings
     assert bound[0].evidence["admission_limit"] == limit
@@ -252,7 +250,7 @@ def test_sglang_engine_throughput_matches_the_client(imported, name: str) -> Non
     """The engine's tok/s read from the imported log is within 5 % of the client's in every phase
     with load: tokens are counted from the last stage's lines (integrating the logged throughput
     over lines spread within their one-second stamps read 8-56 % high)."""
-    for pm in _load_phases(_analysis(imported("sglang", name))):
+    for pm in _load_phases(analyse(imported("sglang", name))):
         assert pm.engine_gen_throughput_tok_s is not None and pm.client_throughput_tok_s
         assert pm.engine_gen_throughput_tok_s == pytest.approx(pm.client_throughput_tok_s, rel=0.05), pm.label
 
@@ -264,7 +262,7 @@ def test_vllm_configuration_is_read_from_its_startup_lines(imported, name: str, 
     with Store.open(imported("vllm", name), read_only=True) as store:
         rows = store.sql("SELECT pp_size, max_running_requests FROM engine_configs ORDER BY line_no")
     assert (2, limit) in rows
-    assert _analysis(imported("vllm", name)).run.pp_size == 2
+    assert analyse(imported("vllm", name)).run.pp_size == 2
 
 
 def test_vllm_log_without_date_loses_no_event(tmp_path: Path) -> None:
@@ -294,7 +292,7 @@ def test_vllm_engine_throughput_matches_the_client(imported, name: str, rel: flo
     """vLLM's tok/s from its stats lines is within 5 % of the client's in every phase, with the
     engine's own PP2 topology (its unranked lines are engine-wide): each 10 s window that straddles
     a phase edge is split by the rates on either side, not by time."""
-    analysis = _analysis(imported("vllm", name))
+    analysis = analyse(imported("vllm", name))
     assert analysis.run.pp_size == 2
     for pm in _load_phases(analysis):
         assert pm.engine_gen_throughput_tok_s is not None and pm.client_throughput_tok_s
@@ -359,14 +357,14 @@ def test_sglang_k16_bunches_the_running_requests_k4_spreads_them(imported, name:
     """[diagnosis] Must show 1, the K=16 fixture: besides the pool bound, K=16 lets the 8 running
     share micro-batches of 7 and 1 for 2 stages (pipeline underfilled, bunched); K = 4 = ceil(8 / 2
     slots), the default for this pool, spreads them, and the default run shows no such finding."""
-    findings = [f for f in _analysis(imported("sglang", name)).findings if f.phase == "C=16"]
+    findings = [f for f in analyse(imported("sglang", name)).findings if f.phase == "C=16"]
     bunched = [f for f in findings if f.cause == "pipeline_underfilled"]
     assert any(f.cause == "admission_bound" for f in findings)
     if name == "default":
         assert not bunched, bunched
         return
     assert len(bunched) == 1 and bunched[0].evidence["reason"] == "bunched", findings
-    assert bunched[0].details == {"knob": "--pp-max-micro-batch-size", "value": 4}
+    assert bunched[0].change == Change("pp_max_micro_batch_size", "--pp-max-micro-batch-size", 4)
     assert bunched[0].evidence["microbatch_size_max"] >= 7 and bunched[0].evidence["microbatch_size_p10"] <= 1
 
 
@@ -402,7 +400,7 @@ def test_sglang_stage_timers_give_each_stage_and_phase_a_busy_and_bubble(importe
     (the share of the phase's scrapes the rank spent in the forward), its bubble is the phase's work
     share less it, and the log schedule's figure stands beside it with their agreement said."""
     run = _with_engine_metrics(imported("sglang", "interval2"), "sglang", "interval2")
-    analysis = _analysis(run)
+    analysis = analyse(run)
     assert [pm.label for pm in analysis.metrics if pm.label.startswith("C=")] == ["C=3", "C=6"]
     for pm in analysis.metrics:
         if not pm.label.startswith("C="):
@@ -427,7 +425,7 @@ def test_sglang_decode_log_interval_2_is_named_aliased_and_its_throughput_not_ta
     micro-batch slots: every rank logs one of the two micro-batches): log_sampling_aliased names
     the flag, and no phase takes as the engine's throughput a log figure the client's tokens
     contradict (more than 25 % apart): each phase's throughput is within 15 % of the client's."""
-    analysis = _analysis(imported("sglang", "interval2"))
+    analysis = analyse(imported("sglang", "interval2"))
     (aliased,) = [f for f in analysis.findings if f.cause == "log_sampling_aliased"]
     assert aliased.details == {"knob": "--decode-log-interval", "value": 1}
     assert aliased.evidence["decode_log_interval"] == 2 and aliased.evidence["microbatch_slots"] == 2
@@ -447,7 +445,7 @@ def test_sglang_decode_log_interval_2_is_named_aliased_and_its_throughput_not_ta
 def test_vllm_no_running_count_above_the_limit(imported, name: str, limit: int) -> None:  # type: ignore[no-untyped-def]
     """[busy] vLLM admits at most --max-num-seqs: no finding states more running requests than
     that, whatever its flipping gauges average to (the engine's guarantee, not a reading)."""
-    analysis = _analysis(imported("vllm", name))
+    analysis = analyse(imported("vllm", name))
     assert analysis.findings
     for f in analysis.findings:
         running = f.evidence.get("engine_running_estimate")
@@ -464,7 +462,7 @@ def test_a_queue_gauge_read_low_never_makes_the_running_count_exceed_the_limit(i
 
     from gputrace.analysis.diagnose import Thresholds, admission_bound, phase_context
 
-    analysis = _analysis(imported("vllm", "default"))
+    analysis = analyse(imported("vllm", "default"))
     pm = next(p for p in analysis.metrics if p.label == "C=16")
     low = dataclasses.replace(pm, inflight_mean=16.0, stages=[dataclasses.replace(st, queue_req_mean=2.0)
                                                                for st in pm.stages])

@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import jsonschema
 import pytest
 import yaml
 from conftest import require_binary
+from helpers import free_port
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -157,12 +157,6 @@ def test_substitute_replaces_variables_and_macros() -> None:
 # ---- a real Prometheus -------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
 
 def _get(url: str) -> dict[str, Any]:
     try:
@@ -189,11 +183,12 @@ def _start_prometheus(tmp: Path, targets: list[str]) -> Iterator[str]:
               "scrape_configs": [{"job_name": "contract", "static_configs": [{"targets": targets}]}]
               if targets else []}
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = _free_port()
-    proc = subprocess.Popen(
-        [binary, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'tsdb'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=subprocess.DEVNULL, stderr=(tmp / "prometheus.log").open("wb"))
+    port = free_port()
+    with (tmp / "prometheus.log").open("wb") as log:  # the child keeps its own descriptor
+        proc = subprocess.Popen(
+            [binary, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=subprocess.DEVNULL, stderr=log)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
@@ -256,7 +251,7 @@ def _contract_registry() -> CollectorRegistry:
 
 @pytest.fixture
 def contract_prometheus(tmp_path: Path) -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     server, thread = start_http_server(port, addr="127.0.0.1", registry=_contract_registry())
     try:
         yield from _start_prometheus(tmp_path, [f"127.0.0.1:{port}"])
@@ -295,12 +290,12 @@ def test_every_query_returns_data_for_the_metric_contract(contract_prometheus: s
 @pytest.fixture
 def sim_agent(tmp_path: Path) -> Iterator[str]:
     """`gputrace agent --backend sim` on loopback, 4 simulated GPUs as a PP4 pipeline."""
-    port = _free_port()
-    log = (tmp_path / "agent.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gputrace", "agent", "--backend", "sim", "--listen", f"127.0.0.1:{port}",
-         "--interval", "0.1", "--sim-gpus", str(PP_SIZE), "--topology", f"pp={PP_SIZE},tp=1",
-         "--host-name", "node0"], stdout=subprocess.DEVNULL, stderr=log)
+    port = free_port()
+    with (tmp_path / "agent.log").open("wb") as log:  # the child keeps its own descriptor
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gputrace", "agent", "--backend", "sim", "--listen", f"127.0.0.1:{port}",
+             "--interval", "0.1", "--sim-gpus", str(PP_SIZE), "--topology", f"pp={PP_SIZE},tp=1",
+             "--host-name", "node0"], stdout=subprocess.DEVNULL, stderr=log)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30

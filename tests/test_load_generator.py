@@ -4,7 +4,6 @@ protocol (tests/openai_server.py) and counts the requests it holds at once."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -12,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import free_port
 from structlog.testing import capture_logs
 
 from gputrace.errors import SourceError, UsageError
@@ -38,11 +38,6 @@ async def server() -> AsyncIterator[Server]:
     for runner in runners:
         await runner.cleanup()
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def test_exactly_c_in_flight_per_level(server: Server) -> None:
@@ -172,7 +167,7 @@ async def test_mark_url_failure_is_not_fatal(server: Server) -> None:
     with capture_logs() as logs:
         result = await run_load(
             LoadSpec(url=url, model="m", concurrency=(1,), max_tokens=2, requests_per_level=2,
-                     mark_url=f"http://127.0.0.1:{_free_port()}/mark")
+                     mark_url=f"http://127.0.0.1:{free_port()}/mark")
         )
     assert len(result.requests) == 2
     assert any(e["event"] == "marker post failed" for e in logs)
@@ -180,7 +175,7 @@ async def test_mark_url_failure_is_not_fatal(server: Server) -> None:
 
 async def test_unreachable_server_is_one_error() -> None:
     """Nothing listening: one SourceError naming the endpoint, not a table of failures."""
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     spec = LoadSpec(url=url, model="m", concurrency=(2,), requests_per_level=50)
     with pytest.raises(SourceError, match="cannot connect"):
         await run_load(spec)

@@ -12,9 +12,8 @@ import shutil
 from pathlib import Path
 
 from analysis_synth import capped_run, fixed_run
-from click.testing import CliRunner
+from helpers import cli
 
-from gputrace.cli import cli as main
 from gputrace.report.compare_render import CSS
 
 _capped, _fixed = capped_run, fixed_run
@@ -22,7 +21,7 @@ _capped, _fixed = capped_run, fixed_run
 
 def _compare(a: Path, b: Path, out: Path) -> tuple[str, str]:
     """(compare.html, the command's stdout and stderr)."""
-    res = CliRunner().invoke(main, ["compare", str(a), str(b), "--out", str(out)])
+    res = cli(["compare", str(a), str(b), "--out", str(out)])
     assert res.exit_code == 0, res.output
     return (out / "compare.html").read_text(), res.output
 
@@ -37,7 +36,7 @@ def test_compare_says_what_changed_and_shows_both_runs(tmp_path: Path) -> None:
     of each run is named."""
     a, b = _capped(tmp_path / "a"), _fixed(tmp_path / "b")
     for run in (a, b):
-        assert CliRunner().invoke(main, ["report", str(run), "--format", "html"]).exit_code == 0
+        assert cli(["report", str(run), "--format", "html"]).exit_code == 0
     page, out = _compare(a, b, tmp_path / "cmp")
     assert "Resolved in phase C=32: microbatch_cap (run A: every micro-batch holds K = 4" in page
     assert "<th>tok/s A</th><th>tok/s B</th>" in page and "<th>bubble A</th><th>bubble B</th>" in page
@@ -93,11 +92,12 @@ def test_the_top_finding_is_the_one_the_report_leads_with(tmp_path: Path) -> Non
     from gputrace.report.document import build_document
     from gputrace.report.render import verdict
     from gputrace.store import Store
+    from gputrace.vocabulary import Change
 
     with Store.open(_capped(tmp_path / "a"), read_only=True) as store:
         analysis = analyse_store(store)
     load = Finding("pipeline_underfilled", "C=1", [0, 1, 2, 3], {}, 0.7, "offer at least 4 requests",
-                   "1 micro-batch for 4 stages", details={"knob": "concurrency", "value": 4})
+                   "1 micro-batch for 4 stages", change=Change.of_flag("concurrency", 4))
     analysis = dataclasses.replace(analysis, findings=(load, *analysis.findings))
     top = top_finding(analysis)
     assert top is not None and top["cause"] == "microbatch_cap" and top["phase"] == "C=32"
@@ -187,7 +187,7 @@ def test_compare_of_one_deployment_says_there_is_nothing_to_predict(tmp_path: Pa
     pam = json.loads((tmp_path / "cmp" / "compare.json").read_text())["predicted_against_measured"]
     assert pam["changes"] == {} and pam["phases"] == [] and "the same deployment settings" in pam["note"]
     assert "Prediction: B&#x27;s log states the same deployment settings" in page
-    res = CliRunner().invoke(main, ["compare", str(a), str(b), "--no-predict", "--out", str(tmp_path / "no")])
+    res = cli(["compare", str(a), str(b), "--no-predict", "--out", str(tmp_path / "no")])
     assert res.exit_code == 0, res.output
     assert "predicted_against_measured" not in json.loads((tmp_path / "no" / "compare.json").read_text())
     assert "Predicted against measured" not in (tmp_path / "no" / "compare.md").read_text()

@@ -12,12 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from analysis_synth import T0, Level, SynthRun, build
-from click.testing import CliRunner
+from helpers import cli
 from matplotlib.lines import Line2D
 
 from gputrace.analysis.aligned import gpu_metrics_on_grid
 from gputrace.analysis.run import Analysis, analyse_store
-from gputrace.cli import cli as main
 from gputrace.report.document import STAGE_COLUMNS, phase_stage_table, shown_columns, stage_columns
 from gputrace.report.figures import (
     DPI,
@@ -154,7 +153,7 @@ def test_sample_period_is_the_agents_not_of_its_interleaved_rows(analysis: Analy
     together are spaced 30-70 ms), and the report's summary line says so."""
     s = analysis.summary()
     assert abs(s["sample_period_ms"] - 100) < 1 and s["grid_period_ms"] < 90
-    res = CliRunner().invoke(main, ["report", str(agent_run), "--out", str(tmp_path), "--format", "md"])
+    res = cli(["report", str(agent_run), "--out", str(tmp_path), "--format", "md"])
     assert res.exit_code == 0, res.output
     assert "sample period 100 ms (aligned on a" in (tmp_path / "report.md").read_text()
 
@@ -177,7 +176,7 @@ def test_phase_by_stage_table_holds_only_per_stage_values(agent_run: Path, tmp_p
     """The per-stage table in report.md and report.html has no per-phase column (load,
     throughput, allowed busy: in the phases table), names each phase once and says a busy signal
     common to every stage once; findings.json's table keeps every value per stage."""
-    res = CliRunner().invoke(main, ["report", str(agent_run), "--out", str(tmp_path)])
+    res = cli(["report", str(agent_run), "--out", str(tmp_path)])
     assert res.exit_code == 0, res.output
     md = (tmp_path / "report.md").read_text()
     stage = md[md.index("## Phase by stage"):md.index("## Stage mapping")]

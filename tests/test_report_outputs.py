@@ -11,10 +11,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from analysis_synth import T0, Level, SynthRun, build, capped_run, fixed_run
-from click.testing import CliRunner
 from conftest import SmallDisk
+from helpers import cli
 
-from gputrace.cli import cli as main
 from gputrace.cli import main as cli_main
 from gputrace.errors import UsageError
 from gputrace.report.document import SCHEMA
@@ -27,7 +26,7 @@ _capped, _fixed = capped_run, fixed_run
 def test_report_writes_three_formats(tmp_path: Path) -> None:
     """report.html, report.md with PNGs beside it, findings.json with the documented keys."""
     run = _capped(tmp_path / "run")
-    res = CliRunner().invoke(main, ["report", str(run), "--out", str(tmp_path / "out")])
+    res = cli(["report", str(run), "--out", str(tmp_path / "out")])
     assert res.exit_code == 0, res.output
     assert "microbatch_cap [C=32]" in res.output
     out = tmp_path / "out"
@@ -57,7 +56,7 @@ def test_the_report_prints_the_rules_and_their_thresholds(tmp_path: Path) -> Non
     from gputrace.report.render import write_report
 
     run = _capped(tmp_path / "run")
-    res = CliRunner().invoke(main, ["report", str(run), "--out", str(tmp_path / "out")])
+    res = cli(["report", str(run), "--out", str(tmp_path / "out")])
     assert res.exit_code == 0, res.output
     doc = json.loads((tmp_path / "out" / "findings.json").read_text())
     assert doc["thresholds"] == asdict(Thresholds())
@@ -86,7 +85,7 @@ def test_the_report_prints_the_rules_and_their_thresholds(tmp_path: Path) -> Non
 def test_report_rejects_unknown_format(tmp_path: Path) -> None:
     """An unknown --format is a usage error (exit status 2) naming the bad value."""
     run = _capped(tmp_path / "run")
-    res = CliRunner().invoke(main, ["report", str(run), "--format", "html,pdf"])
+    res = cli(["report", str(run), "--format", "html,pdf"])
     assert isinstance(res.exception, UsageError) and "pdf" in str(res.exception)
     assert res.exception.exit_code == 2
 
@@ -94,7 +93,7 @@ def test_report_rejects_unknown_format(tmp_path: Path) -> None:
 def test_compare_shows_gain_and_resolved(tmp_path: Path) -> None:
     """compare: throughput per matching phase and the cap finding resolved."""
     a, b = _capped(tmp_path / "a"), _fixed(tmp_path / "b")
-    res = CliRunner().invoke(main, ["compare", str(a), str(b), "--out", str(tmp_path / "cmp")])
+    res = cli(["compare", str(a), str(b), "--out", str(tmp_path / "cmp")])
     assert res.exit_code == 0, res.output
     doc = json.loads((tmp_path / "cmp" / "compare.json").read_text())
     c32 = next(p for p in doc["phases"] if p["label"] == "C=32")
@@ -107,7 +106,7 @@ def test_compare_shows_gain_and_resolved(tmp_path: Path) -> None:
 def test_export_parquet_and_perfetto(tmp_path: Path) -> None:
     """Parquet per table; the trace has counter tracks per stage and one slice per phase."""
     run = _capped(tmp_path / "run")
-    res = CliRunner().invoke(main, ["export", str(run), "--parquet", str(tmp_path / "pq"),
+    res = cli(["export", str(run), "--parquet", str(tmp_path / "pq"),
                                     "--perfetto", str(tmp_path / "trace.json")])
     assert res.exit_code == 0, res.output
     assert pq.read_table(tmp_path / "pq" / "gpu_samples.parquet").num_rows == 4 * 120
@@ -119,7 +118,7 @@ def test_export_parquet_and_perfetto(tmp_path: Path) -> None:
     assert tracks == {(s + 1, n) for s in range(4) for n in ("utilization", "running requests", "power_w")}
     names = {e["args"]["name"] for e in ev if e["ph"] == "M" and e["name"] == "process_name"}
     assert {"stage 0", "stage 3"} <= names
-    res = CliRunner().invoke(main, ["export", str(run)])
+    res = cli(["export", str(run)])
     assert isinstance(res.exception, UsageError)
 
 
@@ -150,7 +149,7 @@ def test_a_run_spanning_years_is_refused_in_one_line_and_a_window_of_it_reports(
     assert "GPU samples 2025-11-30T" in lines[0] and "--start T --end T" in lines[0]
 
     start_s, end_s = T0 / 1e9 + 3, T0 / 1e9 + 12  # the last 3 s of C=1 and the whole of C=32
-    res = CliRunner().invoke(main, ["report", str(run), "--out", str(tmp_path / "out"),
+    res = cli(["report", str(run), "--out", str(tmp_path / "out"),
                                     "--start", f"{start_s:.3f}", "--end", f"{end_s:.3f}", "--format", "json"])
     assert res.exit_code == 0, res.output
     assert "microbatch_cap [C=32]" in res.output
@@ -172,7 +171,7 @@ def test_compare_takes_a_window_of_each_run(tmp_path: Path, capsys: pytest.Captu
     code, _, err = _cli(capsys, "compare", str(run), str(run))
     assert code == 1 and len(err.strip().splitlines()) == 1 and "--start-a/--end-a" in err, err
     start, end = f"{T0 / 1e9 + 3:.3f}", f"{T0 / 1e9 + 12:.3f}"
-    res = CliRunner().invoke(main, ["compare", str(run), str(run), "--start-a", start, "--end-a", end,
+    res = cli(["compare", str(run), str(run), "--start-a", start, "--end-a", end,
                                     "--start-b", start, "--end-b", end, "--out", str(tmp_path / "cmp"),
                                     "--format", "json"])
     assert res.exit_code == 0, res.output
@@ -260,7 +259,7 @@ def test_markdown_shows_names_and_labels_as_text(tmp_path: Path) -> None:
                          engine={"max_running_requests": 64, "pp_max_micro_batch_size": 4}))
     meta = json.loads((run / "meta.json").read_text())
     (run / "meta.json").write_text(json.dumps({**meta, "name": "<img src=x onerror=alert(2)>"}))
-    res = CliRunner().invoke(main, ["report", str(run), "--out", str(tmp_path / "out"), "--format", "md"])
+    res = cli(["report", str(run), "--out", str(tmp_path / "out"), "--format", "md"])
     assert res.exit_code == 0, res.output
     md = (tmp_path / "out" / "report.md").read_text()
     assert "<script>" not in md and "<img" not in md
@@ -279,7 +278,7 @@ def test_the_report_opens_with_the_verdict_and_shows_each_phase_once(tmp_path: P
     """report.md and report.html start with one paragraph: the top finding, its change; a per-phase
     table gives the requests completed, failed and unfinished and TTFT/ITL ([ux])."""
     run = _capped(tmp_path / "run")
-    res = CliRunner().invoke(main, ["report", str(run), "--out", str(tmp_path / "out")])
+    res = cli(["report", str(run), "--out", str(tmp_path / "out")])
     assert res.exit_code == 0, res.output
     md = (tmp_path / "out" / "report.md").read_text()
     first = md.split("\n\n")[1]

@@ -10,13 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import analyse
 
-from gputrace.analysis.run import Analysis, analyse_store
 from gputrace.demo import top_recommendation
 from gputrace.sim.outputs import write_store
 from gputrace.sim.params import SCENARIOS
 from gputrace.sim.run import run_scenario
-from gputrace.store import Store
 from gputrace.whatif.effects import with_predicted_effects
 from gputrace.whatif.fit import fit_model
 from gputrace.whatif.groundtruth import OTHER_CHANGES, format_table, score_change, score_fixes
@@ -24,22 +23,11 @@ from gputrace.whatif.groundtruth import OTHER_CHANGES, format_table, score_chang
 WITHIN = 0.10  # Must show 1: predicted throughput within 10 % of the simulator's
 
 
-@pytest.fixture(scope="module")
-def motivating_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("whatif") / "motivating"
-    write_store(run_scenario("motivating", 0), out)
-    return out
-
-
-def _analysis(run: Path) -> Analysis:
-    with Store.open(run, read_only=True) as store:
-        return analyse_store(store)
-
 
 def test_fit_replays_the_captured_run(motivating_run: Path) -> None:
     """The fitted model, run over the captured levels, gives each phase's throughput within 5 %
     and its TTFT and ITL p50 within 15 %; the deployment is the one the log states."""
-    model = fit_model(_analysis(motivating_run))
+    model = fit_model(analyse(motivating_run))
     assert model.params.max_running_requests == 64 and model.params.pp_size == 8
     assert model.params.concurrency == (1, 8, 32, 64)
     for row in model.quality_rows():
@@ -95,7 +83,7 @@ def test_fit_reads_prefill_tokens_from_the_prefill_lines(tmp_path: Path) -> None
     costs then come out at the simulator's own."""
     result = run_scenario("kv-bound", 0)
     write_store(result, tmp_path / "run")
-    fitted, true = fit_model(_analysis(tmp_path / "run")).params, result.params
+    fitted, true = fit_model(analyse(tmp_path / "run")).params, result.params
     for name in ("launch_s", "weight_read_s", "decode_token_s", "prefill_token_s", "context_token_s"):
         assert abs(getattr(fitted, name) / getattr(true, name) - 1) < 0.02, (name, getattr(fitted, name))
 
@@ -103,9 +91,9 @@ def test_fit_reads_prefill_tokens_from_the_prefill_lines(tmp_path: Path) -> None
 def test_findings_carry_predicted_effects_and_demo_second_run(motivating_run: Path) -> None:
     """Must show 3 (virtual time): every finding with a change gets its predicted effect; the
     top recommendation (as the demo picks it) predicts the second run within 15 %."""
-    analysis, _ = with_predicted_effects(_analysis(motivating_run))
+    analysis, _ = with_predicted_effects(analyse(motivating_run))
     predicted = [f for f in analysis.findings if analysis.effect_of(f) is not None]
-    assert len(predicted) == len([f for f in analysis.findings if f.details.get("knob")])
+    assert len(predicted) == len([f for f in analysis.findings if f.change is not None])
     for f in predicted:
         e = analysis.effects[f.key]
         assert f"predicted: {e.measured_tok_s:.0f} -> {e.predicted_tok_s:.0f} tok/s at " \
@@ -117,7 +105,7 @@ def test_findings_carry_predicted_effects_and_demo_second_run(motivating_run: Pa
     assert rec is not None and rec.knob == "--pp-max-micro-batch-size"
     second = run_scenario("motivating", 0, rec.overrides).ground_truth["phases"]
     truth = {ph["label"]: ph["throughput_tok_s"] for ph in second}
-    top = next(f for f in analysis.findings if f.details.get("knob") == rec.knob)
+    top = next(f for f in analysis.findings if f.change is not None and f.change.flag == rec.knob)
     effect = analysis.effects[top.key]
     assert rec.predicted == effect
     assert abs(effect.predicted_tok_s / truth[rec.phase] - 1) < 0.15

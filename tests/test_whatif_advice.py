@@ -4,6 +4,7 @@ on simulator ground truth (a reduced Must show 2: bench/advisor.py runs every sc
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from gputrace.errors import UsageError
 from gputrace.sim.outputs import write_store
 from gputrace.sim.params import SimParams
 from gputrace.sim.run import run_scenario
+from gputrace.vocabulary import Change
 from gputrace.whatif.advise import MAX_CANDIDATES, Option, PhaseAdvice, candidates, parse_slo, score
 from gputrace.whatif.fit import FittedModel
 from gputrace.whatif.groundtruth import score_advice
@@ -37,10 +39,10 @@ def test_candidates_are_configuration_changes_around_the_run_bounded() -> None:
     """A finding about the offered load is never a configuration candidate; K, the pool, the
     prefill chunk and the async depth are searched around the run's settings."""
     findings = [
-        {"cause": "pipeline_underfilled", "phase": "C=1", "details": {"knob": "concurrency", "value": 8}},
-        {"cause": "client_bound", "phase": "C=64", "details": {"knob": "client", "value": 64}},
+        {"cause": "pipeline_underfilled", "phase": "C=1", "change": asdict(Change.of_flag("concurrency", 8))},
+        {"cause": "client_bound", "phase": "C=64", "change": asdict(Change.of_flag("client", 64))},
         {"cause": "pipeline_underfilled", "phase": "C=32",
-         "details": {"knob": "--pp-max-micro-batch-size", "value": 4}},
+         "change": asdict(Change.of_flag("--pp-max-micro-batch-size", 4))},
     ]
     pool = candidates(_model(), findings)
     changes = [c for c, _ in pool]

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 from engine_fixtures import fixture_dir
+from helpers import analyse
 
-from gputrace.analysis.run import Analysis, analyse_store
+from gputrace.analysis.run import analyse_store
 from gputrace.store import Store
 from gputrace.whatif.fit import fit_model, relative_error
 from gputrace.whatif.outcome import measured_outcomes
@@ -54,18 +55,14 @@ def _imported(tmp_factory: pytest.TempPathFactory, engine: str, name: str) -> Pa
     return _IMPORTED[key]
 
 
-def _analysis(run: Path) -> Analysis:
-    with Store.open(run, read_only=True) as store:
-        return analyse_store(store)
-
 
 def _errors(tmp_factory: pytest.TempPathFactory, engine: str, fitted: str, other: str,
             change: dict[str, int]) -> dict[str, float]:
     """Per level: predicted against the other setting's measured throughput, less one."""
-    base = _analysis(_imported(tmp_factory, engine, fitted))
+    base = analyse(_imported(tmp_factory, engine, fitted))
     model = fit_model(base)
     named = check_changes(base.run.engine, base.run.pp_size, change)
-    measured = {m.label: m for m in measured_outcomes(_analysis(_imported(tmp_factory, engine, other)))}
+    measured = {m.label: m for m in measured_outcomes(analyse(_imported(tmp_factory, engine, other)))}
     out = {}
     for row in predict(model, named):
         e = relative_error(row.predicted.throughput_tok_s, measured[row.label].throughput_tok_s)
@@ -92,7 +89,7 @@ def test_the_fit_without_gpu_samples_says_how_it_was_made(tmp_path_factory: pyte
     """A CPU engine's run has no busy figures: the model says its shape came from replays, it
     replays the captured vLLM run within the target at every level, and its band is the replay's
     RMS residual."""
-    model = fit_model(_analysis(_imported(tmp_path_factory, "vllm", "default")))
+    model = fit_model(analyse(_imported(tmp_path_factory, "vllm", "default")))
     assert any("fitted by replaying the phases" in n for n in model.notes), model.notes
     errors = [row["throughput_error"] for row in model.quality_rows()]
     assert len(errors) == 3 and all(abs(e) <= TARGET for e in errors), errors
@@ -123,7 +120,7 @@ def test_a_cost_or_gain_that_is_the_fits_offset_is_not_claimed(tmp_path_factory:
     the model as run, corrected per phase, is within 5 % of every measured phase."""
     from gputrace.whatif.effects import with_predicted_effects
 
-    analysis, model = with_predicted_effects(_analysis(_imported(tmp_path_factory, "sglang", "default")))
+    analysis, model = with_predicted_effects(analyse(_imported(tmp_path_factory, "sglang", "default")))
     assert model is not None
     (finding,) = [f for f in analysis.findings if f.cause == "admission_bound"]
     effect = analysis.effects[finding.key]
@@ -164,7 +161,7 @@ def test_a_cpu_engine_is_fitted_without_a_memory_floor(tmp_path_factory: pytest.
     from gputrace.whatif.fit import PhaseWork, _design, runs_on_cpu, without_memory_floor
 
     for engine in ("sglang", "vllm"):
-        analysis = _analysis(_imported(tmp_path_factory, engine, "default"))
+        analysis = analyse(_imported(tmp_path_factory, engine, "default"))
         assert runs_on_cpu(analysis.run.engine), analysis.run.engine.get("fields")
         model = fit_model(analysis)
         p = model.params

@@ -1,7 +1,9 @@
 """The bubble diagnosis: pure functions over the run store's columns (no I/O to hosts).
 
-``analyse_store(store)`` runs alignment, phases, metrics and diagnosis in one call; the pieces
-(``align``, ``phases``, ``metrics``, ``diagnose``, ``compare``) are usable on their own.
+Commands analyse a run with ``gputrace.analyse.analyse_run`` (which adds the what-if's predicted
+effects and the advice); ``analyse_store(store)`` here runs alignment, phases, metrics and
+diagnosis in one call; the pieces (``align``, ``phases``, ``metrics``, ``diagnose``, ``compare``)
+are usable on their own.
 """
 
 from gputrace.analysis.run import Analysis, analyse_store

@@ -686,15 +686,12 @@ def reconstruct_engine_running(stage_events: list[StageEvents], grid: np.ndarray
     ev = stage_events[0]
     gaps = np.diff(ev.t_ns)
     max_age = 3 * float(np.median(gaps)) + 1e9 if len(gaps) else 5e9
-    if str(engine.get("engine") or "sglang") != "sglang" or pp < 2:
+    if (engine.engine or "sglang") != "sglang" or pp < 2:
         return hold_last(ev.t_ns, ev.running_req.astype(np.float64), grid, max_age), {"logged": len(ev.t_ns)}
     sel = np.isin(ev.kind, ("decode", "prefill"))
     t = ev.t_ns[sel]
     sizes = line_sizes(ev.kind[sel], ev.running_req[sel], ev.new_seq[sel])
     at = np.clip(np.searchsorted(grid, t), 0, len(grid) - 1)
-    slots = pp + int(engine.get("pp_async_batch_depth") or 0)
-    k = engine.get("pp_max_micro_batch_size") or (
-        max(int(engine["max_running_requests"]) // pp, 1) if engine.get("max_running_requests") else None)
-    pool = int(engine["max_running_requests"]) if engine.get("max_running_requests") else None
-    totals = engine_totals(sizes, ev.queue_req[sel], busy[at], pp, slots, int(k) if k else None, pool)
+    totals = engine_totals(sizes, ev.queue_req[sel], busy[at], pp, engine.slots_at(pp),
+                           engine.microbatch_cap_at(pp), engine.admission_limit)
     return hold_last(t, totals.running, grid, max_age), totals.counts()

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from gputrace.analysis.diagnose import Finding, changes_the_deployment
+from gputrace.analysis.diagnose import Finding
 from gputrace.analysis.run import Analysis
 
 SCHEMA = "gputrace.compare/1"
@@ -47,7 +47,7 @@ def top_finding(a: Analysis) -> dict[str, Any] | None:
     """The finding the run's report leads its verdict with: the first that names a cause and a
     change to the deployment, else the first that names a cause; None without one."""
     causes = [f for f in a.findings if f.cause != "cannot_tell"]
-    top = next((f for f in causes if changes_the_deployment(f.details.get("knob"))), None)
+    top = next((f for f in causes if f.change is not None and f.change.changes_the_deployment), None)
     top = top or (causes[0] if causes else None)
     return None if top is None else _finding(top)
 

@@ -5,16 +5,16 @@ numbers that show it, how sure, and what to change. A healthy phase yields no fi
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from gputrace.analysis.metrics import PhaseMetrics, StageMetrics, throughput_aliased
+from gputrace.vocabulary import Cause, Change, EngineSettings
 
-CAUSES = ("admission_bound", "microbatch_cap", "pipeline_underfilled", "stage_imbalance", "client_bound",
-          "kv_cache_bound", "pcie_bound", "throttling", "log_sampling_aliased", "cannot_tell")
+CAUSES = tuple(c.value for c in Cause)
 
 # The engine-wide admission limit's flag, and the flags that size the KV cache, per engine.
 ADMISSION_FLAG = {"sglang": "--max-running-requests", "vllm": "--max-num-seqs"}
@@ -46,15 +46,12 @@ class Thresholds:
     steady_in_flight: float = 0.1
 
 
-LOAD_KNOBS = frozenset({"client", "concurrency"})
-"""Knobs of findings whose change is to the offered load, not to the deployment."""
-
-
-def changes_the_deployment(knob: object) -> bool:
-    """Whether a finding's knob is a setting of the deployment (an engine flag, an environment
-    variable, the hardware) rather than the load: a sweep's light levels are chosen, so a report
-    leads with the first finding a deployment change answers (`gputrace demo` applies it too)."""
-    return isinstance(knob, str) and knob not in LOAD_KNOBS
+def changes_the_deployment(flag: object) -> bool:
+    """Whether a finding's change (its flag, as findings.json names it) is a setting of the
+    deployment (an engine flag, an environment variable, the hardware) rather than the load: a
+    sweep's light levels are chosen, so a report leads with the first finding a deployment change
+    answers (`gputrace demo` applies it too)."""
+    return isinstance(flag, str) and Change.of_flag(flag).changes_the_deployment
 
 
 @dataclass(frozen=True)
@@ -62,7 +59,7 @@ class Finding:
     """One diagnosed cause in one phase ("*" for the whole run). Built once by the rules; what is
     computed about it later (its predicted effect, the advice) is data beside it, keyed by ``key``."""
 
-    cause: str
+    cause: Cause
     phase: str
     stages: list[int]
     evidence: dict[str, Any]
@@ -71,6 +68,10 @@ class Finding:
     summary: str
     impact: float = 0.0  # share of stage-time lost to it, for ordering
     details: dict[str, Any] = field(default_factory=dict)
+    change: Change | None = None  # the setting the recommendation changes, where it names one
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cause", Cause(self.cause))  # a plain string names its Cause
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -79,7 +80,7 @@ class Finding:
     def key(self) -> str:
         """The finding's identity within its run: its cause, phase and knob (the rules give at most
         one finding of a cause per phase)."""
-        return f"{self.cause}@{self.phase}:{self.details.get('knob') or ''}"
+        return f"{self.cause}@{self.phase}:{self.change.flag if self.change else ''}"
 
 
 def _vals(stages: Sequence[StageMetrics], name: str) -> np.ndarray:
@@ -87,14 +88,13 @@ def _vals(stages: Sequence[StageMetrics], name: str) -> np.ndarray:
                     dtype=float)
 
 
-def default_microbatch_cap(engine: Mapping[str, Any], pp_size: int) -> tuple[int | None, str]:
-    """SGLang's cap: the flag when set, else max(max_running_requests // pp_size, 1)."""
-    flag = engine.get("pp_max_micro_batch_size")
-    if flag:
-        return int(flag), "--pp-max-micro-batch-size"
-    mrr = engine.get("max_running_requests")
-    if mrr:
-        return max(int(mrr) // pp_size, 1), f"max_running_requests // pp_size = {int(mrr)} // {pp_size}"
+def default_microbatch_cap(engine: EngineSettings, pp_size: int) -> tuple[int | None, str]:
+    """SGLang's cap (``EngineSettings.microbatch_cap_at``) and where it came from."""
+    k = engine.microbatch_cap_at(pp_size)
+    if engine.pp_max_micro_batch_size:
+        return k, "--pp-max-micro-batch-size"
+    if k is not None:
+        return k, f"max_running_requests // pp_size = {engine.admission_limit} // {pp_size}"
     return None, "unknown (no engine configuration)"
 
 
@@ -102,10 +102,9 @@ def _r(x: float | None, nd: int = 3) -> float | None:
     return None if x is None or not np.isfinite(x) else round(float(x), nd)
 
 
-def engine_kind(engine: Mapping[str, Any]) -> str:
+def engine_kind(engine: EngineSettings) -> str:
     """"sglang" or "vllm" from the run's engine configuration (SGLang when unknown)."""
-    kind = str(engine.get("engine") or "sglang")
-    return kind if kind in ADMISSION_FLAG else "sglang"
+    return engine.kind
 
 
 def at_limit(running: float | None, limit: int | None, th: Thresholds) -> bool:
@@ -114,12 +113,12 @@ def at_limit(running: float | None, limit: int | None, th: Thresholds) -> bool:
         running >= limit - max(1.5, th.limit_tolerance * limit)
 
 
-def admission_bound(pm: PhaseMetrics, engine: Mapping[str, Any], load: float | None,
+def admission_bound(pm: PhaseMetrics, engine: EngineSettings, load: float | None,
                     queue_mean: float | None, engine_running: float | None,
                     th: Thresholds) -> Finding | None:
     """The engine runs as many requests as it admits (SGLang's request pool, vLLM's max_num_seqs)
     while requests wait: raise the limit to the offered load, if the KV cache holds that many."""
-    limit = int(engine["max_running_requests"]) if engine.get("max_running_requests") else None
+    limit = engine.admission_limit
     if load is None or queue_mean is None or queue_mean <= 0.5 or not at_limit(engine_running, limit, th):
         return None
     assert limit is not None
@@ -149,14 +148,14 @@ def admission_bound(pm: PhaseMetrics, engine: Mapping[str, Any], load: float | N
         if usage_max is None:
             recommendation += " (KV headroom unknown: no token usage logged)"
     return Finding(
-        "admission_bound", pm.label, list(range(len(pm.stages))),
+        Cause.ADMISSION_BOUND, pm.label, list(range(len(pm.stages))),
         {"engine": kind, "admission_limit": limit, "limit_flag": flag, "offered_load": _r(load, 1),
          "engine_running_estimate": _r(engine_running, 1), "queue_req_mean": _r(queue_mean, 2),
          "token_usage_max": _r(usage_max), "token_usage_projected": _r(projected)},
         0.9, recommendation,
         f"the engine runs {engine_running:.0f} requests, its limit ({flag.lstrip('-').replace('-', '_')} "
         f"= {limit}), while {load:.0f} are offered and {queue_mean:.0f} wait",
-        impact=1.5, details={"knob": flag, "value": want})
+        impact=1.5, change=Change.of_flag(flag, want))
 
 
 @dataclass(frozen=True)
@@ -164,7 +163,7 @@ class PhaseContext:
     """What every rule reads about one phase, derived once."""
 
     pm: PhaseMetrics
-    engine: Mapping[str, Any]
+    engine: EngineSettings
     pp_size: int
     th: Thresholds
     busy: np.ndarray
@@ -181,7 +180,7 @@ class PhaseContext:
 
     @property
     def slots(self) -> int:
-        return self.pp_size + int(self.engine.get("pp_async_batch_depth") or 0)
+        return self.engine.slots_at(self.pp_size)
 
     def spread_cap(self) -> int | None:
         """The K that spreads the load over every slot: ceil(load / slots), the load being the
@@ -190,7 +189,7 @@ class PhaseContext:
         return None if load is None else max(int(np.ceil(round(load, 1) / self.slots)), 1)
 
 
-def phase_context(pm: PhaseMetrics, engine: Mapping[str, Any], pp_size: int, th: Thresholds) -> PhaseContext:
+def phase_context(pm: PhaseMetrics, engine: EngineSettings, pp_size: int, th: Thresholds) -> PhaseContext:
     st = pm.stages
     busy = _vals(st, "busy_fraction")
     bubble = _vals(st, "bubble_fraction")
@@ -200,7 +199,7 @@ def phase_context(pm: PhaseMetrics, engine: Mapping[str, Any], pp_size: int, th:
     # offered - queued estimates the engine's running total; a queue sampled once a second (log
     # interval, Prometheus scrape) catches requests mid-turnover, hence at_limit's band
     engine_running = (load - queue_mean) if load is not None and queue_mean is not None else None
-    mrr = int(engine["max_running_requests"]) if engine.get("max_running_requests") else None
+    mrr = engine.admission_limit
     if engine_running is not None and mrr is not None:
         # the engine admits at most its limit: a queue gauge that flips between 0 and the limit at
         # each batch turnover (vLLM at PP=2 on a CPU) reads low on average, never the running high
@@ -210,7 +209,7 @@ def phase_context(pm: PhaseMetrics, engine: Mapping[str, Any], pp_size: int, th:
         mean_bubble=float(np.nanmean(bubble)) if not np.isnan(bubble).all() else 0.0,
         mean_busy=float(np.nanmean(busy)) if not np.isnan(busy).all() else None,
         load=load, queue_mean=queue_mean, engine_running=engine_running,
-        pool_full=at_limit(engine_running, mrr, th))
+        pool_full=at_limit(engine_running, engine.admission_limit, th))
 
 
 def rule_client_bound(c: PhaseContext) -> Finding | None:
@@ -224,13 +223,13 @@ def rule_client_bound(c: PhaseContext) -> Finding | None:
         return None
     short = 1 - pm.inflight_mean / pm.target_concurrency
     return Finding(
-        "client_bound", pm.label, c.stages,
+        Cause.CLIENT_BOUND, pm.label, c.stages,
         {"target_concurrency": pm.target_concurrency, "inflight_mean": _r(pm.inflight_mean, 2),
          "mean_bubble_fraction": _r(c.mean_bubble)},
         min(0.95, 0.5 + short), "the load generator keeps fewer requests in flight than asked: "
         "give it more workers/connections or remove its think time before reading the bubbles",
         f"client kept {pm.inflight_mean:.1f} of {pm.target_concurrency} requests in flight",
-        impact=c.mean_bubble * short + 0.5, details={"knob": "client", "value": pm.target_concurrency})
+        impact=c.mean_bubble * short + 0.5, change=Change.of_flag("client", pm.target_concurrency))
 
 
 def rule_admission_bound(c: PhaseContext) -> Finding | None:
@@ -259,10 +258,10 @@ def rule_microbatch_cap(c: PhaseContext) -> Finding | None:
         c.engine_running >= k * c.slots - max(1.5, th.limit_tolerance * k * c.slots)
     if not (plateau and waiting and every_slot_at_k):
         return None
-    mrr = int(c.engine["max_running_requests"]) if c.engine.get("max_running_requests") else None
+    mrr = c.engine.admission_limit
     want = max(c.spread_cap() or k + 1, k + 1)
     return Finding(
-        "microbatch_cap", pm.label, [int(i) for i in np.flatnonzero(at_k)] or c.stages,
+        Cause.MICROBATCH_CAP, pm.label, [int(i) for i in np.flatnonzero(at_k)] or c.stages,
         {"K": k, "K_from": k_from, "max_running_requests": mrr, "pp_size": c.pp_size,
          "microbatch_slots": c.slots, "microbatch_size_max": _r(float(np.nanmax(mb_max)), 1),
          "microbatch_size_mean": _r(float(np.nanmean(_vals(pm.stages, "microbatch_size_mean"))), 2),
@@ -271,12 +270,12 @@ def rule_microbatch_cap(c: PhaseContext) -> Finding | None:
          "microbatches_in_flight": _r(pm.microbatches_in_flight, 2),
          "allowed_busy_fraction": _r(pm.allowed_busy_fraction),
          "mean_busy_fraction": _r(c.mean_busy), "mean_bubble_fraction": _r(c.mean_bubble)},
-        0.9 if c.engine.get("max_running_requests") or c.engine.get("pp_max_micro_batch_size") else 0.6,
+        0.9 if c.engine.max_running_requests or c.engine.pp_max_micro_batch_size else 0.6,
         f"--pp-max-micro-batch-size {want} (ceil({c.load:.0f} offered / {c.slots} micro-batch slots))",
         f"every micro-batch holds K = {k} ({k_from}): the engine runs about "
         f"{c.engine_running or k * c.slots:.0f} of its {mrr or '?'} pool rows while {c.load:.0f} requests "
         f"are offered and {c.queue_mean or 0:.0f} wait in the queue",
-        impact=c.mean_bubble + 1.0, details={"knob": "--pp-max-micro-batch-size", "value": want})
+        impact=c.mean_bubble + 1.0, change=Change.of_flag("--pp-max-micro-batch-size", want))
 
 
 def rule_stage_imbalance(c: PhaseContext) -> Finding | None:
@@ -290,14 +289,14 @@ def rule_stage_imbalance(c: PhaseContext) -> Finding | None:
         return None
     slow = [int(i) for i in np.flatnonzero(busy - med > th.imbalance_gap)]
     return Finding(
-        "stage_imbalance", c.pm.label, slow,
+        Cause.STAGE_IMBALANCE, c.pm.label, slow,
         {"busy_fraction_by_stage": [_r(b) for b in busy], "median_busy_fraction": _r(med),
          "busiest_stage": top, "busiest_busy_fraction": _r(float(busy[top]))},
         min(0.95, 0.5 + (busy[top] - med)),
         "rebalance the layer split (SGLANG_PP_LAYER_PARTITION) to move layers off stage "
         + ", ".join(map(str, slow)),
         f"stage {top} is busy {busy[top]:.0%} against a median of {med:.0%}",
-        impact=float(busy[top] - med) + 0.3, details={"knob": "SGLANG_PP_LAYER_PARTITION", "value": None})
+        impact=float(busy[top] - med) + 0.3, change=Change.of_flag("SGLANG_PP_LAYER_PARTITION", None))
 
 
 def rule_kv_cache_bound(c: PhaseContext) -> Finding | None:
@@ -309,7 +308,7 @@ def rule_kv_cache_bound(c: PhaseContext) -> Finding | None:
         return None
     kind = engine_kind(c.engine)
     usage_max = float(np.nanmax(usage))
-    capacity = c.engine.get("max_total_num_tokens")
+    capacity = c.engine.max_total_num_tokens
     want = None
     if capacity and c.load and c.engine_running:
         # the tokens the running requests hold, scaled to the offered load
@@ -317,7 +316,7 @@ def rule_kv_cache_bound(c: PhaseContext) -> Finding | None:
     flag = "--max-total-tokens" if kind == "sglang" else "--gpu-memory-utilization"
     size = f" (about {want} tokens for {c.load:.0f} requests)" if want and kind == "sglang" else ""
     return Finding(
-        "kv_cache_bound", c.pm.label, c.stages,
+        Cause.KV_CACHE_BOUND, c.pm.label, c.stages,
         {"token_usage_max": _r(usage_max),
          "token_usage_mean": _r(float(np.nanmean(_vals(st, "token_usage_mean")))),
          "queue_req_mean": _r(c.queue_mean, 2), "queue_req_max": _r(float(np.nanmax(q_max)), 0),
@@ -325,7 +324,7 @@ def rule_kv_cache_bound(c: PhaseContext) -> Finding | None:
         0.8, f"more KV cache ({KV_FLAGS[kind]}){size} or shorter contexts; requests wait for cache, "
              "not for the pipeline",
         f"token usage reaches {usage_max:.2f} while requests queue", impact=c.mean_bubble + 0.3,
-        details={"knob": flag, "value": want if kind == "sglang" else None})
+        change=Change.of_flag(flag, want if kind == "sglang" else None))
 
 
 def rule_pcie_bound(c: PhaseContext) -> Finding | None:
@@ -336,14 +335,14 @@ def rule_pcie_bound(c: PhaseContext) -> Finding | None:
         return None
     hot = [int(i) for i in np.flatnonzero(hop >= th.pcie_transfer_per_busy)]
     return Finding(
-        "pcie_bound", c.pm.label, hot,
+        Cause.PCIE_BOUND, c.pm.label, hot,
         {"pcie_transfer_per_busy_by_stage": [_r(p) for p in hop],
          "pcie_link_share_mean_by_stage": [_r(p) for p in _vals(st, "pcie_link_share_mean")],
          "pcie_link_share_p95_max": _r(float(np.nanmax(_vals(st, "pcie_link_share_p95"))))},
         0.75, "the stage hand-offs saturate PCIe: use NVLink-connected GPUs for adjacent stages, "
               "fewer stages, or more TP within a node",
         f"hand-offs need {np.nanmax(hop):.0%} of the compute time at full PCIe link speed",
-        impact=c.mean_bubble + 0.3, details={"knob": "link", "value": None})
+        impact=c.mean_bubble + 0.3, change=Change.of_flag("link", None))
 
 
 def rule_throttling(c: PhaseContext) -> Finding | None:
@@ -354,14 +353,14 @@ def rule_throttling(c: PhaseContext) -> Finding | None:
         return None
     hot = [int(i) for i in np.flatnonzero(thr >= th.throttled_share)]
     return Finding(
-        "throttling", c.pm.label, hot,
+        Cause.THROTTLING, c.pm.label, hot,
         {"throttled_fraction_by_stage": [_r(t) for t in thr],
          "power_limit_share_p95_by_stage": [_r(p) for p in _vals(st, "power_limit_share_p95")],
          "sm_clock_mhz_by_stage": [_r(hz / 1e6, 0) for hz in _vals(st, "sm_clock_hz_mean")]},
         0.8, "the GPUs slow down for power or temperature: check cooling and power limits "
              "(nvidia-smi -q -d PERFORMANCE)",
         f"clocks throttled {np.nanmax(thr):.0%} of the phase", impact=float(np.nanmax(thr)) * 0.5,
-        details={"knob": "cooling/power", "value": None})
+        change=Change.of_flag("cooling/power", None))
 
 
 def rule_pipeline_underfilled(c: PhaseContext) -> Finding | None:
@@ -385,13 +384,13 @@ def rule_pipeline_underfilled(c: PhaseContext) -> Finding | None:
     if bunched:
         assert spread is not None and c.load is not None
         return Finding(
-            "pipeline_underfilled", pm.label, c.stages, evidence, 0.7,
+            Cause.PIPELINE_UNDERFILLED, pm.label, c.stages, evidence, 0.7,
             f"--pp-max-micro-batch-size {spread} (ceil({c.load:.0f} offered / {c.slots} slots)) "
             f"spreads the load over every stage; K = {k} lets requests that arrive together share "
             "few micro-batches",
             f"{in_flight}: {c.load:.0f} requests bunched in micro-batches of up to K = {k}; the "
             f"schedule allows {allowed:.0%} busy",
-            impact=c.mean_bubble, details={"knob": "--pp-max-micro-batch-size", "value": spread})
+            impact=c.mean_bubble, change=Change.of_flag("--pp-max-micro-batch-size", spread))
     # fewer requests than stages: no setting fills the pipeline at this load (a request is in one
     # stage at a time), so the bubble is what the depth costs, not what holds throughput back
     light = c.load is not None and c.load < c.pp_size - 0.5
@@ -399,12 +398,12 @@ def rule_pipeline_underfilled(c: PhaseContext) -> Finding | None:
     verdict = (f"; the bubble is not the bottleneck at this load: {c.load or 0:.0f} requests keep at "
                f"most {c.load or 0:.0f} of {c.pp_size} stages busy whatever the settings") if light else ""
     return Finding(
-        "pipeline_underfilled", pm.label, c.stages, evidence, 0.7,
+        Cause.PIPELINE_UNDERFILLED, pm.label, c.stages, evidence, 0.7,
         f"offer at least {c.pp_size} requests (one micro-batch per stage), or use fewer pipeline "
         "stages (more TP) for this load: with fewer requests than stages the idle stages are the "
         "price of the depth, not a setting",
         f"{in_flight} at a load of {c.load or 0:.0f}: the schedule allows {allowed:.0%} busy" + verdict,
-        impact=c.mean_bubble, details={"knob": "concurrency", "value": c.pp_size})
+        impact=c.mean_bubble, change=Change.of_flag("concurrency", c.pp_size))
 
 
 def bunched(sizes_max: float, sizes_p10: float, fair: int) -> bool:
@@ -423,7 +422,7 @@ def rule_bunched_at_the_bound(c: PhaseContext) -> Finding | None:
             or c.queue_mean is None or c.queue_mean <= 0.5 or c.pp_size < 2:
         return None
     # at the bound the engine runs its limit (offered - queued only estimates it)
-    limit = c.engine.get("max_running_requests")
+    limit = c.engine.admission_limit
     running = float(limit) if limit else c.engine_running
     fair = max(int(np.ceil(round(running, 1) / c.slots)), 1)
     sizes_max = float(np.nanmax(_vals(pm.stages, "microbatch_size_max")))
@@ -435,7 +434,7 @@ def rule_bunched_at_the_bound(c: PhaseContext) -> Finding | None:
         "; this run has no busy figure (no GPU samples), so whether the spread steps raise throughput "
         "is not measured here (on a CPU, where a rank's forward blocks its loop, larger steps can win)")
     return Finding(
-        "pipeline_underfilled", pm.label, c.stages,
+        Cause.PIPELINE_UNDERFILLED, pm.label, c.stages,
         {"reason": "bunched", "K": k, "K_from": k_from, "engine_running": _r(running, 1),
          "microbatch_slots": c.slots, "microbatch_size_max": _r(sizes_max, 1),
          "microbatch_size_p10": _r(sizes_p10, 1), "even_split": fair,
@@ -446,7 +445,7 @@ def rule_bunched_at_the_bound(c: PhaseContext) -> Finding | None:
         f"the {running:.0f} running requests share micro-batches of {sizes_max:.0f} down to "
         f"{sizes_p10:.0f} (K = {k}, {k_from}) where an even split over {c.slots} slots is {fair} each: "
         "the stages wait on the smaller ones",
-        impact=c.mean_bubble + 0.2, details={"knob": "--pp-max-micro-batch-size", "value": fair})
+        impact=c.mean_bubble + 0.2, change=Change.of_flag("--pp-max-micro-batch-size", fair))
 
 
 # The rules of a phase in the order they are tried; pipeline_underfilled runs last, only where
@@ -455,7 +454,7 @@ RULES = (rule_client_bound, rule_admission_bound, rule_bunched_at_the_bound, rul
          rule_stage_imbalance, rule_kv_cache_bound, rule_pcie_bound, rule_throttling)
 
 
-def diagnose_phase(pm: PhaseMetrics, engine: Mapping[str, Any], pp_size: int,
+def diagnose_phase(pm: PhaseMetrics, engine: EngineSettings, pp_size: int,
                    th: Thresholds = Thresholds()) -> list[Finding]:
     """The findings of one phase."""
     ctx = phase_context(pm, engine, pp_size, th)
@@ -500,15 +499,15 @@ def hidden_microbatches(p: PhaseMetrics, slots: int) -> str | None:
     return None
 
 
-def diagnose_log_sampling(phases: Sequence[PhaseMetrics], engine: Mapping[str, Any], pp_size: int,
+def diagnose_log_sampling(phases: Sequence[PhaseMetrics], engine: EngineSettings, pp_size: int,
                           th: Thresholds = Thresholds()) -> Finding | None:
     """--decode-log-interval shares a factor with the micro-batches in flight: each stage logs only
     some of them, so #running-req per stage misrepresents the micro-batches."""
-    interval = engine.get("decode_log_interval")
+    interval = engine.decode_log_interval
     if pp_size < 2 or not interval or int(interval) <= 1:
         return None
     interval = int(interval)
-    slots = pp_size + int(engine.get("pp_async_batch_depth") or 0)
+    slots = engine.slots_at(pp_size)
     # only a full pipeline (every slot non-empty) holds its number in flight steady enough to tell
     # from the mean (a partly filled one varies, and the measured mean is not close enough)
     factor = aliased_cycle(interval, slots)
@@ -533,7 +532,7 @@ def diagnose_log_sampling(phases: Sequence[PhaseMetrics], engine: Mapping[str, A
     worst = min(a["microbatches_logged"] for a in aliased.values())
     in_flight = {label: a["microbatches_in_flight"] for label, a in aliased.items()}
     return Finding(
-        "log_sampling_aliased", "*", list(range(pp_size)),
+        Cause.LOG_SAMPLING_ALIASED, "*", list(range(pp_size)),
         {"decode_log_interval": interval, "microbatch_slots": slots,
          "interval_mod_slots": interval % slots, "aliased_phases": aliased,
          "phases_with_constant_running_req": frozen},
@@ -543,22 +542,22 @@ def diagnose_log_sampling(phases: Sequence[PhaseMetrics], engine: Mapping[str, A
         f"--decode-log-interval {interval} shares a factor with the micro-batches in flight "
         f"({', '.join(f'{k}: {v}' for k, v in in_flight.items())}): each stage "
         f"logs {worst} of them every time", impact=0.05,
-        details={"knob": "--decode-log-interval", "value": 1})
+        change=Change.of_flag("--decode-log-interval", 1))
 
 
 def note_k_trade_offs(found: Sequence[Finding], phases: Sequence[PhaseMetrics],
-                      engine: Mapping[str, Any], pp_size: int) -> list[Finding]:
+                      engine: EngineSettings, pp_size: int) -> list[Finding]:
     """A K chosen for one phase's load caps the engine at K x slots: say so where another phase of
     the run offered more (that phase would then queue behind K)."""
-    slots = pp_size + int(engine.get("pp_async_batch_depth") or 0)
+    slots = engine.slots_at(pp_size)
     loads = {pm.label: pm.inflight_mean if pm.inflight_mean is not None else pm.target_concurrency
              for pm in phases}
     out = []
     for f in found:
-        if f.details.get("knob") != "--pp-max-micro-batch-size" or not f.details.get("value"):
+        if f.change is None or f.change.knob != "pp_max_micro_batch_size" or not f.change.value:
             out.append(f)
             continue
-        bound = int(f.details["value"]) * slots
+        bound = f.change.value * slots
         higher = [f"{label} ({load:.0f})" for label, load in loads.items()
                   if label != f.phase and load is not None and load > bound + 0.5]
         if higher:
@@ -578,14 +577,14 @@ def cannot_tell(phases: Sequence[PhaseMetrics], pp_size: int) -> list[Finding]:
     stages = list(range(pp_size))
     if phases and all(s.busy_fraction is None for pm in phases for s in pm.stages):
         out.append(Finding(
-            "cannot_tell", "*", stages, {"missing": "gpu_samples"}, 1.0,
+            Cause.CANNOT_TELL, "*", stages, {"missing": "gpu_samples"}, 1.0,
             "run `gputrace agent` on each GPU host (or import nvidia-smi or DCGM data) with the capture",
             "cannot tell how busy the stages were or how much they idled: the run has no GPU samples "
             "(stage imbalance, PCIe and throttling need them too)", impact=0.0))
     for pm in phases:
         if all(s.log_lines == 0 for s in pm.stages):
             out.append(Finding(
-                "cannot_tell", pm.label, stages, {"missing": "scheduler_lines"}, 1.0,
+                Cause.CANNOT_TELL, pm.label, stages, {"missing": "scheduler_lines"}, 1.0,
                 "follow the engine's log during the run (SGLang with --decode-log-interval 1)",
                 "cannot tell what the engine ran in this phase: no scheduler lines (admission, "
                 "micro-batch, KV-cache and pipeline-fill causes need them)", impact=0.0))
@@ -601,7 +600,7 @@ def rule_table() -> list[tuple[str, str]]:
             for r in rules]
 
 
-def diagnose(phases: Sequence[PhaseMetrics], engine: Mapping[str, Any], pp_size: int,
+def diagnose(phases: Sequence[PhaseMetrics], engine: EngineSettings, pp_size: int,
              th: Thresholds = Thresholds()) -> list[Finding]:
     """All findings of a run, most important first (by confidence times stage-time lost); what the
     run lacks for a diagnosis comes last, as "cannot tell"."""

@@ -290,11 +290,11 @@ def engine_throughput(run: AlignedRun, start_ns: int, stop_ns: int) -> float | N
     if duration_s <= 0 or not logging:
         return None
     ev = logging[-1]
-    interval = run.engine.get("decode_log_interval")
+    interval = run.engine.decode_log_interval
     lo, hi = np.searchsorted(ev.t_ns, [start_ns, stop_ns])
     # Every step logged: count them. A sampled log (interval > 1) gives each line the throughput
     # over its interval, which integrates without the sampling's noise.
-    if interval == 1 and run.engine.get("engine", "sglang") == "sglang":
+    if interval == 1 and (run.engine.engine or "sglang") == "sglang":
         tokens = counted_tokens(ev.kind[lo:hi], ev.running_req[lo:hi], ev.new_seq[lo:hi])
     else:
         tokens = engine_tokens(ev.t_ns, ev.gen_throughput_tok_s, np.isin(ev.kind, ("decode", "stats")),
@@ -387,7 +387,7 @@ def phase_metrics(run: AlignedRun, series: StageSeries, phase: Phase) -> PhaseMe
         float(np.nanmean(np.nan_to_num(running_log[cells]) + run.stage_queue[0, cells])) if len(w) else None)
     mb_in_flight = allowed = None
     if mb_sizes and load is not None:
-        slots = run.pp_size + int(run.engine.get("pp_async_batch_depth") or 0)
+        slots = run.engine.slots_at(run.pp_size)
         running = max(load - queued, float(np.mean(mb_sizes)))
         mb_in_flight = min(float(slots), running / float(np.mean(mb_sizes)))
         allowed = min(1.0, mb_in_flight / run.pp_size)

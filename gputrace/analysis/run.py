@@ -34,6 +34,7 @@ from gputrace.analysis.phases import (
 )
 from gputrace.analysis.predicted import PredictedEffect
 from gputrace.run_tables import EngineMetricColumns, RunSource, RunTables
+from gputrace.vocabulary import CaptureProblem
 
 
 class Advice(Protocol):
@@ -190,7 +191,7 @@ def analyse_aligned(run: AlignedRun, th: Thresholds = DEFAULT_THRESHOLDS,
     findings = diagnose(metrics, run.engine, run.pp_size, th)
     notes.extend(busy_signal_notes(metrics, th))
     notes.extend(schedule_notes(run))
-    interval = run.engine.get("decode_log_interval")
+    interval = run.engine.decode_log_interval
     if interval and int(interval) > 1 and not any(f.cause == "log_sampling_aliased" for f in findings):
         notes.append(f"decode lines are logged every {int(interval)}th step (--decode-log-interval): "
                      "micro-batch sizes are sampled; --decode-log-interval 1 (or a value coprime with "
@@ -208,10 +209,7 @@ def capture_problem_notes(extra: dict[str, Any]) -> list[str]:
     notes = []
     for p in collector.get("source_problems") or []:
         if isinstance(p, dict):
-            until = p.get("until_ns")
-            span = ("until the end of the capture" if until is None else
-                    f"for {(int(until) - int(p.get('since_ns') or until)) / 1e9:.0f} s")
-            notes.append(f"capture problem: {p.get('source')}: {p.get('reason')} ({span})")
+            notes.append(CaptureProblem.from_dict(p).note())
     for o in collector.get("store_outages") or []:
         if isinstance(o, dict):
             lost = f"; {o['lost_rows']} records lost at the end" if o.get("lost_rows") else ""

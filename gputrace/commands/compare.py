@@ -7,7 +7,7 @@ import click
 
 from gputrace.analyse import analyse_run
 from gputrace.analysis.compare import RunRef, compare_analyses
-from gputrace.prometheus.cli_options import window_ns
+from gputrace.commands.options.prometheus import window_ns
 from gputrace.report.compare_render import render_compare_markdown, same_run_consequence, write_compare
 from gputrace.report.render import parse_formats
 from gputrace.store import Store

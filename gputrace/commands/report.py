@@ -10,8 +10,8 @@ import click
 
 from gputrace.analyse import analyse_run
 from gputrace.analysis.aligned import align_store
+from gputrace.commands.options.prometheus import prometheus_flags, prometheus_run, window_ns
 from gputrace.errors import GputraceError, UsageError
-from gputrace.prometheus.cli_options import prometheus_flags, prometheus_run, window_ns
 from gputrace.report.figures import FIGURES
 from gputrace.report.progress import LONG_RUN_S, report_progress
 from gputrace.report.render import parse_formats, write_report

@@ -14,6 +14,7 @@ import click
 from gputrace.collect import DEFAULT_LISTEN, CollectOptions, Collector, open_run_store
 from gputrace.config import load_config
 from gputrace.errors import SourceError, UsageError
+from gputrace.vocabulary import LiveStatus
 from gputrace.watch import watch
 
 
@@ -41,12 +42,12 @@ def command(collector_url: str, config_path: str | None, refresh: float) -> None
 
 async def _watch_url(url: str, refresh: float) -> None:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
-        async def status() -> dict[str, Any]:
+        async def status() -> LiveStatus:
             try:
                 async with session.get(f"{url}/v1/status") as resp:
                     resp.raise_for_status()
                     body: dict[str, Any] = await resp.json()
-                    return body
+                    return LiveStatus.from_dict(body)
             except aiohttp.ClientError as exc:
                 raise SourceError(f"{url}: {exc}") from exc
         await watch(status, refresh)
@@ -59,7 +60,7 @@ async def _watch_config(path: str, refresh: float) -> None:
         collector = Collector(cfg, store, CollectOptions(listen=None, log_from_start=False))
         await collector.start()
         try:
-            async def status() -> dict[str, Any]:
+            async def status() -> LiveStatus:
                 return collector.status()
             await watch(status, refresh)
         finally:

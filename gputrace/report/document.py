@@ -70,11 +70,11 @@ def finding_entry(f: Finding, effect: PredictedEffect | None = None) -> dict[str
     the value None where it is not one number), for tools that apply or compare it; ``predicted``
     the what-if model's effect of that change (``Analysis.effects``), also said in the
     recommendation."""
-    entry = {k: v for k, v in f.to_dict().items() if k not in ("impact", "details")}
+    entry = {k: v for k, v in f.to_dict().items() if k not in ("impact", "details", "change")}
     if effect is not None:
         entry["recommendation"] = f"{f.recommendation}; {effect.text()}"
-    if f.details.get("knob"):
-        entry["change"] = {"knob": f.details["knob"], "value": f.details.get("value")}
+    if f.change is not None:
+        entry["change"] = f.change.to_finding_dict()
     if effect is not None:
         entry["predicted"] = effect.to_dict()
     return entry

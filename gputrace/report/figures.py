@@ -201,7 +201,7 @@ def _reference_lines(ax: Axes, a: Analysis) -> None:
                        label=f"K = {k}: micro-batch cap\n({k_from.split(' = ')[0]})")
             ax.annotate(f"K = {k}", (0.005, k), xycoords=("axes fraction", "data"), va="bottom",
                         color="#c33", fontsize=10)
-    pool = engine.get("max_running_requests")
+    pool = engine.admission_limit
     if pool:
         ax.axhline(int(pool), color="#555", lw=1.6, ls=(0, (6, 3)),
                    label=f"pool = {int(pool)}: request pool\n(max_running_requests)")

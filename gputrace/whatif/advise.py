@@ -20,6 +20,7 @@ from typing import Any
 
 from gputrace.analysis.run import Analysis
 from gputrace.errors import GputraceError, UsageError
+from gputrace.vocabulary import Change
 from gputrace.whatif.effects import fit_note
 from gputrace.whatif.fit import FittedModel, fit_model
 from gputrace.whatif.outcome import PhaseOutcome
@@ -48,8 +49,9 @@ NOT_CONFIGURATION = frozenset({"concurrency", "client", "link", "--decode-log-in
 
 
 @dataclass(frozen=True, slots=True)
-class Change:
-    """One setting of the advice: the simulator's knob, the engine's flag, the value."""
+class AdvisedSetting:
+    """One setting of the advice: the simulator's knob, the engine's flag, the value (a tuple for
+    a layer split, which a finding's ``Change`` does not carry)."""
 
     knob: str
     flag: str
@@ -108,7 +110,7 @@ class PhaseAdvice:
 class Option:
     """A candidate change set and its predicted effect per phase."""
 
-    changes: tuple[Change, ...]
+    changes: tuple[AdvisedSetting, ...]
     phases: tuple[PhaseAdvice, ...]
     origin: str  # "finding: cause at phase" or "around the run's settings"
 
@@ -139,7 +141,7 @@ class Advice:
     """The configuration to run (``changes`` empty: keep the current settings), per phase
     measured -> predicted, the alternatives that trade, and why."""
 
-    changes: tuple[Change, ...]
+    changes: tuple[AdvisedSetting, ...]
     objective: str
     phases: tuple[PhaseAdvice, ...]
     alternatives: tuple[Option, ...]
@@ -194,9 +196,9 @@ def _engine(model: FittedModel) -> str:
     return "vllm" if model.params.engine == "vllm" else "sglang"
 
 
-def to_change(model: FittedModel, knob: str, value: Any) -> Change | None:
+def to_change(model: FittedModel, knob: str, value: Any) -> AdvisedSetting | None:
     flag = FLAGS[_engine(model)].get(knob)
-    return None if flag is None else Change(knob, flag, value)
+    return None if flag is None else AdvisedSetting(knob, flag, value)
 
 
 def _neighbours(model: FittedModel) -> list[dict[str, Any]]:
@@ -226,7 +228,7 @@ def _key(change: Mapping[str, Any]) -> str:
     return repr(sorted(change.items()))
 
 
-def _changes_of(model: FittedModel, change: Mapping[str, Any]) -> tuple[Change, ...] | None:
+def _changes_of(model: FittedModel, change: Mapping[str, Any]) -> tuple[AdvisedSetting, ...] | None:
     out = []
     for knob, value in change.items():
         if knob == "max_prefill_tokens":  # rides with the chunk
@@ -238,14 +240,23 @@ def _changes_of(model: FittedModel, change: Mapping[str, Any]) -> tuple[Change, 
     return tuple(out)
 
 
+def _change_of(finding: Mapping[str, Any]) -> Change | None:
+    """The change a finding (as findings.json gives it) recommends, None where it names none."""
+    c = finding.get("change")
+    if not isinstance(c, Mapping) or not c.get("flag"):
+        return None
+    value = c.get("value")
+    return Change.of_flag(str(c["flag"]), None if value is None else int(value))
+
+
 def candidates(model: FittedModel, findings: Sequence[Mapping[str, Any]]) -> list[tuple[dict[str, Any], str]]:
     """(change, origin): each finding's configuration change, then the neighbours; deduplicated."""
     out: dict[str, tuple[dict[str, Any], str]] = {}
     for f in findings:
-        knob = (f.get("details") or {}).get("knob")
-        if f.get("cause") == "cannot_tell" or knob in NOT_CONFIGURATION:
+        made = _change_of(f)
+        if f.get("cause") == "cannot_tell" or made is None or made.flag in NOT_CONFIGURATION:
             continue
-        change = finding_change(model, f)
+        change = finding_change(model, made, str(f.get("phase")))
         if change and _changes_of(model, change) is not None:
             out.setdefault(_key(change), (change, f"finding: {f.get('cause')} at {f.get('phase')}"))
     for change in _neighbours(model):

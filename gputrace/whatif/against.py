@@ -32,7 +32,7 @@ def _recommended_by(a: Analysis, model: FittedModel, changes: dict[str, Any]) ->
     """A's findings whose recommendation is (part of) ``changes``."""
     out = []
     for f in a.findings:
-        change = finding_change(model, f.to_dict()) if f.details.get("knob") else None
+        change = finding_change(model, f.change, f.phase) if f.change is not None else None
         if change and all(changes.get(k) == v for k, v in change.items()):
             out.append({"cause": f.cause, "phase": f.phase, "recommendation": f.recommendation})
     return out

@@ -1,5 +1,5 @@
 """Each finding's predicted effect: the fitted model run under the change the finding names (its
-details' knob and value), the gain at its phase, the cost at the others, and the findings ranked
+``Change``), the gain at its phase, the cost at the others, and the findings ranked
 by the net gain over the run's levels. The effects are data beside the findings
 (``Analysis.effects``); the findings themselves are untouched."""
 
@@ -67,7 +67,7 @@ def with_predicted_effects(analysis: Analysis, progress: Callable[[str], None] |
     """``analysis`` with the predicted effect of each finding it can weigh (``effects``), its
     findings ranked by them and the fit's quality noted; and the model fitted (None where no
     finding names a change the model can make: nothing is fitted then)."""
-    wanted = [f for f in analysis.findings if f.cause != "cannot_tell" and f.details.get("knob")]
+    wanted = [f for f in analysis.findings if f.cause != "cannot_tell" and f.change is not None]
     if not wanted or not any(pm.throughput_tok_s for pm in analysis.metrics):
         return analysis, None
     if progress:
@@ -81,7 +81,7 @@ def with_predicted_effects(analysis: Analysis, progress: Callable[[str], None] |
     runs: dict[str, list[PhasePrediction]] = {}
     effects: dict[str, PredictedEffect] = {}
     for f in wanted:
-        change = finding_change(model, f.to_dict())
+        change = finding_change(model, f.change, f.phase) if f.change is not None else None
         if change is None:
             continue
         key = repr(sorted(change.items()))

@@ -24,6 +24,7 @@ import numpy as np
 from gputrace.analysis.diagnose import engine_kind
 from gputrace.analysis.metrics import PhaseMetrics
 from gputrace.analysis.run import Analysis
+from gputrace.run_tables import EngineSettings
 from gputrace.sim.params import SimParams, make_params
 from gputrace.sim.simulate import SimResult, simulate
 from gputrace.whatif.outcome import PhaseOutcome, measured_outcomes, phase_concurrency, trace_outcomes
@@ -121,9 +122,9 @@ def relative_error(predicted: float | None, measured: float | None) -> float | N
     return predicted / measured - 1.0
 
 
-def deployment_params(engine: Mapping[str, Any], pp_size: int) -> dict[str, Any]:
+def deployment_params(engine: EngineSettings, pp_size: int) -> dict[str, Any]:
     """The deployment as the log states it; what it does not state keeps the simulator's default."""
-    fields = engine.get("fields") or {}
+    fields = engine.fields or {}
     out: dict[str, Any] = {"engine": engine_kind(engine), "pp_size": pp_size}
     for key in ("tp_size", "max_running_requests", "pp_max_micro_batch_size", "pp_async_batch_depth",
                 "chunked_prefill_size", "max_total_num_tokens", "decode_log_interval"):
@@ -311,9 +312,9 @@ def stage_multipliers(metrics: Sequence[PhaseMetrics], pp_size: int) -> np.ndarr
     return num / den if den > 0 else np.ones(pp_size)
 
 
-def runs_on_cpu(engine: Mapping[str, Any]) -> bool:
+def runs_on_cpu(engine: EngineSettings) -> bool:
     """Whether the engine's log states a CPU device (SGLang's ``device``, vLLM's ``device_config``)."""
-    fields = engine.get("fields") or {}
+    fields = engine.fields or {}
     return any(str(fields.get(key) or "").lower() == "cpu" for key in ("device", "device_config"))
 
 

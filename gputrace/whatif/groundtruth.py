@@ -171,9 +171,9 @@ def score_advice(name: str, seed: int) -> AdviceScore:
     best, best_gain = None, 0.0
     tried: set[str] = set()
     for f in analysis.findings:
-        if f.cause == "cannot_tell" or f.details.get("knob") in NOT_CONFIGURATION:
+        if f.cause == "cannot_tell" or f.change is None or f.change.flag in NOT_CONFIGURATION:
             continue
-        fix = finding_change(model, f.to_dict())
+        fix = finding_change(model, f.change, f.phase)
         if not fix or repr(sorted(fix.items())) in tried:
             continue
         tried.add(repr(sorted(fix.items())))

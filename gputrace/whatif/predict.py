@@ -14,6 +14,7 @@ import numpy as np
 from gputrace.analysis.diagnose import engine_kind
 from gputrace.errors import ConfigError, UsageError
 from gputrace.sim.params import SimParams, make_params
+from gputrace.vocabulary import Change, EngineSettings
 from gputrace.whatif.fit import REPLAY_SEEDS, FittedModel, median_outcomes, relative_error, replay_seeds
 from gputrace.whatif.outcome import PhaseOutcome
 
@@ -22,6 +23,9 @@ CHANGEABLE = ("pp_max_micro_batch_size", "max_running_requests", "pp_async_batch
               "chunked_prefill_size", "max_prefill_tokens", "max_total_num_tokens", "decode_log_interval",
               "stage_cost_multipliers", "pcie_bandwidth_bytes_per_s", "pcie_latency_s", "concurrency",
               "client_max_inflight", "input_tokens", "max_tokens", "think_s")
+# The settings a finding's change can name that the simulator takes as they are.
+SIMULATED_KNOBS = frozenset({"pp_max_micro_batch_size", "max_running_requests", "decode_log_interval",
+                             "pp_async_batch_depth", "max_total_num_tokens"})
 # vLLM's names for the simulator's keys (its max_num_seqs is the engine-wide admission limit)
 ALIASES = {"max_num_seqs": "max_running_requests"}
 # A healthy link between adjacent stages (what "use NVLink or a full PCIe link" buys): the
@@ -81,7 +85,7 @@ def parse_changes(items: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def check_changes(engine: Mapping[str, Any], pp_size: int, changes: Mapping[str, Any]) -> dict[str, Any]:
+def check_changes(engine: EngineSettings, pp_size: int, changes: Mapping[str, Any]) -> dict[str, Any]:
     """The changes under the simulator's names; unknown keys and impossible values as one-line
     errors, before any fitting."""
     named = parse_changes(changes)
@@ -203,18 +207,13 @@ def even_split(model: FittedModel) -> dict[str, Any]:
     return {"stage_cost_multipliers": (1.0,) * model.params.pp_size}
 
 
-def finding_change(model: FittedModel, finding: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The simulator change that a finding's recommendation makes (its details' knob and value),
-    None where the model cannot make it (cooling, a KV flag without a value)."""
-    details = finding.get("details") or {}
-    knob, value = details.get("knob"), details.get("value")
-    flag = {"--pp-max-micro-batch-size": "pp_max_micro_batch_size",
-            "--max-running-requests": "max_running_requests", "--max-num-seqs": "max_running_requests",
-            "--decode-log-interval": "decode_log_interval", "--pp-async-batch-depth": "pp_async_batch_depth",
-            "--max-total-tokens": "max_total_num_tokens"}.get(str(knob))
-    if flag is not None:
-        return {flag: int(value)} if value is not None else None
-    if knob == "SGLANG_PP_LAYER_PARTITION":
+def finding_change(model: FittedModel, change: Change, phase: str) -> dict[str, Any] | None:
+    """The simulator change that a finding's recommendation makes (its ``change``, at its
+    ``phase``), None where the model cannot make it (cooling, a KV flag without a value)."""
+    knob, value = change.knob, change.value
+    if knob in SIMULATED_KNOBS:
+        return {knob: value} if value is not None else None
+    if knob == "layer_partition":
         return even_split(model)
     if knob == "link":
         return dict(HEALTHY_LINK)
@@ -222,7 +221,7 @@ def finding_change(model: FittedModel, finding: Mapping[str, Any]) -> dict[str, 
         return {"client_max_inflight": None}
     if knob == "concurrency" and value is not None:
         levels = list(model.params.concurrency)
-        at = [i for i, m in enumerate(model.measured) if m.label == finding.get("phase")]
+        at = [i for i, m in enumerate(model.measured) if m.label == phase]
         for i in at:
             levels[i] = max(levels[i], int(value))
         return {"concurrency": tuple(levels)} if at else None

@@ -1,4 +1,5 @@
-"""The `report --prometheus` flags and the step that turns them into a run store to report on."""
+"""The `report --prometheus` flags and the step that turns them into a run store to report on
+(click lives in gputrace/commands/ only: this is the commands' shared option set, not a command)."""
 
 from __future__ import annotations
 

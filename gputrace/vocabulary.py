@@ -1,0 +1,153 @@
+"""The words the packages share, typed once: the engine's settings, a diagnosed cause, the change
+of a setting a finding (or the advice) names, a problem of the capture. Plain data, no I/O;
+every layer may import it.
+
+- ``EngineSettings`` (defined beside the run's tables, re-exported here): the engine's
+  configuration as its log gave it, with ``slot_count`` / ``slots_at`` (SGLang's micro-batch
+  slots, pp_size + pp_async_batch_depth), ``admission_limit`` and ``microbatch_cap_at``.
+- ``Cause``: what a finding diagnosed; a ``str`` enum, so findings.json holds the same strings.
+- ``Change``: a setting and its value (``knob`` the setting's name, ``flag`` how a user sets it).
+- ``CaptureProblem``: what the collector records in ``meta.extra["collector"]`` when a source
+  delivered nothing for a while (and what /v1/status and /healthz list while it lasts).
+- ``LiveStatus``: the collector's /v1/status document, which `gputrace watch` renders.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from gputrace.run_tables import EngineSettings
+
+__all__ = ["FLAG_KNOBS", "LOAD_KNOBS", "CaptureProblem", "Cause", "Change", "EngineSettings", "LiveStatus"]
+
+
+class Cause(StrEnum):
+    """What keeps the stages idle (or the measurement unreliable) in a phase."""
+
+    ADMISSION_BOUND = "admission_bound"
+    MICROBATCH_CAP = "microbatch_cap"
+    PIPELINE_UNDERFILLED = "pipeline_underfilled"
+    STAGE_IMBALANCE = "stage_imbalance"
+    CLIENT_BOUND = "client_bound"
+    KV_CACHE_BOUND = "kv_cache_bound"
+    PCIE_BOUND = "pcie_bound"
+    THROTTLING = "throttling"
+    LOG_SAMPLING_ALIASED = "log_sampling_aliased"
+    CANNOT_TELL = "cannot_tell"
+
+
+FLAG_KNOBS = {
+    "--pp-max-micro-batch-size": "pp_max_micro_batch_size",
+    "--max-running-requests": "max_running_requests",
+    "--max-num-seqs": "max_running_requests",  # vLLM's admission limit, logged under SGLang's name
+    "--pp-async-batch-depth": "pp_async_batch_depth",
+    "--decode-log-interval": "decode_log_interval",
+    "--max-total-tokens": "max_total_num_tokens",
+    "--gpu-memory-utilization": "gpu_memory_utilization",
+    "SGLANG_PP_LAYER_PARTITION": "layer_partition",
+    "link": "link",
+    "cooling/power": "cooling",
+    "client": "client",
+    "concurrency": "concurrency",
+}
+"""How a user sets a thing (an engine flag, an environment variable, the hardware, the load) ->
+the setting's name (``EngineSettings``' and the simulator's where they have it)."""
+
+LOAD_KNOBS = frozenset({"client", "concurrency"})
+"""Settings of the offered load, not of the deployment."""
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """A setting to change: ``knob`` its name (``FLAG_KNOBS``), ``flag`` how a user sets it, and
+    the value (None where it is not one number: a layer split, more KV memory, a faster link)."""
+
+    knob: str
+    flag: str
+    value: int | None = None
+
+    @classmethod
+    def of_flag(cls, flag: str, value: int | None = None) -> Change:
+        return cls(FLAG_KNOBS.get(flag, flag), flag, None if value is None else int(value))
+
+    @property
+    def changes_the_deployment(self) -> bool:
+        """An engine flag, an environment variable or the hardware, rather than the load."""
+        return self.knob not in LOAD_KNOBS
+
+    def to_finding_dict(self) -> dict[str, Any]:
+        """As findings.json's ``change`` gives it: the flag (under ``knob``) and the value."""
+        return {"knob": self.flag, "value": self.value}
+
+
+@dataclass(frozen=True, slots=True)
+class CaptureProblem:
+    """A source that delivered nothing for a while (``until_ns`` None: until the capture ended),
+    as the collector records it in ``meta.extra["collector"]["source_problems"]``."""
+
+    source: str
+    reason: str
+    since_ns: int | None = None
+    until_ns: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CaptureProblem:
+        until, since = d.get("until_ns"), d.get("since_ns")
+        return cls(str(d.get("source")), str(d.get("reason")), None if since is None else int(since),
+                   None if until is None else int(until))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "reason": self.reason, "since_ns": self.since_ns,
+                "until_ns": self.until_ns}
+
+    def note(self) -> str:
+        """The report's line for it."""
+        span = ("until the end of the capture" if self.until_ns is None else
+                f"for {(self.until_ns - (self.since_ns or self.until_ns)) / 1e9:.0f} s")
+        return f"capture problem: {self.source}: {self.reason} ({span})"
+
+
+@dataclass(frozen=True, slots=True)
+class LiveStatus:
+    """The collector's live view (its /v1/status JSON): the run, the load phase, per pipeline stage
+    the live GPU, engine and bubble figures (rows as ``LiveState.stages`` builds them), the store
+    writer's health and the problems that keep the capture from being complete right now."""
+
+    run: str | None = None
+    phase: str | None = None
+    target_concurrency: int | None = None
+    inflight: float | None = None
+    counts: Mapping[str, int] = field(default_factory=dict)
+    stages: tuple[Mapping[str, Any], ...] = ()
+    store: Mapping[str, Any] | None = None
+    problems: tuple[CaptureProblem, ...] = ()
+    pp_size: int | None = None
+    # the engine once (running total against its pool, queue, micro-batches in flight), as
+    # ``LiveState.engine_now`` reads it from the first stage's lines
+    engine: Mapping[str, Any] | None = None
+    finding: str | None = None  # what the live figures say now, in one line
+    now_ns: int | None = None  # the collector's clock when it answered
+    newest_data_ns: int | None = None  # its newest line or sample (watch's staleness)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"run": self.run, "phase": self.phase, "target_concurrency": self.target_concurrency,
+                "inflight": self.inflight, "counts": dict(self.counts),
+                "stages": [dict(row) for row in self.stages],
+                "store": None if self.store is None else dict(self.store),
+                "problems": [p.to_dict() for p in self.problems],
+                "pp_size": self.pp_size, "engine": None if self.engine is None else dict(self.engine),
+                "finding": self.finding, "now_ns": self.now_ns, "newest_data_ns": self.newest_data_ns}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LiveStatus:
+        """From the JSON (what is missing stays unknown)."""
+        store, engine = d.get("store"), d.get("engine")
+        return cls(d.get("run"), d.get("phase"), d.get("target_concurrency"), d.get("inflight"),
+                   dict(d.get("counts") or {}), tuple(d.get("stages") or ()),
+                   store if isinstance(store, Mapping) else None,
+                   tuple(CaptureProblem.from_dict(p) for p in d.get("problems") or () if isinstance(p, dict)),
+                   d.get("pp_size"), engine if isinstance(engine, Mapping) else None, d.get("finding"),
+                   d.get("now_ns"), d.get("newest_data_ns"))
