@@ -18,7 +18,7 @@ import statistics
 import time
 
 from gputrace.sim.params import SCENARIOS
-from gputrace.sim.run import run_scenario
+from gputrace.sim.virtual import run_scenario
 from gputrace.whatif.groundtruth import AdviceScore, format_advice_table, score_advice
 
 

@@ -27,7 +27,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
-from gputrace.agent.metrics import GpuCollector
+from gputrace.agent.exporter import GpuCollector
 from gputrace.agent.sampling import LoopStats, SampleRing, SamplingLoop
 from gputrace.agent.server import Agent, AgentSettings
 from gputrace.gpu.sampler import SampleRow

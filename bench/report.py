@@ -99,7 +99,7 @@ def synthesise(path: Path, n_gpus: int, hours: float, seed: int = 0) -> None:
 
 def simulate(path: Path, n_gpus: int, hours: float) -> None:
     from gputrace.sim.outputs import write_store
-    from gputrace.sim.run import run_scenario
+    from gputrace.sim.virtual import run_scenario
 
     result = run_scenario("microbatch-cap", 0, {"phase_s": hours * 3600 / 4, "tp_size": max(n_gpus // 8, 1),
                                                 "sample_period_s": PERIOD_NS / 1e9})
@@ -107,7 +107,7 @@ def simulate(path: Path, n_gpus: int, hours: float) -> None:
 
 
 def child_report(run: str, out: str) -> dict[str, object]:
-    from gputrace.analysis.run import analyse_store
+    from gputrace.analysis.result import analyse_store
     from gputrace.report.document import phase_stage_table
     from gputrace.report.render import write_report
 

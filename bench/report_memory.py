@@ -55,7 +55,7 @@ def timed(args: list[str], timeout_s: float | None = None) -> tuple[float, float
 def analysis_only(run: str, out: str) -> None:
     """The report without the what-if, in this process: read, align, analyse, write HTML,
     Markdown and JSON (what `gputrace report` runs, less add_predicted_effects)."""
-    from gputrace.analysis.run import analyse_store
+    from gputrace.analysis.result import analyse_store
     from gputrace.report.render import write_report
     from gputrace.store import Store
 

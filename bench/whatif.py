@@ -15,7 +15,7 @@ import statistics
 import time
 
 from gputrace.sim.params import SCENARIOS
-from gputrace.sim.run import run_scenario
+from gputrace.sim.virtual import run_scenario
 from gputrace.whatif.groundtruth import OTHER_CHANGES, Score, fitted, format_table, score_change, score_fixes
 
 WITHIN = 0.10

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from engine_servers import EngineSetting, engines_available, running_engine
 
 from gputrace.analysis.diagnose import Finding
-from gputrace.analysis.run import Analysis, analyse_store
+from gputrace.analysis.result import Analysis, analyse_store
 from gputrace.store import Store
 from gputrace.whatif.fit import fit_model, relative_error
 from gputrace.whatif.outcome import PhaseOutcome, measured_outcomes

@@ -19,7 +19,7 @@ from typing import Protocol
 from gputrace.analysis.aligned import AlignedRun, align_store
 from gputrace.analysis.diagnose import Thresholds
 from gputrace.analysis.engine_metrics import COMPARED, series_from_columns
-from gputrace.analysis.run import (
+from gputrace.analysis.result import (
     DEFAULT_THRESHOLDS,
     Advice,
     Analysis,

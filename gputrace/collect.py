@@ -22,7 +22,6 @@ from urllib.parse import urlsplit, urlunsplit
 from gputrace.agent.client import HISTORY_MARGIN_S, AgentClient
 from gputrace.config import Config, HostConfig
 from gputrace.engines import LogParser
-from gputrace.engines.metrics_source import MetricsEndpoint, ScrapeStats, follow_metrics
 from gputrace.errors import ConfigError, GputraceError, SourceError, StoreWriteError, UsageError
 from gputrace.exposition import metrics_handler
 from gputrace.httpserver import (
@@ -40,6 +39,7 @@ from gputrace.logsetup import get_logger
 from gputrace.model import DeviceInfo, EngineConfig, Marker, RequestRecord, SchedulerEvent
 from gputrace.remote.clock import probe_clock
 from gputrace.remote.connect import TransportFactory, connect_host
+from gputrace.remote.engine_scrape import MetricsEndpoint, ScrapeStats, follow_metrics
 from gputrace.remote.follow import follow_log_batches
 from gputrace.remote.ssh import HostKeyPolicy
 from gputrace.remote.transport import Transport

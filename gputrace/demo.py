@@ -28,7 +28,7 @@ from typing import Any
 
 from gputrace.analyse import analyse_run
 from gputrace.analysis.predicted import PredictedEffect
-from gputrace.analysis.run import Analysis
+from gputrace.analysis.result import Analysis
 from gputrace.errors import GputraceError, SourceError, UsageError
 from gputrace.report.render import write_report
 from gputrace.store import Store

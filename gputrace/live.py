@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from gputrace import metric_names as mn
-from gputrace.analysis.metrics import BUSY_SIGNALS, busy_and_bubble
+from gputrace.analysis.phase_figures import BUSY_SIGNALS, busy_and_bubble
 from gputrace.analysis.schedule import engine_totals, line_sizes
 from gputrace.exposition import Collector, Metric, family
 from gputrace.model import ClockProbe, EngineConfig, GpuSample, Marker, RequestRecord, SchedulerEvent

@@ -105,7 +105,7 @@ def motivating_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The motivating deployment (SGLang PP8, max_running_requests 64) simulated in virtual time,
     seed 0, as a run store: read-only for the tests that share it."""
     from gputrace.sim.outputs import write_store
-    from gputrace.sim.run import run_scenario
+    from gputrace.sim.virtual import run_scenario
 
     out = tmp_path_factory.mktemp("motivating") / "run"
     write_store(run_scenario("motivating", 0), out)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from click.testing import CliRunner, Result
 
-from gputrace.analysis.run import Analysis, analyse_store
+from gputrace.analysis.result import Analysis, analyse_store
 from gputrace.cli import cli as gputrace_cli
 from gputrace.store import Store
 

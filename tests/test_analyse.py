@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from gputrace.analyse import analyse_run
-from gputrace.analysis.run import Analysis
+from gputrace.analysis.result import Analysis
 from gputrace.report.document import build_document
 from gputrace.store import Store
 from gputrace.whatif.fit import FittedModel

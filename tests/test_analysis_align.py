@@ -24,7 +24,7 @@ from gputrace.analysis.align import (
     stage_mapping,
 )
 from gputrace.analysis.aligned import align, align_store
-from gputrace.analysis.run import analyse_store, analyse_tables
+from gputrace.analysis.result import analyse_store, analyse_tables
 from gputrace.model import EngineConfig
 from gputrace.run_tables import ClockProbeColumns, EngineSettings, GpuExtents, GpuSampleColumns, GpuSamples
 from gputrace.store import Store

@@ -12,7 +12,7 @@ import numpy as np
 from analysis_synth import Level, SynthRun, synth_tables
 
 from gputrace.analysis.diagnose import CAUSES
-from gputrace.analysis.run import Analysis, analyse_tables
+from gputrace.analysis.result import Analysis, analyse_tables
 from gputrace.run_tables import EngineSettings, LoadGaugeColumns, RequestColumns, RunTables
 from gputrace.vocabulary import Change
 

@@ -9,7 +9,7 @@ import numpy as np
 from analysis_synth import Level, SynthRun, synth_tables
 
 from gputrace.analysis.phases import Phase, detect_phases, phases_from_markers, phases_from_request_labels
-from gputrace.analysis.run import analyse_tables
+from gputrace.analysis.result import analyse_tables
 
 
 def test_phases_from_markers_end_at_next_phase_or_end() -> None:
@@ -87,7 +87,7 @@ def test_phases_detected_without_markers(tmp_path: Path) -> None:
 def test_busy_and_bubble_live_api() -> None:
     """The reusable estimate: per stage busy = mean utilization, bubble = mean max(0, work - util),
     NaN samples left out, weights respected."""
-    from gputrace.analysis.metrics import busy_and_bubble
+    from gputrace.analysis.phase_figures import busy_and_bubble
 
     util = np.array([[0.5, 0.5, 1.0, np.nan], [0.0, 0.2, 0.2, 0.2]])
     work = np.array([1.0, 1.0, 1.0, 0.0])
@@ -103,7 +103,7 @@ def test_a_stats_window_across_a_phase_edge_is_split_by_the_rates_either_side() 
     import numpy as np
     import pytest
 
-    from gputrace.analysis.metrics import engine_tokens
+    from gputrace.analysis.phase_figures import engine_tokens
 
     s = 1_000_000_000
     t = np.array([10, 20, 30, 40, 50, 60], dtype=np.int64) * s

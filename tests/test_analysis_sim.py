@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gputrace.analysis.compare import compare_analyses
-from gputrace.analysis.run import Analysis, analyse_store
+from gputrace.analysis.result import Analysis, analyse_store
 from gputrace.imports.engine_log import ingest_log
 from gputrace.imports.jsonl import write_jsonl
 from gputrace.imports.nvidia_smi import import_nvidia_smi_csv
@@ -16,8 +16,8 @@ from gputrace.imports.request_files import import_requests_jsonl
 from gputrace.report.document import build_document
 from gputrace.sim.outputs import request_records, sample_columns, write_gpu_csv, write_log, write_store
 from gputrace.sim.params import SCENARIOS
-from gputrace.sim.run import run_scenario
 from gputrace.sim.truth import fix_for, scenario_fixes
+from gputrace.sim.virtual import run_scenario
 from gputrace.store import Store
 from gputrace.vocabulary import Change
 

@@ -10,7 +10,7 @@ import pytest
 
 from gputrace import dashboard as dash
 from gputrace import metric_names as mn
-from gputrace.agent.metrics import GpuCollector
+from gputrace.agent.exporter import GpuCollector
 from gputrace.agent.sampling import SampleRing, SamplingLoop
 from gputrace.exposition import Metric
 from gputrace.gpu.simulated import SimulatedSampler

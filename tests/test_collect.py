@@ -333,7 +333,7 @@ def test_samples_of_an_agent_named_otherwise_are_filed_under_the_configured_host
     hostname) has its samples filed under the configured host, which its devices and the stage
     mapping use: every stage gets its busy figure ([robust] #4: every sample was dropped and the
     report said 'healthy')."""
-    from gputrace.analysis.run import analyse_store
+    from gputrace.analysis.result import analyse_store
 
     with sim_agent("gpu-box-17") as agent_port:
         log = tmp_path / "sglang.log"
@@ -431,7 +431,7 @@ def test_a_missing_log_shows_as_failing_in_health_status_watch_and_report(
     names the source and the reason, `watch` draws it, and the report notes it (all said ok)."""
     from rich.console import Console
 
-    from gputrace.analysis.run import analyse_store
+    from gputrace.analysis.result import analyse_store
     from gputrace.report.render import write_report
     from gputrace.vocabulary import LiveStatus
     from gputrace.watch import render_status
@@ -525,7 +525,7 @@ def test_an_agent_killed_during_collect_is_a_503_and_a_noted_gap(tmp_path: Path)
     """[robust] 7: SIGKILL of the agent while `collect` runs: /healthz is 503 naming the agent within
     15 s, 200 again once it is back, and the GPU gap is in meta.json and the report (it said 200
     with no problem, and the 20 s without samples went unnoted)."""
-    from gputrace.analysis.run import analyse_store
+    from gputrace.analysis.result import analyse_store
     from gputrace.report.render import write_report
 
     agent_port = free_port()

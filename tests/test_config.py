@@ -152,7 +152,7 @@ def test_the_readme_example_config_is_valid() -> None:
 def test_ignore_eos_reaches_the_load_spec(tmp_path: Path) -> None:
     """`ignore_eos` in [load] and `gputrace run --ignore-eos` both make the built-in load send it;
     the flag overrides the table either way."""
-    from gputrace.commands.run import load_spec_from
+    from gputrace.commands.run_ import load_spec_from
 
     plain = load_config(write(tmp_path, GOOD))
     assert not load_spec_from(plain, None, None, None, None, None, None, None, None, None).ignore_eos

@@ -210,7 +210,7 @@ def test_sglang_capture_has_a_busy_and_bubble_per_stage_from_its_stage_timers(sg
     and the log schedule's figure beside it, agreeing within 10 points or saying why not."""
     import shutil
 
-    from gputrace.analysis.run import analyse_store
+    from gputrace.analysis.result import analyse_store
 
     run = tmp_path / "run"
     shutil.copytree(sglang_run.run_dir, run)
@@ -333,7 +333,7 @@ def test_vllm_capture_parses_as_the_fixture_does(vllm_run: Capture) -> None:
 
 
 def _store_findings(capture: Capture) -> dict[str, set[tuple[str, object, object]]]:
-    from gputrace.analysis.run import analyse_store
+    from gputrace.analysis.result import analyse_store
 
     with Store.open(capture.run_dir, read_only=True) as store:
         gpus = store.sql("SELECT count(DISTINCT gpu_index), count(*) FROM gpu_samples")[0]
@@ -421,7 +421,7 @@ def _client_tok_s(requests_jsonl: Path, label: str) -> float:
 def _apply_recommendation(capture: Capture, tmp: Path, queue_metric: str, **labels: str) -> None:
     """gputrace's finding at C=16 names the admission limit; the engine restarted with that flag
     runs C=16 with nothing waiting. Prints throughput before and after (same C, same machine)."""
-    from gputrace.analysis.run import analyse_store
+    from gputrace.analysis.result import analyse_store
 
     with Store.open(capture.run_dir, read_only=True) as store:
         findings = [f for f in analyse_store(store).findings if f.phase == "C=16"]

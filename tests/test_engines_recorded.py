@@ -26,8 +26,8 @@ from helpers import analyse
 from live_chain import free_port, wait_until
 
 from gputrace.analysis.aligned import align_store
-from gputrace.analysis.metrics import PhaseMetrics
-from gputrace.analysis.run import Analysis
+from gputrace.analysis.phase_figures import PhaseMetrics
+from gputrace.analysis.result import Analysis
 from gputrace.engines import LogParser
 from gputrace.store import Store
 from gputrace.vocabulary import Change

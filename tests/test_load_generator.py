@@ -358,7 +358,7 @@ async def test_requests_abandoned_at_the_drain_are_counted_apart(server: Server,
 
     from rich.console import Console
 
-    from gputrace.analysis.run import analyse_store
+    from gputrace.analysis.result import analyse_store
     from gputrace.commands.load import no_request_completed
     from gputrace.load.console import failure_reasons, print_summary
     from gputrace.report.render import write_report

@@ -23,7 +23,7 @@ from sshd import free_port_on
 from testhosts import TestHost, gputrace_argv
 
 from gputrace.sim.params import SCENARIOS
-from gputrace.sim.run import run_scenario
+from gputrace.sim.virtual import run_scenario
 from gputrace.store import Store
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]

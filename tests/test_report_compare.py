@@ -88,7 +88,7 @@ def test_the_top_finding_is_the_one_the_report_leads_with(tmp_path: Path) -> Non
     compare named run A's C=1 load finding where its report led with K at C=32)."""
     from gputrace.analysis.compare import top_finding
     from gputrace.analysis.diagnose import Finding
-    from gputrace.analysis.run import analyse_store
+    from gputrace.analysis.result import analyse_store
     from gputrace.report.document import build_document
     from gputrace.report.render import verdict
     from gputrace.store import Store
@@ -148,7 +148,7 @@ def test_runs_without_bubble_figures_get_no_columns_of_n_a(tmp_path: Path) -> No
 
 def _simulated(scenario: str, where: Path, seed: int = 0) -> Path:
     from gputrace.sim.outputs import write_store
-    from gputrace.sim.run import run_scenario
+    from gputrace.sim.virtual import run_scenario
 
     return write_store(run_scenario(scenario, seed), where)
 

@@ -16,7 +16,7 @@ from helpers import cli
 from matplotlib.lines import Line2D
 
 from gputrace.analysis.aligned import gpu_metrics_on_grid
-from gputrace.analysis.run import Analysis, analyse_store
+from gputrace.analysis.result import Analysis, analyse_store
 from gputrace.report.document import STAGE_COLUMNS, phase_stage_table, shown_columns, stage_columns
 from gputrace.report.figures import (
     DPI,

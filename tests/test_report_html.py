@@ -24,12 +24,12 @@ from conftest import require_binary
 from engine_fixtures import fixture_dir
 
 from gputrace.analysis.compare import compare_analyses
-from gputrace.analysis.run import analyse_store
+from gputrace.analysis.result import analyse_store
 from gputrace.report.compare_render import write_compare
 from gputrace.report.figures import FIGURES
 from gputrace.report.render import write_report
 from gputrace.sim.outputs import write_store
-from gputrace.sim.run import run_scenario
+from gputrace.sim.virtual import run_scenario
 from gputrace.store import Store
 
 ARTIFACTS = Path(__file__).parent / "artifacts"

@@ -51,7 +51,7 @@ def test_the_report_prints_the_rules_and_their_thresholds(tmp_path: Path) -> Non
     from dataclasses import asdict, fields
 
     from gputrace.analysis.diagnose import RULES, Thresholds
-    from gputrace.analysis.run import analyse_store
+    from gputrace.analysis.result import analyse_store
     from gputrace.report.document import build_document
     from gputrace.report.render import write_report
 

@@ -24,7 +24,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from live_chain import free_port, gputrace_argv, process, prometheus, sim_chain, wait_until
 
-from gputrace.analysis.run import analyse_store
+from gputrace.analysis.result import analyse_store
 from gputrace.errors import SourceError, UsageError
 from gputrace.imports.prometheus import (
     import_prometheus,

@@ -15,7 +15,7 @@ from helpers import analyse
 from gputrace.demo import top_recommendation
 from gputrace.sim.outputs import write_store
 from gputrace.sim.params import SCENARIOS
-from gputrace.sim.run import run_scenario
+from gputrace.sim.virtual import run_scenario
 from gputrace.whatif.effects import with_predicted_effects
 from gputrace.whatif.fit import fit_model
 from gputrace.whatif.groundtruth import OTHER_CHANGES, format_table, score_change, score_fixes

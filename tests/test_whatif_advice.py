@@ -14,7 +14,7 @@ from gputrace.cli import cli
 from gputrace.errors import UsageError
 from gputrace.sim.outputs import write_store
 from gputrace.sim.params import SimParams
-from gputrace.sim.run import run_scenario
+from gputrace.sim.virtual import run_scenario
 from gputrace.vocabulary import Change
 from gputrace.whatif.advise import MAX_CANDIDATES, Option, PhaseAdvice, candidates, parse_slo, score
 from gputrace.whatif.fit import FittedModel

@@ -19,7 +19,7 @@ import pytest
 from engine_fixtures import fixture_dir
 from helpers import analyse
 
-from gputrace.analysis.run import analyse_store
+from gputrace.analysis.result import analyse_store
 from gputrace.store import Store
 from gputrace.whatif.fit import fit_model, relative_error
 from gputrace.whatif.outcome import measured_outcomes
@@ -157,7 +157,7 @@ def test_a_cpu_engine_is_fitted_without_a_memory_floor(tmp_path_factory: pytest.
     simulated GPU run keeps the floor."""
     from gputrace.sim.outputs import write_store
     from gputrace.sim.params import SimParams, make_params
-    from gputrace.sim.run import run_scenario
+    from gputrace.sim.virtual import run_scenario
     from gputrace.whatif.fit import PhaseWork, _design, runs_on_cpu, without_memory_floor
 
     for engine in ("sglang", "vllm"):

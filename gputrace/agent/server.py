@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from gputrace import __version__
-from gputrace.agent.metrics import GpuCollector
+from gputrace.agent.exporter import GpuCollector
 from gputrace.agent.sampling import CursorTooOld, SampleRing, SamplingLoop
 from gputrace.errors import UsageError
 from gputrace.exposition import metrics_handler

@@ -6,6 +6,6 @@ diagnosis in one call; the pieces (``align``, ``phases``, ``metrics``, ``diagnos
 are usable on their own.
 """
 
-from gputrace.analysis.run import Analysis, analyse_store
+from gputrace.analysis.result import Analysis, analyse_store
 
 __all__ = ["Analysis", "analyse_store"]

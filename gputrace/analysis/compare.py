@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from gputrace.analysis.diagnose import Finding
-from gputrace.analysis.run import Analysis
+from gputrace.analysis.result import Analysis
 
 SCHEMA = "gputrace.compare/1"
 SAME_WITHIN = 0.05  # a throughput ratio this close to 1 is "the same" (the runs' own noise is about this)

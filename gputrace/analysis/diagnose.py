@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from gputrace.analysis.metrics import PhaseMetrics, StageMetrics, throughput_aliased
+from gputrace.analysis.phase_figures import PhaseMetrics, StageMetrics, throughput_aliased
 from gputrace.vocabulary import Cause, Change, EngineSettings
 
 CAUSES = tuple(c.value for c in Cause)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from gputrace.analysis.metrics import BUSY_SIGNALS, PhaseMetrics
+from gputrace.analysis.phase_figures import BUSY_SIGNALS, PhaseMetrics
 
 # Per engine: the queue gauge and the generated-tokens counter.
 QUEUE_SERIES = ("sglang:num_queue_reqs", "vllm:num_requests_waiting")

@@ -9,7 +9,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from gputrace.analysis.run import Analysis
+from gputrace.analysis.result import Analysis
 from gputrace.demo import DemoResult, run_demo
 
 

@@ -48,7 +48,7 @@ def command(ctx: click.Context, scenario: str | None, out_dir: str | None, seed:
     if scenario is None or out_dir is None:
         raise UsageError("gputrace sim needs --scenario and --out (or --list, or the serve subcommand)")
     from gputrace.sim.outputs import sample_columns, write_gpu_csv, write_log, write_store
-    from gputrace.sim.run import run_scenario
+    from gputrace.sim.virtual import run_scenario
 
     wall0 = time.perf_counter()
     result = run_scenario(scenario, seed, _overrides(params_file, sets))

@@ -8,7 +8,7 @@ from typing import Any
 
 from gputrace.analysis.diagnose import Finding, rule_table
 from gputrace.analysis.predicted import PredictedEffect
-from gputrace.analysis.run import Analysis
+from gputrace.analysis.result import Analysis
 
 SCHEMA = "gputrace.findings/1"
 

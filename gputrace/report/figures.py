@@ -25,7 +25,7 @@ from matplotlib.lines import Line2D
 from matplotlib.transforms import blended_transform_factory
 
 from gputrace.analysis.diagnose import default_microbatch_cap, engine_kind
-from gputrace.analysis.run import Analysis
+from gputrace.analysis.result import Analysis
 
 MAX_COLUMNS = 1200
 """Time series are averaged down to at most this many columns: a figure has no more pixels."""

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from gputrace.analysis.run import Analysis
+from gputrace.analysis.result import Analysis
 
 MAX_POINTS_PER_TRACK = 20_000
 """Long runs are averaged down to this many points per counter track to keep the file small."""

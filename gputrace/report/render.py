@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from gputrace.analysis.diagnose import changes_the_deployment
-from gputrace.analysis.run import Analysis
+from gputrace.analysis.result import Analysis
 from gputrace.errors import UsageError
 from gputrace.report.document import STAGE_NOTE, build_document, fmt, stage_columns
 from gputrace.report.figures import FIGURES

@@ -7,6 +7,6 @@ serves the model over HTTP.
 """
 
 from gputrace.sim.params import SCENARIOS, Scenario, SimParams, scenario_params
-from gputrace.sim.run import SimResult, run_params, run_scenario
+from gputrace.sim.virtual import SimResult, run_params, run_scenario
 
 __all__ = ["SCENARIOS", "Scenario", "SimParams", "SimResult", "run_params", "run_scenario", "scenario_params"]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gputrace.sim.params import scenario_params
-from gputrace.sim.run import run_params
+from gputrace.sim.virtual import run_params
 
 TOLERANCE = 0.15
 

@@ -17,10 +17,10 @@ from gputrace.engines import LogParser
 from gputrace.errors import SourceError
 from gputrace.imports.engine_log import ingest_log
 from gputrace.model import ClockProbe, DeviceInfo, EngineConfig, Marker, RequestRecord, SchedulerEvent
-from gputrace.sim.metrics import virtual_metric_rows
-from gputrace.sim.run import SimResult
+from gputrace.sim.engine_exposition import virtual_metric_rows
 from gputrace.sim.samples import gpu_sample_columns, smi_csv_lines
 from gputrace.sim.truth import work_intervals
+from gputrace.sim.virtual import SimResult
 from gputrace.store import Store
 from gputrace.topology import single_node_placements, topology_to_meta
 

@@ -26,7 +26,7 @@ from gputrace.exposition import metrics_handler
 from gputrace.httpserver import web
 from gputrace.logsetup import get_logger
 from gputrace.sim.engine import EngineTrace, PipelineEngine, SimRequest
-from gputrace.sim.metrics import SGLANG_GAUGES, MetricSnapshot, SnapshotCollector
+from gputrace.sim.engine_exposition import SGLANG_GAUGES, MetricSnapshot, SnapshotCollector
 from gputrace.sim.nodes import FEED_KIND, NodeFiles, NodeLayout, NodeRelay
 from gputrace.sim.params import SimParams
 

@@ -1,5 +1,5 @@
 """One virtual-time run: parameters through the engine model and its client, as a SimResult with
-the log lines and the busy intervals. Its ground truth is sim.truth's; sim.run puts the two together.
+the log lines and the busy intervals. Its ground truth is sim.truth's; sim.virtual puts the two together.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class SimResult:
     engine: PipelineEngine
     log_lines: list[str] = field(default_factory=list)
     log_ts_ns: list[int] = field(default_factory=list)  # exact emission time of each line
-    ground_truth: dict[str, Any] = field(default_factory=dict)  # sim.truth's, filled in by sim.run
+    ground_truth: dict[str, Any] = field(default_factory=dict)  # sim.truth's, filled in by sim.virtual
     _intervals: dict[str, np.ndarray] | None = field(default=None, repr=False)
 
     def ns(self, t_s: float) -> int:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gputrace.analysis.run import Analysis
+from gputrace.analysis.result import Analysis
 from gputrace.errors import GputraceError, UsageError
 from gputrace.vocabulary import Change
 from gputrace.whatif.effects import fit_note

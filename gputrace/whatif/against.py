@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gputrace.analysis.diagnose import engine_kind
-from gputrace.analysis.run import Analysis
+from gputrace.analysis.result import Analysis
 from gputrace.errors import GputraceError
 from gputrace.whatif.fit import FittedModel, deployment_params, fit_model, relative_error
 from gputrace.whatif.outcome import measured_outcomes

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from gputrace.analysis.diagnose import Finding, changes_the_deployment
 from gputrace.analysis.predicted import PhaseEffect, PredictedEffect
-from gputrace.analysis.run import Analysis, with_notes
+from gputrace.analysis.result import Analysis, with_notes
 from gputrace.errors import GputraceError
 from gputrace.whatif.fit import FittedModel, fit_model
 from gputrace.whatif.predict import PhasePrediction, finding_change, predict

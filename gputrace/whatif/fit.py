@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from gputrace.analysis.diagnose import engine_kind
-from gputrace.analysis.metrics import PhaseMetrics
-from gputrace.analysis.run import Analysis
+from gputrace.analysis.phase_figures import PhaseMetrics
+from gputrace.analysis.result import Analysis
 from gputrace.run_tables import EngineSettings
 from gputrace.sim.params import SimParams, make_params
 from gputrace.sim.simulate import SimResult, simulate

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gputrace.analysis.run import analyse_store
+from gputrace.analysis.result import analyse_store
 from gputrace.sim.outputs import write_store
-from gputrace.sim.run import SimResult, run_params, run_scenario
 from gputrace.sim.truth import scenario_fixes
+from gputrace.sim.virtual import SimResult, run_params, run_scenario
 from gputrace.store import Store
 from gputrace.whatif.fit import FittedModel, fit_model
 from gputrace.whatif.predict import even_split, predict

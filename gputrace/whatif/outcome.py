@@ -1,5 +1,5 @@
 """What a phase gave, in one form for a captured phase and a simulated one: throughput, TTFT and
-ITL percentiles, bubble per stage. The same latency definitions as gputrace.analysis.metrics."""
+ITL percentiles, bubble per stage. The same latency definitions as gputrace.analysis.phase_figures."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from typing import Any
 import numpy as np
 
 from gputrace.analysis.diagnose import engine_kind
-from gputrace.analysis.metrics import PhaseMetrics
-from gputrace.analysis.run import Analysis
-from gputrace.sim.run import SimResult
+from gputrace.analysis.phase_figures import PhaseMetrics
+from gputrace.analysis.result import Analysis
 from gputrace.sim.samples import cumulative
 from gputrace.sim.truth import work_intervals
+from gputrace.sim.virtual import SimResult
 
 
 @dataclass(frozen=True, slots=True)

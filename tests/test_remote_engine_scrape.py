@@ -17,12 +17,12 @@ import pytest
 from aiohttp import web
 from live_chain import free_port, http_ok, wait_until
 
-from gputrace.analysis.run import analyse_store
+from gputrace.analysis.result import analyse_store
 from gputrace.collect import CollectOptions, Collector
 from gputrace.config import parse_config
-from gputrace.engines.metrics_source import parse_metrics_text
 from gputrace.errors import ConfigError
 from gputrace.model import Marker
+from gputrace.remote.engine_scrape import parse_metrics_text
 from gputrace.sim import scenario_params
 from gputrace.sim.server import SimServer, start_sim_server
 from gputrace.store import Store

@@ -18,7 +18,7 @@ from gputrace.analysis.engine_metrics import (
     series_from_columns,
     with_engine_timers,
 )
-from gputrace.analysis.metrics import (
+from gputrace.analysis.phase_figures import (
     BUSY_RANKING,
     BUSY_SIGNALS,
     PhaseMetrics,
