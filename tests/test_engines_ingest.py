@@ -281,7 +281,8 @@ def test_fast_path_equals_per_line_grammar_on_a_real_engine_log(tmp_path: Path, 
             tables[fast] = store.arrow("scheduler_events", order_by="line_no")
             tables[f"cfg-{fast}"] = store.arrow("engine_configs", order_by="line_no")
     assert stats[True].as_dict() == stats[False].as_dict()
-    assert stats[True].fast_path_lines >= 0.9 * stats[True].events_written > 1000
+    # interval2 was recorded on a saturated machine: 90 batch lines, the others thousands
+    assert stats[True].fast_path_lines >= 0.9 * stats[True].events_written > 50
     for name in tables[False].column_names:
         assert tables[True].column(name).equals(tables[False].column(name)), name
     assert tables["cfg-True"].equals(tables["cfg-False"]) and tables["cfg-True"].num_rows >= 1

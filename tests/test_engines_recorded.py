@@ -427,7 +427,7 @@ def test_sglang_decode_log_interval_2_is_named_aliased_and_its_throughput_not_ta
     contradict (more than 25 % apart): each phase's throughput is within 15 % of the client's."""
     analysis = analyse(imported("sglang", "interval2"))
     (aliased,) = [f for f in analysis.findings if f.cause == "log_sampling_aliased"]
-    assert aliased.details == {"knob": "--decode-log-interval", "value": 1}
+    assert aliased.change == Change.of_flag("--decode-log-interval", 1)
     assert aliased.evidence["decode_log_interval"] == 2 and aliased.evidence["microbatch_slots"] == 2
     for pm in analysis.metrics:
         if not pm.label.startswith("C=") or pm.client_throughput_tok_s is None:

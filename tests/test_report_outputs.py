@@ -32,8 +32,8 @@ def test_report_writes_three_formats(tmp_path: Path) -> None:
     out = tmp_path / "out"
     doc = json.loads((out / "findings.json").read_text())
     assert doc["schema"] == SCHEMA
-    assert set(doc) == {"schema", "summary", "findings", "phases", "table", "mapping", "notes", "rules",
-                        "thresholds"}
+    assert set(doc) == {"schema", "summary", "findings", "advice", "phases", "table", "mapping", "notes",
+                        "rules", "thresholds"}
     assert doc["findings"][0]["cause"] == "microbatch_cap" and doc["findings"][0]["evidence"]["K"] == 4
     assert len(doc["table"]) == 2 * 4 and {"busy_fraction", "bubble_fraction"} <= set(doc["table"][0])
     md = (out / "report.md").read_text()
@@ -281,8 +281,12 @@ def test_the_report_opens_with_the_verdict_and_shows_each_phase_once(tmp_path: P
     res = cli(["report", str(run), "--out", str(tmp_path / "out")])
     assert res.exit_code == 0, res.output
     md = (tmp_path / "out" / "report.md").read_text()
-    first = md.split("\n\n")[1]
+    paragraphs = md.split("\n\n")
+    advice = paragraphs[1]  # [advisor]: the report opens with the advice, the verdict is its evidence
+    assert advice.startswith("Advice: ")
+    first = next(p for p in paragraphs if p.startswith("Verdict: "))
     assert first.startswith("Verdict: microbatch_cap in phase C=32: ")
+    assert md.index(advice) < md.index(first)
     assert "Next step: --pp-max-micro" in first
     assert "; predicted: " in first and " tok/s at C=32 (±" in first  # [whatif]'s effect, in the verdict
     assert md.index(first) < md.index("## Summary") < md.index("## Findings") < md.index("## Phases")

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
-from gputrace.analysis.diagnose import Finding, changes_the_deployment
+from gputrace.analysis.diagnose import Finding
 from gputrace.analysis.predicted import PhaseEffect, PredictedEffect
 from gputrace.analysis.result import Analysis, with_notes
 from gputrace.errors import GputraceError
@@ -47,19 +47,20 @@ def _effect(f: Finding, rows: list[PhasePrediction], unchanged: dict[str, float 
 
 
 def rank_by_gain(findings: Sequence[Finding], effects: Mapping[str, PredictedEffect]) -> list[Finding]:
-    """Predicted gains first (largest net gain over the levels first), then the findings the
-    model cannot weigh in their order, then predicted losses; "cannot tell" stays last."""
+    """The deployment's findings first: predicted gains (largest net gain over the levels first),
+    then those the model cannot weigh in their order, then predicted losses; then the findings
+    about the offered load ("offer at least 8 requests": a fact about the load, never ranked as a
+    gain of the configuration); "cannot tell" last."""
     def net(f: Finding) -> float:
         return effects[f.key].net_gain_tok_s
 
     causes = [f for f in findings if f.cause != "cannot_tell"]
-    # a finding about the offered load ("offer at least 8 requests") is a fact about the load,
-    # never ranked as a gain of the configuration
-    gains = sorted((f for f in causes if f.key in effects and net(f) > 0
-                    and changes_the_deployment(f.details.get("knob"))), key=lambda f: -net(f))
-    losses = sorted((f for f in causes if f.key in effects and net(f) <= 0), key=lambda f: -net(f))
-    rest = [f for f in causes if f.key not in effects or (f not in gains and net(f) > 0)]
-    return gains + rest + losses + [f for f in findings if f.cause == "cannot_tell"]
+    load = [f for f in causes if f.change is not None and not f.change.changes_the_deployment]
+    deployment = [f for f in causes if f not in load]
+    gains = sorted((f for f in deployment if f.key in effects and net(f) > 0), key=lambda f: -net(f))
+    losses = sorted((f for f in deployment if f.key in effects and net(f) <= 0), key=lambda f: -net(f))
+    rest = [f for f in deployment if f.key not in effects]
+    return gains + rest + losses + load + [f for f in findings if f.cause == "cannot_tell"]
 
 
 def with_predicted_effects(analysis: Analysis, progress: Callable[[str], None] | None = None
