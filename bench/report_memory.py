@@ -6,7 +6,8 @@ then reported on; the peak RSS of each command is printed beside the log's size 
 
 Target: the report within 2 GB peak RSS. Printed: the import; the report without the what-if
 (read, align, analyse, figures, HTML/Markdown/JSON in one process); the real `gputrace report`
-(with the what-if, which replays every phase in the simulator), stopped after --command-timeout.
+(with the what-if: the simulator fitted to the run, at most 16 load levels replayed, and the advice
+search), stopped after --command-timeout.
 The files are written under --tmp (default: the system's
 temporary directory; check its free space: the log and the store take about 3 GiB) and deleted
 at the end.

@@ -163,3 +163,30 @@ def test_effect_text_claims_only_what_the_change_itself_moves() -> None:
     assert dataclasses.replace(effect, unchanged_tok_s=1266.0).text() == effect.text()
     loss = dataclasses.replace(effect, predicted_tok_s=700.0, gain_ratio=-0.34)
     assert loss.text().startswith("predicted: 1059 -> 700 tok/s at C=32 (±19%); a loss at this phase")
+
+
+def test_a_run_of_many_phases_replays_a_bounded_number_of_levels() -> None:
+    """A long run's hundreds of phases are not each replayed: at most MAX_REPLAYED_LEVELS levels
+    spread over the captured ones, each phase taking its nearest level's replay (its own label
+    and level kept); a run of few phases replays as captured."""
+    from gputrace.sim.params import make_params
+    from gputrace.whatif.fit import MAX_REPLAYED_LEVELS, replay, replay_outcomes, replayed_levels
+    from gputrace.whatif.outcome import trace_outcomes
+
+    levels = tuple(1 + (7 * i) % 60 for i in range(40))  # 40 phases, 40 distinct levels in 1..60
+    p = make_params({"concurrency": levels, "phase_s": 3.0})
+    reduced = replayed_levels(p.concurrency)
+    assert reduced is not None
+    ran_levels, nearest = reduced
+    assert len(ran_levels) == MAX_REPLAYED_LEVELS and list(ran_levels) == sorted(ran_levels)
+    assert ran_levels[0] == min(levels) and ran_levels[-1] == max(levels)
+    labels = [f"phase {i}" for i in range(len(levels))]
+    out = replay_outcomes(p, labels)
+    ran = trace_outcomes(replay(dataclasses.replace(p, concurrency=ran_levels)))
+    assert [o.label for o in out] == labels and [o.concurrency for o in out] == list(levels)
+    for c, o, j in zip(levels, out, nearest, strict=True):
+        assert abs(ran_levels[j] - c) == min(abs(r - c) for r in ran_levels)
+        assert o.throughput_tok_s == ran[j].throughput_tok_s
+    few = dataclasses.replace(p, concurrency=levels[:4])
+    assert replayed_levels(few.concurrency) is None
+    assert replay_outcomes(few, labels[:4]) == trace_outcomes(replay(few), labels[:4])

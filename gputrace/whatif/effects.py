@@ -12,7 +12,7 @@ from gputrace.analysis.diagnose import Finding
 from gputrace.analysis.predicted import PhaseEffect, PredictedEffect
 from gputrace.analysis.result import Analysis, with_notes
 from gputrace.errors import GputraceError
-from gputrace.whatif.fit import FittedModel, fit_model
+from gputrace.whatif.fit import FittedModel, fit_model, replay_note
 from gputrace.whatif.predict import PhasePrediction, finding_change, predict
 
 MAX_CHANGES = 4  # distinct changes simulated per report: one replay of the run each (bounded time)
@@ -108,6 +108,8 @@ def fit_note(model: FittedModel) -> str:
     text = ("what-if model (the simulator fitted to this run) replays it at measured/simulated tok/s "
             f"{', '.join(parts)}; predictions carry ±{model.uncertainty_ratio:.0%} (wider where a change "
             "runs micro-batches past those the run ran), as measured x model(change) / model(as run)")
+    if (reduced := replay_note(model.params)) is not None:
+        text += "; " + reduced
     if model.correction:
         text += "; corrected per phase " + ", ".join(f"{k} x{v:.2f}" for k, v in model.correction.items())
     return text

@@ -35,6 +35,11 @@ COST_FIELDS = ("launch_s", "weight_read_s", "decode_token_s", "prefill_token_s",
 MAX_PHASE_S = 120.0
 STEADY_MIN_S = 20.0
 STEADY_LIFETIMES = 2.0
+# A replay runs at most this many load levels, whatever the number of captured phases (a long
+# run holds hundreds, and each replayed phase costs STEADY_MIN_S to MAX_PHASE_S of simulation):
+# beyond it, levels spread over the captured range are replayed, ascending, and each phase takes
+# the replay of the level nearest its own
+MAX_REPLAYED_LEVELS = 16
 # the replay of the run as it ran within this of each measured phase, else that phase is
 # corrected (its measured / replayed factor applies to what the model gives there)
 CALIBRATION_TOLERANCE = 0.05
@@ -61,7 +66,7 @@ class PhaseWork:
     microbatch_size: float  # tokens per decode step
     # sizes of the logged decode steps: the compute past the knee is convex in the size, so a
     # bunched load (steps of 1 and of 30) costs more than its mean size says
-    logged_sizes: tuple[float, ...]
+    logged_sizes: np.ndarray | tuple[float, ...]
     context_tokens: float  # per decode step
     prefill_tokens_per_step: float
 
@@ -210,11 +215,14 @@ def _phase_work(analysis: Analysis, pm: PhaseMetrics, p: SimParams, mults: np.nd
         return None
     tokens = pm.throughput_tok_s * pm.duration_s
     run = analysis.run
-    steps, prefills, sizes, prompt = [], [], [], []
+    steps: list[float] = []
+    prefills: list[float] = []
+    prompt: list[float] = []
+    sizes: list[np.ndarray] = []  # arrays, never a Python float per line (a long run has millions)
     for ev in run.stage_events:
         lo, hi = np.searchsorted(ev.t_ns, [pm.start_ns, pm.end_ns])
         kinds = ev.kind[lo:hi]
-        sizes.extend(ev.running_req[lo:hi][(kinds == "decode") & np.isfinite(ev.running_req[lo:hi])])
+        sizes.append(ev.running_req[lo:hi][(kinds == "decode") & np.isfinite(ev.running_req[lo:hi])])
         steps.append(float((kinds == "decode").sum()) * p.decode_log_interval)
         prefills.append(float((kinds == "prefill").sum()))
         new_tokens = ev.new_token[lo:hi][kinds == "prefill"]
@@ -229,10 +237,10 @@ def _phase_work(analysis: Analysis, pm: PhaseMetrics, p: SimParams, mults: np.nd
         n_dec, n_pf = tokens / mb, 0.0
     pf_tokens = _prompt_tokens(analysis, pm, prompt, mean_in) / n_pf if n_pf else 0.0
     busy_s = float(np.nanmean(busy / mults)) * pm.duration_s
-    logged = np.asarray(sizes, dtype=float)
+    logged = np.concatenate(sizes).astype(float) if sizes else np.zeros(0)
     logged = logged[logged > 0]
     # scaled to the counted mean: the lines sample the steps, the tokens count them all
-    logged_sizes = tuple(logged * mb / logged.mean()) if len(logged) else (mb,)
+    logged_sizes = logged * mb / logged.mean() if len(logged) else np.array([mb])
     return PhaseWork(pm.label, busy_s, n_dec, n_pf, mb, logged_sizes, mb * (mean_in + mean_out / 2),
                      pf_tokens)
 
@@ -356,10 +364,49 @@ def replay(p: SimParams, seed: int = 0) -> SimResult:
     return simulate(dataclasses.replace(p, seed=seed), "whatif", log=False)
 
 
+def replayed_levels(levels: tuple[int, ...]) -> tuple[tuple[int, ...], np.ndarray] | None:
+    """For more than MAX_REPLAYED_LEVELS phases: the levels a replay runs (ascending, spread
+    over the distinct captured ones) and, per phase, the index of the replayed level nearest its
+    own; None where every phase is replayed as captured."""
+    if len(levels) <= MAX_REPLAYED_LEVELS:
+        return None
+    distinct = np.unique(np.asarray(levels, dtype=np.int64))
+    if len(distinct) > MAX_REPLAYED_LEVELS:
+        at = np.round(np.linspace(0, len(distinct) - 1, MAX_REPLAYED_LEVELS)).astype(np.int64)
+        distinct = distinct[np.unique(at)]
+    nearest = np.abs(np.asarray(levels, dtype=np.int64)[:, None] - distinct[None, :]).argmin(axis=1)
+    return tuple(int(c) for c in distinct), nearest
+
+
+def replay_outcomes(p: SimParams, labels: list[str] | None, seed: int = 0) -> list[PhaseOutcome]:
+    """One replay's outcome per phase of ``p`` (named ``labels[i]`` where given): the phases as
+    they are, or beyond MAX_REPLAYED_LEVELS, each phase the outcome of the replayed level nearest
+    its own (see ``replayed_levels``)."""
+    reduced = replayed_levels(p.concurrency)
+    if reduced is None:
+        return trace_outcomes(replay(p, seed), labels)
+    levels, nearest = reduced
+    ran = trace_outcomes(replay(dataclasses.replace(p, concurrency=levels), seed))
+    return [dataclasses.replace(ran[int(j)], concurrency=c,
+                                label=labels[i] if labels and i < len(labels) else f"C={c}")
+            for i, (c, j) in enumerate(zip(p.concurrency, nearest, strict=True))]
+
+
+def replay_note(p: SimParams) -> str | None:
+    """What a replay runs where the run has more phases than it replays."""
+    reduced = replayed_levels(p.concurrency)
+    if reduced is None:
+        return None
+    levels = reduced[0]
+    return (f"the run has {len(p.concurrency)} phases: the model replays {len(levels)} load levels "
+            f"({', '.join(str(c) for c in levels)}, {p.phase_s:.0f} s each) and each phase takes "
+            "the replay of the level nearest its own")
+
+
 def replay_seeds(p: SimParams, labels: list[str] | None, seeds: tuple[int, ...] = REPLAY_SEEDS
                  ) -> list[list[PhaseOutcome]]:
     """One replay's outcomes per seed."""
-    return [trace_outcomes(replay(p, seed), labels) for seed in seeds]
+    return [replay_outcomes(p, labels, seed) for seed in seeds]
 
 
 def median_outcomes(runs: list[list[PhaseOutcome]]) -> list[PhaseOutcome]:
@@ -401,10 +448,10 @@ def _fit_shape_by_replay(p: SimParams, measured: list[PhaseOutcome], labels: lis
     the overall correction."""
     def at(log2_ratio: float) -> tuple[float, SimParams, list[PhaseOutcome], float]:
         shaped = _scaled(p, 1.0, 2.0 ** log2_ratio)
-        first = trace_outcomes(replay(shaped), labels)
+        first = replay_outcomes(shaped, labels)
         c = _scale_correction(measured, first)
         scaled = _scaled(shaped, c, c)
-        sim = trace_outcomes(replay(scaled), labels)
+        sim = replay_outcomes(scaled, labels)
         return _rms_error(measured, sim), scaled, sim, c
 
     lo, hi = SHAPE_LOG2_RANGE
@@ -434,7 +481,7 @@ def fit_model(analysis: Analysis) -> FittedModel:
     if not works:
         notes.append("no phase has both GPU busy figures and decode lines: the cost model is the "
                      "simulator's default, scaled by the replay alone")
-    simulated = trace_outcomes(replay(p), labels)
+    simulated = replay_outcomes(p, labels)
     # The replay corrects the scale where the steps were not counted (no fit, or vLLM's
     # engine-wide lines, whose steps are estimated), and where every phase replays off the same
     # way (a bias of the whole cost: the real-time server's own overhead, say); a replay's
@@ -454,6 +501,8 @@ def fit_model(analysis: Analysis) -> FittedModel:
         notes.append("the log states a CPU device: each step costs its flat part plus compute per "
                      "token from the first token (no memory-bound floor)")
     runs = replay_seeds(p, labels)  # the fit's quality, as a prediction is made
+    if (reduced := replay_note(p)) is not None:
+        notes.append(reduced)
     simulated = median_outcomes(runs)
     rms = _rms_error(measured, simulated)
     calibration = phase_corrections(measured, simulated)
