@@ -99,7 +99,11 @@ def test_findings_carry_predicted_effects_and_demo_second_run(motivating_run: Pa
         assert f"predicted: {e.measured_tok_s:.0f} -> {e.predicted_tok_s:.0f} tok/s at " \
             f"C={e.concurrency} (±" in analysis.recommendation_of(f)
         assert "predicted:" not in f.recommendation  # the finding itself is as the rules built it
-    nets = [analysis.effects[f.key].net_gain_tok_s for f in predicted]
+    # the deployment's findings by net gain; those about the offered load after them ([advisor]:
+    # "offer at least 8 requests" is a fact about the load, never ranked as a configuration gain)
+    deployment = [f.change is not None and f.change.changes_the_deployment for f in predicted]
+    assert deployment == sorted(deployment, reverse=True)
+    nets = [analysis.effects[f.key].net_gain_tok_s for f, d in zip(predicted, deployment, strict=True) if d]
     assert nets == sorted(nets, reverse=True)
     rec = top_recommendation(analysis)
     assert rec is not None and rec.knob == "--pp-max-micro-batch-size"
