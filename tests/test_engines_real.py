@@ -271,17 +271,20 @@ def _vllm_logged(capture: Capture, window: tuple[int, int]) -> list[tuple[int, i
 
 def test_vllm_requests_wait_at_max_num_seqs(vllm_run: Capture) -> None:
     """At C=16 with max_num_seqs 8, vLLM itself shows about 8 waiting and never more than 8
-    running: its /metrics scrapes and its stats lines. (Under a loaded machine its waiting gauge
-    was once seen at 0 in every scrape of the level while its stats line said 7 waiting, so
-    either of the engine's two views counts; running is held to the limit in both.)"""
+    running: its /metrics scrapes and its stats lines. What the engine guarantees is asserted, not
+    a median: at PP=2 on this CPU its running and waiting gauges both read 0 at each batch
+    turnover (seen: waiting 8, 8, 0, 8, 0, 0 over a level, the level's one stats line 0 and 0),
+    so the wait shows in some reading of the level, and no reading holds more than the limit
+    running or more than the offered load in the engine."""
     phases = vllm_run.phases()
     assert set(phases) == {f"C={c}" for c in CONCURRENCY}
     waiting = vllm_run.metric_in("vllm:num_requests_waiting", phases["C=16"])
     running = vllm_run.metric_in("vllm:num_requests_running", phases["C=16"])
     logged = _vllm_logged(vllm_run, phases["C=16"])
     assert waiting and running and logged, (waiting, running, logged)
-    seen_waiting = max(statistics.median(waiting), max(w for _, w in logged))
+    seen_waiting = max(max(waiting), max(w for _, w in logged))
     assert seen_waiting >= ADMISSION_LIMIT - 2, (waiting, running, logged)
+    assert all(r + w <= 16 for r, w in zip(running, waiting, strict=False)), (running, waiting)
     assert max(running) <= ADMISSION_LIMIT and max(r for r, _ in logged) <= ADMISSION_LIMIT
     assert max(vllm_run.metric_in("vllm:num_requests_waiting", vllm_run.phases()["C=1"])) == 0
 

@@ -198,8 +198,13 @@ def phase_context(pm: PhaseMetrics, engine: EngineSettings, pp_size: int, th: Th
     queue_mean = float(np.nanmax(queue)) if not np.isnan(queue).all() else None
     # offered - queued estimates the engine's running total; a queue sampled once a second (log
     # interval, Prometheus scrape) catches requests mid-turnover, hence at_limit's band
-    engine_running = (load - queue_mean) if load is not None and queue_mean is not None else None
     mrr = engine.admission_limit
+    if queue_mean is not None and load is not None and mrr is not None and load > mrr + 0.5:
+        # the engine runs at most its limit, so of the requests in flight at least load - limit
+        # wait: a queue read lower than that caught the engine mid-turnover (vLLM's gauges and its
+        # stats line flip between 0 and the limit at PP=2 on a CPU), not a shorter queue
+        queue_mean = max(queue_mean, load - mrr)
+    engine_running = (load - queue_mean) if load is not None and queue_mean is not None else None
     if engine_running is not None and mrr is not None:
         # the engine admits at most its limit: a queue gauge that flips between 0 and the limit at
         # each batch turnover (vLLM at PP=2 on a CPU) reads low on average, never the running high
