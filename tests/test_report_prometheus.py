@@ -371,3 +371,24 @@ def test_sglang_stage_timers_from_prometheus_are_kept_as_engine_metrics() -> Non
     busy = engine_busy(series_from_columns(mapping), int(t_ms[0]) * 10**6, int(t_ms[-1] + 1) * 10**6)
     assert {r: round(b.busy_fraction, 3) for r, b in busy.items()} == {0: 0.6, 1: 0.3}
     assert {b.signal for b in busy.values()} == {"loop timers"}
+
+
+def test_vllm_gauges_read_low_are_lifted_to_the_requests_in_the_system() -> None:
+    """vLLM's running and waiting gauges flip to 0 between batches at PP=2 (a level of 16 has read
+    3 on average). Little's law lifts a reading to the requests in the system, never above the
+    most the gauges read within the law's window (the law's figure lumps with few completions);
+    where the law has no figure, or the gauges none, the reading stands."""
+    from gputrace.imports.prometheus import engine_load
+
+    running = np.array([8.0, 0.0, 0.0, 8.0, 0.0, 0.0, 1.0, np.nan])
+    queue = np.array([8.0, 0.0, 0.0, 8.0, 0.0, 0.0, 0.0, 0.0])
+    in_system = np.array([15.6, 16.2, 23.0, 15.9, np.nan, 9.0, 1.0, 1.0])
+    load = engine_load({("", 0, 0, 0): {"running_req": running, "queue_req": queue}}, 8, in_system,
+                       pool=8, half=1, engine="vllm")
+    # a dip to 0 beside a reading of 16 is lifted to the law's figure, capped by that 16 (23 -> 16);
+    # the law's NaN leaves the 0; its 9 lifts a 0 only to the 1 the gauges read beside it
+    assert load.tolist()[:7] == pytest.approx([16.0, 16.0, 16.0, 16.0, 0.0, 1.0, 1.0])
+    queue[7] = np.nan
+    load = engine_load({("", 0, 0, 0): {"running_req": running, "queue_req": queue}}, 8, in_system,
+                       pool=8, half=1, engine="vllm")
+    assert np.isnan(load[7])  # no queue read: no load claimed, whatever the law says

@@ -61,6 +61,7 @@ def escaped(name: str) -> str:
 ENGINE_FIELDS.update({escaped(name): f for name, f in list(ENGINE_FIELDS.items()) if ":" in name})
 # The engine whose metrics a series is, by its name's prefix (either spelling).
 ENGINE_PREFIXES = {"sglang:": "sglang", "sglang_": "sglang", "vllm:": "vllm", "vllm_": "vllm"}
+VLLM_E2E_SUM = "vllm:e2e_request_latency_seconds_sum"
 # What the diagnosis uses, each with the series that can give it: the import says which it found.
 SERIES_ROLES: dict[str, tuple[str, ...]] = {
     "GPU busy": (mn.GPU_UTILIZATION.name, "DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_PROF_GR_ENGINE_ACTIVE",
@@ -76,7 +77,8 @@ SERIES_ROLES: dict[str, tuple[str, ...]] = {
     "engine queue": (mn.ENGINE_QUEUE.name, "sglang:num_queue_reqs", "vllm:num_requests_waiting"),
     "engine throughput": (mn.ENGINE_GENERATION_THROUGHPUT.name, "sglang:gen_throughput"),
     "client load": (mn.LOAD_INFLIGHT.name, mn.LOAD_TARGET_CONCURRENCY.name),
-    "requests in system (end-to-end latency)": ("sglang:e2e_request_latency_seconds_sum",),
+    "requests in system (end-to-end latency)": ("sglang:e2e_request_latency_seconds_sum",
+                                                VLLM_E2E_SUM),
 }
 SERIES_ROLES = {role: (*names, *(escaped(n) for n in names if ":" in n))
                 for role, names in SERIES_ROLES.items()}
@@ -95,9 +97,9 @@ ENGINE_LOAD_SOURCE = "prometheus engine running + queued requests"
 ENGINE_TIMERS = ("sglang:scheduler_stage_seconds_total", "sglang:forward_execution_seconds_total")
 ENGINE_TIMER_METRICS = {**{n: n for n in ENGINE_TIMERS}, **{escaped(n): n for n in ENGINE_TIMERS}}
 E2E_SUM = "sglang:e2e_request_latency_seconds_sum"
-E2E_SUM_METRICS = (E2E_SUM, escaped(E2E_SUM))
+E2E_SUM_METRICS = (E2E_SUM, escaped(E2E_SUM), VLLM_E2E_SUM, escaped(VLLM_E2E_SUM))
 LITTLE_WINDOW_S = 10.0
-E2E_LABELS = frozenset({"model_name", "engine_type"})
+E2E_LABELS = frozenset({"model_name", "engine_type", "engine"})
 MAX_STEPS = 5_000_000
 """Steps per import at most: each GPU metric is held as one float per step while stitching."""
 
@@ -388,7 +390,7 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
             in_system = requests_in_system(in_system_series, start_ms - margin * step_ms, step_ms,
                                            n + 2 * margin, margin)[margin:margin + n]
             pool = (engine_config or {}).get("max_running_requests")
-            inflight, load_source = engine_load(ranks, n, in_system, pool, margin), ENGINE_LOAD_SOURCE
+            inflight, load_source = engine_load(ranks, n, in_system, pool, margin, engine), ENGINE_LOAD_SOURCE
         _write_load(store, summary, inflight, target, grid_ns, step_ms, load_source)
         write_rows(store, summary, "markers", target_markers(target, grid_ns))
         if engine_config:
@@ -525,7 +527,8 @@ def requests_in_system(series: Sequence[Series], start_ms: int, step_ms: int, n:
 
 
 def engine_load(ranks: dict[tuple[str, int, int, int], dict[str, np.ndarray]], n: int,
-                in_system: np.ndarray | None = None, pool: int | None = None, half: int = 0) -> np.ndarray:
+                in_system: np.ndarray | None = None, pool: int | None = None, half: int = 0,
+                engine: str = "sglang") -> np.ndarray:
     """The offered load from the engine's own gauges where no client gauge exists: requests running
     plus waiting. SGLang's per-rank gauge holds the micro-batch that rank ran last; in a full
     pipeline every rank holds another one, so their sum is the engine's running requests (short by
@@ -533,7 +536,7 @@ def engine_load(ranks: dict[tuple[str, int, int, int], dict[str, np.ndarray]], n
     than ranks may run and the sum counts one several times: where nothing waited within ``half``
     steps, the requests in the system by Little's law (``in_system``) bound it. The pool
     (max_running_requests, when given) bounds it always. The queue is rank 0's (the others
-    replicate it). vLLM's gauges are engine-wide already."""
+    replicate it). vLLM's gauges are engine-wide already, but read low: see ``vllm_load``."""
     running, queue = np.zeros(n), np.full(n, np.nan)
     for (_host, pp, tp, _dp), fields in sorted(ranks.items()):
         if tp != 0:
@@ -542,19 +545,51 @@ def engine_load(ranks: dict[tuple[str, int, int, int], dict[str, np.ndarray]], n
             running += np.nan_to_num(fields["running_req"])
         if "queue_req" in fields and (pp == 0 or np.isnan(queue).all()):
             queue = fields["queue_req"]
+    if engine == "vllm":
+        return vllm_load(np.minimum(running, pool) if pool else running, queue, in_system, half)
     if in_system is not None:
         # only where nothing waited across the law's whole window: a queue in it (a level that
         # fills the slots, or the step into one) leaves the sum standing
-        waited = np.nan_to_num(queue) >= 0.5
-        if half:
-            padded = np.concatenate([np.zeros(half, bool), waited, np.zeros(half, bool)])
-            waited = np.lib.stride_tricks.sliding_window_view(padded, 2 * half + 1).any(axis=1)
-        nothing_waits = ~waited & ~np.isnan(in_system)
+        nothing_waits = ~_within(np.nan_to_num(queue) >= 0.5, half) & ~np.isnan(in_system)
         running = np.where(nothing_waits, np.minimum(running, in_system), running)
     if pool:
         running = np.minimum(running, pool)
     total: np.ndarray = running + queue
     return total
+
+
+def vllm_load(running: np.ndarray, queue: np.ndarray, in_system: np.ndarray | None,
+              half: int) -> np.ndarray:
+    """vLLM's running and waiting gauges are set from the scheduler's stats on each output the
+    front end handles, and at PP=2 they read 0 between batches: at C=1 they read 1 less than half
+    the time, and a level of 16 has read 3 on average. Little's law (``in_system``) gives the mean
+    over its window wherever completions happened in it, but a window holds few completions when
+    requests are long, so it lumps up and down. The load is the gauges' reading, lifted to the
+    law's figure where that is higher, but never above the most the gauges read within the
+    window: the law corrects the dips, the gauges bound the lumps."""
+    total = running + queue
+    if in_system is None:
+        return total
+    ceiling = _rolling_max(np.nan_to_num(total, nan=-np.inf), half)
+    lifted = np.minimum(in_system, ceiling)  # NaN where the law has no figure
+    lift: np.ndarray = np.where(lifted > total, lifted, total)  # a step with no gauge stays NaN
+    return lift
+
+
+def _within(flags: np.ndarray, half: int) -> np.ndarray:
+    """Where any flag is set within ``half`` steps either side."""
+    if not half:
+        return flags
+    padded = np.concatenate([np.zeros(half, bool), flags, np.zeros(half, bool)])
+    within: np.ndarray = np.lib.stride_tricks.sliding_window_view(padded, 2 * half + 1).any(axis=1)
+    return within
+
+
+def _rolling_max(values: np.ndarray, half: int) -> np.ndarray:
+    """The largest value within ``half`` steps either side."""
+    padded = np.concatenate([np.full(half, -np.inf), values, np.full(half, -np.inf)])
+    rolled: np.ndarray = np.lib.stride_tricks.sliding_window_view(padded, 2 * half + 1).max(axis=1)
+    return rolled
 
 
 def _write_load(store: Store, report: ImportReport, inflight: np.ndarray, target: np.ndarray,
