@@ -131,7 +131,7 @@ def _free_port() -> int:
 
 
 def measure(n_hosts: int, duration_s: float, gpus: int, sample_hz: float, lines_per_s: float,
-            root: Path, say: Any, asyncio_debug: bool = False) -> dict[str, Any]:
+            root: Path, say: Any, asyncio_debug: bool = False, profile: bool = False) -> dict[str, Any]:
     sys.path.insert(0, str(TESTS))
     testhosts = importlib.import_module("testhosts")  # the tests' own test hosts
     library = testhosts.libfaketime()
@@ -155,8 +155,11 @@ def measure(n_hosts: int, duration_s: float, gpus: int, sample_hz: float, lines_
         url = f"http://127.0.0.1:{listen_port}"
         run_dir = root / "run"
         with open(root / "collector.out", "wb") as out:
+            # cProfile sees the event loop's thread only: what holds the loop, not the executor's work
+            profiler = ["-m", "cProfile", "-o", str(root / "collector.prof")] if profile else []
             collector = subprocess.Popen(
-                [sys.executable, "-m", "gputrace", "collect", "--config", str(cfg), "--out", str(run_dir),
+                [sys.executable, *profiler, "-m", "gputrace", "collect", "--config", str(cfg),
+                 "--out", str(run_dir),
                  "--listen", f"127.0.0.1:{listen_port}"], stdout=out, stderr=subprocess.STDOUT,
                 env={**os.environ, **({"PYTHONASYNCIODEBUG": "1"} if asyncio_debug else {})})
         rows: list[dict[str, float]] = []
@@ -205,8 +208,9 @@ def measure(n_hosts: int, duration_s: float, gpus: int, sample_hz: float, lines_
                 prev = row
             writer.stop.set()
             writer.join()
-            # the lines still on their way arrive before the collector is stopped (a minute at most)
-            deadline = time.monotonic() + 60
+            # the lines still on their way arrive before the collector is stopped (three minutes at most:
+            # a line still on its way at the stop counts as lost)
+            deadline = time.monotonic() + 180
             while time.monotonic() < deadline:
                 with contextlib.suppress(OSError):
                     if writer.total() - _status(url, 60.0)["counts"].get("log_lines", 0) <= 0:
@@ -254,15 +258,16 @@ def _stored_samples(store: Store) -> tuple[int, int, int]:
     """(samples the agents took before the first one stored, gaps in the stored seqs, duplicates),
     summed over the hosts. The capture starts at each agent's present: samples stamped before it
     are skipped, and those near the start come out of seq order in time (a GPU's driver samples
-    and its ticks), so gaps are counted from the 5th second of each host's samples: from there
-    every sample an agent took is stored once and a gap is a sample lost."""
+    and its ticks), so gaps are counted from the first seq stamped 5 s after the host's first
+    sample: from there every sample an agent took is stored once and a gap is a sample lost."""
     before = gaps = duplicated = 0
     for (lo,) in store.sql("SELECT min(seq) FROM gpu_samples GROUP BY host"):
         before += lo - 1
     for lo, hi, n, distinct in store.sql(
-            "SELECT min(seq), max(seq), count(*), count(DISTINCT seq) FROM gpu_samples s "
-            "WHERE ts_ns >= (SELECT min(ts_ns) + 5e9 FROM gpu_samples f WHERE f.host = s.host) "
-            "GROUP BY host"):
+            "WITH firsts AS (SELECT host, min(seq) AS lo FROM gpu_samples s WHERE ts_ns >= "
+            "(SELECT min(ts_ns) + 5e9 FROM gpu_samples f WHERE f.host = s.host) GROUP BY host) "
+            "SELECT f.lo, max(s.seq), count(*), count(DISTINCT s.seq) FROM gpu_samples s "
+            "JOIN firsts f USING (host) WHERE s.seq >= f.lo GROUP BY s.host, f.lo"):
         gaps += hi - lo + 1 - distinct
         duplicated += n - distinct
     return before, gaps, duplicated
@@ -332,6 +337,13 @@ def _summarise(n_hosts: int, duration_s: float, rows: list[dict[str, float]], wr
     }
 
 
+def _print_profile(path: Path) -> None:
+    import pstats
+
+    print(f"  the collector's event loop thread, by own time ({path}):", flush=True)
+    pstats.Stats(str(path)).sort_stats("tottime").print_stats(25)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hosts", type=int, default=32)
@@ -343,20 +355,26 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="also print every figure and the timelines as JSON")
     ap.add_argument("--asyncio-debug", action="store_true",
                     help="run the collector with PYTHONASYNCIODEBUG=1: it logs every callback over 0.1 s")
+    ap.add_argument("--profile", action="store_true",
+                    help="run the collector under cProfile and print where its event loop spent its time")
+    ap.add_argument("--keep", type=Path, help="keep the hosts' files and the run stores in this folder")
     args = ap.parse_args()
 
     def say(text: str) -> None:
         print(text, flush=True)
 
     results = []
-    with tempfile.TemporaryDirectory(prefix="gputrace-scale-") as tmp:
+    with contextlib.ExitStack() as stack:
+        tmp = args.keep or stack.enter_context(tempfile.TemporaryDirectory(prefix="gputrace-scale-"))
         for n, duration in ((1, args.reference_duration), (args.hosts, args.duration)):
             root = Path(tmp) / f"hosts{n}"
-            root.mkdir()
+            root.mkdir(parents=True)
             say(f"== {n} host(s), {args.gpus} GPUs at {args.sample_hz:g} Hz and {args.lines_per_s:g} "
                 f"log lines/s each")
             results.append(measure(n, duration, args.gpus, args.sample_hz, args.lines_per_s, root, say,
-                                   args.asyncio_debug))
+                                   args.asyncio_debug, args.profile))
+            if args.profile:
+                _print_profile(root / "collector.prof")
             if args.asyncio_debug:
                 slow = [line for line in (root / "collector.out").read_text(errors="replace").splitlines()
                         if "Executing" in line and "took" in line]
