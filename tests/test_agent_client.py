@@ -9,8 +9,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import pytest
 
@@ -231,3 +234,73 @@ async def test_a_client_started_at_present_skips_the_agents_history(agents: list
                 break
     assert min(s.ts_ns for s in got) >= first_contact_ns - int(0.7e9)
     assert client.stats.history_skipped > 0 and client.stats.gaps == 0
+
+
+class HeldExecutor(ThreadPoolExecutor):
+    """Runs what it is given only once ``release`` is set: a page as slow to decode as a test wants."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=1)
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        def held() -> Any:
+            self.entered.set()
+            self.release.wait(timeout=30)
+            return fn(*args, **kwargs)
+        return super().submit(held)
+
+
+async def test_a_page_being_decoded_does_not_hold_another_agents_pull(agents: list[Agent]) -> None:
+    """[scale] A page is decoded off the event loop: while one agent's page is held in decoding,
+    another agent's pages are pulled and decoded, and the held page then arrives whole (the
+    pages of 32 agents decoded on the loop held it for a quarter second at a time)."""
+    held = HeldExecutor()
+    slow = AgentClient(f"http://127.0.0.1:{agents[0].port}", page_executor=held)
+    other = AgentClient(f"http://127.0.0.1:{agents[1].port}")
+    try:
+        await asyncio.sleep(0.1)  # both agents hold samples
+        pending = asyncio.create_task(slow.fetch_page())
+        assert await asyncio.to_thread(held.entered.wait, 10), "the page was not decoded in the executor"
+        meanwhile = await _pull(other, 40)
+        assert not pending.done()
+        held.release.set()
+        page = await pending
+    finally:
+        held.release.set()
+        held.shutdown()
+        await slow.close()
+        await other.close()
+    assert len(meanwhile) >= 40 and _seqs(meanwhile) == list(range(1, len(meanwhile) + 1))
+    assert page and _seqs(page) == list(range(1, len(page) + 1)) and slow.since == page[-1].seq
+
+
+async def test_a_line_of_invalid_utf8_is_a_bad_line_and_the_page_goes_on() -> None:
+    """A page line that is not UTF-8 is counted as a bad line; the samples around it are kept (the
+    page was decoded whole and one such byte stopped the agent source)."""
+    from aiohttp import web
+
+    lines = [sample_line(1, GpuSample("h", 0, 1_764_650_000_000_000_000, power_w=70.0)).encode(),
+             b'{"host":"h\xff","gpu_index":0,"ts_ns":1764650000100000000,"seq":2}',
+             sample_line(3, GpuSample("h", 0, 1_764_650_000_200_000_000, power_w=71.0)).encode()]
+
+    async def samples_handler(request: web.Request) -> web.Response:
+        body = b"".join(line + b"\n" for line in lines) if request.query["since"] == "0" else b""
+        return web.Response(body=body, content_type="application/x-ndjson")
+
+    app = web.Application()
+    app.router.add_get("/v1/samples", samples_handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    told: list[str] = []
+    try:
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        async with AgentClient(url, on_bad_line=told.append) as client:
+            page = await client.fetch_page()
+    finally:
+        await runner.cleanup()
+    assert [(s.seq, s.power_w) for s in page] == [(1, 70.0), (3, 71.0)]
+    assert client.stats.bad_lines == 1 and len(told) == 1 and client.since == 3
