@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from gputrace import metric_names as mn
 
 DATASOURCE_UID = "gputrace-prometheus"  # fixed: grafana/provisioning/datasources/prometheus.yaml
@@ -314,18 +316,73 @@ def _all_panels(dashboard: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return out
 
 
+def panel_queries(panel: Mapping[str, Any], variables: Mapping[str, str] | None = None,
+                  macros: Mapping[str, str] | None = None) -> list[PanelQuery]:
+    """One panel's PromQL expressions, ready for /api/v1/query (none for a row)."""
+    return [PanelQuery(panel.get("title", ""), target.get("refId", ""),
+                       substitute(target["expr"], variables, macros), target.get("legendFormat", ""))
+            for target in panel.get("targets", []) if "expr" in target]
+
+
+def annotation_queries(dashboard: Mapping[str, Any], variables: Mapping[str, str] | None = None,
+                       macros: Mapping[str, str] | None = None) -> list[PanelQuery]:
+    """The dashboard's annotations that run PromQL (the load phases' markers)."""
+    return [PanelQuery(f"annotation: {a['name']}", "annotation",
+                       substitute(a["expr"], variables, macros), a.get("titleFormat", ""))
+            for a in dashboard.get("annotations", {}).get("list", []) if "expr" in a]
+
+
 def dashboard_queries(dashboard: Mapping[str, Any] | None = None,
                       variables: Mapping[str, str] | None = None,
                       macros: Mapping[str, str] | None = None) -> list[PanelQuery]:
     """Every PromQL expression in the dashboard's panels and annotations, ready for /api/v1/query."""
     board = dashboard if dashboard is not None else load_dashboard()
-    panels = [PanelQuery(panel.get("title", ""), target.get("refId", ""),
-                         substitute(target["expr"], variables, macros), target.get("legendFormat", ""))
-              for panel in _all_panels(board) for target in panel.get("targets", []) if "expr" in target]
-    annotations = [PanelQuery(f"annotation: {a['name']}", "annotation",
-                              substitute(a["expr"], variables, macros), a.get("titleFormat", ""))
-                   for a in board.get("annotations", {}).get("list", []) if "expr" in a]
-    return panels + annotations
+    panels = [q for panel in _all_panels(board) for q in panel_queries(panel, variables, macros)]
+    return panels + annotation_queries(board, variables, macros)
+
+
+def panels_in_order(dashboard: Mapping[str, Any] | None = None) -> list[Mapping[str, Any]]:
+    """The dashboard's panels (rows included, a collapsed row's panels after it) in reading order."""
+    return _all_panels(dashboard if dashboard is not None else load_dashboard())
+
+
+_LEGEND_RE = re.compile(r"\{\{\s*(\w+)\s*\}\}")
+
+
+def legend_text(legend_format: str, labels: Mapping[str, str]) -> str:
+    """A series' name as Grafana writes it: ``{{label}}`` replaced by the series' value of it (empty
+    where it has none); no format: the labels as PromQL writes them."""
+    if not legend_format:
+        inner = ", ".join(f'{k}="{v}"' for k, v in sorted(labels.items()) if k != "__name__")
+        return f"{labels.get('__name__', '')}{{{inner}}}"
+    return _LEGEND_RE.sub(lambda m: labels.get(m.group(1), ""), legend_format)
+
+
+@dataclass(frozen=True, slots=True)
+class PanelSeries:
+    """One series a panel's query returned: its name (the legend format applied), the query's
+    refId, its step times (Unix s) and values."""
+
+    legend: str
+    ref_id: str
+    ts_s: np.ndarray
+    values: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class PanelResult:
+    """A panel (its JSON model) and what its queries returned over one time range."""
+
+    panel: Mapping[str, Any]
+    series: tuple[PanelSeries, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseMark:
+    """An annotation: its title (the format applied) at a time (Unix s)."""
+
+    title: str
+    t_s: float
 
 
 _LABEL_VALUES_RE = re.compile(r"^label_values\(\s*(?:(?P<metric>[^,]+?)\s*,\s*)?(?P<label>\w+)\s*\)$")

@@ -80,7 +80,8 @@ def figure_png(fig: Figure) -> bytes:
 
 
 @contextmanager
-def _style() -> Iterator[None]:
+def report_style() -> Iterator[None]:
+    """The report's fonts, for every figure it draws (and the dashboard's panels)."""
     with plt.rc_context(STYLE):
         yield
 
@@ -375,14 +376,14 @@ def pcie_figure(a: Analysis) -> Figure:
 
 def _rendered(build: Callable[[Analysis], Figure]) -> Callable[[Analysis], bytes]:
     def render(a: Analysis) -> bytes:
-        with _style():
+        with report_style():
             return figure_png(build(a))
     return render
 
 
 def build_figure(name: str, a: Analysis) -> Figure:
     """The named figure, unrendered (the caller closes it): for checks of its axes."""
-    with _style():
+    with report_style():
         return BUILDERS[name](a)
 
 
