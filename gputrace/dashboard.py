@@ -42,9 +42,10 @@ _RUN = 'run=~"$run"'
 _ENGINE = f"{_HOST}, {_RUN}"
 
 
-def _target(ref: str, expr: str, legend: str) -> dict[str, Any]:
-    return {"datasource": DATASOURCE, "editorMode": "code", "expr": expr, "legendFormat": legend,
-            "range": True, "refId": ref}
+def _target(ref: str, expr: str, legend: str, instant: bool = False) -> dict[str, Any]:
+    target = {"datasource": DATASOURCE, "editorMode": "code", "expr": expr, "legendFormat": legend,
+              "range": not instant, "refId": ref}
+    return {**target, "instant": True} if instant else target
 
 
 def _targets(*queries: tuple[str, str]) -> list[dict[str, Any]]:
@@ -108,6 +109,20 @@ def _stat(title: str, description: str, unit: str, expr: str, legend: str) -> di
     }
 
 
+def _text_stat(title: str, description: str, expr: str, legend: str) -> dict[str, Any]:
+    """A line of text from an info series' labels: the series' name (its legend) is the panel's text."""
+    return {
+        "type": "stat", "title": title, "description": description, "datasource": DATASOURCE,
+        "targets": [_target("A", expr, legend, instant=True)],
+        "fieldConfig": {"defaults": {"unit": "none", "color": {"mode": "fixed", "fixedColor": "text"}},
+                        "overrides": []},
+        "options": {"graphMode": "none", "colorMode": "none", "justifyMode": "center", "textMode": "name",
+                    "wideLayout": True, "showPercentChange": False, "percentChangeColorMode": "standard",
+                    "orientation": "auto",
+                    "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}},
+    }
+
+
 def _row(title: str) -> dict[str, Any]:
     return {"type": "row", "title": title, "collapsed": False, "panels": []}
 
@@ -125,6 +140,10 @@ def _panels() -> list[tuple[dict[str, Any], int, int]]:
     gpu_legend = "{{host}} gpu{{gpu}} (stage {{pp_rank}})"
     return [
         (_row("The pipeline: what the verdict rests on"), 24, 1),
+        (_text_stat("Finding now", "What the live figures say now, by the report's rules over the "
+                    "collector's last window (the line `gputrace watch` shows); the report's advice, "
+                    "with its predicted gain, comes from `gputrace report` over whole phases.",
+                    f"max by (cause, finding) ({mn.LIVE_FINDING.name}{{{_RUN}}})", "{{finding}}"), 24, 3),
         (_timeseries("Micro-batches in flight vs pipeline stages", "Micro-batches the engine has in "
                      "flight (from the first stage's log lines, as the report reads them) against "
                      "the stages: below the stages line, some stages idle each step (the schedule "
@@ -241,9 +260,10 @@ def build_dashboard() -> dict[str, Any]:
     return {
         "uid": DASHBOARD_UID,
         "title": "gputrace: pipeline-parallel bubbles",
-        "description": "Micro-batches in flight against the stages, the engine's running total against "
-                       "its pool, busy and bubble per stage by the best signal, TTFT/ITL, the load "
-                       "phases; then per-stage GPU figures, from gputrace's agent and collector.",
+        "description": "The live finding, micro-batches in flight against the stages, the engine's "
+                       "running total against its pool, busy and bubble per stage by the best signal, "
+                       "TTFT/ITL, the load phases; then per-stage GPU figures, from gputrace's agent "
+                       "and collector.",
         "tags": ["gputrace", "gpu", "llm-serving"],
         "editable": True,
         "graphTooltip": 1,
@@ -282,6 +302,7 @@ class PanelQuery:
     ref_id: str
     expr: str  # template variables and interval macros substituted: plain PromQL
     legend: str
+    instant: bool = False  # evaluated at the range's end only (Grafana's "Instant" query type)
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,7 +341,8 @@ def panel_queries(panel: Mapping[str, Any], variables: Mapping[str, str] | None 
                   macros: Mapping[str, str] | None = None) -> list[PanelQuery]:
     """One panel's PromQL expressions, ready for /api/v1/query (none for a row)."""
     return [PanelQuery(panel.get("title", ""), target.get("refId", ""),
-                       substitute(target["expr"], variables, macros), target.get("legendFormat", ""))
+                       substitute(target["expr"], variables, macros), target.get("legendFormat", ""),
+                       bool(target.get("instant")) and not target.get("range", False))
             for target in panel.get("targets", []) if "expr" in target]
 
 

@@ -330,6 +330,12 @@ class LiveState:
                           now_ns=self.clock_ns(), newest_data_ns=self.newest_ns)
 
 
+def finding_cause(finding: str) -> str:
+    """The cause a live finding names: the words before its first colon (the report's cause names,
+    or 'idle', 'no finding now'), the whole line where it has none ('no engine lines yet')."""
+    return finding.split(":", 1)[0]
+
+
 def current_finding(engine: EngineNow, stages: list[dict[str, Any]], pp_size: int | None) -> str:
     """What the live figures say now, in one line (the report's rules decide over whole phases;
     this is the same reading over the last seconds)."""
@@ -391,7 +397,8 @@ class LiveCollector(Collector):
         bubble = family(mn.STAGE_BUBBLE, mn.STAGE_BUBBLE.labels)
         util = family(mn.STAGE_UTILIZATION, mn.STAGE_UTILIZATION.labels)
         busy = family(mn.STAGE_BUSY, mn.STAGE_BUSY.labels)
-        for row in s.stages():
+        stages = s.stages()
+        for row in stages:
             if row["busy_ratio"] is not None:
                 busy.add_metric([str(row["pp_rank"]), row["busy_signal"], s.run], float(row["busy_ratio"]))
             if row["bubble_ratio"] is not None:
@@ -402,11 +409,21 @@ class LiveCollector(Collector):
         yield util
         yield busy
         yield from self._engine_and_load(s)
+        yield self._finding(s, stages)
         for key, n in s.counts.items():
             spec = mn.COLLECTOR_COUNTERS[key]
             counter = family(spec, spec.labels)
             counter.add_metric([s.run], float(n))
             yield counter
+
+    @staticmethod
+    def _finding(s: LiveState, stages: list[dict[str, Any]]) -> Metric:
+        """The live finding as an info series, for the dashboard's one-line panel (an instant query
+        shows the current line: a line no longer exported goes stale at the next scrape)."""
+        text = current_finding(s.engine_now(s._recent_busy(0, ENGINE_BUSY_WINDOW_S)), stages, s.pp_size)
+        fam = family(mn.LIVE_FINDING, mn.LIVE_FINDING.labels)
+        fam.add_metric([finding_cause(text), text, s.run], 1.0)
+        return fam
 
     @staticmethod
     def _engine_and_load(s: LiveState) -> Iterable[Metric]:

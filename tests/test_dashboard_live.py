@@ -104,7 +104,7 @@ def check_rendered_panels(prom: str, began_s: float, out: Path) -> None:
     assert "no data:" not in done.stdout, done.stdout
     index = (out / "index.html").read_text()
     pngs = sorted(out.glob("*.png"))
-    assert len(pngs) == 19 and all(p.name in index and p.stat().st_size > 3_000 for p in pngs), done.stdout
+    assert len(pngs) == 20 and all(p.name in index and p.stat().st_size > 3_000 for p in pngs), done.stdout
     client = PrometheusClient(prom)
     start_ms, end_ms = int(began_s * 1000), int(end_s * 1000)
     results = {r.panel["title"]: r for r in query_panels(client, start_ms, end_ms, 1000, {"run": "live"})
@@ -127,6 +127,11 @@ def check_rendered_panels(prom: str, began_s: float, out: Path) -> None:
     image = np.ma.filled(drawn(heat).axes[0].images[0].get_array().astype(float), np.nan)
     np.testing.assert_array_equal(image, rows)
     assert all(np.isfinite(row).sum() >= 5 and 0 <= np.nanmin(row) <= np.nanmax(row) <= 1 for row in rows)
+    finding = results["Finding now"]
+    assert len(finding.series) == 1 and len(finding.series[0].ts_s) == 1  # the line at the range's end
+    line = finding.series[0].legend
+    assert line.split(":")[0] in ("pipeline_underfilled", "bubble", "no finding now", "admission_bound"), line
+    assert line in [t.get_text().replace("\n", " ") for t in drawn(finding).texts]
     agents = results["Agents up"]
     assert [stat_value(s) for s in agents.series] == [1.0]
     assert "1" in [t.get_text() for t in drawn(agents).texts]

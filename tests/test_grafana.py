@@ -232,7 +232,8 @@ def _contract_registry() -> CollectorRegistry:
     registry = CollectorRegistry()
     label_values = {"host": "node0", "uuid": "GPU-0", "model": "NVIDIA H200", "tp_rank": "0",
                     "dp_rank": "0", "run": "contract", "signal": "SM activity (GPM)", "phase": "C=8",
-                    "quantile": "0.5"}
+                    "quantile": "0.5", "cause": "pipeline_underfilled",
+                    "finding": "pipeline_underfilled: 2 micro-batches in flight for 4 stages"}
     for spec in dash.METRICS:
         if spec.kind == "counter":
             metric: Any = Counter(spec.name.removesuffix("_total"), spec.help, spec.labels, registry=registry)

@@ -84,3 +84,20 @@ def test_no_samples_no_estimate_and_the_gauge_carries_it() -> None:
     text = generate_latest(registry).decode()
     assert 'gputrace_stage_bubble_ratio{pp_rank="0",run="run"} 0.75' in text
     assert 'gputrace_stage_bubble_ratio{pp_rank="1"' not in text
+
+
+def test_the_live_finding_is_exported_as_the_line_watch_shows() -> None:
+    """gputrace_live_finding_info carries the status' finding line and its cause (the dashboard's
+    'Finding now' panel); one series, value 1."""
+    live = state()
+    live.on_event(event(0, 8, 24, 4.5))
+    live.on_event(event(1, 8, 0, 4.5))
+    live.on_samples(samples(0, [0.1] * 10))
+    registry = CollectorRegistry()
+    registry.register(LiveCollector(live))
+    finding = live.status().finding
+    assert finding and finding.split(":")[0] in ("bubble", "pipeline_underfilled", "admission_bound")
+    lines = [ln for ln in generate_latest(registry).decode().splitlines()
+             if ln.startswith("gputrace_live_finding_info{")]
+    cause = finding.split(":")[0]
+    assert lines == [f'gputrace_live_finding_info{{cause="{cause}",finding="{finding}",run="run"}} 1.0']

@@ -30,7 +30,9 @@ def query_panels(client: PrometheusClient, start_ms: int, end_ms: int, step_ms: 
     for panel in dash.panels_in_order(board):
         series = []
         for q in dash.panel_queries(panel, variables, macros):
-            for s in client.query_range_chunked(q.expr, start_ms, end_ms, step_ms, MAX_POINTS_PER_SERIES):
+            # an instant query: the one step at the range's end
+            lo = end_ms if q.instant else start_ms
+            for s in client.query_range_chunked(q.expr, lo, end_ms, step_ms, MAX_POINTS_PER_SERIES):
                 series.append(dash.PanelSeries(dash.legend_text(q.legend, s.labels), q.ref_id,
                                                s.ts_ms / 1000.0, s.values))
         out.append(dash.PanelResult(panel, tuple(series)))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import re
+import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -130,7 +131,7 @@ def heatmap_rows(series: Sequence[PanelSeries], start_s: float, step_s: float, e
 def _heatmap(fig: Figure, panel: Mapping[str, Any], series: Sequence[PanelSeries],
              marks: Sequence[PhaseMark], start_s: float, end_s: float, step_s: float) -> None:
     width_in = fig.get_figwidth()
-    left, right = 1.0 / width_in, 1 - 1.0 / width_in  # room for the stage names and the colour bar
+    left, right = 1.3 / width_in, 1 - 1.0 / width_in  # room for the stage names and the colour bar
     ax = fig.add_axes((left, 0.2, right - left, 0.62))
     color = panel.get("options", {}).get("color", {})
     if series:
@@ -180,6 +181,10 @@ def _stat(fig: Figure, panel: Mapping[str, Any], series: Sequence[PanelSeries], 
     if not series:
         _no_data(fig.add_subplot())
         return
+    if panel.get("options", {}).get("textMode") == "name":  # a line of text: the series' names
+        text = "\n".join(textwrap.fill(s.legend, 110) for s in series)
+        fig.text(0.5, 0.42, text, ha="center", va="center", fontsize=14)
+        return
     width = 1.0 / len(series)
     for i, s in enumerate(series):
         value = stat_value(s)
@@ -197,8 +202,9 @@ def panel_figure(result: PanelResult, marks: Sequence[PhaseMark], start_s: float
     panel = result.panel
     grid = panel.get("gridPos", {})
     width_in = WIDTH_IN * int(grid.get("w", GRID_COLUMNS)) / GRID_COLUMNS
-    fig = Figure(figsize=(width_in, max(3.0, HEIGHT_IN_PER_UNIT * int(grid.get("h", 8)))))
     kind = panel.get("type")
+    shortest_in = 1.5 if kind == "stat" else 3.0  # a stat is a figure or a line of text
+    fig = Figure(figsize=(width_in, max(shortest_in, HEIGHT_IN_PER_UNIT * int(grid.get("h", 8)))))
     if kind == "heatmap":
         _heatmap(fig, panel, result.series, marks, start_s, end_s, step_s)
     elif kind == "stat":
