@@ -348,6 +348,14 @@ def current_finding(engine: EngineNow, stages: list[dict[str, Any]], pp_size: in
     if queued >= 0.5 and engine.pool is not None and running >= engine.pool - 0.5:
         return (f"admission_bound: {queued:.0f} waiting while the engine runs {running:.0f}, its pool "
                 f"(--max-running-requests {engine.pool})")
+    slots = engine.slots or pp
+    if queued >= 0.5 and engine.k and mbs is not None and mbs >= slots - 0.5 and (
+            engine.pool is None or running < engine.pool - 0.5):
+        # every slot holds a micro-batch and requests wait below the pool: K caps what runs (a
+        # sweep's C=32 and C=64 read "no finding" here while the report found microbatch_cap)
+        pool = f", under its pool of {engine.pool}" if engine.pool is not None else ""
+        return (f"microbatch_cap: {queued:.0f} waiting while the engine runs {running:.0f} in "
+                f"{mbs:.0f} micro-batches of at most K = {engine.k} (--pp-max-micro-batch-size){pool}")
     if mbs is not None and pp >= 2 and mbs < pp - 0.5:
         k = f" (K = {engine.k})" if engine.k else ""
         return (f"pipeline_underfilled: {mbs:.0f} micro-batches in flight for {pp} stages{k}: "

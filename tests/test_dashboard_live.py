@@ -130,7 +130,8 @@ def check_rendered_panels(prom: str, began_s: float, out: Path) -> None:
     finding = results["Finding now"]
     assert len(finding.series) == 1 and len(finding.series[0].ts_s) == 1  # the line at the range's end
     line = finding.series[0].legend
-    assert line.split(":")[0] in ("pipeline_underfilled", "bubble", "no finding now", "admission_bound"), line
+    assert line.split(":")[0] in ("pipeline_underfilled", "microbatch_cap", "bubble", "no finding now",
+                                  "admission_bound"), line
     assert line in [t.get_text().replace("\n", " ") for t in drawn(finding).texts]
     agents = results["Agents up"]
     assert [stat_value(s) for s in agents.series] == [1.0]
