@@ -64,11 +64,19 @@ def _peak(series: Sequence[PanelSeries]) -> float:
     return max((float(np.max(np.abs(v))) for v in finite if v.size), default=0.0)
 
 
-def _phase_lines(ax: Axes, marks: Sequence[PhaseMark], start_s: float, end_s: float) -> None:
+def _phase_lines(ax: Axes, marks: Sequence[PhaseMark], start_s: float, end_s: float, fig_width_in: float
+                 ) -> None:
+    """A dashed line per phase mark, its title above the axes; a title close to the previous one
+    goes a line higher (in a narrow panel they ran into each other)."""
+    width_in = ax.get_position().width * fig_width_in
+    close_s = (end_s - start_s) * 1.1 / max(width_in, 0.1)  # about an inch of the axes
+    previous_s, level = None, 0
     for m in marks:
         if start_s <= m.t_s <= end_s:
+            level = 1 - level if previous_s is not None and m.t_s - previous_s < close_s else 0
+            previous_s = m.t_s
             ax.axvline(m.t_s - start_s, color="#f98f1d", lw=1.0, ls="--")
-            ax.text(m.t_s - start_s, 1.01, f" {m.title}", transform=ax.get_xaxis_transform(),
+            ax.text(m.t_s - start_s, 1.01 + 0.07 * level, f" {m.title}", transform=ax.get_xaxis_transform(),
                     va="bottom", ha="left", fontsize=8, color="#b55d00", clip_on=False)
 
 
@@ -80,12 +88,14 @@ def _no_data(ax: Axes) -> None:
 
 def _time_axis(ax: Axes, start_s: float, end_s: float) -> None:
     ax.set_xlim(0, max(end_s - start_s, 1.0))
-    ax.set_xlabel(f"seconds since {datetime.fromtimestamp(start_s, UTC):%Y-%m-%d %H:%M:%S} UTC")
+    ax.set_xlabel(f"s since {datetime.fromtimestamp(start_s, UTC):%H:%M:%S} UTC")
 
 
 def _timeseries(fig: Figure, panel: Mapping[str, Any], series: Sequence[PanelSeries],
                 marks: Sequence[PhaseMark], start_s: float, end_s: float) -> None:
-    ax = fig.add_subplot()
+    width_in = fig.get_figwidth()
+    legend_in = 2.3 if width_in > 6 else 1.9  # the legend's column, right of the axes
+    ax = fig.add_axes((0.8 / width_in, 0.17, 1 - (0.8 + legend_in) / width_in, 0.65))
     defaults = _defaults(panel)
     unit = str(defaults.get("unit", "short"))
     label, div = _unit(unit, _peak(series))
@@ -100,12 +110,13 @@ def _timeseries(fig: Figure, panel: Mapping[str, Any], series: Sequence[PanelSer
         lo, hi = defaults.get("min"), defaults.get("max")
         ax.set_ylim(bottom=lo / div if lo is not None else None,
                     top=hi / div if hi is not None and _peak(series) <= hi else None)
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, frameon=False, fontsize=8,
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, frameon=False,
+                  fontsize=8 if width_in > 6 else 7,
                   ncol=max(1, -(-len(series) // 16)))
     else:
         _no_data(ax)
     _time_axis(ax, start_s, end_s)
-    _phase_lines(ax, marks, start_s, end_s)
+    _phase_lines(ax, marks, start_s, end_s, fig.get_figwidth())
 
 
 def _stage_order(legend: str) -> tuple[int, str]:
@@ -149,7 +160,7 @@ def _heatmap(fig: Figure, panel: Mapping[str, Any], series: Sequence[PanelSeries
         _no_data(ax)
     ax.set_ylabel(panel.get("options", {}).get("yAxis", {}).get("axisLabel", ""))
     _time_axis(ax, start_s, end_s)
-    _phase_lines(ax, marks, start_s, end_s)
+    _phase_lines(ax, marks, start_s, end_s, fig.get_figwidth())
 
 
 def _cmap(scheme: str) -> Any:
@@ -212,8 +223,6 @@ def panel_figure(result: PanelResult, marks: Sequence[PhaseMark], start_s: float
     else:
         _timeseries(fig, panel, result.series, marks, start_s, end_s)
     fig.suptitle(panel.get("title", ""), fontsize=12, weight="bold", x=0.01, ha="left")
-    if kind == "timeseries":
-        fig.subplots_adjust(left=0.8 / width_in, right=1 - 2.3 / width_in, top=0.82, bottom=0.17)
     return fig
 
 
