@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from gputrace import metric_names as mn
 
 DATASOURCE_UID = "gputrace-prometheus"  # fixed: grafana/provisioning/datasources/prometheus.yaml
@@ -40,9 +42,10 @@ _RUN = 'run=~"$run"'
 _ENGINE = f"{_HOST}, {_RUN}"
 
 
-def _target(ref: str, expr: str, legend: str) -> dict[str, Any]:
-    return {"datasource": DATASOURCE, "editorMode": "code", "expr": expr, "legendFormat": legend,
-            "range": True, "refId": ref}
+def _target(ref: str, expr: str, legend: str, instant: bool = False) -> dict[str, Any]:
+    target = {"datasource": DATASOURCE, "editorMode": "code", "expr": expr, "legendFormat": legend,
+              "range": not instant, "refId": ref}
+    return {**target, "instant": True} if instant else target
 
 
 def _targets(*queries: tuple[str, str]) -> list[dict[str, Any]]:
@@ -106,6 +109,20 @@ def _stat(title: str, description: str, unit: str, expr: str, legend: str) -> di
     }
 
 
+def _text_stat(title: str, description: str, expr: str, legend: str) -> dict[str, Any]:
+    """A line of text from an info series' labels: the series' name (its legend) is the panel's text."""
+    return {
+        "type": "stat", "title": title, "description": description, "datasource": DATASOURCE,
+        "targets": [_target("A", expr, legend, instant=True)],
+        "fieldConfig": {"defaults": {"unit": "none", "color": {"mode": "fixed", "fixedColor": "text"}},
+                        "overrides": []},
+        "options": {"graphMode": "none", "colorMode": "none", "justifyMode": "center", "textMode": "name",
+                    "wideLayout": True, "showPercentChange": False, "percentChangeColorMode": "standard",
+                    "orientation": "auto",
+                    "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}},
+    }
+
+
 def _row(title: str) -> dict[str, Any]:
     return {"type": "row", "title": title, "collapsed": False, "panels": []}
 
@@ -123,6 +140,10 @@ def _panels() -> list[tuple[dict[str, Any], int, int]]:
     gpu_legend = "{{host}} gpu{{gpu}} (stage {{pp_rank}})"
     return [
         (_row("The pipeline: what the verdict rests on"), 24, 1),
+        (_text_stat("Finding now", "What the live figures say now, by the report's rules over the "
+                    "collector's last window (the line `gputrace watch` shows); the report's advice, "
+                    "with its predicted gain, comes from `gputrace report` over whole phases.",
+                    f"max by (cause, finding) ({mn.LIVE_FINDING.name}{{{_RUN}}})", "{{finding}}"), 24, 3),
         (_timeseries("Micro-batches in flight vs pipeline stages", "Micro-batches the engine has in "
                      "flight (from the first stage's log lines, as the report reads them) against "
                      "the stages: below the stages line, some stages idle each step (the schedule "
@@ -239,9 +260,10 @@ def build_dashboard() -> dict[str, Any]:
     return {
         "uid": DASHBOARD_UID,
         "title": "gputrace: pipeline-parallel bubbles",
-        "description": "Micro-batches in flight against the stages, the engine's running total against "
-                       "its pool, busy and bubble per stage by the best signal, TTFT/ITL, the load "
-                       "phases; then per-stage GPU figures, from gputrace's agent and collector.",
+        "description": "The live finding, micro-batches in flight against the stages, the engine's "
+                       "running total against its pool, busy and bubble per stage by the best signal, "
+                       "TTFT/ITL, the load phases; then per-stage GPU figures, from gputrace's agent "
+                       "and collector.",
         "tags": ["gputrace", "gpu", "llm-serving"],
         "editable": True,
         "graphTooltip": 1,
@@ -280,6 +302,7 @@ class PanelQuery:
     ref_id: str
     expr: str  # template variables and interval macros substituted: plain PromQL
     legend: str
+    instant: bool = False  # evaluated at the range's end only (Grafana's "Instant" query type)
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,18 +337,74 @@ def _all_panels(dashboard: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return out
 
 
+def panel_queries(panel: Mapping[str, Any], variables: Mapping[str, str] | None = None,
+                  macros: Mapping[str, str] | None = None) -> list[PanelQuery]:
+    """One panel's PromQL expressions, ready for /api/v1/query (none for a row)."""
+    return [PanelQuery(panel.get("title", ""), target.get("refId", ""),
+                       substitute(target["expr"], variables, macros), target.get("legendFormat", ""),
+                       bool(target.get("instant")) and not target.get("range", False))
+            for target in panel.get("targets", []) if "expr" in target]
+
+
+def annotation_queries(dashboard: Mapping[str, Any], variables: Mapping[str, str] | None = None,
+                       macros: Mapping[str, str] | None = None) -> list[PanelQuery]:
+    """The dashboard's annotations that run PromQL (the load phases' markers)."""
+    return [PanelQuery(f"annotation: {a['name']}", "annotation",
+                       substitute(a["expr"], variables, macros), a.get("titleFormat", ""))
+            for a in dashboard.get("annotations", {}).get("list", []) if "expr" in a]
+
+
 def dashboard_queries(dashboard: Mapping[str, Any] | None = None,
                       variables: Mapping[str, str] | None = None,
                       macros: Mapping[str, str] | None = None) -> list[PanelQuery]:
     """Every PromQL expression in the dashboard's panels and annotations, ready for /api/v1/query."""
     board = dashboard if dashboard is not None else load_dashboard()
-    panels = [PanelQuery(panel.get("title", ""), target.get("refId", ""),
-                         substitute(target["expr"], variables, macros), target.get("legendFormat", ""))
-              for panel in _all_panels(board) for target in panel.get("targets", []) if "expr" in target]
-    annotations = [PanelQuery(f"annotation: {a['name']}", "annotation",
-                              substitute(a["expr"], variables, macros), a.get("titleFormat", ""))
-                   for a in board.get("annotations", {}).get("list", []) if "expr" in a]
-    return panels + annotations
+    panels = [q for panel in _all_panels(board) for q in panel_queries(panel, variables, macros)]
+    return panels + annotation_queries(board, variables, macros)
+
+
+def panels_in_order(dashboard: Mapping[str, Any] | None = None) -> list[Mapping[str, Any]]:
+    """The dashboard's panels (rows included, a collapsed row's panels after it) in reading order."""
+    return _all_panels(dashboard if dashboard is not None else load_dashboard())
+
+
+_LEGEND_RE = re.compile(r"\{\{\s*(\w+)\s*\}\}")
+
+
+def legend_text(legend_format: str, labels: Mapping[str, str]) -> str:
+    """A series' name as Grafana writes it: ``{{label}}`` replaced by the series' value of it (empty
+    where it has none); no format: the labels as PromQL writes them."""
+    if not legend_format:
+        inner = ", ".join(f'{k}="{v}"' for k, v in sorted(labels.items()) if k != "__name__")
+        return f"{labels.get('__name__', '')}{{{inner}}}"
+    return _LEGEND_RE.sub(lambda m: labels.get(m.group(1), ""), legend_format)
+
+
+@dataclass(frozen=True, slots=True)
+class PanelSeries:
+    """One series a panel's query returned: its name (the legend format applied), the query's
+    refId, its step times (Unix s) and values."""
+
+    legend: str
+    ref_id: str
+    ts_s: np.ndarray
+    values: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class PanelResult:
+    """A panel (its JSON model) and what its queries returned over one time range."""
+
+    panel: Mapping[str, Any]
+    series: tuple[PanelSeries, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseMark:
+    """An annotation: its title (the format applied) at a time (Unix s)."""
+
+    title: str
+    t_s: float
 
 
 _LABEL_VALUES_RE = re.compile(r"^label_values\(\s*(?:(?P<metric>[^,]+?)\s*,\s*)?(?P<label>\w+)\s*\)$")

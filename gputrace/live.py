@@ -330,6 +330,12 @@ class LiveState:
                           now_ns=self.clock_ns(), newest_data_ns=self.newest_ns)
 
 
+def finding_cause(finding: str) -> str:
+    """The cause a live finding names: the words before its first colon (the report's cause names,
+    or 'idle', 'no finding now'), the whole line where it has none ('no engine lines yet')."""
+    return finding.split(":", 1)[0]
+
+
 def current_finding(engine: EngineNow, stages: list[dict[str, Any]], pp_size: int | None) -> str:
     """What the live figures say now, in one line (the report's rules decide over whole phases;
     this is the same reading over the last seconds)."""
@@ -342,6 +348,14 @@ def current_finding(engine: EngineNow, stages: list[dict[str, Any]], pp_size: in
     if queued >= 0.5 and engine.pool is not None and running >= engine.pool - 0.5:
         return (f"admission_bound: {queued:.0f} waiting while the engine runs {running:.0f}, its pool "
                 f"(--max-running-requests {engine.pool})")
+    slots = engine.slots or pp
+    if queued >= 0.5 and engine.k and mbs is not None and mbs >= slots - 0.5 and (
+            engine.pool is None or running < engine.pool - 0.5):
+        # every slot holds a micro-batch and requests wait below the pool: K caps what runs (a
+        # sweep's C=32 and C=64 read "no finding" here while the report found microbatch_cap)
+        pool = f", under its pool of {engine.pool}" if engine.pool is not None else ""
+        return (f"microbatch_cap: {queued:.0f} waiting while the engine runs {running:.0f} in "
+                f"{mbs:.0f} micro-batches of at most K = {engine.k} (--pp-max-micro-batch-size){pool}")
     if mbs is not None and pp >= 2 and mbs < pp - 0.5:
         k = f" (K = {engine.k})" if engine.k else ""
         return (f"pipeline_underfilled: {mbs:.0f} micro-batches in flight for {pp} stages{k}: "
@@ -391,7 +405,8 @@ class LiveCollector(Collector):
         bubble = family(mn.STAGE_BUBBLE, mn.STAGE_BUBBLE.labels)
         util = family(mn.STAGE_UTILIZATION, mn.STAGE_UTILIZATION.labels)
         busy = family(mn.STAGE_BUSY, mn.STAGE_BUSY.labels)
-        for row in s.stages():
+        stages = s.stages()
+        for row in stages:
             if row["busy_ratio"] is not None:
                 busy.add_metric([str(row["pp_rank"]), row["busy_signal"], s.run], float(row["busy_ratio"]))
             if row["bubble_ratio"] is not None:
@@ -402,11 +417,21 @@ class LiveCollector(Collector):
         yield util
         yield busy
         yield from self._engine_and_load(s)
+        yield self._finding(s, stages)
         for key, n in s.counts.items():
             spec = mn.COLLECTOR_COUNTERS[key]
             counter = family(spec, spec.labels)
             counter.add_metric([s.run], float(n))
             yield counter
+
+    @staticmethod
+    def _finding(s: LiveState, stages: list[dict[str, Any]]) -> Metric:
+        """The live finding as an info series, for the dashboard's one-line panel (an instant query
+        shows the current line: a line no longer exported goes stale at the next scrape)."""
+        text = current_finding(s.engine_now(s._recent_busy(0, ENGINE_BUSY_WINDOW_S)), stages, s.pp_size)
+        fam = family(mn.LIVE_FINDING, mn.LIVE_FINDING.labels)
+        fam.add_metric([finding_cause(text), text, s.run], 1.0)
+        return fam
 
     @staticmethod
     def _engine_and_load(s: LiveState) -> Iterable[Metric]:

@@ -218,8 +218,11 @@ LOAD_TTFT = _collector("gputrace_load_ttft_seconds", "seconds", ("quantile", "ru
                        "Time to first token of the requests completed in the last window")
 LOAD_ITL = _collector("gputrace_load_itl_seconds", "seconds", ("quantile", "run"),
                       "Mean inter-token latency per request, of the requests completed in the last window")
+LIVE_FINDING = _collector("gputrace_live_finding_info", "", ("cause", "finding", "run"),
+                          "What the live figures say now, by the report's rules over the last window: "
+                          "the cause and the line watch shows (always 1; the text is in the labels)")
 LIVE_EXTRAS = (STAGE_BUSY, ENGINE_TOTAL_RUNNING, ENGINE_POOL, ENGINE_MICROBATCHES, ENGINE_STAGES,
-               LOAD_PHASE_START, LOAD_TTFT, LOAD_ITL)
+               LOAD_PHASE_START, LOAD_TTFT, LOAD_ITL, LIVE_FINDING)
 
 COLLECTOR_COUNTS = ("gpu_samples", "scheduler_events", "requests", "markers", "log_lines",
                     "unrecognised_lines", "rejected_records", "bad_marks", "bad_sample_lines",

@@ -232,7 +232,8 @@ def _contract_registry() -> CollectorRegistry:
     registry = CollectorRegistry()
     label_values = {"host": "node0", "uuid": "GPU-0", "model": "NVIDIA H200", "tp_rank": "0",
                     "dp_rank": "0", "run": "contract", "signal": "SM activity (GPM)", "phase": "C=8",
-                    "quantile": "0.5"}
+                    "quantile": "0.5", "cause": "pipeline_underfilled",
+                    "finding": "pipeline_underfilled: 2 micro-batches in flight for 4 stages"}
     for spec in dash.METRICS:
         if spec.kind == "counter":
             metric: Any = Counter(spec.name.removesuffix("_total"), spec.help, spec.labels, registry=registry)
@@ -375,3 +376,24 @@ def test_the_dashboard_shows_what_the_verdict_rests_on() -> None:
     assert len(phases) == 1 and phases[0]["useValueForTime"]
     assert "gputrace_load_phase_start_seconds" in phases[0]["expr"] and phases[0]["expr"].endswith("* 1000")
     assert phases[0]["titleFormat"] == "phase {{phase}}"
+
+
+def test_legend_text_fills_labels_as_grafana_does() -> None:
+    """A legend format's {{label}} takes the series' value (empty where it lacks the label); no
+    format gives the series as PromQL writes it."""
+    labels = {"__name__": "gputrace_stage_busy_ratio", "pp_rank": "3", "signal": "SM activity (GPM)"}
+    assert dash.legend_text("busy, stage {{pp_rank}} ({{ signal }}){{host}}", labels) == \
+        "busy, stage 3 (SM activity (GPM))"
+    assert dash.legend_text("", labels) == \
+        'gputrace_stage_busy_ratio{pp_rank="3", signal="SM activity (GPM)"}'
+
+
+def test_panels_without_a_prometheus_says_so_in_one_line(tmp_path: Path) -> None:
+    """`gputrace panels` against a port nothing listens on: one line naming it, exit 1, nothing written."""
+    url = f"http://127.0.0.1:{free_port()}"
+    out = subprocess.run([sys.executable, "-m", "gputrace", "panels", "--prometheus", url, "--out",
+                          str(tmp_path / "panels")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [f"gputrace: error: Prometheus {url} unreachable: "
+                                               "[Errno 111] Connection refused"]
+    assert not (tmp_path / "panels").exists()

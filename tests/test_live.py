@@ -84,3 +84,37 @@ def test_no_samples_no_estimate_and_the_gauge_carries_it() -> None:
     text = generate_latest(registry).decode()
     assert 'gputrace_stage_bubble_ratio{pp_rank="0",run="run"} 0.75' in text
     assert 'gputrace_stage_bubble_ratio{pp_rank="1"' not in text
+
+
+def test_the_live_finding_is_exported_as_the_line_watch_shows() -> None:
+    """gputrace_live_finding_info carries the status' finding line and its cause (the dashboard's
+    'Finding now' panel); one series, value 1."""
+    live = state()
+    live.on_event(event(0, 8, 24, 4.5))
+    live.on_event(event(1, 8, 0, 4.5))
+    live.on_samples(samples(0, [0.1] * 10))
+    registry = CollectorRegistry()
+    registry.register(LiveCollector(live))
+    finding = live.status().finding
+    assert finding and finding.split(":")[0] in ("bubble", "pipeline_underfilled", "admission_bound")
+    lines = [ln for ln in generate_latest(registry).decode().splitlines()
+             if ln.startswith("gputrace_live_finding_info{")]
+    cause = finding.split(":")[0]
+    assert lines == [f'gputrace_live_finding_info{{cause="{cause}",finding="{finding}",run="run"}} 1.0']
+
+
+def test_the_live_finding_names_the_cap_when_every_slot_is_full_below_the_pool() -> None:
+    """A sweep at C=64 on PP8 at K=2: 16 run in 8 full micro-batches, 48 wait, the pool (64) is not
+    reached: microbatch_cap, as the report finds (it read 'no finding now: 8 micro-batches fill
+    the 8 stages'); at the pool it is admission_bound; few micro-batches without a queue, underfilled."""
+    from gputrace.live import EngineNow, current_finding
+
+    def engine(running: float, queued: float, mbs: float) -> EngineNow:
+        return EngineNow(running, queued, mbs, slots=8, k=2, pool=64, source="period")
+
+    capped = current_finding(engine(16, 48, 8), [], 8)
+    assert capped == ("microbatch_cap: 48 waiting while the engine runs 16 in 8 micro-batches of at most "
+                      "K = 2 (--pp-max-micro-batch-size), under its pool of 64")
+    assert current_finding(engine(64, 10, 8), [], 8).startswith("admission_bound: 10 waiting")
+    assert current_finding(engine(6, 0, 3), [], 8).startswith("pipeline_underfilled: 3 micro-batches")
+    assert current_finding(engine(16, 0, 8), [], 8) == "no finding now: 8 micro-batches fill the 8 stages"

@@ -15,6 +15,7 @@ SUMMARIES: dict[str, str] = {
     "import": "Import engine logs, load results, nvidia-smi files.",
     "load": "Keep C requests in flight per level; report each.",
     "mark": "Mark a load phase in the running capture (C=64).",
+    "panels": "Render the Grafana dashboard's panels from a Prometheus (PNG).",
     "parse": "Print engine log lines as JSON, one per line.",
     "report": "Diagnose pipeline bubbles and write the report.",
     "run": "Collect while a benchmark runs, then report.",

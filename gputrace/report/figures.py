@@ -1,7 +1,7 @@
-"""The report's figures (matplotlib, Agg): utilization heatmap, running requests vs offered load,
-bubble fraction per stage and phase, power, PCIe. The three figures over time share one time axis:
-the same x range and the same axes position in figures of the same width, so they line up when
-shown one above the other."""
+"""The report's figures (matplotlib, Agg): busy heatmap (by the analysis' signal), running
+requests vs offered load, bubble fraction per stage and phase, power, PCIe. The three figures over
+time share one time axis: the same x range and the same axes position in figures of the same
+width, so they line up when shown one above the other."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.transforms import blended_transform_factory
 
+from gputrace.analysis.busy_cells import busy_over_time
 from gputrace.analysis.diagnose import default_microbatch_cap, engine_kind
 from gputrace.analysis.result import Analysis
 
@@ -79,7 +80,8 @@ def figure_png(fig: Figure) -> bytes:
 
 
 @contextmanager
-def _style() -> Iterator[None]:
+def report_style() -> Iterator[None]:
+    """The report's fonts, for every figure it draws (and the dashboard's panels)."""
     with plt.rc_context(STYLE):
         yield
 
@@ -94,10 +96,11 @@ def time_limits(a: Analysis) -> tuple[float, float]:
     return -a.run.period_ns / 1e9, float(t[-1]) if len(t) else 1.0
 
 
-def _time_figure(height_in: float) -> tuple[Figure, Axes]:
+def _time_figure(height_in: float, top_in: float = TOP_IN) -> tuple[Figure, Axes]:
+    """A figure with the time figures' axes position across (``top_in``: room for its title)."""
     fig = plt.figure(figsize=(WIDTH_IN, height_in))
     ax = fig.add_axes((LEFT_IN / WIDTH_IN, BOTTOM_IN / height_in,
-                       1 - (LEFT_IN + RIGHT_IN) / WIDTH_IN, 1 - (BOTTOM_IN + TOP_IN) / height_in))
+                       1 - (LEFT_IN + RIGHT_IN) / WIDTH_IN, 1 - (BOTTOM_IN + top_in) / height_in))
     return fig, ax
 
 
@@ -149,9 +152,9 @@ def sample_columns(values: np.ndarray, t_s: np.ndarray, max_columns: int) -> tup
     return _downsample(values, t_s, max_columns, min_step=2 * gap)
 
 
-def heatmap_columns(util: np.ndarray, t_s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def heatmap_columns(values: np.ndarray, t_s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The heatmap's columns (see sample_columns): at most HEATMAP_COLUMNS."""
-    return sample_columns(util, t_s, HEATMAP_COLUMNS)
+    return sample_columns(values, t_s, HEATMAP_COLUMNS)
 
 
 def gap_broken(t_s: np.ndarray, values: np.ndarray, max_gap_s: float) -> tuple[np.ndarray, np.ndarray]:
@@ -164,30 +167,55 @@ def gap_broken(t_s: np.ndarray, values: np.ndarray, max_gap_s: float) -> tuple[n
     return np.insert(t, breaks, np.nan), np.insert(v, breaks, np.nan)
 
 
-def utilization_heatmap(a: Analysis) -> Figure:
-    """Per-stage utilization over time with phase boundaries."""
+def _stage_ranges(stages: list[int]) -> str:
+    """[0, 1, 2, 5] -> 'stages 0-2, 5'."""
+    parts: list[str] = []
+    for s in stages:
+        if parts and s == int(parts[-1].split("-")[-1]) + 1:
+            parts[-1] = f"{parts[-1].split('-')[0]}-{s}"
+        else:
+            parts.append(str(s))
+    return ("stage " if len(stages) == 1 else "stages ") + ", ".join(parts)
+
+
+def busy_sources(signals: tuple[tuple[str, ...], ...]) -> str:
+    """Which signal each stage's cells came from, stages with the same grouped: 'SM activity (GPM)'
+    when every stage has the one, else 'stages 0-6: ...; stage 7: ...'."""
+    groups: dict[str, list[int]] = {}
+    for s, used in enumerate(signals):
+        groups.setdefault(" then ".join(used) or "no figure", []).append(s)
+    if len(groups) == 1:
+        return next(iter(groups))
+    return "; ".join(f"{_stage_ranges(stages)}: {text}" for text, stages in groups.items())
+
+
+def busy_heatmap(a: Analysis) -> Figure:
+    """Per-stage busy share over time by the signal the analysis took per phase and stage (SM
+    activity, an engine timer, the schedule, or utilization where the schedule agrees), with phase
+    boundaries; the signals named in the title."""
     pp = max(a.run.pp_size, 1)
-    fig, ax = _time_figure(0.32 * pp + BOTTOM_IN + TOP_IN + 1.0)
-    util, t = heatmap_columns(a.series.utilization, _time_axis(a))
-    cmap = plt.get_cmap("viridis").with_extremes(bad="lightgray")  # no sample: gray, not idle
+    fig, ax = _time_figure(0.32 * pp + BOTTOM_IN + TOP_IN + 1.3, top_in=TOP_IN + 0.3)
+    over_time = busy_over_time(a.run, a.series, a.metrics)
+    busy, t = heatmap_columns(over_time.busy, _time_axis(a))
+    cmap = plt.get_cmap("viridis").with_extremes(bad="lightgray")  # no figure: gray, not idle
     im: ScalarMappable
-    if len(t) and not np.isnan(util).all():
+    if len(t) and not np.isnan(busy).all():
         half = (float(t[1] - t[0]) if len(t) > 1 else a.run.period_ns / 1e9) / 2
         extent = (float(t[0]) - half, float(t[-1]) + half, pp - 0.5, -0.5)
-        im = ax.imshow(np.ma.masked_invalid(util), aspect="auto", cmap=cmap, vmin=0, vmax=1,
+        im = ax.imshow(np.ma.masked_invalid(busy), aspect="auto", cmap=cmap, vmin=0, vmax=1,
                        extent=extent, interpolation="nearest")
     else:
         ax.set_ylim(pp - 0.5, -0.5)
         im = ScalarMappable(norm=Normalize(0, 1), cmap=cmap)
     pos = ax.get_position()
     cax = fig.add_axes((pos.x1 + 0.15 / WIDTH_IN, pos.y0, 0.22 / WIDTH_IN, pos.height))
-    fig.colorbar(im, cax=cax, label="utilization")
+    fig.colorbar(im, cax=cax, label="busy share")
     ax.set_ylabel("pp stage")
     ax.set_yticks(range(pp))
-    if np.isnan(util).all():
-        ax.text(0.5, 0.5, "no GPU utilization samples in the run", transform=ax.transAxes, ha="center",
-                va="center", fontsize=12, bbox={"facecolor": "white", "edgecolor": "#999"}, zorder=5)
-    _finish_time_axes(ax, a, "GPU utilization per pipeline stage (gray: no sample)")
+    if np.isnan(busy).all():
+        _no_data(ax, "no busy figure in the run: it needs GPU samples or the engine's timers")
+    _finish_time_axes(ax, a, "Busy share per pipeline stage (gray: no figure)\nbusy from: "
+                      + busy_sources(over_time.signals))
     return fig
 
 
@@ -348,30 +376,31 @@ def pcie_figure(a: Analysis) -> Figure:
 
 def _rendered(build: Callable[[Analysis], Figure]) -> Callable[[Analysis], bytes]:
     def render(a: Analysis) -> bytes:
-        with _style():
+        with report_style():
             return figure_png(build(a))
     return render
 
 
 def build_figure(name: str, a: Analysis) -> Figure:
     """The named figure, unrendered (the caller closes it): for checks of its axes."""
-    with _style():
+    with report_style():
         return BUILDERS[name](a)
 
 
 BUILDERS: dict[str, Callable[[Analysis], Figure]] = {
-    "utilization_heatmap": utilization_heatmap,
+    "busy_heatmap": busy_heatmap,
     "running_vs_load": running_vs_load,
     "bubble_fraction": bubble_bars,
     "power": power_figure,
     "pcie": pcie_figure,
 }
 
-TIME_FIGURES = ("utilization_heatmap", "power", "pcie")
+TIME_FIGURES = ("busy_heatmap", "power", "pcie")
 """The figures over time: they share one x range and axes position."""
 
 FIGURES: dict[str, tuple[str, Callable[[Analysis], bytes]]] = {
-    "utilization_heatmap": ("Per-stage utilization over time", _rendered(utilization_heatmap)),
+    "busy_heatmap": ("Per-stage busy share over time, by the signal the analysis took",
+                     _rendered(busy_heatmap)),
     "power": ("Power", _rendered(power_figure)),
     "pcie": ("PCIe", _rendered(pcie_figure)),
     "running_vs_load": ("Running requests per stage and in the engine vs offered load",
