@@ -546,7 +546,7 @@ def engine_load(ranks: dict[tuple[str, int, int, int], dict[str, np.ndarray]], n
         if "queue_req" in fields and (pp == 0 or np.isnan(queue).all()):
             queue = fields["queue_req"]
     if engine == "vllm":
-        return vllm_load(np.minimum(running, pool) if pool else running, queue, in_system, half)
+        return np.asarray(vllm_load(np.minimum(running, pool) if pool else running, queue, in_system, half))
     if in_system is not None:
         # only where nothing waited across the law's whole window: a queue in it (a level that
         # fills the slots, or the step into one) leaves the sum standing
@@ -567,7 +567,7 @@ def vllm_load(running: np.ndarray, queue: np.ndarray, in_system: np.ndarray | No
     requests are long, so it lumps up and down. The load is the gauges' reading, lifted to the
     law's figure where that is higher, but never above the most the gauges read within the
     window: the law corrects the dips, the gauges bound the lumps."""
-    total = running + queue
+    total: np.ndarray = running + queue
     if in_system is None:
         return total
     ceiling = _rolling_max(np.nan_to_num(total, nan=-np.inf), half)
@@ -581,8 +581,7 @@ def _within(flags: np.ndarray, half: int) -> np.ndarray:
     if not half:
         return flags
     padded = np.concatenate([np.zeros(half, bool), flags, np.zeros(half, bool)])
-    within: np.ndarray = np.lib.stride_tricks.sliding_window_view(padded, 2 * half + 1).any(axis=1)
-    return within
+    return np.asarray(np.lib.stride_tricks.sliding_window_view(padded, 2 * half + 1).any(axis=1))
 
 
 def _rolling_max(values: np.ndarray, half: int) -> np.ndarray:
