@@ -188,9 +188,12 @@ class PipelineEngine:
         if chunk and not self.vllm:
             self._issue(k, t, chunk)  # SGLang: a prefill turn decodes nothing of this slot
             return True
-        prefilling = {id(r) for r, _ in chunk}
-        decodes = [(r, 1) for r in self.slots[k]
-                   if r.prefilled >= r.prefill_target and id(r) not in prefilling]
+        if chunk:
+            prefilling = {id(r) for r, _ in chunk}
+            decodes = [(r, 1) for r in self.slots[k]
+                       if r.prefilled >= r.prefill_target and id(r) not in prefilling]
+        else:
+            decodes = [(r, 1) for r in self.slots[k] if r.prefilled >= r.prefill_target]
         if chunk or decodes:
             self._issue(k, t, decodes + chunk)
             return True
@@ -261,9 +264,11 @@ class PipelineEngine:
 
     def _prefill_chunk(self, k: int, t: float) -> list[tuple[SimRequest, int]]:
         """The (request, prompt tokens) of slot k's prefill this turn; [] when none."""
+        chunked = self.slot_chunk[k]
+        if chunked is None and not self.waiting:  # most turns of a loaded engine: decode only
+            return []
         p = self.p
         budget = min(p.chunked_prefill_size, p.max_prefill_tokens)
-        chunked = self.slot_chunk[k]
         if chunked is not None:
             take = min(chunked.prefill_target - chunked.prefilled, budget)
             return [(chunked, take)]
@@ -307,10 +312,15 @@ class PipelineEngine:
         p = self.p
         tr = self.trace
         n_reqs = len(batch)
-        prompt = sum([n for r, n in batch if r.prefilled < r.prefill_target])
+        prompt = tokens = ctx_tokens = 0
+        for r, n in batch:
+            tokens += n
+            if r.prefilled < r.prefill_target:
+                prompt += n
+            ctx_tokens += r.prefilled + r.generated
+        if not p.context_token_s:
+            ctx_tokens = 0
         decode = prompt == 0
-        tokens = sum([n for _, n in batch])
-        ctx_tokens = sum([r.prefilled + r.generated for r, _ in batch]) if p.context_token_s else 0
         # KV: decode needs one slot per request; retract the newest when the cache is full.
         if decode and self.kv_used + tokens > p.max_total_num_tokens:
             batch = self._retract(k, batch)

@@ -5,7 +5,8 @@ fact about the load, not a setting) and, around the run's settings, the engine k
 simulator models (SGLang: K, the request pool, the prefill chunk, the async depth; vLLM:
 max_num_seqs and max_num_batched_tokens), alone and in pairs, a few dozen at most. Each is
 replayed by the calibrated model under the run's own phases (screened on one replay seed, the
-best confirmed on all of them). The objective, by default: no phase loses beyond its band, and the
+best confirmed on all of them; a change already predicted in full, a finding's for its effect,
+is screened by that prediction). The objective, by default: no phase loses beyond its band, and the
 most throughput gained over the phases weighted by their duration; ``peak`` (the highest load
 level) and an SLO (the most throughput whose every phase meets it) as options. Where no
 candidate clears its band the advice is to keep the current settings, with the reason.
@@ -24,7 +25,7 @@ from gputrace.vocabulary import Change
 from gputrace.whatif.effects import fit_note
 from gputrace.whatif.fit import FittedModel, fit_model
 from gputrace.whatif.outcome import PhaseOutcome
-from gputrace.whatif.predict import PhasePrediction, finding_change, predict
+from gputrace.whatif.predict import PhasePrediction, finding_change, predict, predicted_already
 
 OBJECTIVES = ("throughput", "peak", "slo")
 SCREEN_SEEDS = (0,)  # a candidate's first replay; the best CONFIRM are replayed at every seed
@@ -323,7 +324,7 @@ def search(model: FittedModel, findings: Sequence[Mapping[str, Any]], objective:
     for change, origin in pool:
         changes = _changes_of(model, change)
         assert changes is not None
-        rows = predict(model, change, SCREEN_SEEDS, SCREEN_PHASE_S)
+        rows = _screen(model, change)
         screened.append((change, origin, Option(changes, _phases(model, rows, weights), origin)))
     # pairs of the best single changes on different knobs
     singles = sorted(screened, key=lambda s: -s[2].weighted_gain_tok_s)[:PAIR_FROM]
@@ -338,7 +339,7 @@ def search(model: FittedModel, findings: Sequence[Mapping[str, Any]], objective:
             seen.add(_key(pair))
             changes = _changes_of(model, pair)
             assert changes is not None
-            rows = predict(model, pair, SCREEN_SEEDS, SCREEN_PHASE_S)
+            rows = _screen(model, pair)
             screened.append((pair, "pair", Option(changes, _phases(model, rows, weights), "pair")))
 
     def rank(o: Option) -> float:
@@ -375,6 +376,12 @@ def search(model: FittedModel, findings: Sequence[Mapping[str, Any]], objective:
     return Advice((), objective, as_run, _unique(tuple(trades[:3])),
                   _keep_reason(trades, objective, slo, n, tried[0] if tried else None),
                   n, slo, fit_note(model)), confirmed
+
+
+def _screen(model: FittedModel, change: Mapping[str, Any]) -> list[PhasePrediction]:
+    """A candidate's screening: its full prediction where one was made (a finding's change,
+    predicted for its effect: no replay), else a short replay at SCREEN_SEEDS."""
+    return predicted_already(model, change) or predict(model, change, SCREEN_SEEDS, SCREEN_PHASE_S)
 
 
 def _unchanged(model: FittedModel, label: str) -> PhaseOutcome:

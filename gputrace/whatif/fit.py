@@ -403,10 +403,12 @@ def replay_note(p: SimParams) -> str | None:
             "the replay of the level nearest its own")
 
 
-def replay_seeds(p: SimParams, labels: list[str] | None, seeds: tuple[int, ...] = REPLAY_SEEDS
-                 ) -> list[list[PhaseOutcome]]:
-    """One replay's outcomes per seed."""
-    return [replay_outcomes(p, labels, seed) for seed in seeds]
+def replay_seeds(p: SimParams, labels: list[str] | None, seeds: tuple[int, ...] = REPLAY_SEEDS,
+                 done: Mapping[int, list[PhaseOutcome]] | None = None) -> list[list[PhaseOutcome]]:
+    """One replay's outcomes per seed; ``done``: seeds already replayed with these parameters
+    (a replay is deterministic in its parameters and seed)."""
+    return [list(done[seed]) if done and seed in done else replay_outcomes(p, labels, seed)
+            for seed in seeds]
 
 
 def median_outcomes(runs: list[list[PhaseOutcome]]) -> list[PhaseOutcome]:
@@ -481,6 +483,7 @@ def fit_model(analysis: Analysis) -> FittedModel:
     if not works:
         notes.append("no phase has both GPU busy figures and decode lines: the cost model is the "
                      "simulator's default, scaled by the replay alone")
+    first = p
     simulated = replay_outcomes(p, labels)
     # The replay corrects the scale where the steps were not counted (no fit, or vLLM's
     # engine-wide lines, whose steps are estimated), and where every phase replays off the same
@@ -500,7 +503,8 @@ def fit_model(analysis: Analysis) -> FittedModel:
     if runs_on_cpu(analysis.run.engine):
         notes.append("the log states a CPU device: each step costs its flat part plus compute per "
                      "token from the first token (no memory-bound floor)")
-    runs = replay_seeds(p, labels)  # the fit's quality, as a prediction is made
+    # the fit's quality, as a prediction is made (the first replay is seed 0's where it kept p)
+    runs = replay_seeds(p, labels, done={0: simulated} if p is first else None)
     if (reduced := replay_note(p)) is not None:
         notes.append(reduced)
     simulated = median_outcomes(runs)

@@ -122,6 +122,19 @@ def _overlap(starts: np.ndarray, ends: np.ndarray, a: float, b: float) -> float:
     return float(c[1] - c[0])
 
 
+def stage_busy_s(result: SimResult, edges_s: np.ndarray) -> np.ndarray:
+    """Per stage (rows), its kernel-busy seconds up to each of ``edges_s`` (columns): one pass
+    over each stage's intervals, read from the trace without the interval table (a replay's
+    trace holds pp_size intervals per step, a million in a long one)."""
+    tr = result.engine.trace
+    pp = result.params.pp_size
+    # every step appends one interval per stage, in stage order: column s is stage s's, sorted
+    # and non-overlapping (a stage runs its micro-batches one after another)
+    starts = np.asarray(tr.iv_start, dtype=np.float64).reshape(-1, pp)
+    ends = np.asarray(tr.iv_end, dtype=np.float64).reshape(-1, pp)
+    return np.array([cumulative(starts[:, s], ends[:, s], edges_s) for s in range(pp)])
+
+
 def trace_outcomes(result: SimResult, labels: list[str] | None = None) -> list[PhaseOutcome]:
     """Each phase of a replay from its engine trace and requests alone (no log, no ground truth):
     throughput (tokens out of the last stage in the phase over its length), TTFT of the requests
@@ -129,7 +142,6 @@ def trace_outcomes(result: SimResult, labels: list[str] | None = None) -> list[P
     than a request's life still has one), bubble per stage and the decode micro-batch sizes."""
     p = result.params
     tr = result.engine.trace
-    iv = result.intervals
     tok_t, tok_n = np.asarray(tr.tok_t, dtype=np.float64), np.asarray(tr.tok_n, dtype=np.float64)
     w_start, w_end = work_intervals(np.asarray(tr.work_t, dtype=np.float64),
                                     np.asarray(tr.work_delta, dtype=np.int64))
@@ -140,21 +152,26 @@ def trace_outcomes(result: SimResult, labels: list[str] | None = None) -> list[P
     last = np.array([np.nan if r.last_token_s is None else r.last_token_s + p.client_latency_s
                      for r in reqs], dtype=np.float64)
     generated = np.array([r.generated for r in reqs], dtype=np.float64)
-    by_stage = [iv["stage"] == s for s in range(p.pp_size)]
-    decode_sizes = iv["reqs"][iv["decode"] & (iv["stage"] == 0)]
-    decode_start = iv["start_s"][iv["decode"] & (iv["stage"] == 0)]
+    phase_of = np.array([r.phase for r in reqs], dtype=object)
+    # stage 0's entry of each step (the first of its pp_size)
+    step_sizes = np.asarray(tr.iv_reqs[::p.pp_size], dtype=np.int64)
+    step_decode = np.asarray(tr.iv_decode[::p.pp_size], dtype=bool)
+    step_start = np.asarray(tr.iv_start[::p.pp_size], dtype=np.float64)
+    decode_sizes, decode_start = step_sizes[step_decode], step_start[step_decode]
+    edges = np.array([[ph.start_s, ph.end_s] for ph in result.phases], dtype=np.float64).reshape(-1)
+    busy_to = stage_busy_s(result, edges).reshape(p.pp_size, len(result.phases), 2)
     out = []
     for i, ph in enumerate(result.phases):
         a, b = ph.start_s, ph.end_s
         dur = b - a
         in_tok = (tok_t >= a) & (tok_t < b)
         throughput = float(tok_n[in_tok].sum()) / dur if dur > 0 else 0.0
-        sel = np.array([r.phase == ph.label for r in reqs], dtype=bool) if reqs else np.zeros(0, bool)
+        sel = phase_of == ph.label
         lat = latency_percentiles(start[sel], first[sel], last[sel], generated[sel]) if sel.any() \
             else NO_LATENCIES
         has_work = _overlap(w_start, w_end, a, b)
-        bubbles = tuple(round(max(has_work - _overlap(iv["start_s"][m], iv["end_s"][m], a, b), 0.0) / dur, 4)
-                        for m in by_stage) if dur > 0 else ()
+        busy = busy_to[:, i, 1] - busy_to[:, i, 0]
+        bubbles = tuple(round(max(has_work - float(x), 0.0) / dur, 4) for x in busy) if dur > 0 else ()
         sizes = decode_sizes[(decode_start >= a) & (decode_start < b)]
         label = labels[i] if labels and i < len(labels) else ph.label
         out.append(PhaseOutcome(label, ph.target_concurrency, throughput, *lat, bubbles,

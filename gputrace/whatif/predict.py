@@ -150,6 +150,20 @@ def extrapolation_band(model: FittedModel, o: PhaseOutcome, changes: Mapping[str
             f"{what} micro-batches of {size:.0f}; this run never ran more than {seen:.0f}: wide band")
 
 
+def _key(changes: Mapping[str, Any], seeds: tuple[int, ...]) -> str:
+    return f"{sorted(changes.items())!r} at {seeds!r}"
+
+
+def _fit_seeds(model: FittedModel) -> tuple[int, ...]:
+    return tuple(REPLAY_SEEDS[:len(model.replays)]) if model.replays else REPLAY_SEEDS
+
+
+def predicted_already(model: FittedModel, changes: Mapping[str, Any]) -> list[PhasePrediction] | None:
+    """The full prediction of ``changes`` (every seed, whole phases) where one was made."""
+    found: list[PhasePrediction] | None = model.predictions.get(_key(changes, _fit_seeds(model)))
+    return found
+
+
 def predict(model: FittedModel, changes: Mapping[str, Any],
             seeds: tuple[int, ...] | None = None, phase_s: float | None = None) -> list[PhasePrediction]:
     """Run the fitted model under ``changes`` (at ``seeds``, default the fit's replay seeds);
@@ -157,10 +171,10 @@ def predict(model: FittedModel, changes: Mapping[str, Any],
     that phase as it ran at the same seeds. ``phase_s``: replay each phase this long at most (a
     search's screening), the run as it ran replayed as long for the ratio."""
     p = changed_params(model, changes)
-    all_seeds = tuple(REPLAY_SEEDS[:len(model.replays)]) if model.replays else REPLAY_SEEDS
+    all_seeds = _fit_seeds(model)
     use = seeds if seeds is not None else all_seeds
     short = phase_s is not None and phase_s < p.phase_s
-    key = f"{sorted(changes.items())!r} at {use!r}" + (f" for {phase_s} s" if short else "")
+    key = _key(changes, use) + (f" for {phase_s} s" if short else "")
     if key in model.predictions:
         cached: list[PhasePrediction] = model.predictions[key]
         return cached
