@@ -103,7 +103,7 @@ def decode_page(body: bytes) -> list[GpuSample | str]:
     runs it off the event loop (17-50 us a sample, 5000 to a page: one page held the loop of a
     collector of 32 agents for up to 0.25 s, and the other agents' pulls and logs waited)."""
     out: list[GpuSample | str] = []
-    for line in body.splitlines():
+    for line in body.split(b"\n"):  # NDJSON: only \n ends a line (splitlines also cuts at \r)
         if not line:
             continue
         try:
