@@ -222,6 +222,9 @@ WATCHED_METRICS = (
     "sglang:forward_execution_seconds_total", "sglang:fwd_occupancy",
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
     "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
+    # vLLM's per-request timers, summed: what its requests waited for admission and spent in all
+    "vllm:request_queue_time_seconds_sum", "vllm:request_queue_time_seconds_count",
+    "vllm:e2e_request_latency_seconds_sum",
 )
 
 

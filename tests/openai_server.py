@@ -37,6 +37,7 @@ class ServerStats:
     requests: int = 0
     refused: int = 0
     markers: list[dict[str, Any]] = field(default_factory=list)
+    connections: set[Any] = field(default_factory=set)  # the client's (address, port) of each request
     # (epoch ns, active after the change): the server's view of concurrency.
     timeline: list[tuple[int, int]] = field(default_factory=list)
 
@@ -71,6 +72,8 @@ def make_app(behaviour: ServerBehaviour, stats: ServerStats) -> web.Application:
     async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         stats.requests += 1
+        if request.transport is not None:
+            stats.connections.add(request.transport.get_extra_info("peername"))
         n = stats.requests
         if behaviour.max_active is not None and stats.active >= behaviour.max_active:
             stats.refused += 1

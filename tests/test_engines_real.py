@@ -269,24 +269,37 @@ def _vllm_logged(capture: Capture, window: tuple[int, int]) -> list[tuple[int, i
     return out
 
 
+def _grown_in(capture: Capture, name: str, window: tuple[int, int]) -> float:
+    """How much a counter of the test's own scrapes grew over a window."""
+    inside = [v for ts, v in capture.scraper.series(name) if window[0] <= ts <= window[1]]
+    assert len(inside) >= 2, f"{name}: {len(inside)} scrapes in the window"
+    return inside[-1] - inside[0]
+
+
 def test_vllm_requests_wait_at_max_num_seqs(vllm_run: Capture) -> None:
-    """At C=16 with max_num_seqs 8, vLLM itself shows about 8 waiting and never more than 8
-    running: its /metrics scrapes and its stats lines. What the engine guarantees is asserted, not
-    a median: at PP=2 on this CPU its running and waiting gauges both read 0 at each batch
-    turnover (seen: waiting 8, 8, 0, 8, 0, 0 over a level, the level's one stats line 0 and 0),
-    so the wait shows in some reading of the level, and no reading holds more than the limit
-    running or more than the offered load in the engine."""
+    """At C=16 with max_num_seqs 8, vLLM's own timers say its requests waited for admission (its
+    queue time, summed per request: about a third of their time in the engine here, with or
+    without a busy CPU), and at C=1 and C=4 they did not; no reading of its gauges holds more than
+    the limit running or more than the offered load. The waiting gauge is not asserted: at PP=2 on
+    this CPU the running and waiting gauges both read 0 at each batch turnover, and with the cores
+    busy a whole level's settled half has read waiting 0 at every scrape (CI, stop 31)."""
     phases = vllm_run.phases()
     assert set(phases) == {f"C={c}" for c in CONCURRENCY}
+    shares = {}
+    for label, window in phases.items():
+        queued_s = _grown_in(vllm_run, "vllm:request_queue_time_seconds_sum", window)
+        in_engine_s = _grown_in(vllm_run, "vllm:e2e_request_latency_seconds_sum", window)
+        assert _grown_in(vllm_run, "vllm:request_queue_time_seconds_count", window) > 0, label
+        shares[label] = queued_s / in_engine_s
+    print(f"vLLM queue time / time in the engine per level: {shares}")
+    assert shares["C=16"] >= 0.15 and shares["C=1"] <= 0.02 and shares["C=4"] <= 0.02, shares
     waiting = vllm_run.metric_in("vllm:num_requests_waiting", phases["C=16"])
     running = vllm_run.metric_in("vllm:num_requests_running", phases["C=16"])
     logged = _vllm_logged(vllm_run, phases["C=16"])
-    assert waiting and running and logged, (waiting, running, logged)
-    seen_waiting = max(max(waiting), max(w for _, w in logged))
-    assert seen_waiting >= ADMISSION_LIMIT - 2, (waiting, running, logged)
+    assert waiting and running, (waiting, running)
     assert all(r + w <= 16 for r, w in zip(running, waiting, strict=False)), (running, waiting)
-    assert max(running) <= ADMISSION_LIMIT and max(r for r, _ in logged) <= ADMISSION_LIMIT
-    assert max(vllm_run.metric_in("vllm:num_requests_waiting", vllm_run.phases()["C=1"])) == 0
+    assert max(running) <= ADMISSION_LIMIT and max((r for r, _ in logged), default=0) <= ADMISSION_LIMIT
+    assert max(vllm_run.metric_in("vllm:num_requests_waiting", phases["C=1"])) == 0
 
 
 def _vllm_stats_stamps_ns(capture: Capture) -> list[int]:
@@ -404,7 +417,32 @@ def test_report_from_prometheus_alone_gives_the_capture_findings(
 
     for label, window in phases.items():
         got = _prometheus_findings(capture, window, tmp_path)
-        assert engines_own(got - whole_run) == engines_own(expected.get(label, set())), (label, got, expected)
+        own, want = engines_own(got - whole_run), engines_own(expected.get(label, set()))
+        if engine_name == "vllm" and want and not _gauges_caught_the_queue(capture, window):
+            # vLLM's gauges read 0 at each batch turnover; with the cores busy they have missed
+            # the queue at every scrape of a level (its own timers show it: the test above). The
+            # report can only read the load the gauges show; it must then claim nothing else.
+            print(f"{label}: vLLM's gauges never read the queue in the report window; found {own}")
+            assert own <= want, (label, got, expected)
+            continue
+        assert own == want, (label, got, expected)
+
+
+def _gauges_caught_the_queue(capture: Capture, window: tuple[int, int]) -> bool:
+    """Whether some scrape Prometheus holds of the report's window read vLLM's limit running and
+    nearly as many waiting: the load the engine-only report needs to see."""
+    import urllib.parse
+    import urllib.request
+
+    start, end = window
+    start += (end - start) // 4
+    seconds = max(1, int((end - 10**9 - start) / 1e9))
+    query = f"max_over_time((vllm:num_requests_running + vllm:num_requests_waiting)[{seconds}s:1s])"
+    url = f"{capture.prometheus_url}/api/v1/query?" + urllib.parse.urlencode(
+        {"query": query, "time": f"{(end - 10**9) / 1e9:.3f}"})
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        result = json.loads(resp.read())["data"]["result"]
+    return bool(result) and float(result[0]["value"][1]) >= 2 * ADMISSION_LIMIT - 2
 
 
 # The recommendation, applied to the real engine
