@@ -385,10 +385,30 @@ def test_vllm_gauges_read_low_are_lifted_to_the_requests_in_the_system() -> None
     in_system = np.array([15.6, 16.2, 23.0, 15.9, np.nan, 9.0, 1.0, 1.0])
     load = engine_load({("", 0, 0, 0): {"running_req": running, "queue_req": queue}}, 8, in_system,
                        pool=8, half=1, engine="vllm")
-    # a dip to 0 beside a reading of 16 is lifted to the law's figure, capped by that 16 (23 -> 16);
-    # the law's NaN leaves the 0; its 9 lifts a 0 only to the 1 the gauges read beside it
-    assert load.tolist()[:7] == pytest.approx([16.0, 16.0, 16.0, 16.0, 0.0, 1.0, 1.0])
+    # a dip to 0 beside a reading of 16 is a batch turnover: it reads as the 16 beside it (the
+    # law's figure, 23, would be capped by that 16 anyway); so is the 0 where the law has no figure
+    # but its figures beside it say requests were in; its 9 lifts a turnover only to the 1 the
+    # gauges truly read beside it
+    assert load.tolist()[:7] == pytest.approx([16.0, 16.0, 16.0, 16.0, 16.0, 1.0, 1.0])
     queue[7] = np.nan
     load = engine_load({("", 0, 0, 0): {"running_req": running, "queue_req": queue}}, 8, in_system,
                        pool=8, half=1, engine="vllm")
     assert np.isnan(load[7])  # no queue read: no load claimed, whatever the law says
+
+
+def test_vllm_turnover_readings_far_from_a_true_one_claim_nothing() -> None:
+    """With the cores busy vLLM's gauges read (0, 0) at nearly every scrape of a level of 16 (CI,
+    stop 31): a turnover reading takes the true readings beside it, and where none is within the
+    law's window it claims nothing, neither 0 nor the law's low figure (vLLM's end-to-end timer
+    covers about half of a request's time there: the law said 7 where 16 were in flight)."""
+    from gputrace.imports.prometheus import engine_load
+
+    running = np.array([8.0, 0.0, 0.0, 0.0, 0.0, 0.0, 8.0, 0.0, 0.0, 0.0])
+    queue = np.array([8.0, 0.0, 0.0, 0.0, 0.0, 0.0, 8.0, 0.0, 0.0, 0.0])
+    in_system = np.array([7.0, 7.0, 7.0, 7.0, 7.0, 7.0, 7.0, 0.0, 0.0, 0.0])  # then the level is over
+    load = engine_load({("", 0, 0, 0): {"running_req": running, "queue_req": queue}}, 10, in_system,
+                       pool=8, half=1, engine="vllm")
+    assert load[[0, 1, 5, 6]].tolist() == [16.0, 16.0, 16.0, 16.0]
+    assert np.isnan(load[2:5]).all()
+    # no request in the engine by the law within the window: a 0 is a true reading
+    assert load[8:].tolist() == [0.0, 0.0]

@@ -10,12 +10,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 from live_chain import free_port, http_ok, wait_until
 from testhosts import CLOCK_RELOAD_S, TestHost
 
 from gputrace.agent.client import AgentClient
+from gputrace.errors import TransportError
 from gputrace.model import ClockProbe
 from gputrace.remote.clock import probe_clock
 from gputrace.remote.ssh import connect_ssh
@@ -47,6 +49,23 @@ def test_host_processes_see_their_offset(test_hosts: Callable[[Sequence[float]],
         assert 0.05 <= slept_s < 1.0
 
 
+async def _probe_over_ssh(host: TestHost) -> Any:
+    """The host's clock probed over a new SSH connection. Once in ~16 runs here (CI, stop 31) sshd
+    closed the connection as the first session opened, cause not found; the collector reconnects
+    and probes again when that happens, and so does this, once, saying so."""
+    for attempt in (1, 2):
+        transport = await connect_ssh(host.sshd.options())
+        try:
+            return await probe_clock(transport, host.name)
+        except TransportError as exc:
+            if attempt == 2:
+                raise
+            print(f"{host.name}: the clock probe's SSH connection failed ({exc}); probing again")
+        finally:
+            await transport.close()
+    raise AssertionError("unreachable")
+
+
 async def test_ssh_sessions_and_agents_report_the_hosts_clock(
         test_hosts: Callable[[Sequence[float]], list[TestHost]]) -> None:
     """Probes over each host's SSH (`date` in a session) and its agent's /v1/time (the agent
@@ -57,11 +76,7 @@ async def test_ssh_sessions_and_agents_report_the_hosts_clock(
         host.spawn_agent(port, feed=False, gpus=2)
     for host, port in zip(hosts, ports, strict=True):
         await asyncio.to_thread(wait_until, lambda h=host, p=port: http_ok(f"http://{h.address}:{p}/healthz"))
-        transport = await connect_ssh(host.sshd.options())
-        try:
-            probe = await probe_clock(transport, host.name)
-        finally:
-            await transport.close()
+        probe = await _probe_over_ssh(host)
         assert abs(probe.offset_ns - host.offset_s * 1e9) < TOLERANCE_NS, (host.name, probe)
         agent = AgentClient(f"http://{host.address}:{port}")
         try:

@@ -561,19 +561,38 @@ def engine_load(ranks: dict[tuple[str, int, int, int], dict[str, np.ndarray]], n
 def vllm_load(running: np.ndarray, queue: np.ndarray, in_system: np.ndarray | None,
               half: int) -> np.ndarray:
     """vLLM's running and waiting gauges are set from the scheduler's stats on each output the
-    front end handles, and at PP=2 they read 0 between batches: at C=1 they read 1 less than half
-    the time, and a level of 16 has read 3 on average. Little's law (``in_system``) gives the mean
-    over its window wherever completions happened in it, but a window holds few completions when
-    requests are long, so it lumps up and down. The load is the gauges' reading, lifted to the
-    law's figure where that is higher, but never above the most the gauges read within the
-    window: the law corrects the dips, the gauges bound the lumps."""
+    front end handles, and at PP=2 they both read 0 at each batch turnover: a level of 16 read
+    (8, 8) or (0, 0), and with the cores busy (0, 0) at nearly every scrape. A reading of 0 and 0
+    while Little's law (``in_system``) says requests were in the engine is such a turnover, not a
+    reading (nor where the law has no figure but one within ``half`` steps says so): it takes
+    the mean of the true readings within ``half`` steps, and claims nothing
+    (NaN) where there are none (the law's own figure is low: vLLM's end-to-end timer covers about
+    half of a request's time on a busy CPU). A reading below the law's figure is then lifted to
+    it, never above the most the gauges truly read within the window: the law's figure lumps up
+    and down with few completions in its window."""
     total: np.ndarray = running + queue
     if in_system is None:
         return total
-    ceiling = _rolling_max(np.nan_to_num(total, nan=-np.inf), half)
+    # the law's figure within the window: it has none at some steps (a window short of values)
+    turnover = (total == 0) & (_rolling_max(np.nan_to_num(in_system, nan=-np.inf), half) >= 0.5)
+    readings = np.where(turnover, np.nan, total)
+    read = np.where(turnover, _rolling_mean(readings, half), total)
+    ceiling = _rolling_max(np.nan_to_num(readings, nan=-np.inf), half)
     lifted = np.minimum(in_system, ceiling)  # NaN where the law has no figure
-    lift: np.ndarray = np.where(lifted > total, lifted, total)  # a step with no gauge stays NaN
-    return lift
+    out: np.ndarray = np.where(lifted > read, lifted, read)  # a step with no reading stays NaN
+    return out
+
+
+def _rolling_mean(values: np.ndarray, half: int) -> np.ndarray:
+    """The mean of the values present within ``half`` steps either side; NaN where none is."""
+    present = ~np.isnan(values)
+    pad = np.zeros(half)
+    sums = np.lib.stride_tricks.sliding_window_view(
+        np.concatenate([pad, np.where(present, values, 0.0), pad]), 2 * half + 1).sum(axis=1)
+    counts = np.lib.stride_tricks.sliding_window_view(
+        np.concatenate([pad, present.astype(float), pad]), 2 * half + 1).sum(axis=1)
+    mean: np.ndarray = np.divide(sums, counts, out=np.full(len(values), np.nan), where=counts > 0)
+    return mean
 
 
 def _within(flags: np.ndarray, half: int) -> np.ndarray:
