@@ -418,31 +418,40 @@ def test_report_from_prometheus_alone_gives_the_capture_findings(
     for label, window in phases.items():
         got = _prometheus_findings(capture, window, tmp_path)
         own, want = engines_own(got - whole_run), engines_own(expected.get(label, set()))
-        if engine_name == "vllm" and want and not _gauges_caught_the_queue(capture, window):
-            # vLLM's gauges read 0 at each batch turnover; with the cores busy they have missed
-            # the queue at every scrape of a level (its own timers show it: the test above). The
-            # report can only read the load the gauges show; it must then claim nothing else.
-            print(f"{label}: vLLM's gauges never read the queue in the report window; found {own}")
+        if want and not _gauges_read_the_load(capture, engine_name, window):
+            # The report can only read the load the engine's gauges show. vLLM's read 0 at each
+            # batch turnover, and with the cores busy at nearly every scrape of a level; SGLang's
+            # per-rank gauges hold the micro-batch a rank ran last, and with requests replaced
+            # unevenly they have read 12-14 of a level of 16 (CI, stop 31 rerun). Then it must
+            # claim nothing the capture does not.
+            print(f"{label}: the engine's gauges read less than the offered load; found {own}")
             assert own <= want, (label, got, expected)
             continue
         assert own == want, (label, got, expected)
 
 
-def _gauges_caught_the_queue(capture: Capture, window: tuple[int, int]) -> bool:
-    """Whether some scrape Prometheus holds of the report's window read vLLM's limit running and
-    nearly as many waiting: the load the engine-only report needs to see."""
+def _gauges_read_the_load(capture: Capture, engine_name: str, window: tuple[int, int]) -> bool:
+    """Whether the engine's gauges, as Prometheus holds them over the report's window, mostly read
+    the offered load of the admission level (its median reading, running plus waiting, at least
+    2 x the limit - 1; vLLM's turnover readings of 0 and 0 left out, as the report leaves them)."""
+    import statistics
     import urllib.parse
     import urllib.request
 
     start, end = window
     start += (end - start) // 4
-    seconds = max(1, int((end - 10**9 - start) / 1e9))
-    query = f"max_over_time((vllm:num_requests_running + vllm:num_requests_waiting)[{seconds}s:1s])"
-    url = f"{capture.prometheus_url}/api/v1/query?" + urllib.parse.urlencode(
-        {"query": query, "time": f"{(end - 10**9) / 1e9:.3f}"})
+    expr = ("vllm:num_requests_running + vllm:num_requests_waiting" if engine_name == "vllm" else
+            # SGLang's names reach Prometheus as sglang_* or sglang:* (by its version)
+            'sum({__name__=~"sglang[:_]num_running_reqs"}) '
+            '+ sum({__name__=~"sglang[:_]num_queue_reqs", pp_rank="0"})')
+    url = f"{capture.prometheus_url}/api/v1/query_range?" + urllib.parse.urlencode(
+        {"query": expr, "start": f"{start / 1e9:.3f}", "end": f"{(end - 10**9) / 1e9:.3f}", "step": "1"})
     with urllib.request.urlopen(url, timeout=10) as resp:
         result = json.loads(resp.read())["data"]["result"]
-    return bool(result) and float(result[0]["value"][1]) >= 2 * ADMISSION_LIMIT - 2
+    readings = [float(v) for series in result for _, v in series["values"]]
+    if engine_name == "vllm":
+        readings = [v for v in readings if v > 0]
+    return bool(readings) and statistics.median(readings) >= 2 * ADMISSION_LIMIT - 1
 
 
 # The recommendation, applied to the real engine

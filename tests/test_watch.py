@@ -119,7 +119,9 @@ def test_watch_rows_per_stage_update_and_q_quits(tmp_path: Path) -> None:
         # the load's requests also spend time on the wire and waiting for their slot's next
         # prefill: the engine holds about 7/8 of a level of 16 at a time (its busy share says so)
         assert 0.75 * level <= running <= level, (level, figures)
-        assert running == 2 * in_flight, (level, figures)  # every micro-batch at K = 2
+        # no micro-batch above K = 2, and all at K but for one request being replaced (it joins a
+        # micro-batch of its own until the next prefill: 4 running in 3 seen, CI stop 31 rerun)
+        assert 2 * in_flight - 2 <= running <= 2 * in_flight, (level, figures)
     header, seconds, colored = stale
     assert "STALE: data" in header and seconds <= 5.0, (header, seconds)
     assert colored, f"the stale header is not drawn in red: {header!r}"
