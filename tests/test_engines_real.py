@@ -372,16 +372,22 @@ def _scrape_health(prom_url: str) -> list[object]:
             for t in active]
 
 
+def _report_window(window: tuple[int, int]) -> tuple[int, int]:
+    """The part of a phase the Prometheus-alone report reads: from a quarter in (the level
+    settled) to 1 s before its end (ns)."""
+    start, end = window
+    return start + (end - start) // 4, end - 10**9
+
+
 def _prometheus_findings(capture: Capture, window: tuple[int, int],
                          tmp: Path) -> set[tuple[str, object, object]]:
     """`gputrace report --prometheus` over one phase's window (its settled part), given the
     admission limit as a flag (Prometheus does not carry the configuration)."""
-    start, end = window
-    start += (end - start) // 4
+    start, end = _report_window(window)
     out_dir = tmp / f"report-{start}"
     done = subprocess.run(
         [sys.executable, "-m", "gputrace", "report", "--prometheus", capture.prometheus_url,
-         "--start", f"{start / 1e9:.3f}", "--end", f"{(end - 10**9) / 1e9:.3f}", "--step", "1s",
+         "--start", f"{start / 1e9:.3f}", "--end", f"{end / 1e9:.3f}", "--step", "1s",
          "--max-running-requests", str(ADMISSION_LIMIT), "--run-out", str(out_dir / "run"),
          "--out", str(out_dir), "--format", "json"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, (done.stderr[-3000:], _scrape_health(capture.prometheus_url))
@@ -438,14 +444,13 @@ def _gauges_read_the_load(capture: Capture, engine_name: str, window: tuple[int,
     import urllib.parse
     import urllib.request
 
-    start, end = window
-    start += (end - start) // 4
+    start, end = _report_window(window)
     expr = ("vllm:num_requests_running + vllm:num_requests_waiting" if engine_name == "vllm" else
             # SGLang's names reach Prometheus as sglang_* or sglang:* (by its version)
             'sum({__name__=~"sglang[:_]num_running_reqs"}) '
             '+ sum({__name__=~"sglang[:_]num_queue_reqs", pp_rank="0"})')
     url = f"{capture.prometheus_url}/api/v1/query_range?" + urllib.parse.urlencode(
-        {"query": expr, "start": f"{start / 1e9:.3f}", "end": f"{(end - 10**9) / 1e9:.3f}", "step": "1"})
+        {"query": expr, "start": f"{start / 1e9:.3f}", "end": f"{end / 1e9:.3f}", "step": "1"})
     with urllib.request.urlopen(url, timeout=10) as resp:
         result = json.loads(resp.read())["data"]["result"]
     readings = [float(v) for series in result for _, v in series["values"]]
