@@ -180,7 +180,10 @@ class SshStream:
 class SshTransport:
     """One SSH connection to one host; reconnects on the next call after the connection is lost.
 
-    Port forwards are set up again on the same local ports after a reconnect.
+    A port forward is this side's own listener: each connection accepted on it opens a channel on
+    the live SSH connection (made again if lost), so a forward outlives any number of reconnects
+    on the same local port. (asyncssh's listener died with its connection, and nothing re-made it
+    unless another call happened to reconnect: a capture lost a host's agent for the whole run.)
     """
 
     python = "python3"
@@ -191,7 +194,8 @@ class SshTransport:
         self._conn: asyncssh.SSHClientConnection | None = None
         self._lost = asyncio.Event()
         self._lock = asyncio.Lock()
-        self._forwards: dict[int, tuple[str, int, asyncssh.SSHListener | None]] = {}
+        self._forwards: list[asyncio.Server] = []
+        self._pipes: set[asyncio.Task[None]] = set()
         self.connects = 0  # how many times a connection was made (reconnects show here)
 
     async def connection(self) -> asyncssh.SSHClientConnection:
@@ -248,13 +252,6 @@ class SshTransport:
         self.connects += 1
         if self.connects > 1:
             log.info("ssh_reconnected", host=self.host, connects=self.connects)
-        for local_port, (rhost, rport, _) in list(self._forwards.items()):
-            try:
-                listener = await conn.forward_local_port("127.0.0.1", local_port, rhost, rport)
-            except (asyncssh.Error, OSError) as exc:
-                log.warning("ssh_forward_lost", host=self.host, local_port=local_port, error=str(exc))
-                listener = None
-            self._forwards[local_port] = (rhost, rport, listener)
 
     def _channel_error(self, exc: BaseException) -> TransportError:
         # A refused channel (e.g. the server's MaxSessions) leaves the connection and its other
@@ -290,27 +287,78 @@ class SshTransport:
         return SshStream(self.host, process)
 
     async def forward_local_port(self, remote_host: str, remote_port: int) -> int:
-        conn = await self.connection()
+        await self.connection()  # an unreachable host fails here, not at the first use
+
+        def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            # its own task, so that close() cancels the piping, not asyncio's accept callback
+            pipe = asyncio.create_task(self._pipe_through_channel(reader, writer, remote_host, remote_port))
+            self._pipes.add(pipe)
+            pipe.add_done_callback(self._pipes.discard)
+
         try:
-            listener = await conn.forward_local_port("127.0.0.1", 0, remote_host, remote_port)
-        except (asyncssh.Error, OSError) as exc:
-            raise TransportError(
-                f"{self.host}: cannot forward a local port to {remote_host}:{remote_port}: {exc}"
-            ) from exc
-        local_port = int(listener.get_port())
-        self._forwards[local_port] = (remote_host, remote_port, listener)
-        return local_port
+            server = await asyncio.start_server(accepted, "127.0.0.1", 0)
+        except OSError as exc:
+            raise TransportError(f"{self.host}: cannot listen on a local port for a forward: {exc}") from exc
+        self._forwards.append(server)
+        return int(server.sockets[0].getsockname()[1])
+
+    async def _open_channel(self, remote_host: str, remote_port: int
+                            ) -> tuple[asyncssh.SSHReader[bytes], asyncssh.SSHWriter[bytes]]:
+        # One retry: a connection lost before asyncssh noticed fails the first channel.
+        for attempt in (1, 2):
+            conn = await self.connection()
+            try:
+                return await conn.open_connection(remote_host, remote_port, encoding=None)
+            except asyncssh.ChannelOpenError as exc:  # the host refused this channel; the connection lives
+                raise TransportError(f"{self.host}: forward to {remote_host}:{remote_port} refused: "
+                                     f"{exc.reason}") from exc
+            except (asyncssh.Error, OSError) as exc:
+                error = self._channel_error(exc)
+                if attempt == 2:
+                    raise error from exc
+        raise AssertionError("unreachable")
+
+    async def _pipe_through_channel(self, local_r: asyncio.StreamReader, local_w: asyncio.StreamWriter,
+                                    remote_host: str, remote_port: int) -> None:
+        try:
+            try:
+                remote_r, remote_w = await self._open_channel(remote_host, remote_port)
+            except TransportError as exc:
+                log.warning("ssh_forward_failed", host=self.host, to=f"{remote_host}:{remote_port}",
+                            error=str(exc))
+                return
+            try:
+                await asyncio.gather(_copy(local_r, remote_w), _copy(remote_r, local_w))
+            except (asyncssh.Error, OSError):
+                pass  # either end went away: the other is closed below, as a TCP peer would see it
+            finally:
+                remote_w.close()
+        finally:
+            local_w.close()
 
     async def close(self) -> None:
-        for _, _, listener in self._forwards.values():
-            if listener is not None:
-                listener.close()
+        for server in self._forwards:
+            server.close()
         self._forwards.clear()
+        pipes, self._pipes = self._pipes, set()
+        for pipe in pipes:
+            pipe.cancel()
+        await asyncio.gather(*pipes, return_exceptions=True)
         if self._conn is not None:
             self._conn.close()
             with contextlib.suppress(asyncssh.Error, OSError):
                 await self._conn.wait_closed()
             self._conn = None
+
+
+async def _copy(reader: asyncio.StreamReader | asyncssh.SSHReader[bytes],
+                writer: asyncio.StreamWriter | asyncssh.SSHWriter[bytes]) -> None:
+    """Bytes from one end of a forward to the other, then the end of the stream."""
+    while data := await reader.read(65536):
+        writer.write(data)
+        await writer.drain()
+    if writer.can_write_eof():
+        writer.write_eof()
 
 
 async def connect_ssh(options: SshOptions, *, name: str | None = None) -> SshTransport:
