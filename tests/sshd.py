@@ -186,9 +186,11 @@ def running_sshd(root: Path, sshd: str = "/usr/sbin/sshd", *, address: str = "12
             f"AuthorizedKeysFile {authorized}\nUsePAM no\nStrictModes no\n"
             "PermitRootLogin prohibit-password\nPasswordAuthentication no\n"
             "KbdInteractiveAuthentication no\nAllowTcpForwarding yes\nX11Forwarding no\n"
-            "PrintMotd no\nMaxSessions 100\nMaxStartups 100\nLogLevel ERROR\n"
+            "PrintMotd no\nMaxSessions 100\nMaxStartups 100\nLogLevel VERBOSE\n"
         )
-        proc = subprocess.Popen([sshd, "-D", "-e", "-f", str(config)], stderr=subprocess.PIPE,
+        # -E: sshd's own account of each connection, kept for a test that sees one dropped
+        proc = subprocess.Popen([sshd, "-D", "-E", str(root / "sshd.log"), "-f", str(config)],
+                                stderr=subprocess.PIPE,
                                 env=env)
         if wait_listening(port, proc, address=address):
             known = root / "known_hosts"
@@ -202,7 +204,8 @@ def running_sshd(root: Path, sshd: str = "/usr/sbin/sshd", *, address: str = "12
         proc.kill()
         proc.wait()
         if proc.stderr is not None:
-            failed = proc.stderr.read().decode()
+            log = root / "sshd.log"
+            failed = proc.stderr.read().decode() + (log.read_text()[-2000:] if log.exists() else "")
             proc.stderr.close()
     raise RuntimeError("sshd did not start: " + failed)
 

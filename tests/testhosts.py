@@ -1,9 +1,13 @@
 """Test hosts on this one machine: each its own real OpenSSH sshd on its own loopback address
 (127.0.0.2, 127.0.0.3, ...: Linux routes all of 127/8 to lo, so binding needs no set-up), its own
-directory for its engine log and GPU feed, and its own clock: every process of the host (sshd, so
-every session it starts: the collector's clock probe and log follower; the agent; the simulator
-node writing the log) runs under libfaketime with the host's offset, so the skew is real to every
-program that reads the wall clock. libfaketime fakes the monotonic clock too (it reads as the faked
+directory for its engine log and GPU feed, and its own clock: every process of the host (every
+session sshd starts: the collector's clock probe and log follower; the agent; the simulator node
+writing the log) runs under libfaketime with the host's offset, so the skew is real to every
+program that reads the wall clock. The sshd listener itself does not (its sessions get the library
+through SetEnv): libfaketime rereads its offset file every CLOCK_RELOAD_S, and when that fell in
+sshd's seccomp-sandboxed pre-authentication child, the sandbox killed it (SIGSYS, "preauth child
+terminated by signal 31" in sshd.log) and the client's connection dropped: ~1 connection in 10
+on a busy machine (CI stops 31, 32). libfaketime fakes the monotonic clock too (it reads as the faked
 wall clock; it still only moves forward at the real rate, which is all asyncio needs):
 DONT_FAKE_MONOTONIC=1 would keep it, but libfaketime 0.9.10 then fails Python's time.sleep with
 EINVAL (its clock_nanosleep wrapper mixes the clocks).
@@ -134,8 +138,8 @@ class TestHost:
         start it again on the same address, port and host key."""
         self.sshd.stop()
         config = self.sshd.root / "sshd_config"
-        self.sshd.proc = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(config)],
-                                          stderr=subprocess.PIPE, env={**os.environ, **self.env})
+        self.sshd.proc = subprocess.Popen(["/usr/sbin/sshd", "-D", "-E", str(self.sshd.root / "sshd.log"),
+                                           "-f", str(config)], stderr=subprocess.PIPE)
         if not wait_listening(self.sshd.port, self.sshd.proc, address=self.address):
             raise RuntimeError(f"{self.name}: sshd did not come back on {self.address}:{self.sshd.port}")
 
@@ -168,8 +172,7 @@ def running_test_hosts(root: Path, offsets_s: Sequence[float], *, library: str,
             write_offset(host_root / "faketime", offset_s)
             env = faketime_env(host_root / "faketime", library)
             server = stack.enter_context(running_sshd(
-                host_root, sshd, address=f"127.0.0.{FIRST_ADDRESS + i}", env={**os.environ, **env},
-                session_env=env))
+                host_root, sshd, address=f"127.0.0.{FIRST_ADDRESS + i}", session_env=env))
             host = TestHost(f"node{i}", server.address, offset_s, host_root, server, env,
                             offsets=[(0, offset_s)])
             stack.callback(host.stop)
