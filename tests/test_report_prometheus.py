@@ -412,3 +412,26 @@ def test_vllm_turnover_readings_far_from_a_true_one_claim_nothing() -> None:
     assert np.isnan(load[2:5]).all()
     # no request in the engine by the law within the window: a 0 is a true reading
     assert load[8:].tolist() == [0.0, 0.0]
+
+
+def test_sglang_readings_caught_mid_turnover_are_lifted_where_requests_wait() -> None:
+    """SGLang's gauges at a level of 16 over PP2 read 4+2 running and 6 waiting as often as 4+4 and
+    8 (a scrape between a request's end and its replacement's prefill; CI, stop 31: 12-14 of 16,
+    and the level seemed below the pool). Where requests wait, Little's law lifts a reading to the
+    requests in the system, never above the most the gauges read within its window; where nothing
+    waits the bound by the law stands as before."""
+    from gputrace.imports.prometheus import engine_load
+
+    rank0 = np.array([4.0, 4.0, 4.0, 4.0, 1.0, 1.0])
+    rank1 = np.array([2.0, 4.0, 2.0, 2.0, 1.0, 1.0])
+    queue = np.array([6.0, 8.0, 6.0, 6.0, 0.0, 0.0])
+    in_system = np.array([15.6, 16.3, 17.0, 15.2, 1.1, 0.9])
+    ranks = {("", 0, 0, 0): {"running_req": rank0, "queue_req": queue},
+             ("", 1, 0, 0): {"running_req": rank1, "queue_req": queue}}
+    load = engine_load(ranks, 6, in_system, pool=8, half=1)
+    # lifted to the law's figure, capped by the 16 read within a step; the fourth step has no 16
+    # within its window: it stays at the 12 read. The fifth is within a step of a queue: its sum
+    # stands (the law's 1.1 lifts nothing down); the last, with nothing waiting near, is bounded
+    # by the law's 0.9 as before
+    assert load.tolist() == pytest.approx([15.6, 16.0, 16.0, 12.0, 2.0, 0.9])
+    assert engine_load(ranks, 6, None, pool=8).tolist() == [12.0, 16.0, 12.0, 12.0, 2.0, 2.0]

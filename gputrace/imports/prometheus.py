@@ -555,7 +555,23 @@ def engine_load(ranks: dict[tuple[str, int, int, int], dict[str, np.ndarray]], n
     if pool:
         running = np.minimum(running, pool)
     total: np.ndarray = running + queue
+    if in_system is not None:
+        total = _lift_where_requests_wait(total, queue, in_system, half)
     return total
+
+
+def _lift_where_requests_wait(total: np.ndarray, queue: np.ndarray, in_system: np.ndarray,
+                              half: int) -> np.ndarray:
+    """Where requests wait, a scrape catches ranks mid-turnover (a finished request's place not yet
+    refilled, the next prefill still queued): SGLang's gauges read a level of 16 as 12-14 about as
+    often as 16 on the real engine (CI, stop 31), and a level so read sat below the pool. Little's
+    law (``in_system``) lifts a reading to the requests in the system, never above the most the
+    gauges read within its window (its figure lumps with few completions in the window)."""
+    waits = _within(np.nan_to_num(queue) >= 0.5, half)
+    ceiling = _rolling_max(np.nan_to_num(total, nan=-np.inf), half)
+    lifted = np.minimum(in_system, ceiling)  # NaN where the law has no figure
+    out: np.ndarray = np.where(waits & (lifted > total), lifted, total)  # NaN readings stay NaN
+    return out
 
 
 def vllm_load(running: np.ndarray, queue: np.ndarray, in_system: np.ndarray | None,
