@@ -40,14 +40,16 @@ def busy(cores: int) -> subprocess.Popen[bytes]:
                             start_new_session=True)
 
 
-def run_tier(selection: str) -> tuple[int, int, float, str]:
-    """One run of the tier: (passed, failed, wall s, the failures' lines)."""
+def run_tier(selection: str, log: Path) -> tuple[int, int, float, str]:
+    """One run of the tier: (passed, failed, wall s, the failures' lines); its whole output to ``log``."""
     env = dict(os.environ, GPUTRACE_REQUIRE_SYSTEM_TESTS="1", GPUTRACE_REQUIRE_ENGINE_TESTS="1")
     t0 = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            "tests/test_engines_real.py", "-k", selection],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     wall = time.monotonic() - t0
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(done.stdout + done.stderr)
     tail = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-300:]
     passed = failed = 0
     for p, f in SUMMARY.findall(tail):
@@ -63,10 +65,12 @@ def main() -> None:
     ap.add_argument("--busy-cores", type=int, default=1)
     ap.add_argument("--select", default="vllm", help="pytest -k expression (default: vllm)")
     ap.add_argument("--reference", action="store_true", help="first one run on the idle machine")
+    ap.add_argument("--log-dir", type=Path, default=Path("/tmp/engine_tier_busy"),
+                    help="each run's whole pytest output, run-N.txt (default: %(default)s)")
     args = ap.parse_args()
     print(f"cores here: {os.cpu_count()}; busy cores during the runs: {args.busy_cores}", flush=True)
     if args.reference:
-        p, f, wall, failures = run_tier(args.select)
+        p, f, wall, failures = run_tier(args.select, args.log_dir / "reference.txt")
         print(f"reference (idle): {p} passed, {f} failed, {wall:.0f} s", flush=True)
         if failures:
             print(failures, flush=True)
@@ -74,7 +78,7 @@ def main() -> None:
     for i in range(args.runs):
         load = busy(args.busy_cores)
         try:
-            p, f, wall, failures = run_tier(args.select)
+            p, f, wall, failures = run_tier(args.select, args.log_dir / f"run-{i + 1}.txt")
         finally:
             os.killpg(load.pid, 9)
             load.wait()
@@ -83,7 +87,7 @@ def main() -> None:
         print(f"run {i + 1}/{args.runs} with {args.busy_cores} core(s) busy: {p} passed, {f} failed, "
               f"{wall:.0f} s", flush=True)
         if failures:
-            print(failures, flush=True)
+            print(failures, f"(the whole output: {args.log_dir / f'run-{i + 1}.txt'})", flush=True)
     print(f"runs passed whole: {whole} of {args.runs}; wall median {statistics.median(walls):.0f} s "
           f"[{min(walls):.0f}, {max(walls):.0f}]", flush=True)
 
