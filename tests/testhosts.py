@@ -7,7 +7,7 @@ program that reads the wall clock. The sshd listener itself does not (its sessio
 through SetEnv): libfaketime rereads its offset file every CLOCK_RELOAD_S, and when that fell in
 sshd's seccomp-sandboxed pre-authentication child, the sandbox killed it (SIGSYS, "preauth child
 terminated by signal 31" in sshd.log) and the client's connection dropped: ~1 connection in 10
-on a busy machine (CI stops 31, 32). libfaketime fakes the monotonic clock too (it reads as the faked
+on a busy machine (CI, stop 31, twice). libfaketime fakes the monotonic clock too (it reads as the faked
 wall clock; it still only moves forward at the real rate, which is all asyncio needs):
 DONT_FAKE_MONOTONIC=1 would keep it, but libfaketime 0.9.10 then fails Python's time.sleep with
 EINVAL (its clock_nanosleep wrapper mixes the clocks).
