@@ -29,7 +29,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sshd import SshServer, running_sshd, wait_listening
+from sshd import SshServer, running_sshd
 
 LIBFAKETIME_CANDIDATES = ("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
                           "/usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1",
@@ -137,11 +137,11 @@ class TestHost:
         """Kill this host's sshd (the listener and every session: each SSH connection drops) and
         start it again on the same address, port and host key."""
         self.sshd.stop()
-        config = self.sshd.root / "sshd_config"
-        self.sshd.proc = subprocess.Popen(["/usr/sbin/sshd", "-D", "-E", str(self.sshd.root / "sshd.log"),
-                                           "-f", str(config)], stderr=subprocess.PIPE)
-        if not wait_listening(self.sshd.port, self.sshd.proc, address=self.address):
-            raise RuntimeError(f"{self.name}: sshd did not come back on {self.address}:{self.sshd.port}")
+        try:
+            self.sshd.restart()  # the same argv: its listener runs without libfaketime
+        except RuntimeError:
+            raise RuntimeError(
+                f"{self.name}: sshd did not come back on {self.address}:{self.sshd.port}") from None
 
     def stop(self) -> None:
         """SIGTERM every process this host started (their whole session), SIGKILL what stays."""

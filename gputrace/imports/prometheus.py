@@ -568,10 +568,16 @@ def _lift_where_requests_wait(total: np.ndarray, queue: np.ndarray, in_system: n
     law (``in_system``) lifts a reading to the requests in the system, never above the most the
     gauges read within its window (its figure lumps with few completions in the window)."""
     waits = _within(np.nan_to_num(queue) >= 0.5, half)
-    ceiling = _rolling_max(np.nan_to_num(total, nan=-np.inf), half)
-    lifted = np.minimum(in_system, ceiling)  # NaN where the law has no figure
+    lifted = _law_capped_by_readings(in_system, total, half)
     out: np.ndarray = np.where(waits & (lifted > total), lifted, total)  # NaN readings stay NaN
     return out
+
+
+def _law_capped_by_readings(in_system: np.ndarray, readings: np.ndarray, half: int) -> np.ndarray:
+    """Little's law's figure, never above the most the gauges read within ``half`` steps (the
+    law's figure lumps with few completions in its window); NaN where the law has no figure."""
+    capped: np.ndarray = np.minimum(in_system, _rolling_max(np.nan_to_num(readings, nan=-np.inf), half))
+    return capped
 
 
 def vllm_load(running: np.ndarray, queue: np.ndarray, in_system: np.ndarray | None,
@@ -593,8 +599,7 @@ def vllm_load(running: np.ndarray, queue: np.ndarray, in_system: np.ndarray | No
     turnover = (total == 0) & (_rolling_max(np.nan_to_num(in_system, nan=-np.inf), half) >= 0.5)
     readings = np.where(turnover, np.nan, total)
     read = np.where(turnover, _rolling_mean(readings, half), total)
-    ceiling = _rolling_max(np.nan_to_num(readings, nan=-np.inf), half)
-    lifted = np.minimum(in_system, ceiling)  # NaN where the law has no figure
+    lifted = _law_capped_by_readings(in_system, readings, half)
     out: np.ndarray = np.where(lifted > read, lifted, read)  # a step with no reading stays NaN
     return out
 
