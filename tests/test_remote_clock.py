@@ -35,19 +35,29 @@ async def test_probe_over_ssh_brackets_the_host_time(sshd_server: SshServer) -> 
 
 
 async def test_best_probe_has_the_smallest_round_trip(sshd_server: SshServer) -> None:
-    """Of several probes on one channel, probe() keeps the one with the smallest round trip."""
+    """Of several probes on one channel, probe() keeps the one with the smallest round trip. (Each
+    probe it takes is recorded and compared, not a separate set taken earlier: CI, session 12, saw
+    the best of 6 at 1.39 ms against 1.35 ms for the median of 6 singles taken before it.)"""
     transport = await connect_ssh(sshd_server.options())
     prober = ClockProber(transport)
+    taken: list[ClockProbe] = []
+    real_once = prober._once
+
+    async def recorded_once() -> ClockProbe:
+        probe = await real_once()
+        taken.append(probe)
+        return probe
+
+    prober._once = recorded_once  # type: ignore[method-assign]
     try:
-        singles = [await prober.probe(samples=1) for _ in range(6)]
         best = await prober.probe(samples=6)
     finally:
         await prober.close()
         await transport.close()
-    for probe in [*singles, best]:
+    assert len(taken) == 6
+    for probe in taken:
         assert_causal(probe)
-    # The best of 6 is no worse than the median single probe taken on the same warm channel.
-    assert best.rtt_ns <= sorted(p.rtt_ns for p in singles)[len(singles) // 2]
+    assert best is min(taken, key=lambda p: p.rtt_ns)
 
 
 async def test_periodic_probes_survive_a_lost_connection(sshd_server: SshServer) -> None:
