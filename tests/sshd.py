@@ -19,6 +19,7 @@ from pathlib import Path
 
 import asyncssh
 import pytest
+from helpers import free_port
 
 from gputrace.remote.ssh import HostKeyPolicy, SshOptions
 
@@ -145,13 +146,6 @@ def wait_no_processes(marker: str, timeout_s: float = 5.0) -> list[tuple[int, st
     return left
 
 
-def free_port_on(address: str = "127.0.0.1") -> int:
-    """A port free on ``address`` (a test host's sshd may hold one that 127.0.0.1 has free)."""
-    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as sock:
-        sock.bind((address, 0))
-        return int(sock.getsockname()[1])
-
-
 def write_key(path: Path, alg: str = "ssh-ed25519") -> Path:
     key = asyncssh.generate_private_key(alg)
     key.write_private_key(str(path))
@@ -176,7 +170,7 @@ def running_sshd(root: Path, sshd: str = "/usr/sbin/sshd", *, address: str = "12
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
     failed = ""
     for _attempt in range(5):
-        port = free_port_on(address)
+        port = free_port(address)
         set_env = " ".join(f'"{k}={v}"' for k, v in (session_env or {}).items())
         config = root / "sshd_config"
         listen_address = f"[{address}]" if ":" in address else address

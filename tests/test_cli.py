@@ -6,18 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers import gputrace_process
+
 from gputrace import __version__
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "gputrace", *args], capture_output=True, text=True, timeout=60
-    )
 
 
 def test_version() -> None:
     """--version prints the package version."""
-    out = run_cli("--version")
+    out = gputrace_process("--version")
     assert out.returncode == 0
     assert __version__ in out.stdout
 
@@ -28,7 +24,7 @@ def test_help_lists_only_built_commands() -> None:
 
     from gputrace.cli import COMMAND_MODULES, _command_name, cli
 
-    out = run_cli("--help")
+    out = gputrace_process("--help")
     assert out.returncode == 0
     runner = CliRunner()
     for name in COMMAND_MODULES:
@@ -40,7 +36,7 @@ def test_help_lists_only_built_commands() -> None:
 
 def test_unknown_command_is_usage_error() -> None:
     """An unknown command is one line on stderr and exit status 2."""
-    out = run_cli("no-such-command")
+    out = gputrace_process("no-such-command")
     assert out.returncode == 2
     assert out.stderr.startswith("gputrace: error: ")
     assert len(out.stderr.strip().splitlines()) == 1
@@ -48,13 +44,13 @@ def test_unknown_command_is_usage_error() -> None:
 
 def test_bare_gputrace_prints_its_help_as_help() -> None:
     """`gputrace` alone prints the help on stdout and exits 0 (it printed it as an error)."""
-    out = run_cli()
+    out = gputrace_process()
     assert out.returncode == 0 and out.stdout.startswith("Usage: gputrace") and "error" not in out.stderr
 
 
 def test_debug_works_anywhere_before_a_wrapped_command() -> None:
     """`--debug` after the subcommand gives the traceback and the one-line error, not 'no such option'."""
-    out = run_cli("check-config", "/nonexistent.toml", "--debug")
+    out = gputrace_process("check-config", "/nonexistent.toml", "--debug")
     assert out.returncode == 2
     assert "Traceback" in out.stderr and out.stderr.strip().endswith("/nonexistent.toml: no such file")
     assert "No such option" not in out.stderr
@@ -65,10 +61,10 @@ def test_nothing_recognised_is_said_and_fails(tmp_path: Path) -> None:
     import with an empty run)."""
     junk = tmp_path / "junk.bin"
     junk.write_bytes(b"\x00\xff binary \x89PNG\n" * 50)
-    parsed = run_cli("parse", str(junk))
+    parsed = gputrace_process("parse", str(junk))
     assert parsed.returncode == 1
     assert "no engine scheduler, stats or configuration line recognised" in parsed.stderr
-    imported = run_cli("import", "--run", str(tmp_path / "run"), "--sglang-log", str(junk))
+    imported = gputrace_process("import", "--run", str(tmp_path / "run"), "--sglang-log", str(junk))
     assert imported.returncode == 1 and "no sglang line recognised in its 50 lines" in imported.stderr
     assert not (tmp_path / "run").exists()
 
@@ -93,7 +89,7 @@ def test_help_lists_every_command_without_importing_them() -> None:
 def test_watch_without_a_terminal_says_it_needs_one() -> None:
     """`watch` with its output in a pipe exits 2 with one line naming /v1/status (it printed
     nothing and ran until killed)."""
-    out = run_cli("watch", "--collector", "http://127.0.0.1:9")
+    out = gputrace_process("watch", "--collector", "http://127.0.0.1:9")
     assert out.returncode == 2
     assert out.stderr.strip() == ("gputrace: error: watch draws a live view and needs a terminal; without "
                                   "one, read http://127.0.0.1:9/v1/status (JSON) or the collector's /metrics")
@@ -104,7 +100,7 @@ def test_debug_works_before_and_between_the_subcommands_options() -> None:
     error (the issue: 'works anywhere on the line')."""
     for argv in (("--debug", "check-config", "/nonexistent.toml"),
                  ("check-config", "--debug", "/nonexistent.toml")):
-        out = run_cli(*argv)
+        out = gputrace_process(*argv)
         assert out.returncode == 2, argv
         assert "Traceback" in out.stderr and out.stderr.strip().endswith("/nonexistent.toml: no such file")
         assert "No such option" not in out.stderr
@@ -112,7 +108,7 @@ def test_debug_works_before_and_between_the_subcommands_options() -> None:
 
 def test_debug_after_a_wrapped_commands_separator_is_that_commands() -> None:
     """`gputrace run ... -- prog --debug`: the --debug is prog's, so gputrace shows no traceback."""
-    out = run_cli("run", "--config", "/nonexistent.toml", "--out", "/nonexistent-out", "--",
+    out = gputrace_process("run", "--config", "/nonexistent.toml", "--out", "/nonexistent-out", "--",
                   "prog", "--debug")
     assert out.returncode == 2
     assert out.stderr == "gputrace: error: /nonexistent.toml: no such file\n"
@@ -121,7 +117,7 @@ def test_debug_after_a_wrapped_commands_separator_is_that_commands() -> None:
 def test_run_warmup_help_says_it_warms_up_once() -> None:
     """`run --help`: the warm-up runs once before the sweep (it said 'before each level'; the
     load generator warms up once)."""
-    out = run_cli("run", "--help")
+    out = gputrace_process("run", "--help")
     assert out.returncode == 0
     text = " ".join(out.stdout.split())
     assert "seconds of warm-up at the first level's concurrency, once, before the sweep" in text
@@ -131,10 +127,10 @@ def test_run_warmup_help_says_it_warms_up_once() -> None:
 def test_mark_help_is_not_cut_at_its_example() -> None:
     """`mark`'s line in `gputrace --help` and its own help keep the example (click cut the listing
     at '(e.g.')."""
-    listing = run_cli("--help").stdout
+    listing = gputrace_process("--help").stdout
     (line,) = [ln for ln in listing.splitlines() if ln.strip().startswith("mark ")]
     assert line.rstrip().endswith("Mark a load phase in the running capture (C=64).")
-    own = " ".join(run_cli("mark", "--help").stdout.split())
+    own = " ".join(gputrace_process("mark", "--help").stdout.split())
     assert "Mark the start of a load phase (e.g. `gputrace mark C=64`) in the running capture." in own
 
 
@@ -142,7 +138,7 @@ def test_demo_quick_duration_is_the_same_in_help_and_readme() -> None:
     """`demo --help` and the README give `--quick` the same duration (they said 45 s where it took 50)."""
     import re
 
-    helped = " ".join(run_cli("demo", "--help").stdout.split())
+    helped = " ".join(gputrace_process("demo", "--help").stdout.split())
     readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
     said_help = re.search(r"--quick\s+Shorter load levels: 4 s each, about ([^.]+) in all\.", helped)
     assert said_help, helped

@@ -5,10 +5,10 @@ sizes past any deployment, a bad timezone, impossible [[topology.map]] rows, NaN
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import gputrace_process
 from sshd import SSHD_CANDIDATES, running_sshd
 
 from gputrace.config import load_config
@@ -25,15 +25,10 @@ path = "/tmp/does-not-matter.log"
 """
 
 
-def _gputrace(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gputrace", *args], capture_output=True, text=True,
-                          timeout=timeout_s)
-
-
 def _check(tmp_path: Path, text: str) -> subprocess.CompletedProcess[str]:
     path = tmp_path / "gputrace.toml"
     path.write_text(text)
-    return _gputrace("check-config", str(path))
+    return gputrace_process("check-config", str(path))
 
 
 def _one_error_line(proc: subprocess.CompletedProcess[str]) -> str:
@@ -60,7 +55,7 @@ def test_collect_refuses_a_huge_pp_size_at_once(tmp_path: Path) -> None:
     """collect reads the same config: one error line, exit 2, within seconds and no run left."""
     path = tmp_path / "gputrace.toml"
     path.write_text(HOST + "\n[topology]\npp_size = 1000000000\n")
-    proc = _gputrace("collect", "--config", str(path), "--out", str(tmp_path / "run"), "--listen", "",
+    proc = gputrace_process("collect", "--config", str(path), "--out", str(tmp_path / "run"), "--listen", "",
                      timeout_s=30)
     assert "topology.pp_size: must be <= 1024" in _one_error_line(proc)
     assert not (tmp_path / "run").exists()
@@ -107,7 +102,7 @@ def test_import_refuses_a_bad_timezone_in_one_line(tmp_path: Path, option: str, 
                                                      zone: str) -> None:
     """`import --timezone` with a directory of the zone database, an unknown name, an offset of
     days or a name too long for a file: one error line, exit 2, no run left behind."""
-    proc = _gputrace("import", "--run", str(tmp_path / "run"), "--timezone", zone, option, str(path))
+    proc = gputrace_process("import", "--run", str(tmp_path / "run"), "--timezone", zone, option, str(path))
     assert "unknown time" in _one_error_line(proc) or "expected UTC" in _one_error_line(proc)
     assert not (tmp_path / "run").exists()
 
@@ -125,7 +120,7 @@ def test_ssh_targets_read_ipv6_in_brackets(tmp_path: Path, ssh: str, host: str, 
     path.write_text(HOST.replace('gpus = [0, 1]', f'gpus = [0, 1]\nssh = "{ssh}"'))
     (target,) = [h.ssh for h in load_config(path).hosts]
     assert target is not None and (target.host, target.port) == (host, port)
-    proc = _gputrace("check-config", str(path))
+    proc = gputrace_process("check-config", str(path))
     assert proc.returncode == 0, proc.stderr
     shown = f"[{host}]" if ":" in host else host
     assert f"ssh {(ssh.split('@')[0] + '@') if '@' in ssh else ''}{shown}:{port};" in proc.stdout

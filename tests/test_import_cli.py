@@ -3,9 +3,9 @@ described in test_import_requests.py and test_import_smi.py)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
+
+from helpers import gputrace_process
 
 from gputrace.model import GpuSample, RequestRecord
 from gputrace.store import Store
@@ -13,15 +13,10 @@ from gputrace.store import Store
 DATA = Path(__file__).parent / "import_data"
 
 
-def _gputrace(*args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "gputrace", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-
-
 def test_import_every_kind_into_one_run(tmp_path: Path) -> None:
     """All five file kinds land in one store, each summarised on one line with its bad rows."""
     run = tmp_path / "run"
-    proc = _gputrace(
+    proc = gputrace_process(
         "import", "--run", str(run), "--host", "node-7",
         "--aiperf", str(DATA / "aiperf_profile_export.jsonl"), "--aiperf-phase", "C=32",
         "--guidellm", str(DATA / "guidellm_0.4_benchmarks.json"),
@@ -45,7 +40,7 @@ def test_import_every_kind_into_one_run(tmp_path: Path) -> None:
 
 def test_import_wrong_file_is_one_line(tmp_path: Path) -> None:
     """A guidellm report given as --aiperf: one error line naming the file, exit status 2."""
-    proc = _gputrace("import", "--run", str(tmp_path / "run"),
+    proc = gputrace_process("import", "--run", str(tmp_path / "run"),
                      "--aiperf", str(DATA / "guidellm_0.4_benchmarks.json"))
     assert proc.returncode == 2
     (line,) = proc.stderr.strip().splitlines()

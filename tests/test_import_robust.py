@@ -8,12 +8,11 @@ import hashlib
 import json
 import math
 import shutil
-import subprocess
-import sys
 import zlib
 from pathlib import Path
 
 import pytest
+from helpers import gputrace_process
 
 from gputrace.commands.parse import _parse_all
 from gputrace.store import Store
@@ -23,11 +22,6 @@ ENGINES = Path(__file__).parent / "data" / "engines"
 SGLANG = ENGINES / "sglang-0.5.23-pp2" / "default"
 VLLM = ENGINES / "vllm-0.32.0-pp2" / "default"
 TABLES = ("scheduler_events", "engine_configs", "requests", "markers", "gpu_samples")
-
-
-def _gputrace(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gputrace", *args], capture_output=True, text=True,
-                          timeout=120, cwd=cwd)
 
 
 def _counts(run: Path) -> dict[str, int]:
@@ -54,14 +48,14 @@ def test_the_same_file_imported_again_adds_nothing(tmp_path: Path, option: str, 
     """Imported again under another name, in another directory, by a relative path: one line
     'already imported: ... (imported <when> as <first path>)', exit 0, every table as it was."""
     run = tmp_path / "run"
-    first = _gputrace("import", "--run", str(run), option, str(source), *extra)
+    first = gputrace_process("import", "--run", str(run), option, str(source), *extra)
     assert first.returncode == 0, first.stderr
     once = _counts(run)
     assert sum(once.values()) > 0
     other = tmp_path / "elsewhere"
     other.mkdir()
     shutil.copy(source, other / ("renamed-" + source.name))
-    again = _gputrace("import", "--run", str(run), option, "renamed-" + source.name, *extra, cwd=other)
+    again = gputrace_process("import", "--run", str(run), option, "renamed-" + source.name, *extra, cwd=other)
     assert again.returncode == 0, again.stderr
     (line,) = again.stdout.strip().splitlines()
     assert line.startswith(f"already imported: renamed-{source.name} (imported ")
@@ -74,7 +68,7 @@ def test_the_same_file_twice_in_one_command_goes_in_once(tmp_path: Path) -> None
     copy = tmp_path / "copy.jsonl"
     shutil.copy(SGLANG / "requests.jsonl", copy)
     run = tmp_path / "run"
-    proc = _gputrace("import", "--run", str(run), "--requests", str(SGLANG / "requests.jsonl"),
+    proc = gputrace_process("import", "--run", str(run), "--requests", str(SGLANG / "requests.jsonl"),
                      "--requests", str(copy))
     assert proc.returncode == 0, proc.stderr
     first, second = proc.stdout.strip().splitlines()
@@ -88,10 +82,10 @@ def test_changed_content_under_the_same_path_is_imported(tmp_path: Path) -> None
     lines = SGLANG.joinpath("engine.log").read_text().splitlines(keepends=True)
     log.write_text("".join(lines[:2000]))
     run = tmp_path / "run"
-    assert _gputrace("import", "--run", str(run), "--sglang-log", str(log)).returncode == 0
+    assert gputrace_process("import", "--run", str(run), "--sglang-log", str(log)).returncode == 0
     before = _counts(run)["scheduler_events"]
     log.write_text("".join(lines))
-    proc = _gputrace("import", "--run", str(run), "--sglang-log", str(log))
+    proc = gputrace_process("import", "--run", str(run), "--sglang-log", str(log))
     assert proc.returncode == 0 and "already imported" not in proc.stdout
     assert _counts(run)["scheduler_events"] > before
 
@@ -109,7 +103,7 @@ def test_files_that_share_their_ends_are_told_apart_by_content(tmp_path: Path) -
     b.write_text("\n".join(repeat) + "\n")
     assert a.stat().st_size + 1 == b.stat().st_size > 3 << 20
     run = tmp_path / "run"
-    proc = _gputrace("import", "--run", str(run), "--requests", str(a), "--requests", str(b))
+    proc = gputrace_process("import", "--run", str(run), "--requests", str(a), "--requests", str(b))
     assert proc.returncode == 0 and "already imported" not in proc.stdout
     assert _counts(run)["requests"] == 2 * len(repeat)
 
@@ -129,16 +123,16 @@ def test_the_ledger_holds_the_sha256_of_the_files_bytes(tmp_path: Path, form: st
     log = tmp_path / "engine.log"
     log.write_bytes(data)
     run = tmp_path / "run"
-    assert _gputrace("import", "--run", str(run), "--sglang-log", str(log)).returncode == 0
+    assert gputrace_process("import", "--run", str(run), "--sglang-log", str(log)).returncode == 0
     with Store.open(run, read_only=True) as store:
         assert store.sql("SELECT sha256, size_bytes FROM imported_files") == [
             (hashlib.sha256(data).hexdigest(), len(data))]
-    again = _gputrace("import", "--run", str(run), "--sglang-log", str(log))
+    again = gputrace_process("import", "--run", str(run), "--sglang-log", str(log))
     assert again.returncode == 0 and again.stdout.startswith("already imported: ")
 
 
 def _phase_throughputs(run: Path, out: Path) -> dict[str, float]:
-    proc = _gputrace("report", str(run), "--format", "json", "--out", str(out))
+    proc = gputrace_process("report", str(run), "--format", "json", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     findings = json.loads((out / "findings.json").read_text())
     return {p["label"]: p["throughput_tok_s"] for p in findings["phases"]}
@@ -150,11 +144,11 @@ def test_a_second_import_does_not_double_the_reports_throughput(tmp_path: Path) 
     throughput is the same (it doubled, 38 -> 76 tok/s)."""
     run = tmp_path / "run"
     argv = ("--sglang-log", str(SGLANG / "engine.log"), "--requests", str(SGLANG / "requests.jsonl"))
-    assert _gputrace("import", "--run", str(run), *argv).returncode == 0
+    assert gputrace_process("import", "--run", str(run), *argv).returncode == 0
     once = _phase_throughputs(run, tmp_path / "once")
     for name in ("engine.log", "requests.jsonl"):
         shutil.copy(SGLANG / name, tmp_path / f"copy-{name}")
-    again = _gputrace("import", "--run", str(run), "--sglang-log", str(tmp_path / "copy-engine.log"),
+    again = gputrace_process("import", "--run", str(run), "--sglang-log", str(tmp_path / "copy-engine.log"),
                       "--requests", str(tmp_path / "copy-requests.jsonl"))
     assert again.returncode == 0 and again.stdout.count("already imported: ") == 2
     twice = _phase_throughputs(run, tmp_path / "twice")
@@ -181,11 +175,11 @@ def test_import_of_a_cut_gz_keeps_every_line_that_decompresses(tmp_path: Path) -
     """A .gz cut short imports the lines before the cut (exactly what a plain copy of them gives),
     says the file was cut and where, and exits 0 (it said 'interrupted', exit 130, and kept nothing)."""
     gz, readable = _cut_gzip(tmp_path, 0.88)
-    proc = _gputrace("import", "--run", str(tmp_path / "run"), "--sglang-log", str(gz))
+    proc = gputrace_process("import", "--run", str(tmp_path / "run"), "--sglang-log", str(gz))
     assert proc.returncode == 0, proc.stderr
     assert "FILE CUT: the gzip data ends before its end marker" in proc.stdout
     assert f"({gz.stat().st_size} bytes of file, {readable.stat().st_size} bytes decompressed)" in proc.stdout
-    reference = _gputrace("import", "--run", str(tmp_path / "ref"), "--sglang-log", str(readable))
+    reference = gputrace_process("import", "--run", str(tmp_path / "ref"), "--sglang-log", str(readable))
     assert reference.returncode == 0
     got, want = _counts(tmp_path / "run"), _counts(tmp_path / "ref")
     assert got["scheduler_events"] == want["scheduler_events"] > 2500
@@ -198,10 +192,10 @@ def test_parse_of_a_cut_gz_prints_every_line_that_decompresses(tmp_path: Path) -
     """`gputrace parse` on the cut file prints what the readable part gives, a FILE CUT warning
     on stderr, exit 0."""
     gz, readable = _cut_gzip(tmp_path, 0.5)
-    proc = _gputrace("parse", str(gz))
+    proc = gputrace_process("parse", str(gz))
     assert proc.returncode == 0, proc.stderr
     assert "FILE CUT" in proc.stderr and "interrupted" not in proc.stderr
-    reference = _gputrace("parse", str(readable))
+    reference = gputrace_process("parse", str(readable))
     assert proc.stdout == reference.stdout and proc.stdout.count("\n") > 1000
 
 
@@ -212,7 +206,7 @@ def test_a_corrupt_gz_keeps_what_comes_before_the_damage(tmp_path: Path) -> None
     middle = len(data) // 2
     data[middle:middle + 64] = bytes(64)
     gz.write_bytes(bytes(data))
-    proc = _gputrace("import", "--run", str(tmp_path / "run"), "--sglang-log", str(gz))
+    proc = gputrace_process("import", "--run", str(tmp_path / "run"), "--sglang-log", str(gz))
     assert proc.returncode == 0, proc.stderr
     assert "FILE CUT" in proc.stdout
     assert 0 < _counts(tmp_path / "run")["scheduler_events"] < 3502
@@ -234,7 +228,7 @@ def test_aiperf_nan_infinity_huge_and_deep_values_cost_their_rows(tmp_path: Path
     lines.append("[" * 100_000 + "]" * 100_000)
     path = tmp_path / "profile_export.jsonl"
     path.write_text("\n".join(lines) + "\n")
-    proc = _gputrace("import", "--run", str(tmp_path / "run"), "--aiperf", str(path))
+    proc = gputrace_process("import", "--run", str(tmp_path / "run"), "--aiperf", str(path))
     assert proc.returncode == 0, proc.stderr
     assert "3 requests imported; 4 bad rows skipped (first: line 1: nan where a finite number belongs)" \
         in proc.stdout
@@ -250,7 +244,7 @@ def test_guidellm_nan_and_deep_nesting_cost_one_request_each(tmp_path: Path) -> 
     successful[1]["deep"] = "DEEP"
     path = tmp_path / "benchmarks.json"
     path.write_text(json.dumps(report).replace('"DEEP"', "[" * 100_000 + "]" * 100_000))
-    proc = _gputrace("import", "--run", str(tmp_path / "run"), "--guidellm", str(path))
+    proc = gputrace_process("import", "--run", str(tmp_path / "run"), "--guidellm", str(path))
     assert proc.returncode == 0, proc.stderr
     assert "13 requests, 3 markers imported; 2 bad rows skipped" in proc.stdout
     assert "nested deeper than 200 levels" in proc.stdout + proc.stderr
@@ -270,7 +264,7 @@ def test_gputrace_jsonl_bad_values_cost_their_lines(tmp_path: Path) -> None:
     lines[requests[2]] = json.dumps(row)
     path = tmp_path / "requests.jsonl"
     path.write_text("\n".join(lines) + "\n")
-    proc = _gputrace("import", "--run", str(tmp_path / "run"), "--requests", str(path))
+    proc = gputrace_process("import", "--run", str(tmp_path / "run"), "--requests", str(path))
     assert proc.returncode == 0, proc.stderr
     assert "125 requests, 4 markers imported; 3 bad rows skipped" in proc.stdout
     counts = _counts(tmp_path / "run")
@@ -294,7 +288,7 @@ def test_parse_applies_one_value_rule(tmp_path: Path) -> None:
     bad values: null in the output and counted; #token 9223372036854775807 is kept."""
     log = tmp_path / "edges.log"
     log.write_text(EDGES)
-    proc = _gputrace("parse", str(log))
+    proc = gputrace_process("parse", str(log))
     assert proc.returncode == 0, proc.stderr
     first, second, third = (json.loads(line) for line in proc.stdout.splitlines())
     assert (first["running_req"], first["num_token"], first["token_usage"]) == (None, 2**63 - 1, None)
@@ -325,7 +319,7 @@ def test_import_stores_valid_values_and_counts_bad_ones(tmp_path: Path) -> None:
     log = tmp_path / "edges.log"
     log.write_text(EDGES)
     run = tmp_path / "run"
-    proc = _gputrace("import", "--run", str(run), "--sglang-log", str(log))
+    proc = gputrace_process("import", "--run", str(run), "--sglang-log", str(log))
     assert proc.returncode == 0, proc.stderr
     assert "3 events" in proc.stdout and "5 bad values not stored (first: line 1: running_req='-5')" \
         in proc.stdout
@@ -342,7 +336,7 @@ def _run_with_logged_pp_size(tmp_path: Path, pp_size: str) -> tuple[Path, str]:
     assert "'pp_size': 2," in text
     log.write_text(text.replace("'pp_size': 2,", f"'pp_size': {pp_size},"))
     run = tmp_path / "run"
-    proc = _gputrace("import", "--run", str(run), "--sglang-log", str(log),
+    proc = gputrace_process("import", "--run", str(run), "--sglang-log", str(log),
                      "--requests", str(SGLANG / "requests.jsonl"))
     assert proc.returncode == 0, proc.stderr
     return run, proc.stdout
@@ -363,7 +357,7 @@ def test_a_report_on_a_log_with_an_impossible_pp_size_runs(tmp_path: Path, pp_si
     """The report takes the stages from the log's ranks instead (it failed with 'negative
     dimensions', or tried to align 10^9 stages)."""
     run, _ = _run_with_logged_pp_size(tmp_path, pp_size)
-    report = _gputrace("report", str(run), "--format", "json", "--out", str(tmp_path / "rep"))
+    report = gputrace_process("report", str(run), "--format", "json", "--out", str(tmp_path / "rep"))
     assert report.returncode == 0, report.stderr
     assert json.loads((tmp_path / "rep" / "findings.json").read_text())["summary"]["pp_size"] == 2
 
@@ -382,7 +376,7 @@ def test_a_meta_json_size_outside_bounds_is_one_error_line(tmp_path: Path, topol
     meta = json.loads((run / "meta.json").read_text())
     meta["topology"] = topology
     (run / "meta.json").write_text(json.dumps(meta))
-    proc = _gputrace("report", str(run), "--format", "json", "--out", str(tmp_path / "rep"))
+    proc = gputrace_process("report", str(run), "--format", "json", "--out", str(tmp_path / "rep"))
     assert proc.returncode == 1
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("gputrace: error: ") and "meta.json " + key in line

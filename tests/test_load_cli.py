@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -13,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import gputrace_process
 
 from gputrace.imports.request_files import parse_requests_jsonl
 from gputrace.model import Marker, RequestRecord
@@ -51,18 +51,11 @@ def serving(behaviour: ServerBehaviour) -> Iterator[tuple[str, ServerStats]]:
     thread.join(10)
 
 
-def _gputrace(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "gputrace", *args],
-        capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})},
-    )
-
-
 def test_load_command_table_and_out_file(server_thread: tuple[str, ServerStats], tmp_path: Path) -> None:
     """The table lists each level; --out holds typed request and marker lines; markers posted."""
     url, stats = server_thread
     out = tmp_path / "load.jsonl"
-    proc = _gputrace(
+    proc = gputrace_process(
         "load", "--url", url, "--model", "m", "--concurrency", "2,5", "--max-tokens", "6",
         "--requests-per-level", "10", "--out", str(out), env={"GPUTRACE_MARK_URL": url + "/mark"},
     )
@@ -82,7 +75,7 @@ def test_load_command_table_and_out_file(server_thread: tuple[str, ServerStats],
 def test_load_command_usage_error(server_thread: tuple[str, ServerStats]) -> None:
     """Contradictory options: one error line, exit status 2."""
     url, _ = server_thread
-    proc = _gputrace("load", "--url", url, "--model", "m", "--requests-per-level", "3",
+    proc = gputrace_process("load", "--url", url, "--model", "m", "--requests-per-level", "3",
                      "--duration-per-level", "2")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["gputrace: error: give --requests-per-level or "
@@ -136,7 +129,7 @@ def test_load_command_burst(server_thread: tuple[str, ServerStats], tmp_path: Pa
     """`gputrace load --burst`: C requests per level, all of them recorded, the levels in order."""
     url, _ = server_thread
     out = tmp_path / "load.jsonl"
-    proc = _gputrace("load", "--url", url, "--model", "m", "--concurrency", "2,4", "--max-tokens", "4",
+    proc = gputrace_process("load", "--url", url, "--model", "m", "--concurrency", "2,4", "--max-tokens", "4",
                      "--burst", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     parsed = parse_requests_jsonl(out)

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 from live_chain import free_port, http_ok, wait_until
-from sshd import free_port_on
 from testhosts import TestHost, gputrace_argv
 
 from gputrace.sim.params import SCENARIOS
@@ -37,7 +36,7 @@ TOPOLOGY = "pp=8,tp=1,nnodes=2"
 def start_deployment(hosts: list[TestHost]) -> tuple[str, list[int]]:
     """Simulator node r and an agent on test host r; the engine's URL and the agents' ports."""
     head = hosts[0]
-    dist_port, sim_port = free_port_on(head.address), free_port_on(head.address)
+    dist_port, sim_port = free_port(head.address), free_port(head.address)
     for rank, host in enumerate(hosts):
         args = ["sim", "serve", "--scenario", SCENARIO, "--nnodes", str(len(hosts)), "--node-rank", str(rank),
                 "--dist-init-addr", f"{head.address}:{dist_port}", "--log", str(host.log_path),
@@ -49,7 +48,7 @@ def start_deployment(hosts: list[TestHost]) -> tuple[str, list[int]]:
     wait_until(lambda: http_ok(f"{url}/v1/models"), what="simulator node 0", proc=head.procs[-1])
     ports = []
     for rank, host in enumerate(hosts):
-        port = free_port_on(host.address)  # 127.0.0.1's free ports can be taken on the host's address
+        port = free_port(host.address)  # 127.0.0.1's free ports can be taken on the host's address
         host.spawn_agent(port, topology=f"{TOPOLOGY},node_rank={rank}")
         ports.append(port)
     for host, port in zip(hosts, ports, strict=True):

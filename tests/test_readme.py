@@ -9,12 +9,12 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -26,12 +26,6 @@ TIMEOUT_S = 600  # the quick demo: about 80 s on an idle machine, three minutes 
 def runnable_blocks(text: str) -> list[str]:
     """The ```sh runnable blocks of a Markdown text, in order."""
     return [m.group(1) for m in _BLOCK.finditer(text)]
-
-
-def _free_port() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return str(sock.getsockname()[1])
 
 
 def test_the_readme_has_runnable_blocks_for_the_guide() -> None:
@@ -51,7 +45,7 @@ def test_readme_block_runs(index: int, tmp_path: Path) -> None:
     """Block ``index`` exits 0; its background processes are ended with it."""
     block = runnable_blocks(README.read_text())[index]
     for port in DEFAULT_PORTS:
-        block = re.sub(rf"(?<![\d.]){port}(?!\d)", _free_port(), block)
+        block = re.sub(rf"(?<![\d.]){port}(?!\d)", str(free_port()), block)
     (tmp_path / "examples").symlink_to(REPO / "examples")
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     proc = subprocess.Popen(["bash", "-e", "-c", block], cwd=tmp_path, env=env, stdout=subprocess.PIPE,

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from helpers import free_port
 from sshd import SshServer, sshd_server_fixture, write_key  # noqa: F401  (the sshd_server fixture)
 from structlog.testing import capture_logs
 
@@ -90,9 +90,7 @@ async def test_insecure_skip_accepts_any_key_loudly(sshd_server: SshServer, tmp_
 async def test_unreachable_host_is_a_transport_error(tmp_path: Path, sshd_server: SshServer) -> None:
     """A port nobody listens on gives a TransportError naming the host, not an asyncssh error."""
     opts = sshd_server.options()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        free = sock.getsockname()[1]
+    free = free_port()
     with pytest.raises(TransportError, match=f"127.0.0.1.*{free}"):
         await connect_ssh(replace(opts, port=free))
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from analysis_synth import T0, Level, SynthRun, build
-from helpers import cli
+from helpers import analyse, cli
 from matplotlib.lines import Line2D
 
 from gputrace.analysis.aligned import gpu_metrics_on_grid
@@ -58,8 +58,7 @@ def agent_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def analysis(agent_run: Path) -> Analysis:
-    with Store.open(agent_run, read_only=True) as store:
-        return analyse_store(store)
+    return analyse(agent_run)
 
 
 def _png_size(png: bytes) -> tuple[int, int]:

@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ import aiohttp
 import pytest
 from conftest import require_binary
 from engine_fixtures import fixture_dir
+from helpers import gputrace_process
 
 from gputrace.analysis.compare import compare_analyses
 from gputrace.analysis.result import analyse_store
@@ -173,8 +173,7 @@ async def test_compare_renders_in_headless_chromium(tmp_path: Path) -> None:
 
 
 def _gputrace(*args: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "gputrace", *args], capture_output=True, text=True,
-                          timeout=180)
+    done = gputrace_process(*args, timeout_s=180)
     assert done.returncode == 0, done.stderr[-2000:]
 
 

@@ -7,6 +7,7 @@ import json
 
 import aiohttp
 import pytest
+from helpers import free_port
 
 from gputrace.engines import LogParser
 from gputrace.sim import scenario_params
@@ -125,15 +126,12 @@ async def test_load_writes_parsable_log_and_feed(server, tmp_path):
 async def test_two_nodes_write_their_own_ranks_in_their_own_clock(tmp_path):
     """--nnodes 2: node 0 logs PP0-3 and feeds its GPUs 0-3; node 1 (a clock 3.7 s ahead) logs
     PP4-7 and feeds its GPUs 0-3, every stamp 3.7 s later than node 0 would have written it."""
-    import socket
     import time
 
     from gputrace.sim.nodes import NodeLayout, run_node
 
     params = scenario_params("motivating", {"max_tokens": 16})
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        dist_port = sock.getsockname()[1]
+    dist_port = free_port()
     stop = asyncio.Event()
     node1 = asyncio.create_task(run_node(
         params, NodeLayout.sglang(params, 2), 1, ("127.0.0.1", dist_port), str(tmp_path / "n1.log"),

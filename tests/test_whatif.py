@@ -6,11 +6,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import analyse
+from helpers import analyse, gputrace_process
 
 from gputrace.demo import top_recommendation
 from gputrace.sim.outputs import write_store
@@ -118,8 +117,7 @@ def test_findings_carry_predicted_effects_and_demo_second_run(motivating_run: Pa
 
 
 def _whatif(run: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gputrace", "whatif", str(run), *args],
-                          capture_output=True, text=True, timeout=120)
+    return gputrace_process("whatif", str(run), *args)
 
 
 def test_whatif_command_json_and_markdown(motivating_run: Path, tmp_path: Path) -> None:
