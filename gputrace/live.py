@@ -111,10 +111,11 @@ class LiveState:
         pp = ev.pp_rank or 0
         key = (ev.host, pp, ev.tp_rank or 0, ev.dp_rank or 0)
         rank = self.engine.setdefault(key, EngineRank())
-        if ev.running_req is not None:
-            rank.running_req = ev.running_req
-        if ev.queue_req is not None:
-            rank.queue_req = ev.queue_req
+        if not self._vllm_turnover(ev):
+            if ev.running_req is not None:
+                rank.running_req = ev.running_req
+            if ev.queue_req is not None:
+                rank.queue_req = ev.queue_req
         if ev.gen_throughput_tok_s is not None:
             rank.gen_throughput_tok_s = ev.gen_throughput_tok_s
         if ev.token_usage is not None:
@@ -134,6 +135,19 @@ class LiveState:
         changes = self.stage_work.setdefault(pp, deque(maxlen=4096))
         if not changes or changes[-1][1] != has_work:
             changes.append((rank.seen_ns, has_work))
+
+    def _vllm_turnover(self, ev: SchedulerEvent) -> bool:
+        """vLLM's stats line at PP=2 reads "Running: 0 reqs, Waiting: 0 reqs" when it falls on a
+        batch turnover (seen on the real engine at C=1 and C=4, its generation throughput 96 tok/s
+        over the same interval): not a reading of an idle engine while requests are in flight (the
+        load's own count where this process runs it, else the tokens the interval generated). The
+        rank keeps its last reading."""
+        if ev.engine != "vllm" or ev.running_req != 0 or (ev.queue_req or 0) != 0:
+            return False
+        inflight = self.inflight
+        if inflight is not None:
+            return inflight > 0
+        return (ev.gen_throughput_tok_s or 0.0) > 0.0
 
     def on_config(self, config: EngineConfig) -> None:
         """SGLang logs its settings over several lines (server_args, then each rank's limits):
@@ -318,6 +332,14 @@ class LiveState:
             running += float(np.median(totals.running[recent]))
             in_flight = max(in_flight, float(np.median(totals.microbatches[recent])))
             sources.append(str(totals.source[-1]))
+        inflight = self.inflight
+        if inflight is not None and inflight > 0:
+            # the engine runs no more than the load has in flight: where every line holds the
+            # same request, the period is ambiguous and a stage read busy counts it once per stage
+            # (the real SGLang PP2 at C=1 beside GPUs read fully busy: 2 running, 2 micro-batches)
+            running = min(running, float(inflight))
+        # each micro-batch holds at least one request
+        in_flight = min(in_flight, running)
         return EngineNow(running, queued, in_flight, slots, k, pool, "/".join(sorted(set(sources))))
 
     def status(self) -> LiveStatus:

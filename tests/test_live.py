@@ -118,3 +118,49 @@ def test_the_live_finding_names_the_cap_when_every_slot_is_full_below_the_pool()
     assert current_finding(engine(64, 10, 8), [], 8).startswith("admission_bound: 10 waiting")
     assert current_finding(engine(6, 0, 3), [], 8).startswith("pipeline_underfilled: 3 micro-batches")
     assert current_finding(engine(16, 0, 8), [], 8) == "no finding now: 8 micro-batches fill the 8 stages"
+
+
+def _vllm_stats(running: int, waiting: int, gen_tok_s: float, recv_s: float) -> SchedulerEvent:
+    return SchedulerEvent(host="node0", source="file:log", engine="vllm", kind="stats", line_no=1, pp_rank=0,
+                          running_req=running, queue_req=waiting, gen_throughput_tok_s=gen_tok_s,
+                          recv_ts_ns=T0 + int(recv_s * S))
+
+
+def test_a_vllm_stats_line_read_at_batch_turnover_is_not_an_idle_engine() -> None:
+    """The real vLLM PP2 logged "Running: 0 reqs, Waiting: 0 reqs" with 96 tok/s generated over
+    the interval while one request was in flight (engine tier, C=1): the live view kept its last
+    reading (it said "idle: the engine runs no request"). With the load's own count: 0 and 0 while
+    requests are in flight keeps the reading, with none in flight it is idle; without that count,
+    the tokens generated decide."""
+    live = state()
+    live.on_event(_vllm_stats(1, 0, 40.0, 1.0))
+    live.on_event(_vllm_stats(0, 0, 96.0, 2.0))
+    assert live.engine_now().running == 1
+    assert not (live.status().finding or "").startswith("idle")
+    live.on_event(_vllm_stats(0, 0, 0.0, 3.0))  # nothing generated: the engine is idle
+    assert live.engine_now().running == 0
+    in_flight = [4]
+    live.inflight_probe = lambda: in_flight[0]
+    live.on_event(_vllm_stats(4, 0, 250.0, 4.0))
+    live.on_event(_vllm_stats(0, 0, 280.0, 5.0))
+    assert live.engine_now().running == 4
+    in_flight[0] = 0  # the load has ended: the same line is the drained engine
+    live.on_event(_vllm_stats(0, 0, 280.0, 6.0))
+    assert live.engine_now().running == 0
+
+
+def test_sglang_engine_total_never_exceeds_the_load_in_flight() -> None:
+    """PP2 at C=1: every line holds the same request, so the period is ambiguous, and a first stage
+    read fully busy counts it once per stage (the real SGLang's dashboard showed 2 running and 2
+    micro-batches while the load had 1 in flight). The load's own count bounds the running total,
+    and the micro-batches in flight never exceed the requests running."""
+    live = state()
+    for i in range(8):
+        live.on_event(SchedulerEvent(host="node0", source="file:log", engine="sglang", kind="decode",
+                                     line_no=i, pp_rank=0, running_req=1, queue_req=0,
+                                     recv_ts_ns=T0 + int(i * 0.1 * S)))
+    unbounded = live.engine_now(first_stage_busy=1.0)
+    assert unbounded.running == 2 and unbounded.microbatches_in_flight == 2
+    live.inflight_probe = lambda: 1
+    bounded = live.engine_now(first_stage_busy=1.0)
+    assert bounded.running == 1 and bounded.microbatches_in_flight == 1
