@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 from engine_fixtures import fixture_dir, line_signature
 from engine_servers import (
@@ -73,6 +74,7 @@ class Capture:
     run_stderr: str
     log_text: str
     prometheus_url: str  # a real Prometheus that scraped the engine's /metrics and the agent's DCGM_*
+    dashboard_url: str  # another that scraped what the dashboard reads: the collector and the agent
 
     def phases(self) -> dict[str, tuple[int, int]]:
         """Phase label -> (start_ns, end_ns) from the run's markers (collector clock)."""
@@ -110,6 +112,14 @@ def _capture(setting: EngineSetting, tmp: Path) -> Iterator[Capture]:
         wait_until(lambda: http_ok(f"http://127.0.0.1:{agent_port}/healthz"), what="agent", proc=agent)
         prom_url = outlives_the_engine.enter_context(prometheus(
             tmp, {setting.engine: engine.port, "dcgm": agent_port}, 2, keep={"dcgm": "DCGM_.*"}))
+        # the user's own Prometheus beside the capture, as the shipped dashboard expects it: the
+        # collector's exposition and the agent's (kept apart from the one above, which must hold
+        # nothing of gputrace's)
+        collector_port = free_port()
+        dashboard_work = tmp / "dashboard-prometheus"
+        dashboard_work.mkdir()
+        dashboard_url = outlives_the_engine.enter_context(prometheus(
+            dashboard_work, {"collector": collector_port, "agent": agent_port}, 2))
         cfg = tmp / "gputrace.toml"
         cfg.write_text(
             f'[run]\nname = "{setting.engine}-tier"\n\n[[hosts]]\nname = "engine-host"\n'
@@ -118,7 +128,7 @@ def _capture(setting: EngineSetting, tmp: Path) -> Iterator[Capture]:
             f'engine = "{setting.engine}"\n\n[topology]\npp_size = 2\n')
         run_dir = tmp / "run"
         argv = [sys.executable, "-m", "gputrace", "run", "--config", str(cfg), "--out", str(run_dir),
-                "--listen", f"127.0.0.1:{free_port()}", "--url", engine.url, "--model", engine.model,
+                "--listen", f"127.0.0.1:{collector_port}", "--url", engine.url, "--model", engine.model,
                 "--concurrency", ",".join(map(str, CONCURRENCY)),
                 "--duration-per-level", str(LEVEL_S[setting.engine]),
                 "--max-tokens", str(MAX_TOKENS[setting.engine]), "--ignore-eos", "--warmup", "0",
@@ -132,7 +142,7 @@ def _capture(setting: EngineSetting, tmp: Path) -> Iterator[Capture]:
     # the engine is stopped here (the tests read what was captured, and a restart has the cores);
     # Prometheus stays up until the module's tests are done
     with outlives:
-        yield Capture(engine, scraper, run_dir, out.stderr, log_text, prom_url)
+        yield Capture(engine, scraper, run_dir, out.stderr, log_text, prom_url, dashboard_url)
 
 
 @pytest.fixture(scope="module")
@@ -457,6 +467,61 @@ def _gauges_read_the_load(capture: Capture, engine_name: str, window: tuple[int,
     if engine_name == "vllm":
         readings = [v for v in readings if v > 0]
     return bool(readings) and statistics.median(readings) >= 2 * ADMISSION_LIMIT - 1
+
+
+# The shipped dashboard's panels, drawn from a Prometheus that scraped the real capture
+
+
+@pytest.mark.parametrize("engine_name", ["sglang", "vllm"])
+def test_dashboard_panels_render_a_real_engine_capture(engine_name: str, request: pytest.FixtureRequest,
+                                                       tmp_path: Path) -> None:
+    """`gputrace panels` over the whole sweep, from a Prometheus that scraped the collector of
+    `gputrace run` and the agent as the shipped dashboard expects: a PNG per panel (kept in
+    tests/artifacts/panels-ENGINE/), every panel with data, 2 pipeline stages, a busy heatmap row per
+    stage, one phase mark per level."""
+    from gputrace.prometheus.client import PrometheusClient
+    from gputrace.prometheus.panels import query_panels, query_phase_marks
+
+    capture: Capture = request.getfixturevalue(f"{engine_name}_run")
+    windows = list(capture.phases().values())
+    # to three quarters into the last level: the collector (whose finding line the range's end
+    # shows) was up then
+    start_s, end_s = windows[0][0] / 1e9, windows[-1][0] / 1e9 + 0.75 * LEVEL_S[engine_name]
+    out = Path(__file__).parent / "artifacts" / f"panels-{engine_name}"
+    done = subprocess.run(gputrace_argv(
+        "panels", "--prometheus", capture.dashboard_url, "--start", f"{start_s:.3f}", "--end", f"{end_s:.3f}",
+        "--step", "1s", "--run", f"{engine_name}-tier", "--out", str(out)), capture_output=True, text=True,
+        timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    print(done.stdout)
+    # (a scrape that failed writes staleness markers: the instant query of "Finding now" at the
+    # range's end then finds nothing; the collector's `up` says whether that happened)
+    client = PrometheusClient(capture.dashboard_url)
+    start_ms, end_ms = int(start_s * 1000), int(end_s * 1000)
+    up = [(float(t), float(v)) for series in client.query_range_chunked('up{job="collector"}', start_ms,
+                                                                        end_ms, 1000)
+          for t, v in zip(series.ts_ms, series.values, strict=True)]
+    assert "no data:" not in done.stdout, (done.stdout, [t for t, v in up if v < 1], up[-3:])
+    assert len(list(out.glob("*.png"))) == 20, done.stdout
+    variables = {"run": f"{engine_name}-tier"}
+    results = {r.panel["title"]: r for r in query_panels(client, start_ms, end_ms, 1000, variables)
+               if r.panel["type"] != "row"}
+    marks = query_phase_marks(client, start_ms, end_ms, 1000, variables)
+    assert [m.title for m in marks] == [f"phase C={c}" for c in CONCURRENCY]
+    stages = {s.legend: s for s in results["Micro-batches in flight vs pipeline stages"].series}
+    stage_line = stages["pipeline stages (pp_size)"].values
+    assert set(stage_line[np.isfinite(stage_line)]) == {2.0}, stages.keys()
+    busy = results["Busy per stage (heatmap)"]
+    assert sorted(s.legend for s in busy.series) == ["stage 0", "stage 1"]
+    # Seen in these panels (session 13): SGLang's total read 2 running in 2 micro-batches at C=1,
+    # vLLM's 0 running (a stats line at batch turnover) while 1 and 4 were in flight
+    totals = {s.legend: dict(zip(s.ts_s.tolist(), s.values.tolist(), strict=True))
+              for s in results["Engine running total vs its pool and the load"].series}
+    engine, load = totals["engine running (total)"], totals["load in flight"]
+    both = [(t, engine[t], load[t]) for t in sorted(engine) if t in load and np.isfinite(engine[t] + load[t])]
+    assert len(both) >= 20, both
+    assert all(running <= in_flight + 0.5 for _, running, in_flight in both), both
+    assert all(running >= 0.5 for _, running, in_flight in both if in_flight >= 1), both
 
 
 # The recommendation, applied to the real engine
