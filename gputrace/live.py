@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from gputrace import metric_names as mn
+from gputrace.analysis.diagnose import ADMISSION_FLAG
 from gputrace.analysis.phase_figures import BUSY_SIGNALS, busy_and_bubble
 from gputrace.analysis.schedule import engine_totals, line_sizes
 from gputrace.exposition import Collector, Metric, family
@@ -66,6 +67,7 @@ class EngineNow:
     k: int | None  # the micro-batch cap (--pp-max-micro-batch-size or its default)
     pool: int | None  # the request pool (--max-running-requests, --max-num-seqs)
     source: str  # how `running` was read: "logged" (vLLM), or engine_totals' source for SGLang
+    engine_kind: str | None = None  # "sglang", "vllm": which flag sets the pool
 
 
 @dataclass(slots=True)
@@ -317,7 +319,8 @@ class LiveState:
             # micro-batch, when it runs any)
             running = _sum(r.running_req for r in firsts)
             single = None if self.engine_kind != "sglang" or running is None else float(running > 0)
-            return EngineNow(running, queued, single, slots, k, pool, "logged" if firsts else "none")
+            return EngineNow(running, queued, single, slots, k, pool, "logged" if firsts else "none",
+                             self.engine_kind)
         running = 0.0
         in_flight = 0.0
         sources = []
@@ -340,7 +343,8 @@ class LiveState:
             running = min(running, float(inflight))
         # each micro-batch holds at least one request
         in_flight = min(in_flight, running)
-        return EngineNow(running, queued, in_flight, slots, k, pool, "/".join(sorted(set(sources))))
+        return EngineNow(running, queued, in_flight, slots, k, pool, "/".join(sorted(set(sources))),
+                         self.engine_kind)
 
     def status(self) -> LiveStatus:
         """What `watch` shows (the collector's /v1/status adds the store and the problems)."""
@@ -368,8 +372,9 @@ def current_finding(engine: EngineNow, stages: list[dict[str, Any]], pp_size: in
     if running < 0.5 and queued < 0.5:
         return "idle: the engine runs no request"
     if queued >= 0.5 and engine.pool is not None and running >= engine.pool - 0.5:
+        flag = ADMISSION_FLAG.get(engine.engine_kind or "sglang", ADMISSION_FLAG["sglang"])
         return (f"admission_bound: {queued:.0f} waiting while the engine runs {running:.0f}, its pool "
-                f"(--max-running-requests {engine.pool})")
+                f"({flag} {engine.pool})")
     slots = engine.slots or pp
     if queued >= 0.5 and engine.k and mbs is not None and mbs >= slots - 0.5 and (
             engine.pool is None or running < engine.pool - 0.5):

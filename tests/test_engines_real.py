@@ -513,6 +513,10 @@ def test_dashboard_panels_render_a_real_engine_capture(engine_name: str, request
     assert set(stage_line[np.isfinite(stage_line)]) == {2.0}, stages.keys()
     busy = results["Busy per stage (heatmap)"]
     assert sorted(s.legend for s in busy.series) == ["stage 0", "stage 1"]
+    # at C=16 over a pool of 8: the line names the engine's own flag (vLLM's read SGLang's)
+    (finding,) = [s.legend for s in results["Finding now"].series]
+    flag = {"sglang": "--max-running-requests", "vllm": "--max-num-seqs"}[engine_name]
+    assert not finding.startswith("admission_bound") or f"({flag} {ADMISSION_LIMIT})" in finding, finding
     # Seen in these panels (session 13): SGLang's total read 2 running in 2 micro-batches at C=1,
     # vLLM's 0 running (a stats line at batch turnover) while 1 and 4 were in flight
     totals = {s.legend: dict(zip(s.ts_s.tolist(), s.values.tolist(), strict=True))

@@ -164,3 +164,17 @@ def test_sglang_engine_total_never_exceeds_the_load_in_flight() -> None:
     live.inflight_probe = lambda: 1
     bounded = live.engine_now(first_stage_busy=1.0)
     assert bounded.running == 1 and bounded.microbatches_in_flight == 1
+
+
+def test_the_live_admission_finding_names_the_engines_own_flag() -> None:
+    """vLLM's pool is --max-num-seqs: its live finding named SGLang's --max-running-requests (seen
+    in the 'Finding now' panel of the real vLLM capture)."""
+    live = state()
+    live.settings["max_running_requests"] = 8
+    live.on_event(_vllm_stats(8, 8, 500.0, 1.0))
+    assert live.status().finding == ("admission_bound: 8 waiting while the engine runs 8, its pool "
+                                     "(--max-num-seqs 8)")
+    sglang = state()
+    sglang.settings["max_running_requests"] = 8
+    sglang.on_event(event(0, 8, 8, 1.0))
+    assert (sglang.status().finding or "").endswith("its pool (--max-running-requests 8)")
