@@ -35,6 +35,7 @@ from engine_servers import (
     free_port,
     running_engine,
 )
+from helpers import gputrace_process
 from live_chain import gputrace_argv, http_ok, prometheus, wait_until
 
 from gputrace.demo import child_process
@@ -488,10 +489,9 @@ def test_dashboard_panels_render_a_real_engine_capture(engine_name: str, request
     # shows) was up then
     start_s, end_s = windows[0][0] / 1e9, windows[-1][0] / 1e9 + 0.75 * LEVEL_S[engine_name]
     out = Path(__file__).parent / "artifacts" / f"panels-{engine_name}"
-    done = subprocess.run(gputrace_argv(
+    done = gputrace_process(
         "panels", "--prometheus", capture.dashboard_url, "--start", f"{start_s:.3f}", "--end", f"{end_s:.3f}",
-        "--step", "1s", "--run", f"{engine_name}-tier", "--out", str(out)), capture_output=True, text=True,
-        timeout=180)
+        "--step", "1s", "--run", f"{engine_name}-tier", "--out", str(out), timeout_s=180)
     assert done.returncode == 0, done.stderr[-2000:]
     print(done.stdout)
     client = PrometheusClient(capture.dashboard_url)
