@@ -28,9 +28,15 @@ def configure_logging(log_format: str = "console", level: str = "info") -> None:
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping()[level.upper()]
         ),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # sys.stderr as it is at each write, not as it was here: an in-process caller (click's test
+        # runner, a notebook) may swap the stream and close it after this call
+        logger_factory=_stderr_at_write_time,
         cache_logger_on_first_use=False,
     )
+
+
+def _stderr_at_write_time(*_args: object) -> structlog.PrintLogger:
+    return structlog.PrintLogger(file=sys.stderr)
 
 
 def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:
