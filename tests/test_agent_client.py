@@ -236,6 +236,48 @@ async def test_a_client_started_at_present_skips_the_agents_history(agents: list
     assert client.stats.history_skipped > 0 and client.stats.gaps == 0
 
 
+async def test_from_the_first_sample_kept_the_run_is_one_unbroken_sequence() -> None:
+    """A driver's buffered samples carry earlier times than the tick they come with: one just older
+    than the capture's margin, between kept ticks, is kept, so the run's sequence numbers have no
+    gap (skipping it left gaps no one could tell from samples lost; a PP8 capture on a busy machine
+    read 26, 28, 30, 32, 33, ...)."""
+    from aiohttp import web
+
+    now_ns = time.time_ns()
+    margin_ns = 1_000_000_000
+    times = {1: now_ns - 3 * margin_ns, 2: now_ns - margin_ns + 50_000_000,  # history, then a tick
+             3: now_ns - margin_ns - 40_000_000,  # the driver's sample just before the margin
+             4: now_ns - margin_ns + 60_000_000, 5: now_ns}
+    body = b"".join(sample_line(seq, GpuSample("h", 0, ts, power_w=70.0)).encode() + b"\n"
+                    for seq, ts in times.items())
+    seq_header = {"X-Gputrace-Newest-Seq": "5", "X-Gputrace-Instance": "a"}
+
+    async def time_handler(request: web.Request) -> web.Response:
+        return web.json_response({"time_ns": now_ns, "host": "h"})
+
+    async def info_handler(request: web.Request) -> web.Response:
+        return web.json_response({"devices": [{}], "interval_s": 0.1}, headers=seq_header)
+
+    async def samples_handler(request: web.Request) -> web.Response:
+        page = body if request.query["since"] == "0" else b""
+        return web.Response(body=page, content_type="application/x-ndjson", headers=seq_header)
+
+    app = web.Application()
+    app.router.add_get("/v1/time", time_handler)
+    app.router.add_get("/v1/info", info_handler)
+    app.router.add_get("/v1/samples", samples_handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        async with AgentClient(f"http://127.0.0.1:{runner.addresses[0][1]}", history_margin_s=1.0) as client:
+            await client.start_at_present()
+            page = await client.fetch_page()
+    finally:
+        await runner.cleanup()
+    assert _seqs(page) == [2, 3, 4, 5] and client.stats.history_skipped == 1
+
+
 class HeldExecutor(ThreadPoolExecutor):
     """Runs what it is given only once ``release`` is set: a page as slow to decode as a test wants."""
 

@@ -224,6 +224,10 @@ class AgentClient:
                 self.since = max(self.since, s.seq)
                 continue
             out.append(s)
+            # from the first sample kept on, every one is: the run's samples are one unbroken
+            # sequence (a driver's buffered samples carry earlier times than the tick around them:
+            # skipping those among kept ticks left gaps no one could tell from lost samples)
+            self.history_seq = 0
             if s.seq is not None:
                 self.since = max(self.since, s.seq)
         self.stats.pages += 1
