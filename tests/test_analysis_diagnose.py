@@ -180,13 +180,20 @@ def test_without_the_clients_level_the_limit_covers_the_gauges_peak(tmp_path: Pa
     engine = EngineSettings(engine="sglang", max_running_requests=8)
     (bound,) = [f for f in diagnose([gauge_only], engine, 2) if f.cause == "admission_bound"]
     assert bound.recommendation == "--max-running-requests 16"
-    asked = dataclasses.replace(gauge_only, target_concurrency=15, inflight_mean=14.6)
+    asked = dataclasses.replace(gauge_only, target_concurrency=15, inflight_mean=14.6, source="request labels")
     (bound,) = [f for f in diagnose([asked], engine, 2) if f.cause == "admission_bound"]
     assert bound.recommendation == "--max-running-requests 15"
     # a level detected in the gauge (its rounded median, 16) covers a mean and a 90th percentile
     # that turnover pulls down (vLLM's gauges at C=16 once: p90 15)
     detected = dataclasses.replace(gauge_only, target_concurrency=16, inflight_mean=14.6, inflight_p90=15.0)
     (bound,) = [f for f in diagnose([detected], engine, 2) if f.cause == "admission_bound"]
+    assert bound.recommendation == "--max-running-requests 16"
+    # and where most readings fell at a turnover (vLLM at C=16 with the cores shared: the level
+    # found in them read 9), the readings between turnovers that hold the whole level decide
+    # (its queue gauge dipped alike: 1.4 waiting on average beside the 8 running)
+    dipped = dataclasses.replace(gauge_only, target_concurrency=9, inflight_mean=9.4, inflight_p90=16.0,
+                                 stages=[dataclasses.replace(st, queue_req_mean=1.4) for st in pm.stages])
+    (bound,) = [f for f in diagnose([dipped], engine, 2) if f.cause == "admission_bound"]
     assert bound.recommendation == "--max-running-requests 16"
 
 

@@ -127,10 +127,11 @@ def admission_bound(pm: PhaseMetrics, engine: EngineSettings, load: float | None
     assert limit is not None and engine_running is not None
     kind = engine_kind(engine)
     # the limit to cover the offered load; without the client's level, the load's 90th percentile
-    # where higher (a gauge read from the engine dips while finished requests are replaced)
+    # where higher: a gauge read from the engine dips while finished requests are replaced, and on
+    # vLLM at PP=2 with the cores shared most readings of a level of 16 fell at a turnover (the
+    # level found in them read 9), while the readings between turnovers hold the whole level
     if pm.target_concurrency and pm.source.startswith("detected"):
-        # a level found in that gauge: its rounded median, which turnover dips do not pull down
-        offered = max(load, float(pm.target_concurrency))
+        offered = max(load, float(pm.target_concurrency), pm.inflight_p90 or 0.0)
     else:
         offered = load if pm.target_concurrency else max(load, pm.inflight_p90 or 0.0)
     want = max(int(np.ceil(offered)), limit + 1)
