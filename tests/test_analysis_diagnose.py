@@ -180,7 +180,8 @@ def test_without_the_clients_level_the_limit_covers_the_gauges_peak(tmp_path: Pa
     engine = EngineSettings(engine="sglang", max_running_requests=8)
     (bound,) = [f for f in diagnose([gauge_only], engine, 2) if f.cause == "admission_bound"]
     assert bound.recommendation == "--max-running-requests 16"
-    asked = dataclasses.replace(gauge_only, target_concurrency=15, inflight_mean=14.6, source="request labels")
+    asked = dataclasses.replace(gauge_only, target_concurrency=15, inflight_mean=14.6,
+                                source="request labels")
     (bound,) = [f for f in diagnose([asked], engine, 2) if f.cause == "admission_bound"]
     assert bound.recommendation == "--max-running-requests 15"
     # a level detected in the gauge (its rounded median, 16) covers a mean and a 90th percentile
