@@ -31,11 +31,12 @@ def cli(args: Sequence[str]) -> Result:
 
 
 def gputrace_process(*args: str, timeout_s: float = 120, env: dict[str, str] | None = None,
-                     cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+                     cwd: Path | None = None, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     """`gputrace ARGS` as its own process, as a user runs it (for what in-process cannot show: the
     console entry point, exit statuses through the interpreter, stdin, extra environment)."""
     return subprocess.run([sys.executable, "-m", "gputrace", *args], capture_output=True, text=True,
-                          timeout=timeout_s, env={**os.environ, **env} if env else None, cwd=cwd)
+                          input=stdin, timeout=timeout_s, env={**os.environ, **env} if env else None,
+                          cwd=cwd)
 
 
 def analyse(run: Path | str) -> Analysis:

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from helpers import gputrace_process
+from helpers import cli, gputrace_process
 
 from gputrace import __version__
 
@@ -20,16 +20,13 @@ def test_version() -> None:
 
 def test_help_lists_only_built_commands() -> None:
     """--help lists every registered command and each one's --help works."""
-    from click.testing import CliRunner
-
-    from gputrace.cli import COMMAND_MODULES, _command_name, cli
+    from gputrace.cli import COMMAND_MODULES, _command_name
 
     out = gputrace_process("--help")
     assert out.returncode == 0
-    runner = CliRunner()
     for name in COMMAND_MODULES:
         assert _command_name(name) in out.stdout
-        sub = runner.invoke(cli, [_command_name(name), "--help"])
+        sub = cli([_command_name(name), "--help"])
         assert sub.exit_code == 0, sub.output
         assert "Usage:" in sub.output
 

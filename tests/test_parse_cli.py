@@ -5,11 +5,11 @@ from __future__ import annotations
 import gzip
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import shared_data
+from helpers import gputrace_process
 
 SGLANG_LINES = shared_data("sglang/real-lines.txt")
 VLLM_LINES = SGLANG_LINES.parent.parent / "vllm" / "real-lines.txt"
@@ -19,13 +19,12 @@ KEYS = ["kind", "engine", "ts", "dp_rank", "pp_rank", "tp_rank", "ep_rank", "run
         "input_throughput_tok_s", "cuda_graph"]
 
 
-def _parse(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run([sys.executable, "-m", "gputrace", "parse", *args], input=stdin,
-                          capture_output=True, timeout=60)
+def _parse(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return gputrace_process("parse", *args, stdin=stdin, timeout_s=60)
 
 
-def _objects(stdout: bytes) -> list[dict[str, object]]:
-    return [json.loads(line) for line in stdout.decode().splitlines()]
+def _objects(stdout: str) -> list[dict[str, object]]:
+    return [json.loads(line) for line in stdout.splitlines()]
 
 
 def test_ndjson_keys_and_values() -> None:
@@ -58,7 +57,7 @@ def test_config_lines_carry_sglang_names() -> None:
 def test_summary_on_stderr() -> None:
     """stderr says how many lines were read, recognised per kind and unrecognised."""
     out = _parse(str(SGLANG_LINES))
-    assert out.stderr.decode().strip() == (
+    assert out.stderr.strip() == (
         "total: 103 lines read; recognised prefill 43, decode 30, config 2, stats 0; unrecognised 28")
 
 
@@ -66,13 +65,13 @@ def test_stdin_and_gzip(tmp_path: Path) -> None:
     """'-' reads stdin and .gz files are decompressed; several files get one summary line each."""
     gz = tmp_path / "sglang.log.gz"
     gz.write_bytes(gzip.compress(SGLANG_LINES.read_bytes()))
-    out = _parse(str(gz), "-", stdin=VLLM_LINES.read_bytes())
+    out = _parse(str(gz), "-", stdin=VLLM_LINES.read_text())
     assert out.returncode == 0, out.stderr
     objects = _objects(out.stdout)
     assert [o["engine"] for o in objects].count("vllm") == 12
     assert [o["engine"] for o in objects].count("sglang") == 75
     assert objects[-1]["kind"] == "stats" and objects[-1]["gen_throughput_tok_s"] == 117.6
-    err = out.stderr.decode().splitlines()
+    err = out.stderr.splitlines()
     assert err == [
         f"{gz}: 103 lines read; recognised prefill 43, decode 30, config 2, stats 0; unrecognised 28",
         "-: 18 lines read; recognised prefill 0, decode 0, config 0, stats 12; unrecognised 6",
@@ -83,16 +82,16 @@ def test_stdin_and_gzip(tmp_path: Path) -> None:
 def test_engine_choice_limits_the_grammar() -> None:
     """--engine vllm reads no SGLang line (and says that it recognised nothing)."""
     out = _parse("--engine", "vllm", str(SGLANG_LINES))
-    assert out.returncode == 1 and out.stdout == b""
-    assert b"no vllm scheduler, stats or configuration line recognised" in out.stderr
+    assert out.returncode == 1 and out.stdout == ""
+    assert "no vllm scheduler, stats or configuration line recognised" in out.stderr
 
 
 def test_missing_file_is_a_usage_error(tmp_path: Path) -> None:
     """A missing file is one line on stderr and exit status 2, before any output."""
     out = _parse(str(SGLANG_LINES), str(tmp_path / "nope.log"))
     assert out.returncode == 2
-    assert out.stdout == b""
-    assert out.stderr.decode().strip() == f"gputrace: error: {tmp_path / 'nope.log'}: no such file"
+    assert out.stdout == ""
+    assert out.stderr.strip() == f"gputrace: error: {tmp_path / 'nope.log'}: no such file"
 
 
 def test_binary_garbage_is_counted_not_fatal(tmp_path: Path) -> None:
@@ -102,7 +101,7 @@ def test_binary_garbage_is_counted_not_fatal(tmp_path: Path) -> None:
     out = _parse(str(bad))
     assert out.returncode == 0
     assert [o["running_req"] for o in _objects(out.stdout)] == [2]
-    assert "3 lines read" in out.stderr.decode()
+    assert "3 lines read" in out.stderr
 
 
 # The recorded real-engine runs (tests/data/engines/, SGLang 0.5.23 and vLLM 0.32.0 at PP=2).
@@ -176,4 +175,4 @@ def test_fast_path_gives_the_per_line_objects(tmp_path: Path, capsys: pytest.Cap
     summary = capsys.readouterr().err.strip()
     assert f"stats {sum(line.startswith('INFO ') for line in lines)}" in summary  # the vLLM lines
     out = _parse(str(log))
-    assert out.returncode == 0 and out.stderr.decode().strip() == summary
+    assert out.returncode == 0 and out.stderr.strip() == summary

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 
-from click.testing import CliRunner
-
-from gputrace.cli import cli
+from helpers import cli
 
 
 def test_sim_writes_store_log_and_csv(tmp_path):
@@ -14,10 +12,9 @@ def test_sim_writes_store_log_and_csv(tmp_path):
     params = tmp_path / "p.toml"
     params.write_text("[sim]\nphase_s = 6.0\ndrain_s = 1.0\n")
     out = tmp_path / "run"
-    result = CliRunner().invoke(cli, ["sim", "--scenario", "healthy", "--out", str(out), "--seed", "4",
-                                      "--params", str(params), "--set", "concurrency=16,64",
-                                      "--log-out", str(tmp_path / "s.log"),
-                                      "--gpu-csv", str(tmp_path / "g.csv")])
+    result = cli(["sim", "--scenario", "healthy", "--out", str(out), "--seed", "4",
+                  "--params", str(params), "--set", "concurrency=16,64",
+                  "--log-out", str(tmp_path / "s.log"), "--gpu-csv", str(tmp_path / "g.csv")])
     assert result.exit_code == 0, result.output
     assert "C=16" in result.output and "C=64" in result.output
     meta = json.loads((out / "meta.json").read_text())
@@ -29,13 +26,11 @@ def test_sim_writes_store_log_and_csv(tmp_path):
 
 def test_sim_lists_scenarios_and_refuses_bad_use(tmp_path):
     """--list names every scenario; a missing --out or an unknown parameter is a one-line error."""
-    runner = CliRunner()
-    listed = runner.invoke(cli, ["sim", "--list"])
+    listed = cli(["sim", "--list"])
     assert listed.exit_code == 0 and "microbatch-cap" in listed.output and "pcie-bound" in listed.output
-    missing = runner.invoke(cli, ["sim", "--scenario", "healthy"])
+    missing = cli(["sim", "--scenario", "healthy"])
     assert missing.exit_code != 0 and "--out" in str(missing.exception or missing.output)
-    bad = runner.invoke(cli, ["sim", "--scenario", "healthy", "--out", str(tmp_path / "x"),
-                              "--set", "bogus=1"])
+    bad = cli(["sim", "--scenario", "healthy", "--out", str(tmp_path / "x"), "--set", "bogus=1"])
     assert bad.exit_code != 0 and "bogus" in str(bad.exception or bad.output)
-    serve_help = runner.invoke(cli, ["sim", "serve", "--help"])
+    serve_help = cli(["sim", "serve", "--help"])
     assert serve_help.exit_code == 0 and "--gpu-feed" in serve_help.output

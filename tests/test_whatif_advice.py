@@ -8,9 +8,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from helpers import cli
 
-from gputrace.cli import cli
 from gputrace.errors import UsageError
 from gputrace.sim.outputs import write_store
 from gputrace.sim.params import SimParams
@@ -87,12 +86,12 @@ def test_advice_on_ground_truth_and_whatif_search(tmp_path: Path) -> None:
     assert s.ok and s.advice_gain_tok_s > 0, s
     assert "--max-running-requests" in s.advice
     run = write_store(run_scenario("pool-bound", 0), tmp_path / "run")
-    done = CliRunner().invoke(cli, ["whatif", str(run), "--search", "--format", "json"])
+    done = cli(["whatif", str(run), "--search", "--format", "json"])
     assert done.exit_code == 0, done.output
     doc = json.loads(done.output[done.output.index("{"):])
     assert doc["changes"] and doc["changes"][0]["flag"] == "--max-running-requests"
     for p in doc["phases"]:
         assert abs(p["unchanged_tok_s"] / p["measured_tok_s"] - 1) <= 0.05
         assert p["predicted_tok_s"] > p["measured_tok_s"] * (1 + p["band_ratio"])
-    bad = CliRunner().invoke(cli, ["whatif", str(run), "--objective", "peak"])
+    bad = cli(["whatif", str(run), "--objective", "peak"])
     assert bad.exit_code != 0 and "--search" in bad.output + str(bad.exception)
