@@ -43,7 +43,7 @@ async def server() -> AsyncIterator[Server]:
 async def test_exactly_c_in_flight_per_level(server: Server) -> None:
     """Client and server both see exactly C requests in flight in each level, never more."""
     url, stats = await server(token_interval_s=0.01, ttft_s=0.01)
-    spec = LoadSpec(url=url, model="m", concurrency=(4, 16, 2), max_tokens=12, requests_per_level=48)
+    spec = LoadSpec(url=url, model="m", concurrency=(4, 16, 2), max_tokens=30, requests_per_level=48)
     result = await run_load(spec)
     assert [lv.label for lv in result.levels] == ["C=4", "C=16", "C=2"]
     assert stats.max_active == 16

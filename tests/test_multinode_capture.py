@@ -25,7 +25,9 @@ from gputrace.sim.params import SCENARIOS
 from gputrace.sim.virtual import run_scenario
 from gputrace.store import Store
 
-pytestmark = [pytest.mark.system, pytest.mark.slow]
+# serial: the simulated engine runs in real time, and with the cores shared by the parallel pass
+# its stages' timing read as an imbalance at C=32 the ground truth does not have
+pytestmark = [pytest.mark.system, pytest.mark.slow, pytest.mark.serial]
 
 OFFSETS_S = (-1.2, 2.5)  # the two nodes' clocks differ by 3.7 s
 TOLERANCE_NS = 5_000_000

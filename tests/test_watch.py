@@ -40,10 +40,12 @@ class Tmux:
         self.conf.write_text("set -g remain-on-exit on\nset -g history-limit 0\n")
 
     def __call__(self, *args: str) -> str:
-        # os.environ, not the C environ the child would inherit: under pytest the latter gains
-        # COLUMNS=80 and LINES=24 (readline exports them), which Rich prefers to the pane's real size.
+        # Without COLUMNS and LINES, which Rich prefers to the pane's real size: under pytest the C
+        # environ gains COLUMNS=80 and LINES=24 (readline exports them), and under pytest-xdist's
+        # workers os.environ holds them too.
+        env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
         done = subprocess.run([self.binary, "-S", str(self.socket), "-f", str(self.conf), *args],
-                              capture_output=True, text=True, timeout=10, check=True, env=dict(os.environ))
+                              capture_output=True, text=True, timeout=10, check=True, env=env)
         return done.stdout
 
     def capture(self) -> list[str]:
