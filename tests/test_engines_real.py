@@ -439,12 +439,28 @@ def test_report_from_prometheus_alone_gives_the_capture_findings(
             # The report can only read the load the engine's gauges show. vLLM's read 0 at each
             # batch turnover, and with the cores busy at nearly every scrape of a level; SGLang's
             # per-rank gauges hold the micro-batch a rank ran last, and with requests replaced
-            # unevenly they have read 12-14 of a level of 16 (CI, stop 31 rerun). Then it must
-            # claim nothing the capture does not.
+            # unevenly they have read 12-14 of a level of 16 (CI, stop 31 rerun); vLLM's running
+            # plus waiting leaves out what its API server holds (a level of 16 read 16 for 5 s,
+            # then 11.4 for 10 s: two levels, CI stop 34's clone). Then it must claim nothing the
+            # capture does not, but for what the gauges guarantee: they hold no more requests than
+            # were sent, so a limit found from them is one the capture's covers (above the limit,
+            # at most the capture's value, same cause and flag).
             print(f"{label}: the engine's gauges read less than the offered load; found {own}")
-            assert own <= want, (label, got, expected)
+            assert all(_covered_by(claim, want) for claim in own), (label, got, expected)
             continue
         assert own == want, (label, got, expected)
+
+
+def _covered_by(claim: tuple[str, object, object], want: set[tuple[str, object, object]]) -> bool:
+    """The claim is one the capture makes, or an admission limit read from gauges that hold fewer
+    requests than were sent: the capture's cause and flag, a value above the limit and no higher
+    than the capture's."""
+    if claim in want:
+        return True
+    cause, knob, value = claim
+    return cause == "admission_bound" and isinstance(value, int) and any(
+        c == cause and k == knob and isinstance(v, int) and ADMISSION_LIMIT < value <= v
+        for c, k, v in want)
 
 
 def _gauges_read_the_load(capture: Capture, engine_name: str, window: tuple[int, int]) -> bool:
