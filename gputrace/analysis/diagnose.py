@@ -130,10 +130,10 @@ def admission_bound(pm: PhaseMetrics, engine: EngineSettings, load: float | None
     # where higher: a gauge read from the engine dips while finished requests are replaced, and on
     # vLLM at PP=2 with the cores shared most readings of a level of 16 fell at a turnover (the
     # level found in them read 9), while the readings between turnovers hold the whole level
-    if pm.target_concurrency and pm.source.startswith("detected"):
-        offered = max(load, float(pm.target_concurrency), pm.inflight_p90 or 0.0)
+    if pm.target_concurrency and not pm.source.startswith("detected"):
+        offered = load  # the client's own level
     else:
-        offered = load if pm.target_concurrency else max(load, pm.inflight_p90 or 0.0)
+        offered = max(load, float(pm.target_concurrency or 0), pm.inflight_p90 or 0.0)
     want = max(int(np.ceil(offered)), limit + 1)
     usage = _vals(pm.stages, "token_usage_max")
     usage_max = float(np.nanmax(usage)) if not np.isnan(usage).all() else None
