@@ -162,3 +162,32 @@ def test_a_run_of_many_phases_replays_a_bounded_number_of_levels() -> None:
     few = dataclasses.replace(p, concurrency=levels[:4])
     assert replayed_levels(few.concurrency) is None
     assert replay_outcomes(few, labels[:4]) == trace_outcomes(replay(few), labels[:4])
+
+
+def test_a_load_of_fixed_lengths_is_replayed_once_for_every_seed(monkeypatch) -> None:
+    """The seed draws only the requests' lengths: with none drawn, each seed's replay is the
+    same run, so the median of REPLAY_SEEDS is one replay's; with lengths drawn, each seed runs."""
+    from gputrace.sim.params import make_params
+    from gputrace.whatif import fit
+
+    fixed = make_params({"concurrency": (2, 8), "phase_s": 2.0, "max_tokens": 64})
+    assert not fixed.draws_lengths
+    assert fit.replay_outcomes(fixed, None, 0) == fit.replay_outcomes(fixed, None, 1)
+    drawn = dataclasses.replace(fixed, output_tokens_jitter=0.5)
+    assert drawn.draws_lengths
+    assert fit.replay_outcomes(drawn, None, 0) != fit.replay_outcomes(drawn, None, 1)
+
+    ran: list[int] = []
+    real = fit.replay_outcomes
+
+    def counted(p, labels, seed=0):  # type: ignore[no-untyped-def]
+        ran.append(seed)
+        return real(p, labels, seed)
+
+    monkeypatch.setattr(fit, "replay_outcomes", counted)
+    runs = fit.replay_seeds(fixed, None)
+    assert ran == [fit.REPLAY_SEEDS[0]] and len(runs) == len(fit.REPLAY_SEEDS)
+    assert all(r == runs[0] for r in runs)
+    ran.clear()
+    fit.replay_seeds(drawn, None)
+    assert ran == list(fit.REPLAY_SEEDS)

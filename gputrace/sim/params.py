@@ -108,6 +108,12 @@ class SimParams:
         vLLM's batch queue (pp_size)."""
         return self.pp_size + self.pp_async_batch_depth
 
+    @property
+    def draws_lengths(self) -> bool:
+        """Whether a run draws its requests' lengths at random: the only use of the seed in the
+        engine and its client, so a run that draws none is the same at every seed."""
+        return bool(self.input_tokens_jitter or self.output_tokens_jitter)
+
     def stage_multiplier(self, stage: int) -> float:
         m = self.stage_cost_multipliers
         return float(m[stage]) if stage < len(m) else 1.0

@@ -406,7 +406,12 @@ def replay_note(p: SimParams) -> str | None:
 def replay_seeds(p: SimParams, labels: list[str] | None, seeds: tuple[int, ...] = REPLAY_SEEDS,
                  done: Mapping[int, list[PhaseOutcome]] | None = None) -> list[list[PhaseOutcome]]:
     """One replay's outcomes per seed; ``done``: seeds already replayed with these parameters
-    (a replay is deterministic in its parameters and seed)."""
+    (a replay is deterministic in its parameters and seed). Where the replay draws no request
+    length (a load of fixed lengths) every seed's replay is the same: it runs once."""
+    if not p.draws_lengths and seeds:
+        known = next(iter(done.values()), None) if done else None
+        once = known if known is not None else replay_outcomes(p, labels, seeds[0])
+        return [list(once) for _ in seeds]
     return [list(done[seed]) if done and seed in done else replay_outcomes(p, labels, seed)
             for seed in seeds]
 
