@@ -3,7 +3,10 @@ as its own process, a run store analysed."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -43,3 +46,37 @@ def analyse(run: Path | str) -> Analysis:
     """The run store at ``run`` read and analysed (no what-if effects: ``analyse_run`` adds them)."""
     with Store.open(run, read_only=True) as store:
         return analyse_store(store)
+
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+_RUNNABLE_BLOCK = re.compile(r"^```sh runnable\n(.*?)^```$", re.M | re.S)
+# the guide's default ports: the engine, the collector, the agent
+README_DEFAULT_PORTS = ("30000", "9401", "9402")
+
+
+def readme_blocks() -> list[str]:
+    """The README's ```sh runnable blocks, in order."""
+    return [m.group(1) for m in _RUNNABLE_BLOCK.finditer(README.read_text())]
+
+
+def run_readme_block(block: str, cwd: Path, timeout_s: float) -> tuple[int, str]:
+    """A README block as written, in a fresh bash (errexit) in ``cwd`` holding the clone's
+    examples/, with this Python's gputrace first on PATH and the guide's default ports swapped
+    for free ones (the test runs beside other captures); what it left running in the background
+    is ended with it. Its exit status and output."""
+    for port in README_DEFAULT_PORTS:
+        block = re.sub(rf"(?<![\d.]){port}(?!\d)", str(free_port()), block)
+    (cwd / "examples").symlink_to(REPO / "examples")
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    proc = subprocess.Popen(["bash", "-e", "-c", block], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, out

@@ -1,15 +1,16 @@
-"""`gputrace demo --quick`: the whole chain as real processes, three runs of the motivating
-deployment (defaults, gputrace's advice applied unless it is to keep the settings, K = 64), their
-reports and the comparisons ([diagnosis] Must show 4, [advisor] Must show 1)."""
+"""`gputrace demo --quick` (the README's block, as written): the whole chain as real processes,
+three runs of the motivating deployment (defaults, gputrace's advice applied unless it is to keep
+the settings, K = 64), their reports and the comparisons ([diagnosis] Must show 4, [advisor] Must
+show 1)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import re
 from pathlib import Path
 
 import pytest
+from helpers import readme_blocks, run_readme_block
 
 from gputrace.demo import FIRST_TRY, SCENARIO, DemoPlan, run_one
 from gputrace.store import Store
@@ -21,22 +22,23 @@ def _phases(doc: dict) -> dict[str, float]:  # type: ignore[type-arg]
 
 @pytest.mark.slow
 def test_quick_demo_applies_its_own_advice(tmp_path: Path) -> None:
-    """The defaults' report carries the advice; the model's replay of the defaults is within 5 %
-    of every measured phase; the second run applies exactly the advised settings (as its log's
-    configuration says), loses no phase beyond 7 % and gains at least 5 % at one, measured; or
-    the advice is to keep the settings and the demo says why. K = 64 runs with K 64; the table
-    shows measured beside predicted."""
-    out = tmp_path / "demo"
-    done = subprocess.run([sys.executable, "-m", "gputrace", "demo", "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    """The README's quick-demo block, run as written: it exits 0; the defaults' report carries
+    the advice; the model's replay of the defaults is within 5 % of every measured phase; the
+    second run applies exactly the advised settings (as its log's configuration says), loses no
+    phase beyond 7 % and gains at least 5 % at one, measured; or the advice is to keep the
+    settings and the demo says why. K = 64 runs with K 64; the table shows measured beside
+    predicted."""
+    block = next(b for b in readme_blocks() if "gputrace demo --quick" in b)
+    out = tmp_path / re.search(r"gputrace demo --quick --out (\S+)", block)[1]  # type: ignore[index]
+    returncode, output = run_readme_block(block, tmp_path, timeout_s=600)
+    assert returncode == 0, f"the README's demo block failed:\n{block}\n--- output ---\n{output[-3000:]}"
     defaults = json.loads((out / "defaults" / "report" / "findings.json").read_text())
     advice = defaults["advice"]
     for p in advice["phases"]:
         assert abs(p["unchanged_tok_s"] / p["measured_tok_s"] - 1) <= 0.05, p
     k64 = json.loads((out / "k64" / "report" / "findings.json").read_text())
     assert k64["summary"]["engine"]["pp_max_micro_batch_size"] == FIRST_TRY["pp_max_micro_batch_size"]
-    stdout = done.stdout.replace("\n", " ")
+    stdout = output.replace("\n", " ")
     assert "predicted" in stdout and "model as run" in stdout
     assert f"gputrace's advice: {advice['sentence'][:40]}" in stdout
     if not advice["changes"]:
