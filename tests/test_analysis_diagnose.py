@@ -9,11 +9,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from analysis_synth import Level, SynthRun, synth_tables
+from analysis_synth import Level, SynthRun, requests_to_gauge, synth_tables
 
+from gputrace.analysis.aligned import ENGINE_IN_FLIGHT
 from gputrace.analysis.diagnose import CAUSES
 from gputrace.analysis.result import Analysis, analyse_tables
-from gputrace.run_tables import EngineSettings, LoadGaugeColumns, RequestColumns, RunTables
+from gputrace.run_tables import EngineSettings, RequestColumns, RunTables
 from gputrace.vocabulary import Change
 
 
@@ -90,21 +91,10 @@ def test_no_client_bound_from_a_level_detected_in_the_gauge_itself(tmp_path: Pat
     spec = SynthRun([Level("C=32", 32, 8, [0.9] * 4, 2, 10)], pp=4)
     pm = _analyse(tmp_path / "r", spec).metrics[0]
     asked = dataclasses.replace(pm, target_concurrency=1, inflight_mean=0.6)
-    detected = dataclasses.replace(asked, source="detected from client requests in flight")
+    detected = dataclasses.replace(asked, source=f"detected from {ENGINE_IN_FLIGHT}")
     engine = EngineSettings(engine="vllm", max_running_requests=8)
     assert "client_bound" in {f.cause for f in diagnose([asked], engine, 4)}
     assert "client_bound" not in {f.cause for f in diagnose([detected], engine, 4)}
-
-
-# The client's requests in flight as a gauge read once a second (what a Prometheus import gives),
-# in place of the request records.
-def _requests_to_gauge(tables: RunTables) -> RunTables:
-    """The request records replaced by a once-a-second gauge of the requests in flight."""
-    rq = tables.requests
-    t = np.arange(np.nanmin(rq.start_ns) + 5e8, np.nanmax(rq.end_ns), 1e9)
-    inflight = np.array([np.sum((rq.start_ns <= x) & (rq.end_ns > x)) for x in t], dtype=np.float64)
-    gauge = LoadGaugeColumns(t.astype(np.int64), inflight, np.full(len(t), "gauge", dtype=object))
-    return dataclasses.replace(tables, requests=RequestColumns(), load_gauge=gauge)
 
 
 def _without_requests(tables: RunTables) -> RunTables:
@@ -123,7 +113,7 @@ def test_client_bound_from_an_in_flight_gauge(tmp_path: Path) -> None:
     """Without request records the gauge of the client's requests in flight still shows the
     client keeping 8 of 32; without it either, the shortfall cannot be seen."""
     spec = SynthRun([Level("C=32", 32, 8, [0.9] * 4, 2, 10)], pp=4)
-    a = _analyse(tmp_path / "gauge", spec, _requests_to_gauge)
+    a = _analyse(tmp_path / "gauge", spec, requests_to_gauge)
     assert _causes(a) == {"client_bound"}
     assert 7.5 <= a.findings[0].evidence["inflight_mean"] <= 8.5
     assert any("from a gauge" in note for note in a.run.notes)
@@ -176,7 +166,7 @@ def test_without_the_clients_level_the_limit_covers_the_gauges_peak(tmp_path: Pa
                     engine={"max_running_requests": 8})
     pm = _analyse(tmp_path / "r", spec).metrics[0]
     gauge_only = dataclasses.replace(pm, target_concurrency=None, inflight_mean=14.6, inflight_p90=16.0,
-                                     source="detected from client requests in flight")
+                                     source=f"detected from {ENGINE_IN_FLIGHT}")
     engine = EngineSettings(engine="sglang", max_running_requests=8)
     (bound,) = [f for f in diagnose([gauge_only], engine, 2) if f.cause == "admission_bound"]
     assert bound.recommendation == "--max-running-requests 16"
