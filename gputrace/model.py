@@ -185,11 +185,18 @@ class RunMeta:
     extra: dict[str, object] = field(default_factory=dict)
 
 
+ENGINE_LOAD_SOURCE = "prometheus engine running + queued requests"
+"""``LoadSample.source`` where a Prometheus import had no client gauge and took the load from the
+engine's own running + waiting gauges: the analysis must not call these the client's requests."""
+
+
 @dataclass(frozen=True, slots=True)
 class LoadSample:
-    """The client's requests in flight at a moment, where only a gauge of them is known (a
-    Prometheus import of ``gputrace_load_inflight_requests``): the analysis takes the offered load
-    from these when the run has no request records. ``ts_ns`` is in the collector's clock."""
+    """The requests in flight at a moment, where only a gauge of them is known: the client's (a
+    Prometheus import of ``gputrace_load_inflight_requests``), or, without that gauge, the engine's
+    running + waiting requests (``source`` is then ``ENGINE_LOAD_SOURCE``). The analysis takes the
+    offered load from these when the run has no request records. ``ts_ns`` is in the collector's
+    clock."""
 
     source: str
     ts_ns: int

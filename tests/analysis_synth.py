@@ -28,6 +28,7 @@ from gputrace.run_tables import (
     GPU_METRICS,
     EngineSettings,
     GpuSampleColumns,
+    LoadGaugeColumns,
     RequestColumns,
     RunTables,
     SchedulerEventColumns,
@@ -178,6 +179,16 @@ def synth_tables(spec: SynthRun, seed: int = 0, name: str = "r") -> tuple[RunTab
         requests=_request_columns(rec.requests), markers=tuple(rec.markers), devices=tuple(rec.devices),
         engine=EngineSettings.from_records(rec.configs, engine_of_lines[0][0] if engine_of_lines else None))
     return tables, truth
+
+
+def requests_to_gauge(tables: RunTables, source: str = "gauge") -> RunTables:
+    """The request records replaced by a once-a-second gauge of the requests in flight (what a
+    Prometheus import gives), its rows named ``source``."""
+    rq = tables.requests
+    t = np.arange(np.nanmin(rq.start_ns) + 5e8, np.nanmax(rq.end_ns), 1e9)
+    inflight = np.array([np.sum((rq.start_ns <= x) & (rq.end_ns > x)) for x in t], dtype=np.float64)
+    gauge = LoadGaugeColumns(t.astype(np.int64), inflight, np.full(len(t), source, dtype=object))
+    return dataclasses.replace(tables, requests=RequestColumns(), load_gauge=gauge)
 
 
 def _floats(values: Sequence[float | int | None]) -> np.ndarray:

@@ -9,11 +9,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from analysis_synth import Level, SynthRun, synth_tables
+from analysis_synth import Level, SynthRun, requests_to_gauge, synth_tables
 
-from gputrace.analysis.diagnose import CAUSES
+from gputrace.analysis.aligned import ENGINE_IN_FLIGHT
+from gputrace.analysis.diagnose import CAUSES, Finding
+from gputrace.analysis.phase_figures import PhaseMetrics
 from gputrace.analysis.result import Analysis, analyse_tables
-from gputrace.run_tables import EngineSettings, LoadGaugeColumns, RequestColumns, RunTables
+from gputrace.run_tables import EngineSettings, RequestColumns, RunTables
 from gputrace.vocabulary import Change
 
 
@@ -90,21 +92,10 @@ def test_no_client_bound_from_a_level_detected_in_the_gauge_itself(tmp_path: Pat
     spec = SynthRun([Level("C=32", 32, 8, [0.9] * 4, 2, 10)], pp=4)
     pm = _analyse(tmp_path / "r", spec).metrics[0]
     asked = dataclasses.replace(pm, target_concurrency=1, inflight_mean=0.6)
-    detected = dataclasses.replace(asked, source="detected from client requests in flight")
+    detected = dataclasses.replace(asked, source=f"detected from {ENGINE_IN_FLIGHT}")
     engine = EngineSettings(engine="vllm", max_running_requests=8)
     assert "client_bound" in {f.cause for f in diagnose([asked], engine, 4)}
     assert "client_bound" not in {f.cause for f in diagnose([detected], engine, 4)}
-
-
-# The client's requests in flight as a gauge read once a second (what a Prometheus import gives),
-# in place of the request records.
-def _requests_to_gauge(tables: RunTables) -> RunTables:
-    """The request records replaced by a once-a-second gauge of the requests in flight."""
-    rq = tables.requests
-    t = np.arange(np.nanmin(rq.start_ns) + 5e8, np.nanmax(rq.end_ns), 1e9)
-    inflight = np.array([np.sum((rq.start_ns <= x) & (rq.end_ns > x)) for x in t], dtype=np.float64)
-    gauge = LoadGaugeColumns(t.astype(np.int64), inflight, np.full(len(t), "gauge", dtype=object))
-    return dataclasses.replace(tables, requests=RequestColumns(), load_gauge=gauge)
 
 
 def _without_requests(tables: RunTables) -> RunTables:
@@ -123,7 +114,7 @@ def test_client_bound_from_an_in_flight_gauge(tmp_path: Path) -> None:
     """Without request records the gauge of the client's requests in flight still shows the
     client keeping 8 of 32; without it either, the shortfall cannot be seen."""
     spec = SynthRun([Level("C=32", 32, 8, [0.9] * 4, 2, 10)], pp=4)
-    a = _analyse(tmp_path / "gauge", spec, _requests_to_gauge)
+    a = _analyse(tmp_path / "gauge", spec, requests_to_gauge)
     assert _causes(a) == {"client_bound"}
     assert 7.5 <= a.findings[0].evidence["inflight_mean"] <= 8.5
     assert any("from a gauge" in note for note in a.run.notes)
@@ -166,36 +157,68 @@ def test_request_pool_at_its_limit_is_the_bound_not_k(tmp_path: Path) -> None:
     assert (bound.evidence["admission_limit"], bound.evidence["engine_running_estimate"]) == (8, 8.0)
 
 
+def _admission_bound(pm: PhaseMetrics, engine: EngineSettings) -> Finding:
+    """The phase's one admission_bound finding."""
+    from gputrace.analysis.diagnose import diagnose
+
+    (bound,) = [f for f in diagnose([pm], engine, 2) if f.cause == "admission_bound"]
+    return bound
+
+
+def _gauge_only_c16(path: Path) -> PhaseMetrics:
+    """SGLang PP2 at C=16 with max_running_requests 8 (8 wait), as a phase detected from the
+    engine's running + waiting gauges: no asked-for level, a mean of 14.6 and a p90 of 16."""
+    spec = SynthRun([Level("C=16", 16, 16, [0.95] * 2, 4, 10, queue=8, token_usage=0.1)], pp=2,
+                    engine={"max_running_requests": 8})
+    pm = _analyse(path, spec).metrics[0]
+    return dataclasses.replace(pm, target_concurrency=None, inflight_mean=14.6, inflight_p90=16.0,
+                               source=f"detected from {ENGINE_IN_FLIGHT}")
+
+
 def test_without_the_clients_level_the_limit_covers_the_gauges_peak(tmp_path: Path) -> None:
     """Without an asked-for level (the load from the engine's running + waiting gauges), the new
     limit covers the gauge's 90th percentile, not its mean, which dips while finished requests are
     replaced (vLLM's gauges at C=16: mean 14.6, most scrapes 16)."""
-    from gputrace.analysis.diagnose import diagnose
-
-    spec = SynthRun([Level("C=16", 16, 16, [0.95] * 2, 4, 10, queue=8, token_usage=0.1)], pp=2,
-                    engine={"max_running_requests": 8})
-    pm = _analyse(tmp_path / "r", spec).metrics[0]
-    gauge_only = dataclasses.replace(pm, target_concurrency=None, inflight_mean=14.6, inflight_p90=16.0,
-                                     source="detected from client requests in flight")
+    gauge_only = _gauge_only_c16(tmp_path / "r")
     engine = EngineSettings(engine="sglang", max_running_requests=8)
-    (bound,) = [f for f in diagnose([gauge_only], engine, 2) if f.cause == "admission_bound"]
-    assert bound.recommendation == "--max-running-requests 16"
+    assert _admission_bound(gauge_only, engine).change == Change.of_flag("--max-running-requests", 16)
     asked = dataclasses.replace(gauge_only, target_concurrency=15, inflight_mean=14.6,
                                 source="request labels")
-    (bound,) = [f for f in diagnose([asked], engine, 2) if f.cause == "admission_bound"]
-    assert bound.recommendation == "--max-running-requests 15"
+    assert _admission_bound(asked, engine).recommendation == "--max-running-requests 15"
     # a level detected in the gauge (its rounded median, 16) covers a mean and a 90th percentile
     # that turnover pulls down (vLLM's gauges at C=16 once: p90 15)
     detected = dataclasses.replace(gauge_only, target_concurrency=16, inflight_mean=14.6, inflight_p90=15.0)
-    (bound,) = [f for f in diagnose([detected], engine, 2) if f.cause == "admission_bound"]
-    assert bound.recommendation == "--max-running-requests 16"
+    assert _admission_bound(detected, engine).change == Change.of_flag("--max-running-requests", 16)
     # and where most readings fell at a turnover (vLLM at C=16 with the cores shared: the level
     # found in them read 9), the readings between turnovers that hold the whole level decide
     # (its queue gauge dipped alike: 1.4 waiting on average beside the 8 running)
     dipped = dataclasses.replace(gauge_only, target_concurrency=9, inflight_mean=9.4, inflight_p90=16.0,
-                                 stages=[dataclasses.replace(st, queue_req_mean=1.4) for st in pm.stages])
-    (bound,) = [f for f in diagnose([dipped], engine, 2) if f.cause == "admission_bound"]
-    assert bound.recommendation == "--max-running-requests 16"
+                                 stages=[dataclasses.replace(st, queue_req_mean=1.4)
+                                         for st in gauge_only.stages])
+    assert _admission_bound(dipped, engine).change == Change.of_flag("--max-running-requests", 16)
+
+
+def test_a_limit_from_the_load_seen_says_it_is_a_lower_bound(tmp_path: Path) -> None:
+    """[busy] #27: gauges read at a turnover only read low, so a limit found without the client's
+    level is the least to set: its text says "at least 16" and findings.json's evidence flags it;
+    with the client's level the text is the flag and value alone."""
+    from gputrace.report.document import finding_entry
+
+    gauge_only = _gauge_only_c16(tmp_path / "r")
+    engine = EngineSettings(engine="sglang", max_running_requests=8)
+    for pm in (gauge_only, dataclasses.replace(gauge_only, target_concurrency=16)):
+        bound = _admission_bound(pm, engine)
+        assert bound.recommendation.startswith("--max-running-requests 16 ")
+        assert "at least 16" in bound.recommendation, bound.recommendation
+        assert finding_entry(bound)["evidence"]["limit_is_lower_bound"] is True
+    # the cache too small for 16: the KV settings first, then the limit, still a lower bound
+    full_cache = dataclasses.replace(gauge_only, stages=[dataclasses.replace(st, token_usage_max=0.6)
+                                                         for st in gauge_only.stages])
+    assert "at least 16" in _admission_bound(full_cache, engine).recommendation
+    marked = dataclasses.replace(gauge_only, target_concurrency=16, inflight_mean=16.0, source="markers")
+    asked = _admission_bound(marked, engine)
+    assert asked.recommendation == "--max-running-requests 16"
+    assert finding_entry(asked)["evidence"]["limit_is_lower_bound"] is False
 
 
 def test_admission_bound_names_the_kv_setting_when_the_cache_would_not_hold_it(tmp_path: Path) -> None:

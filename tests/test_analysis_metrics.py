@@ -84,6 +84,24 @@ def test_phases_detected_without_markers(tmp_path: Path) -> None:
     assert isinstance(a.phases[0], Phase)
 
 
+def test_phases_detected_from_the_engines_gauges_name_them() -> None:
+    """A Prometheus import without the client's gauge takes the load from the engine's running +
+    waiting gauges: the phases detected in it, and the report's summary, name the engine, not the
+    client; a client's gauge keeps its name ([busy] #27)."""
+    from analysis_synth import requests_to_gauge
+
+    from gputrace.model import ENGINE_LOAD_SOURCE
+
+    levels = [Level("", 2, 2, [0.2, 0.2], 1, 15), Level("", 12, 12, [0.6, 0.6], 6, 15)]
+    tables, _ = synth_tables(SynthRun(levels, pp=2, markers=False))
+    engines = analyse_tables(requests_to_gauge(tables, ENGINE_LOAD_SOURCE))
+    assert [p.target_concurrency for p in engines.phases] == [2, 12]
+    assert all("the engine's running + waiting" in p.source for p in engines.phases)
+    assert "client" not in str(engines.summary()["phase_source"])
+    clients = analyse_tables(requests_to_gauge(tables))
+    assert clients.phases[0].source == "detected from client requests in flight"
+
+
 def test_busy_and_bubble_live_api() -> None:
     """The reusable estimate: per stage busy = mean utilization, bubble = mean max(0, work - util),
     NaN samples left out, weights respected."""

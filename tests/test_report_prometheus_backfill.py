@@ -150,6 +150,10 @@ def test_report_from_dcgm_and_sglang_series_finds_the_ground_truth(scenario: str
     assert "lacking (no series for): client load" in done.stdout
     doc = json.loads((tmp_path / "report" / "findings.json").read_text())
     assert any("Prometheus had no series for: client load" in n for n in doc["notes"])
+    # the load is the engine's running + waiting, which never reads more than was offered ([busy] #27)
+    assert "the engine's running + waiting" in doc["summary"]["phase_source"]
+    assert all(f["evidence"]["limit_is_lower_bound"] and "at least" in f["recommendation"]
+               for f in doc["findings"] if f["cause"] == "admission_bound")
     for phase in truth["phases"]:
         if not phase["causes"]:
             continue

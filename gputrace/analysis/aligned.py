@@ -29,7 +29,7 @@ from gputrace.analysis.align import (
 )
 from gputrace.analysis.schedule import engine_totals, line_sizes
 from gputrace.errors import AnalysisError
-from gputrace.model import DeviceInfo
+from gputrace.model import ENGINE_LOAD_SOURCE, DeviceInfo
 from gputrace.run_tables import (
     DEFAULT_MARGINS,
     EVENT_KINDS,
@@ -48,8 +48,8 @@ from gputrace.run_tables import (
     Window,
 )
 
-__all__ = ["GPU_METRICS", "MAX_GRID_BYTES", "STAGE_GPU_SERIES", "AlignedRun", "StageEvents", "align",
-           "align_store", "gpu_metrics_on_grid"]
+__all__ = ["CLIENT_IN_FLIGHT", "ENGINE_IN_FLIGHT", "GPU_METRICS", "MAX_GRID_BYTES", "STAGE_GPU_SERIES",
+           "AlignedRun", "StageEvents", "align", "align_store", "gpu_metrics_on_grid"]
 
 # clocks_event_reasons bits that mean the GPU was slowed down (not idle or app-clock settings):
 # SW power cap 0x4, HW slowdown 0x8, SW thermal 0x20, HW thermal 0x40, HW power brake 0x80.
@@ -63,6 +63,10 @@ GPU_READ_ROWS = 1_000_000
 """GPU sample rows read and put on the grid at a time (about 75 MB of columns, three times that
 while gridded): the run's samples are read a time range at a time and reduced to stages, so
 memory follows stages x cells, not GPUs x hours (512 GPUs x 8 h at 10 Hz: 147 M rows)."""
+
+# What the offered load counts, as phase and work sources name it.
+CLIENT_IN_FLIGHT = "client requests in flight"
+ENGINE_IN_FLIGHT = "the engine's running + waiting requests"
 
 
 @dataclass
@@ -114,6 +118,9 @@ class AlignedRun:
     # NaN where no line is near
     engine_running: np.ndarray | None = None
     engine_running_sources: dict[str, int] = field(default_factory=dict)
+    # what ``inflight`` counts: the client's requests, or (a Prometheus import without the client's
+    # gauge) the engine's running + waiting ones, which leave out what its API server holds
+    inflight_counts: str = CLIENT_IN_FLIGHT
 
     @property
     def pp_size(self) -> int:
@@ -183,7 +190,8 @@ def align(tables: RunTables) -> AlignedRun:
         stage_token_usage=stages.token_usage, work_ratio=work.ratio, work_source=work.source,
         inflight=work.inflight, requests=requests, markers=markers, engine=engine,
         log_placement=events.placement, clocks=clocks, notes=notes, sample_period_ns_by_gpu=series_periods,
-        engine_running=engine_running, engine_running_sources=running_sources)
+        engine_running=engine_running, engine_running_sources=running_sources,
+        inflight_counts=work.inflight_counts)
 
 
 # -- the steps of align, in order -------------------------------------------------------------------
@@ -581,6 +589,7 @@ class _Work:
     ratio: np.ndarray  # the share of each cell with work offered
     source: str
     inflight: np.ndarray | None
+    inflight_counts: str = CLIENT_IN_FLIGHT
 
 
 def _work(requests: dict[str, np.ndarray], gauge: LoadGaugeColumns, stages: _StagesOnGrid, has_log: bool,
@@ -589,30 +598,39 @@ def _work(requests: dict[str, np.ndarray], gauge: LoadGaugeColumns, stages: _Sta
     a gauge of requests in flight; else every cell."""
     started = ~np.isnan(requests["start_ns"])
     inflight = _gauge_inflight(gauge, grid, notes) if not started.any() and len(gauge) else None
+    gauge_counts = _gauge_counts(gauge)
     if started.any():
         # A request with no end was still in flight when the run stopped.
         end = np.where(np.isnan(requests["end_ns"]), grid[-1], requests["end_ns"])[started]
         return _Work(coverage_ratio(requests["start_ns"][started], end, grid, period),
-                     "client requests in flight", count_in_flight(requests["start_ns"][started], end, grid))
+                     CLIENT_IN_FLIGHT, count_in_flight(requests["start_ns"][started], end, grid))
     if has_log:
         work = ((stages.running + stages.queue) > 0).any(axis=0).astype(np.float64)
-        return _Work(work, "engine running + queued requests (log)", inflight)
+        return _Work(work, "engine running + queued requests (log)", inflight, gauge_counts)
     if inflight is not None:
-        return _Work((np.nan_to_num(inflight) > 0).astype(np.float64), "client requests in flight (gauge)",
-                     inflight)
+        return _Work((np.nan_to_num(inflight) > 0).astype(np.float64), f"{gauge_counts} (gauge)",
+                     inflight, gauge_counts)
     notes.append("no requests and no engine log: bubble fraction counts all idle time")
     return _Work(np.ones(len(grid)), "unknown: every cell counted as having work", None)
 
 
+def _gauge_counts(gauge: LoadGaugeColumns) -> str:
+    """What a gauge of requests in flight counts: the client's, or the engine's own gauges that a
+    Prometheus import read where the client's was missing (one source for the whole gauge)."""
+    engines = len(gauge) > 0 and str(gauge.source[0]) == ENGINE_LOAD_SOURCE
+    return ENGINE_IN_FLIGHT if engines else CLIENT_IN_FLIGHT
+
+
 def _gauge_inflight(gauge: LoadGaugeColumns, grid: np.ndarray, notes: list[str]) -> np.ndarray:
-    """No request records, but a gauge of the client's requests in flight (already in the
-    collector's clock): it gives the offered load; the engine's state still gives the work."""
+    """No request records, but a gauge of requests in flight (the client's, else the engine's;
+    already in the collector's clock): it gives the offered load; the engine's state still gives
+    the work."""
     gauge_t = np.asarray(gauge.ts_ns, dtype=np.int64)
     gaps = np.diff(gauge_t)
     inflight = hold_last(gauge_t, np.asarray(gauge.inflight_requests, dtype=np.float64), grid,
                          _max_age_ns(gauge_t))
     what = ("offered load from the engine's running + queued requests (no client gauge), "
-            if "engine" in str(gauge.source[0]) else "client requests in flight from a gauge ")
+            if _gauge_counts(gauge) == ENGINE_IN_FLIGHT else "client requests in flight from a gauge ")
     every_s = float(np.median(gaps)) / 1e9 if len(gaps) else 0
     notes.append(f"{what}sampled every {every_s:g} s (no request records)")
     return inflight

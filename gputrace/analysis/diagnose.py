@@ -130,29 +130,32 @@ def admission_bound(pm: PhaseMetrics, engine: EngineSettings, load: float | None
     # where higher: a gauge read from the engine dips while finished requests are replaced, and on
     # vLLM at PP=2 with the cores shared most readings of a level of 16 fell at a turnover (the
     # level found in them read 9), while the readings between turnovers hold the whole level
-    if pm.target_concurrency and not pm.source.startswith("detected"):
-        offered = load  # the client's own level
-    else:
-        offered = max(load, float(pm.target_concurrency or 0), pm.inflight_p90 or 0.0)
+    clients_level = bool(pm.target_concurrency) and not pm.source.startswith("detected")
+    offered = load if clients_level else max(load, float(pm.target_concurrency or 0), pm.inflight_p90 or 0.0)
     want = max(int(np.ceil(offered)), limit + 1)
     usage = _vals(pm.stages, "token_usage_max")
     usage_max = float(np.nanmax(usage)) if not np.isnan(usage).all() else None
     projected = usage_max * want / max(engine_running, 1.0) if usage_max is not None else None
     kv_short = projected is not None and projected >= th.kv_usage
     flag = ADMISSION_FLAG[kind]
+    setting = f"{flag} {want}"
+    if not clients_level:
+        # the load seen never exceeds what was offered, and a gauge read at a turnover reads low
+        setting += f" (at least {want}: without the client's own level, the load seen is a lower bound)"
     if kv_short:
         recommendation = (f"{flag} {want} would not fit the KV cache (token usage {usage_max:.2f} at "
                           f"{engine_running:.0f} running, about {projected:.2f} at {want}): give the cache "
-                          f"more memory first ({KV_FLAGS[kind]}), then {flag} {want}")
+                          f"more memory first ({KV_FLAGS[kind]}), then {setting}")
     else:
-        recommendation = f"{flag} {want}"
+        recommendation = setting
         if usage_max is None:
             recommendation += " (KV headroom unknown: no token usage logged)"
     return Finding(
         Cause.ADMISSION_BOUND, pm.label, list(range(len(pm.stages))),
         {"engine": kind, "admission_limit": limit, "limit_flag": flag, "offered_load": _r(load, 1),
          "engine_running_estimate": _r(engine_running, 1), "queue_req_mean": _r(queue_mean, 2),
-         "token_usage_max": _r(usage_max), "token_usage_projected": _r(projected)},
+         "token_usage_max": _r(usage_max), "token_usage_projected": _r(projected),
+         "limit_is_lower_bound": not clients_level},
         0.9, recommendation,
         f"the engine runs {engine_running:.0f} requests, its limit ({flag.lstrip('-').replace('-', '_')} "
         f"= {limit}), while {load:.0f} are offered and {queue_mean:.0f} wait",

@@ -141,7 +141,7 @@ class PhaseMetrics:
     duration_s: float
     source: str
     target_concurrency: int | None
-    inflight_mean: float | None  # client requests in flight (time average)
+    inflight_mean: float | None  # requests in flight (time average): AlignedRun.inflight_counts
     work_share: float  # share of the phase in which the engine had requests
     requests_completed: int
     requests_failed: int  # ended with an error (not the abandoned: those are unfinished)

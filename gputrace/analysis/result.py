@@ -104,7 +104,7 @@ def find_phases(run: AlignedRun) -> list[Phase]:
     if len(rq["phase"]) and any(rq["phase"]):
         return phases_from_request_labels(rq["start_ns"], rq["end_ns"], rq["phase"])
     if run.inflight is not None:
-        return detect_phases(run.grid_ns, run.inflight, run.period_ns, "client requests in flight")
+        return detect_phases(run.grid_ns, run.inflight, run.period_ns, run.inflight_counts)
     return detect_phases(run.grid_ns, engine_load(run), run.period_ns, "engine running + queued requests")
 
 

@@ -22,7 +22,7 @@ import numpy as np
 from gputrace import metric_names as mn
 from gputrace.errors import SourceError, UsageError
 from gputrace.imports.report import ImportReport, write_rows
-from gputrace.model import DeviceInfo, EngineConfig, Marker
+from gputrace.model import ENGINE_LOAD_SOURCE, DeviceInfo, EngineConfig, Marker
 from gputrace.prometheus.client import MAX_POINTS_PER_SERIES, PrometheusClient, Series, chunk_windows
 from gputrace.store import Store
 from gputrace.topology import Placement, topology_to_meta
@@ -84,7 +84,6 @@ SERIES_ROLES = {role: (*names, *(escaped(n) for n in names if ":" in n))
                 for role, names in SERIES_ROLES.items()}
 TARGET_METRIC = mn.LOAD_TARGET_CONCURRENCY.name
 INFLIGHT_METRIC = mn.LOAD_INFLIGHT.name
-ENGINE_LOAD_SOURCE = "prometheus engine running + queued requests"
 # Requests in the system by Little's law: the rate at which SGLang's end-to-end latency sum grows
 # is the mean number of requests in it over the window. Under PP the ranks' running gauges cannot
 # give the engine's total where nothing waits (each holds one micro-batch, and ranks that hold the
