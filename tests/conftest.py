@@ -110,3 +110,27 @@ def motivating_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("motivating") / "run"
     write_store(run_scenario("motivating", 0), out)
     return out
+
+
+# GPUTRACE_TEST_CPU_LOG=FILE: each test's CPU seconds (its process and the children it waited for,
+# setup to teardown) appended to FILE as "nodeid<TAB>cpu_s<TAB>wall_s" lines, to find where the
+# suite's CPU goes (its parallel pass is CPU-bound on a 2-core machine).
+_CPU_LOG = os.environ.get("GPUTRACE_TEST_CPU_LOG")
+
+
+def _cpu_s() -> float:
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+if _CPU_LOG:
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+        import time
+
+        cpu0, wall0 = _cpu_s(), time.monotonic()
+        yield
+        with open(_CPU_LOG, "a") as log:
+            log.write(f"{item.nodeid}\t{_cpu_s() - cpu0:.2f}\t{time.monotonic() - wall0:.2f}\n")

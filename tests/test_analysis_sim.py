@@ -3,8 +3,10 @@ micro-batch cap case and its fix; the same diagnosis from imported files alone."
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from gputrace.analysis.compare import compare_analyses
@@ -17,12 +19,13 @@ from gputrace.report.document import build_document
 from gputrace.sim.outputs import request_records, sample_columns, write_gpu_csv, write_log, write_store
 from gputrace.sim.params import SCENARIOS
 from gputrace.sim.truth import fix_for, scenario_fixes
-from gputrace.sim.virtual import run_scenario
+from gputrace.sim.virtual import SimResult, run_scenario
 from gputrace.store import Store
 from gputrace.vocabulary import Change
 
 SEEDS = (0, 1, 2)
 _CACHE: dict[tuple[str, int], tuple[Analysis, dict]] = {}  # type: ignore[type-arg]
+_STORES: dict[tuple[str, int], tuple[Path, Path]] = {}
 
 
 @pytest.fixture(scope="module")
@@ -30,14 +33,49 @@ def sim_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("sim")
 
 
+def with_nccl_spin(result: SimResult) -> SimResult:
+    """The same run with NCCL's spinning receive: only its GPU samples differ (the engine does not
+    read the setting; test_nccl_spin_changes_only_the_gpu_samples holds this)."""
+    return dataclasses.replace(result, params=dataclasses.replace(result.params, nccl_spin=True))
+
+
+def simulated_stores(sim_dir: Path, scenario: str, seed: int) -> tuple[Path, Path]:
+    """The run's store, and the same run's with NCCL's spinning receive: simulated once, the two
+    written together (each simulated run kept would hold ~100 MB of trace until its spin test)."""
+    key = (scenario, seed)
+    if key not in _STORES:
+        result = run_scenario(scenario, seed)
+        _STORES[key] = (write_store(result, sim_dir / f"{scenario}-{seed}"),
+                        write_store(with_nccl_spin(result), sim_dir / f"{scenario}-{seed}-spin"))
+    return _STORES[key]
+
+
+def _analysed_store(path: Path) -> tuple[Analysis, dict]:  # type: ignore[type-arg]
+    with Store.open(path, read_only=True) as store:
+        return analyse_store(store), dict(store.meta.extra["ground_truth"])  # type: ignore[arg-type]
+
+
 def analysed(sim_dir: Path, scenario: str, seed: int) -> tuple[Analysis, dict]:  # type: ignore[type-arg]
     """The analysis of a simulated run and its ground truth (each run simulated once per module)."""
     key = (scenario, seed)
     if key not in _CACHE:
-        out = write_store(run_scenario(scenario, seed), sim_dir / f"{scenario}-{seed}")
-        with Store.open(out, read_only=True) as store:
-            _CACHE[key] = (analyse_store(store), dict(store.meta.extra["ground_truth"]))  # type: ignore[arg-type]
+        _CACHE[key] = _analysed_store(simulated_stores(sim_dir, scenario, seed)[0])
     return _CACHE[key]
+
+
+def test_nccl_spin_changes_only_the_gpu_samples() -> None:
+    """What with_nccl_spin rests on: a run simulated with the spin has the same engine trace, log
+    and ground truth as without, and the GPU samples of the run without it, with the spin set."""
+    plain = run_scenario("bunched", 1, {"phase_s": 6.0})
+    spun = run_scenario("bunched", 1, {"phase_s": 6.0, "nccl_spin": True})
+    assert spun.log_lines == plain.log_lines and spun.ground_truth == plain.ground_truth
+    assert spun.engine.trace.iv_end == plain.engine.trace.iv_end
+    derived, real = sample_columns(with_nccl_spin(plain)), sample_columns(spun)
+    assert derived.keys() == real.keys()
+    for column, values in real.items():
+        assert np.array_equal(np.asarray(derived[column]), np.asarray(values)), column
+    assert not np.array_equal(np.asarray(sample_columns(plain)["utilization_ratio"]),
+                              np.asarray(real["utilization_ratio"]))
 
 
 @pytest.mark.slow
@@ -192,10 +230,7 @@ def analysed_spun(sim_dir: Path, scenario: str, seed: int) -> tuple[Analysis, di
     """The same as analysed, with NCCL's spinning receive on (each run simulated once per module)."""
     key = (f"{scenario}+spin", seed)
     if key not in _CACHE:
-        spun = run_scenario(scenario, seed, {"nccl_spin": True})
-        out = write_store(spun, sim_dir / f"{scenario}-{seed}-spin")
-        with Store.open(out, read_only=True) as store:
-            _CACHE[key] = (analyse_store(store), dict(store.meta.extra["ground_truth"]))  # type: ignore[arg-type]
+        _CACHE[key] = _analysed_store(simulated_stores(sim_dir, scenario, seed)[1])
     return _CACHE[key]
 
 
@@ -256,13 +291,13 @@ def test_the_recommended_change_is_the_ground_truths_fix(sim_dir: Path, scenario
 def test_each_scenarios_fix_removes_its_cause_at_the_stated_throughput(scenario: str) -> None:
     """[sim] Must show 3: each fix the ground truth states, applied in a fresh run, leaves the cause
     gone in its phases and gives the throughput the truth states for it (deterministic: same seed)."""
-    result = run_scenario(scenario, 0)
+    result = run_scenario(scenario, 0, log=False)  # only its truth is read
     fixes = scenario_fixes(result)
     assert fixes or all(fix_for(result.params, c, ph) is None for ph in result.ground_truth["phases"]
                         for c in ph["causes"])
     for fix in fixes:
         again = run_scenario(scenario, 0, {k: tuple(v) if isinstance(v, list) else v
-                                           for k, v in fix["params"].items()})
+                                           for k, v in fix["params"].items()}, log=False)
         after = {ph["label"]: ph for ph in again.ground_truth["phases"]}
         for label, stated in fix["phases"].items():
             assert not set(fix["causes"]) & set(after[label]["causes"]), (label, fix)

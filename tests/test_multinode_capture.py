@@ -139,7 +139,7 @@ def test_pp8_over_two_skewed_hosts(tmp_path: Path, disturbance: str,
     # under the same levels (run in virtual time)
     report = json.loads((run_dir / "report" / "findings.json").read_text())
     found = {(f["phase"], f["cause"]) for f in report["findings"]}
-    truth = run_scenario(SCENARIO, 0, {"concurrency": (8, 32), "phase_s": 6.0, "max_tokens": 128})
+    truth = run_scenario(SCENARIO, 0, {"concurrency": (8, 32), "phase_s": 6.0, "max_tokens": 128}, log=False)
     assert found == {(ph["label"], c) for ph in truth.ground_truth["phases"] for c in ph["causes"]}
     assert set(SCENARIOS[SCENARIO].causes) <= {cause for _, cause in found}
     markdown = (run_dir / "report" / "report.md").read_text()

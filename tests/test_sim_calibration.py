@@ -24,7 +24,7 @@ def default_run():
 
 @pytest.fixture(scope="module")
 def k64_run():
-    return run_scenario("motivating", 0, {"pp_max_micro_batch_size": 64})
+    return run_scenario("motivating", 0, {"pp_max_micro_batch_size": 64}, log=False)  # its truth alone
 
 
 def _phase(result, label):

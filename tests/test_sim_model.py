@@ -318,3 +318,15 @@ def test_a_levels_new_requests_join_the_batch_stage_0_waits_on(limit: int, per_b
         "decode_token_s": 7.5e-4, "client_latency_s": 0.002})
     assert _tokens_per_batch(result, "C=4") == pytest.approx(4.0, abs=0.1)
     assert _tokens_per_batch(result, "C=16") == pytest.approx(per_batch, abs=0.5)
+
+
+@pytest.mark.parametrize("scenario", ["microbatch-cap", "kv-bound", "log-aliased", "vllm-admission"])
+def test_a_run_without_its_log_text_has_the_same_ground_truth(scenario: str) -> None:
+    """Runs read only for their truth (a fix's, an advice's, a calibration figure's) skip the log
+    text: the same run, the same truth."""
+    from gputrace.sim.virtual import run_params
+
+    p = scenario_params(scenario, {"phase_s": 20.0, "seed": 1})
+    logged, unlogged = run_params(p, scenario), run_params(p, scenario, log=False)
+    assert logged.log_lines and not unlogged.log_lines
+    assert unlogged.ground_truth == logged.ground_truth

@@ -76,7 +76,7 @@ def test_findings_carry_predicted_effects_and_demo_second_run(motivating_run: Pa
     assert nets == sorted(nets, reverse=True)
     rec = top_recommendation(analysis)
     assert rec is not None and rec.knob == "--pp-max-micro-batch-size"
-    second = run_scenario("motivating", 0, rec.overrides).ground_truth["phases"]
+    second = run_scenario("motivating", 0, rec.overrides, log=False).ground_truth["phases"]
     truth = {ph["label"]: ph["throughput_tok_s"] for ph in second}
     top = next(f for f in analysis.findings if f.change is not None and f.change.flag == rec.knob)
     effect = analysis.effects[top.key]

@@ -72,7 +72,7 @@ def simulate(fig: Figure, cost: dict[str, Any]) -> Row:
         "concurrency": (fig.concurrency,), "max_tokens": fig.max_tokens,
         "output_tokens_jitter": fig.output_jitter, "pp_max_micro_batch_size": fig.k, "phase_s": 600.0,
         "drain_s": 0.0, "seed": 0})
-    phase = run_params(params).ground_truth["phases"][0]
+    phase = run_params(params, log=False).ground_truth["phases"][0]
     return Row(fig, float(phase["throughput_tok_s"]), float(phase["microbatches_in_flight"]))
 
 

@@ -252,7 +252,7 @@ def scenario_fixes(result: SimResult) -> list[dict[str, Any]]:
             plan["phases"].append(ph["label"])
     out = []
     for plan in plans.values():
-        fixed = simulate(dataclasses.replace(p, **plan["params"]), result.scenario)
+        fixed = simulate(dataclasses.replace(p, **plan["params"]), result.scenario, log=False)
         before = {ph["label"]: ph for ph in truth["phases"]}
         after = {ph["label"]: ph for ph in scenario_ground_truth(fixed)["phases"]}
         out.append({

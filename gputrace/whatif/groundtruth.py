@@ -4,6 +4,7 @@ what a capture holds), predict a change, and run the simulator itself with the c
 from __future__ import annotations
 
 import dataclasses
+import functools
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -53,6 +54,14 @@ def fitted(result: SimResult) -> FittedModel:
     return fit_model(analysis)
 
 
+@functools.lru_cache(maxsize=2)  # a run holds up to ~100 MB of trace
+def fitted_scenario(name: str, seed: int) -> tuple[SimResult, FittedModel]:
+    """A scenario's virtual run and the model fitted to it, made once for the changes scored on
+    it (deterministic in name and seed; the changes are predicted from the model, never made to it)."""
+    result = run_scenario(name, seed)
+    return result, fitted(result)
+
+
 def model_change(model: FittedModel, fix_params: Mapping[str, Any]) -> dict[str, Any]:
     """A fix's simulator parameters as a change of the fitted model: a rebalanced layer split is
     an even split of the fitted work."""
@@ -68,8 +77,7 @@ def _describe(change: Mapping[str, Any]) -> str:
 
 def score_fixes(name: str, seed: int) -> list[Score]:
     """Each fix of the scenario's causes (truth.scenario_fixes), at the phases it names."""
-    result = run_scenario(name, seed)
-    model = fitted(result)
+    result, model = fitted_scenario(name, seed)
     measured = {m.label: m.throughput_tok_s for m in model.measured}
     out = []
     for fix in scenario_fixes(result):
@@ -83,9 +91,8 @@ def score_fixes(name: str, seed: int) -> list[Score]:
 
 def score_change(name: str, seed: int, change: Mapping[str, Any]) -> list[Score]:
     """A change beside the fixes, at every phase of the changed run."""
-    result = run_scenario(name, seed)
-    model = fitted(result)
-    truth = run_params(dataclasses.replace(result.params, **change), name)
+    result, model = fitted_scenario(name, seed)
+    truth = run_params(dataclasses.replace(result.params, **change), name, log=False)
     predicted = predict(model, change)
     out = []
     for row, ph in zip(predicted, truth.ground_truth["phases"], strict=True):
@@ -164,7 +171,7 @@ def score_advice(name: str, seed: int) -> AdviceScore:
         change = {c.knob: c.value for c in advice.changes}
         if "stage_cost_multipliers" in change:
             change = model_change(model, change)
-        after = _truth_tok_s(run_params(dataclasses.replace(result.params, **change), name))
+        after = _truth_tok_s(run_params(dataclasses.replace(result.params, **change), name, log=False))
         gain, loses = _weighted(before, after, weights, bands)
         advice_gain = gain if gain is not None else min(0.0, sum(after.values()) - sum(before.values()))
         ratios = tuple((k, after[k] / before[k] - 1 if before[k] else 0.0, bands.get(k, 0.0)) for k in before)
@@ -178,7 +185,7 @@ def score_advice(name: str, seed: int) -> AdviceScore:
             continue
         tried.add(repr(sorted(fix.items())))
         fixed = dataclasses.replace(result.params, **model_change(model, fix))
-        after = _truth_tok_s(run_params(fixed, name))
+        after = _truth_tok_s(run_params(fixed, name, log=False))
         gain, _ = _weighted(before, after, weights, bands)
         if gain is not None and gain > best_gain:
             best, best_gain = f"{f.details.get('knob')} {f.details.get('value')} ({f.cause})", gain
