@@ -131,7 +131,7 @@ def _format_log(result: SimResult, records: list[tuple[float, int, int, str, dic
     for line in startup_lines(p, t0, prefix):
         result.log_lines.append(line)
         result.log_ts_ns.append(t0)
-    records.sort(key=lambda r: (r[0], r[1]))
+    records.sort()  # by time, then emission order (unique: the fields are never compared)
     end_ns = result.ns(result.end_s)
     for t_s, _, stage, kind, fields in records:
         ts_ns = result.ns(t_s)
