@@ -11,7 +11,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from gputrace.errors import SourceError, UsageError
-from gputrace.gpu.simulated import DRIVER_PERIOD_NS, SimulatedSampler
+from gputrace.gpu.simulated import DRIVER_PERIOD_NS, FEED_LAG_NS, SimulatedSampler
 
 HEADER = {"feed": "gputrace-sim-gpu", "version": 1, "host": "sim-node0", "gpus": 2,
           "gpu_name": "NVIDIA H100 PCIe", "power_limit_w": 350.0, "idle_power_w": 60.0,
@@ -45,7 +45,7 @@ def test_feed_intervals_become_nvml_like_samples(tmp_path: Path) -> None:
     """Busy intervals give per-period utilization at period boundaries, power and PCIe by activity."""
     feed = tmp_path / "gpu.feed"
     _write(feed, HEADER)
-    sampler = SimulatedSampler(feed_path=str(feed))
+    sampler = SimulatedSampler(feed_path=str(feed), feed_lag_ns=0)
     b = _boundary_ahead()
     # GPU 0 busy for the first half of the period ending at b, moving 1 MB each way; GPU 1 idle
     _write(feed, {"gpu": 0, "start_ns": b - P, "end_ns": b - P // 2, "tx_bytes": 1_000_000,
@@ -56,7 +56,7 @@ def test_feed_intervals_become_nvml_like_samples(tmp_path: Path) -> None:
     assert at_b[(1, True)].utilization_ratio == 0.0
     assert at_b[(1, False)].power_w == 60.0 and at_b[(1, False)].pcie_tx_bytes_per_s == 0.0
     # a tick whose window covers the busy half: power at the limit, PCIe = bytes / window
-    sampler2 = SimulatedSampler(feed_path=str(feed))
+    sampler2 = SimulatedSampler(feed_path=str(feed), feed_lag_ns=0)
     sampler2.sample(b - P)
     tick = next(s for s in sampler2.sample(b - P // 2) if s.gpu_index == 0 and s.ts_ns == b - P // 2)
     assert tick.power_w == 350.0
@@ -71,7 +71,7 @@ def test_feed_is_tailed_and_partial_lines_wait(tmp_path: Path) -> None:
     """Lines appended later are read; a line without its newline waits until it is complete."""
     feed = tmp_path / "gpu.feed"
     _write(feed, HEADER)
-    sampler = SimulatedSampler(feed_path=str(feed))
+    sampler = SimulatedSampler(feed_path=str(feed), feed_lag_ns=0)
     b = _boundary_ahead()
     line = json.dumps({"gpu": 1, "start_ns": b - P, "end_ns": b, "tx_bytes": 0, "rx_bytes": 0})
     _write(feed, raw=line[:20])
@@ -84,11 +84,33 @@ def test_feed_is_tailed_and_partial_lines_wait(tmp_path: Path) -> None:
     sampler.close()
 
 
+def test_an_interval_written_after_its_period_still_counts(tmp_path: Path) -> None:
+    """The feed is sampled FEED_LAG_NS behind the clock: a kernel whose interval reaches the file
+    after its period ended (a simulator behind the clock on shared cores, another node's lines over
+    TCP, a node's clock stepped) still counts. Sampled at the clock, the period reads idle."""
+    feed = tmp_path / "gpu.feed"
+    _write(feed, HEADER)
+    b = _boundary_ahead()
+    lagged = SimulatedSampler(feed_path=str(feed))
+    at_clock = SimulatedSampler(feed_path=str(feed), feed_lag_ns=0)
+    assert lagged.lag_ns == FEED_LAG_NS > 2 * P
+    at_clock.sample(b - P)
+    lagged.sample(b - P + FEED_LAG_NS)
+    early = [s.utilization_ratio for s in at_clock.sample(b) if s.gpu_index == 0 and s.ts_ns == b
+             and s.utilization_ratio is not None]  # the clock reached b before the interval was written
+    _write(feed, {"gpu": 0, "start_ns": b - P, "end_ns": b, "tx_bytes": 0, "rx_bytes": 0})  # late
+    late = [s.utilization_ratio for s in lagged.sample(b + FEED_LAG_NS) if s.gpu_index == 0 and s.ts_ns == b
+            and s.utilization_ratio is not None]
+    assert early == [0.0] and late == [1.0]
+    lagged.close()
+    at_clock.close()
+
+
 def test_bad_feed_lines_are_counted_not_fatal(tmp_path: Path) -> None:
     """Malformed lines are skipped with one log line each and counted; good lines still count."""
     feed = tmp_path / "gpu.feed"
     _write(feed, HEADER)
-    sampler = SimulatedSampler(feed_path=str(feed))
+    sampler = SimulatedSampler(feed_path=str(feed), feed_lag_ns=0)
     b = _boundary_ahead()
     _write(feed, {"gpu": 7, "start_ns": b - P, "end_ns": b}, {"gpu": 0, "start_ns": "x", "end_ns": b},
            {"gpu": 0, "start_ns": b - P, "end_ns": b}, raw="not json\n")

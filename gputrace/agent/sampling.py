@@ -209,7 +209,7 @@ class SamplingLoop:
                 log.error("sampling_failed", error=f"{type(exc).__name__}: {exc}", errors=self.stats.errors)
             return
         pending = self.ring.pending
-        pending.append((samples, now_ns))  # SampleRing.extend without its frame
+        pending.append((samples, now_ns - self.sampler.lag_ns))  # SampleRing.extend without its frame
         if len(pending) >= _FILE_AFTER_TICKS:
             self.ring.file_pending()
         st = self.stats

@@ -104,6 +104,7 @@ class NvmlSampler:
     """The Sampler interface over the GPUs NVML sees on this host."""
 
     backend = "nvml"
+    lag_ns = 0
 
     def __init__(self, host: str | None = None) -> None:
         self.host = host or socket.gethostname()

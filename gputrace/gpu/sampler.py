@@ -34,13 +34,14 @@ class Sampler(Protocol):
     """A source of GpuSample records for the GPUs of one host."""
 
     backend: str  # "nvml" | "sim"
+    lag_ns: int  # how far behind ``now_ns`` the tick records are stamped (0: at it)
 
     def devices(self) -> list[DeviceInfo]:
         """Static facts about each GPU, in index order."""
         ...
 
     def sample(self, now_ns: int) -> list[GpuSample]:
-        """Every new reading since the previous call; ``now_ns`` stamps the tick records."""
+        """Every new reading since the previous call; ``now_ns - lag_ns`` stamps the tick records."""
         ...
 
     def sample_rows(self, now_ns: int) -> list[SampleRow]:

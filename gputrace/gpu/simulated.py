@@ -28,6 +28,12 @@ log = get_logger("gpu.sim")
 DRIVER_PERIOD_NS = 1_000_000_000 // 6  # NVML's utilization period on recent datacenter GPUs
 FEED_KIND = "gputrace-sim-gpu"
 _IDLE_REASON = 0x1  # nvmlClocksEventReasonGpuIdle
+# How far behind the wall clock a feed is sampled. The simulator writes a kernel's interval when it
+# issues it, but it falls behind the clock on shared cores, another node's intervals reach its file
+# over TCP, and a node whose clock steps keeps the frame it started in: an interval written after
+# the agent sampled its period would be lost for good (a stage reading idle while it computed).
+# A real driver's samples are late too (each covers the period before it).
+FEED_LAG_NS = 500_000_000
 _MAX_BAD_LINES_LOGGED = 10
 
 
@@ -254,8 +260,10 @@ class SimulatedSampler:
 
     def __init__(self, host: str | None = None, gpu_count: int = 8, *, pattern: str = "square",
                  feed_path: str | None = None, feed_wait_s: float = 10.0,
-                 model: SimGpuModel | None = None, driver_period_ns: int = DRIVER_PERIOD_NS) -> None:
+                 model: SimGpuModel | None = None, driver_period_ns: int = DRIVER_PERIOD_NS,
+                 feed_lag_ns: int = FEED_LAG_NS) -> None:
         self.feed = FeedActivity(feed_path, feed_wait_s) if feed_path else None
+        self.lag_ns = feed_lag_ns if self.feed is not None else 0
         base = model or SimGpuModel()
         if self.feed is not None:
             hdr = self.feed.header
@@ -277,7 +285,7 @@ class SimulatedSampler:
         self.activity: Activity = self.feed or PatternActivity(pattern, gpu_count,
                                                                base.pattern_pcie_bytes_per_s)
         self.driver_period_ns = driver_period_ns
-        now = time.time_ns()
+        now = time.time_ns() - self.lag_ns
         # every GPU is sampled at the same instants, so the driver periods and ticks are shared
         self._next_driver_ns = now // driver_period_ns * driver_period_ns  # the last period is done
         self._last_tick_ns: int | None = None
@@ -307,6 +315,7 @@ class SimulatedSampler:
     def sample_rows(self, now_ns: int) -> list[SampleRow]:
         if self.feed is not None:
             self.feed.poll()
+            now_ns -= self.lag_ns  # the samples end where the feed is complete
         period = self.driver_period_ns
         # the driver's own samples, one per period boundary passed (at most ~2 s of them): the
         # periods end at edges[1:]
