@@ -279,7 +279,10 @@ class LiveState:
         """The stage's busy share and bubble over its samples in the window (None without samples)."""
         if not busy:
             return None, None
-        changes = self.stage_work.get(pp, ())
+        # a stage whose ranks log no lines of their own (vLLM's stats line is the engine's, logged
+        # once) has the engine's work: every request passes every stage
+        changes = self.stage_work.get(pp) or next(
+            (self.stage_work[p] for p in sorted(self.stage_work) if self.stage_work[p]), ())
         change_ns = np.array([t for t, _ in changes], dtype=np.int64)
         # work at a sample's time: the last change at or before it (none yet: no work)
         states = np.array([0.0, *(float(w) for _, w in changes)])

@@ -178,3 +178,15 @@ def test_the_live_admission_finding_names_the_engines_own_flag() -> None:
     sglang.settings["max_running_requests"] = 8
     sglang.on_event(event(0, 8, 8, 1.0))
     assert (sglang.status().finding or "").endswith("its pool (--max-running-requests 8)")
+
+
+def test_a_stage_without_lines_of_its_own_has_the_engines_work() -> None:
+    """vLLM logs one stats line for the engine (pp_rank 0): stage 1, half busy while 8 run, idles
+    half the time as stage 0 does (it read bubble 0 beside busy 90 %: no work known for it, on the
+    real engine's `watch`)."""
+    live = state()
+    live.on_event(_vllm_stats(8, 8, 500.0, 0.0))
+    live.on_samples(samples(0, [0.5] * 10))
+    live.on_samples(samples(1, [0.5] * 10))
+    rows = {r["pp_rank"]: r for r in live.stages()}
+    assert rows[0]["bubble_ratio"] == rows[1]["bubble_ratio"] == 0.5

@@ -4,7 +4,6 @@ simulated SGLang PP8 engine and its agent while load runs: a row per stage, valu
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import signal
 import subprocess
@@ -24,53 +23,21 @@ from live_chain import (
     sim_chain,
     wait_until,
 )
+from tmux_screen import Tmux, engine_line, stage_rows
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]
 
-_STAGE_ROW = re.compile(r"^\W*PP(\d+)\s")
-
-
-class Tmux:
-    """A private tmux server (own socket, no user config) holding one fixed-size session."""
-
-    def __init__(self, binary: str, work: Path):
-        self.binary, self.socket = binary, work / "tmux.sock"
-        self.conf = work / "tmux.conf"
-        # The pane stays after its command exits, so what it last showed can be read back.
-        self.conf.write_text("set -g remain-on-exit on\nset -g history-limit 0\n")
-
-    def __call__(self, *args: str) -> str:
-        # Without COLUMNS and LINES, which Rich prefers to the pane's real size: under pytest the C
-        # environ gains COLUMNS=80 and LINES=24 (readline exports them), and under pytest-xdist's
-        # workers os.environ holds them too.
-        env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-        done = subprocess.run([self.binary, "-S", str(self.socket), "-f", str(self.conf), *args],
-                              capture_output=True, text=True, timeout=10, check=True, env=env)
-        return done.stdout
-
-    def capture(self) -> list[str]:
-        return self("capture-pane", "-p", "-t", "watch").splitlines()
-
-
-def stage_rows(screen: list[str]) -> dict[int, str]:
-    """The table's rows by pp_rank, as drawn."""
-    rows: dict[int, str] = {}
-    for line in screen:
-        m = _STAGE_ROW.match(line)
-        if m:
-            rows[int(m.group(1))] = line.strip()
-    return rows
-
-
-_ENGINE = re.compile(r"engine\s+running (\d+) of 64 \(pool\)\s+queued (\d+)\s+"
-                     r"micro-batches in flight (\d+) of 8 stages")
 LEVELS = (4, 16)  # microbatch-cap: K = 2, so 2 and then 8 micro-batches of 2 for the 8 stages
 
 
 def engine_figures(screen: list[str]) -> tuple[int, int, int] | None:
-    """(running, queued, micro-batches in flight) as the engine line shows them."""
-    m = next((m for line in screen if (m := _ENGINE.search(line))), None)
-    return None if m is None else (int(m.group(1)), int(m.group(2)), int(m.group(3)))
+    """(running, queued, micro-batches in flight) as the engine line shows them, of the pool of 64
+    and the 8 stages."""
+    line = engine_line(screen)
+    if line is None or line[1] != 64 or line[4] != PP_SIZE:
+        return None
+    running, _, queued, mbs, _ = line
+    return running, queued, mbs
 
 
 def test_watch_rows_per_stage_update_and_q_quits(tmp_path: Path) -> None:
