@@ -4,6 +4,7 @@ micro-batch cap case and its fix; the same diagnosis from imported files alone."
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 from pathlib import Path
 
 import numpy as np
@@ -139,7 +140,7 @@ def test_diagnosis_from_imported_files_alone(tmp_path: Path) -> None:
     write_jsonl(tmp_path / "requests.jsonl", request_records(result))
     truth = result.ground_truth
     with Store.create(tmp_path / "imported") as store:
-        ingest_log(store, tmp_path / "server.log", host="gpu-box", engine="sglang")
+        ingest_log(store, tmp_path / "server.log", host="gpu-box", engine=result.params.engine)
         import_nvidia_smi_csv(store, tmp_path / "gpu.csv", host="gpu-box")
         import_requests_jsonl(store, tmp_path / "requests.jsonl", host="client")
         a = analyse_store(store)
@@ -313,8 +314,10 @@ def analysed_from_smi_csv(tmp_path: Path, scenario: str, seed: int) -> tuple[Ana
     write_log(result, tmp_path / "server.log")
     write_gpu_csv(result, tmp_path / "gpu.csv", sample_columns(result))
     write_jsonl(tmp_path / "requests.jsonl", request_records(result))
+    # vLLM stamps MM-DD: the year given as `gputrace import --date` gives it
+    day = dt.datetime.fromtimestamp(result.ground_truth["phases"][0]["start_ns"] / 1e9, dt.UTC).date()
     with Store.create(tmp_path / "imported") as store:
-        ingest_log(store, tmp_path / "server.log", host="gpu-box", engine="sglang")
+        ingest_log(store, tmp_path / "server.log", host="gpu-box", engine=result.params.engine, date=day)
         import_nvidia_smi_csv(store, tmp_path / "gpu.csv", host="gpu-box")
         import_requests_jsonl(store, tmp_path / "requests.jsonl", host="client")
         return analyse_store(store), dict(result.ground_truth)
@@ -322,7 +325,8 @@ def analysed_from_smi_csv(tmp_path: Path, scenario: str, seed: int) -> tuple[Ana
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("scenario", ["bunched", pytest.param("microbatch-cap", marks=pytest.mark.slow),
-                                      pytest.param("stage-imbalance", marks=pytest.mark.slow)])
+                                      pytest.param("stage-imbalance", marks=pytest.mark.slow),
+                                      pytest.param("vllm-admission", marks=pytest.mark.slow)])
 def test_without_sm_activity_a_spinning_stage_is_not_taken_as_busy(tmp_path: Path, scenario: str,
                                                                    seed: int) -> None:
     """[busy] Must show 1: NCCL spin with utilization and power only: where utilization.gpu reads
