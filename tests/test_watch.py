@@ -142,4 +142,4 @@ def watch_in_tmux(tmux: Tmux, collector_url: str, collector: subprocess.Popen[by
         return (captures, by_phase, (header, seconds, red), status_file.read_text().strip(),
                 "\n".join(tmux.capture()))
     finally:
-        subprocess.run([tmux.binary, "-S", str(tmux.socket), "kill-server"], capture_output=True, timeout=10)
+        tmux.kill()

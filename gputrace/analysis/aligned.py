@@ -597,8 +597,8 @@ def _work(requests: dict[str, np.ndarray], gauge: LoadGaugeColumns, stages: _Sta
     """When there was work, from the best source the run holds: its requests, the engine's log,
     a gauge of requests in flight; else every cell."""
     started = ~np.isnan(requests["start_ns"])
-    inflight = _gauge_inflight(gauge, grid, notes) if not started.any() and len(gauge) else None
     gauge_counts = _gauge_counts(gauge)
+    inflight = _gauge_inflight(gauge, gauge_counts, grid, notes) if not started.any() and len(gauge) else None
     if started.any():
         # A request with no end was still in flight when the run stopped.
         end = np.where(np.isnan(requests["end_ns"]), grid[-1], requests["end_ns"])[started]
@@ -621,7 +621,7 @@ def _gauge_counts(gauge: LoadGaugeColumns) -> str:
     return ENGINE_IN_FLIGHT if engines else CLIENT_IN_FLIGHT
 
 
-def _gauge_inflight(gauge: LoadGaugeColumns, grid: np.ndarray, notes: list[str]) -> np.ndarray:
+def _gauge_inflight(gauge: LoadGaugeColumns, counts: str, grid: np.ndarray, notes: list[str]) -> np.ndarray:
     """No request records, but a gauge of requests in flight (the client's, else the engine's;
     already in the collector's clock): it gives the offered load; the engine's state still gives
     the work."""
@@ -630,7 +630,7 @@ def _gauge_inflight(gauge: LoadGaugeColumns, grid: np.ndarray, notes: list[str])
     inflight = hold_last(gauge_t, np.asarray(gauge.inflight_requests, dtype=np.float64), grid,
                          _max_age_ns(gauge_t))
     what = ("offered load from the engine's running + queued requests (no client gauge), "
-            if _gauge_counts(gauge) == ENGINE_IN_FLIGHT else "client requests in flight from a gauge ")
+            if counts == ENGINE_IN_FLIGHT else "client requests in flight from a gauge ")
     every_s = float(np.median(gaps)) / 1e9 if len(gaps) else 0
     notes.append(f"{what}sampled every {every_s:g} s (no request records)")
     return inflight
