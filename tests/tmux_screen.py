@@ -79,7 +79,8 @@ def watch_recorded(work: Path, collector_url: str,
     if binary is None:
         raise AssertionError("tmux is not installed (apt-get install tmux): watch is read through it")
     tmux = Tmux(binary, work)
-    watch = shlex.join(gputrace_argv("watch", "--collector", collector_url, "--refresh", "0.5"))
+    # a redraw a second: the engines beside it share the two cores
+    watch = shlex.join(gputrace_argv("watch", "--collector", collector_url, "--refresh", "1"))
     tmux("new-session", "-d", "-s", "watch", "-x", "200", "-y", "50", watch)
     screens: list[tuple[int, list[str]]] = []
     stop = threading.Event()
