@@ -37,6 +37,7 @@ from engine_servers import (
 )
 from helpers import gputrace_process
 from live_chain import gputrace_argv, http_ok, prometheus, wait_until
+from tmux_screen import engine_line, stage_rows, watch_recorded
 
 from gputrace.demo import child_process
 from gputrace.store import Store
@@ -76,6 +77,7 @@ class Capture:
     log_text: str
     prometheus_url: str  # a real Prometheus that scraped the engine's /metrics and the agent's DCGM_*
     dashboard_url: str  # another that scraped what the dashboard reads: the collector and the agent
+    watch_screens: list[tuple[int, list[str]]]  # `gputrace watch` in tmux during the run, every second
 
     def phases(self) -> dict[str, tuple[int, int]]:
         """Phase label -> (start_ns, end_ns) from the run's markers (collector clock)."""
@@ -134,7 +136,11 @@ def _capture(setting: EngineSetting, tmp: Path) -> Iterator[Capture]:
                 "--duration-per-level", str(LEVEL_S[setting.engine]),
                 "--max-tokens", str(MAX_TOKENS[setting.engine]), "--ignore-eos", "--warmup", "0",
                 "--no-report"]
-        with MetricsScraper(engine) as scraper:
+        # `gputrace watch` beside SGLang's capture only: on the two shared cores its redraws took
+        # enough from vLLM (whose stats line comes every 10 s) to change what its tests read
+        watching = watch_recorded(tmp, f"http://127.0.0.1:{collector_port}") \
+            if setting.engine == "sglang" else contextlib.nullcontext([])
+        with MetricsScraper(engine) as scraper, watching as watch_screens:
             out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
             # the log as it stood when the collector stopped: what it could have read
             log_text = log_path.read_text(errors="replace")
@@ -143,7 +149,7 @@ def _capture(setting: EngineSetting, tmp: Path) -> Iterator[Capture]:
     # the engine is stopped here (the tests read what was captured, and a restart has the cores);
     # Prometheus stays up until the module's tests are done
     with outlives:
-        yield Capture(engine, scraper, run_dir, out.stderr, log_text, prom_url, dashboard_url)
+        yield Capture(engine, scraper, run_dir, out.stderr, log_text, prom_url, dashboard_url, watch_screens)
 
 
 @pytest.fixture(scope="module")
@@ -556,6 +562,38 @@ def test_dashboard_panels_render_a_real_engine_capture(engine_name: str, request
 
 
 # The recommendation, applied to the real engine
+
+
+def test_watch_reads_a_real_engine_capture(sglang_run: Capture) -> None:
+    """`gputrace watch` in a 200x50 tmux pane beside SGLang's capture: in the settled half of every
+    level it names the phase, draws PP0 and PP1 with the same bubble, and its engine line reads no
+    more running than the load in flight nor than the pool of 8, at most 2 micro-batches in flight
+    of 2 stages (SGLang's log gives every rank's), and at C=16 requests queued. The screens go to
+    tests/artifacts/watch-sglang.txt."""
+    artifact = Path(__file__).parent / "artifacts" / "watch-sglang.txt"
+    artifact.parent.mkdir(exist_ok=True)
+    screens = sglang_run.watch_screens
+    artifact.write_text("".join(f"--- {time.strftime('%H:%M:%S', time.gmtime(ts / 1e9))} UTC\n"
+                                + "\n".join(screen).rstrip() + "\n" for ts, screen in screens))
+    for label, (start, end) in sglang_run.phases().items():
+        level = int(label.removeprefix("C="))
+        settled = [screen for ts, screen in screens
+                   if start + (end - start) // 2 <= ts <= end and f"phase {label} " in screen[0]]
+        assert len(settled) >= 3, (label, f"{len(settled)} screens; see {artifact}")
+        assert all(set(stage_rows(screen)) == {0, 1} for screen in settled), (label, settled[-1])
+        # both stages run the same requests on the same stand-in GPUs: the same bubble
+        bubbles = [{pp: row.split("│")[4].strip() for pp, row in stage_rows(screen).items()}
+                   for screen in settled]
+        assert all(b[0] == b[1] != "n/a" for b in bubbles), (label, bubbles)
+        lines = [line for screen in settled if (line := engine_line(screen)) is not None]
+        assert lines, (label, settled[-1])
+        print(label, "watch's engine line (running, pool, queued, micro-batches, stages):", lines)
+        assert all(r <= min(level, ADMISSION_LIMIT) for r, *_ in lines), (label, lines)
+        assert all(pool in (None, ADMISSION_LIMIT) for _, pool, _, _, _ in lines), (label, lines)
+        assert max(r for r, *_ in lines) >= 1, (label, lines)  # a request runs at every level
+        assert all(mbs is not None and mbs <= 2 and stages == 2 for _, _, _, mbs, stages in lines), lines
+        if level == 16:
+            assert max(q for _, _, q, _, _ in lines) > 0, (label, lines)
 
 
 def _client_tok_s(requests_jsonl: Path, label: str) -> float:

@@ -3,10 +3,18 @@ one detached fixed-size pane, and the screen read back as text, for the watch te
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shlex
+import shutil
 import subprocess
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
+
+from live_chain import gputrace_argv
 
 _STAGE_ROW = re.compile(r"^\W*PP(\d+)\s")
 _ENGINE = re.compile(r"engine\s+running (\d+)(?: of (\d+) \(pool\))?\s+queued (\d+)"
@@ -60,3 +68,33 @@ def engine_line(screen: list[str]) -> EngineLine | None:
     running, pool, queued, mbs, stages = (None if g is None else int(g) for g in m.groups())
     assert running is not None and queued is not None
     return running, pool, queued, mbs, stages
+
+
+@contextlib.contextmanager
+def watch_recorded(work: Path, collector_url: str,
+                   every_s: float = 1.0) -> Iterator[list[tuple[int, list[str]]]]:
+    """`gputrace watch` against ``collector_url`` in a 200x50 pane while the block runs: its screen
+    read every ``every_s`` into the list yielded, as (time.time_ns(), lines)."""
+    binary = shutil.which("tmux")
+    if binary is None:
+        raise AssertionError("tmux is not installed (apt-get install tmux): watch is read through it")
+    tmux = Tmux(binary, work)
+    # a redraw a second: the engines beside it share the two cores
+    watch = shlex.join(gputrace_argv("watch", "--collector", collector_url, "--refresh", "1"))
+    tmux("new-session", "-d", "-s", "watch", "-x", "200", "-y", "50", watch)
+    screens: list[tuple[int, list[str]]] = []
+    stop = threading.Event()
+
+    def record() -> None:
+        while not stop.wait(every_s):
+            with contextlib.suppress(subprocess.SubprocessError):
+                screens.append((time.time_ns(), tmux.capture()))
+
+    recorder = threading.Thread(target=record, name="watch-screens", daemon=True)
+    recorder.start()
+    try:
+        yield screens
+    finally:
+        stop.set()
+        recorder.join(timeout=15)
+        tmux.kill()
