@@ -297,7 +297,7 @@ def _tokens_per_batch(result, label: str) -> float:  # type: ignore[no-untyped-d
     """Tokens out of the last stage per batch stage 0 ran, over a phase (its first second left out)."""
     tr = result.engine.trace
     (ph,) = [p for p in result.phases if p.label == label]
-    starts = np.asarray(tr.iv_start)[np.asarray(tr.iv_stage) == 0]
+    starts = np.asarray(tr.iv_start).reshape(-1, result.params.pp_size)[:, 0]
     batches = ((starts >= ph.start_s + 1) & (starts < ph.end_s)).sum()
     t, n = np.asarray(tr.tok_t), np.asarray(tr.tok_n)
     return float(n[(t >= ph.start_s + 1) & (t < ph.end_s)].sum() / batches)

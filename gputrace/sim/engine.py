@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+
 from gputrace.sim.params import SimParams
 
 
@@ -60,14 +62,15 @@ class SimRequest:
 class EngineTrace:
     """What the engine did, as growing columns (numpy-ready)."""
 
-    # kernel-busy intervals, one per (stage, batch)
-    iv_stage: list[int] = field(default_factory=list)
+    pp_size: int
+    # kernel-busy intervals, one per (step, stage): every step runs through all pp_size stages,
+    # so interval i is step i // pp_size on stage i % pp_size
     iv_start: list[float] = field(default_factory=list)
     iv_end: list[float] = field(default_factory=list)
-    iv_reqs: list[int] = field(default_factory=list)
-    iv_decode: list[bool] = field(default_factory=list)
-    iv_tx_bytes: list[int] = field(default_factory=list)
-    iv_rx_bytes: list[int] = field(default_factory=list)
+    # per step: requests in it, whether it decodes only, activation bytes each stage hands on
+    step_reqs: list[int] = field(default_factory=list)
+    step_decode: list[bool] = field(default_factory=list)
+    step_act_bytes: list[int] = field(default_factory=list)
     # tokens handed to clients (time they come out of the last stage, count)
     tok_t: list[float] = field(default_factory=list)
     tok_n: list[int] = field(default_factory=list)
@@ -87,6 +90,33 @@ class EngineTrace:
     kv_stall_t: list[float] = field(default_factory=list)
     retractions: int = 0
 
+    def interval_stage(self, i: int) -> int:
+        return i % self.pp_size
+
+    def interval_bytes(self, i: int) -> tuple[int, int]:
+        """(tx, rx) bytes of interval i: each stage sends its activations on but the last, and
+        each receives them but the first."""
+        step, stage = divmod(i, self.pp_size)
+        act = self.step_act_bytes[step]
+        return (act if stage < self.pp_size - 1 else 0), (act if stage > 0 else 0)
+
+    def interval_columns(self) -> dict[str, np.ndarray]:
+        """The kernel-busy intervals as arrays (stage, start_s, end_s, reqs, decode, tx_bytes,
+        rx_bytes), one row per (step, stage)."""
+        pp = self.pp_size
+        n_steps = len(self.step_reqs)
+        act = np.asarray(self.step_act_bytes, dtype=np.float64)
+        stage = np.tile(np.arange(pp, dtype=np.int64), n_steps)
+        return {
+            "stage": stage,
+            "start_s": np.asarray(self.iv_start, dtype=np.float64),
+            "end_s": np.asarray(self.iv_end, dtype=np.float64),
+            "reqs": np.repeat(np.asarray(self.step_reqs, dtype=np.int64), pp),
+            "decode": np.repeat(np.asarray(self.step_decode, dtype=bool), pp),
+            "tx_bytes": np.where(stage < pp - 1, np.repeat(act, pp), 0.0),
+            "rx_bytes": np.where(stage > 0, np.repeat(act, pp), 0.0),
+        }
+
 
 LogEmitter = Callable[[float, int, str, dict[str, float | int | bool]], None]
 """(time, pp_rank, kind "decode"|"prefill", fields) -> None."""
@@ -99,7 +129,7 @@ class PipelineEngine:
                  on_complete: Callable[[SimRequest, float], None] | None = None):
         p = params
         self.p = p
-        self.trace = EngineTrace()
+        self.trace = EngineTrace(p.pp_size)
         self.on_log = on_log
         self.on_complete = on_complete
         self.now = 0.0
@@ -347,11 +377,14 @@ class PipelineEngine:
         starts, ends = tr.iv_start, tr.iv_end
         log = self.on_log is not None and not self.vllm  # vLLM logs engine-wide stats instead
         gen_tokens, steps, interval = self._gen_tokens, self._decode_steps, p.decode_log_interval
+        mults = self.mults
         arrive = t
         end = t
-        for s, mult in enumerate(self.mults):
-            start = arrive if arrive > stage_free[s] else stage_free[s]
-            end = start + mult * base
+        # the hottest loop of every replay: locals only, the log's bookkeeping apart
+        for s in range(last + 1):
+            free = stage_free[s]
+            start = arrive if arrive > free else free
+            end = start + mults[s] * base
             stage_free[s] = end
             starts.append(start)
             ends.append(end)
@@ -365,21 +398,17 @@ class PipelineEngine:
                     if steps[s] % interval == 0:
                         self._log_decode(s, end, n_reqs)
             if s < last:
-                sent = (end if end > link_free[s] else link_free[s]) + xfer
+                free = link_free[s]
+                sent = (end if end > free else free) + xfer
                 link_free[s] = sent
                 arrive = sent + lat
         if p.synchronous_forward:
             # stage 0's forward runs on the scheduler's own thread: its loop goes on (and takes in
             # new requests, for the next slot) only once that forward is done
             self.now = max(self.now, stage_free[0])
-        n_st = p.pp_size
-        tr.iv_stage.extend(range(n_st))
-        tr.iv_reqs.extend([n_reqs] * n_st)
-        tr.iv_decode.extend([decode] * n_st)
-        tr.iv_rx_bytes.append(0)
-        tr.iv_rx_bytes.extend([act_bytes] * last)
-        tr.iv_tx_bytes.extend([act_bytes] * last)
-        tr.iv_tx_bytes.append(0)
+        tr.step_reqs.append(n_reqs)
+        tr.step_decode.append(decode)
+        tr.step_act_bytes.append(act_bytes)
         done = end + p.pcie_latency_s
         self.slot_ready[k] = done
         self._advance_requests(k, batch, done)

@@ -125,9 +125,9 @@ def virtual_metric_rows(p: SimParams, start_ns: int, end_s: float, trace: Any,
     at_ns = start_ns + np.rint(at_s * 1e9).astype(np.int64)
     tokens = _cumulative(np.asarray(trace.tok_t, dtype=np.float64),
                          np.asarray(trace.tok_n, dtype=np.float64), at_s)
-    stage = np.asarray(trace.iv_stage, dtype=np.int64)
-    iv_end = np.asarray(trace.iv_end, dtype=np.float64)
-    busy = iv_end - np.asarray(trace.iv_start, dtype=np.float64)
+    intervals = trace.interval_columns()
+    stage, iv_end = intervals["stage"], intervals["end_s"]
+    busy = iv_end - intervals["start_s"]
     forward = [_cumulative(iv_end[stage == s], busy[stage == s], at_s) for s in range(p.pp_size)]
     finish_s, latency_s = latencies
     e2e_sum = _cumulative(finish_s, latency_s, at_s)

@@ -182,16 +182,16 @@ class RealtimeSim:
         tr = self.engine.trace
         n = len(tr.iv_start)
         for i in range(self._iv_done, n):  # counted when issued: at most a pipeline's pass early
-            self._forward_s[tr.iv_stage[i]] += tr.iv_end[i] - tr.iv_start[i]
+            self._forward_s[tr.interval_stage(i)] += tr.iv_end[i] - tr.iv_start[i]
         if n > self._iv_done:
             tp = self.p.tp_size
             by_node: list[list[tuple[float, float, int, int, int]]] = [[] for _ in range(self.layout.nnodes)]
             for i in range(self._iv_done, n):
-                stage = tr.iv_stage[i]
+                stage = tr.interval_stage(i)
+                tx, rx = tr.interval_bytes(i)
                 for rank in range(tp):
                     node, gpu = self.layout.gpu_of[(stage, rank)]
-                    by_node[node].append((tr.iv_start[i], tr.iv_end[i], gpu, int(tr.iv_tx_bytes[i]),
-                                          int(tr.iv_rx_bytes[i])))
+                    by_node[node].append((tr.iv_start[i], tr.iv_end[i], gpu, int(tx), int(rx)))
             self._files.write_feed(by_node[0])
             for node in range(1, self.layout.nnodes):
                 if self.relay is not None:
@@ -199,7 +199,7 @@ class RealtimeSim:
         self._iv_done = n
         if n > 100_000:  # a long serve must not keep every interval: the feed file has them
             self._tokens_total += sum(tr.tok_n[self._tok_done:])  # a few batches early
-            self.engine.trace = EngineTrace()
+            self.engine.trace = EngineTrace(self.p.pp_size)
             self._iv_done = 0
             self._tok_done = 0
 

@@ -54,16 +54,7 @@ class SimResult:
         return self._intervals
 
     def _interval_arrays(self) -> dict[str, np.ndarray]:
-        tr = self.engine.trace
-        return {
-            "stage": np.asarray(tr.iv_stage, dtype=np.int64),
-            "start_s": np.asarray(tr.iv_start, dtype=np.float64),
-            "end_s": np.asarray(tr.iv_end, dtype=np.float64),
-            "reqs": np.asarray(tr.iv_reqs, dtype=np.int64),
-            "decode": np.asarray(tr.iv_decode, dtype=bool),
-            "tx_bytes": np.asarray(tr.iv_tx_bytes, dtype=np.float64),
-            "rx_bytes": np.asarray(tr.iv_rx_bytes, dtype=np.float64),
-        }
+        return self.engine.trace.interval_columns()
 
 
 def simulate(params: SimParams, scenario: str = "custom", log: bool = True) -> SimResult:

@@ -154,8 +154,8 @@ def trace_outcomes(result: SimResult, labels: list[str] | None = None) -> list[P
     generated = np.array([r.generated for r in reqs], dtype=np.float64)
     phase_of = np.array([r.phase for r in reqs], dtype=object)
     # stage 0's entry of each step (the first of its pp_size)
-    step_sizes = np.asarray(tr.iv_reqs[::p.pp_size], dtype=np.int64)
-    step_decode = np.asarray(tr.iv_decode[::p.pp_size], dtype=bool)
+    step_sizes = np.asarray(tr.step_reqs, dtype=np.int64)
+    step_decode = np.asarray(tr.step_decode, dtype=bool)
     step_start = np.asarray(tr.iv_start[::p.pp_size], dtype=np.float64)
     decode_sizes, decode_start = step_sizes[step_decode], step_start[step_decode]
     edges = np.array([[ph.start_s, ph.end_s] for ph in result.phases], dtype=np.float64).reshape(-1)
