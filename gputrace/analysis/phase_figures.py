@@ -71,7 +71,9 @@ BUSY_SIGNALS = {"utilization": "utilization.gpu (NVML)", "sm_active": "SM activi
 BUSY_RANKING = ("the engine's device timer", "SM activity (GPM, DCGM PROF_SM_ACTIVE)",
                 "the engine's loop timers", "the schedule from the log (micro-batches in flight / "
                 "pp_size, shared out by each stage's power above idle)",
-                "utilization.gpu only where the schedule agrees (NCCL's waiting receive counts in it)")
+                "utilization.gpu only where the schedule agrees (NCCL's waiting receive counts in it: "
+                "a stage waiting on its link or on another stage reads busy, so a bubble from it or "
+                "from the schedule is a lower bound)")
 UTILIZATION_AGREES = 0.1  # utilization.gpu this far above the schedule's busy figure is not taken
 # A sampled log's generation throughput this far from the client's is not taken as the engine's
 # (micro-batches the log never shows: a real SGLang at interval 2 read 42 % above the client at
@@ -458,4 +460,6 @@ def checked_utilization(st: StageMetrics, in_flight: float, pp_size: int, work: 
                    busy_signal_reason=(
                        f"utilization.gpu read {st.busy_fraction:.0%} busy but the schedule from the log "
                        f"allows {allowed:.0%} ({in_flight:.1f} micro-batches in flight for {pp_size} "
-                       f"stages){power}: NCCL's waiting kernels count in utilization.gpu"))
+                       f"stages){power}: NCCL's waiting kernels count in utilization.gpu; the schedule "
+                       "gives an upper bound (hand-offs and the scheduler between forwards idle a stage "
+                       "too), so this bubble is a lower bound"))
