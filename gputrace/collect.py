@@ -401,6 +401,7 @@ class Collector:
                                           on_problem=lambda why: self._source_problem(name, why)):
             ready.set()
             self.live.counts["engine_metric_samples"] += len(batch)
+            self.live.on_engine_metrics(batch)
             self.writer.add_many(batch)
 
     async def _probe_clocks(self, ht: _HostTasks) -> None:

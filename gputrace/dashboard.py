@@ -158,8 +158,9 @@ def _panels() -> list[tuple[dict[str, Any], int, int]]:
                       (f"max({mn.ENGINE_POOL.name}{{{_RUN}}})", "pool limit"),
                       (f"sum({mn.LOAD_INFLIGHT.name}{{{_RUN}}})", "load in flight")],
                      minimum=0), 12, 9),
-        (_heatmap("Busy per stage (heatmap)", "Each stage's busy share by the best signal its GPUs "
-                  "give: SM activity (GPM) where present, else NVML utilization, which reads high "
+        (_heatmap("Busy per stage (heatmap)", "Each stage's busy share by the best signal present, "
+                  "in the report's order: SGLang's device timer, SM activity (GPM), SGLang's loop "
+                  "timers (with [hosts.engine_metrics]), else NVML utilization, which reads high "
                   "while a stage only waits in NCCL. Rows: pp_rank; stages in lockstep show as bands.",
                   f"max by (pp_rank) ({mn.STAGE_BUSY.name}{{{_RUN}}})", "stage {{pp_rank}}"), 12, 9),
         (_timeseries("Busy and bubble per stage", "Busy (by the signal named) and the bubble: the "

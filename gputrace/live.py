@@ -7,6 +7,10 @@ where the GPU has it, else NVML utilization, as the report picks) is set against
 had work at the sample's time (the analysis' own ``busy_and_bubble``, on the collector's clock:
 sample times are corrected by the host's latest clock probe).
 
+Where SGLang exports its own forward timers (scraped from its /metrics), a stage's busy share
+comes from them as the report ranks them: the device timer above SM activity, the loop's run_batch
+below it and above utilization.gpu (``engine_metrics.engine_busy``, over the same window).
+
 What a stage's log line says is one micro-batch; the engine's running total and the micro-batches
 in flight come from the first stage's recent lines, read as the report reads them
 (``schedule.engine_totals``): a stage showing "running 8" at a load of 32 is one of 4 micro-batches.
@@ -14,6 +18,7 @@ in flight come from the first stage's recent lines, read as the report reads the
 
 from __future__ import annotations
 
+import json
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -24,10 +29,19 @@ import numpy as np
 
 from gputrace import metric_names as mn
 from gputrace.analysis.diagnose import ADMISSION_FLAG
+from gputrace.analysis.engine_metrics import LOOP_SERIES, EngineBusy, MetricSeries, engine_busy
 from gputrace.analysis.phase_figures import BUSY_SIGNALS, busy_and_bubble
 from gputrace.analysis.schedule import engine_totals, line_sizes
 from gputrace.exposition import Collector, Metric, family
-from gputrace.model import ClockProbe, EngineConfig, GpuSample, Marker, RequestRecord, SchedulerEvent
+from gputrace.model import (
+    ClockProbe,
+    EngineConfig,
+    EngineMetricSample,
+    GpuSample,
+    Marker,
+    RequestRecord,
+    SchedulerEvent,
+)
 from gputrace.topology import Placement
 from gputrace.vocabulary import LiveStatus
 
@@ -54,6 +68,7 @@ LIVE_SETTINGS = ("max_running_requests", "pp_max_micro_batch_size", "pp_async_ba
 # The first stage's busy share over this last stretch tells how many equal micro-batches are in
 # flight (the stage window's 10 s lagged a new level by seconds).
 ENGINE_BUSY_WINDOW_S = 2.0
+WORK_GRID_NS = 100_000_000  # where the engine's timers give a stage's busy share: its work share's grid
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +121,9 @@ class LiveState:
         self.phase_starts: dict[str, int] = {}  # phase label -> its marker's ns (collector clock)
         # completed requests: (end ns, TTFT s, mean ITL s), newest last
         self.latencies: deque[tuple[int, float | None, float | None]] = deque(maxlen=4096)
+        # the engine's own timer counters (LOOP_SERIES, tp_rank 0) per (name, labels JSON): their
+        # labels and (scrape ns, seconds)
+        self.engine_timers: dict[tuple[str, str], tuple[dict[str, str], deque[tuple[int, float]]]] = {}
 
     # -- updates --------------------------------------------------------------------------------
 
@@ -180,6 +198,29 @@ class LiveState:
             self.counts["gpu_samples"] += 1
             self._arrived(self.clock_ns())
 
+    def on_engine_metrics(self, samples: Iterable[EngineMetricSample]) -> None:
+        """A scrape of the engine's /metrics (times on the collector's clock): its timer counters
+        kept for the stages' busy figures."""
+        for s in samples:
+            if s.name not in LOOP_SERIES or s.value is None:
+                continue
+            key = (s.name, s.labels_json)
+            if key not in self.engine_timers:
+                labels = json.loads(s.labels_json)
+                if labels.get("tp_rank", "0") not in ("0", ""):  # every TP rank times the same forward
+                    continue
+                self.engine_timers[key] = (labels, deque(maxlen=256))
+            self.engine_timers[key][1].append((s.ts_ns, s.value))
+
+    def _timer_busy(self, start_ns: int, end_ns: int) -> tuple[dict[int, EngineBusy], int]:
+        """Per pp_rank the engine timers' busy share over their scrapes in [start, end)
+        (engine_busy's rule), and the first of those scrapes (where the share starts)."""
+        series = [MetricSeries(name, labels, np.array([t for t, _ in points], dtype=np.int64),
+                               np.array([v for _, v in points], dtype=np.float64))
+                  for (name, _), (labels, points) in self.engine_timers.items()]
+        first = min((int(t) for s in series for t in s.ts_ns if start_ns <= t < end_ns), default=start_ns)
+        return (engine_busy(series, start_ns, end_ns) if series else {}), first
+
     def on_marker(self, marker: Marker) -> None:
         self.counts["markers"] += 1
         if marker.kind == "phase":
@@ -224,6 +265,8 @@ class LiveState:
             by_stage.setdefault(p.pp_rank, []).append(p)
         for _host, pp, _tp, _dp in self.engine:
             by_stage.setdefault(pp, [])
+        now_ns = self.clock_ns()
+        timers, timers_from_ns = self._timer_busy(cutoff, now_ns + 1)
         rows = []
         for pp in sorted(by_stage):
             util: list[float] = []
@@ -254,6 +297,12 @@ class LiveState:
             # SM activity where the GPUs give it: utilization counts a stage spinning in NCCL as busy
             signal, busy_ns, busy = ("sm_active", sm_ns, sm) if sm else ("utilization", util_ns, util)
             busy_ratio, bubble_ratio = self._busy_bubble(pp, busy_ns, busy)
+            timer = timers.get(pp)
+            if timer is not None and (timer.signal == "device timer" or not sm):
+                # the engine's own forward timer, ranked as the report ranks it
+                signal = "device_timer" if timer.signal == "device timer" else "loop_timers"
+                busy_ratio = timer.busy_fraction
+                bubble_ratio = max(self._work_share(pp, timers_from_ns, now_ns) - busy_ratio, 0.0)
             rows.append({
                 "pp_rank": pp,
                 "gpus": [f"{p.host}:{p.gpu_index}" for p in by_stage[pp]],
@@ -270,7 +319,7 @@ class LiveState:
                                        default=None),
                 "busy_ratio": busy_ratio,
                 "bubble_ratio": bubble_ratio,
-                "busy_signal": BUSY_SIGNALS[signal] if busy else None,
+                "busy_signal": BUSY_SIGNALS[signal] if busy_ratio is not None else None,
             })
         return rows
 
@@ -279,16 +328,24 @@ class LiveState:
         """The stage's busy share and bubble over its samples in the window (None without samples)."""
         if not busy:
             return None, None
-        # a stage whose ranks log no lines of their own (vLLM's stats line is the engine's, logged
-        # once) has the engine's work: every request passes every stage
+        work = self._work_at(pp, np.array(times_ns, dtype=np.int64))
+        busy_share, bubble = busy_and_bubble(np.array([busy]), work)
+        return float(busy_share[0]), float(bubble[0])
+
+    def _work_at(self, pp: int, times_ns: np.ndarray) -> np.ndarray:
+        """Whether the stage had work (1.0) at each time: the last change at or before it (none
+        yet: no work). A stage whose ranks log no lines of their own (vLLM's stats line is the
+        engine's, logged once) has the engine's work: every request passes every stage."""
         changes = self.stage_work.get(pp) or next(
             (self.stage_work[p] for p in sorted(self.stage_work) if self.stage_work[p]), ())
         change_ns = np.array([t for t, _ in changes], dtype=np.int64)
-        # work at a sample's time: the last change at or before it (none yet: no work)
         states = np.array([0.0, *(float(w) for _, w in changes)])
-        work = states[np.searchsorted(change_ns, np.array(times_ns, dtype=np.int64), side="right")]
-        busy_share, bubble = busy_and_bubble(np.array([busy]), work)
-        return float(busy_share[0]), float(bubble[0])
+        return states[np.searchsorted(change_ns, times_ns, side="right")]
+
+    def _work_share(self, pp: int, start_ns: int, end_ns: int) -> float:
+        """The share of [start, end) in which the stage had work (on a 0.1 s grid)."""
+        grid = np.arange(start_ns, end_ns, WORK_GRID_NS, dtype=np.int64)
+        return float(self._work_at(pp, grid).mean()) if len(grid) else 0.0
 
     def _recent_busy(self, pp: int, window_s: float) -> float | None:
         """The stage's busy share over the last ``window_s`` (SM activity where given)."""

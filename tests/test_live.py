@@ -3,10 +3,13 @@ whether the stage had work at that time, on the collector's clock."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from gputrace.live import LiveCollector, LiveState
-from gputrace.model import ClockProbe, GpuSample, SchedulerEvent
+from gputrace.model import ClockProbe, EngineMetricSample, GpuSample, SchedulerEvent
 from gputrace.topology import Placement
 
 S = 1_000_000_000
@@ -190,3 +193,67 @@ def test_a_stage_without_lines_of_its_own_has_the_engines_work() -> None:
     live.on_samples(samples(1, [0.5] * 10))
     rows = {r["pp_rank"]: r for r in live.stages()}
     assert rows[0]["bubble_ratio"] == rows[1]["bubble_ratio"] == 0.5
+
+
+def _timer(name: str, pp: int, category: str, per_s: float) -> list[EngineMetricSample]:
+    """An SGLang timer counter of rank pp (``sglang:scheduler_stage_seconds_total`` by category, or
+    the device timer), scraped once a second from T0 to T0 + 10 s, rising ``per_s`` seconds a second."""
+    labels = json.dumps({"category": category, "pp_rank": str(pp), "tp_rank": "0"}, sort_keys=True)
+    return [EngineMetricSample("node0", "http://engine/metrics", T0 + i * S, name, labels, per_s * i)
+            for i in range(11)]
+
+
+def _stage_seconds(pp: int, category: str, per_s: float) -> list[EngineMetricSample]:
+    return _timer("sglang:scheduler_stage_seconds_total", pp, category, per_s)
+
+
+def _device_seconds(pp: int, per_s: float) -> list[EngineMetricSample]:
+    return _timer("sglang:forward_execution_seconds_total", pp, "forward", per_s)
+
+
+def test_without_sm_activity_the_engines_loop_timers_give_the_busy_share() -> None:
+    """[busy] in the live view: utilization.gpu reads 100 % while the stages wait in NCCL; SGLang's
+    loop timers say each stage ran its forward 40 % of the time. The live busy share is the timers'
+    and the bubble the rest of the time with work, as the report ranks the signals; with SM activity
+    present the GPUs' figure stays, and the device timer ranks above both."""
+    live = state()
+    live.on_event(event(0, 8, 0, -10.0))
+    live.on_event(event(1, 8, 0, -10.0))
+    live.on_samples(samples(0, [1.0] * 10))
+    live.on_samples(samples(1, [1.0] * 10))
+    for pp in (0, 1):
+        live.on_engine_metrics(_stage_seconds(pp, "run_batch", 0.4) + _stage_seconds(pp, "other", 0.6))
+    rows = {r["pp_rank"]: r for r in live.stages()}
+    for pp in (0, 1):
+        assert rows[pp]["busy_signal"] == "the engine's loop timers (run_batch)"
+        assert rows[pp]["busy_ratio"] == pytest.approx(0.4)
+        assert rows[pp]["bubble_ratio"] == pytest.approx(0.6)
+        assert rows[pp]["utilization_ratio"] == 1.0  # still shown beside it
+    registry = CollectorRegistry()
+    registry.register(LiveCollector(live))
+    text = generate_latest(registry).decode()
+    assert 'gputrace_stage_bubble_ratio{pp_rank="0",run="run"} 0.6' in text
+    assert "the engine's loop timers (run_batch)" in text
+
+    with_sm = state()
+    with_sm.on_event(event(0, 8, 0, -10.0))
+    with_sm.on_samples([GpuSample(host="node0", gpu_index=0, ts_ns=T0 + i * S, utilization_ratio=1.0,
+                                  sm_active_ratio=0.5) for i in range(10)])
+    with_sm.on_engine_metrics(_stage_seconds(0, "run_batch", 0.4))
+    (row, *_) = with_sm.stages()
+    assert row["busy_signal"] == "SM activity (GPM)" and row["busy_ratio"] == 0.5
+    with_sm.on_engine_metrics(_device_seconds(0, 0.3))
+    (row, *_) = with_sm.stages()
+    assert row["busy_signal"] == "the engine's device timer (forward_execution_seconds)"
+    assert row["busy_ratio"] == pytest.approx(0.3) and row["bubble_ratio"] == pytest.approx(0.7)
+
+
+def test_timers_without_work_give_no_bubble() -> None:
+    """The engine's timers over a window with no requests: busy as timed, no bubble (idle without
+    work is not a bubble)."""
+    live = state()
+    live.on_event(event(0, 0, 0, -10.0))
+    live.on_engine_metrics(_stage_seconds(0, "run_batch", 0.0) + _stage_seconds(0, "idle", 1.0))
+    (row, *_) = live.stages()
+    assert row["busy_signal"] == "the engine's loop timers (run_batch)"
+    assert row["busy_ratio"] == 0.0 and row["bubble_ratio"] == 0.0

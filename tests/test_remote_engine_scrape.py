@@ -112,6 +112,10 @@ async def test_collect_stores_the_engine_metrics_of_a_live_engine(sim: SimServer
         async with aiohttp.ClientSession() as s:
             await s.post(f"http://127.0.0.1:{port}/v1/mark", json={"label": "C=32", "target_concurrency": 32})
             await _load(sim.url, 8.0, 32)
+            # the live view while the engine still has work: no GPU samples here, so each stage's
+            # busy share is SGLang's device timer's, as the report ranks it
+            async with s.get(f"http://127.0.0.1:{port}/v1/status") as r:
+                live_stages = (await r.json())["stages"]
             await s.post(f"http://127.0.0.1:{port}/v1/mark", json={"label": "end", "kind": "end"})
         await asyncio.sleep(0.5)
     finally:
@@ -133,6 +137,11 @@ async def test_collect_stores_the_engine_metrics_of_a_live_engine(sim: SimServer
     assert tokens > 1000
     disagreements = [n for n in analysis.notes if "engine metrics say" in n or "token counter" in n]
     assert not disagreements, analysis.notes
+    assert [row["pp_rank"] for row in live_stages] == list(range(8)), live_stages
+    for row in live_stages:
+        assert row["busy_signal"] == "the engine's device timer (forward_execution_seconds)", row
+        assert 0.0 < row["busy_ratio"] <= 1.0 and row["bubble_ratio"] is not None, row
+    print("live busy by the device timer:", [round(row["busy_ratio"], 2) for row in live_stages])
 
 
 async def _fixed_metrics_server(started_ns: int) -> tuple[web.AppRunner, str]:
