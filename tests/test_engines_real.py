@@ -470,10 +470,12 @@ def _covered_by(claim: tuple[str, object, object], want: set[tuple[str, object, 
 
 
 def _gauges_read_the_load(capture: Capture, engine_name: str, window: tuple[int, int]) -> bool:
-    """Whether the engine's gauges, as Prometheus holds them over the report's window, mostly read
-    the offered load of the admission level (its median reading, running plus waiting, at least
-    2 x the limit - 1; vLLM's turnover readings of 0 and 0 left out, as the report leaves them)."""
-    import statistics
+    """Whether the engine's gauges, as Prometheus holds them over the report's window, read the
+    offered load of the admission level throughout (nine readings in ten, running plus waiting, at
+    least 2 x the limit - 1; vLLM's turnover readings of 0 and 0 left out, as the report leaves
+    them). A median was not enough: with a core busy, vLLM's gauges read 16 for part of a C=16
+    window and 11 for the rest (its API server held the others), and the report rightly found two
+    levels and a limit at each."""
     import urllib.parse
     import urllib.request
 
@@ -489,7 +491,7 @@ def _gauges_read_the_load(capture: Capture, engine_name: str, window: tuple[int,
     readings = [float(v) for series in result for _, v in series["values"]]
     if engine_name == "vllm":
         readings = [v for v in readings if v > 0]
-    return bool(readings) and statistics.median(readings) >= 2 * ADMISSION_LIMIT - 1
+    return bool(readings) and sorted(readings)[len(readings) // 10] >= 2 * ADMISSION_LIMIT - 1
 
 
 # The shipped dashboard's panels, drawn from a Prometheus that scraped the real capture
