@@ -28,6 +28,16 @@ def free_port(address: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def open_paths() -> set[str]:
+    """The paths this process holds open now (Linux: its /proc/self/fd links)."""
+    fds = Path("/proc/self/fd")
+    paths = set()
+    for fd in fds.iterdir():
+        with contextlib.suppress(OSError):  # the listing's own fd is gone by now
+            paths.add(os.readlink(fd))
+    return paths
+
+
 def cli(args: Sequence[str]) -> Result:
     """`gputrace ARGS` run in-process by click's runner (exit code, output, exception)."""
     return CliRunner().invoke(gputrace_cli, list(args))

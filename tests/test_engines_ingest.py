@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import shared_data
+from helpers import open_paths
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -244,15 +245,38 @@ def test_fast_path_agrees_line_by_line(edits: list[tuple[str, int, int, str]]) -
             assert sglang.parse_line(text, clock) is None, text
 
 
+def _decode_log(tmp_path: Path, lines: int, compressed: bool) -> tuple[str, Path]:
+    """An SGLang log of ``lines`` decode lines (gzipped as sched.log.gz if ``compressed``)."""
+    text = "".join(f"[2026-06-24 15:38:{i % 60:02d} PP{i % 8}] Decode batch, #running-req: 8, #token: "
+                   f"{i}, token usage: 0.01, cuda graph: True, gen throughput (token/s): 250.00, "
+                   "#queue-req: 24, \n" for i in range(lines))
+    log = tmp_path / ("sched.log.gz" if compressed else "sched.log")
+    log.write_bytes(gzip.compress(text.encode()) if compressed else text.encode())
+    return text, log
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+@pytest.mark.parametrize("ledger", [False, True])
+def test_an_imported_log_is_closed_after_the_import(tmp_path: Path, compressed: bool, ledger: bool) -> None:
+    """Importing a log leaves no file open, a .gz included (gzip.GzipFile does not close the file
+    it is handed), with or without the ledger's hash reading beside it."""
+    text, log = _decode_log(tmp_path, 100, compressed)
+    hashed: list[int] = []
+    with ingest.open_log(log, (lambda block: hashed.append(len(block))) if ledger else None) as stream:
+        assert stream.read().decode() == text
+        assert str(log) in open_paths()
+    assert str(log) not in open_paths()
+    assert not ledger or sum(hashed) == log.stat().st_size
+    with Store.create(tmp_path / "run") as store:
+        assert ingest_log(store, log, host="node0").events_written == 100
+    assert str(log) not in open_paths()
+
+
 @pytest.mark.parametrize("compressed", [False, True])
 def test_progress_reports_the_file_read_so_far(tmp_path: Path, compressed: bool) -> None:
     """on_progress gets the bytes of the file read so far, rising chunk by chunk to its size
     (compressed bytes for a .gz); `gputrace import --progress` draws the bar and imports the same."""
-    text = "".join(f"[2026-06-24 15:38:{i % 60:02d} PP{i % 8}] Decode batch, #running-req: 8, #token: "
-                   f"{i}, token usage: 0.01, cuda graph: True, gen throughput (token/s): 250.00, "
-                   "#queue-req: 24, \n" for i in range(20_000))
-    log = tmp_path / ("sched.log.gz" if compressed else "sched.log")
-    log.write_bytes(gzip.compress(text.encode()) if compressed else text.encode())
+    _, log = _decode_log(tmp_path, 20_000, compressed)
     seen: list[int] = []
     with Store.create(tmp_path / "run") as store:
         stats = ingest_log(store, log, host="node0", chunk_bytes=64 << 10, on_progress=seen.append)

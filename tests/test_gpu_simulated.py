@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import open_paths
 from structlog.testing import capture_logs
 
 from gputrace.errors import SourceError, UsageError
@@ -130,6 +131,11 @@ def test_feed_without_header_is_a_clear_error(tmp_path: Path) -> None:
     feed.write_text('{"feed": "something-else", "version": 1}\n')
     with pytest.raises(SourceError, match="not a gputrace-sim-gpu version 1 feed"):
         SimulatedSampler(feed_path=str(feed), feed_wait_s=0.1)
+    feed.write_text("not json\n")
+    with pytest.raises(SourceError, match="feed header is not JSON") as refused:
+        SimulatedSampler(feed_path=str(feed), feed_wait_s=0.1)
+    # a refused feed's file is closed when refused, not whenever the collector frees the error
+    assert refused.traceback and str(feed) not in open_paths()
 
 
 def test_constant_pattern_sets_utilization_and_power() -> None:

@@ -156,14 +156,13 @@ class FeedActivity:
                     raise SourceError(f"{path}: no feed header after {wait_s:g} s "
                                       "(is `gputrace sim serve` writing it?)")
                 time.sleep(0.05)
-        if header.get("feed") != FEED_KIND or header.get("version") != 1:
-            raise SourceError(f"{path}: not a {FEED_KIND} version 1 feed (header {header!r})")
+        try:
+            self.gpu_count = self._checked_gpus(header)
+        except SourceError:
+            self._file.close()  # a feed refused is not tailed: its file is not left open
+            raise
         self.header = header
-        gpus = header.get("gpus")
-        if not isinstance(gpus, int) or gpus < 1:
-            raise SourceError(f"{path}: feed header needs a positive integer 'gpus'")
-        self.gpu_count = gpus
-        self.intervals: list[deque[tuple[int, int, int, int]]] = [deque() for _ in range(gpus)]
+        self.intervals: list[deque[tuple[int, int, int, int]]] = [deque() for _ in range(self.gpu_count)]
 
     def _read_header(self) -> dict[str, Any] | None:
         try:
@@ -178,10 +177,21 @@ class FeedActivity:
         try:
             header = json.loads(first)
         except ValueError as exc:
+            self._file.close()
             raise SourceError(f"{self.path}:1: feed header is not JSON: {exc}") from exc
         if not isinstance(header, dict):
+            self._file.close()
             raise SourceError(f"{self.path}:1: feed header is not a JSON object")
         return header
+
+    def _checked_gpus(self, header: dict[str, Any]) -> int:
+        """The feed's GPU count, once its header says it is this simulator's feed."""
+        if header.get("feed") != FEED_KIND or header.get("version") != 1:
+            raise SourceError(f"{self.path}: not a {FEED_KIND} version 1 feed (header {header!r})")
+        gpus = header.get("gpus")
+        if not isinstance(gpus, int) or gpus < 1:
+            raise SourceError(f"{self.path}: feed header needs a positive integer 'gpus'")
+        return gpus
 
     def poll(self) -> None:
         """Read every whole line appended since the last poll."""

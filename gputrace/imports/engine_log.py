@@ -47,6 +47,14 @@ class GzipLog(gzip.GzipFile):
     cut: str | None = None
     decompressed_bytes = 0
     file_bytes = 0  # the compressed file's size
+    source: IO[bytes] | None = None  # the file it reads, closed with it (GzipFile leaves a fileobj open)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            if self.source is not None:
+                self.source.close()
 
     def read(self, size: int | None = -1) -> bytes:
         if self.cut is not None:
@@ -112,6 +120,7 @@ def open_log(path: str | os.PathLike[str], on_bytes: Callable[[memoryview], None
     if gzipped:
         log = GzipLog(fileobj=stream, mode="rb")
         log.file_bytes = file_bytes
+        log.source = stream
         return log  # type: ignore[return-value]
     return stream
 
