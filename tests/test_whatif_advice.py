@@ -15,7 +15,16 @@ from gputrace.sim.outputs import write_store
 from gputrace.sim.params import SimParams
 from gputrace.sim.virtual import run_scenario
 from gputrace.vocabulary import Change
-from gputrace.whatif.advise import MAX_CANDIDATES, Option, PhaseAdvice, candidates, parse_slo, score
+from gputrace.whatif.advise import (
+    MAX_CANDIDATES,
+    AdvisedSetting,
+    Option,
+    PhaseAdvice,
+    candidates,
+    fewest_changes_within_band,
+    parse_slo,
+    score,
+)
 from gputrace.whatif.fit import FittedModel
 from gputrace.whatif.groundtruth import score_advice
 from gputrace.whatif.outcome import PhaseOutcome
@@ -75,6 +84,24 @@ def test_objectives() -> None:
                             for p in clean.phases), "test")
     assert score(slow, "slo", {"ttft_p90": 2.0}) is None
     assert score(slow, "slo", {"ttft_p90": 4.0}) == pytest.approx(5.0)
+
+
+def test_a_setting_is_advised_only_where_its_own_effect_is_beyond_the_band() -> None:
+    """A pair predicted above one of its settings alone by less than the band is not advised: the
+    setting alone is (the model cannot tell what the second adds); beyond the band, the pair is."""
+    kv = AdvisedSetting("max_total_num_tokens", "--max-total-tokens", 314421)
+    chunk = AdvisedSetting("chunked_prefill_size", "--chunked-prefill-size", 4096)
+
+    def option(changes: tuple[AdvisedSetting, ...], gains: dict[str, float]) -> Option:
+        return Option(changes, _option(gains, band=0.03).phases, "test")
+
+    alone = option((kv,), {"C=32": 0.417, "C=64": 1.106})
+    within = option((kv, chunk), {"C=32": 0.441, "C=64": 1.123})  # +1.7 % and +0.8 % on alone
+    beyond = option((kv, chunk), {"C=32": 0.50, "C=64": 1.123})  # +5.8 % at C=32
+    other = option((chunk,), {"C=32": 0.3, "C=64": 0.2})
+    assert fewest_changes_within_band([within, other, alone]) is alone
+    assert fewest_changes_within_band([beyond, other, alone]) is beyond
+    assert fewest_changes_within_band([within, other]) is within  # no part of it was predicted
 
 
 @pytest.mark.slow

@@ -188,7 +188,8 @@ def score_advice(name: str, seed: int) -> AdviceScore:
         after = _truth_tok_s(run_params(fixed, name, log=False))
         gain, _ = _weighted(before, after, weights, bands)
         if gain is not None and gain > best_gain:
-            best, best_gain = f"{f.details.get('knob')} {f.details.get('value')} ({f.cause})", gain
+            value = "" if f.change.value is None else f" {f.change.value}"  # a layer split has none
+            best, best_gain = f"{f.change.flag}{value} ({f.cause})", gain
     text = "keep" if advice.keep else ", ".join(c.text() for c in advice.changes)
     return AdviceScore(name, seed, text, advice_gain, ratios, loses, best, best_gain)
 
