@@ -148,23 +148,24 @@ class FeedActivity:
         self._line_no = 0
         self._partial = b""
         deadline = time.monotonic() + wait_s
-        header: dict[str, Any] | None = None
-        while header is None:
-            header = self._read_header()
-            if header is None:
-                if time.monotonic() > deadline:
-                    raise SourceError(f"{path}: no feed header after {wait_s:g} s "
-                                      "(is `gputrace sim serve` writing it?)")
-                time.sleep(0.05)
+        first = self._first_line()
+        while first is None:
+            if time.monotonic() > deadline:
+                raise SourceError(f"{path}: no feed header after {wait_s:g} s "
+                                  "(is `gputrace sim serve` writing it?)")
+            time.sleep(0.05)
+            first = self._first_line()
+        self._line_no = 1
         try:
-            self.gpu_count = self._checked_gpus(header)
+            self.header = self._checked_header(first)
         except SourceError:
             self._file.close()  # a feed refused is not tailed: its file is not left open
             raise
-        self.header = header
+        self.gpu_count: int = self.header["gpus"]
         self.intervals: list[deque[tuple[int, int, int, int]]] = [deque() for _ in range(self.gpu_count)]
 
-    def _read_header(self) -> dict[str, Any] | None:
+    def _first_line(self) -> bytes | None:
+        """The feed's header line, with the file kept open after it; None until it is written whole."""
         try:
             self._file = open(self.path, "rb")  # noqa: SIM115  (kept open: the feed is tailed)
         except FileNotFoundError:
@@ -173,25 +174,22 @@ class FeedActivity:
         if not first.endswith(b"\n"):
             self._file.close()
             return None
-        self._line_no = 1
+        return first
+
+    def _checked_header(self, first: bytes) -> dict[str, Any]:
+        """The header line as this simulator's feed header (with a positive integer 'gpus')."""
         try:
             header = json.loads(first)
         except ValueError as exc:
-            self._file.close()
             raise SourceError(f"{self.path}:1: feed header is not JSON: {exc}") from exc
         if not isinstance(header, dict):
-            self._file.close()
             raise SourceError(f"{self.path}:1: feed header is not a JSON object")
-        return header
-
-    def _checked_gpus(self, header: dict[str, Any]) -> int:
-        """The feed's GPU count, once its header says it is this simulator's feed."""
         if header.get("feed") != FEED_KIND or header.get("version") != 1:
             raise SourceError(f"{self.path}: not a {FEED_KIND} version 1 feed (header {header!r})")
         gpus = header.get("gpus")
         if not isinstance(gpus, int) or gpus < 1:
             raise SourceError(f"{self.path}: feed header needs a positive integer 'gpus'")
-        return gpus
+        return header
 
     def poll(self) -> None:
         """Read every whole line appended since the last poll."""
