@@ -1,28 +1,32 @@
-"""What-if on the real engines ([whatif] Must show 2): for SGLang and vLLM on this machine's CPU
-(PP=2, dummy weights, the engine tier's model and admission limit of 8), per repeat:
+"""[advisor] Must show 3 on the real engines: for SGLang and vLLM on this machine's CPU (PP=2,
+dummy weights, the engine tier's model and admission limit of 8), per repeat:
 
 1. start the engine at its defaults, run the load C = 1, 4, 16, import its log and requests;
-2. diagnose, take the recommendation at C=16 (the admission limit) and fit the simulator to the
-   run; predict the run with the recommendation applied;
-3. restart the engine with the recommendation, run the same load, and measure.
+2. fit the model to that run and take gputrace's advice (the search `gputrace report` runs);
+3. restart the engine with the advised settings, run the same load, and measure, back to back.
+   Where the advice is "keep", the best alternative the advice names is run instead (its
+   prediction is checked the same way), and the keep itself is judged by the next repeat's
+   defaults against this one's (the advice predicts no change there).
 
-Prints per level: measured before, predicted, measured after and the prediction's error, then per
-engine the median error at C=16 and its spread over the repeats. CPU timing on a shared machine
-is noisy: the spread is the figure to read beside the median.
+Prints per phase: measured at the defaults, predicted, measured with the change, the predicted and
+measured gain and the band, and whether the measured gain lies inside it; then per engine how many
+repeats lie inside the band at every phase, and the machine's own noise beside it: each phase's
+spread of the defaults over the repeats (a phase "loses beyond the noise" where the change
+measured below the defaults by more than that spread).
 
-    python bench/whatif_engines.py [--engines sglang,vllm] [--repeats 2] [--keep DIR]
+    python bench/whatif_engines.py [--engines sglang,vllm] [--repeats 5] [--keep DIR]
     python bench/whatif_engines.py --refit DIR     # the kept runs fitted again, no engine started
 
-Needs `make engines` (.venv-engines and the model); several minutes per engine and repeat. `--keep`
-keeps each repeat's two runs (DIR/ENGINE-REPEAT/{default,applied}/run), so that a change to the
-fit can be measured again on the same captures with `--refit`.
+Needs `make engines` (.venv-engines and the model); about 2 minutes per engine run, two runs per
+engine and repeat. `--keep` keeps each repeat's two runs (DIR/ENGINE-REPEAT/{default,applied}/run
+and plan.json, the change that was run), so that a change to the fit can be judged again on the
+same captures with `--refit` (the prediction is then of the change that was run).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,17 +37,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from engine_servers import EngineSetting, engines_available, running_engine
 
-from gputrace.analysis.diagnose import Finding
 from gputrace.analysis.result import Analysis, analyse_store
 from gputrace.store import Store
-from gputrace.whatif.fit import fit_model, relative_error
-from gputrace.whatif.outcome import PhaseOutcome, measured_outcomes
-from gputrace.whatif.predict import finding_change, predict
+from gputrace.whatif.advise import Advice, AdvisedSetting, PhaseAdvice, phases_of, search
+from gputrace.whatif.fit import fit_model
+from gputrace.whatif.outcome import measured_outcomes
 
 LEVELS = "1,4,16"
-# twice the engine tier's levels: a level's first seconds (the burst of arrivals) weigh less
-LEVEL_S = {"sglang": 30.0, "vllm": 30.0}
-MAX_TOKENS = {"sglang": 16, "vllm": 96}
+LEVEL_S = {"sglang": 20.0, "vllm": 20.0}  # the recorded fixtures' (tests/data/engines/)
+MAX_TOKENS = {"sglang": 32, "vllm": 96}
 
 
 def _load_and_import(setting: EngineSetting, work: Path) -> Path:
@@ -75,47 +77,72 @@ def _analysis(run: Path) -> Analysis:
         return analyse_store(store)
 
 
-def _recommendation(analysis: Analysis) -> Finding:
-    """The admission-limit finding at C=16 (its change names the flag and the value)."""
-    for f in analysis.findings:
-        if f.phase == "C=16" and f.cause == "admission_bound":
-            return f
-    raise SystemExit(f"no admission_bound finding at C=16: {[(f.phase, f.cause) for f in analysis.findings]}")
+def advice_of(analysis: Analysis) -> Advice:
+    """gputrace's advice for the run, as `gputrace report` computes it (the default objective)."""
+    model = fit_model(analysis)
+    advice, _ = search(model, [f.to_dict() for f in analysis.findings],
+                       durations={pm.label: pm.duration_s for pm in analysis.metrics})
+    return advice
+
+
+def plan_of(advice: Advice) -> dict[str, object]:
+    """What to run against the defaults: the advice, or where it is "keep" its best alternative."""
+    if not advice.keep:
+        return {"role": "advice", "changes": [c.to_dict() for c in advice.changes],
+                "advice": advice.sentence()}
+    alternative = advice.alternatives[0].changes if advice.alternatives else ()
+    return {"role": "alternative to keep" if alternative else "keep",
+            "changes": [c.to_dict() for c in alternative], "advice": advice.sentence()}
+
+
+def _flags(plan: dict[str, object]) -> tuple[str, ...]:
+    out: list[str] = []
+    for c in plan["changes"]:  # type: ignore[attr-defined]
+        out += [str(c["flag"]), str(c["value"])]
+    return tuple(out)
 
 
 def one_repeat(engine_name: str, work: Path) -> list[dict[str, object]]:
-    """Measure the default, apply its recommendation, measure again; the rows of :func:`compared`."""
+    """The defaults, the advice taken from them, the advised setting run next; the rows of
+    :func:`compared`."""
     before = _analysis(_load_and_import(EngineSetting(engine_name, "default"), work / "default"))
-    finding = _recommendation(before)
-    assert finding.change is not None and finding.change.value is not None
-    flag, value = finding.change.flag, finding.change.value
-    applied = EngineSetting(engine_name, "applied", (flag, str(value)))
-    _load_and_import(applied, work / "applied")
+    plan = plan_of(advice_of(before))
+    (work / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
+    running = " ".join(_flags(plan)) or "defaults"
+    print(f"  {engine_name}: {plan['advice']}\n  running {plan['role']}: {running}", file=sys.stderr)
+    _load_and_import(EngineSetting(engine_name, "applied", _flags(plan)), work / "applied")
     return compared(engine_name, work)
 
 
+def predicted_phases(analysis: Analysis, changes: list[dict[str, object]]) -> tuple[PhaseAdvice, ...]:
+    """The model fitted to ``analysis``: per phase its calibrated prediction of ``changes`` and
+    the band it states (widened where the change leaves what the run exercised)."""
+    model = fit_model(analysis)
+    change = {str(c["knob"]): (tuple(c["value"]) if isinstance(c["value"], list) else c["value"])
+              for c in changes}
+    return phases_of(model, change, {pm.label: pm.duration_s for pm in analysis.metrics})
+
+
 def compared(engine_name: str, work: Path) -> list[dict[str, object]]:
-    """The fit on ``work``/default/run, its prediction of the recommendation, and the measured
-    ``work``/applied/run, per level."""
+    """Per phase: the defaults measured, the change predicted from them (plan.json), the change
+    measured, and whether the measured gain lies inside the stated band."""
+    plan = json.loads((work / "plan.json").read_text())
     before = _analysis(work / "default" / "run")
-    finding = _recommendation(before)
-    assert finding.change is not None and finding.change.value is not None
-    flag, value = finding.change.flag, finding.change.value
-    model = fit_model(before)
-    change = finding_change(model, finding.change, finding.phase)
-    assert change is not None, finding.change
-    predicted = {row.label: row.predicted for row in predict(model, change)}
-    after: dict[str, PhaseOutcome] = {m.label: m for m in measured_outcomes(
-        _analysis(work / "applied" / "run"))}
+    phases = {p.phase: p for p in predicted_phases(before, plan["changes"])}
+    after = {m.label: m.throughput_tok_s for m in measured_outcomes(_analysis(work / "applied" / "run"))}
+    text = ", ".join(AdvisedSetting(**c).text() for c in plan["changes"]) or "none"
     rows: list[dict[str, object]] = []
     for m in measured_outcomes(before):
-        p, a = predicted.get(m.label), after.get(m.label)
-        rows.append({"engine": engine_name, "change": f"{flag} {value}", "level": m.label,
-                     "before": m.throughput_tok_s, "predicted": p.throughput_tok_s if p else None,
-                     "after": a.throughput_tok_s if a else None,
-                     "error": relative_error(p.throughput_tok_s if p else None,
-                                             a.throughput_tok_s if a else None),
-                     "band": model.uncertainty_ratio})
+        p, a = phases.get(m.label), after.get(m.label)
+        row: dict[str, object] = {"engine": engine_name, "role": plan["role"], "change": text,
+                                  "level": m.label, "before": m.throughput_tok_s, "after": a,
+                                  "predicted": p.predicted_tok_s if p else None,
+                                  "band": p.band_ratio if p else None}
+        if p and a and m.throughput_tok_s:
+            row["predicted_gain"] = p.gain_ratio
+            row["measured_gain"] = a / m.throughput_tok_s - 1
+            row["inside"] = abs(row["measured_gain"] - p.gain_ratio) <= p.band_ratio  # type: ignore[operator]
+        rows.append(row)
     return rows
 
 
@@ -126,7 +153,7 @@ def _fmt(x: object, spec: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engines", default="sglang,vllm")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     ap.add_argument("--keep", type=Path, default=None, help="keep the runs in this folder")
     ap.add_argument("--refit", type=Path, default=None,
@@ -152,7 +179,7 @@ def refit(kept: Path, engines: list[str]) -> list[dict[str, object]]:
             rows += got
     if not rows:
         raise SystemExit(f"no kept runs of {','.join(engines)} in {kept} "
-                         "(ENGINE-REPEAT/{default,applied}/run)")
+                         "(ENGINE-REPEAT/{default,applied}/run and plan.json)")
     return rows
 
 
@@ -176,44 +203,62 @@ def measure(engines: list[str], repeats: int, keep: Path | None) -> list[dict[st
 
 
 def print_rows(rows: list[dict[str, object]]) -> None:
-    print("| engine | change | repeat | level | before tok/s | predicted | after (measured) | error | band |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| engine | repeat | run | change | level | defaults tok/s | predicted | measured | "
+          "gain predicted | gain measured | band | inside |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        cells = [r["engine"], r["change"], r["repeat"], r["level"], _fmt(r["before"], ".1f"),
-                 _fmt(r["predicted"], ".1f"), _fmt(r["after"], ".1f"), _fmt(r["error"], "+.1%"),
-                 "±" + _fmt(r["band"], ".0%")]
+        cells = [r["engine"], r["repeat"], r["role"], r["change"], r["level"], _fmt(r["before"], ".1f"),
+                 _fmt(r["predicted"], ".1f"), _fmt(r["after"], ".1f"), _fmt(r.get("predicted_gain"), "+.0%"),
+                 _fmt(r.get("measured_gain"), "+.0%"), "±" + _fmt(r["band"], ".0%"),
+                 {True: "yes", False: "NO"}.get(bool(r["inside"])) if "inside" in r else "n/a"]
         print("| " + " | ".join(str(c) for c in cells) + " |")
     for engine_name in sorted({str(r["engine"]) for r in rows}):
-        mine = [r for r in rows if r["engine"] == engine_name]
-        at = [r for r in mine if r["level"] == "C=16" and isinstance(r["error"], float)]
-        if not at:
+        print()
+        for line in summary(engine_name, [r for r in rows if r["engine"] == engine_name]):
+            print(line)
+
+
+def noise(rows: list[dict[str, object]]) -> dict[str, float]:
+    """Per phase, the defaults' own spread over the repeats (max / min - 1): the same setting and
+    load minutes apart on this machine."""
+    out = {}
+    for level in dict.fromkeys(str(r["level"]) for r in rows):
+        seen = [float(r["before"]) for r in rows if r["level"] == level and r["before"]]  # type: ignore[arg-type]
+        if len(seen) > 1:
+            out[level] = max(seen) / min(seen) - 1
+    return out
+
+
+def summary(engine_name: str, rows: list[dict[str, object]]) -> list[str]:
+    """Per engine: repeats inside the band at every phase, phases that lost beyond the noise, and
+    where the advice was keep, the next repeat's defaults against this one's."""
+    spread = noise(rows)
+    repeats = sorted({int(r["repeat"]) for r in rows})  # type: ignore[call-overload]
+    by_rep = {k: [r for r in rows if r["repeat"] == k] for k in repeats}
+    inside = [k for k, rs in by_rep.items() if rs and all(r.get("inside") is True for r in rs)]
+    lost = [(k, str(r["level"]), g) for k, rs in by_rep.items() for r in rs
+            if (g := r.get("measured_gain")) is not None and float(g) < -spread.get(str(r["level"]), 0.0)]  # type: ignore[arg-type]
+    runs = sorted({f"{r['role']}: {r['change']}" for r in rows})
+    lines = [f"{engine_name}: ran {'; '.join(runs)}",
+             f"  measured gain inside the stated band at every phase: {len(inside)} of {len(by_rep)} repeats",
+             "  the defaults' own spread over the repeats (the noise): "
+             + (", ".join(f"{k} {v:.0%}" for k, v in spread.items()) or "n/a (one repeat)"),
+             "  phases the change measured below the defaults by more than that noise: "
+             + (", ".join(f"repeat {k} {lv} {g:+.0%}" for k, lv, g in lost) or "none")]
+    keeps = [k for k, rs in by_rep.items() if rs and str(rs[0]["role"]).endswith("keep")]
+    for k in keeps:
+        nxt = by_rep.get(k + 1)
+        if not nxt:
             continue
-        errs = [float(r["error"]) for r in at]  # type: ignore[arg-type]
-        print(f"{engine_name} C=16 (the recommendation's level): median error "
-              f"{statistics.median(errs):+.1%}, spread {min(errs):+.1%} .. {max(errs):+.1%} "
-              f"over {len(errs)} repeats")
-        med = {k: statistics.median(float(r[k]) for r in at) for k in ("before", "predicted", "after")}  # type: ignore[arg-type]
-        print(f"  medians over the repeats: before {med['before']:.1f}, predicted {med['predicted']:.1f}, "
-              f"after {med['after']:.1f} tok/s: gain predicted x{med['predicted'] / med['before']:.2f}, "
-              f"measured x{med['after'] / med['before']:.2f}")
-        print(f"  {noise_line(mine)}")
+        band = {str(r["level"]): float(r["band"]) for r in by_rep[k] if r["band"] is not None}  # type: ignore[arg-type]
+        moved = {str(a["level"]): float(b["before"]) / float(a["before"]) - 1  # type: ignore[arg-type]
+                 for a, b in zip(by_rep[k], nxt, strict=False) if a["before"] and b["before"]}
+        ok = all(abs(g) <= band.get(lv, 0.0) for lv, g in moved.items())
+        lines.append(f"  keep (repeat {k}): the next repeat's defaults against this one's "
+                     + ", ".join(f"{lv} {g:+.0%} (band ±{band.get(lv, 0):.0%})" for lv, g in moved.items())
+                     + (": inside" if ok else ": OUTSIDE"))
+    return lines
 
-
-def noise_line(rows: list[dict[str, object]]) -> str:
-    """What the machine's noise alone moves: C=1, where neither change can act (one request is
-    under every limit), before against after in each repeat; and the default's C=16 over the
-    repeats (the same setting and level, minutes apart)."""
-    c1 = [float(r["after"]) / float(r["before"]) - 1 for r in rows  # type: ignore[arg-type]
-          if r["level"] == "C=1" and r["before"] and r["after"]]
-    c16 = [float(r["before"]) for r in rows if r["level"] == "C=16" and r["before"]]  # type: ignore[arg-type]
-    text = "noise:"
-    if c1:
-        text += (f" C=1 (the change cannot act there) after against before {min(c1):+.0%} .. "
-                 f"{max(c1):+.0%};")
-    if len(c16) > 1:
-        text += f" the default's C=16 over the repeats {min(c16):.1f} .. {max(c16):.1f} tok/s " \
-            f"({max(c16) / min(c16) - 1:.0%} apart)"
-    return text
 
 if __name__ == "__main__":
     main()

@@ -139,6 +139,8 @@ class PipelineEngine:
         self.slot_chunk: list[SimRequest | None] = [None] * n_slots
         self.next_slot = 0
         self.stage_free = [0.0] * p.pp_size
+        # with shared_cores: each stage's forwards already placed that have not ended yet
+        self.placed: list[deque[tuple[float, float]]] = [deque() for _ in range(p.pp_size)]
         self.link_free = [0.0] * p.pp_size  # link s -> s + 1 carries one hand-off at a time
         self.waiting: deque[SimRequest] = deque()
         self._arrivals: list[tuple[float, int, SimRequest]] = []
@@ -378,13 +380,14 @@ class PipelineEngine:
         log = self.on_log is not None and not self.vllm  # vLLM logs engine-wide stats instead
         gen_tokens, steps, interval = self._gen_tokens, self._decode_steps, p.decode_log_interval
         mults = self.mults
+        shared = p.shared_cores > 0
         arrive = t
         end = t
         # the hottest loop of every replay: locals only, the log's bookkeeping apart
         for s in range(last + 1):
             free = stage_free[s]
             start = arrive if arrive > free else free
-            end = start + mults[s] * base
+            end = start + mults[s] * base if not shared else self._shared_end(s, t, start, mults[s] * base)
             stage_free[s] = end
             starts.append(start)
             ends.append(end)
@@ -412,6 +415,38 @@ class PipelineEngine:
         done = end + p.pcie_latency_s
         self.slot_ready[k] = done
         self._advance_requests(k, batch, done)
+
+    def _shared_end(self, s: int, now: float, start: float, work_s: float) -> float:
+        """When stage s's forward of ``work_s`` (at full speed) begun at ``start`` ends on cores
+        the stages share: the forwards placed before it keep a core each, and it runs on what is
+        left of shared_cores (at most one core) while they run. Forwards that ended by ``now``
+        (the loop's time, which only grows) are dropped."""
+        cores = self.p.shared_cores
+        edges: list[tuple[float, int]] = []
+        for other, placed in enumerate(self.placed):
+            while placed and placed[0][1] <= now:
+                placed.popleft()
+            if other == s:
+                continue
+            for a, b in placed:
+                if b > start:
+                    edges.append((a if a > start else start, 1))
+                    edges.append((b, -1))
+        edges.sort()
+        t, running, left = start, 0, work_s
+        for edge_t, delta in edges:
+            speed = min(1.0, max(cores - running, 0.0))
+            if edge_t > t and speed > 0:
+                if left <= speed * (edge_t - t):
+                    break
+                left -= speed * (edge_t - t)
+            t = edge_t if edge_t > t else t
+            running += delta
+        else:
+            speed = min(1.0, max(cores - running, 0.0))
+        end = t + left / speed
+        self.placed[s].append((start, end))
+        return end
 
     def _expert_share(self, tokens: int) -> float:
         """The share of the routed experts ``tokens`` touch, each picking top_k of E at random."""

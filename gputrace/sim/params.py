@@ -55,6 +55,10 @@ class SimParams:
     # SGLang on the CPU runs each forward inside its scheduler loop (on a GPU the launch is
     # asynchronous): requests that arrive during rank 0's forward go to the next slot it visits
     synchronous_forward: bool = False
+    # Stages that share one host's cores (a CPU engine: every rank, the server and the client on
+    # the same cores): their forwards run on this many cores together, so a stage computes at full
+    # speed only while fewer than this many others compute (0: each stage has its own device)
+    shared_cores: float = 0.0
     # -- activation hand-off between stages over PCIe ------------------------------------------
     activation_bytes_per_token: int = 16384  # hidden 8192 x bf16
     pcie_bandwidth_bytes_per_s: float = 25e9
@@ -266,6 +270,7 @@ def _validate(p: SimParams) -> None:
         (p.phase_s > 0 and p.sample_period_s > 0, "phase_s and sample_period_s must be > 0"),
         (p.input_tokens >= 1 and p.max_tokens >= 1, "input_tokens and max_tokens must be >= 1"),
         (p.pcie_bandwidth_bytes_per_s > 0, "pcie_bandwidth_bytes_per_s must be > 0"),
+        (p.shared_cores == 0 or p.shared_cores >= 1, "shared_cores must be 0 (no sharing) or >= 1"),
         (p.chunked_prefill_size >= 1, "chunked_prefill_size must be >= 1"),
         (p.moe_experts == 0 or 1 <= p.moe_top_k <= p.moe_experts, "moe_top_k must be in 1..moe_experts"),
         (p.client_max_inflight is None or p.client_max_inflight >= 1, "client_max_inflight must be >= 1"),

@@ -279,6 +279,13 @@ def _phases(model: FittedModel, rows: list[PhasePrediction], durations: Mapping[
     return tuple(out)
 
 
+def phases_of(model: FittedModel, change: Mapping[str, Any], durations: Mapping[str, float]
+              ) -> tuple[PhaseAdvice, ...]:
+    """Per phase, what the advice states of one change set: measured, the model as run, the
+    confirmed prediction and its band (as the search confirms its best options)."""
+    return _phases(model, predict(model, change), durations)
+
+
 def _meets(phases: Sequence[PhaseAdvice], slo: Mapping[str, float]) -> bool:
     for p in phases:
         for key, limit in slo.items():

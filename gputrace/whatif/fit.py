@@ -52,6 +52,9 @@ REPLAY_SEEDS = (0, 1, 2)  # the replays a predicted figure is the median of
 # against the flat part is found by replays: log2 of b / a searched in this range, this many times
 SHAPE_LOG2_RANGE = (-5.0, 7.0)
 SHAPE_SEARCH_STEPS = 8
+# A CPU run's stages share the host's cores: the cores their forwards have together is tried by
+# replay at this many values from one core up to (not including) one a stage, and at no sharing
+SHARED_CORE_TRIES = 4
 CLIENT_SHORTFALL = 0.85  # as diagnose: a client below this share of its level is its own bound
 
 
@@ -336,13 +339,28 @@ def without_memory_floor(p: SimParams) -> SimParams:
                                expert_read_s=0.0, moe_experts=0)
 
 
+def on_cpu(p: SimParams) -> SimParams:
+    """A CPU engine's step (no memory-bound floor) and, for SGLang, its forward run inside rank 0's
+    scheduler loop (tests/test_sim_vs_engines.py: how the real engine spreads C=4 over slots)."""
+    return dataclasses.replace(without_memory_floor(p), synchronous_forward=p.engine == "sglang")
+
+
+def shared_core_candidates(pp_size: int) -> tuple[float, ...]:
+    """How many cores the stages' forwards may share, tried by replay on a CPU run: from one (the
+    forwards take turns) up to one a stage, which is no sharing (0)."""
+    if pp_size < 2:
+        return (0.0,)
+    steps = min(2 * (pp_size - 1), SHARED_CORE_TRIES)
+    return (*(round(float(c), 3) for c in np.linspace(1.0, pp_size, steps + 1)[:-1]), 0.0)
+
+
 def initial_params(analysis: Analysis) -> tuple[SimParams, list[PhaseWork]]:
     """The deployment and load from the capture, and the cost model fitted to its busy time."""
     pp = analysis.run.pp_size
     values = {**deployment_params(analysis.run.engine, pp), **_load_params(analysis)}
     p = make_params(values)
     if runs_on_cpu(analysis.run.engine):
-        p = without_memory_floor(p)
+        p = on_cpu(p)
     mults = stage_multipliers(analysis.metrics, pp)
     mean_in = float(p.input_tokens)
     mean_out = p.max_tokens * (1 - p.output_tokens_jitter / 2)
@@ -478,6 +496,32 @@ def _fit_shape_by_replay(p: SimParams, measured: list[PhaseOutcome], labels: lis
     return best, sim, c
 
 
+def _fit_sharing_and_shape(p: SimParams, measured: list[PhaseOutcome], labels: list[str]
+                           ) -> tuple[SimParams, float]:
+    """On a CPU run: the cores the stages' forwards share (shared_core_candidates) that, with its
+    own shape and scale, replays the phases best. The run shows it where it ran micro-batches at
+    once (a level above one request per stage): whether that raised the throughput as a stage
+    per core would. Returns the parameters and the overall correction."""
+    best: tuple[float, SimParams, float] | None = None
+    for cores in shared_core_candidates(p.pp_size):
+        shaped, sim, c = _fit_shape_by_replay(dataclasses.replace(p, shared_cores=cores), measured, labels)
+        rms = _rms_error(measured, sim)
+        if best is None or rms < best[0] - REPLAY_TOLERANCE:  # the fewest cores unless clearly worse
+            best = (rms, shaped, c)
+    assert best is not None
+    return best[1], best[2]
+
+
+def sharing_note(p: SimParams) -> str:
+    """What the fit found of the stages' sharing of the host's cores."""
+    if not p.shared_cores:
+        return ("the replay fits best with each stage on a core of its own: stages' forwards overlap "
+                "as on separate devices")
+    return (f"the replay fits best with the stages' forwards sharing {p.shared_cores:g} core(s): "
+            "micro-batches in flight at once take turns on them, so more of them gain less than "
+            "on separate devices")
+
+
 def fit_model(analysis: Analysis) -> FittedModel:
     """Fit the simulator to ``analysis``: the physical fit and the replay that measures its
     quality (without a physical fit, a replay's throughput sets the scale first)."""
@@ -500,9 +544,13 @@ def fit_model(analysis: Analysis) -> FittedModel:
     correction = _scale_correction(measured, simulated) if not counted or _one_way(measured, simulated) \
         else 1.0
     if not works and len([m for m in measured if m.throughput_tok_s]) >= 2:
-        p, _, correction = _fit_shape_by_replay(p, measured, labels)
+        cpu = runs_on_cpu(analysis.run.engine)
+        p, correction = _fit_sharing_and_shape(p, measured, labels) if cpu else \
+            _fit_shape_by_replay(p, measured, labels)[::2]
         notes[-1] = ("no phase has both GPU busy figures and decode lines: the cost model's scale and "
                      "its token part against its flat part are fitted by replaying the phases")
+        if cpu:
+            notes.append(sharing_note(p))
     elif abs(correction - 1.0) > REPLAY_TOLERANCE:
         p = _scaled(p, correction, correction)
     if runs_on_cpu(analysis.run.engine):
