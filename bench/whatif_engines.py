@@ -39,8 +39,16 @@ from engine_servers import EngineSetting, engines_available, running_engine
 
 from gputrace.analysis.result import Analysis, analyse_store
 from gputrace.store import Store
-from gputrace.whatif.advise import Advice, AdvisedSetting, PhaseAdvice, phases_of, search
-from gputrace.whatif.fit import fit_model
+from gputrace.whatif.advise import (
+    Advice,
+    AdvisedSetting,
+    PhaseAdvice,
+    candidates,
+    changes_of,
+    phases_of,
+    search,
+)
+from gputrace.whatif.fit import FittedModel, fit_model
 from gputrace.whatif.outcome import measured_outcomes
 
 LEVELS = "1,4,16"
@@ -77,22 +85,31 @@ def _analysis(run: Path) -> Analysis:
         return analyse_store(store)
 
 
-def advice_of(analysis: Analysis) -> Advice:
-    """gputrace's advice for the run, as `gputrace report` computes it (the default objective)."""
+def advice_of(analysis: Analysis) -> tuple[Advice, FittedModel]:
+    """gputrace's advice for the run, as `gputrace report` computes it (the default objective),
+    and the model it was searched on."""
     model = fit_model(analysis)
     advice, _ = search(model, [f.to_dict() for f in analysis.findings],
                        durations={pm.label: pm.duration_s for pm in analysis.metrics})
-    return advice
+    return advice, model
 
 
-def plan_of(advice: Advice) -> dict[str, object]:
-    """What to run against the defaults: the advice, or where it is "keep" its best alternative."""
+def plan_of(analysis: Analysis) -> dict[str, object]:
+    """What to run against the defaults: the advice; where it is "keep", the best alternative it
+    names, else the findings' change its reason names (so that a prediction is still put to the
+    engine: the keep itself is judged by the next repeat's defaults)."""
+    advice, model = advice_of(analysis)
     if not advice.keep:
         return {"role": "advice", "changes": [c.to_dict() for c in advice.changes],
                 "advice": advice.sentence()}
-    alternative = advice.alternatives[0].changes if advice.alternatives else ()
-    return {"role": "alternative to keep" if alternative else "keep",
-            "changes": [c.to_dict() for c in alternative], "advice": advice.sentence()}
+    if advice.alternatives:
+        tried = advice.alternatives[0].changes
+    else:
+        findings = [change for change, origin in candidates(model, [f.to_dict() for f in analysis.findings])
+                    if origin.startswith("finding: ")]
+        tried = (changes_of(model, findings[0]) or ()) if findings else ()
+    return {"role": "tried beside keep" if tried else "keep", "changes": [c.to_dict() for c in tried],
+            "advice": advice.sentence()}
 
 
 def _flags(plan: dict[str, object]) -> tuple[str, ...]:
@@ -106,7 +123,7 @@ def one_repeat(engine_name: str, work: Path) -> list[dict[str, object]]:
     """The defaults, the advice taken from them, the advised setting run next; the rows of
     :func:`compared`."""
     before = _analysis(_load_and_import(EngineSetting(engine_name, "default"), work / "default"))
-    plan = plan_of(advice_of(before))
+    plan = plan_of(before)
     (work / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
     running = " ".join(_flags(plan)) or "defaults"
     print(f"  {engine_name}: {plan['advice']}\n  running {plan['role']}: {running}", file=sys.stderr)
@@ -245,7 +262,7 @@ def summary(engine_name: str, rows: list[dict[str, object]]) -> list[str]:
              + (", ".join(f"{k} {v:.0%}" for k, v in spread.items()) or "n/a (one repeat)"),
              "  phases the change measured below the defaults by more than that noise: "
              + (", ".join(f"repeat {k} {lv} {g:+.0%}" for k, lv, g in lost) or "none")]
-    keeps = [k for k, rs in by_rep.items() if rs and str(rs[0]["role"]).endswith("keep")]
+    keeps = [k for k, rs in by_rep.items() if rs and "keep" in str(rs[0]["role"])]
     for k in keeps:
         nxt = by_rep.get(k + 1)
         if not nxt:

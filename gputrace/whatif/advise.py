@@ -229,7 +229,7 @@ def _key(change: Mapping[str, Any]) -> str:
     return repr(sorted(change.items()))
 
 
-def _changes_of(model: FittedModel, change: Mapping[str, Any]) -> tuple[AdvisedSetting, ...] | None:
+def changes_of(model: FittedModel, change: Mapping[str, Any]) -> tuple[AdvisedSetting, ...] | None:
     out = []
     for knob, value in change.items():
         if knob == "max_prefill_tokens":  # rides with the chunk
@@ -258,7 +258,7 @@ def candidates(model: FittedModel, findings: Sequence[Mapping[str, Any]]) -> lis
         if f.get("cause") == "cannot_tell" or made is None or made.flag in NOT_CONFIGURATION:
             continue
         change = finding_change(model, made, str(f.get("phase")))
-        if change and _changes_of(model, change) is not None:
+        if change and changes_of(model, change) is not None:
             out.setdefault(_key(change), (change, f"finding: {f.get('cause')} at {f.get('phase')}"))
     for change in _neighbours(model):
         out.setdefault(_key(change), (change, "around the run's settings"))
@@ -329,7 +329,7 @@ def search(model: FittedModel, findings: Sequence[Mapping[str, Any]], objective:
     pool = candidates(model, findings)
     screened: list[tuple[dict[str, Any], str, Option]] = []
     for change, origin in pool:
-        changes = _changes_of(model, change)
+        changes = changes_of(model, change)
         assert changes is not None
         rows = _screen(model, change)
         screened.append((change, origin, Option(changes, _phases(model, rows, weights), origin)))
@@ -344,7 +344,7 @@ def search(model: FittedModel, findings: Sequence[Mapping[str, Any]], objective:
             if _key(pair) in seen:
                 continue
             seen.add(_key(pair))
-            changes = _changes_of(model, pair)
+            changes = changes_of(model, pair)
             assert changes is not None
             rows = _screen(model, pair)
             screened.append((pair, "pair", Option(changes, _phases(model, rows, weights), "pair")))
@@ -363,7 +363,7 @@ def search(model: FittedModel, findings: Sequence[Mapping[str, Any]], objective:
             continue
         rows = predict(model, change)
         confirmed[_key(change)] = rows
-        changes = _changes_of(model, change)
+        changes = changes_of(model, change)
         assert changes is not None
         options.append(Option(changes, _phases(model, rows, weights), origin))
     as_run = _phases(model, [PhasePrediction(m.label, m.concurrency, m, m, model.uncertainty_ratio,
