@@ -26,7 +26,9 @@ same captures with `--refit` (the prediction is then of the change that was run)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import signal
 import subprocess
 import sys
 import tempfile
@@ -131,35 +133,48 @@ def one_repeat(engine_name: str, work: Path) -> list[dict[str, object]]:
     return compared(engine_name, work)
 
 
-def predicted_phases(analysis: Analysis, changes: list[dict[str, object]]) -> tuple[PhaseAdvice, ...]:
+def predicted_phases(analysis: Analysis, changes: list[dict[str, object]]
+                     ) -> tuple[tuple[PhaseAdvice, ...], float]:
     """The model fitted to ``analysis``: per phase its calibrated prediction of ``changes`` and
-    the band it states (widened where the change leaves what the run exercised)."""
+    the band it states (widened where the change leaves what the run exercised); and the band of
+    the model as run (what a "keep" states)."""
     model = fit_model(analysis)
     change = {str(c["knob"]): (tuple(c["value"]) if isinstance(c["value"], list) else c["value"])
               for c in changes}
-    return phases_of(model, change, {pm.label: pm.duration_s for pm in analysis.metrics})
+    durations = {pm.label: pm.duration_s for pm in analysis.metrics}
+    return phases_of(model, change, durations), model.uncertainty_ratio
+
+
+def one_level(analysis: Analysis, label: str) -> Analysis:
+    """The run as if it had measured one level only (the fit sees that phase alone)."""
+    return dataclasses.replace(analysis, metrics=tuple(pm for pm in analysis.metrics if pm.label == label))
 
 
 def compared(engine_name: str, work: Path) -> list[dict[str, object]]:
-    """Per phase: the defaults measured, the change predicted from them (plan.json), the change
-    measured, and whether the measured gain lies inside the stated band."""
+    """Per phase: the defaults measured, the change predicted from them (plan.json) by the fit to
+    the sweep, and at the top level also by a fit to that level alone, the change measured, and
+    whether the measured gain lies inside the stated band."""
     plan = json.loads((work / "plan.json").read_text())
     before = _analysis(work / "default" / "run")
-    phases = {p.phase: p for p in predicted_phases(before, plan["changes"])}
     after = {m.label: m.throughput_tok_s for m in measured_outcomes(_analysis(work / "applied" / "run"))}
     text = ", ".join(AdvisedSetting(**c).text() for c in plan["changes"]) or "none"
+    top = max(before.metrics, key=lambda pm: pm.target_concurrency or 0).label
+    fits = [("sweep", before), (f"{top} alone", one_level(before, top))]
     rows: list[dict[str, object]] = []
-    for m in measured_outcomes(before):
-        p, a = phases.get(m.label), after.get(m.label)
-        row: dict[str, object] = {"engine": engine_name, "role": plan["role"], "change": text,
-                                  "level": m.label, "before": m.throughput_tok_s, "after": a,
-                                  "predicted": p.predicted_tok_s if p else None,
-                                  "band": p.band_ratio if p else None}
-        if p and a and m.throughput_tok_s:
-            row["predicted_gain"] = p.gain_ratio
-            row["measured_gain"] = a / m.throughput_tok_s - 1
-            row["inside"] = abs(row["measured_gain"] - p.gain_ratio) <= p.band_ratio  # type: ignore[operator]
-        rows.append(row)
+    for fit_name, fitted in fits:
+        predicted, keep_band = predicted_phases(fitted, plan["changes"])
+        phases = {p.phase: p for p in predicted}
+        for m in measured_outcomes(fitted):
+            p, a = phases.get(m.label), after.get(m.label)
+            row: dict[str, object] = {"engine": engine_name, "role": plan["role"], "change": text,
+                                      "fit": fit_name, "level": m.label, "before": m.throughput_tok_s,
+                                      "after": a, "predicted": p.predicted_tok_s if p else None,
+                                      "band": p.band_ratio if p else None, "keep_band": keep_band}
+            if p and a and m.throughput_tok_s:
+                row["predicted_gain"] = p.gain_ratio
+                row["measured_gain"] = a / m.throughput_tok_s - 1
+                row["inside"] = abs(row["measured_gain"] - p.gain_ratio) <= p.band_ratio  # type: ignore[operator]
+            rows.append(row)
     return rows
 
 
@@ -176,6 +191,8 @@ def main() -> None:
     ap.add_argument("--refit", type=Path, default=None,
                     help="fit the runs kept in this folder again (no engine is started)")
     args = ap.parse_args()
+    # SIGTERM ends the bench as Ctrl-C does: the running engine's context stops its process group
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     engines = [e for e in args.engines.split(",") if e]
     rows = refit(args.refit, engines) if args.refit is not None else measure(engines, args.repeats, args.keep)
     if rows is None:
@@ -220,11 +237,12 @@ def measure(engines: list[str], repeats: int, keep: Path | None) -> list[dict[st
 
 
 def print_rows(rows: list[dict[str, object]]) -> None:
-    print("| engine | repeat | run | change | level | defaults tok/s | predicted | measured | "
+    print("| engine | repeat | run | change | fit | level | defaults tok/s | predicted | measured | "
           "gain predicted | gain measured | band | inside |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        cells = [r["engine"], r["repeat"], r["role"], r["change"], r["level"], _fmt(r["before"], ".1f"),
+        cells = [r["engine"], r["repeat"], r["role"], r["change"], r["fit"], r["level"],
+                 _fmt(r["before"], ".1f"),
                  _fmt(r["predicted"], ".1f"), _fmt(r["after"], ".1f"), _fmt(r.get("predicted_gain"), "+.0%"),
                  _fmt(r.get("measured_gain"), "+.0%"), "±" + _fmt(r["band"], ".0%"),
                  {True: "yes", False: "NO"}.get(bool(r["inside"])) if "inside" in r else "n/a"]
@@ -247,32 +265,35 @@ def noise(rows: list[dict[str, object]]) -> dict[str, float]:
 
 
 def summary(engine_name: str, rows: list[dict[str, object]]) -> list[str]:
-    """Per engine: repeats inside the band at every phase, phases that lost beyond the noise, and
-    where the advice was keep, the next repeat's defaults against this one's."""
-    spread = noise(rows)
-    repeats = sorted({int(r["repeat"]) for r in rows})  # type: ignore[call-overload]
-    by_rep = {k: [r for r in rows if r["repeat"] == k] for k in repeats}
-    inside = [k for k, rs in by_rep.items() if rs and all(r.get("inside") is True for r in rs)]
-    lost = [(k, str(r["level"]), g) for k, rs in by_rep.items() for r in rs
-            if (g := r.get("measured_gain")) is not None and float(g) < -spread.get(str(r["level"]), 0.0)]  # type: ignore[arg-type]
+    """Per engine: per fit, the repeats inside the band at every phase; the phases that lost beyond
+    the noise; where the advice was keep, the next repeat's defaults against this one's."""
+    sweep = [r for r in rows if r["fit"] == "sweep"]
+    spread = noise(sweep)
+    repeats = sorted({int(str(r["repeat"])) for r in rows})
     runs = sorted({f"{r['role']}: {r['change']}" for r in rows})
-    lines = [f"{engine_name}: ran {'; '.join(runs)}",
-             f"  measured gain inside the stated band at every phase: {len(inside)} of {len(by_rep)} repeats",
-             "  the defaults' own spread over the repeats (the noise): "
-             + (", ".join(f"{k} {v:.0%}" for k, v in spread.items()) or "n/a (one repeat)"),
-             "  phases the change measured below the defaults by more than that noise: "
-             + (", ".join(f"repeat {k} {lv} {g:+.0%}" for k, lv, g in lost) or "none")]
-    keeps = [k for k, rs in by_rep.items() if rs and "keep" in str(rs[0]["role"])]
-    for k in keeps:
+    lines = [f"{engine_name}: ran {'; '.join(runs)}"]
+    for fit_name in dict.fromkeys(str(r["fit"]) for r in rows):
+        by_rep = {k: [r for r in rows if r["repeat"] == k and r["fit"] == fit_name] for k in repeats}
+        inside = [k for k, rs in by_rep.items() if rs and all(r.get("inside") is True for r in rs)]
+        lines.append(f"  fit to {fit_name}: measured gain inside the stated band at every phase in "
+                     f"{len(inside)} of {len(by_rep)} repeats")
+    lost = [(r["repeat"], str(r["level"]), float(g)) for r in sweep  # type: ignore[arg-type]
+            if (g := r.get("measured_gain")) is not None and float(g) < -spread.get(str(r["level"]), 0.0)]  # type: ignore[arg-type]
+    lines += ["  the defaults' own spread over the repeats (the noise): "
+              + (", ".join(f"{k} {v:.0%}" for k, v in spread.items()) or "n/a (one repeat)"),
+              "  phases the change measured below the defaults by more than that noise: "
+              + (", ".join(f"repeat {k} {lv} {g:+.0%}" for k, lv, g in lost) or "none")]
+    by_rep = {k: [r for r in sweep if r["repeat"] == k] for k in repeats}
+    for k, rs in by_rep.items():
         nxt = by_rep.get(k + 1)
-        if not nxt:
+        if not rs or "keep" not in str(rs[0]["role"]) or not nxt:
             continue
-        band = {str(r["level"]): float(r["band"]) for r in by_rep[k] if r["band"] is not None}  # type: ignore[arg-type]
+        band = float(rs[0]["keep_band"])  # type: ignore[arg-type]
         moved = {str(a["level"]): float(b["before"]) / float(a["before"]) - 1  # type: ignore[arg-type]
-                 for a, b in zip(by_rep[k], nxt, strict=False) if a["before"] and b["before"]}
-        ok = all(abs(g) <= band.get(lv, 0.0) for lv, g in moved.items())
-        lines.append(f"  keep (repeat {k}): the next repeat's defaults against this one's "
-                     + ", ".join(f"{lv} {g:+.0%} (band ±{band.get(lv, 0):.0%})" for lv, g in moved.items())
+                 for a, b in zip(rs, nxt, strict=False) if a["before"] and b["before"]}
+        ok = all(abs(g) <= band for g in moved.values())
+        lines.append(f"  keep (repeat {k}, band ±{band:.0%}): the next repeat's defaults against this one's "
+                     + ", ".join(f"{lv} {g:+.0%}" for lv, g in moved.items())
                      + (": inside" if ok else ": OUTSIDE"))
     return lines
 

@@ -210,3 +210,15 @@ def test_the_sglang_cpu_fit_finds_the_stages_share_the_cores(
                                         {m.label: 20.0 for m in model.measured})}
     assert k2["C=4"].gain_ratio < k2["C=4"].band_ratio and not k2["C=4"].gains
     assert k2["C=16"].gain_ratio < 0
+
+
+def test_a_cpu_run_of_one_level_is_taken_to_share_the_cores(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """One level cannot tell stages that share the host's cores from stages on a core each (the
+    scale absorbs either): a CPU run's stages are then taken to share one, and the note says so."""
+    import dataclasses
+
+    analysis = analyse(_imported(tmp_path_factory, "sglang", "default"))
+    alone = dataclasses.replace(analysis, metrics=tuple(pm for pm in analysis.metrics if pm.label == "C=16"))
+    model = fit_model(alone)
+    assert model.labels == ["C=16"] and model.params.shared_cores == 1.0
+    assert any("one level cannot show how the stages share" in n for n in model.notes), model.notes

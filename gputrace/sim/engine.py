@@ -387,7 +387,10 @@ class PipelineEngine:
         for s in range(last + 1):
             free = stage_free[s]
             start = arrive if arrive > free else free
-            end = start + mults[s] * base if not shared else self._shared_end(s, t, start, mults[s] * base)
+            end = start + mults[s] * base
+            if shared:  # waiting for a core is not compute: the stage's busy time is its work
+                end = self._shared_end(s, t, start, mults[s] * base)
+                start = end - mults[s] * base
             stage_free[s] = end
             starts.append(start)
             ends.append(end)
@@ -445,7 +448,9 @@ class PipelineEngine:
         else:
             speed = min(1.0, max(cores - running, 0.0))
         end = t + left / speed
-        self.placed[s].append((start, end))
+        # as one stretch of compute ending at ``end``: where it waited before computing (the
+        # forwards take turns) that is where it computed; what starts later sees the rest
+        self.placed[s].append((end - work_s, end))
         return end
 
     def _expert_share(self, tokens: int) -> float:

@@ -532,6 +532,12 @@ def fit_model(analysis: Analysis) -> FittedModel:
     if not works:
         notes.append("no phase has both GPU busy figures and decode lines: the cost model is the "
                      "simulator's default, scaled by the replay alone")
+    levels = len([m for m in measured if m.throughput_tok_s])
+    if not works and levels < 2 and runs_on_cpu(analysis.run.engine) and p.pp_size > 1:
+        # one level cannot tell sharing from not: a CPU host's stages are taken to share its cores
+        p = dataclasses.replace(p, shared_cores=1.0)
+        notes.append("one level cannot show how the stages share the host's cores: the model takes "
+                     "their forwards to take turns on one core (a CPU engine's ranks on one host)")
     first = p
     simulated = replay_outcomes(p, labels)
     # The replay corrects the scale where the steps were not counted (no fit, or vLLM's
@@ -543,7 +549,7 @@ def fit_model(analysis: Analysis) -> FittedModel:
     counted = bool(works) and p.engine == "sglang"
     correction = _scale_correction(measured, simulated) if not counted or _one_way(measured, simulated) \
         else 1.0
-    if not works and len([m for m in measured if m.throughput_tok_s]) >= 2:
+    if not works and levels >= 2:
         cpu = runs_on_cpu(analysis.run.engine)
         p, correction = _fit_sharing_and_shape(p, measured, labels) if cpu else \
             _fit_shape_by_replay(p, measured, labels)[::2]
