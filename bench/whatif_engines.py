@@ -134,15 +134,14 @@ def one_repeat(engine_name: str, work: Path) -> list[dict[str, object]]:
 
 
 def predicted_phases(analysis: Analysis, changes: list[dict[str, object]]
-                     ) -> tuple[tuple[PhaseAdvice, ...], float]:
-    """The model fitted to ``analysis``: per phase its calibrated prediction of ``changes`` and
-    the band it states (widened where the change leaves what the run exercised); and the band of
-    the model as run (what a "keep" states)."""
+                     ) -> tuple[tuple[PhaseAdvice, ...], FittedModel]:
+    """The model fitted to ``analysis`` and per phase its calibrated prediction of ``changes``
+    with the band it states (widened where the change leaves what the run exercised)."""
     model = fit_model(analysis)
     change = {str(c["knob"]): (tuple(c["value"]) if isinstance(c["value"], list) else c["value"])
               for c in changes}
     durations = {pm.label: pm.duration_s for pm in analysis.metrics}
-    return phases_of(model, change, durations), model.uncertainty_ratio
+    return phases_of(model, change, durations), model
 
 
 def one_level(analysis: Analysis, label: str) -> Analysis:
@@ -162,14 +161,15 @@ def compared(engine_name: str, work: Path) -> list[dict[str, object]]:
     fits = [("sweep", before), (f"{top} alone", one_level(before, top))]
     rows: list[dict[str, object]] = []
     for fit_name, fitted in fits:
-        predicted, keep_band = predicted_phases(fitted, plan["changes"])
+        predicted, model = predicted_phases(fitted, plan["changes"])
         phases = {p.phase: p for p in predicted}
         for m in measured_outcomes(fitted):
             p, a = phases.get(m.label), after.get(m.label)
             row: dict[str, object] = {"engine": engine_name, "role": plan["role"], "change": text,
                                       "fit": fit_name, "level": m.label, "before": m.throughput_tok_s,
                                       "after": a, "predicted": p.predicted_tok_s if p else None,
-                                      "band": p.band_ratio if p else None, "keep_band": keep_band}
+                                      "band": p.band_ratio if p else None,
+                                      "keep_band": model.band_ratio(m.label)}
             if p and a and m.throughput_tok_s:
                 row["predicted_gain"] = p.gain_ratio
                 row["measured_gain"] = a / m.throughput_tok_s - 1
@@ -288,12 +288,12 @@ def summary(engine_name: str, rows: list[dict[str, object]]) -> list[str]:
         nxt = by_rep.get(k + 1)
         if not rs or "keep" not in str(rs[0]["role"]) or not nxt:
             continue
-        band = float(rs[0]["keep_band"])  # type: ignore[arg-type]
+        band = {str(r["level"]): float(r["keep_band"]) for r in rs}  # type: ignore[arg-type]
         moved = {str(a["level"]): float(b["before"]) / float(a["before"]) - 1  # type: ignore[arg-type]
                  for a, b in zip(rs, nxt, strict=False) if a["before"] and b["before"]}
-        ok = all(abs(g) <= band for g in moved.values())
-        lines.append(f"  keep (repeat {k}, band ±{band:.0%}): the next repeat's defaults against this one's "
-                     + ", ".join(f"{lv} {g:+.0%}" for lv, g in moved.items())
+        ok = all(abs(g) <= band[lv] for lv, g in moved.items())
+        lines.append(f"  keep (repeat {k}): the next repeat's defaults against this one's "
+                     + ", ".join(f"{lv} {g:+.0%} (band ±{band[lv]:.0%})" for lv, g in moved.items())
                      + (": inside" if ok else ": OUTSIDE"))
     return lines
 

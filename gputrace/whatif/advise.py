@@ -366,7 +366,7 @@ def search(model: FittedModel, findings: Sequence[Mapping[str, Any]], objective:
         changes = changes_of(model, change)
         assert changes is not None
         options.append(Option(changes, _phases(model, rows, weights), origin))
-    as_run = _phases(model, [PhasePrediction(m.label, m.concurrency, m, m, model.uncertainty_ratio,
+    as_run = _phases(model, [PhasePrediction(m.label, m.concurrency, m, m, model.band_ratio(m.label),
                                              _unchanged(model, m.label), None) for m in model.measured],
                      weights)
     eligible = sorted((o for o in options if score(o, objective, slo) is not None),

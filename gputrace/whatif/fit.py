@@ -105,6 +105,12 @@ class FittedModel:
         seen = [m.microbatch_size_max for m in self.measured if m.microbatch_size_max]
         return max(seen) if seen else None
 
+    def band_ratio(self, label: str) -> float:
+        """The band on a phase's predicted throughput: the fit's residual and the phase's own
+        spread in the run (what a rerun of the same setting can move it by), in quadrature."""
+        spread = next((m.throughput_spread_ratio for m in self.measured if m.label == label), None)
+        return float(np.hypot(self.uncertainty_ratio, spread or 0.0))
+
     def unchanged_tok_s(self, label: str) -> float | None:
         """The calibrated model's throughput for the run as it ran at a phase."""
         for s in self.simulated:

@@ -201,7 +201,7 @@ def predict(model: FittedModel, changes: Mapping[str, Any],
     for i, o in enumerate(outcomes):
         j = i if same_phases else by_level.get(o.concurrency)
         measured = model.measured[j] if j is not None else None
-        band = model.uncertainty_ratio
+        band = model.band_ratio(measured.label) if measured is not None else model.uncertainty_ratio
         widen, why = extrapolation_band(model, o, changes)
         unchanged, predicted = None, o
         if measured is not None and j is not None:
