@@ -1,0 +1,51 @@
+"""A prediction's band holds the phase's own noise: its throughput's spread over windows of the
+run, with the fit's residual in quadrature (bench/whatif_engines.py: the same setting rerun back
+to back moved a level by up to 54 % on this machine's CPU engines, which a band of the fit's
+residual alone, 3-9 % there, never held)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gputrace.whatif.fit import FittedModel
+from gputrace.whatif.outcome import PhaseOutcome, throughput_spread
+
+
+def _requests(first_s: np.ndarray, end_s: np.ndarray, tokens: np.ndarray) -> dict[str, np.ndarray]:
+    n = len(first_s)
+    return {"start_ns": (first_s * 1e9).astype(np.int64), "first_token_ns": (first_s * 1e9).astype(np.int64),
+            "end_ns": (end_s * 1e9).astype(np.int64), "completion_tokens": tokens.astype(float),
+            "ok": np.ones(n, bool)}
+
+
+def test_a_steady_phase_has_no_spread() -> None:
+    starts = np.arange(0.0, 40.0, 0.5)
+    spread = throughput_spread(_requests(starts, starts + 1.0, np.full(len(starts), 32)), 0, int(40e9))
+    assert spread is not None and spread < 0.02
+
+
+def test_a_phase_that_halves_its_rate_has_that_spread() -> None:
+    """Windows of 100, 100, 50, 50 tok/s: a standard deviation of 25 over a mean of 75."""
+    fast = np.arange(0.0, 20.0, 0.32)  # 32 tokens every 0.32 s: 100 tok/s
+    slow = np.arange(20.0, 40.0, 0.64)
+    starts = np.concatenate([fast, slow])
+    spread = throughput_spread(_requests(starts, starts + 0.32, np.full(len(starts), 32)), 0, int(40e9))
+    assert spread == pytest.approx(1 / 3, abs=0.02)
+
+
+def test_too_few_tokens_tell_no_spread() -> None:
+    starts = np.array([1.0, 2.0])
+    assert throughput_spread(_requests(starts, starts + 1, np.array([10, 10])), 0, int(10e9)) is None
+    assert throughput_spread(_requests(np.zeros(0), np.zeros(0), np.zeros(0)), 0, int(10e9)) is None
+
+
+def test_the_band_is_the_residual_and_the_spread_in_quadrature() -> None:
+    def phase(label: str, spread: float | None) -> PhaseOutcome:
+        return PhaseOutcome(label, 1, 100.0, None, None, None, None, (), throughput_spread_ratio=spread)
+
+    from gputrace.sim.params import SimParams
+
+    model = FittedModel(SimParams(), [phase("C=1", 0.04), phase("C=4", None)], [], uncertainty_ratio=0.03)
+    assert model.band_ratio("C=1") == pytest.approx(0.05)
+    assert model.band_ratio("C=4") == pytest.approx(0.03)
