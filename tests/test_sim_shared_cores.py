@@ -62,3 +62,18 @@ def test_the_fit_tries_one_core_up_to_one_a_stage() -> None:
     assert shared_core_candidates(1) == (0.0,)
     assert shared_core_candidates(2) == (1.0, 1.5, 0.0)
     assert shared_core_candidates(8)[0] == 1.0 and len(shared_core_candidates(8)) == 5
+
+
+def test_a_queued_request_costs_rank_0_each_step() -> None:
+    """``queued_request_s``: rank 0 works that long a step per request waiting in its queue. C=16
+    over an admission limit of 8 queues 8: its throughput drops; C=1 and C=4 (no queue) keep
+    theirs; a limit of 16 (no queue) is not charged."""
+    plain = _tok_s(1.0, None)
+    p = make_params({**CPU_ENGINE, "shared_cores": 1.0, "queued_request_s": 0.002})
+    queued = [o.throughput_tok_s or 0.0 for o in replay_outcomes(p, None)]
+    assert queued[0] == pytest.approx(plain[0], rel=0.01) and queued[1] == pytest.approx(plain[1], rel=0.03)
+    assert queued[2] < 0.85 * plain[2]
+    wide = make_params({**CPU_ENGINE, "shared_cores": 1.0, "queued_request_s": 0.002, "max_running_requests": 16})
+    unqueued = make_params({**CPU_ENGINE, "shared_cores": 1.0, "max_running_requests": 16})
+    a, b = (replay_outcomes(x, None)[2].throughput_tok_s or 0.0 for x in (wide, unqueued))
+    assert a == pytest.approx(b, rel=0.03)

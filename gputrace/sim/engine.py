@@ -383,14 +383,16 @@ class PipelineEngine:
         shared = p.shared_cores > 0
         arrive = t
         end = t
+        queue_s = p.queued_request_s * len(self.waiting)  # rank 0's, before its forward
         # the hottest loop of every replay: locals only, the log's bookkeeping apart
         for s in range(last + 1):
             free = stage_free[s]
             start = arrive if arrive > free else free
-            end = start + mults[s] * base
+            work = mults[s] * base + (queue_s if s == 0 else 0.0)
+            end = start + work
             if shared:  # waiting for a core is not compute: the stage's busy time is its work
-                end = self._shared_end(s, t, start, mults[s] * base)
-                start = end - mults[s] * base
+                end = self._shared_end(s, t, start, work)
+                start = end - work
             stage_free[s] = end
             starts.append(start)
             ends.append(end)

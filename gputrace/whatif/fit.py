@@ -55,6 +55,10 @@ SHAPE_SEARCH_STEPS = 8
 # A CPU run's stages share the host's cores: the cores their forwards have together is tried by
 # replay at this many values from one core up to (not including) one a stage, and at no sharing
 SHARED_CORE_TRIES = 4
+# ... and rank 0's work per queued request each step, as a share of the step's flat part, searched
+# in this range this many times (where it replays the run better than none)
+QUEUE_COST_RANGE = (0.0, 1.0)
+QUEUE_SEARCH_STEPS = 7
 CLIENT_SHORTFALL = 0.85  # as diagnose: a client below this share of its level is its own bound
 
 
@@ -510,12 +514,55 @@ def _fit_sharing_and_shape(p: SimParams, measured: list[PhaseOutcome], labels: l
     per core would. Returns the parameters and the overall correction."""
     best: tuple[float, SimParams, float] | None = None
     for cores in shared_core_candidates(p.pp_size):
-        shaped, sim, c = _fit_shape_by_replay(dataclasses.replace(p, shared_cores=cores), measured, labels)
-        rms = _rms_error(measured, sim)
+        rms, shaped, c = fit_at_cores(p, cores, measured, labels)
         if best is None or rms < best[0] - REPLAY_TOLERANCE:  # the fewest cores unless clearly worse
             best = (rms, shaped, c)
     assert best is not None
     return best[1], best[2]
+
+
+def fit_at_cores(p: SimParams, cores: float, measured: list[PhaseOutcome], labels: list[str]
+                 ) -> tuple[float, SimParams, float]:
+    """The stages sharing ``cores`` cores (0: one each): the shape and scale by replay, rank 0's
+    cost per queued request where it replays the run better, the shape again under it. Returns
+    the replay's RMS error, the parameters and the overall correction."""
+    shaped, sim, c = _fit_shape_by_replay(dataclasses.replace(p, shared_cores=cores, queued_request_s=0.0),
+                                          measured, labels)
+    queued = _fit_queue_cost(shaped, measured, labels, _rms_error(measured, sim))
+    if queued is not None:
+        shaped, sim, c = _fit_shape_by_replay(queued, measured, labels)
+    return _rms_error(measured, sim), shaped, c
+
+
+def _fit_queue_cost(p: SimParams, measured: list[PhaseOutcome], labels: list[str], rms_without: float
+                    ) -> SimParams | None:
+    """Rank 0's work per queued request (``queued_request_s``), as a share of the step's flat part,
+    that replays the phases best at its own scale: a golden-section search on QUEUE_COST_RANGE;
+    None where it does not replay the run better than without it by REPLAY_TOLERANCE (a run with
+    no queue cannot show it)."""
+    flat = p.launch_s + p.weight_read_s
+
+    def at(share: float) -> tuple[float, SimParams]:
+        queued = dataclasses.replace(p, queued_request_s=share * flat)
+        c = _scale_correction(measured, replay_outcomes(queued, labels))
+        scaled = _scaled(queued, c, c)
+        return _rms_error(measured, replay_outcomes(scaled, labels)), queued
+
+    lo, hi = QUEUE_COST_RANGE
+    golden = (np.sqrt(5.0) - 1.0) / 2.0
+    x1, x2 = hi - golden * (hi - lo), lo + golden * (hi - lo)
+    f1, f2 = at(x1), at(x2)
+    for _ in range(QUEUE_SEARCH_STEPS - 2):
+        if f1[0] <= f2[0]:
+            hi, x2, f2 = x2, x1, f1
+            x1 = hi - golden * (hi - lo)
+            f1 = at(x1)
+        else:
+            lo, x1, f1 = x1, x2, f2
+            x2 = lo + golden * (hi - lo)
+            f2 = at(x2)
+    rms, queued = min(f1, f2, key=lambda f: f[0])
+    return queued if rms < rms_without - REPLAY_TOLERANCE else None
 
 
 def sharing_note(p: SimParams) -> str:
@@ -523,9 +570,13 @@ def sharing_note(p: SimParams) -> str:
     if not p.shared_cores:
         return ("the replay fits best with each stage on a core of its own: stages' forwards overlap "
                 "as on separate devices")
-    return (f"the replay fits best with the stages' forwards sharing {p.shared_cores:g} core(s): "
+    text = (f"the replay fits best with the stages' forwards sharing {p.shared_cores:g} core(s): "
             "micro-batches in flight at once take turns on them, so more of them gain less than "
             "on separate devices")
+    if p.queued_request_s:
+        text += (f"; and with rank 0 working {p.queued_request_s * 1e3:.2f} ms a step per request "
+                 "waiting in its queue")
+    return text
 
 
 def fit_model(analysis: Analysis) -> FittedModel:
