@@ -15,9 +15,9 @@ fitted, a first replay sets the overall scale).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -29,6 +29,7 @@ from gputrace.sim.params import SimParams, make_params
 from gputrace.sim.simulate import SimResult, simulate
 from gputrace.whatif.outcome import PhaseOutcome, measured_outcomes, phase_concurrency, trace_outcomes
 
+_Scored = TypeVar("_Scored", bound=tuple[Any, ...])  # (error, ...) of one point of a search
 COST_FIELDS = ("launch_s", "weight_read_s", "decode_token_s", "prefill_token_s", "context_token_s")
 # A captured phase is replayed long enough for a steady state and no longer: a few of its
 # requests' lives (the median request's start to end), at least STEADY_MIN_S, at most MAX_PHASE_S
@@ -489,11 +490,18 @@ def _fit_shape_by_replay(p: SimParams, measured: list[PhaseOutcome], labels: lis
         sim = replay_outcomes(scaled, labels)
         return _rms_error(measured, sim), scaled, sim, c
 
-    lo, hi = SHAPE_LOG2_RANGE
+    _, best, sim, c = golden_minimum(at, SHAPE_LOG2_RANGE, SHAPE_SEARCH_STEPS)
+    return best, sim, c
+
+
+def golden_minimum(at: Callable[[float], _Scored], bounds: tuple[float, float], steps: int) -> _Scored:
+    """A golden-section search of ``at`` (whose result's first item is the error) over
+    ``bounds`` in ``steps`` evaluations: the best result seen at the last two points."""
+    lo, hi = bounds
     golden = (np.sqrt(5.0) - 1.0) / 2.0
     x1, x2 = hi - golden * (hi - lo), lo + golden * (hi - lo)
     f1, f2 = at(x1), at(x2)
-    for _ in range(SHAPE_SEARCH_STEPS - 2):
+    for _ in range(steps - 2):
         if f1[0] <= f2[0]:
             hi, x2, f2 = x2, x1, f1
             x1 = hi - golden * (hi - lo)
@@ -502,8 +510,7 @@ def _fit_shape_by_replay(p: SimParams, measured: list[PhaseOutcome], labels: lis
             lo, x1, f1 = x1, x2, f2
             x2 = lo + golden * (hi - lo)
             f2 = at(x2)
-    _, best, sim, c = min(f1, f2, key=lambda f: f[0])
-    return best, sim, c
+    return min(f1, f2, key=lambda f: f[0])
 
 
 def _fit_sharing_and_shape(p: SimParams, measured: list[PhaseOutcome], labels: list[str]
@@ -548,20 +555,7 @@ def _fit_queue_cost(p: SimParams, measured: list[PhaseOutcome], labels: list[str
         scaled = _scaled(queued, c, c)
         return _rms_error(measured, replay_outcomes(scaled, labels)), queued
 
-    lo, hi = QUEUE_COST_RANGE
-    golden = (np.sqrt(5.0) - 1.0) / 2.0
-    x1, x2 = hi - golden * (hi - lo), lo + golden * (hi - lo)
-    f1, f2 = at(x1), at(x2)
-    for _ in range(QUEUE_SEARCH_STEPS - 2):
-        if f1[0] <= f2[0]:
-            hi, x2, f2 = x2, x1, f1
-            x1 = hi - golden * (hi - lo)
-            f1 = at(x1)
-        else:
-            lo, x1, f1 = x1, x2, f2
-            x2 = lo + golden * (hi - lo)
-            f2 = at(x2)
-    rms, queued = min(f1, f2, key=lambda f: f[0])
+    rms, queued = golden_minimum(at, QUEUE_COST_RANGE, QUEUE_SEARCH_STEPS)
     return queued if rms < rms_without - REPLAY_TOLERANCE else None
 
 
