@@ -5,22 +5,26 @@ the agent's dependencies. One run (about 45 s) on the device machine:
 
   t=0      nvidia-smi --query-gpu=timestamp,utilization.gpu,power.draw --format=csv -lms 100 starts,
            and `gputrace agent --backend nvml --interval 0.1` starts on a loopback port;
-  t=5-20s  a PyTorch bf16 matmul loop keeps GPU 0 busy (starts after 5 s, stops after 20 s);
+  t=5-20s  a PyTorch bf16 matmul loop keeps GPU 0 busy (5 s and 20 s after PyTorch is imported);
+  t=20-25s one thread spins on the GPU (torch.cuda._sleep kernels back to back): what a stage
+           waiting in an NCCL receive looks like to NVML, a kernel resident on one SM of 132;
   t=12s    a direct NVML probe: every metric's support (GPM included) and the native period of
            nvmlDeviceGetSamples (median spacing of the driver's utilization samples);
-  t=30s    everything stops; the agent's samples (pulled from /v1/samples during the run), the
-           nvidia-smi CSV, /metrics, /v1/info and a summary land in --out.
+  +4.5 s   after the spin everything stops; the agent's samples (pulled from /v1/samples during
+           the run), the nvidia-smi CSV, /metrics, /v1/info and a summary land in --out.
 
-The summary compares the two sources over 1 s bins and at the load edges (first time >= 50 %
-after the loop starts, first time < 50 % after it stops), the agent's power against
-nvidia-smi's, and the agent's CPU use (utime + stime of its process over the run).
+The summary gives, per phase (matmul, spin, idle after), the mean of the agent's utilization.gpu,
+its GPM SM activity and nvidia-smi's utilization; it compares the two sources over 1 s bins and
+at the load edges (first time >= 50 % after the loop starts, first time < 50 % after the spin
+stops), the agent's power against nvidia-smi's, and the agent's CPU use (utime + stime of its
+process over the run).
 
     python3 bench/agent_h200.py --out "$OUT"        # on the device machine
 
-Dependencies: if aiohttp, prometheus_client, structlog, click and pynvml are not importable, a
-wheelhouse at bench/wheels/ is installed into a temporary venv (prepare it where the registry is
-reachable: `pip download -d bench/wheels --only-binary=:all: --python-version 3.X aiohttp
-prometheus-client structlog click nvidia-ml-py`; the device machine has no network).
+Dependencies: if aiohttp, prometheus_client, structlog, click or pynvml is not importable, the wheels
+in bench/wheels/ are installed with --target into a folder put on PYTHONPATH (prepare them where the
+registry is reachable: `pip download -d bench/wheels --no-deps --only-binary=:all: --python-version
+3.12 structlog nvidia-ml-py`; the device machine has no network and its image lacks structlog).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+SPIN_S = 5.0  # after the matmuls: one spinning thread for this long
 DEPS = ("aiohttp", "prometheus_client", "structlog", "click", "pynvml")
 
 def run_matmul(start_after: float, stop_after: float, out: str) -> None:
@@ -57,7 +62,14 @@ def run_matmul(start_after: float, stop_after: float, out: str) -> None:
         torch.cuda.synchronize()
         n += 20
     ended = time.time_ns()
+    spins = 0
+    while time.monotonic() - t0 < stop_after + SPIN_S:
+        torch.cuda._sleep(100_000_000)  # one thread busy-waits ~50 ms at 1.98 GHz, as a stage in recv
+        torch.cuda.synchronize()
+        spins += 1
+    spin_ended = time.time_ns()
     Path(out).write_text(json.dumps({"start_ns": began, "end_ns": ended, "matmuls": n,
+                                     "spin_end_ns": spin_ended, "spins": spins,
                                      "tflops": 2 * 8192**3 * n / ((ended - began) / 1e9) / 1e12}))
 
 
@@ -133,7 +145,12 @@ def run_probe(out: str) -> None:
     # what one call of each kind costs (median of 50, us): a tick's price is the sum of its calls
     calls = {
         "getSamples_gpu": (pynvml.nvmlDeviceGetSamples, pynvml.NVML_GPU_UTILIZATION_SAMPLES, 0),
+        "getSamples_mem": (pynvml.nvmlDeviceGetSamples, pynvml.NVML_MEMORY_UTILIZATION_SAMPLES, 0),
         "getFieldValues_4": (pynvml.nvmlDeviceGetFieldValues, list(fields.values())),
+        "getFieldValues_power_instant": (pynvml.nvmlDeviceGetFieldValues, [fields["POWER_INSTANT"]]),
+        "getFieldValues_pcie_counts": (pynvml.nvmlDeviceGetFieldValues,
+                                       [fields["PCIE_COUNT_TX_BYTES"], fields["PCIE_COUNT_RX_BYTES"]]),
+        "getFieldValues_energy": (pynvml.nvmlDeviceGetFieldValues, [fields["TOTAL_ENERGY_CONSUMPTION"]]),
         "getPowerUsage": (pynvml.nvmlDeviceGetPowerUsage,),
         "getTotalEnergyConsumption": (pynvml.nvmlDeviceGetTotalEnergyConsumption,),
         "getClockInfo_sm": (pynvml.nvmlDeviceGetClockInfo, pynvml.NVML_CLOCK_SM),
@@ -142,6 +159,8 @@ def run_probe(out: str) -> None:
         "getTemperature": (pynvml.nvmlDeviceGetTemperature, pynvml.NVML_TEMPERATURE_GPU),
         "getUtilizationRates": (pynvml.nvmlDeviceGetUtilizationRates,),
     }
+    if res.get("gpm_supported") is True:
+        calls["gpmSampleGet"] = (pynvml.nvmlGpmSampleGet, pynvml.nvmlGpmSampleAlloc())
     cost_us: dict[str, object] = {}
     for name, (fn, *args) in calls.items():
         times = []
@@ -157,21 +176,34 @@ def run_probe(out: str) -> None:
     Path(out).write_text(json.dumps(res, indent=1, default=str))
 
 
-def ensure_python() -> str:
-    """A Python that can import the agent's dependencies (the current one, or a wheelhouse venv)."""
+def ensure_python_path() -> str:
+    """PYTHONPATH entries beyond the repo that make the agent's dependencies importable.
+
+    The device image's python3 is itself a virtual environment (PyTorch's): a venv made from it with
+    --system-site-packages would see the base interpreter's packages, not PyTorch or aiohttp. So the
+    wheelhouse is installed with --target into a folder put on PYTHONPATH, beside what is there.
+    """
     missing = [m for m in DEPS if subprocess.run([sys.executable, "-c", f"import {m}"],
                                                  capture_output=True).returncode != 0]
     if not missing:
-        return sys.executable
-    wheels = ROOT / "bench" / "wheels"
-    if not wheels.is_dir():
-        sys.exit(f"missing {missing} and no wheelhouse at {wheels}; see this script's docstring")
-    venv = Path("/tmp/gputrace-h200-venv")
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
-    py = str(venv / "bin" / "python")
-    subprocess.run([py, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheels),
-                    "aiohttp", "prometheus-client", "structlog", "click", "nvidia-ml-py"], check=True)
-    return py
+        return ""
+    wheels = sorted((ROOT / "bench" / "wheels").glob("*.whl"))
+    if not wheels:
+        sys.exit(f"missing {missing} and no wheels in {ROOT / 'bench' / 'wheels'}; see the docstring")
+    site = "/tmp/gputrace-h200-site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", site,
+                    *map(str, wheels)], check=True)
+    still = [m for m in DEPS if subprocess.run([sys.executable, "-c", f"import {m}"], capture_output=True,
+                                               env={**os.environ, "PYTHONPATH": site}).returncode != 0]
+    if still:
+        sys.exit(f"still missing {still} after installing {[w.name for w in wheels]}")
+    return site
+
+
+def load_done_for(path: Path, seconds: float) -> bool:
+    """The load process wrote its file at least `seconds` ago (its start waits for PyTorch's import,
+    so the phases are placed by what it wrote, not by this script's clock)."""
+    return path.exists() and time.time() - path.stat().st_mtime >= seconds
 
 
 def proc_cpu_s(pid: int) -> float:
@@ -202,6 +234,31 @@ def first_cross(points: list[tuple[int, float]], after_ns: int, above: bool) -> 
     return None
 
 
+def phase_means(g0: list[dict], smi: list[tuple[int, float, float]],
+                load: dict) -> dict[str, dict[str, float | None]]:
+    """Mean agent utilization.gpu, GPM SM activity and nvidia-smi utilization per phase (1 s margins)."""
+    phases = {"matmul": (load["start_ns"] + 10**9, load["end_ns"] - 10**9),
+              "spin": (load["end_ns"] + 10**9, load["spin_end_ns"] - 10**9),
+              "idle_after": (load["spin_end_ns"] + 2 * 10**9, load["spin_end_ns"] + 4 * 10**9)}
+
+    def mean(values: list[float]) -> float | None:
+        return statistics.fmean(values) if values else None
+
+    result = {}
+    for name, (lo, hi) in phases.items():
+        inside = [s for s in g0 if lo <= s["ts_ns"] <= hi]
+        result[name] = {
+            "agent_utilization": mean([s["utilization_ratio"] for s in inside
+                                       if s.get("utilization_ratio") is not None]),
+            "agent_sm_active": mean([s["sm_active_ratio"] for s in inside
+                                     if s.get("sm_active_ratio") is not None]),
+            "agent_tensor_active": mean([s["tensor_active_ratio"] for s in inside
+                                         if s.get("tensor_active_ratio") is not None]),
+            "smi_utilization": mean([v for ts, v, _ in smi if lo <= ts <= hi]),
+        }
+    return result
+
+
 def summarize(out: Path, agent_cpu_s: float, wall_s: float) -> dict[str, object]:
     load = json.loads((out / "matmul.json").read_text())
     smi = smi_rows(out / "nvidia_smi.csv")
@@ -223,14 +280,15 @@ def summarize(out: Path, agent_cpu_s: float, wall_s: float) -> dict[str, object]
     smi_during = [p for ts, _, p in smi if load["start_ns"] + 2e9 <= ts <= load["end_ns"]]
     return {
         "load": load,
+        "phase_means": phase_means(g0, smi, load),
         "agent_utilization_records": len(util),
         "agent_util_spacing_ms_median": statistics.median(gaps) / 1e6 if gaps else None,
         "util_1s_bins_mean_abs_diff": statistics.fmean(abs(a - b) for a, b in both) if both else None,
         "util_1s_bins": len(both),
         "rise_s_agent": first_cross(util, load["start_ns"], True),
         "rise_s_smi": first_cross(smi_util, load["start_ns"], True),
-        "fall_s_agent": first_cross(util, load["end_ns"], False),
-        "fall_s_smi": first_cross(smi_util, load["end_ns"], False),
+        "fall_s_agent": first_cross(util, load["spin_end_ns"], False),
+        "fall_s_smi": first_cross(smi_util, load["spin_end_ns"], False),
         "power_w_under_load_agent_median": statistics.median(during) if during else None,
         "power_w_under_load_smi_median": statistics.median(smi_during) if smi_during else None,
         "agent_cpu_s": agent_cpu_s, "wall_s": wall_s,
@@ -259,8 +317,9 @@ def main() -> None:
         return
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    py = ensure_python()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TZ": "UTC"}
+    py = sys.executable
+    extra = ensure_python_path()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), extra])), "TZ": "UTC"}
     base = f"http://127.0.0.1:{args.port}"
     procs: list[subprocess.Popen[bytes]] = []
     try:
@@ -284,7 +343,7 @@ def main() -> None:
         procs.append(load)
         since, probed = 0, False
         with (out / "agent_samples.ndjson").open("wb") as f:
-            while time.monotonic() - t_start < 30:
+            while not load_done_for(out / "matmul.json", 4.5) and time.monotonic() - t_start < 90:
                 body = get(f"{base}/v1/samples?since={since}&limit=10000")
                 f.write(body)
                 for line in body.splitlines():

@@ -14,7 +14,7 @@ from structlog.testing import capture_logs
 
 from gputrace.cli import main
 from gputrace.errors import NvmlError
-from gputrace.gpu.nvml import NvmlSampler
+from gputrace.gpu.nvml import DRIVER_SAMPLES_PERIOD_NS, NvmlSampler
 
 NOW_NS = 1_764_486_000_000_000_000
 
@@ -125,8 +125,7 @@ class FakeNvml:
         support.isSupportedDevice = 1 if g.gpm else 0
         return support
 
-    def nvmlGpmSampleAlloc(self, g: FakeGpu) -> Any:
-        self._enter(g, "nvmlGpmSampleAlloc")
+    def nvmlGpmSampleAlloc(self) -> Any:  # no device argument, as pynvml's
         return pynvml.c_nvmlGpmSample_t()
 
     def nvmlGpmSampleGet(self, g: FakeGpu, sample: Any) -> Any:
@@ -243,7 +242,9 @@ def test_every_driver_sample_keeps_its_timestamp(monkeypatch: pytest.MonkeyPatch
         (1_000_000_000, 0.4, None), (1_166_667_000, 1.0, 0.3)]
     assert _tick(first, 0, NOW_NS).utilization_ratio is None  # utilization lives on driver records
     gpu.util_samples.append((1_333_333, 75))
-    second = sampler.sample(NOW_NS + 100_000_000)
+    inside = sampler.sample(NOW_NS + 100_000_000)  # the buffer is read every DRIVER_SAMPLES_PERIOD_NS
+    assert [s.ts_ns for s in inside] == [NOW_NS + 100_000_000] and gpu.seen_args == [0]
+    second = sampler.sample(NOW_NS + DRIVER_SAMPLES_PERIOD_NS)
     assert [(s.ts_ns, s.utilization_ratio) for s in second if s.utilization_ratio is not None] == [
         (1_333_333_000, 0.75)]
     assert gpu.seen_args == [0, 1_166_667]
@@ -266,9 +267,10 @@ def test_tick_metrics_and_units(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_slow_metrics_are_read_once_a_second_and_repeated(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A tick costs a GPU 3 NVML calls (2 sample reads, one field-values call; GPM adds 2, and
-    there were 11): clocks, reasons, memory and temperature are read once a second and every tick
-    record carries their latest reading, while power follows every tick."""
+    """A tick costs a GPU one field-values call (GPM adds 2; there were 11 calls): the driver's
+    utilization samples are read every DRIVER_SAMPLES_PERIOD_NS (2 calls), energy, clocks, reasons,
+    memory and temperature once a second, and every tick record carries their latest reading,
+    while power follows every tick."""
     gpu = FakeGpu(0, util_samples=[(1, 50)], pcie_counts=(1, 0, 0))
     FakeNvml(monkeypatch, [gpu])
     sampler = NvmlSampler("node1")
@@ -283,14 +285,15 @@ def test_slow_metrics_are_read_once_a_second_and_repeated(monkeypatch: pytest.Mo
     assert all((t.temperature_c, t.sm_clock_hz, t.clock_event_reasons, t.memory_used_bytes)
                == (61, 1.98e9, 0x4, 100 * 2**30) for t in ticks)
     assert [t.power_w for t in ticks] == [312.5] * 12 + [400.0] * 3
-    per_tick = {"nvmlDeviceGetSamples": 2 * 15, "nvmlDeviceGetFieldValues": 15}
+    per_tick = {"nvmlDeviceGetSamples": 2 * 3, "nvmlDeviceGetFieldValues": 15}  # at 0, 0.5, 1 s
     per_second = {"nvmlDeviceGetClockInfo": 2 * 2, "nvmlDeviceGetCurrentClocksEventReasons": 2,
                   "nvmlDeviceGetMemoryInfo": 2, "nvmlDeviceGetTemperature": 2}
     assert dict(gpu.calls) == per_tick | per_second  # at t = 0 and t = 1 s
-    gpu.energy_field = False  # an older driver: the energy call, every tick
-    for i in range(15, 18):
+    assert [t.energy_j for t in ticks] == [9000.0] * 15
+    gpu.energy_field = False  # an older driver: the energy call, once a second
+    for i in range(15, 30):
         sampler.sample(NOW_NS + i * 100_000_000)
-    assert gpu.calls["nvmlDeviceGetTotalEnergyConsumption"] == 3
+    assert gpu.calls["nvmlDeviceGetTotalEnergyConsumption"] == 1  # at t = 2 s
 
 
 def test_gpu_lost_during_a_slow_read_is_marked(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -489,7 +492,6 @@ def test_the_prepared_h200_probe_runs_against_the_fake(monkeypatch: pytest.Monke
     gpu = FakeGpu(0, util_samples=[(1_000_000, 40), (1_166_667, 90)], pcie_counts=(1, 0, 0),
                   gpm={pynvml.NVML_GPM_METRIC_SM_UTIL: 42.0})
     FakeNvml(monkeypatch, [gpu])
-    monkeypatch.setattr(pynvml, "nvmlGpmSampleAlloc", lambda: pynvml.c_nvmlGpmSample_t())
     monkeypatch.setattr(probe.time, "sleep", lambda _s: None)
     probe.run_probe(str(tmp_path / "probe.json"))
     result = json.loads((tmp_path / "probe.json").read_text())
@@ -497,4 +499,65 @@ def test_the_prepared_h200_probe_runs_against_the_fake(monkeypatch: pytest.Monke
     assert result["gpm"]["SM_UTIL"] == 42.0
     assert set(result["fields"].values()) == {"ok"}
     costs = result["call_cost_us"]
-    assert len(costs) == 9 and all(isinstance(v, float) for v in costs.values())
+    assert len(costs) == 14 and all(isinstance(v, float) for v in costs.values())  # GPM's included
+
+
+def test_the_prepared_h200_summary_reads_each_phase(tmp_path: Any) -> None:
+    """bench/agent_h200.py's summary of the files a device run leaves: per phase (matmul, one
+    spinning thread, idle) the agent's utilization and SM activity beside nvidia-smi's."""
+    import importlib.util
+    import json
+    from datetime import UTC, datetime
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "agent_h200.py"
+    spec = importlib.util.spec_from_file_location("agent_h200", path)
+    assert spec is not None and spec.loader is not None
+    h200 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(h200)
+    s = 10**9
+    t0 = 1_780_000_000 * s
+    (tmp_path / "matmul.json").write_text(json.dumps(
+        {"start_ns": t0 + 5 * s, "end_ns": t0 + 20 * s, "spin_end_ns": t0 + 25 * s, "matmuls": 1,
+         "spins": 1}))
+
+    def phase(ts: int) -> tuple[float, float]:  # utilization, SM activity
+        if t0 + 5 * s <= ts < t0 + 20 * s:
+            return 1.0, 0.95
+        return (1.0, 0.01) if ts < t0 + 25 * s else (0.0, 0.0)
+
+    ticks = range(t0, t0 + 30 * s, s // 10)
+    (tmp_path / "agent_samples.ndjson").write_text("".join(
+        json.dumps({"seq": i, "gpu_index": 0, "ts_ns": ts, "utilization_ratio": phase(ts)[0],
+                    "sm_active_ratio": phase(ts)[1], "tensor_active_ratio": None, "power_w": 100.0}) + "\n"
+        for i, ts in enumerate(ticks)))
+    smi_lines = ["timestamp, utilization.gpu [%], power.draw [W]"] + [
+        f"{datetime.fromtimestamp(ts / s, UTC).strftime('%Y/%m/%d %H:%M:%S.%f')[:-3]}, "
+        f"{int(phase(ts)[0] * 100)} %, 100.00 W" for ts in ticks]
+    (tmp_path / "nvidia_smi.csv").write_text("\n".join(smi_lines) + "\n")
+    summary = h200.summarize(tmp_path, agent_cpu_s=0.1, wall_s=30.0)
+    means = summary["phase_means"]
+    assert means["matmul"] == {"agent_utilization": 1.0, "agent_sm_active": 0.95, "agent_tensor_active": None,
+                               "smi_utilization": 1.0}
+    assert means["spin"]["agent_utilization"] == 1.0 and means["spin"]["agent_sm_active"] == 0.01
+    assert means["idle_after"]["smi_utilization"] == 0.0
+    assert summary["util_1s_bins_mean_abs_diff"] == 0.0
+    assert summary["fall_s_agent"] == summary["fall_s_smi"] == 0.0
+
+
+def test_the_fake_takes_the_arguments_pynvml_takes() -> None:
+    """The fake stands at the pynvml boundary, so each of its functions must take what pynvml's own
+    takes: a fake that took a device handle for nvmlGpmSampleAlloc hid a TypeError that stopped the
+    agent at its start on the first real H200 it ran on."""
+    import inspect
+
+    mismatched = {}
+    for name in dir(FakeNvml):
+        if not name.startswith("nvml"):
+            continue
+        fake = list(inspect.signature(getattr(FakeNvml, name)).parameters)[1:]  # without self
+        real = inspect.signature(getattr(pynvml, name)).parameters.values()
+        required = [p.name for p in real if p.default is inspect.Parameter.empty]
+        if not len(required) <= len(fake) <= len(real):
+            mismatched[name] = (fake, required)
+    assert not mismatched

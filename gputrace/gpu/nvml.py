@@ -59,8 +59,14 @@ _FIELDS = (  # nvmlDeviceGetFieldValues ids read in one call per tick
     ("power_instant", pynvml.NVML_FI_DEV_POWER_INSTANT),  # mW
     ("pcie_tx_count", pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES),  # cumulative bytes
     ("pcie_rx_count", pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES),
-    ("energy_count", pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION),  # mJ since the driver loaded
 )
+# read with the slow metrics: on the H200 (driver 580) the energy counter costs about 3.5 ms of CPU
+# per read, where the instant power costs microseconds; a cumulative counter read once a second
+# loses nothing
+_SLOW_FIELDS = (("energy_count", pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION),)  # mJ since driver load
+# the driver keeps its utilization samples (one per 200 ms on the H200) in a buffer: read it at most
+# this often, since each nvmlDeviceGetSamples costs about 2 ms of CPU there whatever it returns
+DRIVER_SAMPLES_PERIOD_NS = 500_000_000
 
 
 class _GpuLost(Exception):
@@ -77,6 +83,7 @@ class _Device:
     lost: bool = False
     seen_ts_us: dict[int, int] = field(default_factory=dict)  # sampling type -> last-seen stamp
     last_driver_sample_ns: int | None = None
+    samples_read_ns: int | None = None  # when nvmlDeviceGetSamples was last asked
     pcie_prev: tuple[int, int, int] | None = None  # (ts_us, tx bytes, rx bytes) of the counters
     pcie_throughput_at_ns: int = 0
     gpm_prev: Any = None
@@ -154,8 +161,8 @@ class NvmlSampler:
         )
         support = self._call(dev, "gpm", "nvmlGpmQueryDeviceSupport")
         if support is not None and support.isSupportedDevice:
-            dev.gpm_prev = self._call(dev, "gpm", "nvmlGpmSampleAlloc")
-            dev.gpm_cur = self._call(dev, "gpm", "nvmlGpmSampleAlloc")
+            dev.gpm_prev = self._gpm_sample_alloc(dev)
+            dev.gpm_cur = self._gpm_sample_alloc(dev)
             if (dev.gpm_prev is None or dev.gpm_cur is None
                     or self._call(dev, "gpm", "nvmlGpmSampleGet", dev.gpm_prev) is None):
                 dev.unsupported.add("gpm")
@@ -179,6 +186,14 @@ class NvmlSampler:
             dev.logged.add((metric, code))
             log.warning("nvml_call_failed",
                         gpu=dev.index, metric=metric, error=str(pynvml.NVMLError(code)))
+
+    def _gpm_sample_alloc(self, dev: _Device) -> Any:
+        """A GPM sample buffer, or None (nvmlGpmSampleAlloc takes no device handle, unlike _call's)."""
+        try:
+            return pynvml.nvmlGpmSampleAlloc()
+        except pynvml.NVMLError as exc:
+            self._failed(dev, "gpm", exc.value)
+            return None
 
     def _call(self, dev: _Device, metric: str, fn_name: str, *args: Any) -> Any:
         """pynvml.<fn_name>(handle, *args), or None when the metric is unavailable."""
@@ -210,34 +225,36 @@ class NvmlSampler:
 
     def _sample_device(self, dev: _Device, now_ns: int, out: list[GpuSample]) -> GpuSample:
         values: dict[str, Any] = {}
-        if self._driver_samples(dev, out):
-            dev.last_driver_sample_ns = now_ns
+        if dev.samples_read_ns is None or now_ns - dev.samples_read_ns >= DRIVER_SAMPLES_PERIOD_NS:
+            dev.samples_read_ns = now_ns
+            if self._driver_samples(dev, out):
+                dev.last_driver_sample_ns = now_ns
         stale = dev.last_driver_sample_ns is None or now_ns - dev.last_driver_sample_ns > _STALE_SAMPLES_NS
         if "gpu_samples" in dev.unsupported or stale:
             rates = self._call(dev, "utilization", "nvmlDeviceGetUtilizationRates")
             if rates is not None:
                 values["utilization_ratio"] = rates.gpu / 100.0
                 values["memory_utilization_ratio"] = rates.memory / 100.0
-        fields = self._fields(dev)
+        slow_due = dev.slow_read_ns is None or now_ns - dev.slow_read_ns >= SLOW_METRICS_PERIOD_NS
+        fields = self._fields(dev, _FIELDS + _SLOW_FIELDS if slow_due else _FIELDS)  # one call a tick
         power_mw = fields.get("power_instant")
         if power_mw is None:
             power_mw = self._call(dev, "power", "nvmlDeviceGetPowerUsage")
         values["power_w"] = power_mw / 1000.0 if power_mw is not None else None
-        energy_mj = fields.get("energy_count")
-        if energy_mj is None:
-            energy_mj = self._call(dev, "energy", "nvmlDeviceGetTotalEnergyConsumption")
-        values["energy_j"] = energy_mj / 1000.0 if energy_mj is not None else None
-        if dev.slow_read_ns is None or now_ns - dev.slow_read_ns >= SLOW_METRICS_PERIOD_NS:
-            dev.slow_values = self._slow_metrics(dev)
+        if slow_due:
+            dev.slow_values = self._slow_metrics(dev, fields.get("energy_count"))
             dev.slow_read_ns = now_ns
         values.update(dev.slow_values)
         values.update(self._gpm(dev))
         self._pcie(dev, fields, values, now_ns)
         return GpuSample(self.host, dev.index, now_ns, **values)
 
-    def _slow_metrics(self, dev: _Device) -> dict[str, Any]:
-        """Clocks, clock event reasons, memory use and temperature (they move slowly)."""
+    def _slow_metrics(self, dev: _Device, energy_mj: int | None) -> dict[str, Any]:
+        """Energy, clocks, clock event reasons, memory use and temperature (they move slowly)."""
         values: dict[str, Any] = {}
+        if energy_mj is None:  # no energy field on this driver
+            energy_mj = self._call(dev, "energy", "nvmlDeviceGetTotalEnergyConsumption")
+        values["energy_j"] = energy_mj / 1000.0 if energy_mj is not None else None
         sm_mhz = self._call(dev, "sm_clock", "nvmlDeviceGetClockInfo", pynvml.NVML_CLOCK_SM)
         values["sm_clock_hz"] = sm_mhz * 1e6 if sm_mhz is not None else None
         mem_mhz = self._call(dev, "memory_clock", "nvmlDeviceGetClockInfo", pynvml.NVML_CLOCK_MEM)
@@ -277,8 +294,8 @@ class NvmlSampler:
                                  memory_utilization_ratio=mem_util))
         return any(v[0] is not None for v in merged.values())
 
-    def _fields(self, dev: _Device) -> dict[str, Any]:
-        wanted = [(name, fid) for name, fid in _FIELDS if name not in dev.unsupported]
+    def _fields(self, dev: _Device, which: tuple[tuple[str, int], ...]) -> dict[str, Any]:
+        wanted = [(name, fid) for name, fid in which if name not in dev.unsupported]
         if not wanted:
             return {}
         raw = self._call(dev, "field_values", "nvmlDeviceGetFieldValues", [fid for _, fid in wanted])
