@@ -73,7 +73,8 @@ def test_a_queued_request_costs_rank_0_each_step() -> None:
     queued = [o.throughput_tok_s or 0.0 for o in replay_outcomes(p, None)]
     assert queued[0] == pytest.approx(plain[0], rel=0.01) and queued[1] == pytest.approx(plain[1], rel=0.03)
     assert queued[2] < 0.85 * plain[2]
-    wide = make_params({**CPU_ENGINE, "shared_cores": 1.0, "queued_request_s": 0.002, "max_running_requests": 16})
+    wide = make_params({**CPU_ENGINE, "shared_cores": 1.0, "queued_request_s": 0.002,
+                        "max_running_requests": 16})
     unqueued = make_params({**CPU_ENGINE, "shared_cores": 1.0, "max_running_requests": 16})
     a, b = (replay_outcomes(x, None)[2].throughput_tok_s or 0.0 for x in (wide, unqueued))
     assert a == pytest.approx(b, rel=0.03)

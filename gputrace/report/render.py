@@ -124,7 +124,10 @@ def advice_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """Per phase: measured, the model as run, predicted under the advice, its gain and band."""
     rows = []
     for p in (doc.get("advice") or {}).get("phases", []):
+        model = p.get("model_band_ratio")
+        noisier = model is not None and p["band_ratio"] - model >= 0.01  # the phase's own spread added
         rows.append({**p, "gain": f"{p['gain_ratio']:+.0%}", "band": f"±{p['band_ratio']:.0%}"
+                     + (f" (model ±{model:.0%})" if noisier else "")
                      + (" (extrapolated)" if p.get("extrapolation") else "")})
     return rows
 

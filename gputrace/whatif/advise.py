@@ -82,18 +82,33 @@ class PhaseAdvice:
     ttft_s_p90: float | None
     itl_s_p90: float | None
     extrapolation: str | None = None
+    model_band_ratio: float | None = None  # band_ratio without the phase's run-to-run spread
 
     @property
     def gain_ratio(self) -> float:
         return self.predicted_tok_s / self.measured_tok_s - 1.0 if self.measured_tok_s > 0 else 0.0
 
     @property
+    def decision_band_ratio(self) -> float:
+        """What a predicted gain or loss must exceed to count: the model's own uncertainty on the
+        effect. The stated band adds the phase's run-to-run spread, which moves one rerun's
+        figure either way but not the expected effect (on CPU engines it made the advice "keep"
+        in 8 of 10 back-to-back repeats whose findings' change then measured +1 to +73 %)."""
+        return self.band_ratio if self.model_band_ratio is None else self.model_band_ratio
+
+    @property
     def gains(self) -> bool:
-        return self.gain_ratio > self.band_ratio
+        return self.gain_ratio > self.decision_band_ratio
 
     @property
     def loses(self) -> bool:
-        return self.gain_ratio < -self.band_ratio
+        return self.gain_ratio < -self.decision_band_ratio
+
+    def band_text(self) -> str:
+        """``±28 %``, or ``±8 %; ±28 % with this phase's run-to-run spread`` where they differ."""
+        if self.band_ratio - self.decision_band_ratio < 0.01:
+            return f"±{self.band_ratio:.0%}"
+        return f"±{self.decision_band_ratio:.0%}; ±{self.band_ratio:.0%} with this phase's run-to-run spread"
 
     def to_dict(self) -> dict[str, Any]:
         def r(x: float | None, n: int) -> float | None:
@@ -103,7 +118,8 @@ class PhaseAdvice:
                 "duration_s": round(self.duration_s, 1), "measured_tok_s": round(self.measured_tok_s, 1),
                 "unchanged_tok_s": r(self.unchanged_tok_s, 1),
                 "predicted_tok_s": round(self.predicted_tok_s, 1), "gain_ratio": round(self.gain_ratio, 4),
-                "band_ratio": round(self.band_ratio, 4), "ttft_s_p90": r(self.ttft_s_p90, 4),
+                "band_ratio": round(self.band_ratio, 4), "model_band_ratio": r(self.model_band_ratio, 4),
+                "ttft_s_p90": r(self.ttft_s_p90, 4),
                 "itl_s_p90": r(self.itl_s_p90, 5), "extrapolation": self.extrapolation}
 
 
@@ -162,7 +178,7 @@ class Advice:
         what = ", ".join(c.text() for c in self.changes)
         ups = [p for p in self.phases if p.gains]
         moved = ", ".join(f"{p.phase} {p.measured_tok_s:.0f} -> {p.predicted_tok_s:.0f} tok/s "
-                          f"({p.gain_ratio:+.0%} ±{p.band_ratio:.0%})" for p in ups)
+                          f"({p.gain_ratio:+.0%} {p.band_text()})" for p in ups)
         return f"Set {what}: predicted {moved or 'no phase beyond its band'}; {self.reason}."
 
     def to_dict(self) -> dict[str, Any]:
@@ -275,7 +291,7 @@ def _phases(model: FittedModel, rows: list[PhasePrediction], durations: Mapping[
         out.append(PhaseAdvice(m.label, m.concurrency, durations.get(m.label, 1.0), m.throughput_tok_s,
                                r.unchanged.throughput_tok_s if r.unchanged else None,
                                r.predicted.throughput_tok_s, r.band_ratio, r.predicted.ttft_s_p90,
-                               r.predicted.itl_s_p90, r.extrapolation))
+                               r.predicted.itl_s_p90, r.extrapolation, r.model_band_ratio))
     return tuple(out)
 
 
@@ -367,7 +383,8 @@ def search(model: FittedModel, findings: Sequence[Mapping[str, Any]], objective:
         assert changes is not None
         options.append(Option(changes, _phases(model, rows, weights), origin))
     as_run = _phases(model, [PhasePrediction(m.label, m.concurrency, m, m, model.band_ratio(m.label),
-                                             _unchanged(model, m.label), None) for m in model.measured],
+                                             _unchanged(model, m.label), None, None, model.uncertainty_ratio)
+                             for m in model.measured],
                      weights)
     eligible = sorted((o for o in options if score(o, objective, slo) is not None),
                       key=lambda o: -(score(o, objective, slo) or 0.0))
@@ -402,7 +419,7 @@ def fewest_changes_within_band(ranked: Sequence[Option]) -> Option:
 def _beyond_band(more: Option, fewer: Option) -> bool:
     """Whether ``more`` is predicted above ``fewer`` beyond the band in any phase."""
     by_phase = {p.phase: p for p in fewer.phases}
-    return any(p.predicted_tok_s > by_phase[p.phase].predicted_tok_s * (1 + p.band_ratio)
+    return any(p.predicted_tok_s > by_phase[p.phase].predicted_tok_s * (1 + p.decision_band_ratio)
                for p in more.phases if p.phase in by_phase)
 
 
@@ -452,7 +469,7 @@ def _keep_reason(trades: list[Option], objective: str, slo: Mapping[str, float],
             top = max(closest.phases, key=lambda p: p.gain_ratio)
             origin = closest.origin.removeprefix("finding: ")
             text += (f"; the findings' change {', '.join(c.text() for c in closest.changes)} ({origin}) "
-                     f"moves {top.phase} {top.gain_ratio:+.0%} against its band of ±{top.band_ratio:.0%}")
+                     f"moves {top.phase} {top.gain_ratio:+.0%} against its band of {top.band_text()}")
             losses = [f"{p.phase} {p.gain_ratio:+.0%}" for p in closest.phases if p.loses]
             if losses:
                 text += f" and costs {', '.join(losses)}"

@@ -55,6 +55,9 @@ class PhasePrediction:
     unchanged: PhaseOutcome | None = None
     replay: PhaseOutcome | None = None
     extrapolation: str | None = None  # why the band is wide, where it is
+    # the band without the phase's run-to-run spread: the model's own uncertainty on the effect
+    # (its residual and the extrapolation), what a decision to change rests on
+    model_band_ratio: float | None = None
 
     @property
     def gain_ratio(self) -> float | None:
@@ -68,6 +71,8 @@ class PhasePrediction:
                 "predicted": self.predicted.to_dict(),
                 "unchanged": self.unchanged.to_dict() if self.unchanged else None,
                 "band_ratio": round(self.band_ratio, 4),
+                "model_band_ratio": (None if self.model_band_ratio is None
+                                     else round(self.model_band_ratio, 4)),
                 "gain_ratio": None if self.gain_ratio is None else round(self.gain_ratio, 4),
                 "extrapolation": self.extrapolation}
 
@@ -211,7 +216,7 @@ def predict(model: FittedModel, changes: Mapping[str, Any],
             tok_s = None if base.throughput_tok_s is None else base.throughput_tok_s * corr
             unchanged = dataclasses.replace(base, throughput_tok_s=tok_s)
         out.append(PhasePrediction(o.label, o.concurrency, measured, predicted, band + widen, unchanged, o,
-                                   why))
+                                   why, model.uncertainty_ratio + widen))
     model.predictions[key] = out
     return out
 
