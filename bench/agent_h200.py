@@ -173,7 +173,26 @@ def run_probe(out: str) -> None:
         except pynvml.NVMLError as e:
             cost_us[name] = f"ERROR {e}"
     res["call_cost_us"] = cost_us
+    res["sampler"] = sampler_cost()
     Path(out).write_text(json.dumps(res, indent=1, default=str))
+
+
+def sampler_cost(ticks: int = 50) -> dict[str, float]:
+    """The agent's NVML sampler alone, ticked at 10 Hz in this process: its CPU per tick (the
+    agent's process CPU adds the event loop, the HTTP pages and the ring to it)."""
+    from gputrace.gpu.nvml import NvmlSampler
+
+    sampler = NvmlSampler("probe")
+    try:
+        c0, rows = time.process_time(), 0
+        for _ in range(ticks):
+            rows += len(sampler.sample_rows(time.time_ns()))
+            time.sleep(0.1)
+        cpu_s = time.process_time() - c0
+    finally:
+        sampler.close()
+    return {"ticks": ticks, "rows": rows, "cpu_ms_per_tick": round(cpu_s * 1000 / ticks, 3),
+            "core_percent_at_10hz": round(cpu_s / ticks * 10 * 100, 3)}
 
 
 def ensure_python_path() -> str:

@@ -64,9 +64,11 @@ _FIELDS = (  # nvmlDeviceGetFieldValues ids read in one call per tick
 # per read, where the instant power costs microseconds; a cumulative counter read once a second
 # loses nothing
 _SLOW_FIELDS = (("energy_count", pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION),)  # mJ since driver load
-# the driver keeps its utilization samples (one per 200 ms on the H200) in a buffer: read it at most
-# this often, since each nvmlDeviceGetSamples costs about 2 ms of CPU there whatever it returns
-DRIVER_SAMPLES_PERIOD_NS = 500_000_000
+# the driver keeps its utilization samples (one per 200 ms on the H200) in a buffer: read it once a
+# second (each keeps its own timestamp), since each nvmlDeviceGetSamples costs 1.4-1.9 ms of CPU
+# there whatever it returns
+DRIVER_SAMPLES_PERIOD_NS = 1_000_000_000
+_PCIE_COUNT_FIELDS = ("pcie_tx_count", "pcie_rx_count")
 
 
 class _GpuLost(Exception):
@@ -236,7 +238,13 @@ class NvmlSampler:
                 values["utilization_ratio"] = rates.gpu / 100.0
                 values["memory_utilization_ratio"] = rates.memory / 100.0
         slow_due = dev.slow_read_ns is None or now_ns - dev.slow_read_ns >= SLOW_METRICS_PERIOD_NS
-        fields = self._fields(dev, _FIELDS + _SLOW_FIELDS if slow_due else _FIELDS)  # one call a tick
+        gpm = self._gpm(dev)
+        tick_fields: tuple[tuple[str, int], ...] = _FIELDS
+        if gpm.get("pcie_tx_bytes_per_s") is not None and gpm.get("pcie_rx_bytes_per_s") is not None:
+            # GPM's PCIe rates come with its sample (about 55 us on the H200); the byte counters
+            # would cost 0.2-0.3 ms more a tick there
+            tick_fields = tuple(f for f in _FIELDS if f[0] not in _PCIE_COUNT_FIELDS)
+        fields = self._fields(dev, tick_fields + _SLOW_FIELDS if slow_due else tick_fields)  # one call
         power_mw = fields.get("power_instant")
         if power_mw is None:
             power_mw = self._call(dev, "power", "nvmlDeviceGetPowerUsage")
@@ -245,7 +253,7 @@ class NvmlSampler:
             dev.slow_values = self._slow_metrics(dev, fields.get("energy_count"))
             dev.slow_read_ns = now_ns
         values.update(dev.slow_values)
-        values.update(self._gpm(dev))
+        values.update(gpm)
         self._pcie(dev, fields, values, now_ns)
         return GpuSample(self.host, dev.index, now_ns, **values)
 
@@ -311,7 +319,8 @@ class NvmlSampler:
         return got
 
     def _pcie(self, dev: _Device, fields: dict[str, Any], values: dict[str, Any], now_ns: int) -> None:
-        """PCIe rates: byte counters, else GPM (already in values), else the 20 ms throughput call."""
+        """PCIe rates: GPM's (already in values; then no counters were read), else the byte
+        counters, else the 20 ms throughput call."""
         if "pcie_tx_count" in fields and "pcie_rx_count" in fields:
             cur = (fields["pcie_tx_count_ts_us"], int(fields["pcie_tx_count"]), int(fields["pcie_rx_count"]))
             prev, dev.pcie_prev = dev.pcie_prev, cur
