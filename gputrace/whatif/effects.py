@@ -43,8 +43,7 @@ def _effect(f: Finding, rows: list[PhasePrediction], unchanged: dict[str, float 
     return PredictedEffect(
         f.phase, at.concurrency, round(at.measured.throughput_tok_s, 1),
         round(at.predicted.throughput_tok_s, 1), base(at), round(band, 4), round(at.gain_ratio, 4),
-        abs(at.gain_ratio) <= (band if at.model_band_ratio is None else at.model_band_ratio),  # as advise's
-        round(net, 1), tuple(others))
+        abs(at.gain_ratio) <= at.decision_band_ratio, round(net, 1), tuple(others))
 
 
 def rank_by_gain(findings: Sequence[Finding], effects: Mapping[str, PredictedEffect]) -> list[Finding]:

@@ -60,6 +60,11 @@ class PhasePrediction:
     model_band_ratio: float | None = None
 
     @property
+    def decision_band_ratio(self) -> float:
+        """What a predicted gain or loss must exceed to count (see advise.PhaseAdvice's)."""
+        return self.band_ratio if self.model_band_ratio is None else self.model_band_ratio
+
+    @property
     def gain_ratio(self) -> float | None:
         """Predicted throughput against measured, less one."""
         m = self.measured
