@@ -94,23 +94,37 @@ async def test_bad_request_is_a_400(server):
         assert r.status == 400 and "exceeds" in body["error"]["message"]
 
 
-async def test_load_writes_parsable_log_and_feed(server, tmp_path):
-    """24 concurrent requests run in micro-batches of at most K = 64 // 8 = 8 (three of them); the
-    log and feed files follow as they run."""
+async def test_load_writes_parsable_log_and_feed(tmp_path):
+    """72 requests against room for 64 (eight micro-batches of at most K = 64 // 8 = 8) run in
+    micro-batches of 8 at most; the log and feed files follow as they run.
+
+    The cap binds whatever the arrivals' spacing: each request lives about 64 rounds of the
+    pipeline (about 1.3 s at speed 2), so the last of 72 arrives while 64 are still running, even
+    on a loaded machine. (24 requests at speed 20 relied on arriving within one round: CI once saw
+    them trickle in and fill micro-batches of 4.)"""
+    max_tokens = 64
+    params = scenario_params("motivating", {"max_tokens": max_tokens})
+    srv = await start_sim_server(params, log_path=tmp_path / "sched.log", feed_path=tmp_path / "gpu.feed",
+                                 speed=2.0)
+
     async def one(s: aiohttp.ClientSession) -> int:
-        payload = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 16}
-        async with s.post(server.url + "/v1/chat/completions", json=payload) as r:
+        payload = {"messages": [{"role": "user", "content": "x"}], "max_tokens": max_tokens}
+        async with s.post(srv.url + "/v1/chat/completions", json=payload) as r:
             return int((await r.json())["usage"]["completion_tokens"])
 
-    async with aiohttp.ClientSession() as s:
-        done = await asyncio.gather(*[one(s) for _ in range(24)])
-    assert done == [16] * 24
-    await asyncio.sleep(0.1)  # the engine's next tick writes the last lines
+    try:
+        async with aiohttp.ClientSession() as s:
+            done = await asyncio.gather(*[one(s) for _ in range(72)])
+        await asyncio.sleep(0.1)  # the engine's next tick writes the last lines
+    finally:
+        await srv.close()
+    assert done == [max_tokens] * 72
     parser = LogParser(host="sim-node0", source="sim-log")
     records = [parser.feed(line) for line in (tmp_path / "sched.log").read_text().splitlines()]
     assert parser.counts.unrecognised == 0
     decode = [r for r in records if getattr(r, "kind", None) == "decode"]
     assert decode and max(r.running_req for r in decode) == 8
+    assert max(r.queue_req for r in decode) > 0  # requests waited: the cap, not the arrivals, bound
     assert {r.pp_rank for r in decode} == set(range(8))
     feed = (tmp_path / "gpu.feed").read_text().splitlines()
     header = json.loads(feed[0])
