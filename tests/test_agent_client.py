@@ -25,10 +25,12 @@ from gputrace.model import GpuSample
 
 
 class Forwarder:
-    """127.0.0.1:port -> 127.0.0.1:target_port; stop() drops every connection and the listener."""
+    """127.0.0.1:port -> 127.0.0.1:target_port; stop() drops every connection and the listener.
+    ``request_delay_s``: what reaches the agent is held that long first (a slow link)."""
 
-    def __init__(self, target_port: int) -> None:
+    def __init__(self, target_port: int, request_delay_s: float = 0.0) -> None:
         self.target_port = target_port
+        self.request_delay_s = request_delay_s
         self.port = 0
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
@@ -44,9 +46,11 @@ class Forwarder:
             w.close()
         await self._server.wait_closed()
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    delay_s: float = 0.0) -> None:
         with contextlib.suppress(ConnectionError):
             while data := await reader.read(65536):
+                await asyncio.sleep(delay_s)
                 writer.write(data)
                 await writer.drain()
         writer.close()
@@ -54,7 +58,8 @@ class Forwarder:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
         self._writers |= {writer, up_writer}
-        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+        await asyncio.gather(self._pipe(reader, up_writer, self.request_delay_s),
+                             self._pipe(up_reader, writer))
         self._writers -= {writer, up_writer}
 
 
@@ -138,8 +143,11 @@ async def test_follow_rides_out_a_disconnect(agents: list[Agent]) -> None:
 
 
 async def test_cursor_out_of_ring_jumps_to_oldest_and_counts_gap() -> None:
-    """After a 410 the client continues at the oldest sample held and counts what it missed."""
-    agent = Agent(SimulatedSampler("node-c", 2), AgentSettings(port=0, interval_s=0.01, buffer_s=0.1),
+    """After a 410 the client continues at the oldest sample held and counts what it missed.
+
+    The ring holds 1 s (200 samples): the pages after the jump read well inside it even on a loaded
+    machine (with 0.1 s the cursor had 25 ms before the ring passed it again)."""
+    agent = Agent(SimulatedSampler("node-c", 2), AgentSettings(port=0, interval_s=0.01, buffer_s=1.0),
                   host="node-c")
     await agent.start()
     client = AgentClient(f"http://127.0.0.1:{agent.port}", page_limit=5)
@@ -155,6 +163,32 @@ async def test_cursor_out_of_ring_jumps_to_oldest_and_counts_gap() -> None:
         assert seqs == list(range(first, first + len(seqs)))
     finally:
         await client.close()
+        await agent.stop()
+
+
+async def test_a_link_slower_than_the_tick_reads_on_past_the_moving_ring() -> None:
+    """Each request takes 40 ms to reach an agent whose ring drops a tick (2 samples) every 10 ms:
+    asking again for the oldest sample a 410 named loses that race every time. The client asks
+    past it by what the ring moved meanwhile, reads on, and counts every sample it skipped as one
+    gap (before, the pull gave up after three 410s, and every later pull did the same)."""
+    agent = Agent(SimulatedSampler("node-s", 2), AgentSettings(port=0, interval_s=0.01, buffer_s=0.3),
+                  host="node-s")
+    await agent.start()
+    fwd = Forwarder(agent.port or 0, request_delay_s=0.04)
+    await fwd.start()
+    client = AgentClient(f"http://127.0.0.1:{fwd.port}", page_limit=1000, timeout_s=5)
+    try:
+        while agent.ring.oldest_seq() < 100:
+            await asyncio.sleep(0.01)
+        page = await client.fetch_page()
+        seqs = _seqs(page)
+        assert seqs and seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+        assert client.stats.gaps == 1 and client.stats.missed_samples == seqs[0] - 1
+        more = await _pull(client, 20)
+        assert _seqs(more)[0] == seqs[-1] + 1 and client.stats.gaps == 1
+    finally:
+        await client.close()
+        await fwd.stop()
         await agent.stop()
 
 

@@ -43,6 +43,8 @@ _MIN_EPOCH_NS = 10**18  # 2001-09-09 in ns: a smaller "time_ns" is seconds, ms o
 # Samples taken this long before the capture started are kept (for alignment at the run's start:
 # one agent interval is 0.1 s by default, and a clock probe's round trip is well under 1 s).
 HISTORY_MARGIN_S = 2.0
+# Tries of one pull: a 410 re-asks at the oldest sample, a second one past it (_past_the_ring)
+FETCH_ATTEMPTS = 4
 
 
 def _value_problem(kind: type, optional: bool, value: object) -> str | None:
@@ -171,7 +173,8 @@ class AgentClient:
 
     async def fetch_page(self) -> list[GpuSample]:
         """The next page after the cursor (possibly empty); advances the cursor past it."""
-        for _ in range(3):  # a 410 or an agent restart re-asks at once with the corrected cursor
+        gone_oldest: int | None = None  # the oldest seq the previous 410 of this call named
+        for _ in range(FETCH_ATTEMPTS):  # a 410 or an agent restart re-asks with the corrected cursor
             status, headers, body = await self._get_bytes(
                 "/v1/samples", {"since": str(self.since), "limit": str(self.page_limit)})
             if status == 401:
@@ -185,13 +188,8 @@ class AgentClient:
             self.instance = instance or self.instance
             if status == 410:
                 oldest = int(json.loads(body)["oldest_seq"])
-                missed = oldest - 1 - self.since
-                if self.stats.pages or self.min_ts_ns is None:  # before the first page: not ours
-                    self.stats.gaps += 1
-                    self.stats.missed_samples += missed
-                    log.warning("agent_samples_missed",
-                                agent=self.base_url, missed=missed)
-                self.since = oldest - 1
+                self._skip_to(self._past_the_ring(oldest, gone_oldest, headers), first=gone_oldest is None)
+                gone_oldest = oldest
                 continue
             if status != 200:
                 raise SourceError(f"agent {self.base_url}: /v1/samples answered {status}: "
@@ -205,6 +203,29 @@ class AgentClient:
             decoded = await asyncio.get_running_loop().run_in_executor(self.page_executor, decode_page, body)
             return self._take_page(decoded)
         raise SourceError(f"agent {self.base_url}: cursor kept moving; giving up this pull")
+
+    @staticmethod
+    def _past_the_ring(oldest: int, gone_oldest: int | None, headers: Any) -> int:
+        """The cursor to ask with after a 410 naming ``oldest``. First the oldest sample itself;
+        if that was gone too by the time the request arrived (the ring drops samples while a
+        request travels: a link slower than the agent's tick), as far again past it as the ring
+        moved in that round trip, twice over, within what the agent holds. Asking for exactly the
+        oldest sample again would lose that race on every try."""
+        if gone_oldest is None or oldest <= gone_oldest:
+            return oldest - 1
+        target = oldest - 1 + 2 * (oldest - gone_oldest)
+        newest = _int_header(headers, "X-Gputrace-Newest-Seq")
+        return min(target, newest - 1) if newest is not None and newest > oldest else target
+
+    def _skip_to(self, since: int, *, first: bool) -> None:
+        """Move the cursor forward past samples the agent no longer holds, counting them (a gap
+        per pull, however many tries it took) unless they came before the capture's first page."""
+        missed = since - self.since
+        if self.stats.pages or self.min_ts_ns is None:  # before the first page: not ours
+            self.stats.gaps += int(first)
+            self.stats.missed_samples += missed
+            log.warning("agent_samples_missed", agent=self.base_url, missed=missed)
+        self.since = since
 
     def _take_page(self, decoded: list[GpuSample | str]) -> list[GpuSample]:
         """The page's samples past the capture's start, in order; moves the cursor past them and
