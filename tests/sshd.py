@@ -71,6 +71,8 @@ class SshServer:
         self.kill_sessions()
         self.proc.kill()
         self.proc.wait()
+        if self.proc.stderr is not None:  # restart() starts another with its own pipe
+            self.proc.stderr.close()
 
     def restart(self, timeout_s: float = 10.0) -> None:
         """Start sshd again on the same port, keys and config (after ``kill``)."""

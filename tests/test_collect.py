@@ -114,7 +114,7 @@ def test_sigkill_keeps_all_but_the_last_second(tmp_path: Path, agent_port: int) 
         time.sleep(3.0)
         killed_at = time.time()
         proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=10)
+        proc.communicate(timeout=10)
     with Store.open(tmp_path / "run", read_only=True) as store:
         tokens = {int(r[0]) for r in store.sql("SELECT num_token FROM scheduler_events")}
         samples = store.count("gpu_samples")
