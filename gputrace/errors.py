@@ -9,6 +9,7 @@ GputraceError                      base; ``exit_code`` is what the CLI exits wit
  │    └── StoreWriteError          a write failed (disk full, I/O): the same write may work later
  ├── SourceError        (exit 1)   a data source failed (log, agent, load endpoint)
  │    ├── NvmlError                NVML or the driver is missing or failing
+ │    ├── CursorKeptMoving         an agent dropped samples faster than a pull could ask for them
  │    └── TransportError           a local or SSH transport failed
  │         └── HostKeyError        an SSH host key is unknown or changed
  └── AnalysisError      (exit 1)   a run cannot be analysed (e.g. no data in it)
@@ -60,6 +61,11 @@ class SourceError(GputraceError):
 
 class NvmlError(SourceError):
     """NVML or the NVIDIA driver is missing or failing."""
+
+
+class CursorKeptMoving(SourceError):
+    """Every try of one pull from an agent found its cursor gone from the agent's ring (a link
+    slower than the ring is long): the next pull tries again."""
 
 
 class TransportError(SourceError):

@@ -47,10 +47,11 @@ class Forwarder:
         await self._server.wait_closed()
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                    delay_s: float = 0.0) -> None:
+                    upstream: bool = False) -> None:
         with contextlib.suppress(ConnectionError):
             while data := await reader.read(65536):
-                await asyncio.sleep(delay_s)
+                if upstream:
+                    await asyncio.sleep(self.request_delay_s)
                 writer.write(data)
                 await writer.drain()
         writer.close()
@@ -58,7 +59,7 @@ class Forwarder:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
         self._writers |= {writer, up_writer}
-        await asyncio.gather(self._pipe(reader, up_writer, self.request_delay_s),
+        await asyncio.gather(self._pipe(reader, up_writer, upstream=True),
                              self._pipe(up_reader, writer))
         self._writers -= {writer, up_writer}
 
@@ -190,6 +191,44 @@ async def test_a_link_slower_than_the_tick_reads_on_past_the_moving_ring() -> No
         await client.close()
         await fwd.stop()
         await agent.stop()
+
+
+async def test_follow_keeps_trying_while_the_link_is_slower_than_the_ring() -> None:
+    """An agent holding 0.25 s of samples behind a link taking 0.4 s a request: every pull finds its
+    cursor gone, however far past the oldest it asks. follow() says why and keeps trying (it
+    stopped the host's GPU samples for the rest of the capture); once the link is fast again it
+    reads on."""
+    agent = Agent(SimulatedSampler("node-r", 2), AgentSettings(port=0, interval_s=0.01, buffer_s=0.25),
+                  host="node-r")
+    await agent.start()
+    fwd = Forwarder(agent.port or 0, request_delay_s=0.4)
+    await fwd.start()
+    client = AgentClient(f"http://127.0.0.1:{fwd.port}", page_limit=1000, timeout_s=5)
+    problems: list[str | None] = []
+    got: list[GpuSample] = []
+
+    async def read() -> None:
+        async for page in client.follow(poll_s=0.01, retry_max_s=0.2, on_problem=problems.append):
+            got.extend(page)
+            if len(got) >= 20:
+                return
+
+    reader = asyncio.create_task(read())
+    try:
+        for _ in range(200):
+            if problems or reader.done():
+                break
+            await asyncio.sleep(0.05)
+        assert not reader.done() and not got
+        assert problems and problems[0] and "faster than this link reads them" in problems[0]
+        fwd.request_delay_s = 0.0
+        await asyncio.wait_for(reader, 10)
+    finally:
+        reader.cancel()
+        await client.close()
+        await fwd.stop()
+        await agent.stop()
+    assert len(got) >= 20 and problems[-1] is None and client.stats.gaps >= 1
 
 
 async def test_restarted_agent_is_read_from_its_start(agents: list[Agent]) -> None:

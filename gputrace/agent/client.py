@@ -25,7 +25,7 @@ from typing import Any
 
 import aiohttp
 
-from gputrace.errors import SourceError, TransportError
+from gputrace.errors import CursorKeptMoving, SourceError, TransportError
 from gputrace.logsetup import get_logger
 from gputrace.model import ClockProbe, GpuSample
 
@@ -202,7 +202,7 @@ class AgentClient:
                 continue
             decoded = await asyncio.get_running_loop().run_in_executor(self.page_executor, decode_page, body)
             return self._take_page(decoded)
-        raise SourceError(f"agent {self.base_url}: cursor kept moving; giving up this pull")
+        raise CursorKeptMoving(f"agent {self.base_url}: cursor kept moving; giving up this pull")
 
     @staticmethod
     def _past_the_ring(oldest: int, gone_oldest: int | None, headers: Any) -> int:
@@ -302,12 +302,15 @@ class AgentClient:
                 if not self._started:
                     await self.start_at_present()
                 page = await self.fetch_page()
-            except TransportError as exc:
-                self.stats.disconnects += 1
-                log.warning("agent_unreachable", agent=self.base_url,
+            except (TransportError, CursorKeptMoving) as exc:
+                lost = isinstance(exc, CursorKeptMoving)
+                self.stats.disconnects += int(not lost)
+                log.warning("agent_behind" if lost else "agent_unreachable", agent=self.base_url,
                             error=str(exc), since=self.since, retry_s=backoff)
                 if told is None and on_problem is not None:
-                    told = f"the agent does not answer ({exc}): no GPU samples until it does; retrying"
+                    told = (f"the agent drops samples faster than this link reads them ({exc}): "
+                            "retrying" if lost else
+                            f"the agent does not answer ({exc}): no GPU samples until it does; retrying")
                     on_problem(told)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, retry_max_s)
