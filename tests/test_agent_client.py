@@ -11,11 +11,13 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import aiohttp
 import pytest
+from aiohttp import web
 
 from gputrace.agent.client import AgentClient, parse_sample_line
 from gputrace.agent.server import Agent, AgentSettings, sample_line
@@ -62,6 +64,21 @@ class Forwarder:
         await asyncio.gather(self._pipe(reader, up_writer, upstream=True),
                              self._pipe(up_reader, writer))
         self._writers -= {writer, up_writer}
+
+
+@contextlib.asynccontextmanager
+async def serving(path: str, handler: Callable[[web.Request], Awaitable[web.Response]]) -> AsyncIterator[int]:
+    """An aiohttp app on a free loopback port answering GET ``path`` with ``handler``: its port."""
+    app = web.Application()
+    app.router.add_get(path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    try:
+        await site.start()
+        yield runner.addresses[0][1]
+    finally:
+        await runner.cleanup()
 
 
 @pytest.fixture
@@ -231,6 +248,39 @@ async def test_follow_keeps_trying_while_the_link_is_slower_than_the_ring() -> N
     assert len(got) >= 20 and problems[-1] is None and client.stats.gaps >= 1
 
 
+async def test_follow_rides_out_an_agent_answering_503(agents: list[Agent]) -> None:
+    """A proxy in front of the agent answers 503 to its first three pulls: follow() retries as
+    after a lost connection (it stopped the host's GPU samples for the rest of the capture), then
+    reads every sample from the start."""
+    refused = 0
+
+    async def samples(request: web.Request) -> web.Response:
+        nonlocal refused
+        if refused < 3:
+            refused += 1
+            return web.Response(status=503, text="upstream busy")
+        url = f"http://127.0.0.1:{agents[0].port}/v1/samples"
+        async with aiohttp.ClientSession() as s, s.get(url, params=request.query) as r:
+            return web.Response(status=r.status, body=await r.read(), headers={
+                k: v for k, v in r.headers.items() if k.startswith("X-Gputrace")})
+
+    got: list[GpuSample] = []
+    async with serving("/v1/samples", samples) as port:
+        client = AgentClient(f"http://127.0.0.1:{port}", page_limit=50, timeout_s=2)
+
+        async def read() -> None:
+            async for page in client.follow(poll_s=0.01, retry_max_s=0.05):
+                got.extend(page)
+                if len(got) >= 60:
+                    return
+        try:
+            await asyncio.wait_for(read(), 20)
+        finally:
+            await client.close()
+    assert refused == 3 and client.stats.disconnects == 3
+    assert _seqs(got) == list(range(1, len(got) + 1))
+
+
 async def test_restarted_agent_is_read_from_its_start(agents: list[Agent]) -> None:
     """When the forward reaches a new agent instance, the client starts over at its seq 1."""
     fwd = Forwarder(agents[0].port or 0)
@@ -269,29 +319,17 @@ async def test_a_malformed_time_answer_is_refused_counted_and_probing_goes_on(an
     """[robust] 12: a /v1/time answer that is no time in ns (a string, a list, 1e30, seconds as a
     float or int) is refused with a SourceError and counted; the next good answer is a probe (it
     stopped probing for the run, or was applied as a -296,187 s offset)."""
-    from aiohttp import web
-
     answers = [answer, json.dumps({"time_ns": time.time_ns(), "host": "node-b"})]
 
     async def time_handler(request: web.Request) -> web.Response:
         return web.Response(text=answers.pop(0), content_type="application/json")
 
-    app = web.Application()
-    app.router.add_get("/v1/time", time_handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        async with AgentClient(f"http://127.0.0.1:{port}") as client:
-            with pytest.raises(SourceError, match="no time in ns"):
-                await client.probe_clock("node-b")
-            assert client.stats.bad_probes == 1
-            probe = await client.probe_clock("node-b")
-            assert abs(probe.remote_ns - time.time_ns()) < 5e9 and client.stats.bad_probes == 1
-    finally:
-        await runner.cleanup()
+    async with serving("/v1/time", time_handler) as port, AgentClient(f"http://127.0.0.1:{port}") as client:
+        with pytest.raises(SourceError, match="no time in ns"):
+            await client.probe_clock("node-b")
+        assert client.stats.bad_probes == 1
+        probe = await client.probe_clock("node-b")
+        assert abs(probe.remote_ns - time.time_ns()) < 5e9 and client.stats.bad_probes == 1
 
 
 async def test_a_client_started_at_present_skips_the_agents_history(agents: list[Agent]) -> None:

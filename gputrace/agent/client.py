@@ -192,8 +192,11 @@ class AgentClient:
                 gone_oldest = oldest
                 continue
             if status != 200:
-                raise SourceError(f"agent {self.base_url}: /v1/samples answered {status}: "
-                                  f"{body[:200].decode('utf-8', errors='replace')}")
+                # a 5xx or 429 (an agent or a proxy in front of it, for now) is retried as a lost
+                # connection is; anything else is a question the agent will never answer
+                error = TransportError if status >= 500 or status == 429 else SourceError
+                raise error(f"agent {self.base_url}: /v1/samples answered {status}: "
+                            f"{body[:200].decode('utf-8', errors='replace')}")
             newest = headers.get("X-Gputrace-Newest-Seq")
             if newest is not None and int(newest) < self.since:
                 # same instance id yet behind us: only possible if the id header was absent
