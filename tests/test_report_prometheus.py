@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from live_chain import free_port, gputrace_argv, process, prometheus, sim_chain, wait_until
 
 from gputrace.analysis.result import analyse_store
+from gputrace.backoff import Backoff
 from gputrace.errors import SourceError, UsageError
 from gputrace.imports.prometheus import (
     import_prometheus,
@@ -292,6 +293,55 @@ async def test_bearer_token_reaches_prometheus_behind_a_proxy(capture: Capture, 
         assert [p["label"] for p in phases] == [f"C={c}" for c in LEVELS]
     finally:
         await runner.cleanup()
+
+
+@pytest.mark.system
+@pytest.mark.slow
+async def test_an_import_rides_out_later_answers_and_stores_what_a_direct_one_does(
+        capture: Capture, tmp_path: Path) -> None:
+    """A proxy in front of Prometheus answers every third call 503 (Retry-After: 0), 429 or 502,
+    in turn: the import asks those again and stores exactly what an import straight from
+    Prometheus stores (one such answer ended the import)."""
+    calls = 0
+
+    async def flaky(request: web.Request) -> web.Response:
+        nonlocal calls
+        calls += 1
+        if calls % 3 == 0:
+            status = (503, 429, 502)[(calls // 3) % 3]
+            return web.json_response({"status": "error", "error": "try later"}, status=status,
+                                     headers={"Retry-After": "0"} if status == 503 else None)
+        async with aiohttp.ClientSession() as session, session.request(
+                request.method, f"{capture.prom}{request.rel_url}", data=await request.read(),
+                headers={"Content-Type": request.headers.get("Content-Type", "text/plain")}) as resp:
+            return web.Response(body=await resp.read(), status=resp.status, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", flaky)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    start_ms, end_ms = int(capture.start_s * 1000), int(capture.end_s * 1000)
+    proxied = PrometheusClient(f"http://127.0.0.1:{runner.addresses[0][1]}", backoff=Backoff(0.01, 0.05))
+    try:
+        # the import is synchronous: in a thread, while this loop answers as the proxy
+        await asyncio.to_thread(import_prometheus, proxied, tmp_path / "proxied", start_ms, end_ms, 1000, [],
+                                {"max_running_requests": 64})
+    finally:
+        await runner.cleanup()
+    await asyncio.to_thread(import_prometheus, PrometheusClient(capture.prom), tmp_path / "direct", start_ms,
+                            end_ms, 1000, [], {"max_running_requests": 64})
+    assert proxied.retries >= 3 and calls >= 9
+    tables = ("gpu_samples", "scheduler_events", "load_samples", "markers", "devices")
+    with Store.open(tmp_path / "proxied", read_only=True) as a, \
+            Store.open(tmp_path / "direct", read_only=True) as b:
+        for table in tables:
+            assert a.count(table) == b.count(table) > 0, table
+        got = a.columns("gpu_samples", order_by="ts_ns, gpu_index")
+        want = b.columns("gpu_samples", order_by="ts_ns, gpu_index")
+        for col in ("ts_ns", "gpu_index", "utilization_ratio"):
+            assert np.array_equal(got[col], want[col], equal_nan=col == "utilization_ratio"), col
 
 
 @pytest.mark.system

@@ -113,7 +113,8 @@ def prometheus_run(prometheus_url: str | None, prom_start: str | None, prom_end:
                f"ranks ({summary.count('scheduler_events')} lines), {summary.count('load_samples')} client "
                f"in-flight samples and {summary.count('markers')} markers from {client.base_url} "
                f"at a {step_ms / 1000:g} s step in {summary.queries} range queries "
-               f"({summary.windows} window(s) of at most {MAX_POINTS_PER_SERIES} steps per metric)")
+               f"({summary.windows} window(s) of at most {MAX_POINTS_PER_SERIES} steps per metric)"
+               + (f"; {client.retries} call(s) asked again after a 'later' answer" if client.retries else ""))
     click.echo(f"series found: {', '.join(summary.found)}")
     if summary.dcgm_schema:
         words = DCGM_SCHEMA_WORDS.get(summary.dcgm_schema, "names of several releases, each converted")
