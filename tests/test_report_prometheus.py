@@ -5,12 +5,13 @@ micro-batch cap, and range queries longer than Prometheus' 11,000-step limit are
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -117,6 +118,32 @@ def instant(prom: str, expr: str) -> list[dict[str, Any]]:
     with urllib.request.urlopen(url, timeout=5) as resp:
         result: list[dict[str, Any]] = json.loads(resp.read())["data"]["result"]
         return result
+
+
+@contextlib.asynccontextmanager
+async def proxy_to(prom: str, answer_first: Callable[[web.Request], web.Response | None]
+                   ) -> AsyncIterator[str]:
+    """A proxy on a free loopback port in front of Prometheus: each request gets
+    ``answer_first(request)`` where that is a response, else Prometheus' own answer. Its URL."""
+    async def forward(request: web.Request) -> web.Response:
+        own = answer_first(request)
+        if own is not None:
+            return own
+        async with aiohttp.ClientSession() as session, session.request(
+                request.method, f"{prom}{request.rel_url}", data=await request.read(),
+                headers={"Content-Type": request.headers.get("Content-Type", "text/plain")}) as resp:
+            return web.Response(body=await resp.read(), status=resp.status, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", forward)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    try:
+        await site.start()
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
 
 
 @pytest.fixture(scope="module")
@@ -260,27 +287,17 @@ def test_errors_are_one_line(capture: Capture, tmp_path: Path) -> None:
 async def test_bearer_token_reaches_prometheus_behind_a_proxy(capture: Capture, tmp_path: Path) -> None:
     """--token-file sends the bearer token an auth proxy in front of Prometheus asks for; without it
     the refusal is one line."""
-    async def forward(request: web.Request) -> web.Response:
+    def refuse_without_token(request: web.Request) -> web.Response | None:
         if request.headers.get("Authorization") != "Bearer s3cret":
             return web.json_response({"status": "error", "error": "bad token"}, status=401)
-        async with aiohttp.ClientSession() as session, session.request(
-                request.method, f"{capture.prom}{request.rel_url}", data=await request.read(),
-                headers={"Content-Type": request.headers.get("Content-Type", "text/plain")}) as resp:
-            return web.Response(body=await resp.read(), status=resp.status, content_type="application/json")
+        return None
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", forward)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
     token = tmp_path / "token"
     token.write_text("s3cret\n")
-    try:
+    async with proxy_to(capture.prom, refuse_without_token) as url:
         async def report(*extra: str) -> tuple[int, str]:
             proc = await asyncio.create_subprocess_exec(*gputrace_argv(
-                "report", "--prometheus", f"http://127.0.0.1:{port}", "--start", f"{capture.start_s:.3f}",
+                "report", "--prometheus", url, "--start", f"{capture.start_s:.3f}",
                 "--end", f"{capture.end_s:.3f}", "--format", "json", "--out", str(tmp_path / "out"), *extra),
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
             _, err = await asyncio.wait_for(proc.communicate(), timeout=90)
@@ -291,8 +308,6 @@ async def test_bearer_token_reaches_prometheus_behind_a_proxy(capture: Capture, 
         assert code == 0, err[-2000:]
         phases = json.loads((tmp_path / "out" / "findings.json").read_text())["phases"]
         assert [p["label"] for p in phases] == [f"C={c}" for c in LEVELS]
-    finally:
-        await runner.cleanup()
 
 
 @pytest.mark.system
@@ -304,32 +319,21 @@ async def test_an_import_rides_out_later_answers_and_stores_what_a_direct_one_do
     Prometheus stores (one such answer ended the import)."""
     calls = 0
 
-    async def flaky(request: web.Request) -> web.Response:
+    def later_every_third(request: web.Request) -> web.Response | None:
         nonlocal calls
         calls += 1
-        if calls % 3 == 0:
-            status = (503, 429, 502)[(calls // 3) % 3]
-            return web.json_response({"status": "error", "error": "try later"}, status=status,
-                                     headers={"Retry-After": "0"} if status == 503 else None)
-        async with aiohttp.ClientSession() as session, session.request(
-                request.method, f"{capture.prom}{request.rel_url}", data=await request.read(),
-                headers={"Content-Type": request.headers.get("Content-Type", "text/plain")}) as resp:
-            return web.Response(body=await resp.read(), status=resp.status, content_type="application/json")
+        if calls % 3:
+            return None
+        status = (503, 429, 502)[(calls // 3) % 3]
+        return web.json_response({"status": "error", "error": "try later"}, status=status,
+                                 headers={"Retry-After": "0"} if status == 503 else None)
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", flaky)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
     start_ms, end_ms = int(capture.start_s * 1000), int(capture.end_s * 1000)
-    proxied = PrometheusClient(f"http://127.0.0.1:{runner.addresses[0][1]}", backoff=Backoff(0.01, 0.05))
-    try:
+    async with proxy_to(capture.prom, later_every_third) as url:
+        proxied = PrometheusClient(url, backoff=Backoff(0.01, 0.05))
         # the import is synchronous: in a thread, while this loop answers as the proxy
         await asyncio.to_thread(import_prometheus, proxied, tmp_path / "proxied", start_ms, end_ms, 1000, [],
                                 {"max_running_requests": 64})
-    finally:
-        await runner.cleanup()
     await asyncio.to_thread(import_prometheus, PrometheusClient(capture.prom), tmp_path / "direct", start_ms,
                             end_ms, 1000, [], {"max_running_requests": 64})
     assert proxied.retries >= 3 and calls >= 9
