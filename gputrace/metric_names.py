@@ -95,6 +95,10 @@ GPU_GAUGES = (GPU_UTILIZATION, GPU_MEMORY_UTILIZATION, GPU_POWER, GPU_PCIE_TX, G
 GPU_ENERGY = _gpu("gputrace_gpu_energy_joules_total", "joules", "energy_j",
                   "Energy used since the driver loaded (total_energy_consumption)", kind="counter")
 GPU_LOST = _gpu("gputrace_gpu_lost", "", "lost", "1 when the GPU fell off the bus")
+GPU_BUSY = MetricSpec("gputrace_gpu_busy_seconds_total", "agent", "counter", "seconds", GPU_LABELS,
+                      "Seconds a kernel ran since the agent started: each utilization sample times the "
+                      "period it covers (rate() of it is utilization.gpu over any window, every NVML "
+                      "period counted, where the gauge shows the last one)")
 
 # dcgm-exporter's names and units (counters as gauges: dcgm-exporter exposes them without the _total
 # suffix a counter family would add). --dcgm-compat only.
@@ -234,7 +238,7 @@ COLLECTOR_COUNTERS = {
     for key in COLLECTOR_COUNTS
 }
 
-AGENT_METRICS: tuple[MetricSpec, ...] = (*GPU_GAUGES, GPU_ENERGY, GPU_LOST, *AGENT_SELF, *DCGM_ALL)
+AGENT_METRICS: tuple[MetricSpec, ...] = (*GPU_GAUGES, GPU_ENERGY, GPU_LOST, GPU_BUSY, *AGENT_SELF, *DCGM_ALL)
 COLLECTOR_METRICS: tuple[MetricSpec, ...] = (*ENGINE_GAUGES, LOAD_INFLIGHT, LOAD_TARGET_CONCURRENCY,
                                              STAGE_BUBBLE, STAGE_UTILIZATION, *LIVE_EXTRAS,
                                              *COLLECTOR_COUNTERS.values())

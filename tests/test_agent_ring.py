@@ -98,3 +98,38 @@ def test_a_seq_is_found_by_bisection_with_the_same_rows_as_a_scan() -> None:
                     assert ring.rows_after(since, limit) == added[since:since + limit], (since, limit)
             with pytest.raises(CursorTooOld):
                 ring.rows_after(oldest - 2, 10)
+
+
+def test_busy_seconds_count_every_utilization_sample_over_its_period() -> None:
+    """Each utilization sample adds its ratio times the time since the GPU's previous one: the first
+    counts nothing, one not newer counts nothing, a gap counts at most MAX_BUSY_PERIOD_NS, a lost
+    GPU's record nothing; records without utilization (ticks) leave it alone."""
+    from gputrace.agent.sampling import MAX_BUSY_PERIOD_NS
+
+    ring = SampleRing(retention_ns=10**13)
+    ms = 1_000_000
+
+    def util(gpu: int, ts: int, ratio: float | None, lost: bool = False) -> SampleRow:
+        return sample_row(GpuSample("h", gpu, ts, utilization_ratio=ratio, lost=lost))
+
+    ring.extend([util(0, 1000 * ms, 0.5), util(1, 1000 * ms, 1.0)], 1000 * ms)
+    assert ring.busy_seconds() == {0: 0.0, 1: 0.0}
+    ring.extend([util(0, 1200 * ms, 1.0), util(0, 1400 * ms, 0.25), util(1, 1200 * ms, None),
+                 util(0, 1300 * ms, 1.0)], 1400 * ms)  # the last is older than the one before
+    ring.extend([util(1, 1500 * ms, 0.0, lost=True), util(0, 9400 * ms, 1.0)], 9400 * ms)
+    busy = ring.busy_seconds()
+    assert busy[0] == pytest.approx(0.2 * 1.0 + 0.2 * 0.25 + MAX_BUSY_PERIOD_NS / 1e9)
+    assert busy[1] == 0.0
+
+
+def test_busy_seconds_rate_is_the_mean_utilization_of_a_simulated_gpu() -> None:
+    """A sim GPU at 50 % duty: the counter's increase over 3 s of driver samples is half of it."""
+    sampler = SimulatedSampler("h", 1, pattern="square:0.5:0.5")
+    ring = SampleRing(retention_ns=10**13)
+    t0 = time.time_ns()
+    for k in range(31):
+        now = t0 + k * 100_000_000
+        ring.extend(sampler.sample_rows(now), now)
+        if k == 0:
+            start = ring.busy_seconds()[0]
+    assert (ring.busy_seconds()[0] - start) / 3.0 == pytest.approx(0.5, abs=0.07)

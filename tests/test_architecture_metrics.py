@@ -152,7 +152,9 @@ def test_the_collector_exports_exactly_the_contracts_collector_metrics() -> None
 def test_the_prometheus_importer_reads_what_the_agent_and_collector_export() -> None:
     """The importer's gputrace names are the contract's, and it reads every GPU and engine gauge."""
     read = {*source.GPU_FIELDS, *source.ENGINE_FIELDS, source.TARGET_METRIC, source.INFLIGHT_METRIC,
+            source.BUSY_COUNTER,
             *(name for names in source.SERIES_ROLES.values() for name in names)}
     ours = {n for n in read if n.startswith(("gputrace_", "DCGM_"))} - {"DCGM_FI_DEV_CLOCK_THROTTLE_REASONS"}
     assert ours <= mn.BY_NAME.keys()
-    assert {m.name for m in (*mn.GPU_GAUGES, mn.GPU_ENERGY, *mn.DCGM_GAUGES, *mn.ENGINE_GAUGES)} <= read
+    agent_and_engine = (*mn.GPU_GAUGES, mn.GPU_ENERGY, mn.GPU_BUSY, *mn.DCGM_GAUGES, *mn.ENGINE_GAUGES)
+    assert {m.name for m in agent_and_engine} <= read

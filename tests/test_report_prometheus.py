@@ -217,12 +217,14 @@ def test_report_from_prometheus_names_levels_and_cap(capture: Capture, tmp_path:
                    check=True, capture_output=True, timeout=120)
     ref = json.loads((direct / "findings.json").read_text())
 
-    def bubbles(d: dict[str, Any]) -> np.ndarray:
-        return np.array([r["bubble_fraction"] for r in d["table"] if r["phase"] == "C=32"])
-    assert np.max(np.abs(bubbles(doc) - bubbles(ref))) < 0.05
+    def per_stage(d: dict[str, Any], column: str) -> np.ndarray:
+        return np.array([r[column] for r in d["table"] if r["phase"] == "C=32"])
+    assert np.max(np.abs(per_stage(doc, "bubble_fraction") - per_stage(ref, "bubble_fraction"))) < 0.05
     with Store.open(tmp_path / "run", read_only=True) as store:
         assert store.meta.extra["source"] == "prometheus"
         assert store.meta.extra["step_ms"] == 1000  # --step auto: the scrape interval
+        # every NVML period of each step, from the agent's busy counter, not one per scrape
+        assert store.meta.extra["utilization_from"].startswith("gputrace_gpu_busy_seconds_total")
         assert store.meta.topology["pp_size"] == 8 and len(store.meta.topology["placements"]) == 8
         assert store.count("devices") == 8
         assert store.count("load_samples") >= 2 * LEVEL_S - 4

@@ -61,14 +61,18 @@ class GpuCollector(Collector):
         families += self._families(mn.GPU_GAUGES, self._label_dicts, latest, sources)
         energy = family(mn.GPU_ENERGY, self.label_names)
         lost = family(mn.GPU_LOST, self.label_names)
+        busy = family(mn.GPU_BUSY, self.label_names)
+        busy_s = self.ring.busy_seconds()
         for gpu, labels in self._labels.items():
+            if gpu in busy_s:
+                busy.add_metric(labels, busy_s[gpu])
             s = latest.get(gpu)
             if s is None:
                 continue
             if s[_ENERGY] is not None:
                 energy.add_metric(labels, s[_ENERGY])
             lost.add_metric(labels, 1.0 if s[_LOST] else 0.0)
-        families += [energy, lost]
+        families += [energy, lost, busy]
         if self.dcgm_compat:
             families += self._families(self.dcgm_gauges, self._dcgm_label_dicts, latest, sources)
         st = self.stats

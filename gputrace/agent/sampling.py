@@ -36,6 +36,10 @@ _GPU, _TS, _UTIL, _MEMORY_UTIL, _LOST = (ROW_INDEX[name] for name in (
 # when nobody reads; readers file them anyway)
 _FILE_AFTER_TICKS = 64
 _COMPACT_AFTER_BATCHES = 1024  # expired batches dropped off the list's front together, not one by one
+# A utilization sample covers the time since the GPU's previous one (NVML's period, or the agent's
+# interval where the driver keeps no samples); a longer gap (the agent paused, the GPU lost and
+# back) is counted at most this long in the busy-seconds counter, not as if the last reading held.
+MAX_BUSY_PERIOD_NS = 2_000_000_000
 
 
 def _first_seq_of(batch: tuple[int, list[SampleRow], int]) -> int:
@@ -49,8 +53,11 @@ class SampleRing:
     tracked per batch, so adding a batch costs no per-sample Python work. Samples are held as rows
     (see SampleRow); readers get GpuSample records or the rows themselves.
 
-    It also keeps, per GPU, the newest tick record (ts_ns == the batch's added_ns) and the newest
-    records carrying utilization and memory utilization, for /metrics.
+    It also keeps, per GPU, the newest tick record (ts_ns == the batch's added_ns), the newest
+    records carrying utilization and memory utilization, and the seconds the GPU was busy since the
+    agent started (each utilization sample times the period it covers), for /metrics: a scraper
+    that reads the utilization every 15 s sees one NVML period (1/6-1/5 s) of the 15; the busy
+    counter's increase over the same 15 s is all of them.
 
     A batch is handed over by appending ``(rows, added_ns)`` to ``pending`` (one atomic C call: no
     lock, no Python frame on the sampling thread, which is cold at every tick) and filed in order,
@@ -71,6 +78,8 @@ class SampleRing:
         self._latest: dict[int, SampleRow] = {}
         self._latest_util: dict[int, SampleRow] = {}
         self._latest_memory_util: dict[int, SampleRow] = {}
+        self._busy_s: dict[int, float] = {}
+        self._util_ts: dict[int, int] = {}  # per GPU: the ts of the utilization sample counted last
         self._lock = threading.Lock()
 
     def extend(self, samples: list[SampleRow], added_ns: int) -> None:
@@ -93,6 +102,8 @@ class SampleRing:
                 gpu, lost = row[_GPU], row[_LOST]
                 if row[_UTIL] is not None or lost:
                     latest_util[gpu] = row
+                    if not lost:
+                        self._count_busy(gpu, row[_TS], row[_UTIL])
                 if row[_MEMORY_UTIL] is not None or lost:
                     latest_memory_util[gpu] = row
                 if row[_TS] == added_ns:
@@ -100,6 +111,24 @@ class SampleRing:
             batches.append((self._first_seq + self._held, samples, added_ns))
             self._held += len(samples)
             self._expire(added_ns - self.retention_ns)
+
+    def _count_busy(self, gpu: int, ts_ns: int, utilization: float) -> None:
+        """Add the busy seconds of one utilization sample: its ratio times the time since the GPU's
+        previous one (at most MAX_BUSY_PERIOD_NS; the first one, or one not newer, counts none)."""
+        previous = self._util_ts.get(gpu)
+        if previous is None:
+            self._busy_s.setdefault(gpu, 0.0)
+        elif ts_ns <= previous:
+            return
+        else:
+            self._busy_s[gpu] += utilization * min(ts_ns - previous, MAX_BUSY_PERIOD_NS) / 1e9
+        self._util_ts[gpu] = ts_ns
+
+    def busy_seconds(self) -> dict[int, float]:
+        """Per GPU: the seconds it was busy (by its utilization samples) since the agent started."""
+        with self._lock:
+            self._file()
+            return dict(self._busy_s)
 
     def _expire(self, horizon_ns: int) -> None:
         batches, head = self._batches, self._head

@@ -83,6 +83,7 @@ SERIES_ROLES: dict[str, tuple[str, ...]] = {
 SERIES_ROLES = {role: (*names, *(escaped(n) for n in names if ":" in n))
                 for role, names in SERIES_ROLES.items()}
 TARGET_METRIC = mn.LOAD_TARGET_CONCURRENCY.name
+BUSY_COUNTER = mn.GPU_BUSY.name  # where an agent exports it, the utilization of every NVML period
 INFLIGHT_METRIC = mn.LOAD_INFLIGHT.name
 # Requests in the system by Little's law: the rate at which SGLang's end-to-end latency sum grows
 # is the mean number of requests in it over the window. Under PP the ranks' running gauges cannot
@@ -219,6 +220,42 @@ def _fill(target: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
     target[k[empty]] = v[empty]
 
 
+def _busy_from_counter(counts: Sequence[Series], scraped: Sequence[Series], start_ms: int, step_ms: int,
+                       n: int) -> dict[tuple[str, int], np.ndarray]:
+    """Per (host, gpu): the share of each step's scrape interval the GPU was busy, from the agent's
+    busy-seconds counter and its scrape times (``timestamp()``): the counter's increase since the
+    previous scrape over the time between them. A step that shows the same scrape as the one
+    before takes its ratio; NaN where the counter went back (an agent restart) or is missing."""
+    times: dict[tuple[str, int], np.ndarray] = {}
+    for s in scraped:
+        gpu = _int_label(s.labels, "gpu")
+        if gpu is not None:
+            at = times.setdefault((gpu_host(s.labels), gpu), np.full(n, np.nan))
+            _fill(at, *_place(s, start_ms, step_ms, n))
+    out: dict[tuple[str, int], np.ndarray] = {}
+    for s in counts:
+        gpu = _int_label(s.labels, "gpu")
+        key = (gpu_host(s.labels), gpu) if gpu is not None else None
+        if key is None or key not in times or key in out:
+            continue
+        count = np.full(n, np.nan)
+        _fill(count, *_place(s, start_ms, step_ms, n))
+        at = np.flatnonzero(np.isfinite(count) & np.isfinite(times[key]))
+        if len(at) < 2:
+            continue
+        c, t = count[at], times[key][at]
+        new_scrape = np.r_[True, t[1:] != t[:-1]]
+        first = np.flatnonzero(new_scrape)
+        dc, dt = np.diff(c[first]), np.diff(t[first])
+        ratio = np.full(len(first), np.nan)
+        ok = (dt > 0) & (dc >= 0)
+        ratio[1:][ok] = np.clip(dc[ok] / dt[ok], 0.0, 1.0)
+        per_step = np.full(n, np.nan)
+        per_step[at] = ratio[np.cumsum(new_scrape) - 1]
+        out[key] = per_step
+    return out
+
+
 def _int_label(labels: dict[str, str], name: str) -> int | None:
     text = labels.get(name, "")
     return int(text) if text.lstrip("-").isdigit() else None
@@ -283,6 +320,10 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
             selector([name], matchers, labels), start_ms, end_ms, step_ms, max_points)]
 
     gpu_series = fetch([*GPU_FIELDS, mn.GPU_LOST.name], AGENT_LABELS)
+    busy_series = fetch([BUSY_COUNTER], AGENT_LABELS)
+    busy_scraped_series = client.query_range_chunked(
+        f"timestamp({selector([BUSY_COUNTER], matchers, AGENT_LABELS)})", start_ms, end_ms, step_ms,
+        max_points) if busy_series else []
     engine_series = fetch(list(ENGINE_FIELDS), ENGINE_LABELS)
     timer_series = fetch(list(ENGINE_TIMER_METRICS), ENGINE_LABELS | {"category", "forward_overlap"})
     target_series = fetch([TARGET_METRIC], LOAD_LABELS)
@@ -303,7 +344,8 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
                           f"sglang:* or vllm:* ones, between {start_ms / 1000:.3f} and "
                           f"{end_ms / 1000:.3f}{where}")
     summary.found = sorted({s.labels.get("__name__", "") for s in
-                            [*gpu_series, *engine_series, *timer_series, *target_series, *inflight_series]}
+                            [*gpu_series, *busy_series, *engine_series, *timer_series, *target_series,
+                             *inflight_series]}
                            | ({E2E_SUM_METRICS[0]} if in_system_series else set()))
     summary.lacking = [role for role, names in SERIES_ROLES.items() if not set(names) & set(summary.found)]
     summary.dcgm_schema = dcgm_schema(summary.found)
@@ -329,6 +371,12 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
         pp, tp = _int_label(s.labels, "pp_rank"), _int_label(s.labels, "tp_rank")
         if pp is not None:
             placements.setdefault(key, Placement(key[0], gpu, pp, tp or 0))
+
+    counted = _busy_from_counter(busy_series, busy_scraped_series, start_ms, step_ms, n)
+    for key, ratio in counted.items():
+        if key in gpus:  # every NVML period of the step, where the gauge holds the last one
+            gpus[key]["utilization_ratio"] = np.where(np.isfinite(ratio), ratio,
+                                                      gpus[key].get("utilization_ratio", np.nan))
 
     # Engine ranks: one "decode" line per rank and step.
     ranks: dict[tuple[str, int, int, int], dict[str, np.ndarray]] = {}
@@ -367,6 +415,8 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
                 "newest logged line per rank at each scrape; GPU values the agent's newest sample",
         "series_found": summary.found, "series_lacking": summary.lacking,
         "data_interval_ms": interval_ms, "bubble_refused": refused,
+        "utilization_from": f"{BUSY_COUNTER} (each step: every NVML period since the previous scrape)"
+                            if counted else "the utilization gauge (each step: the NVML period before it)",
     }
     if summary.dcgm_schema:
         extra["dcgm_schema"] = summary.dcgm_schema
