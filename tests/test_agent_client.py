@@ -184,18 +184,31 @@ async def test_cursor_out_of_ring_jumps_to_oldest_and_counts_gap() -> None:
         await agent.stop()
 
 
+@contextlib.asynccontextmanager
+async def behind_a_slow_link(host: str, buffer_s: float, request_delay_s: float
+                             ) -> AsyncIterator[tuple[Agent, Forwarder, AgentClient]]:
+    """A sim agent (2 GPUs at 100 Hz, a ring of ``buffer_s``) behind a forwarder that holds each
+    request ``request_delay_s``, and a client through it reading pages of 1,000."""
+    agent = Agent(SimulatedSampler(host, 2), AgentSettings(port=0, interval_s=0.01, buffer_s=buffer_s),
+                  host=host)
+    await agent.start()
+    fwd = Forwarder(agent.port or 0, request_delay_s=request_delay_s)
+    await fwd.start()
+    client = AgentClient(f"http://127.0.0.1:{fwd.port}", page_limit=1000, timeout_s=5)
+    try:
+        yield agent, fwd, client
+    finally:
+        await client.close()
+        await fwd.stop()
+        await agent.stop()
+
+
 async def test_a_link_slower_than_the_tick_reads_on_past_the_moving_ring() -> None:
     """Each request takes 40 ms to reach an agent whose ring drops a tick (2 samples) every 10 ms:
     asking again for the oldest sample a 410 named loses that race every time. The client asks
     past it by what the ring moved meanwhile, reads on, and counts every sample it skipped as one
     gap (before, the pull gave up after three 410s, and every later pull did the same)."""
-    agent = Agent(SimulatedSampler("node-s", 2), AgentSettings(port=0, interval_s=0.01, buffer_s=0.3),
-                  host="node-s")
-    await agent.start()
-    fwd = Forwarder(agent.port or 0, request_delay_s=0.04)
-    await fwd.start()
-    client = AgentClient(f"http://127.0.0.1:{fwd.port}", page_limit=1000, timeout_s=5)
-    try:
+    async with behind_a_slow_link("node-s", buffer_s=0.3, request_delay_s=0.04) as (agent, _, client):
         while agent.ring.oldest_seq() < 100:
             await asyncio.sleep(0.01)
         page = await client.fetch_page()
@@ -204,10 +217,6 @@ async def test_a_link_slower_than_the_tick_reads_on_past_the_moving_ring() -> No
         assert client.stats.gaps == 1 and client.stats.missed_samples == seqs[0] - 1
         more = await _pull(client, 20)
         assert _seqs(more)[0] == seqs[-1] + 1 and client.stats.gaps == 1
-    finally:
-        await client.close()
-        await fwd.stop()
-        await agent.stop()
 
 
 async def test_follow_keeps_trying_while_the_link_is_slower_than_the_ring() -> None:
@@ -215,36 +224,27 @@ async def test_follow_keeps_trying_while_the_link_is_slower_than_the_ring() -> N
     cursor gone, however far past the oldest it asks. follow() says why and keeps trying (it
     stopped the host's GPU samples for the rest of the capture); once the link is fast again it
     reads on."""
-    agent = Agent(SimulatedSampler("node-r", 2), AgentSettings(port=0, interval_s=0.01, buffer_s=0.25),
-                  host="node-r")
-    await agent.start()
-    fwd = Forwarder(agent.port or 0, request_delay_s=0.4)
-    await fwd.start()
-    client = AgentClient(f"http://127.0.0.1:{fwd.port}", page_limit=1000, timeout_s=5)
     problems: list[str | None] = []
     got: list[GpuSample] = []
+    async with behind_a_slow_link("node-r", buffer_s=0.25, request_delay_s=0.4) as (_, fwd, client):
+        async def read() -> None:
+            async for page in client.follow(poll_s=0.01, retry_max_s=0.2, on_problem=problems.append):
+                got.extend(page)
+                if len(got) >= 20:
+                    return
 
-    async def read() -> None:
-        async for page in client.follow(poll_s=0.01, retry_max_s=0.2, on_problem=problems.append):
-            got.extend(page)
-            if len(got) >= 20:
-                return
-
-    reader = asyncio.create_task(read())
-    try:
-        for _ in range(200):
-            if problems or reader.done():
-                break
-            await asyncio.sleep(0.05)
-        assert not reader.done() and not got
-        assert problems and problems[0] and "faster than this link reads them" in problems[0]
-        fwd.request_delay_s = 0.0
-        await asyncio.wait_for(reader, 10)
-    finally:
-        reader.cancel()
-        await client.close()
-        await fwd.stop()
-        await agent.stop()
+        reader = asyncio.create_task(read())
+        try:
+            for _ in range(200):
+                if problems or reader.done():
+                    break
+                await asyncio.sleep(0.05)
+            assert not reader.done() and not got
+            assert problems and problems[0] and "faster than this link reads them" in problems[0]
+            fwd.request_delay_s = 0.0
+            await asyncio.wait_for(reader, 10)
+        finally:
+            reader.cancel()
     assert len(got) >= 20 and problems[-1] is None and client.stats.gaps >= 1
 
 

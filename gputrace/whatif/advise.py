@@ -25,7 +25,7 @@ from gputrace.vocabulary import Change
 from gputrace.whatif.effects import fit_note
 from gputrace.whatif.fit import FittedModel, fit_model
 from gputrace.whatif.outcome import PhaseOutcome
-from gputrace.whatif.predict import PhasePrediction, finding_change, predict, predicted_already
+from gputrace.whatif.predict import PhasePrediction, decision_band, finding_change, predict, predicted_already
 
 OBJECTIVES = ("throughput", "peak", "slo")
 SCREEN_SEEDS = (0,)  # a candidate's first replay; the best CONFIRM are replayed at every seed
@@ -90,11 +90,8 @@ class PhaseAdvice:
 
     @property
     def decision_band_ratio(self) -> float:
-        """What a predicted gain or loss must exceed to count: the model's own uncertainty on the
-        effect. The stated band adds the phase's run-to-run spread, which moves one rerun's
-        figure either way but not the expected effect (on CPU engines it made the advice "keep"
-        in 8 of 10 back-to-back repeats whose findings' change then measured +1 to +73 %)."""
-        return self.band_ratio if self.model_band_ratio is None else self.model_band_ratio
+        """What a predicted gain or loss must exceed to count (decision_band)."""
+        return decision_band(self.band_ratio, self.model_band_ratio)
 
     @property
     def gains(self) -> bool:
