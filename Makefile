@@ -3,14 +3,37 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
+# Every install (demo, test, CI) takes its versions from the lock, so an upstream release cannot
+# break the README's commands; `make lock` refreshes it on purpose, `make test-latest` tries the
+# newest versions pyproject.toml's ranges allow without touching it.
+LOCK := requirements-dev.lock
+UV_VERSION := 0.13.9
+LATEST_VENV := .venv-latest
 
-.PHONY: demo test check lint typecheck bench clean engines engine-fixtures
+.PHONY: demo test test-latest lock check lint typecheck bench clean engines engine-fixtures
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --require-hashes -r $(LOCK)
+	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
+
+# Re-resolve the lock from pyproject.toml's ranges (newest versions, every platform, hashed).
+lock:
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet 'uv==$(UV_VERSION)'
+	$(VENV)/bin/uv pip compile pyproject.toml --extra dev --universal --python-version 3.11 \
+	  --generate-hashes --upgrade --quiet -o $(LOCK)
+
+# The suite on the newest versions the ranges allow (its own venv, the lock untouched): drift found
+# on purpose. A failure here is a release to look at before `make lock`, not a broken main.
+test-latest:
+	rm -rf $(LATEST_VENV)
+	$(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade -e '.[dev]'
+	PY=$(LATEST_VENV)/bin/python TEST_WORKERS=$(TEST_WORKERS) tests/suite.sh $(PYTEST_ARGS)
 
 # Each demo replaces the previous one's output.
 demo: $(STAMP)
@@ -44,4 +67,4 @@ bench: $(STAMP)
 	for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) demo-out .pytest_cache .mypy_cache .ruff_cache  # .venv-engines stays: rm -rf it by hand
+	rm -rf $(VENV) $(LATEST_VENV) demo-out .pytest_cache .mypy_cache .ruff_cache  # .venv-engines stays: rm -rf it by hand

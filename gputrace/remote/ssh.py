@@ -7,12 +7,18 @@ import asyncio
 import contextlib
 import enum
 import os
+import warnings
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import asyncssh
+# cryptography 51 deprecates DSA and asyncssh (2.24) touches its key classes at import: users of
+# collect/run/watch saw about ten lines of this warning before any output. gputrace never offers or
+# accepts DSA keys, so the warning says nothing to them; silence exactly it, here, at the adapter.
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="DSA is deprecated", category=UserWarning)
+    import asyncssh
 
 from gputrace.errors import HostKeyError, TransportError
 from gputrace.logsetup import get_logger
