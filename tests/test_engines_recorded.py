@@ -487,7 +487,8 @@ def test_a_cpu_engine_without_gpu_samples_is_told_to_scrape_its_timers_once(impo
     assert "[hosts.engine_metrics]" in remedy and "--enable-metrics" in remedy
     assert "gputrace agent" not in remedy
     out = subprocess.run([sys.executable, "-m", "gputrace", "report", str(run), "--out", str(tmp_path),
-                          "--format", "md,html", "--no-progress"], capture_output=True, text=True, timeout=180)
+                          "--format", "md,html", "--no-progress"],
+                         capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
     md = (tmp_path / "report.md").read_text()
     head = md[:md.index("## Per phase")]

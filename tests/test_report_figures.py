@@ -194,7 +194,8 @@ def test_phase_by_stage_table_holds_only_per_stage_values(agent_run: Path, tmp_p
     phases = md[md.index("## Per phase"):md.index("## Findings")]
     assert "allowed busy" in phases.splitlines()[2]
     html = (tmp_path / "report.html").read_text()
-    stage_html = html[html.index("<summary>Phase by stage</summary>"):html.index("<summary>Stage mapping</summary>")]
+    stage_html = html[html.index("<summary>Phase by stage</summary>"):
+                      html.index("<summary>Stage mapping</summary>")]
     assert "<th>offered</th>" not in stage_html and "<th>tok/s</th>" not in stage_html
     assert stage_html.count("<td>C=32</td>") == 1
     assert {"offered_load", "throughput_tok_s", "allowed_busy_fraction", "utilization_p50",

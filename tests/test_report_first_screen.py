@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import re
-from html import unescape
 from collections.abc import Callable
+from html import unescape
 from pathlib import Path
 
 import pytest
