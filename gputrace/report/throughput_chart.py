@@ -32,7 +32,7 @@ def _by_phase(phases: list[dict[str, Any]], labels: list[str]) -> list[dict[str,
 
 
 def _setting(changes: list[dict[str, Any]]) -> str:
-    return ", ".join(f"{c['flag']} {c['value']}" for c in changes)
+    return ",\n".join(f"{c['flag']} {c['value']}" for c in changes)  # one per line: the legend is narrow
 
 
 def phase_throughput(a: Analysis, width_in: float = 13.0) -> Figure:
