@@ -305,6 +305,12 @@ class EngineSettings(Mapping[str, Any]):
         return self.engine if self.engine in ENGINE_KINDS else "sglang"
 
     @property
+    def runs_on_cpu(self) -> bool:
+        """Whether the log states a CPU device (SGLang's ``device``, vLLM's ``device_config``)."""
+        fields = self.fields or {}
+        return any(str(fields.get(key) or "").lower() == "cpu" for key in ("device", "device_config"))
+
+    @property
     def admission_limit(self) -> int | None:
         """The engine-wide admission limit: SGLang's request pool (max_running_requests), vLLM's
         max_num_seqs (logged under the same name); None where not logged."""

@@ -60,14 +60,26 @@ def analyse(run: Path | str) -> Analysis:
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+DOCS = REPO / "docs"
 _RUNNABLE_BLOCK = re.compile(r"^```sh runnable\n(.*?)^```$", re.M | re.S)
 # the guide's default ports: the engine, the collector, the agent
 README_DEFAULT_PORTS = ("30000", "9401", "9402")
 
 
+def guide_documents() -> list[Path]:
+    """The README (the guide) and the reference pages in docs/, in the order they are read."""
+    return [README, *sorted(DOCS.glob("*.md"))]
+
+
+def readme_block_sources() -> list[tuple[Path, str]]:
+    """(document, block) for every ```sh runnable block of the README and of docs/*.md, in order."""
+    return [(doc, m.group(1)) for doc in guide_documents()
+            for m in _RUNNABLE_BLOCK.finditer(doc.read_text())]
+
+
 def readme_blocks() -> list[str]:
-    """The README's ```sh runnable blocks, in order."""
-    return [m.group(1) for m in _RUNNABLE_BLOCK.finditer(README.read_text())]
+    """The ```sh runnable blocks of the README and docs/, in order."""
+    return [block for _, block in readme_block_sources()]
 
 
 def run_readme_block(block: str, cwd: Path, timeout_s: float) -> tuple[int, str]:

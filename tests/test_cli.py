@@ -132,14 +132,15 @@ def test_mark_help_is_not_cut_at_its_example() -> None:
 
 
 def test_demo_quick_duration_is_the_same_in_help_and_readme() -> None:
-    """`demo --help` and the README give `--quick` the same duration (they said 45 s where it took 50)."""
+    """`demo --help` and the reference (docs/capture.md) give `--quick` the same duration (they said
+    45 s where it took 50)."""
     import re
 
     helped = " ".join(gputrace_process("demo", "--help").stdout.split())
-    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    readme = " ".join((Path(__file__).resolve().parents[1] / "docs" / "capture.md").read_text().split())
     said_help = re.search(r"--quick\s+Shorter load levels: 4 s each, about ([^.]+) in all\.", helped)
     assert said_help, helped
-    section = readme[readme.index("### `gputrace demo"):]
+    section = readme[readme.index("## `gputrace demo"):]
     said_readme = re.search(r"\(`--quick`: 4 s per level, about ([^)]+)\)", section)
     assert said_readme, section[:2000]
     assert said_help.group(1) == said_readme.group(1)

@@ -191,7 +191,8 @@ def test_a_stage_without_gpu_samples_names_no_busy_signal(imported, tmp_path: Pa
                           "--out", str(tmp_path), "--format", "md", "--no-progress"],
                          capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
-    table = (tmp_path / "report.md").read_text().split("## Phase by stage")[1].split("##")[0]
+    table = (tmp_path / "report.md").read_text().split("<summary>Phase by stage</summary>")[1].split(
+        "</details>")[0]
     assert "utilization.gpu" not in table and "GPM" not in table
     # said per row, or (where every row says the same) once under the table
     absent = table.split("Not in this run:")[-1] if "Not in this run:" in table else ""
@@ -471,3 +472,41 @@ def test_a_queue_gauge_read_low_never_makes_the_running_count_exceed_the_limit(i
     found = admission_bound(low, analysis.run.engine, ctx.load, ctx.queue_mean, ctx.engine_running,
                             Thresholds())
     assert found is not None and f"the engine runs {ADMISSION_LIMIT} requests" in found.summary
+
+
+def test_a_cpu_engine_without_gpu_samples_is_told_to_scrape_its_timers_once(imported, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """[ux] Must show 3 on the recorded real SGLang 0.5.23 on the CPU (no GPU samples): the remedy
+    for the missing busy figure names the engine's timers ([hosts.engine_metrics]), which this
+    engine has, not the agent, which has no GPU to sample here; the report says it once, not per
+    stage row. With the fixture's /metrics scrapes stored the timers give the busy figure and the
+    remedy goes."""
+    run = imported("sglang", "k16")
+    missing = [f for f in analyse(run).findings if f.cause == "cannot_tell"]
+    assert [f.evidence["missing"] for f in missing] == ["gpu_samples"]
+    remedy = missing[0].recommendation
+    assert "[hosts.engine_metrics]" in remedy and "--enable-metrics" in remedy
+    assert "gputrace agent" not in remedy
+    out = subprocess.run([sys.executable, "-m", "gputrace", "report", str(run), "--out", str(tmp_path),
+                          "--format", "md,html", "--no-progress"],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    md = (tmp_path / "report.md").read_text()
+    head = md[:md.index("## Per phase")]
+    assert "Missing from this run:" in head and "[hosts.engine_metrics]" in head
+    assert md.count("[hosts.engine_metrics]") == 1 and "gputrace agent" not in md
+    assert "no SM activity" not in md
+    timed = _with_engine_metrics(imported("sglang", "interval2"), "sglang", "interval2")
+    assert not [f for f in analyse(timed).findings if f.cause == "cannot_tell"]
+
+
+def test_vllm_on_a_cpu_is_told_no_source_gives_busy() -> None:
+    """[ux] vLLM logs no per-stage timers and a CPU has no GPU: the remedy says nothing on this
+    deployment can, rather than send the user to an agent; on GPUs it is the agent (and for SGLang
+    the timers too)."""
+    from gputrace.analysis.diagnose import busy_remedy
+    from gputrace.vocabulary import EngineSettings
+
+    assert busy_remedy(EngineSettings(engine="vllm", fields={"device_config": "cpu"})).startswith("none")
+    assert "gputrace agent" in busy_remedy(EngineSettings(engine="vllm", fields={}))
+    gpu_sglang = busy_remedy(EngineSettings(engine="sglang", fields={"device": "cuda"}))
+    assert "gputrace agent" in gpu_sglang and "[hosts.engine_metrics]" in gpu_sglang

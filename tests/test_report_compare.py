@@ -79,7 +79,9 @@ def test_compare_css_holds_only_what_the_pages_use(tmp_path: Path) -> None:
         used |= _classes_used(page)
     styled = set(re.findall(r"\.([a-z][\w-]*)", CSS))
     assert styled and styled <= used, styled - used
-    assert "img" not in CSS and ".finding" not in CSS and ".verdict" not in CSS
+    assert ".finding" not in CSS and ".verdict" not in CSS
+    assert all("id='fig-compare'" in _compare(x, y, tmp_path / f"{name}-fig")[0]
+               for x, y, name in ((a, b, "ab"), (a, a, "aa")))  # the figure A beside B: img is used
 
 
 def test_the_top_finding_is_the_one_the_report_leads_with(tmp_path: Path) -> None:
@@ -102,7 +104,8 @@ def test_the_top_finding_is_the_one_the_report_leads_with(tmp_path: Path) -> Non
     top = top_finding(analysis)
     assert top is not None and top["cause"] == "microbatch_cap" and top["phase"] == "C=32"
     opening = verdict(build_document(analysis))
-    assert opening.startswith(f"Verdict: microbatch_cap in phase C=32: {top['summary']}.")
+    assert opening.startswith("No advice (the what-if model could not be fitted to this run); the top "
+                              f"finding, microbatch_cap in phase C=32: {top['summary']};")
 
 
 def test_what_changed_says_the_throughput_that_moved(tmp_path: Path) -> None:

@@ -178,7 +178,7 @@ def test_phase_by_stage_table_holds_only_per_stage_values(agent_run: Path, tmp_p
     res = cli(["report", str(agent_run), "--out", str(tmp_path)])
     assert res.exit_code == 0, res.output
     md = (tmp_path / "report.md").read_text()
-    stage = md[md.index("## Phase by stage"):md.index("## Stage mapping")]
+    stage = md[md.index("<summary>Phase by stage</summary>"):md.index("<summary>Stage mapping</summary>")]
     header = stage.splitlines()[2]
     doc = json.loads((tmp_path / "findings.json").read_text())
     signals = {row["busy_signal"] for row in doc["table"]}
@@ -191,10 +191,11 @@ def test_phase_by_stage_table_holds_only_per_stage_values(agent_run: Path, tmp_p
     for per_phase in ("offered", "tok/s", "allowed busy", "C |"):
         assert per_phase not in header, per_phase
     assert stage.count("| C=32 |") == 1 and stage.count("| C=1 |") == 1
-    phases = md[md.index("## Phases"):md.index("## Phase by stage")]
+    phases = md[md.index("## Per phase"):md.index("## Findings")]
     assert "allowed busy" in phases.splitlines()[2]
     html = (tmp_path / "report.html").read_text()
-    stage_html = html[html.index("<h2>Phase by stage</h2>"):html.index("<h2>Stage mapping</h2>")]
+    stage_html = html[html.index("<summary>Phase by stage</summary>"):
+                      html.index("<summary>Stage mapping</summary>")]
     assert "<th>offered</th>" not in stage_html and "<th>tok/s</th>" not in stage_html
     assert stage_html.count("<td>C=32</td>") == 1
     assert {"offered_load", "throughput_tok_s", "allowed_busy_fraction", "utilization_p50",

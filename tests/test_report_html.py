@@ -204,9 +204,11 @@ async def test_a_real_engine_capture_renders_in_headless_chromium(tmp_path: Path
     assert len(page["imgs"]) == len(FIGURES) and all(i["complete"] and i["w"] >= 1200 for i in page["imgs"])
     assert page["scroll_w"] <= page["view_w"] and cmp_page["scroll_w"] <= cmp_page["view_w"], (page, cmp_page)
     text = report.read_text()
-    assert "class='verdict'>Verdict: admission_bound in phase C=16: " in text
-    assert "Next step: --max-running-requests 16" in text
-    stage_table = text[text.index("<h2>Phase by stage</h2>"):text.index("<h2>Stage mapping</h2>")]
+    assert "class='answer'>Advice: " in text and "Next step" not in text  # [ux] one answer first
+    assert "admission_bound (phase C=16, " in text
+    assert "what its change would do: --max-running-requests" in text
+    stage_table = text[text.index("<summary>Phase by stage</summary>"):
+                       text.index("<summary>Stage mapping</summary>")]
     assert "<th>busy from</th>" not in stage_table and "NVML" not in stage_table
     assert "<th>host</th>" not in text  # no mapping: the note alone, not a table of headers
     assert cmp_page["h2"] == ["What changed", "The two runs", "Per phase", "Predicted against measured"]

@@ -39,7 +39,7 @@ def test_report_writes_three_formats(tmp_path: Path) -> None:
     md = (out / "report.md").read_text()
     for name in FIGURES:
         assert f"]({name}.png)" in md and (out / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
-    assert md.index("## Findings") < md.index("## Phase by stage") < md.index("## Figures")
+    assert md.index("## Findings") < md.index("## Figures") < md.index("<summary>Phase by stage</summary>")
     html = (out / "report.html").read_text()
     assert html.count("data:image/png;base64,") == len(FIGURES)
 
@@ -66,7 +66,8 @@ def test_the_report_prints_the_rules_and_their_thresholds(tmp_path: Path) -> Non
     assert all(r["checks"] for r in doc["rules"])  # every rule says what it checks
     md = (tmp_path / "out" / "report.md").read_text()
     html = (tmp_path / "out" / "report.html").read_text()
-    assert md.index("## Phase by stage") < md.index("## Rules and thresholds") < md.index("## Figures")
+    assert md.index("## Figures") < md.index("<summary>Phase by stage</summary>") \
+        < md.index("<summary>Rules and thresholds</summary>")
     for f in fields(Thresholds):
         value = getattr(Thresholds(), f.name)
         assert f"| {f.name} | {value} |" in md, f.name
@@ -274,28 +275,29 @@ def test_markdown_keeps_arrows_and_comparisons_as_written(tmp_path: Path) -> Non
     assert _md("&amp; <b>") == "&amp;amp; &lt;b>"
 
 
-def test_the_report_opens_with_the_verdict_and_shows_each_phase_once(tmp_path: Path) -> None:
-    """report.md and report.html start with one paragraph: the top finding, its change; a per-phase
-    table gives the requests completed, failed and unfinished and TTFT/ITL ([ux])."""
+def test_the_report_opens_with_the_advice_and_shows_each_phase_once(tmp_path: Path) -> None:
+    """report.md and report.html start with one sentence, the advice; the findings follow as its
+    evidence, each change with what it would do (the what-if's effect); one per-phase table gives
+    the prediction beside the measurement, the requests completed, failed and unfinished and
+    TTFT/ITL ([ux])."""
     run = _capped(tmp_path / "run")
     res = cli(["report", str(run), "--out", str(tmp_path / "out")])
     assert res.exit_code == 0, res.output
     md = (tmp_path / "out" / "report.md").read_text()
     paragraphs = md.split("\n\n")
-    advice = paragraphs[1]  # [advisor]: the report opens with the advice, the verdict is its evidence
-    assert advice.startswith("Advice: ")
-    first = next(p for p in paragraphs if p.startswith("Verdict: "))
-    assert first.startswith("Verdict: microbatch_cap in phase C=32: ")
-    assert md.index(advice) < md.index(first)
-    assert "Next step: --pp-max-micro" in first
-    assert "; predicted: " in first and " tok/s at C=32 (±" in first  # [whatif]'s effect, in the verdict
-    assert md.index(first) < md.index("## Summary") < md.index("## Findings") < md.index("## Phases")
-    phases = md[md.index("## Phases"):md.index("## Phase by stage")]
-    assert "| phase | C | in flight | tok/s | client tok/s | completed | failed | unfinished | TTFT p50 s" \
-        in phases
+    assert paragraphs[1].startswith("**Advice: ")  # [advisor]: the report opens with the advice
+    evidence = md[md.index("## Findings: the evidence"):]
+    first = next(line for line in evidence.splitlines() if line.startswith("- **"))
+    assert first.startswith("- **microbatch_cap (phase C=32, ")
+    would = next(line for line in evidence.splitlines() if "what its change would do" in line)
+    assert "--pp-max-micro" in would and " tok/s (" in would and "(band ±" in would  # [whatif]'s effect
+    assert md.index("## Per phase") < md.index("## Findings") < md.index("## Figures")
+    phases = md[md.index("## Per phase"):md.index("## Findings")]
+    assert "| phase | C | in flight | tok/s | model as run tok/s | band | client tok/s | completed " \
+        "| failed | unfinished | TTFT p50 s" in phases
     assert phases.count("\n| C=") == 2
     html = (tmp_path / "out" / "report.html").read_text()
-    assert html.index("class='verdict'>Verdict: microbatch_cap") < html.index("<h2>Summary</h2>")
+    assert html.index("class='answer'>Advice: ") < html.index("<h2>Per phase</h2>")
 
 
 def test_a_report_on_a_read_only_run_says_where_it_cannot_write(
@@ -327,10 +329,10 @@ def test_a_report_on_a_read_only_run_says_where_it_cannot_write(
 
 
 def test_the_verdict_names_a_deployment_change_before_a_load_to_offer() -> None:
-    """Ranked first by the what-if gain, a light level's 'offer more requests' is not the next step
-    of a sweep that chose that level: the verdict names the first finding whose change is to the
-    deployment (as `gputrace demo` applies it), the others follow below."""
-    from gputrace.report.render import verdict
+    """Without advice (no what-if fit), the one sentence is the findings': a light level's 'offer
+    more requests' is not what a sweep that chose that level should do: it names the first finding
+    whose change is to the deployment (as `gputrace demo` applies it)."""
+    from gputrace.report.render import answer
 
     def finding(phase: str, knob: str, value: int, rec: str) -> dict[str, object]:
         return {"cause": "pipeline_underfilled", "phase": phase, "stages": [0, 1], "confidence": 0.7,
@@ -338,11 +340,12 @@ def test_the_verdict_names_a_deployment_change_before_a_load_to_offer() -> None:
                 "change": {"knob": knob, "value": value}}
     doc = {"findings": [finding("C=1", "concurrency", 8, "offer at least 8 requests"),
                         finding("C=32", "--pp-max-micro-batch-size", 4, "--pp-max-micro-batch-size 4")]}
-    assert verdict(doc) == ("Verdict: pipeline_underfilled in phase C=32: underfilled at C=32. Next step: "
-                            "--pp-max-micro-batch-size 4. 1 more finding below.")
+    assert answer(doc) == ("No advice (the what-if model could not be fitted to this run); the top finding, "
+                           "pipeline_underfilled in phase C=32: underfilled at C=32; its change: "
+                           "--pp-max-micro-batch-size 4.")
     doc["findings"] = doc["findings"][:1]  # no engine setting to change: the top finding it is
-    assert verdict(doc).startswith("Verdict: pipeline_underfilled in phase C=1: underfilled at C=1. "
-                                   "Next step: offer at least 8 requests.")
+    assert answer(doc).endswith("pipeline_underfilled in phase C=1: underfilled at C=1; its change: "
+                                "offer at least 8 requests.")
 
 
 def test_a_report_to_a_full_disk_says_where_in_one_line(

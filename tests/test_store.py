@@ -239,9 +239,9 @@ def test_append_of_a_bad_value_says_which_column(tmp_path: Path) -> None:
 
 
 def test_the_readme_query_example_runs_with_the_installed_package(tmp_path: Path) -> None:
-    """The README's way to query a run with SQL works with what `pip install` brings (the DuckDB
-    command-line program is not among it) ([ux])."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    """The reference's way to query a run with SQL (docs/store-and-monitoring.md) works with what
+    `pip install` brings (the DuckDB command-line program is not among it) ([ux])."""
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "store-and-monitoring.md").read_text()
     start = readme.index("python -c 'import duckdb")
     command = readme[start:readme.index("'\n", start) + 1].replace("\n    ", " ")
     with Store.create(tmp_path / "runs" / "NAME") as store:

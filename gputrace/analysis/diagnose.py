@@ -579,17 +579,38 @@ def note_k_trade_offs(found: Sequence[Finding], phases: Sequence[PhaseMetrics],
     return out
 
 
-def cannot_tell(phases: Sequence[PhaseMetrics], pp_size: int) -> list[Finding]:
+ENGINE_TIMERS = ("scrape the engine's per-stage timers: start SGLang with --enable-metrics and add "
+                 "`[hosts.engine_metrics] url = \"http://HOST:PORT/metrics\"` to gputrace.toml (SGLang "
+                 "0.5.23+'s run_batch timers give each stage's busy and bubble)")
+AGENT = "run `gputrace agent` on each GPU host (or import nvidia-smi or DCGM data) with the capture"
+
+
+def busy_remedy(engine: EngineSettings) -> str:
+    """The source that would give a busy figure on this run's engine and hosts: SGLang's timers
+    where the engine runs on a CPU (no GPU for an agent to sample), the agent or the timers on
+    GPUs, the agent alone for vLLM (no per-stage timers); on vLLM on a CPU, nothing can."""
+    sglang = engine.kind == "sglang"
+    if engine.runs_on_cpu:
+        return ENGINE_TIMERS if sglang else (
+            "none on this deployment: vLLM logs no per-stage timers and a CPU engine has no GPU to sample")
+    return f"{AGENT}, or {ENGINE_TIMERS}" if sglang else AGENT
+
+
+def cannot_tell(phases: Sequence[PhaseMetrics], pp_size: int,
+                engine: EngineSettings | None = None) -> list[Finding]:
     """What the run lacks for the causes it could not look at: a cause without its data is
-    "cannot tell", never read as absent."""
+    "cannot tell", never read as absent. The remedy names the source that fits the run's engine
+    and hosts (busy_remedy)."""
     out: list[Finding] = []
     stages = list(range(pp_size))
     if phases and all(s.busy_fraction is None for pm in phases for s in pm.stages):
+        on_cpu = engine is not None and engine.runs_on_cpu
         out.append(Finding(
             Cause.CANNOT_TELL, "*", stages, {"missing": "gpu_samples"}, 1.0,
-            "run `gputrace agent` on each GPU host (or import nvidia-smi or DCGM data) with the capture",
+            busy_remedy(engine if engine is not None else EngineSettings()),
             "cannot tell how busy the stages were or how much they idled: the run has no GPU samples "
-            "(stage imbalance, PCIe and throttling need them too)", impact=0.0))
+            + ("and no engine timers" if on_cpu else
+               "(stage imbalance, PCIe and throttling need them too)"), impact=0.0))
     for pm in phases:
         if all(s.log_lines == 0 for s in pm.stages):
             out.append(Finding(
@@ -621,4 +642,4 @@ def diagnose(phases: Sequence[PhaseMetrics], engine: EngineSettings, pp_size: in
     if aliased:
         found.append(aliased)
     found.sort(key=lambda f: -(f.confidence * f.impact))
-    return found + cannot_tell(phases, pp_size)
+    return found + cannot_tell(phases, pp_size, engine)

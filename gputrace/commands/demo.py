@@ -11,6 +11,7 @@ from rich.table import Table
 
 from gputrace.analysis.result import Analysis
 from gputrace.demo import DemoResult, run_demo
+from gputrace.report.text_heatmap import text_heatmap
 
 
 def _phase_rows(analysis: Analysis) -> dict[str, dict[str, float | None]]:
@@ -101,8 +102,14 @@ def command(out: Path, quick: bool, nodes: int) -> None:
     result = run_demo(out, quick, lambda msg: console.print(msg, highlight=False), nodes)
     table, remaining = summary_table(result)
     out_console = Console(width=200)
+    # the report's first screen, as text: the one answer, the busy heatmap, then the table
+    effect = advice_effect(result)
+    out_console.print(effect[0], style="bold", highlight=False)
+    out_console.print("the defaults' busy share per stage over time:", highlight=False)
+    for line in text_heatmap(result.defaults.analysis):
+        out_console.print(line, highlight=False, markup=False)
     out_console.print(table)
-    for line in advice_effect(result):
+    for line in effect[1:]:
         out_console.print(line)
     for run in result.runs:
         name = RUN_TITLES.get(run.label, run.label)

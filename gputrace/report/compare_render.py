@@ -5,6 +5,7 @@ both runs' key figures side by side, and links to both reports."""
 
 from __future__ import annotations
 
+import base64
 import html
 import json
 import os
@@ -14,6 +15,9 @@ from typing import Any
 from urllib.parse import quote
 
 from gputrace.analysis.compare import SAME_WITHIN
+from gputrace.report.compare_figure import compare_figure
+
+FIGURE_CAPTION = "A beside B: throughput per phase (B predicted from A, where it was), busy per stage"
 
 CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px;color:#222}
 table{border-collapse:collapse;font-size:13px;margin:6px 0 14px}
@@ -24,7 +28,8 @@ td:first-child,th:first-child{text-align:left}
 .new{border-left:4px solid #c33;padding:4px 10px;margin:6px 0;background:#fff6f6}
 table.runs td,table.runs th{text-align:left}
 .bottom{font-size:1.25em;font-weight:bold;border-left:4px solid #36c;padding:6px 12px;background:#f3f7ff}
-ul.phases{margin-top:4px}li.better{color:#1a7f37}li.worse{color:#c33;font-weight:bold}"""
+ul.phases{margin-top:4px}li.better{color:#1a7f37}li.worse{color:#c33;font-weight:bold}
+img{max-width:100%;display:block;margin:4px 0 10px}"""
 """Only what the page uses: each class here is on some element of it."""
 
 
@@ -200,12 +205,16 @@ def _md_row(cells: Sequence[str]) -> str:
     return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
 
 
-def render_compare_markdown(doc: dict[str, Any]) -> str:
+def render_compare_markdown(doc: dict[str, Any], figure_file: str | None = None) -> str:
+    """compare.md (and what `compare` prints): the bottom line, the figure A beside B where
+    ``figure_file`` names it, then the tables."""
     out = [f"# Comparison: {doc['run_a']} (A) vs {doc['run_b']} (B)", ""]
     if doc["same_run"]:
         out += [f"**Warning: run A and run B are {doc['same_run']}: {same_run_consequence(doc)}.**", ""]
-    out += [f"**{bottom_line_text(doc)}**", "", *[f"- {line}" for line in phase_verdict_lines(doc)], "",
-            "## What changed", ""]
+    out += [f"**{bottom_line_text(doc)}**", "", *[f"- {line}" for line in phase_verdict_lines(doc)], ""]
+    if figure_file:
+        out += [f"![{FIGURE_CAPTION}]({figure_file})", ""]
+    out += ["## What changed", ""]
     changes = change_lines(doc)
     out += [f"- {text}" for _, text in changes] or ["No finding resolved or new."]
     throughput = throughput_line(doc)
@@ -242,8 +251,10 @@ def _link(run_dir: str | None, out_dir: Path | None) -> str:
     return f"<a href='{e(href)}'>{e(str(report))}</a>"
 
 
-def render_compare_html(doc: dict[str, Any], out_dir: str | Path | None = None) -> str:
-    """The page; links to the reports are relative to ``out_dir`` (where the page is written)."""
+def render_compare_html(doc: dict[str, Any], out_dir: str | Path | None = None,
+                        figure: bytes | None = None) -> str:
+    """The page; links to the reports are relative to ``out_dir`` (where the page is written);
+    ``figure``, A beside B, under the bottom line."""
     e = html.escape
     where = Path(out_dir) if out_dir is not None else None
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>gputrace compare: "
@@ -257,7 +268,11 @@ def render_compare_html(doc: dict[str, Any], out_dir: str | Path | None = None) 
         verdict = p.get("verdict")
         parts.append(f"<li class='{verdict}'>{e(line)}</li>" if verdict in ("better", "worse") else
                      f"<li>{e(line)}</li>")
-    parts.append("</ul><h2>What changed</h2>")
+    parts.append("</ul>")
+    if figure is not None:
+        parts.append(f"<img alt='{e(FIGURE_CAPTION)}' id='fig-compare' "
+                     f"src='data:image/png;base64,{base64.b64encode(figure).decode()}'>")
+    parts.append("<h2>What changed</h2>")
     changes = change_lines(doc)
     parts += [f"<p class='{kind}'>{e(text)}</p>" for kind, text in changes] or \
         ["<p>No finding resolved or new.</p>"]
@@ -292,10 +307,12 @@ def write_compare(doc: dict[str, Any], out_dir: str | Path, formats: list[str]) 
     if "json" in formats:
         (out / "compare.json").write_text(json.dumps(doc, indent=2) + "\n")
         written.append(out / "compare.json")
-    if "md" in formats:
-        (out / "compare.md").write_text(render_compare_markdown(doc))
-        written.append(out / "compare.md")
+    figure = compare_figure(doc) if "md" in formats or "html" in formats else None
+    if "md" in formats and figure is not None:
+        (out / "compare.png").write_bytes(figure)
+        (out / "compare.md").write_text(render_compare_markdown(doc, "compare.png"))
+        written += [out / "compare.png", out / "compare.md"]
     if "html" in formats:
-        (out / "compare.html").write_text(render_compare_html(doc, out))
+        (out / "compare.html").write_text(render_compare_html(doc, out, figure))
         written.append(out / "compare.html")
     return written

@@ -27,6 +27,7 @@ from matplotlib.transforms import blended_transform_factory
 from gputrace.analysis.busy_cells import busy_over_time
 from gputrace.analysis.diagnose import default_microbatch_cap, engine_kind
 from gputrace.analysis.result import Analysis
+from gputrace.report.throughput_chart import phase_throughput
 
 MAX_COLUMNS = 1200
 """Time series are averaged down to at most this many columns: a figure has no more pixels."""
@@ -389,6 +390,7 @@ def build_figure(name: str, a: Analysis) -> Figure:
 
 BUILDERS: dict[str, Callable[[Analysis], Figure]] = {
     "busy_heatmap": busy_heatmap,
+    "phase_throughput": phase_throughput,
     "running_vs_load": running_vs_load,
     "bubble_fraction": bubble_bars,
     "power": power_figure,
@@ -401,11 +403,18 @@ TIME_FIGURES = ("busy_heatmap", "power", "pcie")
 FIGURES: dict[str, tuple[str, Callable[[Analysis], bytes]]] = {
     "busy_heatmap": ("Per-stage busy share over time, by the signal the analysis took",
                      _rendered(busy_heatmap)),
+    "phase_throughput": ("Throughput per phase: measured against predicted, with the band",
+                         _rendered(phase_throughput)),
     "power": ("Power", _rendered(power_figure)),
     "pcie": ("PCIe", _rendered(pcie_figure)),
     "running_vs_load": ("Running requests per stage and in the engine vs offered load",
                         _rendered(running_vs_load)),
     "bubble_fraction": ("Bubble fraction per stage per phase", _rendered(bubble_bars)),
 }
-"""name -> (caption, function giving PNG bytes): the figures in report order, those over time
-first and together, so their shared time axis can be read down the page."""
+"""name -> (caption, function giving PNG bytes): the figures in report order. The first screen
+shows the first two (FIRST_SCREEN); the rest follow the tables, power and PCIe first: they share
+the heatmap's time axis."""
+
+FIRST_SCREEN = ("busy_heatmap", "phase_throughput")
+"""The figures directly under the report's one-sentence answer: the bubble at a glance, and what
+the advice is predicted to do per phase."""

@@ -15,7 +15,7 @@ from gputrace.analysis.diagnose import changes_the_deployment
 from gputrace.analysis.result import Analysis
 from gputrace.errors import UsageError
 from gputrace.report.document import STAGE_NOTE, build_document, fmt, stage_columns
-from gputrace.report.figures import FIGURES
+from gputrace.report.figures import FIGURES, FIRST_SCREEN
 
 FORMATS = ("html", "md", "json")
 
@@ -24,9 +24,13 @@ table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ccc;paddin
 th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}
 tr.phase-start td{border-top:2px solid #888}.note{color:#555;font-size:.9em}
 .finding{border-left:4px solid #c33;padding:4px 10px;margin:8px 0;background:#fff6f6}
-.verdict{font-size:1.15em;border-left:4px solid #36c;padding:6px 12px;background:#f4f8ff}
+.answer{font-size:1.2em;font-weight:600;border-left:5px solid #36c;padding:8px 14px;background:#f4f8ff;
+margin:.4em 0}
+.missing{border-left:4px solid #d80;padding:4px 10px;background:#fff8e6;font-size:.92em}
+.would{color:#444}h1{margin:.2em 0 .3em;font-size:1.6em}details{margin:6px 0}
+summary{cursor:pointer;font-weight:600}
 .ok{border-left:4px solid #393;padding:4px 10px;background:#f6fff6}code{background:#eee;padding:1px 3px}
-img{max-width:100%;display:block;margin:6px 0 18px}"""
+img{max-width:100%;display:block;margin:4px 0 10px}"""
 
 
 def render_figures(a: Analysis, progress: Callable[[str], None] | None = None) -> dict[str, bytes]:
@@ -86,38 +90,48 @@ PHASE_COLUMNS = (
 NO_MAPPING = "No GPU placements: the run has no GPU samples or topology (stages are the engine log's)."
 
 
+def _where(phase: str) -> str:
+    return "the whole run" if phase == "*" else f"phase {phase}"
+
+
 def verdict(doc: dict[str, Any]) -> str:
-    """The report's first paragraph: the top finding that a change to the deployment answers (else
-    the top one) and that change, with its predicted effect where the what-if model gave one."""
+    """The report's one sentence where the run has no advice (the what-if model could not be
+    fitted): the top finding that a change to the deployment answers (else the top one) and what
+    its change is, or that no cause was found."""
     causes = [f for f in doc["findings"] if f["cause"] != "cannot_tell"]
-    missing = [f for f in doc["findings"] if f["cause"] == "cannot_tell"]
     if causes:
         top = next((f for f in causes if changes_the_deployment((f.get("change") or {}).get("knob"))),
                    causes[0])
-        where = "the whole run" if top["phase"] == "*" else f"phase {top['phase']}"
-        text = (f"Verdict: {top['cause']} in {where}: {top['summary']}. Next step: "
+        return (f"No advice (the what-if model could not be fitted to this run); the top finding, "
+                f"{top['cause']} in {_where(top['phase'])}: {top['summary']}; its change: "
                 f"{top['recommendation']}.")
-        if len(causes) > 1:
-            text += f" {len(causes) - 1} more finding{'s' if len(causes) > 2 else ''} below."
-    elif missing:
-        text = "Verdict: no cause found in what the run holds, and it lacks data to look for some."
-    else:
-        text = "Verdict: no cause found: every phase is healthy."
-    if missing:
-        text += " " + " ".join(f"Note: {f['summary']} ({f['recommendation']})." for f in missing)
-    return text
+    if any(f["cause"] == "cannot_tell" for f in doc["findings"]):
+        return "No cause found in what the run holds, and it lacks data to look for some (below)."
+    return "No cause found: every phase is healthy."
 
 
-ADVICE_COLUMNS = (("phase", "phase"), ("measured_tok_s", "measured tok/s"),
-                  ("unchanged_tok_s", "model as run tok/s"), ("predicted_tok_s", "predicted tok/s"),
-                  ("gain", "gain"), ("band", "band"), ("ttft_s_p90", "TTFT p90 s"),
-                  ("itl_s_p90", "ITL p90 s"))
-
-
-def advice_sentence(doc: dict[str, Any]) -> str | None:
-    """The advice's one sentence (None where the run has no advice)."""
+def answer(doc: dict[str, Any]) -> str:
+    """The report's first sentence and its one recommendation: the advice (a change, or keep with
+    its reason and the best trade-off), else the verdict of the findings."""
     advice = doc.get("advice")
-    return None if not advice else f"Advice: {advice['sentence']}"
+    return f"Advice: {advice['sentence']}" if advice else verdict(doc)
+
+
+def missing_data(doc: dict[str, Any]) -> str | None:
+    """What the run lacks and the source that would give it on this run's engine and hosts, said
+    once (the cannot_tell findings, one remedy each), or None."""
+    missing = [f for f in doc["findings"] if f["cause"] == "cannot_tell"]
+    if not missing:
+        return None
+    return "Missing from this run: " + " ".join(
+        f"{f['summary']} ({_where(f['phase'])}); to get it: {f['recommendation']}." for f in missing)
+
+
+ADVICE_COLUMNS = (("unchanged_tok_s", "model as run tok/s"), ("predicted_tok_s", "predicted tok/s"),
+                  ("gain", "gain"), ("band", "band"), ("predicted_ttft_s_p90", "predicted TTFT p90 s"),
+                  ("predicted_itl_s_p90", "predicted ITL p90 s"))
+"""The advice's columns of the per-phase table, after the measured tok/s; where the advice is to
+keep the settings, the model as run and the band alone (a prediction equal to it says nothing)."""
 
 
 def advice_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -128,23 +142,81 @@ def advice_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
         noisier = model is not None and p["band_ratio"] - model >= 0.01  # the phase's own spread added
         rows.append({**p, "gain": f"{p['gain_ratio']:+.0%}", "band": f"±{p['band_ratio']:.0%}"
                      + (f" (model ±{model:.0%})" if noisier else "")
-                     + (" (extrapolated)" if p.get("extrapolation") else "")})
+                     + (" (extrapolated)" if p.get("extrapolation") else ""),
+                     "predicted_ttft_s_p90": p.get("ttft_s_p90"), "predicted_itl_s_p90": p.get("itl_s_p90")})
     return rows
+
+
+def phase_table(doc: dict[str, Any]) -> tuple[list[tuple[str, str]], list[dict[str, Any]]]:
+    """The per-phase table: the load and what the requests got, with the advice's prediction beside
+    the measured tok/s (columns with no value in any row left out)."""
+    advice = doc.get("advice") or {}
+    by_phase = {r["phase"]: r for r in advice_rows(doc)}
+    rows = [{**by_phase.get(p["label"], {}), **p} for p in doc["phases"]]
+    extra = [c for c in ADVICE_COLUMNS if advice.get("changes") or c[0] in ("unchanged_tok_s", "band")
+             ] if advice else []
+    at = [k for k, _ in PHASE_COLUMNS].index("throughput_tok_s") + 1
+    columns = [*PHASE_COLUMNS[:at], *extra, *PHASE_COLUMNS[at:]]
+    keep = [c for c in columns if c[0] == "label" or any(r.get(c[0]) is not None for r in rows)]
+    return keep, rows
 
 
 def advice_notes(doc: dict[str, Any]) -> list[str]:
     """The alternatives that trade, and why a band is wide."""
     advice = doc.get("advice") or {}
-    out = [f"Alternative: {a['text']}" for a in advice.get("alternatives", [])]
+    out = [f"Alternative that trades: {a['text']}" for a in advice.get("alternatives", [])]
     out += sorted({p["extrapolation"] for p in advice.get("phases", []) if p.get("extrapolation")})
     return out
 
 
-def _finding_text(f: dict[str, Any]) -> tuple[str, str, str]:
-    head = f"{f['cause']} (phase {f['phase']}, stages {', '.join(map(str, f['stages']))}, " \
+def _stage_label(stages: Sequence[int]) -> str:
+    return f"stage {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))}"
+
+
+def finding_cost(f: dict[str, Any], table: Sequence[dict[str, Any]]) -> str | None:
+    """What a finding costs, from the phase-by-stage table: its stages' mean bubble in its phase
+    (the share of the phase they idled while requests were there)."""
+    rows = [r for r in table if (f["phase"] == "*" or r["phase"] == f["phase"])
+            and r["pp_rank"] in f["stages"] and r.get("bubble_fraction") is not None]
+    if not rows:
+        return None
+    bubble = sum(r["bubble_fraction"] for r in rows) / len(rows)
+    return (f"{_stage_label(f['stages'])} idled {bubble:.0%} of {_where(f['phase'])} "
+            "while requests were running or waiting")
+
+
+def finding_effect(f: dict[str, Any]) -> str | None:
+    """What a finding's own change would do per phase (the what-if's ``predicted``): measured ->
+    predicted tok/s at its phase with the band, and at every other phase; None where not predicted."""
+    pred = f.get("predicted")
+    if not pred:
+        return None
+    band = pred["band_ratio"]
+    cells = [(pred["concurrency"], pred["measured_tok_s"], pred["predicted_tok_s"])]
+    cells += [(o["concurrency"], o["measured_tok_s"], o["predicted_tok_s"]) for o in pred["other_phases"]]
+    parts = [f"C={c} {m:.0f} -> {p:.0f} tok/s ({p / m - 1:+.0%})" if m else f"C={c} n/a"
+             for c, m, p in sorted(cells)]
+    text = ", ".join(parts) + f" (band ±{band:.0%})"
+    if pred["within_uncertainty"]:
+        text += f"; at C={pred['concurrency']} inside the model's uncertainty: no clear gain"
+    return text
+
+
+def _finding_text(f: dict[str, Any], change: str | None) -> tuple[str, str, str, str | None]:
+    """(head, summary, evidence, what its change would do)."""
+    head = f"{f['cause']} (phase {f['phase']}, {_stage_label(f['stages'])}, " \
            f"confidence {f['confidence']:.2f})"
     ev = ", ".join(f"{k}={v}" for k, v in f["evidence"].items())
-    return head, f["summary"], ev
+    effect = finding_effect(f)
+    would = None if change is None else change + (f": {effect}" if effect else " (not predicted)")
+    return head, f["summary"], ev, would
+
+
+def evidence_findings(a: Analysis, doc: dict[str, Any]) -> list[tuple[dict[str, Any], str | None]]:
+    """The findings that are causes (what the run lacks is said once, under the answer), each with
+    its own change as its analysis states it (without the prediction, which is shown per phase)."""
+    return [(f, a.findings[i].recommendation) for i, f in enumerate(doc["findings"])
+            if f["cause"] != "cannot_tell"]
 
 
 def _html_table(columns: Sequence[tuple[str, str]], rows: Sequence[dict[str, Any]],
@@ -180,29 +252,54 @@ def _stage_note(missing: Sequence[str], busy_from: str | None) -> str:
     return note
 
 
+def _img(name: str, png: bytes) -> str:
+    caption = html.escape(FIGURES[name][0])
+    return (f"<img alt='{caption}' title='{caption}' id='fig-{name}' "
+            f"src='data:image/png;base64,{base64.b64encode(png).decode()}'>")
+
+
 def render_html(a: Analysis, doc: dict[str, Any], figures: dict[str, bytes]) -> str:
+    """The page: the one-sentence answer, the busy heatmap and the per-phase throughput chart
+    (the first screen), the per-phase table, the findings as the evidence, the other figures,
+    and folded below, the run's details, the phase-by-stage table, mapping, rules and thresholds."""
     e = html.escape
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>gputrace report: "
              f"{e(doc['summary']['run'])}</title><style>{CSS}</style></head><body>",
              f"<h1>Bubble diagnosis: {e(doc['summary']['run'])}</h1>",
-             *([f"<p class='verdict'>{e(sentence)}</p>", _html_table(ADVICE_COLUMNS, advice_rows(doc)),
-                *(f"<p class='note'>{e(n)}</p>" for n in advice_notes(doc))]
-               if (sentence := advice_sentence(doc)) else []),
-             f"<p class='verdict'>{e(verdict(doc))}</p><h2>Summary</h2><ul>"]
-    parts += [f"<li>{e(line)}</li>" for line in _summary_lines(doc)]
-    parts.append("</ul><h2>Findings</h2>")
-    if not doc["findings"]:
-        parts.append("<div class='ok'>No finding: every phase is healthy.</div>")
-    for f in doc["findings"]:
-        head, summary, ev = _finding_text(f)
+             "<section class='first-screen'>",
+             f"<p class='answer'>{e(answer(doc))}</p>"]
+    if (lacking := missing_data(doc)) is not None:
+        parts.append(f"<p class='missing'>{e(lacking)}</p>")
+    parts += [_img(name, figures[name]) for name in FIRST_SCREEN if name in figures]
+    parts.append("</section>")
+    columns, rows = phase_table(doc)
+    parts.append("<h2>Per phase</h2>" + _html_table(columns, rows))
+    parts += [f"<p class='note'>{e(n)}</p>" for n in advice_notes(doc)]
+    parts.append("<h2>Findings: the evidence</h2>")
+    findings = evidence_findings(a, doc)
+    if not findings:
+        parts.append("<div class='ok'>No cause found in any phase.</div>")
+    for f, change in findings:
+        head, summary, ev, would = _finding_text(f, change)
+        cost = finding_cost(f, doc["table"])
         parts.append(f"<div class='finding'><b>{e(head)}</b><br>{e(summary)}<br>"
-                     f"<small>evidence: {e(ev)}</small><br>"
-                     f"change: <code>{e(f['recommendation'])}</code></div>")
-    parts.append("<h2>Phases</h2>" + _html_table(PHASE_COLUMNS, doc["phases"]))
+                     + (f"costs: {e(cost)}<br>" if cost else "")
+                     + f"<small>evidence: {e(ev)}</small>"
+                     + (f"<br><span class='would'>what its change would do: {e(would)}</span>"
+                        if would else "") + "</div>")
+    rest = [name for name in figures if name not in FIRST_SCREEN]
+    if rest:
+        parts.append("<h2>Figures</h2>")
+        parts += [f"<h3>{e(FIGURES[name][0])}</h3>{_img(name, figures[name])}" for name in rest]
+    parts.append("<h2>Details</h2><details><summary>The run: sources, mapping rule, clocks, notes"
+                 "</summary><ul>")
+    parts += [f"<li>{e(line)}</li>" for line in _summary_lines(doc)]
+    parts.append("</ul></details>")
     columns, missing, busy_from = stage_columns(doc["table"])
-    parts.append("<h2>Phase by stage</h2>" + _html_table(columns, doc["table"], group="phase")
-                 + f"<p class='note'>{e(_stage_note(missing, busy_from))}</p>")
-    parts.append("<h2>Stage mapping</h2>")
+    parts.append("<details><summary>Phase by stage</summary>"
+                 + _html_table(columns, doc["table"], group="phase")
+                 + f"<p class='note'>{e(_stage_note(missing, busy_from))}</p></details>")
+    parts.append("<details><summary>Stage mapping</summary>")
     if doc["mapping"]:
         parts.append("<table><tr><th>host</th><th>gpu</th><th>pp_rank</th><th>tp_rank</th>"
                      "<th>dp_rank</th></tr>")
@@ -212,17 +309,12 @@ def render_html(a: Analysis, doc: dict[str, Any], figures: dict[str, bytes]) -> 
         parts.append("</table>")
     else:  # a table of headers alone says nothing
         parts.append(f"<p class='note'>{e(NO_MAPPING)}</p>")
-    parts.append("<h2>Rules and thresholds</h2><table><tr><th>rule</th><th>checks</th></tr>")
+    parts.append("</details><details><summary>Rules and thresholds</summary>"
+                 "<table><tr><th>rule</th><th>checks</th></tr>")
     parts += [f"<tr><td>{e(r['rule'])}</td><td>{e(r['checks'])}</td></tr>" for r in doc["rules"]]
     parts.append("</table><table><tr><th>threshold</th><th>value</th></tr>")
     parts += [f"<tr><td>{e(k)}</td><td>{v}</td></tr>" for k, v in doc["thresholds"].items()]
-    parts.append("</table>")
-    parts.append("<h2>Figures</h2>")
-    for name, png in figures.items():
-        caption = FIGURES[name][0]
-        parts.append(f"<h3>{e(caption)}</h3><img alt='{e(caption)}' id='fig-{name}' "
-                     f"src='data:image/png;base64,{base64.b64encode(png).decode()}'>")
-    parts.append("</body></html>")
+    parts.append("</table></details></body></html>")
     return "\n".join(parts)
 
 
@@ -245,39 +337,52 @@ def _md_code(text: object) -> str:
 
 
 def render_markdown(a: Analysis, doc: dict[str, Any], figure_files: dict[str, str]) -> str:
-    out = [f"# Bubble diagnosis: {_md(doc['summary']['run'])}", ""]
-    sentence = advice_sentence(doc)
-    if sentence:
-        out += [_md(sentence), "", *_md_table(ADVICE_COLUMNS, advice_rows(doc)), ""]
-        out += [f"- {_md(n)}" for n in advice_notes(doc)]
-        out += [""] if advice_notes(doc) else []
-    out += [_md(verdict(doc)), "", "## Summary", ""]
+    """report.md in the page's order: the answer, the two first-screen figures, the per-phase
+    table, the findings as the evidence, the other figures, and the details folded."""
+    out = [f"# Bubble diagnosis: {_md(doc['summary']['run'])}", "", f"**{_md(answer(doc))}**", ""]
+    if (lacking := missing_data(doc)) is not None:
+        out += [_md(lacking), ""]
+    for name in FIRST_SCREEN:
+        if name in figure_files:
+            out += [f"![{FIGURES[name][0]}]({figure_files[name]})", ""]
+    columns, rows = phase_table(doc)
+    out += ["## Per phase", "", *_md_table(columns, rows), ""]
+    out += [f"- {_md(n)}" for n in advice_notes(doc)]
+    out += ["", "## Findings: the evidence", ""]
+    findings = evidence_findings(a, doc)
+    if not findings:
+        out.append("No cause found in any phase.")
+    for f, change in findings:
+        head, summary, ev, would = _finding_text(f, change)
+        cost = finding_cost(f, doc["table"])
+        out += [f"- **{_md(head)}**: {_md(summary)}  "]
+        out += [f"  costs: {_md(cost)}  "] if cost else []
+        out += [f"  evidence: {_md(ev)}" + ("  " if would else "")]
+        out += [f"  what its change would do: {_md(would)}"] if would else []
+    rest = [name for name in figure_files if name not in FIRST_SCREEN]
+    if rest:
+        out += ["", "## Figures", ""]
+        for name in rest:
+            out += [f"### {FIGURES[name][0]}", "", f"![{FIGURES[name][0]}]({figure_files[name]})", ""]
+    out += ["", "## Details", "", "<details><summary>The run: sources, mapping rule, clocks, notes</summary>",
+            ""]
     out += [f"- {_md(line)}" for line in _summary_lines(doc)]
-    out += ["", "## Findings", ""]
-    if not doc["findings"]:
-        out.append("No finding: every phase is healthy.")
-    for f in doc["findings"]:
-        head, summary, ev = _finding_text(f)
-        out += [f"- **{_md(head)}**: {_md(summary)}  ", f"  evidence: {_md(ev)}  ",
-                f"  change: `{_md_code(f['recommendation'])}`"]
-    out += ["", "## Phases", "", *_md_table(PHASE_COLUMNS, doc["phases"])]
     columns, missing, busy_from = stage_columns(doc["table"])
-    out += ["", "## Phase by stage", "", *_md_table(columns, doc["table"], group="phase"), "",
-            _md(_stage_note(missing, busy_from))]
-    out += ["", "## Stage mapping", ""]
+    out += ["", "</details>", "", "<details><summary>Phase by stage</summary>", "",
+            *_md_table(columns, doc["table"], group="phase"), "", _md(_stage_note(missing, busy_from)),
+            "", "</details>", "", "<details><summary>Stage mapping</summary>", ""]
     if doc["mapping"]:
         out += ["| host | gpu | pp_rank | tp_rank | dp_rank |", "|---|---|---|---|---|"]
         out += [f"| {_md(p['host'])} | {p['gpu_index']} | {p['pp_rank']} | {p['tp_rank']} | "
                 f"{p['dp_rank']} |" for p in doc["mapping"]]
     else:
         out += [NO_MAPPING]
-    out += ["", "## Rules and thresholds", "", "| rule | checks |", "|---|---|"]
+    out += ["", "</details>", "", "<details><summary>Rules and thresholds</summary>", "",
+            "| rule | checks |", "|---|---|"]
     out += [f"| {_md(r['rule'])} | {_md(r['checks'])} |" for r in doc["rules"]]
     out += ["", "| threshold | value |", "|---|---|"]
     out += [f"| {_md(k)} | {v} |" for k, v in doc["thresholds"].items()]
-    out += ["", "## Figures", ""]
-    for name, file in figure_files.items():
-        out += [f"### {FIGURES[name][0]}", "", f"![{FIGURES[name][0]}]({file})", ""]
+    out += ["", "</details>"]
     return "\n".join(out) + "\n"
 
 

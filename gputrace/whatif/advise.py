@@ -480,12 +480,12 @@ def _keep_reason(trades: list[Option], objective: str, slo: Mapping[str, float],
 
 def _keep_text(objective: str, best: str) -> str:
     if objective == "slo":
-        return ("no change set that gains beyond its band meets the SLO at every phase; the most "
-                f"gaining, {best}")
+        return ("no change set that gains beyond its band meets the SLO at every phase; the best "
+                f"trade-off, {best}")
     if objective == "peak":
-        return f"no change set gains beyond its band at the highest load level; the most gaining, {best}"
-    return ("every change that gains beyond its band costs another phase beyond its band; the most "
-            f"gaining, {best}")
+        return f"no change set gains beyond its band at the highest load level; the best trade-off, {best}"
+    return ("every change that gains beyond its band costs another phase beyond its band; the best "
+            f"trade-off, {best}")
 
 
 Hook = Callable[[Analysis, "FittedModel | None"], "Advice | None"]

@@ -336,8 +336,7 @@ def stage_multipliers(metrics: Sequence[PhaseMetrics], pp_size: int) -> np.ndarr
 
 def runs_on_cpu(engine: EngineSettings) -> bool:
     """Whether the engine's log states a CPU device (SGLang's ``device``, vLLM's ``device_config``)."""
-    fields = engine.fields or {}
-    return any(str(fields.get(key) or "").lower() == "cpu" for key in ("device", "device_config"))
+    return engine.runs_on_cpu
 
 
 def without_memory_floor(p: SimParams) -> SimParams:
