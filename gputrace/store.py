@@ -8,6 +8,7 @@ Each append is one committed transaction, so a collector killed mid-run leaves e
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -50,6 +51,11 @@ SCHEMA_VERSION = 1
 DB_FILE = "run.duckdb"
 META_FILE = "meta.json"
 REJECTS_FILE = "rejects.ndjson"  # records set aside because a value did not fit its column
+# Space a capture keeps for its last meta.json: on a disk that filled, the file is deleted so the
+# stop can still record what it could not write (the temporary copy of meta.json needs its full
+# size; a long capture's meta.json is a few tens of KiB).
+META_RESERVE_FILE = "meta.reserve"
+META_RESERVE_BYTES = 1 << 20
 # DuckDB stores a table in row groups of this many rows (the file is attached with it: DuckDB
 # does not keep the size in the file). An append of at least a group is written straight to the
 # file; a smaller one goes through the write-ahead log and a checkpoint. Half DuckDB's default
@@ -377,6 +383,19 @@ class Store:
 
     def close(self) -> None:
         self._con.close()
+        if not self.read_only:
+            (self.path / META_RESERVE_FILE).unlink(missing_ok=True)
+
+    def reserve_meta_space(self) -> None:
+        """Keep META_RESERVE_BYTES on the run's disk for the last meta.json (released when it
+        cannot be written otherwise, removed on close). Written, not sparse: the blocks are held."""
+        try:
+            with (self.path / META_RESERVE_FILE).open("wb") as fh:
+                for _ in range(META_RESERVE_BYTES >> 16):
+                    fh.write(bytes(1 << 16))
+        except OSError as exc:  # a disk full already: the capture says so as it writes
+            (self.path / META_RESERVE_FILE).unlink(missing_ok=True)
+            log.warning("no space reserved for meta.json", run=str(self.path), error=exc.strerror)
 
     def __enter__(self) -> Store:
         return self
@@ -395,11 +414,19 @@ class Store:
 
     def _write_meta(self) -> None:
         tmp = self.path / (META_FILE + ".tmp")
-        try:
-            tmp.write_text(json.dumps(dataclasses.asdict(self.meta), indent=2, default=str) + "\n")
-            os.replace(tmp, self.path / META_FILE)
-        except OSError as exc:
-            raise StoreWriteError(f"{self.path / META_FILE}: cannot write: {exc.strerror}") from exc
+        text = json.dumps(dataclasses.asdict(self.meta), indent=2, default=str) + "\n"
+        reserve = self.path / META_RESERVE_FILE
+        for last_try in (False, True):
+            try:
+                tmp.write_text(text)
+                os.replace(tmp, self.path / META_FILE)
+                return
+            except OSError as exc:
+                tmp.unlink(missing_ok=True)
+                if last_try or exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not reserve.exists():
+                    raise StoreWriteError(f"{self.path / META_FILE}: cannot write: {exc.strerror}") from exc
+                reserve.unlink()
+                log.warning("disk full: meta.json written into the space reserved for it", run=str(self.path))
 
     def _reattach(self) -> None:
         """A fresh connection after the database was invalidated by a failed checkpoint."""
@@ -825,6 +852,9 @@ class StoreGpuSamples:
 # about 135 MB: 5 minutes of 8 GPUs at 100 Hz.
 MAX_BACKLOG_ROWS = 250_000
 _WRITE_RETRY = Backoff(initial_s=0.25, max_s=5.0)  # a disk freed is written to within 5 s
+# A record's own time, by the first of these fields its type has (the collector's receive time of
+# an engine line before the engine's stamp, which a log may lack).
+_RECORD_TIME_FIELDS = ("recv_ts_ns", "ts_ns", "start_ns", "local_send_ns", "log_ts_ns")
 
 
 class BatchingWriter:
@@ -885,12 +915,14 @@ class BatchingWriter:
         if due:
             self.flush()
 
-    def flush(self) -> bool:
+    def flush(self, *, every_type: bool = False) -> bool:
         """Append every buffer; False when the store could not be written (the rest stays buffered
-        for the next attempt). A record whose value cannot be stored is set aside (counted in
-        ``rejected``, handed to ``on_reject``, written to the run's rejects file) and the rest of
-        its batch is written: one bad value must not stop the writer (it did: the batch stayed in
-        the buffer, every later flush failed on it)."""
+        for the next attempt; ``every_type``: each type is still tried, as the last flush of a
+        capture does, so what fits goes in). A record whose value cannot be stored is set aside
+        (counted in ``rejected``, handed to ``on_reject``, written to the run's rejects file) and
+        the rest of its batch is written: one bad value must not stop the writer (it did: the
+        batch stayed in the buffer, every later flush failed on it)."""
+        failed = False
         for buf in self._buffers.values():
             if not buf:
                 continue
@@ -898,15 +930,36 @@ class BatchingWriter:
                 written, rejected = self.store.append_valid(buf)
             except StoreWriteError as exc:
                 self._write_failed(exc)
-                return False
+                if not every_type:
+                    return False
+                failed = True
+                continue
             self.rows_written += written
             buf.clear()
             for record, reason in rejected:
                 self._reject(record, reason)
+        if failed:
+            return False
         self._last_flush = time.monotonic()
         if self.write_error is not None:
             self._write_recovered()
         return True
+
+    def unwritten(self) -> dict[str, dict[str, Any]]:
+        """What the backlog holds, per record type: its rows and the span of their own times
+        (``first_ns``/``last_ns`` of ``time_field``, in the clock of the host that made them), for
+        meta.json when a capture stops before it could write them."""
+        out: dict[str, dict[str, Any]] = {}
+        for record_type, buf in self._buffers.items():
+            if not buf:
+                continue
+            entry: dict[str, Any] = {"rows": len(buf)}
+            field_name = next((f for f in _RECORD_TIME_FIELDS if hasattr(buf[0], f)), None)
+            times = [t for r in buf if (t := getattr(r, field_name)) is not None] if field_name else []
+            if times:
+                entry.update(time_field=field_name, first_ns=min(times), last_ns=max(times))
+            out[record_type.__name__] = entry
+        return out
 
     def health(self) -> dict[str, Any]:
         """The writer's state for /healthz and /v1/status."""
