@@ -403,7 +403,11 @@ def collecting_onto_a_full_disk(tmp_path: Path, small_disk: SmallDisk, agent_por
     base = f"http://127.0.0.1:{port}"
     proc = start_collector(write_config(tmp_path, log, agent_port), small_disk.root / "run", port)
     try:
-        wait_until(lambda: http_ok(f"{base}/healthz"), timeout_s=30)
+        try:
+            wait_until(lambda: http_ok(f"{base}/healthz"), timeout_s=30, proc=proc)
+        except AssertionError as exc:
+            sizes = {p.name: p.stat().st_size for p in small_disk.root.rglob("*") if p.is_file()}
+            raise AssertionError(f"{exc}: /healthz {http_answer(f'{base}/healthz')}, disk {sizes}") from None
         small_disk.fill()
         wait_until(lambda: http_answer(f"{base}/healthz")[0] == 503, timeout_s=30)
         yield log, proc, base
