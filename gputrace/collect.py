@@ -129,6 +129,8 @@ class Collector:
         # else why not)
         self._marks_pending: list[_PendingMark] = []
         self._marks_posted = asyncio.Event()
+        # set by ``stop`` when records could not be written: the one line the command ends with
+        self.lost_on_stop: str | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -234,7 +236,7 @@ class Collector:
             if stuck:
                 log.warning("sources_not_stopped", sources=sorted(t.get_name() for t in stuck),
                             waited_s=STOP_STEP_S)
-        if not self.writer.flush():
+        if not self.writer.flush(every_type=True):  # what fits goes in; the rest is recorded
             log.error("store_records_lost", rows=self.writer.backlog_rows,
                       error=self.writer.write_error)
         for ht in self._hosts:
@@ -253,13 +255,19 @@ class Collector:
         if writer.write_error is not None:
             outages.append({"error": writer.write_error, "since_ns": writer.failing_since_ns,
                             "until_ns": None, "lost_rows": writer.backlog_rows})
+        unwritten = writer.unwritten()
+        meta_error = None
         try:
             self.store.update_meta(extra={"collector": {
                 "counts": dict(self.live.counts), "failures": self._failures,
                 "source_problems": [p.to_dict() for p in self._problems], "store_outages": outages,
-                "dropped_records": dict(writer.dropped), "stopped_ns": stopped_ns}})
+                "dropped_records": dict(writer.dropped), "unwritten_records": unwritten,
+                "stopped_ns": stopped_ns}})
         except StoreWriteError as exc:
-            log.error("meta_not_updated", error=str(exc))
+            meta_error = str(exc)
+            log.error("meta_not_updated", error=meta_error)
+        if unwritten:
+            self.lost_on_stop = _lost_on_stop(self.store.path, unwritten, writer.write_error, meta_error)
         log.info("collector_stopped", run=str(self.store.path), **self.live.counts)
 
     async def start_unless(self, stop: asyncio.Event) -> bool:
@@ -632,6 +640,25 @@ def _devices_from_info(host: str, info: dict[str, Any]) -> list[DeviceInfo]:
     return out
 
 
+def _lost_on_stop(run: Path, unwritten: dict[str, dict[str, Any]], error: str | None,
+                  meta_error: str | None) -> str:
+    """'stopped with N records not written (...)': the line a capture that lost its backlog ends with."""
+    rows = sum(entry["rows"] for entry in unwritten.values())
+    kinds = ", ".join(f"{entry['rows']} {name}" for name, entry in unwritten.items())
+    spans = [(e["first_ns"], e["last_ns"]) for e in unwritten.values() if "first_ns" in e]
+    span = ""
+    if spans:
+        first_s, last_s = min(a for a, _ in spans) / 1e9, max(b for _, b in spans) / 1e9
+        span = (f", from {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(first_s))} to "
+                f"{time.strftime('%H:%M:%S', time.gmtime(last_s))} UTC")
+    where = (f"counted in {run / 'meta.json'} (collector.unwritten_records)" if meta_error is None
+             else f"meta.json could not record them either ({meta_error.rsplit(': ', 1)[-1]})")
+    # the reason, without the database's wording around it ("No space left on device")
+    reason = (error or "unknown").rsplit(": ", 1)[-1]
+    return (f"stopped with {rows} records not written ({kinds}{span}): the store cannot be written "
+            f"({reason}); {where}")
+
+
 def install_stop_signals(stop: asyncio.Event) -> None:
     """SIGINT and SIGTERM set ``stop`` so the collector flushes and exits cleanly."""
     loop = asyncio.get_running_loop()
@@ -647,6 +674,7 @@ def open_run_store(out: Path, cfg: Config) -> Iterator[Store]:
     store = Store.create(out, name=cfg.run_name or out.name,
                          config=json.loads(json.dumps(dict(cfg.raw), default=str)))
     try:
+        store.reserve_meta_space()  # so a stop on a full disk still records what it lost
         yield store
     except BaseException:
         if store.is_empty():

@@ -8,6 +8,7 @@ Each append is one committed transaction, so a collector killed mid-run leaves e
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -50,6 +51,11 @@ SCHEMA_VERSION = 1
 DB_FILE = "run.duckdb"
 META_FILE = "meta.json"
 REJECTS_FILE = "rejects.ndjson"  # records set aside because a value did not fit its column
+# Space a capture keeps for its last meta.json: on a disk that filled, the file is deleted so the
+# stop can still record what it could not write (the temporary copy of meta.json needs its full
+# size; a long capture's meta.json is a few tens of KiB).
+META_RESERVE_FILE = "meta.reserve"
+META_RESERVE_BYTES = 1 << 20
 # DuckDB stores a table in row groups of this many rows (the file is attached with it: DuckDB
 # does not keep the size in the file). An append of at least a group is written straight to the
 # file; a smaller one goes through the write-ahead log and a checkpoint. Half DuckDB's default
@@ -62,11 +68,13 @@ READ_MEMORY_LIMIT = "256MB"  # DuckDB's block cache while a run is read for the 
 R = TypeVar("R")
 log = get_logger("store")
 
-# The import ledger: one row per file imported into the run, keyed by the sha256 of its bytes, so
-# the same content given again (under any path) adds nothing. Not a record table: no analysis reads it.
+# The import ledger. imported_files: one row per file imported into the run, keyed by the sha256
+# of its bytes, so the same content given again (under any path) adds nothing. imported_streams:
+# one row per engine log known by the fingerprint of its first decompressed bytes, naming the
+# source its lines are stored under, so a grown copy, or the same log compressed, adds only the
+# lines the run lacks. Not record tables: no analysis reads them.
 IMPORTS_TABLE = "imported_files"
-_IMPORTS_DDL = ("sha256 VARCHAR, probe VARCHAR, kind VARCHAR, path VARCHAR, size_bytes BIGINT, "
-                "imported_ns BIGINT")
+STREAMS_TABLE = "imported_streams"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -80,6 +88,32 @@ class ImportedFile:
     path: str  # as it was given, resolved
     size_bytes: int
     imported_ns: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ImportedStream:
+    """An engine log in the import ledger, by content: the sha256 of its first ``head_bytes``
+    decompressed bytes, and the source its lines are stored under (each line keyed by its
+    number there). A log may have several rows: one per head length it was seen with."""
+
+    head_sha256: str
+    head_bytes: int
+    source: str
+    kind: str  # "sglang log", "vllm log"
+    path: str  # the file that first brought it, resolved
+    imported_ns: int
+
+
+_LEDGER_TABLES: dict[str, type] = {IMPORTS_TABLE: ImportedFile, STREAMS_TABLE: ImportedStream}
+
+# Each record's identity, for imports that must add a record once however often its file comes
+# (``append_columns(unique=True)``). A request's id alone is not one: AIPerf's and guidellm's
+# fallback ids are positions in their file.
+RECORD_IDENTITY: dict[str, tuple[str, ...]] = {
+    "requests": ("host", "request_id", "start_ns"),
+    "markers": ("host", "ts_ns", "label", "kind"),
+    "gpu_samples": ("host", "gpu_index", "ts_ns"),
+}
 
 # What DuckDB raises when a write fails for a reason outside the data (measured on a full tmpfs:
 # IOException for a direct write or a failed checkpoint, TransactionException for a WAL commit).
@@ -196,12 +230,26 @@ def _first_line(exc: BaseException) -> str:
 def _create_missing_tables(con: duckdb.DuckDBPyConnection, temporary: bool) -> None:
     have = {row[0] for row in con.execute(
         "SELECT table_name FROM duckdb_tables() WHERE database_name = 'run'").fetchall()}
-    if IMPORTS_TABLE not in have:
-        con.execute(f"CREATE {'TEMP ' if temporary else ''}TABLE {IMPORTS_TABLE} ({_IMPORTS_DDL})")
-    for table, cols in _TABLE_COLUMNS.items():
+    wanted = {**{table: _columns_of(rt) for table, rt in _LEDGER_TABLES.items()}, **_TABLE_COLUMNS}
+    for table, cols in wanted.items():
         if table not in have:
             ddl = ", ".join(f'"{n}" {_SQL_TYPES[t]}' for n, t in cols)
             con.execute(f"CREATE {'TEMP ' if temporary else ''}TABLE {table} ({ddl})")
+
+
+def _insert_new(table: str, select: Sequence[str]) -> str:
+    """SQL: insert the batch's rows whose identity neither the table nor an earlier row of the
+    batch holds, in the batch's order (an anti-join keeps no order of its own)."""
+    key = RECORD_IDENTITY.get(table)
+    if key is None:
+        raise StoreError(f"{table}: no record identity to append by")
+    names = ", ".join(f'"{n}"' for n, _ in _schema(table))
+    same = " AND ".join(f't."{k}" IS NOT DISTINCT FROM b."{k}"' for k in key)
+    partition = ", ".join(f'"{k}"' for k in key)
+    return (f"INSERT INTO {table} SELECT {names} FROM ("
+            f"SELECT *, row_number() OVER (PARTITION BY {partition} ORDER BY _row) AS _nth FROM ("
+            f"SELECT {', '.join(select)}, row_number() OVER () AS _row FROM _gputrace_batch)) AS b "
+            f"WHERE _nth = 1 AND NOT EXISTS (SELECT 1 FROM {table} AS t WHERE {same}) ORDER BY _row")
 
 
 def _within(column: str, lo: int | None, hi: int | None, margin_ns: int) -> str:
@@ -335,6 +383,19 @@ class Store:
 
     def close(self) -> None:
         self._con.close()
+        if not self.read_only:
+            (self.path / META_RESERVE_FILE).unlink(missing_ok=True)
+
+    def reserve_meta_space(self) -> None:
+        """Keep META_RESERVE_BYTES on the run's disk for the last meta.json (released when it
+        cannot be written otherwise, removed on close). Written, not sparse: the blocks are held."""
+        try:
+            with (self.path / META_RESERVE_FILE).open("wb") as fh:
+                for _ in range(META_RESERVE_BYTES >> 16):
+                    fh.write(bytes(1 << 16))
+        except OSError as exc:  # a disk full already: the capture says so as it writes
+            (self.path / META_RESERVE_FILE).unlink(missing_ok=True)
+            log.warning("no space reserved for meta.json", run=str(self.path), error=exc.strerror)
 
     def __enter__(self) -> Store:
         return self
@@ -353,11 +414,19 @@ class Store:
 
     def _write_meta(self) -> None:
         tmp = self.path / (META_FILE + ".tmp")
-        try:
-            tmp.write_text(json.dumps(dataclasses.asdict(self.meta), indent=2, default=str) + "\n")
-            os.replace(tmp, self.path / META_FILE)
-        except OSError as exc:
-            raise StoreWriteError(f"{self.path / META_FILE}: cannot write: {exc.strerror}") from exc
+        text = json.dumps(dataclasses.asdict(self.meta), indent=2, default=str) + "\n"
+        reserve = self.path / META_RESERVE_FILE
+        for last_try in (False, True):
+            try:
+                tmp.write_text(text)
+                os.replace(tmp, self.path / META_FILE)
+                return
+            except OSError as exc:
+                tmp.unlink(missing_ok=True)
+                if last_try or exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not reserve.exists():
+                    raise StoreWriteError(f"{self.path / META_FILE}: cannot write: {exc.strerror}") from exc
+                reserve.unlink()
+                log.warning("disk full: meta.json written into the space reserved for it", run=str(self.path))
 
     def _reattach(self) -> None:
         """A fresh connection after the database was invalidated by a failed checkpoint."""
@@ -371,8 +440,9 @@ class Store:
 
     # -- writes --------------------------------------------------------------------------------
 
-    def append(self, records: Sequence[Any]) -> int:
-        """Append records of one type as one committed batch; returns the rows written."""
+    def append(self, records: Sequence[Any], *, unique: bool = False) -> int:
+        """Append records of one type as one committed batch; returns the rows written (with
+        ``unique``, those whose identity the table lacked: see :meth:`append_columns`)."""
         if not records:
             return 0
         record_type = type(records[0])
@@ -382,15 +452,16 @@ class Store:
         names = table_columns(table)
         columns = {n: [getattr(r, n) for r in records] for n in names}
         try:
-            return self.append_columns(table, columns)
+            return self.append_columns(table, columns, unique=unique)
         except _VALUE_ERRORS as exc:
             raise RecordError(f"{table}: a value cannot be stored: {exc}") from exc
 
-    def append_valid(self, records: Sequence[Any]) -> tuple[int, list[tuple[Any, str]]]:
+    def append_valid(self, records: Sequence[Any], *, unique: bool = False
+                     ) -> tuple[int, list[tuple[Any, str]]]:
         """Append what can be stored of one type's records, as one batch; returns the rows written
         and each record set aside with the reason (its value does not fit its column)."""
         try:
-            return self.append(records), []
+            return self.append(records, unique=unique), []
         except RecordError:
             pass
         schema = _arrow_schema(RECORD_TABLES[type(records[0])])
@@ -402,14 +473,16 @@ class Store:
                 good.append(record)
             else:
                 rejected.append((record, reason))
-        return (self.append(good) if good else 0), rejected
+        return (self.append(good, unique=unique) if good else 0), rejected
 
-    def append_columns(self, table: str, columns: Mapping[str, Any]) -> int:
-        """Append a batch given as columns (numpy arrays, Arrow arrays or lists).
+    def append_columns(self, table: str, columns: Mapping[str, Any], *, unique: bool = False) -> int:
+        """Append a batch given as columns (numpy arrays, Arrow arrays or lists); returns the rows
+        written.
 
         A scalar str/int stands for a constant column (e.g. ``host="node0"``). Columns not given
         take the record's default (NULL for optional fields); NaN in a float column is stored as
-        NULL ("not available").
+        NULL ("not available"). With ``unique``, a row whose identity (RECORD_IDENTITY) the table
+        or an earlier row of the batch holds already is not written.
         """
         schema = _arrow_schema(table)
         unknown = set(columns) - set(schema.names)
@@ -436,16 +509,18 @@ class Store:
                 fields.append(pa.field(f.name, array.type))
                 select.append(f'"{f.name}"')
             else:
-                select.append(f"CAST(? AS {_SQL_TYPES[sql_types[f.name]]})")
+                select.append(f'CAST(? AS {_SQL_TYPES[sql_types[f.name]]}) AS "{f.name}"')
                 params.append(value)
         batch = pa.Table.from_arrays(arrays, schema=pa.schema(fields))
+        insert = f"INSERT INTO {table} SELECT {', '.join(select)} FROM _gputrace_batch"
+        if unique:
+            insert = _insert_new(table, select)
         if self._invalidated:
             self._reattach()
         try:
             self._con.register("_gputrace_batch", batch)
             try:
-                self._con.execute(f"INSERT INTO {table} SELECT {', '.join(select)} FROM _gputrace_batch",
-                                  params)
+                inserted = self._con.execute(insert, params).fetchone()
             finally:
                 self._con.unregister("_gputrace_batch")
         except _WRITE_FAILURES as exc:
@@ -453,7 +528,7 @@ class Store:
             raise StoreWriteError(f"{self.path}: cannot write to {table}: {_first_line(exc)}") from exc
         except duckdb.Error as exc:
             raise StoreError(f"{self.path}: append to {table} failed: {exc}") from exc
-        return n_rows
+        return int(inserted[0]) if unique and inserted else n_rows
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -517,11 +592,37 @@ class Store:
 
     def record_import(self, entry: ImportedFile) -> None:
         """Add a file to the import ledger (once its rows are in)."""
+        self._insert_ledger(IMPORTS_TABLE, entry)
+
+    def _insert_ledger(self, table: str, entry: ImportedFile | ImportedStream) -> None:
+        values = [getattr(entry, f.name) for f in dataclasses.fields(entry)]
         try:
-            self._con.execute(f"INSERT INTO {IMPORTS_TABLE} VALUES (?, ?, ?, ?, ?, ?)",
-                              [getattr(entry, f.name) for f in dataclasses.fields(ImportedFile)])
+            self._con.execute(f"INSERT INTO {table} VALUES ({', '.join('?' * len(values))})", values)
         except duckdb.Error as exc:
             raise StoreWriteError(f"{self.path}: cannot write the import ledger: {_first_line(exc)}") from exc
+
+    def imported_streams(self) -> list[ImportedStream]:
+        """The engine logs the ledger knows by content (a few rows per log), oldest first."""
+        names = ", ".join(f.name for f in dataclasses.fields(ImportedStream))
+        return [ImportedStream(*row) for row in
+                self.sql(f"SELECT {names} FROM {STREAMS_TABLE} ORDER BY imported_ns")]
+
+    def record_stream(self, entry: ImportedStream) -> None:
+        """Add an engine log's fingerprint to the ledger (before its lines go in, so an import
+        cut short is resumed, not doubled, by the next)."""
+        self._insert_ledger(STREAMS_TABLE, entry)
+
+    def log_sources(self) -> set[str]:
+        """The names engine logs' lines are stored under, and those the ledger holds."""
+        rows = self.sql(f"SELECT source FROM scheduler_events UNION SELECT source FROM engine_configs "
+                        f"UNION SELECT source FROM {STREAMS_TABLE}")
+        return {str(source) for (source,) in rows}
+
+    def stored_line_numbers(self, source: str) -> np.ndarray:
+        """The line numbers of ``source`` that have a row (an event or a configuration), sorted."""
+        rows = self.sql_arrow("SELECT line_no FROM scheduler_events WHERE source = $1 UNION "
+                              "SELECT line_no FROM engine_configs WHERE source = $1 ORDER BY 1", [source])
+        return _numbers(rows, "line_no", np.int64)
 
     def count(self, table: str) -> int:
         _schema(table)
@@ -751,6 +852,9 @@ class StoreGpuSamples:
 # about 135 MB: 5 minutes of 8 GPUs at 100 Hz.
 MAX_BACKLOG_ROWS = 250_000
 _WRITE_RETRY = Backoff(initial_s=0.25, max_s=5.0)  # a disk freed is written to within 5 s
+# A record's own time, by the first of these fields its type has (the collector's receive time of
+# an engine line before the engine's stamp, which a log may lack).
+_RECORD_TIME_FIELDS = ("recv_ts_ns", "ts_ns", "start_ns", "local_send_ns", "log_ts_ns")
 
 
 class BatchingWriter:
@@ -811,12 +915,14 @@ class BatchingWriter:
         if due:
             self.flush()
 
-    def flush(self) -> bool:
+    def flush(self, *, every_type: bool = False) -> bool:
         """Append every buffer; False when the store could not be written (the rest stays buffered
-        for the next attempt). A record whose value cannot be stored is set aside (counted in
-        ``rejected``, handed to ``on_reject``, written to the run's rejects file) and the rest of
-        its batch is written: one bad value must not stop the writer (it did: the batch stayed in
-        the buffer, every later flush failed on it)."""
+        for the next attempt; ``every_type``: each type is still tried, as the last flush of a
+        capture does, so what fits goes in). A record whose value cannot be stored is set aside
+        (counted in ``rejected``, handed to ``on_reject``, written to the run's rejects file) and
+        the rest of its batch is written: one bad value must not stop the writer (it did: the
+        batch stayed in the buffer, every later flush failed on it)."""
+        failed = False
         for buf in self._buffers.values():
             if not buf:
                 continue
@@ -824,15 +930,36 @@ class BatchingWriter:
                 written, rejected = self.store.append_valid(buf)
             except StoreWriteError as exc:
                 self._write_failed(exc)
-                return False
+                if not every_type:
+                    return False
+                failed = True
+                continue
             self.rows_written += written
             buf.clear()
             for record, reason in rejected:
                 self._reject(record, reason)
+        if failed:
+            return False
         self._last_flush = time.monotonic()
         if self.write_error is not None:
             self._write_recovered()
         return True
+
+    def unwritten(self) -> dict[str, dict[str, Any]]:
+        """What the backlog holds, per record type: its rows and the span of their own times
+        (``first_ns``/``last_ns`` of ``time_field``, in the clock of the host that made them), for
+        meta.json when a capture stops before it could write them."""
+        out: dict[str, dict[str, Any]] = {}
+        for record_type, buf in self._buffers.items():
+            if not buf:
+                continue
+            entry: dict[str, Any] = {"rows": len(buf)}
+            field_name = next((f for f in _RECORD_TIME_FIELDS if hasattr(buf[0], f)), None)
+            times = [t for r in buf if (t := getattr(r, field_name)) is not None] if field_name else []
+            if times:
+                entry.update(time_field=field_name, first_ns=min(times), last_ns=max(times))
+            out[record_type.__name__] = entry
+        return out
 
     def health(self) -> dict[str, Any]:
         """The writer's state for /healthz and /v1/status."""

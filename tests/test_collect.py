@@ -390,20 +390,37 @@ def http_answer(url: str) -> tuple[int, dict[str, Any]]:
         return 0, {}
 
 
-def test_a_full_disk_is_reported_and_the_backlog_written_when_space_returns(
-        tmp_path: Path, small_disk: SmallDisk, agent_port: int) -> None:
-    """[robust] #2: with the run on a disk that fills up, /healthz answers 503 with the reason and
-    /v1/status shows it (it said ok while samples piled up in memory); once space returns the
-    collector writes its backlog and carries on: every sample it counted is on disk."""
+@contextlib.contextmanager
+def collecting_onto_a_full_disk(tmp_path: Path, small_disk: SmallDisk, agent_port: int,
+                                stop_signal: signal.Signals = signal.SIGINT
+                                ) -> Iterator[tuple[Path, subprocess.Popen[bytes], str]]:
+    """`gputrace collect` writing its run onto ``small_disk``, which is then filled: yields the log
+    it follows, the process and its base URL once /healthz says the store cannot be written; the
+    process is sent ``stop_signal`` when the block ends (its output is the test's to read)."""
     log = tmp_path / "sglang.log"
     log.touch()
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     proc = start_collector(write_config(tmp_path, log, agent_port), small_disk.root / "run", port)
     try:
-        wait_until(lambda: http_ok(f"{base}/healthz"), timeout_s=30)
+        try:
+            wait_until(lambda: http_ok(f"{base}/healthz"), timeout_s=30, proc=proc)
+        except AssertionError as exc:
+            sizes = {p.name: p.stat().st_size for p in small_disk.root.rglob("*") if p.is_file()}
+            raise AssertionError(f"{exc}: /healthz {http_answer(f'{base}/healthz')}, disk {sizes}") from None
         small_disk.fill()
         wait_until(lambda: http_answer(f"{base}/healthz")[0] == 503, timeout_s=30)
+        yield log, proc, base
+    finally:
+        proc.send_signal(stop_signal)
+
+
+def test_a_full_disk_is_reported_and_the_backlog_written_when_space_returns(
+        tmp_path: Path, small_disk: SmallDisk, agent_port: int) -> None:
+    """[robust] #2: with the run on a disk that fills up, /healthz answers 503 with the reason and
+    /v1/status shows it (it said ok while samples piled up in memory); once space returns the
+    collector writes its backlog and carries on: every sample it counted is on disk."""
+    with collecting_onto_a_full_disk(tmp_path, small_disk, agent_port) as (_log, proc, base):
         _, health = http_answer(f"{base}/healthz")
         assert [p["source"] for p in health["problems"]] == ["store"]
         assert "No space left on device" in health["problems"][0]["reason"]
@@ -414,15 +431,46 @@ def test_a_full_disk_is_reported_and_the_backlog_written_when_space_returns(
         small_disk.free()
         wait_until(lambda: http_ok(f"{base}/healthz"), timeout_s=30)
         time.sleep(1.0)  # samples written after the recovery too
-    finally:
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err.decode()[-2000:]
     with Store.open(small_disk.root / "run", read_only=True) as store:
         collector = store.meta.extra["collector"]
         assert store.count("gpu_samples") == collector["counts"]["gpu_samples"] > 0
     assert collector["dropped_records"] == {}
     assert ["No space left on device" in o["error"] for o in collector["store_outages"]] == [True]
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stop_while_the_disk_is_full_records_what_it_could_not_write(
+        tmp_path: Path, small_disk: SmallDisk, agent_port: int, stop_signal: signal.Signals) -> None:
+    """[robust] #45 loss class 4: stopped while the disk is still full, the collector writes what it
+    can, records in meta.json what it could not (per record type, with its time span), and exits
+    1 with one line (it lost 3,681 of 4,568 lines, exit 0, "run written to ...", meta.json as it
+    was): every record it received is stored or accounted for."""
+    with collecting_onto_a_full_disk(tmp_path, small_disk, agent_port, stop_signal) as (log, proc, base):
+        with log.open("a") as fh:
+            fh.writelines(decode_line(i, i % 8) for i in range(2000))
+        wait_until(lambda: http_answer(f"{base}/v1/status")[1]["counts"]["scheduler_events"] == 2000,
+                   timeout_s=30)
+    _, err_bytes = proc.communicate(timeout=60)
+    err = err_bytes.decode()
+    assert proc.returncode == 1, err[-2000:]
+    last = err.rstrip("\n").splitlines()[-1]
+    assert last.startswith("gputrace: error: stopped with ") and "run written" not in err, err[-2000:]
+    assert "(No space left on device); counted in " in last
+    small_disk.free()
+    meta = json.loads((small_disk.root / "run" / "meta.json").read_text())
+    collector = meta["extra"]["collector"]
+    unwritten = collector["unwritten_records"]
+    assert unwritten["SchedulerEvent"]["rows"] > 0
+    assert unwritten["SchedulerEvent"]["first_ns"] <= unwritten["SchedulerEvent"]["last_ns"]
+    assert f"stopped with {sum(u['rows'] for u in unwritten.values())} records not written" in last
+    with Store.open(small_disk.root / "run", read_only=True) as store:
+        for table, record_type in (("scheduler_events", "SchedulerEvent"), ("gpu_samples", "GpuSample")):
+            received = collector["counts"][table]
+            accounted = (store.count(table) + unwritten.get(record_type, {}).get("rows", 0)
+                         + collector["dropped_records"].get(record_type, 0))
+            assert accounted == received > 0, (table, collector)
 
 
 def test_a_missing_log_shows_as_failing_in_health_status_watch_and_report(

@@ -92,20 +92,22 @@ def test_changed_content_under_the_same_path_is_imported(tmp_path: Path) -> None
 
 def test_files_that_share_their_ends_are_told_apart_by_content(tmp_path: Path) -> None:
     """The ledger's cheap probe (size, first and last MiB) only finds candidates: two JSONL files
-    of 3 MiB that differ in one byte in the middle are both imported."""
+    of 3 MiB that differ in one byte in the middle (one request's id) are both read, and the
+    request only the second holds goes in."""
     lines = SGLANG.joinpath("requests.jsonl").read_text().splitlines()
     body = [line for line in lines if '"type":"request"' in line]
-    repeat = body * (3 * (1 << 20) // len("\n".join(body)) + 1)
+    repeat = [line.replace('"request_id":"', f'"request_id":"{k}-', 1)  # each request once
+              for k, line in enumerate(body * (3 * (1 << 20) // len("\n".join(body)) + 1))]
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text("\n".join(repeat) + "\n")
     middle = len(repeat) // 2
-    repeat[middle] = repeat[middle].replace('"prompt_tokens":', '"prompt_tokens":1', 1)
+    repeat[middle] = repeat[middle].replace('"request_id":"', '"request_id":"x', 1)
     b.write_text("\n".join(repeat) + "\n")
     assert a.stat().st_size + 1 == b.stat().st_size > 3 << 20
     run = tmp_path / "run"
     proc = gputrace_process("import", "--run", str(run), "--requests", str(a), "--requests", str(b))
     assert proc.returncode == 0 and "already imported" not in proc.stdout
-    assert _counts(run)["requests"] == 2 * len(repeat)
+    assert _counts(run)["requests"] == len(repeat) + 1
 
 
 @pytest.mark.parametrize("form", ["plain", "gz", "cut gz", "corrupt gz"])

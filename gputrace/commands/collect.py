@@ -9,6 +9,7 @@ import click
 
 from gputrace.collect import DEFAULT_LISTEN, CollectOptions, Collector, install_stop_signals, open_run_store
 from gputrace.config import load_config
+from gputrace.errors import StoreWriteError
 from gputrace.remote.connect import host_key_policy_from_flags
 from gputrace.token_file import read_token
 
@@ -53,18 +54,21 @@ def command(config_path: str, out: Path, listen: str, accept_new_host_keys: bool
     """Capture a run: follow each host's engine log, pull its agent's GPU samples, probe clocks.
 
     Writes to the run store at least every half second; SIGINT or SIGTERM stop it with everything
-    flushed. Phase markers can be posted to /v1/mark (see `gputrace mark`).
+    flushed (exit 1 when the store could not take it all: what was not written is counted in
+    meta.json). Phase markers can be posted to /v1/mark (see `gputrace mark`).
     """
     cfg = load_config(config_path)
     options = collect_options(listen, accept_new_host_keys, insecure_skip_host_key_check,
                               agent_token_file, token_file, insecure)
 
-    async def main() -> None:
+    async def main() -> str | None:
         with open_run_store(out, cfg) as store:
             collector = Collector(cfg, store, options)
             stop = asyncio.Event()
             install_stop_signals(stop)
             await collector.run_until(stop)
+            return collector.lost_on_stop
 
-    asyncio.run(main())
+    if (lost := asyncio.run(main())) is not None:
+        raise StoreWriteError(lost)
     click.echo(f"run written to {out}", err=True)

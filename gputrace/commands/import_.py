@@ -46,6 +46,11 @@ def _import_engine_logs(
         if known.earlier is not None:
             click.echo(known.already_imported())
             continue
+        # the same log grown, or compressed: its lines go in under the earlier copy's source, and
+        # only those the run lacks. Recorded first, so an import cut short is resumed by the next.
+        stream = ledger.log_stream(store, path, default_source(path))
+        if (stream_entry := stream.entry(f"{engine} log", path)) is not None:
+            store.record_stream(stream_entry)
         content = ledger.StreamHash()
         size = os.path.getsize(path) if os.path.isfile(path) else 0
         show = progress if progress is not None else (size >= PROGRESS_MIN_BYTES and sys.stderr.isatty())
@@ -57,9 +62,11 @@ def _import_engine_logs(
             click.echo(f"{path}: vLLM's times have no year: dated up to the file's last change "
                        f"({last_write.isoformat()}); --date YYYY-MM-DD sets the year", err=True)
         with _bytes_progress(f"{engine} log {os.path.basename(path)}", size, show) as advance:
-            stats = ingest_log(store, path, host=host, engine=engine, source=default_source(path),
+            stats = ingest_log(store, path, host=host, engine=engine, source=stream.source,
                                tz=timezone, date=date, year_until=year_until, on_progress=advance,
-                               on_bytes=content.update)
+                               on_bytes=content.update, stored_lines=stream.stored)
+        if stream.earlier is not None and stream.earlier.path != str(Path(path).resolve()):
+            stats.continues = stream.earlier.path
         click.echo(stats.summary())
         if not any(stats.recognised.values()):
             other = "vllm" if engine == "sglang" else "sglang"

@@ -14,7 +14,7 @@ import click
 from gputrace.collect import Collector, install_stop_signals, open_run_store
 from gputrace.commands.collect import collect_flags, collect_options
 from gputrace.config import Config, LoadConfig, load_config
-from gputrace.errors import SourceError, UsageError
+from gputrace.errors import SourceError, StoreWriteError, UsageError
 from gputrace.load.generator import LoadGenerator, LoadSpec, load_prompts, spec_from_config
 from gputrace.logsetup import get_logger
 
@@ -111,9 +111,10 @@ def command(ctx: click.Context, config_path: str, out: Path, listen: str, accept
                                            ignore_eos, burst)
     exit_status = 0
     started = False
+    lost: str | None = None
 
     async def main() -> None:
-        nonlocal exit_status, started
+        nonlocal exit_status, started, lost
         with open_run_store(out, cfg) as store:
             collector = Collector(cfg, store, options)
             stop = asyncio.Event()
@@ -139,8 +140,11 @@ def command(ctx: click.Context, config_path: str, out: Path, listen: str, accept
                 await collector.drain()  # the last log lines and samples, into the store
             finally:
                 await collector.stop()
+                lost = collector.lost_on_stop
 
     asyncio.run(main())
+    if lost is not None:  # the records not written are counted in meta.json; no report from less
+        raise StoreWriteError(lost)
     click.echo(f"run written to {out}", err=True)
     if write_report and started:
         from gputrace.commands.report import command as report_command

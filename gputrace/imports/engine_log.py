@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 from gputrace.engines import KINDS, LogParser, fastpath
 from gputrace.engines.common import MAX_LINE_BYTES, METRIC_FIELDS, RANK_FIELDS, LogClock, ParsedLine
 from gputrace.errors import SourceError
-from gputrace.imports.report import ImportReport, write_rows
+from gputrace.imports.report import ImportReport, StoredLines, write_rows
 from gputrace.logsetup import get_logger
 from gputrace.model import EngineConfig
 from gputrace.store import ROW_GROUP_ROWS, Store
@@ -225,13 +225,14 @@ class _EventColumns:
         for name in METRIC_FIELDS:
             cols[name].append(values.get(name))
 
-    def flush(self, store: Store, report: ImportReport, host: str, source: str, engine: str) -> int:
+    def flush(self, store: Store, report: ImportReport, host: str, source: str, engine: str,
+              stored_lines: StoredLines | None = None) -> int:
         n_rows = len(self)
         if not n_rows:
             return 0
         columns: dict[str, object] = dict(self.cols)
         columns.update(host=[host] * n_rows, source=[source] * n_rows, engine=[engine] * n_rows)
-        written = write_rows(store, report, "scheduler_events", columns)
+        written = write_rows(store, report, "scheduler_events", columns, stored_lines=stored_lines)
         for values in self.cols.values():
             values.clear()
         return written
@@ -252,6 +253,7 @@ def ingest_log(
     chunk_bytes: int = CHUNK_BYTES,
     on_progress: Callable[[int], None] | None = None,
     on_bytes: Callable[[memoryview], None] | None = None,
+    stored_lines: StoredLines | None = None,
 ) -> ImportReport:
     """Parse a whole log file and append its events and configuration lines to ``store``.
 
@@ -263,6 +265,8 @@ def ingest_log(
     let the database write on two threads while the next batch is parsed. ``on_progress`` is
     called with the bytes of the file read so far (compressed bytes for a .gz), chunk by chunk;
     ``on_bytes`` with each block of the file as read (the import ledger hashes it).
+    ``stored_lines``: the lines of this log (by number) the run holds already, not written again
+    (counted in the report's ``present``).
     """
     source = source or str(path)
     parser = LogParser(host=host, source=source, engine=engine, tz=tz, date=date, year_until=year_until)
@@ -276,7 +280,7 @@ def ingest_log(
             raw: IO[bytes] = stream.fileobj if isinstance(stream, gzip.GzipFile) else stream
             chunks = _reporting(chunks, raw, on_progress)
         if fast and engine == "sglang":
-            _ingest_fast(store, parser, chunks, events, configs, stats, batch_rows)
+            _ingest_fast(store, parser, chunks, events, configs, stats, batch_rows, stored_lines)
         else:
             for chunk in chunks:
                 blank = 0  # no grammar reads a blank line: counted here, not parsed one by one
@@ -289,9 +293,9 @@ def ingest_log(
                 parser.counts.lines += blank
                 parser.counts.unrecognised += blank
                 if len(events) >= batch_rows:
-                    events.flush(store, stats, host, source, engine)
-    events.flush(store, stats, host, source, engine)
-    write_rows(store, stats, "engine_configs", configs)
+                    events.flush(store, stats, host, source, engine, stored_lines)
+    events.flush(store, stats, host, source, engine, stored_lines)
+    write_rows(store, stats, "engine_configs", configs, stored_lines=stored_lines)
     counts = parser.counts
     stats.lines = counts.lines
     stats.recognised = {k: counts.recognised.get(k, 0) for k in KINDS}
@@ -311,6 +315,7 @@ def _ingest_fast(
     configs: list[EngineConfig],
     stats: ImportReport,
     batch_rows: int,
+    stored_lines: StoredLines | None,
 ) -> None:
     """Scan chunks in worker threads while one writer thread appends the previous batch, so
     parsing and the database's work overlap; one append in flight at a time keeps the order.
@@ -334,15 +339,16 @@ def _ingest_fast(
             if pending_rows >= max(batch_rows, quantum):
                 n_write = pending_rows - pending_rows % quantum
                 head, tail = _split_rows(pending, n_write)
-                write(partial(_flush_fast, store, stats, head, parser))
+                write(partial(_flush_fast, store, stats, head, parser, stored_lines))
                 pending = [tail] if pending_rows > n_write else []
                 pending_rows -= n_write
             if len(events) >= batch_rows:
-                write(partial(events.flush, store, stats, parser.host, parser.source, parser.engine))
+                write(partial(events.flush, store, stats, parser.host, parser.source, parser.engine,
+                              stored_lines))
                 if in_flight is not None:  # the per-line rows' buffer is reused: wait for it
                     in_flight.result()
                     in_flight = None
-        write(partial(_flush_fast, store, stats, list(pending), parser))
+        write(partial(_flush_fast, store, stats, list(pending), parser, stored_lines))
         if in_flight is not None:
             in_flight.result()
 
@@ -388,7 +394,7 @@ def _split_rows(pending: list[dict[str, pa.Array]], n_rows: int) -> tuple[list[d
 
 
 def _flush_fast(store: Store, report: ImportReport, pending: list[dict[str, pa.Array]],
-                parser: LogParser) -> int:
+                parser: LogParser, stored_lines: StoredLines | None = None) -> int:
     """Append queued fast-path rows as one batch (DuckDB writes big batches far faster)."""
     if not pending:
         return 0
@@ -397,7 +403,7 @@ def _flush_fast(store: Store, report: ImportReport, pending: list[dict[str, pa.A
     columns: dict[str, object] = {
         name: chunks.combine_chunks() for name, chunks in fastpath.join_chunks(pending).items()}
     columns.update(host=parser.host, source=parser.source, engine=parser.engine)
-    return write_rows(store, report, "scheduler_events", columns)
+    return write_rows(store, report, "scheduler_events", columns, stored_lines=stored_lines)
 
 
 def _take_chunk(

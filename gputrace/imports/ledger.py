@@ -1,6 +1,11 @@
 """Which files a run holds already, by content: `gputrace import` asks before it imports a file
 and records it after, so the same bytes given again (under any name) add nothing.
 
+An engine log is also known by its content, whatever its compression and however far it had
+grown (``log_stream``): by the sha256 of its first HEAD_BYTES decompressed bytes, as log shippers
+fingerprint a file; its lines are keyed by their numbers in that content, so a grown copy adds only
+its new lines, and the same log gzipped adds none.
+
 A file is known by the sha256 of its bytes. Hashing costs a pass over the file (about 200 MB/s
 on the 2-core CI machine, so 10 s for a 2 GiB log), so a new file is not hashed before its
 import: a probe (sha256 over its size and first and last MiB, read in milliseconds) finds the
@@ -16,9 +21,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gputrace.store import ImportedFile, Store
+from gputrace.errors import SourceError
+from gputrace.imports.engine_log import open_log
+from gputrace.imports.report import StoredLines
+from gputrace.store import ImportedFile, ImportedStream, Store
 
 PROBE_BYTES = 1 << 20
+# An engine log's first line stamps its time (and SGLang's prints every server argument): two
+# logs share their first KiB only when one is a copy of the other, grown or compressed. A log
+# shorter than this is known by all of it.
+HEAD_BYTES = 1 << 10
 _BLOCK_BYTES = 1 << 20
 
 
@@ -96,3 +108,50 @@ def check(store: Store, path: str, kind: str) -> LedgerCheck:
         full = StreamHash().finish(path)
         earlier = next((c for c in candidates if c.sha256 == full), None)
     return LedgerCheck(path, kind, probe, size, earlier)
+
+
+@dataclass(frozen=True, slots=True)
+class LogStream:
+    """An engine log about to be imported, as the ledger knows its content."""
+
+    source: str  # the name its lines go in under: an earlier copy's, or a new one
+    head_sha256: str = ""  # "": an empty or unreadable log, not recorded
+    head_bytes: int = 0
+    earlier: ImportedStream | None = None  # the copy that first brought this content
+    stored: StoredLines | None = None  # its lines the run holds; None: none
+    recorded: bool = False  # the ledger knows this head already
+
+    def entry(self, kind: str, path: str) -> ImportedStream | None:
+        """The ledger row to record before its lines go in; None when there is none to add."""
+        if self.recorded or not self.head_sha256:
+            return None
+        return ImportedStream(head_sha256=self.head_sha256, head_bytes=self.head_bytes,
+                              source=self.source, kind=kind, path=str(Path(path).resolve()),
+                              imported_ns=time.time_ns())
+
+
+def log_stream(store: Store, path: str, source: str) -> LogStream:
+    """How ``store`` knows the engine log at ``path``: a log whose first decompressed bytes match
+    one it holds continues that one (its lines go in under that source, those stored already
+    skipped); any other is new, under ``source`` (made unique when another log holds that name:
+    two logs written at one path, one after the other, must not share their line numbers)."""
+    try:
+        with open_log(path) as stream:
+            head = stream.read(HEAD_BYTES)
+    except (OSError, EOFError):
+        head = b""
+    except SourceError:  # unreadable: the importer says so
+        return LogStream(source)
+    if not head:
+        return LogStream(source)
+    fingerprint = hashlib.sha256(head).hexdigest()
+    matches = [known for known in store.imported_streams() if known.head_bytes <= len(head)
+               and hashlib.sha256(head[:known.head_bytes]).hexdigest() == known.head_sha256]
+    if not matches:
+        if source in store.log_sources():
+            source = f"{source} [{fingerprint[:12]}]"
+        return LogStream(source, fingerprint, len(head))
+    first = matches[0]  # oldest first: the copy that brought the content
+    recorded = any(m.head_bytes == len(head) and m.source == first.source for m in matches)
+    return LogStream(first.source, fingerprint, len(head), earlier=first,
+                     stored=StoredLines(store.stored_line_numbers(first.source)), recorded=recorded)

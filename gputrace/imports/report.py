@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
+
 from gputrace.engines.common import MAX_LINE_BYTES
 from gputrace.errors import ConfigError
 from gputrace.logsetup import get_logger
@@ -33,6 +36,7 @@ class ImportReport:
     path: str  # the file, or the Prometheus URL
     kind: str  # "aiperf", "nvidia-smi-csv", "sglang log", "prometheus", ...
     written: dict[str, int] = field(default_factory=dict)  # table -> rows
+    present: dict[str, int] = field(default_factory=dict)  # table -> rows the run held already
     bad: int = 0
     problems: list[str] = field(default_factory=list)
     records: list[Record] = field(default_factory=list)  # parsed, not yet in the store
@@ -45,6 +49,7 @@ class ImportReport:
     lines_cut: int = 0  # longer than MAX_LINE_BYTES: read up to it, the rest skipped
     bad_values: int = 0  # values that break the value rule (engines.common): not stored
     cut: str | None = None  # a compressed file that ends early: where, and what was read
+    continues: str | None = None  # the file that first brought this log's content, if another
     first_bad_value: str | None = None
     # -- Prometheus
     gpus: int = 0
@@ -94,29 +99,101 @@ class ImportReport:
                        if self.lines_cut else "")
                     + (f"; {self.bad_values} bad values not stored (first: {self.first_bad_value})"
                        if self.bad_values else "")
-                    + (f"; FILE CUT: {self.cut}" if self.cut else ""))
+                    + (f"; FILE CUT: {self.cut}" if self.cut else "")
+                    + self._present_summary())
         parts = [f"{n} {table}" for table, n in self.written.items() if n]
         line = f"{self.path} ({self.kind}): " + (", ".join(parts) or "nothing") + " imported"
+        line += self._present_summary()
         if self.bad:
             line += f"; {self.bad} bad rows skipped (first: {self.problems[0]})"
         return line
 
 
+    def _present_summary(self) -> str:
+        """'; 64 requests, 2 markers already present' (and the file they came in with)."""
+        present = [f"{n} {_TABLE_WORDS.get(table, table)}" for table, n in self.present.items() if n]
+        if not present and self.continues is None:
+            return ""
+        where = f" (this log's content came first in {self.continues})" if self.continues else ""
+        return f"; {', '.join(present) or 'nothing'} already present{where}"
+
+
+# what an engine log's summary calls its tables' rows
+_TABLE_WORDS = {"scheduler_events": "events", "engine_configs": "configuration records"}
+
+
+@dataclass(frozen=True, slots=True)
+class StoredLines:
+    """The line numbers of one engine log that the run holds rows for (sorted): a grown copy of
+    the log, or the same log compressed, writes only its other lines. A line is keyed by its
+    number in the log's decompressed content, which every copy of it shares."""
+
+    line_no: np.ndarray
+
+    def new(self, line_no: np.ndarray) -> np.ndarray:
+        """Which of ``line_no`` the run lacks (a boolean mask)."""
+        if not len(self.line_no):
+            return np.ones(len(line_no), dtype=bool)
+        at = np.minimum(np.searchsorted(self.line_no, line_no), len(self.line_no) - 1)
+        return np.asarray(self.line_no[at] != line_no)
+
+
 def write_rows(store: Store, report: ImportReport, table: str,
-               rows: Sequence[Any] | Mapping[str, Any]) -> int:
+               rows: Sequence[Any] | Mapping[str, Any], *, unique: bool = False,
+               stored_lines: StoredLines | None = None) -> int:
     """Append rows to ``table`` as one committed batch and count them in ``report``: records of the
     table's type (a record no column can hold is one bad row, not the whole file's loss) or columns
-    (numpy, Arrow or lists, as ``Store.append_columns`` takes them). Returns the rows written."""
+    (numpy, Arrow or lists, as ``Store.append_columns`` takes them). Returns the rows written.
+
+    Rows the run holds already are counted in ``report.present``, not written: with ``unique``,
+    those whose identity the table holds (store.RECORD_IDENTITY); with ``stored_lines``, an
+    engine log's lines that have a row."""
+    given = len(rows) if not isinstance(rows, Mapping) else _column_length(rows)
+    if stored_lines is not None:
+        rows = _only_new_lines(rows, stored_lines)
     if isinstance(rows, Mapping):
-        n = store.append_columns(table, rows)
+        n = store.append_columns(table, rows, unique=unique) if _column_length(rows) else 0
+        rejected_n = 0
     elif not rows:
-        n = 0
+        n = rejected_n = 0
     else:
-        n, rejected = store.append_valid(rows)
+        n, rejected = store.append_valid(rows, unique=unique)
+        rejected_n = len(rejected)
         for record, reason in rejected:
             report.skip(f"{table} {_where(record)}", f"cannot be stored: {reason}")
     report.written[table] = report.written.get(table, 0) + n
+    if present := given - n - rejected_n:
+        report.present[table] = report.present.get(table, 0) + present
     return n
+
+
+def _column_length(columns: Mapping[str, Any]) -> int:
+    return next((len(v) for v in columns.values() if not isinstance(v, str | int)), 0)
+
+
+def _only_new_lines(rows: Sequence[Any] | Mapping[str, Any], stored: StoredLines
+                    ) -> Sequence[Any] | Mapping[str, Any]:
+    """``rows`` (records or columns, each with a ``line_no``) less the lines the run holds."""
+    if not isinstance(rows, Mapping):
+        keep = stored.new(np.asarray([r.line_no for r in rows], dtype=np.int64))
+        return [r for r, new in zip(rows, keep.tolist(), strict=True) if new]
+    line_no = rows["line_no"]
+    keep = stored.new(line_no.to_numpy() if isinstance(line_no, pa.Array | pa.ChunkedArray)
+                      else np.asarray(line_no, dtype=np.int64))
+    if keep.all():
+        return rows
+    mask = pa.array(keep)
+    out: dict[str, Any] = {}
+    for name, column in rows.items():
+        if isinstance(column, str | int):
+            out[name] = column
+        elif isinstance(column, pa.Array | pa.ChunkedArray):
+            out[name] = column.filter(mask)
+        elif isinstance(column, np.ndarray):
+            out[name] = column[keep]
+        else:
+            out[name] = [v for v, new in zip(column, keep.tolist(), strict=True) if new]
+    return out
 
 
 def write_parsed(store: Store, report: ImportReport) -> ImportReport:
@@ -128,7 +205,8 @@ def write_parsed(store: Store, report: ImportReport) -> ImportReport:
         by_table.setdefault(RECORD_TABLES[type(record)], []).append(record)
     report.records = []
     for table, records in by_table.items():
-        write_rows(store, report, table, records)
+        # a file's records go in once however often the file (or one overlapping it) comes
+        write_rows(store, report, table, records, unique=True)
     if report.bad:
         log.warning("bad rows skipped", file=report.path, kind=report.kind, bad=report.bad,
                     first=report.problems[0])
