@@ -321,6 +321,9 @@ def ssh_target_text(target: SshTarget) -> str:
 def _parse_host(path: Path, index: int, table: Any) -> HostConfig:
     sec = _Section(path, f"hosts[{index}]", table)
     name = sec.get("name", str, required=True)
+    if not name.strip():
+        # the name labels every sample and the topology's rows: an empty one matches nothing
+        sec.fail(sec.key("name"), "must not be empty (a name for this host, e.g. node0)")
     ssh = parse_ssh_target(sec.get("ssh", str, "local"), path, sec.key("ssh"))
     log_table = sec.get("log", dict)
     log = _parse_log(path, sec.key("log"), log_table) if log_table is not None else None
@@ -328,6 +331,11 @@ def _parse_host(path: Path, index: int, table: Any) -> HostConfig:
     metrics = (_parse_engine_metrics(path, sec.key("engine_metrics"), metrics_table)
                if metrics_table is not None else None)
     gpus = sec.int_list("gpus")
+    listed = gpus or ()
+    for i, gpu in enumerate(listed):
+        if gpu in listed[:i]:
+            sec.fail(f"{sec.key('gpus')}[{i}]",
+                     f"GPU {gpu} is listed twice (also at gpus[{listed.index(gpu)}])")
     host = HostConfig(
         name=name,
         ssh=ssh,
