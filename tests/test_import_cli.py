@@ -57,7 +57,7 @@ def test_a_failed_import_into_a_new_run_leaves_none_behind(tmp_path: Path) -> No
     argv = [sys.executable, "-m", "gputrace", "import", "--run", str(run)]
     out = subprocess.run([*argv, "--sglang-log", str(tmp_path / "nope.log")],
                          capture_output=True, text=True, timeout=60)
-    assert out.returncode == 1 and "cannot read the log" in out.stderr
+    assert out.returncode == 2 and "nope.log: no such file" in out.stderr
     assert not run.exists()
     log = tmp_path / "ok.log"
     log.write_text("[2026-01-01 00:00:00 PP0] Decode batch, #running-req: 1, #token: 1, token usage: 0.00, "
@@ -65,4 +65,40 @@ def test_a_failed_import_into_a_new_run_leaves_none_behind(tmp_path: Path) -> No
     assert subprocess.run([*argv, "--sglang-log", str(log)], capture_output=True, timeout=60).returncode == 0
     again = subprocess.run([*argv, "--sglang-log", str(tmp_path / "nope.log")], capture_output=True,
                            timeout=60)
-    assert again.returncode == 1 and (run / "meta.json").exists()
+    assert again.returncode == 2 and (run / "meta.json").exists()
+
+
+ENGINE_LOG = Path(__file__).parent / "data/engines/sglang-0.5.23-pp2/default/engine.log"
+
+
+def test_a_pipe_imports_what_its_file_does(tmp_path: Path) -> None:
+    """`import --sglang-log <(cat log)` ended in "unexpected OSError: Illegal seek" (and a CSV
+    through a pipe in "not seekable"): a pipe is read into a temporary file and imports every
+    event and sample the file itself does."""
+    import subprocess
+    import sys
+
+    piped = subprocess.run(
+        ["bash", "-c",
+         '"$0" -m gputrace import --run "$1" --sglang-log <(cat "$2") --nvidia-smi-csv <(cat "$3")',
+         sys.executable, str(tmp_path / "piped"), str(ENGINE_LOG), str(DATA / "nvidia_smi_query.csv")],
+        capture_output=True, text=True, timeout=120)
+    assert piped.returncode == 0, piped.stderr
+    assert "unexpected" not in piped.stderr and "is a pipe: read into" in piped.stderr
+    direct = gputrace_process("import", "--run", str(tmp_path / "direct"), "--sglang-log", str(ENGINE_LOG),
+                              "--nvidia-smi-csv", str(DATA / "nvidia_smi_query.csv"))
+    assert direct.returncode == 0, direct.stderr
+    counts = []
+    for run in ("piped", "direct"):
+        with Store.open(tmp_path / run, read_only=True) as store:
+            counts.append((store.count("scheduler_events"), len(store.records(GpuSample))))
+    assert counts[0] == counts[1] and counts[0][0] > 3000 and counts[0][1] == 8
+
+
+def test_a_device_is_refused_in_one_line(tmp_path: Path) -> None:
+    """`import --sglang-log /dev/zero` would read forever: one line naming what it is, exit 2, no run."""
+    proc = gputrace_process("import", "--run", str(tmp_path / "run"), "--sglang-log", "/dev/zero")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == ["gputrace: error: /dev/zero: is a character device, not a file "
+                                        "(give a log or capture file, or a pipe)"]
+    assert not (tmp_path / "run").exists()
