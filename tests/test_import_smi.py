@@ -211,3 +211,13 @@ def test_a_unit_gputrace_cannot_convert_is_refused_in_one_line(tmp_path: Path, h
                            "(expected ")
     assert not (tmp_path / "run").exists()
 
+
+def test_a_csv_with_a_byte_order_mark_imports_as_without(tmp_path: Path) -> None:
+    """Excel's and PowerShell's UTF-8 byte-order mark made the first column 'no timestamp field':
+    it is dropped, and every row is imported."""
+    bom = tmp_path / "bom.csv"
+    bom.write_bytes(b"\xef\xbb\xbf" + (DATA / "nvidia_smi_query.csv").read_bytes())
+    got = _imported_samples(tmp_path / "bom", bom)
+    plain = _imported_samples(tmp_path / "plain", DATA / "nvidia_smi_query.csv")
+    assert _without_host(got) == _without_host(plain)
+    assert len(got) == 8

@@ -146,10 +146,11 @@ def _where(record: Any) -> str:
 
 
 def read_text(path: str | os.PathLike[str]) -> str:
-    """An input file as text (undecodable bytes replaced); ConfigError when it cannot be read."""
+    """An input file as text (undecodable bytes replaced, a UTF-8 byte-order mark dropped: Excel
+    and PowerShell write one, and it hid the first column's name); ConfigError when unreadable."""
     p = Path(path)
     try:
-        return p.read_text(encoding="utf-8", errors="replace")
+        return p.read_text(encoding="utf-8-sig", errors="replace")
     except OSError as exc:
         raise ConfigError(f"{p}: cannot read: {exc.strerror}") from exc
 
