@@ -23,6 +23,7 @@ from slow_clients import fd_limit_of, get_within, half_sent_requests, raise_own_
 from gputrace.agent.client import AgentClient
 from gputrace.agent.server import Agent, AgentSettings
 from gputrace.cli import main
+from gputrace.commands.agent import parse_duration_s
 from gputrace.errors import UsageError
 from gputrace.gpu.simulated import SimulatedSampler
 from gputrace.topology import single_node_placements
@@ -214,6 +215,19 @@ def test_cli_refuses_non_loopback_in_one_line(capsys: pytest.CaptureFixture[str]
     assert capsys.readouterr().err.strip().splitlines() == [
         "gputrace: error: refusing to listen on 0.0.0.0 (not loopback) without --token-file; "
         "pass --insecure to expose the agent without authentication"]
+
+
+@pytest.mark.parametrize("buffer", ["0s", "0", "500ms", "9s"])
+def test_cli_refuses_a_buffer_too_short_to_keep_samples(buffer: str) -> None:
+    """`agent --buffer 0s` started and answered every pull 410 forever: a ring shorter than the
+    collector's longest retry (10 s) is one error line at start, exit 2."""
+    proc = subprocess.run([sys.executable, "-m", "gputrace", "agent", "--backend", "sim", "--listen",
+                           "127.0.0.1:0", "--buffer", buffer], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    shown = f"{parse_duration_s(buffer):g}s"
+    assert proc.stderr.splitlines() == [
+        f"gputrace: error: --buffer {shown}: must be at least 10s (the ring must keep samples until "
+        "the collector's next try, at most 10 s later)"]
 
 
 async def test_time_info_and_health(start_agent: AgentFactory) -> None:
