@@ -245,6 +245,44 @@ def test_bad_marks_and_values_are_refused_and_the_capture_goes_on(tmp_path: Path
         assert store.meta.extra["collector"]["counts"]["bad_marks"] == 5
 
 
+def test_mark_takes_the_collectors_base_url_and_says_which_url_a_wrong_one_should_be(tmp_path: Path) -> None:
+    """`mark --url http://host:port` (no /v1/mark) got a bare 404: the base URL is taken, a wrong
+    path is one line naming the URL expected (exit 1), a URL without a scheme one line (exit 2);
+    every mark that reached the collector is stored."""
+    log = tmp_path / "sglang.log"
+    log.touch()
+    cfg = tmp_path / "gputrace.toml"
+    cfg.write_text(f'[[hosts]]\nname = "h"\n\n[hosts.log]\nkind = "file"\npath = {json.dumps(str(log))}\n')
+    port = free_port()
+    proc = start_collector(cfg, tmp_path / "run", port)
+
+    def mark(label: str, url: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "gputrace", "mark", label, "--url", url],
+                              capture_output=True, text=True, timeout=60)
+
+    try:
+        wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/healthz"), timeout_s=30)
+        for label, url in [("C=1", f"http://127.0.0.1:{port}"), ("C=2", f"http://127.0.0.1:{port}/")]:
+            done = mark(label, url)
+            assert done.returncode == 0, done.stderr
+        wrong = mark("C=3", f"http://127.0.0.1:{port}/mark")
+        assert wrong.returncode == 1
+        assert wrong.stderr.splitlines() == [
+            f"gputrace: error: http://127.0.0.1:{port}/mark: HTTP 404: no collector takes marks there; "
+            "give the collector's URL, e.g. http://127.0.0.1:9401/v1/mark"]
+        bare = mark("C=4", f"127.0.0.1:{port}")
+        assert bare.returncode == 2
+        assert bare.stderr.splitlines() == [
+            f"gputrace: error: --url '127.0.0.1:{port}': expected the collector's URL, e.g. "
+            "http://127.0.0.1:9401/v1/mark"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    with Store.open(tmp_path / "run", read_only=True) as store:
+        assert store.sql("SELECT label FROM markers ORDER BY ts_ns") == [("C=1",), ("C=2",)]
+
+
 def test_a_log_path_that_does_not_exist_is_said_at_start(tmp_path: Path) -> None:
     """A log file that is not there is not silent ([robust] #6): check-config warns and the
     collector logs that it waits for the file (it may be created later); when it appears, its
