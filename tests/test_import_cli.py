@@ -102,3 +102,37 @@ def test_a_device_is_refused_in_one_line(tmp_path: Path) -> None:
     assert proc.stderr.splitlines() == ["gputrace: error: /dev/zero: is a character device, not a file "
                                         "(give a log or capture file, or a pipe)"]
     assert not (tmp_path / "run").exists()
+
+
+def test_requests_ending_before_they_start_are_counted_and_dropped(tmp_path: Path) -> None:
+    """Requests whose end precedes their start were stored without a word: each is dropped and the
+    import's summary says how many; every other request and marker is stored."""
+    import json
+
+    source = Path(__file__).parent / "data/engines/sglang-0.5.23-pp2/default/requests.jsonl"
+    objs = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
+    requests = [o for o in objs if o["type"] == "request"]
+    backwards = {requests[3]["request_id"], requests[10]["request_id"]}
+    for obj in requests:
+        if obj["request_id"] in backwards:
+            obj["end_ns"] = obj["start_ns"] - 2_000_000_000
+    path = tmp_path / "requests.jsonl"
+    path.write_text("".join(json.dumps(o) + "\n" for o in objs))
+    aiperf = tmp_path / "aiperf.jsonl"
+    first, *rest = (DATA / "aiperf_profile_export.jsonl").read_text().splitlines(keepends=True)
+    row = json.loads(first)
+    row["metadata"]["request_end_ns"] = row["metadata"]["request_start_ns"] - 1
+    aiperf.write_text(json.dumps(row) + "\n" + "".join(rest))  # the rest as it is, its bad row too
+    proc = gputrace_process("import", "--run", str(tmp_path / "run"), "--requests", str(path),
+                            "--aiperf", str(aiperf), "--aiperf-phase", "C=32")
+    assert proc.returncode == 0, proc.stderr
+    aiperf_line, requests_line = proc.stdout.strip().splitlines()
+    assert f"{len(requests) - 2} requests, " in requests_line
+    assert requests_line.endswith("imported; 2 requests ending before they start dropped")
+    assert ("5 requests, 2 markers imported; 1 requests ending before they start dropped; 1 bad rows"
+            in aiperf_line)
+    with Store.open(tmp_path / "run", read_only=True) as store:
+        stored = store.records(RequestRecord)
+    assert len(stored) == len(requests) - 2 + 5
+    assert not backwards & {r.request_id for r in stored}
+    assert all(r.end_ns is None or r.end_ns >= r.start_ns for r in stored)

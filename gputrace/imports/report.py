@@ -20,6 +20,7 @@ log = get_logger("import")
 Record = RequestRecord | Marker | GpuSample
 """What the file importers parse into records (engine logs and Prometheus go in as columns)."""
 MAX_PROBLEMS = 5
+_INT64_MAX = 2**63 - 1
 
 
 @dataclass
@@ -36,6 +37,7 @@ class ImportReport:
     bad: int = 0
     problems: list[str] = field(default_factory=list)
     records: list[Record] = field(default_factory=list)  # parsed, not yet in the store
+    ended_before_start: int = 0  # requests whose end precedes their start: dropped, not stored
     # -- engine logs
     source: str = ""  # the log's name in the store
     lines: int = 0
@@ -97,6 +99,8 @@ class ImportReport:
                     + (f"; FILE CUT: {self.cut}" if self.cut else ""))
         parts = [f"{n} {table}" for table, n in self.written.items() if n]
         line = f"{self.path} ({self.kind}): " + (", ".join(parts) or "nothing") + " imported"
+        if self.ended_before_start:
+            line += f"; {self.ended_before_start} requests ending before they start dropped"
         if self.bad:
             line += f"; {self.bad} bad rows skipped (first: {self.problems[0]})"
         return line
@@ -125,6 +129,11 @@ def write_parsed(store: Store, report: ImportReport) -> ImportReport:
         report.written.setdefault(table, 0)
     by_table: dict[str, list[Record]] = {}
     for record in report.records:
+        if (isinstance(record, RequestRecord) and record.end_ns is not None
+                and record.end_ns < record.start_ns <= _INT64_MAX):  # a start past int64: a bad row
+            # a clock stepped back mid-request, or a tool's bug: no latency or load can come of it
+            report.ended_before_start += 1
+            continue
         by_table.setdefault(RECORD_TABLES[type(record)], []).append(record)
     report.records = []
     for table, records in by_table.items():
@@ -132,6 +141,9 @@ def write_parsed(store: Store, report: ImportReport) -> ImportReport:
     if report.bad:
         log.warning("bad rows skipped", file=report.path, kind=report.kind, bad=report.bad,
                     first=report.problems[0])
+    if report.ended_before_start:
+        log.warning("requests ending before they start dropped", file=report.path, kind=report.kind,
+                    requests=report.ended_before_start)
     return report
 
 
