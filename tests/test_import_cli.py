@@ -136,3 +136,23 @@ def test_requests_ending_before_they_start_are_counted_and_dropped(tmp_path: Pat
     assert len(stored) == len(requests) - 2 + 5
     assert not backwards & {r.request_id for r in stored}
     assert all(r.end_ns is None or r.end_ns >= r.start_ns for r in stored)
+
+
+def test_impossible_stamps_are_counted_in_the_summary(tmp_path: Path) -> None:
+    """SGLang lines stamped Feb 30, hour 25 and year 9999 were stored with no time and nothing
+    said: the summary counts them with the first one's line; every line is still stored."""
+    lines = ENGINE_LOG.read_text().splitlines(keepends=True)
+    batch = [i for i, line in enumerate(lines) if "] Decode batch" in line or "] Prefill batch" in line]
+    bad = {batch[5]: "2026-02-30 10:00:00", batch[6]: "2026-01-15 25:00:00", batch[7]: "9999-01-15 10:00:00"}
+    for i, stamp in bad.items():
+        lines[i] = "[" + stamp + lines[i][20:]
+    log = tmp_path / "engine.log"
+    log.write_text("".join(lines))
+    proc = gputrace_process("import", "--run", str(tmp_path / "run"), "--sglang-log", str(log))
+    assert proc.returncode == 0, proc.stderr
+    (summary,) = proc.stdout.strip().splitlines()
+    assert summary.endswith(f"; 3 events with no valid time, stored untimed (an impossible date or hour, or "
+                            f"no date: --date gives one; first: line {batch[5] + 1})")
+    with Store.open(tmp_path / "run", read_only=True) as store:
+        untimed = store.sql("SELECT line_no FROM scheduler_events WHERE log_ts_ns IS NULL ORDER BY line_no")
+    assert untimed == [(i + 1,) for i in sorted(bad)]

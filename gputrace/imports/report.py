@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
+
 from gputrace.engines.common import MAX_LINE_BYTES
 from gputrace.errors import ConfigError
 from gputrace.logsetup import get_logger
@@ -48,6 +51,8 @@ class ImportReport:
     bad_values: int = 0  # values that break the value rule (engines.common): not stored
     cut: str | None = None  # a compressed file that ends early: where, and what was read
     first_bad_value: str | None = None
+    untimed: int = 0  # events stored with no time: an impossible stamp (Feb 30, hour 25) or no date
+    first_untimed_line: int | None = None
     # -- Prometheus
     gpus: int = 0
     ranks: int = 0
@@ -96,6 +101,9 @@ class ImportReport:
                        if self.lines_cut else "")
                     + (f"; {self.bad_values} bad values not stored (first: {self.first_bad_value})"
                        if self.bad_values else "")
+                    + (f"; {self.untimed} events with no valid time, stored untimed (an impossible "
+                       f"date or hour, or no date: --date gives one; first: line {self.first_untimed_line})"
+                       if self.untimed else "")
                     + (f"; FILE CUT: {self.cut}" if self.cut else ""))
         parts = [f"{n} {table}" for table, n in self.written.items() if n]
         line = f"{self.path} ({self.kind}): " + (", ".join(parts) or "nothing") + " imported"
@@ -112,6 +120,8 @@ def write_rows(store: Store, report: ImportReport, table: str,
     table's type (a record no column can hold is one bad row, not the whole file's loss) or columns
     (numpy, Arrow or lists, as ``Store.append_columns`` takes them). Returns the rows written."""
     if isinstance(rows, Mapping):
+        if table == "scheduler_events":
+            _count_untimed(report, rows)
         n = store.append_columns(table, rows)
     elif not rows:
         n = 0
@@ -121,6 +131,25 @@ def write_rows(store: Store, report: ImportReport, table: str,
             report.skip(f"{table} {_where(record)}", f"cannot be stored: {reason}")
     report.written[table] = report.written.get(table, 0) + n
     return n
+
+
+def _count_untimed(report: ImportReport, columns: Mapping[str, Any]) -> None:
+    """Count the rows whose log time is null (the clock found no real time in the stamp)."""
+    times = columns.get("log_ts_ns")
+    if times is None:
+        return
+    if isinstance(times, pa.Array):
+        missing = times.is_null().to_numpy(zero_copy_only=False)
+    else:
+        missing = np.array([t is None for t in times], dtype=bool)
+    if not missing.any():
+        return
+    report.untimed += int(missing.sum())
+    if report.first_untimed_line is None:
+        line_no = columns["line_no"]
+        first = int(np.argmax(missing))
+        report.first_untimed_line = int(line_no[first].as_py() if isinstance(line_no, pa.Array)
+                                        else line_no[first])
 
 
 def write_parsed(store: Store, report: ImportReport) -> ImportReport:
