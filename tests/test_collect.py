@@ -283,6 +283,34 @@ def test_mark_takes_the_collectors_base_url_and_says_which_url_a_wrong_one_shoul
         assert store.sql("SELECT label FROM markers ORDER BY ts_ns") == [("C=1",), ("C=2",)]
 
 
+def test_a_directory_as_log_path_is_one_line_in_check_config_and_healthz(tmp_path: Path) -> None:
+    """A directory given as the log path put the follower's Python traceback into /healthz:
+    check-config refuses it in one line (exit 2), and a collector started anyway shows one line
+    naming the cause, no traceback, and stops cleanly."""
+    cfg = tmp_path / "gputrace.toml"
+    path = json.dumps(str(tmp_path))
+    cfg.write_text(f'[[hosts]]\nname = "h"\n\n[hosts.log]\nkind = "file"\npath = {path}\n')
+    checked = subprocess.run([sys.executable, "-m", "gputrace", "check-config", str(cfg)],
+                             capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 2 and checked.stdout == ""
+    assert checked.stderr.splitlines() == [
+        f"gputrace: error: {cfg}: hosts[0].log.path: {tmp_path} is a directory, not a log file"]
+    port = free_port()
+    proc = start_collector(cfg, tmp_path / "run", port)
+    try:
+        def told() -> bool:
+            return bool(http_answer(f"http://127.0.0.1:{port}/healthz")[1].get("problems"))
+        wait_until(told, timeout_s=30)
+        (problem,) = http_answer(f"http://127.0.0.1:{port}/healthz")[1]["problems"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert problem["reason"] == ("the follower exited with status 1: the log path is a directory on the "
+                                 "host, not a log file: check [hosts.log] path; restarting it")
+    assert "Traceback" not in err.decode()
+
+
 def test_a_log_path_that_does_not_exist_is_said_at_start(tmp_path: Path) -> None:
     """A log file that is not there is not silent ([robust] #6): check-config warns and the
     collector logs that it waits for the file (it may be created later); when it appears, its
