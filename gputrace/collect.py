@@ -19,10 +19,12 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
+import numpy as np
+
 from gputrace.agent.client import HISTORY_MARGIN_S, AgentClient
 from gputrace.config import Config, HostConfig
 from gputrace.engines import LogParser
-from gputrace.errors import ConfigError, GputraceError, SourceError, StoreWriteError, UsageError
+from gputrace.errors import ConfigError, GputraceError, SourceError, StoreError, StoreWriteError, UsageError
 from gputrace.exposition import metrics_handler
 from gputrace.httpserver import (
     HttpLimits,
@@ -35,6 +37,7 @@ from gputrace.httpserver import (
     web,
 )
 from gputrace.live import LiveCollector, LiveState
+from gputrace.log_clock import LogClockOffset, log_clock_offset
 from gputrace.logsetup import get_logger
 from gputrace.model import DeviceInfo, EngineConfig, Marker, RequestRecord, SchedulerEvent
 from gputrace.remote.clock import probe_clock
@@ -262,13 +265,38 @@ class Collector:
                 "counts": dict(self.live.counts), "failures": self._failures,
                 "source_problems": [p.to_dict() for p in self._problems], "store_outages": outages,
                 "dropped_records": dict(writer.dropped), "unwritten_records": unwritten,
-                "stopped_ns": stopped_ns}})
+                "stopped_ns": stopped_ns,
+                "log_clock": [found.to_dict() for found in self._log_clock_offsets()]}})
         except StoreWriteError as exc:
             meta_error = str(exc)
             log.error("meta_not_updated", error=meta_error)
         if unwritten:
             self.lost_on_stop = _lost_on_stop(self.store.path, unwritten, writer.write_error, meta_error)
         log.info("collector_stopped", run=str(self.store.path), **self.live.counts)
+
+    def _log_clock_offsets(self) -> list[LogClockOffset]:
+        """Each followed log whose stamps run more than a minute from when its lines arrived (an
+        engine logging local time read as UTC put every line hours off, and nothing said so)."""
+        try:
+            table = self.store.log_and_receive_times()
+        except StoreError as exc:
+            log.warning("log_clock_not_checked", error=str(exc))
+            return []
+        if not table.num_rows:
+            return []
+        hosts = table.column("host").to_numpy(zero_copy_only=False)
+        sources = table.column("source").to_numpy(zero_copy_only=False)
+        log_ts = table.column("log_ts_ns").to_numpy().astype(np.float64)
+        recv = table.column("recv_ts_ns").to_numpy().astype(np.float64)
+        found = []
+        for host, source in sorted(set(zip(hosts.tolist(), sources.tolist(), strict=True))):
+            sel = (hosts == host) & (sources == source)
+            offset = log_clock_offset(f"{host} {source}", log_ts[sel], recv[sel])
+            if offset is not None:
+                log.warning("log_clock_disagrees", source=offset.source, offset_s=round(offset.offset_s),
+                            suggested_timezone=offset.suggested_timezone())
+                found.append(offset)
+        return found
 
     async def start_unless(self, stop: asyncio.Event) -> bool:
         """``start``, ended early when ``stop`` is set (the readiness wait included): False then.

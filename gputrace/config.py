@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import math
+import resource
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -50,6 +51,12 @@ from gputrace.errors import ConfigError
 from gputrace.topology import MAX_GPU_INDEX, MAX_GPUS, MAX_PARALLEL_SIZE, Placement, sglang_placements
 
 LOG_KINDS = ("file", "journald", "docker", "command")
+# A request in flight holds one connection to the server (gputrace load opens one per request),
+# so a level cannot exceed the TCP ports of one client address; 10^6 grew `load` to 3 GB of
+# waiting coroutines in 30 s with nothing printed.
+MAX_CONCURRENCY = 65_535
+# File descriptors kept for what is not a request: the store, logs, marker posts, the event loop.
+_FDS_KEPT = 64
 ENGINES = ("sglang", "vllm")
 
 
@@ -276,6 +283,27 @@ def _agent_address(sec: _Section, text: str | None) -> str | None:
     return text
 
 
+def max_concurrency() -> int:
+    """The most requests this process can keep in flight: its open-file limit (``ulimit -n``)
+    less what it needs for itself, and never more than MAX_CONCURRENCY."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CONCURRENCY
+    return max(1, min(MAX_CONCURRENCY, soft - _FDS_KEPT))
+
+
+def concurrency_problem(level: int) -> str | None:
+    """Why this machine cannot keep ``level`` requests in flight, or None when it can."""
+    limit = max_concurrency()
+    if level <= limit:
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    why = (f"its open-file limit is {soft}: raise it with ulimit -n" if limit < MAX_CONCURRENCY
+           else f"one client address has {MAX_CONCURRENCY} TCP ports")
+    return (f"{level} requests in flight need as many open connections; this machine can hold "
+            f"at most {limit} ({why})")
+
+
 def _is_ipv6(text: str) -> bool:
     try:
         ipaddress.IPv6Address(text)
@@ -293,19 +321,28 @@ def ssh_target_text(target: SshTarget) -> str:
 def _parse_host(path: Path, index: int, table: Any) -> HostConfig:
     sec = _Section(path, f"hosts[{index}]", table)
     name = sec.get("name", str, required=True)
+    if not name.strip():
+        # the name labels every sample and the topology's rows: an empty one matches nothing
+        sec.fail(sec.key("name"), "must not be empty (a name for this host, e.g. node0)")
     ssh = parse_ssh_target(sec.get("ssh", str, "local"), path, sec.key("ssh"))
     log_table = sec.get("log", dict)
     log = _parse_log(path, sec.key("log"), log_table) if log_table is not None else None
     metrics_table = sec.get("engine_metrics", dict)
     metrics = (_parse_engine_metrics(path, sec.key("engine_metrics"), metrics_table)
                if metrics_table is not None else None)
+    gpus = sec.int_list("gpus")
+    listed = gpus or ()
+    for i, gpu in enumerate(listed):
+        if gpu in listed[:i]:
+            sec.fail(f"{sec.key('gpus')}[{i}]",
+                     f"GPU {gpu} is listed twice (also at gpus[{listed.index(gpu)}])")
     host = HostConfig(
         name=name,
         ssh=ssh,
         identity_file=sec.get("identity_file", str),
         known_hosts=sec.get("known_hosts", str),
         agent=_agent_address(sec, sec.get("agent", str)),
-        gpus=sec.int_list("gpus"),
+        gpus=gpus,
         log=log,
         node_rank=sec.positive("node_rank", 0, minimum=0),
         engine_metrics=metrics,
@@ -420,6 +457,9 @@ def _parse_load(path: Path, table: Any) -> LoadConfig:
         ignore_eos=sec.get("ignore_eos", bool, False),
         burst=sec.get("burst", bool, False),
     )
+    for i, level in enumerate(load.concurrency):
+        if (problem := concurrency_problem(level)) is not None:
+            sec.fail(f"{sec.key('concurrency')}[{i}]", problem)
     if not load.url.startswith(("http://", "https://")):
         sec.fail(sec.key("url"), f"must start with http:// or https://, got {load.url!r}")
     sec.done()

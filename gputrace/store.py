@@ -705,6 +705,15 @@ class Store:
         except duckdb.Error as exc:
             raise StoreError(f"{self.path}: setting receive times failed: {exc}") from exc
 
+    def log_and_receive_times(self) -> pa.Table:
+        """host, source, log_ts_ns and recv_ts_ns of the scheduler events that have both (the
+        lines a collector received), for the log clock check (gputrace.log_clock)."""
+        try:
+            return self._con.sql("SELECT host, source, log_ts_ns, recv_ts_ns FROM scheduler_events "
+                                 "WHERE log_ts_ns IS NOT NULL AND recv_ts_ns IS NOT NULL").to_arrow_table()
+        except duckdb.Error as exc:
+            raise StoreError(f"{self.path}: reading receive times failed: {exc}") from exc
+
     def _read_gpu_samples(self, lo: int | None, hi: int | None, margin_ns: int) -> StoreGpuSamples:
         return StoreGpuSamples(self, _within("ts_ns", lo, hi, margin_ns))
 

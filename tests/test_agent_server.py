@@ -6,6 +6,7 @@ import asyncio
 import json
 import shutil
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from slow_clients import fd_limit_of, get_within, half_sent_requests, raise_own_
 from gputrace.agent.client import AgentClient
 from gputrace.agent.server import Agent, AgentSettings
 from gputrace.cli import main
+from gputrace.commands.agent import parse_duration_s
 from gputrace.errors import UsageError
 from gputrace.gpu.simulated import SimulatedSampler
 from gputrace.topology import single_node_placements
@@ -216,6 +218,19 @@ def test_cli_refuses_non_loopback_in_one_line(capsys: pytest.CaptureFixture[str]
         "pass --insecure to expose the agent without authentication"]
 
 
+@pytest.mark.parametrize("buffer", ["0s", "0", "500ms", "9s"])
+def test_cli_refuses_a_buffer_too_short_to_keep_samples(buffer: str) -> None:
+    """`agent --buffer 0s` started and answered every pull 410 forever: a ring shorter than the
+    collector's longest retry (10 s) is one error line at start, exit 2."""
+    proc = subprocess.run([sys.executable, "-m", "gputrace", "agent", "--backend", "sim", "--listen",
+                           "127.0.0.1:0", "--buffer", buffer], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    shown = f"{parse_duration_s(buffer):g}s"
+    assert proc.stderr.splitlines() == [
+        f"gputrace: error: --buffer {shown}: must be at least 10s (the ring must keep samples until "
+        "the collector's next try, at most 10 s later)"]
+
+
 async def test_time_info_and_health(start_agent: AgentFactory) -> None:
     """/v1/time gives the agent clock, /v1/info the devices and backend, /healthz ok."""
     agent = await start_agent(gpus=3)
@@ -277,6 +292,59 @@ async def test_cli_agent_serves_and_stops_on_sigterm() -> None:
         proc.send_signal(signal.SIGTERM)
         rc = await asyncio.wait_for(proc.wait(), timeout=15)
     assert rc == 0
+
+
+MALFORMED_REQUESTS = (
+    b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+    b"GET /metrics HTTP/9.9\r\n\r\n",
+    b"GET /\x00 HTTP/1.1\r\n\r\n",
+    b"GET /metrics HTTP/1.1\r\nBad Header\r\n\r\n",
+    b"GET /v1/samples HTTP/1.1\r\nAuthorization: Bearer \xff\xfe\r\n\r\n",
+    b"GET /v1/samples?since=%ff HTTP/1.1\r\nAuthorization: \x00\r\n\r\n",
+    b"GARBAGE\r\n\r\n",
+    b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03",
+)
+
+
+def _status_of(port: int, raw: bytes) -> int:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(raw)
+        head = sock.recv(4096)
+    return int(head.split(b" ", 2)[1])
+
+
+def test_malformed_requests_are_answered_400_and_logged_without_tracebacks(tmp_path: Path) -> None:
+    """1,000 malformed unauthenticated requests logged a traceback each (520 KB in 0.41 s): each is
+    answered 400 (never 500), the log holds one rate-limited line for them and no traceback, and
+    a whole authorised request is answered after."""
+    token = tmp_path / "token"
+    token.write_text("sekrit\n")
+    token.chmod(0o600)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gputrace", "--log-format", "json", "agent", "--backend", "sim",
+         "--listen", "127.0.0.1:0", "--sim-gpus", "1", "--token-file", str(token)],
+        stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    try:
+        port = None
+        while port is None:
+            line = proc.stderr.readline()
+            assert line, "agent exited before listening"
+            if (event := json.loads(line)).get("event") == "agent listening":
+                port = int(event["url"].rsplit(":", 1)[1])
+        statuses = {_status_of(port, MALFORMED_REQUESTS[i % len(MALFORMED_REQUESTS)]) for i in range(1000)}
+        assert statuses == {400}
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(b"GET /v1/info HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer sekrit\r\n"
+                         b"Connection: close\r\n\r\n")
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, rest = proc.communicate(timeout=15)
+    assert proc.returncode == 0
+    assert "Traceback" not in rest and len(rest) < 2000, rest[:3000]
+    (bad,) = [json.loads(line) for line in rest.splitlines() if "malformed requests" in line]
+    assert bad["event"] == "malformed requests answered 400" and bad["server"] == "agent"
 
 
 def test_under_1024_files_1100_half_sent_requests_leave_healthz_answering() -> None:

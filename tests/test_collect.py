@@ -28,8 +28,8 @@ from sshd import SshServer, processes_matching, sshd_server_fixture  # noqa: F40
 from gputrace.store import Store
 
 
-def decode_line(i: int, pp: int) -> str:
-    ts = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S")
+def decode_line(i: int, pp: int, ahead_s: float = 0.0) -> str:
+    ts = datetime.fromtimestamp(time.time() + ahead_s, UTC).strftime("%Y-%m-%d %H:%M:%S")
     return (f"[{ts} PP{pp}] Decode batch, #running-req: 8, #token: {i}, token usage: 0.05, "
             f"cuda graph: True, gen throughput (token/s): 250.00, #queue-req: 24\n")
 
@@ -37,9 +37,9 @@ def decode_line(i: int, pp: int) -> str:
 class LogWriter(threading.Thread):
     """Appends one scheduler line every ``period_s``, remembering when each was written."""
 
-    def __init__(self, path: Path, period_s: float = 0.005):
+    def __init__(self, path: Path, period_s: float = 0.005, ahead_s: float = 0.0):
         super().__init__(daemon=True)
-        self.path, self.period_s = path, period_s
+        self.path, self.period_s, self.ahead_s = path, period_s, ahead_s
         self.written: list[tuple[int, float]] = []  # (index, time.time())
         self.stop_event = threading.Event()
 
@@ -47,7 +47,7 @@ class LogWriter(threading.Thread):
         i = 0
         with open(self.path, "a", buffering=1) as f:
             while not self.stop_event.is_set():
-                f.write(decode_line(i, i % 8))
+                f.write(decode_line(i, i % 8, self.ahead_s))
                 self.written.append((i, time.time()))
                 i += 1
                 time.sleep(self.period_s)
@@ -243,6 +243,110 @@ def test_bad_marks_and_values_are_refused_and_the_capture_goes_on(tmp_path: Path
         assert store.sql("SELECT max_total_num_tokens, max_running_requests FROM engine_configs") == [
             (None, 64)]
         assert store.meta.extra["collector"]["counts"]["bad_marks"] == 5
+
+
+def test_mark_takes_the_collectors_base_url_and_says_which_url_a_wrong_one_should_be(tmp_path: Path) -> None:
+    """`mark --url http://host:port` (no /v1/mark) got a bare 404: the base URL is taken, a wrong
+    path is one line naming the URL expected (exit 1), a URL without a scheme one line (exit 2);
+    every mark that reached the collector is stored."""
+    log = tmp_path / "sglang.log"
+    log.touch()
+    cfg = tmp_path / "gputrace.toml"
+    cfg.write_text(f'[[hosts]]\nname = "h"\n\n[hosts.log]\nkind = "file"\npath = {json.dumps(str(log))}\n')
+    port = free_port()
+    proc = start_collector(cfg, tmp_path / "run", port)
+
+    def mark(label: str, url: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "gputrace", "mark", label, "--url", url],
+                              capture_output=True, text=True, timeout=60)
+
+    try:
+        wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/healthz"), timeout_s=30)
+        for label, url in [("C=1", f"http://127.0.0.1:{port}"), ("C=2", f"http://127.0.0.1:{port}/")]:
+            done = mark(label, url)
+            assert done.returncode == 0, done.stderr
+        wrong = mark("C=3", f"http://127.0.0.1:{port}/mark")
+        assert wrong.returncode == 1
+        assert wrong.stderr.splitlines() == [
+            f"gputrace: error: http://127.0.0.1:{port}/mark: HTTP 404: no collector takes marks there; "
+            "give the collector's URL, e.g. http://127.0.0.1:9401/v1/mark"]
+        bare = mark("C=4", f"127.0.0.1:{port}")
+        assert bare.returncode == 2
+        assert bare.stderr.splitlines() == [
+            f"gputrace: error: --url '127.0.0.1:{port}': expected the collector's URL, e.g. "
+            "http://127.0.0.1:9401/v1/mark"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    with Store.open(tmp_path / "run", read_only=True) as store:
+        assert store.sql("SELECT label FROM markers ORDER BY ts_ns") == [("C=1",), ("C=2",)]
+
+
+def test_a_directory_as_log_path_is_one_line_in_check_config_and_healthz(tmp_path: Path) -> None:
+    """A directory given as the log path put the follower's Python traceback into /healthz:
+    check-config refuses it in one line (exit 2), and a collector started anyway shows one line
+    naming the cause, no traceback, and stops cleanly."""
+    cfg = tmp_path / "gputrace.toml"
+    path = json.dumps(str(tmp_path))
+    cfg.write_text(f'[[hosts]]\nname = "h"\n\n[hosts.log]\nkind = "file"\npath = {path}\n')
+    checked = subprocess.run([sys.executable, "-m", "gputrace", "check-config", str(cfg)],
+                             capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 2 and checked.stdout == ""
+    assert checked.stderr.splitlines() == [
+        f"gputrace: error: {cfg}: hosts[0].log.path: {tmp_path} is a directory, not a log file"]
+    port = free_port()
+    proc = start_collector(cfg, tmp_path / "run", port)
+    try:
+        def told() -> bool:
+            return bool(http_answer(f"http://127.0.0.1:{port}/healthz")[1].get("problems"))
+        wait_until(told, timeout_s=30)
+        (problem,) = http_answer(f"http://127.0.0.1:{port}/healthz")[1]["problems"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert problem["reason"] == ("the follower exited with status 1: the log path is a directory on the "
+                                 "host, not a log file: check [hosts.log] path; restarting it")
+    assert "Traceback" not in err.decode()
+
+
+def test_a_log_in_local_time_is_named_in_meta_and_in_the_report(tmp_path: Path, agent_port: int) -> None:
+    """An engine logging UTC+2 read with the default timezone (UTC): its stamps run 7,200 s ahead of
+    when the collector received them; meta.json and the report name the offset and the timezone
+    to set (it gave a healthy report with every line 2 h off and no word), and every line is kept."""
+    log = tmp_path / "sglang.log"
+    log.touch()
+    writer = LogWriter(log, period_s=0.05, ahead_s=7200)
+    port = free_port()
+    proc = start_collector(write_config(tmp_path, log, agent_port), tmp_path / "run", port)
+    try:
+        wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/healthz"), timeout_s=30)
+        writer.start()
+        wait_until(lambda: http_answer(f"http://127.0.0.1:{port}/v1/status")[1]["counts"]["scheduler_events"]
+                   >= 40, timeout_s=60)
+        writer.stop_event.set()
+        writer.join(5)
+        written = len(writer.written)
+        wait_until(lambda: http_answer(f"http://127.0.0.1:{port}/v1/status")[1]["counts"]["scheduler_events"]
+                   == written, timeout_s=30)
+    finally:
+        writer.stop_event.set()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    with Store.open(tmp_path / "run", read_only=True) as store:
+        assert store.count("scheduler_events") == written
+        (found,) = store.meta.extra["collector"]["log_clock"]
+    assert found["source"] == f"node0 file:{log}" and found["suggested_timezone"] == "Etc/GMT-2"
+    assert 7190 <= found["offset_s"] <= 7201 and found["lines"] >= 35
+    report = subprocess.run([sys.executable, "-m", "gputrace", "report", str(tmp_path / "run"), "--format",
+                             "json", "--out", str(tmp_path / "report")], capture_output=True, text=True,
+                            timeout=120)
+    assert report.returncode == 0, report.stderr
+    notes = json.loads((tmp_path / "report" / "findings.json").read_text())["notes"]
+    (note,) = [n for n in notes if n.startswith("log clock:")]
+    assert f"node0 file:{log}: its stamps run 7" in note and 'set timezone = "Etc/GMT-2"' in note
 
 
 def test_a_log_path_that_does_not_exist_is_said_at_start(tmp_path: Path) -> None:

@@ -86,6 +86,13 @@ def test_collect_refuses_a_huge_pp_size_at_once(tmp_path: Path) -> None:
     (HOST + '\n[load]\nurl = "http://127.0.0.1:1"\nrequests_per_level = -4\n',
      "load.requests_per_level: must be >= 1"),
     (HOST.replace('gpus = [0, 1]', 'gpus = [0, 1]\nnode_rank = 3'), "hosts[0].node_rank: must be below"),
+    (HOST.replace("gpus = [0, 1]", "gpus = [0, 1, 0]"),
+     "hosts[0].gpus[2]: GPU 0 is listed twice (also at gpus[0])"),
+    (HOST.replace('name = "node0"', 'name = ""'), "hosts[0].name: must not be empty"),
+    (HOST.replace('name = "node0"', 'name = "  "'), "hosts[0].name: must not be empty"),
+    (HOST + '\n[load]\nurl = "http://127.0.0.1:1"\nconcurrency = [1, 100000000000]\n',
+     "load.concurrency[1]: 100000000000 requests in flight need as many open connections; this "
+     "machine can hold at most"),
     ("x = " + "[" * 100_000 + "]" * 100_000 + "\n", "nested too deeply"),
     ("x = " + "{a = " * 50_000 + "1" + "}" * 50_000 + "\n", "nested too deeply"),
 ])

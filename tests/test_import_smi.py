@@ -22,6 +22,7 @@ import datetime as dt
 from pathlib import Path
 
 import pytest
+from helpers import gputrace_process
 
 from gputrace.errors import ConfigError
 from gputrace.imports.nvidia_smi import (
@@ -156,3 +157,67 @@ def test_a_row_with_a_value_no_column_holds_is_one_bad_row(tmp_path: Path) -> No
         assert store.count("gpu_samples") == 1
     assert result.written["gpu_samples"] == 1 and result.bad == 1
     assert "cannot be stored: gpu_index=9223372036854775808" in result.problems[0]
+
+
+def _imported_samples(run: Path, csv_path: Path) -> list[GpuSample]:
+    """`gputrace import --nvidia-smi-csv` run as a user runs it; the samples stored."""
+    proc = gputrace_process("import", "--run", str(run), "--nvidia-smi-csv", str(csv_path))
+    assert proc.returncode == 0, proc.stderr
+    with Store.open(run, read_only=True) as store:
+        return sorted(store.records(GpuSample), key=lambda s: (s.ts_ns, s.gpu_index))
+
+
+def _without_host(samples: list[GpuSample]) -> list[tuple[object, ...]]:
+    return [(s.gpu_index, s.ts_ns, s.power_w, s.sm_clock_hz, s.memory_clock_hz, s.memory_used_bytes,
+             s.memory_total_bytes, s.utilization_ratio) for s in samples]
+
+
+def test_units_other_than_nvidia_smis_own_are_converted(tmp_path: Path) -> None:
+    """mW, GHz and KiB (in the header, or on each value) were stored as W, MHz and MiB: read from
+    the header or the value and converted, the samples equal those of the W/MHz/MiB capture."""
+    header, *rows = (DATA / "nvidia_smi_query.csv").read_text().splitlines()
+    scaled_header = (header.replace("power.draw [W]", "power.draw [mW]")
+                     .replace("clocks.current.sm [MHz]", "clocks.current.sm [GHz]")
+                     .replace("memory.used [MiB]", "memory.used [KiB]"))
+    scaled_rows = []
+    for row in rows:
+        cells = row.split(", ")
+        if len(cells) == 12:  # the cut last row stays as it is
+            for i, (unit, factor) in {5: ("mW", 1000), 6: ("GHz", 1e-3), 8: ("KiB", 1024)}.items():
+                number, _, _ = cells[i].partition(" ")
+                if number[:1].isdigit():
+                    cells[i] = f"{float(number) * factor:g} {unit}" if i != 8 else f"{int(number) * factor}"
+        scaled_rows.append(", ".join(cells))
+    scaled = tmp_path / "scaled.csv"
+    scaled.write_text("\n".join([scaled_header, *scaled_rows]) + "\n")
+    expected = _imported_samples(tmp_path / "plain", DATA / "nvidia_smi_query.csv")
+    got = _imported_samples(tmp_path / "scaled", scaled)
+    assert len(got) == 8 and got[0].power_w == pytest.approx(604.5)
+    assert got[0].sm_clock_hz == pytest.approx(1.98e9) and got[0].memory_used_bytes == 71234 * 2**20
+    for mine, theirs in zip(_without_host(got), _without_host(expected), strict=True):
+        assert mine == pytest.approx(theirs)
+
+
+@pytest.mark.parametrize(("header", "unit"), [("power.draw [dBm]", "dBm"), ("memory.used [MB/s]", "MB/s")])
+def test_a_unit_gputrace_cannot_convert_is_refused_in_one_line(tmp_path: Path, header: str,
+                                                               unit: str) -> None:
+    """A header unit with no conversion is one error line naming the column, exit 2, no run left."""
+    path = tmp_path / "q.csv"
+    path.write_text(f"timestamp, index, {header}\n2024/01/16 14:44:16.977, 0, 5\n")
+    proc = gputrace_process("import", "--run", str(tmp_path / "run"), "--nvidia-smi-csv", str(path))
+    assert proc.returncode == 2
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"gputrace: error: {path}: column {header!r}: unit {unit!r} not understood "
+                           "(expected ")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_csv_with_a_byte_order_mark_imports_as_without(tmp_path: Path) -> None:
+    """Excel's and PowerShell's UTF-8 byte-order mark made the first column 'no timestamp field':
+    it is dropped, and every row is imported."""
+    bom = tmp_path / "bom.csv"
+    bom.write_bytes(b"\xef\xbb\xbf" + (DATA / "nvidia_smi_query.csv").read_bytes())
+    got = _imported_samples(tmp_path / "bom", bom)
+    plain = _imported_samples(tmp_path / "plain", DATA / "nvidia_smi_query.csv")
+    assert _without_host(got) == _without_host(plain)
+    assert len(got) == 8

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import resource
 import subprocess
 import sys
 import threading
@@ -80,6 +81,26 @@ def test_load_command_usage_error(server_thread: tuple[str, ServerStats]) -> Non
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["gputrace: error: give --requests-per-level or "
                                                 "--duration-per-level, not both"]
+
+
+@pytest.mark.parametrize("level", ["100000000000", "1000000", "193"])
+def test_a_concurrency_past_what_the_machine_holds_is_refused_at_once(tmp_path: Path, level: str) -> None:
+    """--concurrency 10^11 grew `load` to 3 GB in 30 s with no output, 10^6 never ended: a level
+    past the connections this process may open (here 256 files, 64 kept for itself) is one error
+    line, exit 2, nothing sent or written."""
+    def limit_open_files() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+
+    out = tmp_path / "load.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gputrace", "load", "--url", "http://127.0.0.1:1", "--model", "m",
+         "--concurrency", f"1,{level}", "--out", str(out)],
+        capture_output=True, text=True, timeout=60, preexec_fn=limit_open_files)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"gputrace: error: --concurrency: {level} requests in flight need as many open connections; "
+        "this machine can hold at most 192 (its open-file limit is 256: raise it with ulimit -n)"]
+    assert not out.exists()
 
 
 def test_interrupted_load_keeps_finished_requests(

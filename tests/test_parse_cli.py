@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,25 @@ def test_missing_file_is_a_usage_error(tmp_path: Path) -> None:
     assert out.returncode == 2
     assert out.stdout == ""
     assert out.stderr.strip() == f"gputrace: error: {tmp_path / 'nope.log'}: no such file"
+
+
+@pytest.mark.parametrize(("path", "what"), [("/dev/zero", "a character device"), ("DIR", "a directory")])
+def test_a_device_or_directory_is_named_for_what_it_is(tmp_path: Path, path: str, what: str) -> None:
+    """`parse /dev/zero` said "no such file" of a file that exists: a device or a directory is one
+    line saying what it is, exit 2, before any output."""
+    path = str(tmp_path) if path == "DIR" else path
+    out = _parse(path)
+    assert (out.returncode, out.stdout) == (2, "")
+    assert out.stderr.splitlines() == [f"gputrace: error: {path}: is {what}, not a file (give a log "
+                                       "or capture file, or a pipe)"]
+
+
+def test_a_pipe_is_parsed_as_the_file_is() -> None:
+    """`parse <(cat log)` was refused as "no such file": a pipe gives the objects the file gives."""
+    out = subprocess.run(["bash", "-c", '"$0" -m gputrace parse <(cat "$1")', sys.executable,
+                          str(SGLANG_LINES)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == _parse(str(SGLANG_LINES)).stdout != ""
 
 
 def test_binary_garbage_is_counted_not_fatal(tmp_path: Path) -> None:

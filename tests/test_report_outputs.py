@@ -196,6 +196,19 @@ def test_window_flags_are_checked(tmp_path: Path, capsys: pytest.CaptureFixture[
         assert err.startswith("gputrace: error:") and text in err, (args, err)
 
 
+@pytest.mark.parametrize("start", ["1e30", "inf", "nan", "-1e30", "9999-12-31T23:59:59-05:00"])
+def test_a_time_no_date_can_hold_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                              start: str) -> None:
+    """--start 1e30 was "unexpected OverflowError", exit 1: a time outside 1970-9999 is one error
+    line naming the flag and the range, exit 2, and no report is written."""
+    run = _capped(tmp_path / "run")
+    status, _, err = _cli(capsys, "report", str(run), "--start", start, "--out", str(tmp_path / "rep"))
+    assert status == 2, err
+    assert err.splitlines() == [f"gputrace: error: --start {start!r}: must be from 1970 to the end of "
+                                "9999 (unix seconds 0 to 253402300799)"]
+    assert not (tmp_path / "rep").exists()
+
+
 def test_vllm_stats_lines_are_analysed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A vLLM log alone (its periodic stats lines, MM-DD times dated at import): the phases come
     from its running + waiting requests and the engine throughput from its generation throughput;

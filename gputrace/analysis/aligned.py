@@ -29,6 +29,7 @@ from gputrace.analysis.align import (
 )
 from gputrace.analysis.schedule import engine_totals, line_sizes
 from gputrace.errors import AnalysisError
+from gputrace.log_clock import log_clock_offset
 from gputrace.model import ENGINE_LOAD_SOURCE, DeviceInfo
 from gputrace.run_tables import (
     DEFAULT_MARGINS,
@@ -264,6 +265,7 @@ def _place_events(lines: SchedulerEvents, clocks: ClockModel, notes: list[str]) 
         host_t = np.where(np.isnan(ev.log_ts_ns[sel]), ev.recv_ts_ns[sel], ev.log_ts_ns[sel])
         offsets[sel] = clocks.offset_ns(host, np.nan_to_num(host_t).astype(np.int64))
     source_key = ev.host_code.astype(np.int64) * max(len(ev.source_names), 1) + ev.source_code
+    notes.extend(_log_clock_notes(ev, source_key, offsets))
     t_ns, by_recv = place_log_events(ev.log_ts_ns, ev.ts_resolution_ns, ev.recv_ts_ns, source_key,
                                      ev.line_no, offsets)
     del offsets, source_key
@@ -279,6 +281,22 @@ def _place_events(lines: SchedulerEvents, clocks: ClockModel, notes: list[str]) 
         placement = f"receive time for {by_recv.mean():.0%} of lines, spread by order for the rest"
     pp_rank = np.nan_to_num(ev.pp_rank, nan=0).astype(np.int32)
     return _PlacedEvents(t_ns, pp_rank, placement, int(pp_rank.max()) + 1 if len(ev) else None)
+
+
+def _log_clock_notes(ev: SchedulerEventColumns, source_key: np.ndarray, offsets: np.ndarray) -> list[str]:
+    """A note per log whose stamps run more than a minute from its lines' receive times (taken
+    into the engine host's clock), e.g. an engine logging local time read as UTC."""
+    if not (~np.isnan(ev.recv_ts_ns)).any():
+        return []
+    notes = []
+    n_sources = max(len(ev.source_names), 1)
+    for key in np.unique(source_key).tolist():
+        sel = source_key == key
+        host, source = ev.host_names[key // n_sources], ev.source_names[key % n_sources]
+        found = log_clock_offset(f"{host} {source}", ev.log_ts_ns[sel], ev.recv_ts_ns[sel] + offsets[sel])
+        if found is not None:
+            notes.append(found.note())
+    return notes
 
 
 def _to_reference(clocks: ClockModel, hosts: np.ndarray, t: np.ndarray) -> np.ndarray:

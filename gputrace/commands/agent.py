@@ -28,6 +28,19 @@ def parse_duration_s(text: str) -> float:
     return float(m.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[m.group(2) or "s"]
 
 
+# The collector asks an agent that stopped answering again at most every 10 s (AgentClient.follow's
+# retry_max_s): a ring shorter than that has dropped what it missed (--buffer 0s answered 410 forever).
+MIN_BUFFER_S = 10.0
+
+
+def check_buffer(buffer_s: float, interval_s: float) -> None:
+    """A ring that keeps samples across a collector's retry and holds at least two ticks."""
+    least = max(MIN_BUFFER_S, 2 * interval_s)
+    if buffer_s < least:
+        raise UsageError(f"--buffer {buffer_s:g}s: must be at least {least:g}s (the ring must keep "
+                         "samples until the collector's next try, at most 10 s later)")
+
+
 def parse_topology(text: str, host: str) -> list[Placement]:
     """``pp=8,tp=1[,nnodes=N,node_rank=R,base_gpu_id=B]`` -> the placements of this host's GPUs."""
     keys = {"pp": 1, "tp": 1, "nnodes": 1, "node_rank": 0, "base_gpu_id": 0, "gpu_id_step": 1}
@@ -104,9 +117,11 @@ def command(listen: str, interval: float, buffer_: str, backend: str, sim_feed: 
         raise UsageError("--interval must be between 0.001 and 60 seconds")
     if sim_feed and backend != "sim":
         raise UsageError("--sim-feed needs --backend sim")
+    buffer_s = parse_duration_s(buffer_)
+    check_buffer(buffer_s, interval)
     token = read_token(token_file)
     settings = AgentSettings(listen_host=host, port=port, interval_s=interval,
-                             buffer_s=parse_duration_s(buffer_), token=token, insecure=insecure,
+                             buffer_s=buffer_s, token=token, insecure=insecure,
                              tls_cert=tls_cert, tls_key=tls_key, dcgm_compat=dcgm_compat,
                              dcgm_schema=dcgm_schema,
                              placements=parse_topology(topology, host_name or socket.gethostname())

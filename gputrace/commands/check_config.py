@@ -7,6 +7,7 @@ import os
 import click
 
 from gputrace.config import load_config, ssh_target_text
+from gputrace.errors import ConfigError
 
 
 @click.command("check-config")
@@ -14,6 +15,12 @@ from gputrace.config import load_config, ssh_target_text
 def command(path: str) -> None:
     """Validate a gputrace.toml and print the hosts, sources and topology it describes."""
     cfg = load_config(path)
+    for i, h in enumerate(cfg.hosts):
+        # a local log path can be looked at here (a remote one only by the collector's follower)
+        if h.ssh is None and h.log is not None and h.log.kind == "file" and \
+                os.path.isdir(os.path.expanduser(h.log.target)):
+            raise ConfigError(f"{cfg.path}: hosts[{i}].log.path: {h.log.target} is a directory, "
+                              "not a log file")
     topo = cfg.topology
     click.echo(f"{cfg.path}: ok")
     click.echo(f"  topology: pp={topo.pp_size} tp={topo.tp_size} dp={topo.dp_size} "

@@ -28,6 +28,7 @@ from gputrace.engines.common import MAX_LINE_BYTES
 from gputrace.errors import SourceError
 from gputrace.imports import ledger
 from gputrace.imports.engine_log import default_source, ingest_log
+from gputrace.imports.input_path import pipes_spooled
 from gputrace.imports.nvidia_smi import import_nvidia_smi_csv, import_nvidia_smi_dmon, parse_tz
 from gputrace.imports.report import ImportReport
 from gputrace.imports.request_files import import_aiperf, import_guidellm, import_requests_jsonl
@@ -186,11 +187,22 @@ def command(
     host_given = click.get_current_context().get_parameter_source("host") is not (
         click.core.ParameterSource.DEFAULT
     )
+    # a pipe (<(cat log)) is read into a temporary file: the import reads each input twice
+    with pipes_spooled({"sglang": sglang_logs, "vllm": vllm_logs, **files},
+                       lambda line: click.echo(line, err=True)) as readable:
+        _import_into(run_dir, host, host_given, timezone, date, progress, readable, nvidia_smi_fields,
+                     aiperf_phase)
+
+
+def _import_into(run_dir: str, host: str, host_given: bool, timezone: str, date: str | None,
+                 progress: bool | None, paths: dict[str, tuple[str, ...]], nvidia_smi_fields: str | None,
+                 aiperf_phase: str | None) -> None:
+    files = {kind: group for kind, group in paths.items() if kind not in ("sglang", "vllm")}
     new_run = not (Path(run_dir) / "meta.json").exists()
     store = Store.create(run_dir, exist_ok=True)
     try:
-        _import_engine_logs(store, "sglang", sglang_logs, host, timezone, date, progress)
-        _import_engine_logs(store, "vllm", vllm_logs, host, timezone, date, progress)
+        _import_engine_logs(store, "sglang", paths["sglang"], host, timezone, date, progress)
+        _import_engine_logs(store, "vllm", paths["vllm"], host, timezone, date, progress)
         _import_load_and_smi_files(store, host, host_given, timezone, files, nvidia_smi_fields, aiperf_phase)
     except BaseException:
         # a failed import into a run it created leaves none behind, so the retry can use --run

@@ -13,8 +13,9 @@ import numpy as np
 
 from gputrace.engines import ENGINES, KINDS, LogParser, fastpath
 from gputrace.engines.common import METRIC_FIELDS, RANK_FIELDS
-from gputrace.errors import SourceError, UsageError
+from gputrace.errors import SourceError
 from gputrace.imports.engine_log import GzipLog, chunk_lines, open_log, read_chunks
+from gputrace.imports.input_path import check_readable
 
 
 def _chunks_of(path: str, cuts: list[str]) -> Iterator[bytes]:
@@ -74,8 +75,8 @@ def command(paths: tuple[str, ...], engine: str) -> None:
     """Print each recognised scheduler/stats/config line of FILE (- for stdin, .gz accepted)
     as one JSON object per line; a summary of lines read and recognised goes to stderr."""
     for path in paths:
-        if path != "-" and not os.path.isfile(path):
-            raise UsageError(f"{path}: no such file")
+        if path != "-":
+            check_readable(path)  # a pipe is read as it streams; a directory or device refused
     try:
         lines, recognised = _parse_all(paths, engine, sys.stdout)
     except BrokenPipeError:

@@ -28,21 +28,44 @@ _NA = {
 
 Convert = Callable[[float], float | int]
 
-# query-gpu field -> (GpuSample field, conversion); the first field present wins for power.
-_QUERY_FIELDS: dict[str, tuple[str, Convert]] = {
-    "utilization.gpu": ("utilization_ratio", lambda v: v / 100.0),
-    "utilization.memory": ("memory_utilization_ratio", lambda v: v / 100.0),
-    "power.draw.instant": ("power_w", float),
-    "power.draw": ("power_w", float),
-    "power.draw.average": ("power_w", float),
-    "clocks.sm": ("sm_clock_hz", lambda v: v * 1e6),
-    "clocks.current.sm": ("sm_clock_hz", lambda v: v * 1e6),
-    "clocks.mem": ("memory_clock_hz", lambda v: v * 1e6),
-    "clocks.current.memory": ("memory_clock_hz", lambda v: v * 1e6),
-    "memory.used": ("memory_used_bytes", lambda v: int(v * _MIB)),
-    "memory.total": ("memory_total_bytes", lambda v: int(v * _MIB)),
-    "temperature.gpu": ("temperature_c", float),
+# query-gpu field -> GpuSample field; the first field present wins for power.
+_QUERY_FIELDS: dict[str, str] = {
+    "utilization.gpu": "utilization_ratio",
+    "utilization.memory": "memory_utilization_ratio",
+    "power.draw.instant": "power_w",
+    "power.draw": "power_w",
+    "power.draw.average": "power_w",
+    "clocks.sm": "sm_clock_hz",
+    "clocks.current.sm": "sm_clock_hz",
+    "clocks.mem": "memory_clock_hz",
+    "clocks.current.memory": "memory_clock_hz",
+    "memory.used": "memory_used_bytes",
+    "memory.total": "memory_total_bytes",
+    "temperature.gpu": "temperature_c",
 }
+# GpuSample field -> {unit as nvidia-smi writes it: factor to the field's unit}; the first unit is
+# what nvidia-smi prints today (and what a header without units means). A unit is read from the
+# header ("power.draw [mW]") and from each value ("604 mW"): one left unconverted stored mW as W.
+_UNITS: dict[str, dict[str, float]] = {
+    "utilization_ratio": {"%": 0.01},
+    "memory_utilization_ratio": {"%": 0.01},
+    "power_w": {"W": 1.0, "mW": 1e-3, "kW": 1e3},
+    "sm_clock_hz": {"MHz": 1e6, "GHz": 1e9, "kHz": 1e3, "Hz": 1.0},
+    "memory_clock_hz": {"MHz": 1e6, "GHz": 1e9, "kHz": 1e3, "Hz": 1.0},
+    "memory_used_bytes": {"MiB": _MIB, "KiB": 1024, "GiB": 1024 * _MIB, "B": 1},
+    "memory_total_bytes": {"MiB": _MIB, "KiB": 1024, "GiB": 1024 * _MIB, "B": 1},
+    "temperature_c": {"C": 1.0},
+}
+_BYTE_FIELDS = ("memory_used_bytes", "memory_total_bytes")
+
+
+def _converter(target: str, unit: str) -> Convert:
+    factor = _UNITS[target][unit]
+    if target in _BYTE_FIELDS:
+        return lambda v: int(v * factor)
+    return lambda v: v * factor
+
+
 _REASON_FIELDS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")
 _ID_FIELDS = ("pci.bus_id", "gpu_bus_id", "uuid", "gpu_uuid")
 
@@ -110,6 +133,37 @@ def _field_name(header: str) -> str:
     return header.split("[", 1)[0].strip().lower()
 
 
+def _header_unit(header: str) -> str | None:
+    """"power.draw [mW]" -> "mW"; None without brackets."""
+    _, bracket, rest = header.partition("[")
+    return rest.split("]", 1)[0].strip() if bracket else None
+
+
+def _column_unit(path: str | os.PathLike[str], header: str, target: str) -> str:
+    """The unit a column's header gives (the usual one when it gives none); ConfigError for a unit
+    gputrace cannot convert, rather than storing its numbers as another unit's."""
+    units = _UNITS[target]
+    unit = _header_unit(header)
+    if unit is None:
+        return next(iter(units))
+    if unit not in units:
+        raise ConfigError(f"{path}: column {header.strip()!r}: unit {unit!r} not understood "
+                          f"(expected {', '.join(units)})")
+    return unit
+
+
+def _converted(text: str, target: str, column_unit: str) -> float | int | None:
+    """A cell in its field's unit: "604.50 W" or "604500 mW" (its own unit wins), "[N/A]" -> None."""
+    t = text.strip()
+    if t.lower() in _NA:
+        return None
+    number, _, unit = t.partition(" ")
+    unit = unit.strip() or column_unit
+    if unit not in _UNITS[target]:
+        raise ValueError(f"unit {unit!r} of {t!r} not understood (expected {', '.join(_UNITS[target])})")
+    return _converter(target, unit)(float(number))
+
+
 def _looks_like_header(cells: Sequence[str]) -> bool:
     return any(_field_name(c) in ("timestamp", "index", *_QUERY_FIELDS) for c in cells)
 
@@ -131,7 +185,9 @@ def parse_query_csv(
     if not rows:
         raise ConfigError(f"{path}: empty nvidia-smi CSV")
     first_row = 1
+    headers = [*fields] if fields else []
     if _looks_like_header(rows[0]):
+        headers = rows[0]
         names = [_field_name(c) for c in rows[0]]
         rows = rows[1:]
         first_row = 2
@@ -149,10 +205,10 @@ def parse_query_csv(
     col = {n: i for i, n in reversed(list(enumerate(names)))}
     id_col = col.get("index")
     alt_id = next((col[f] for f in _ID_FIELDS if f in col), None)
-    mapped: dict[str, tuple[int, Convert]] = {}
-    for name, (target, convert) in _QUERY_FIELDS.items():
+    mapped: dict[str, tuple[int, str]] = {}  # target -> (column, the column's unit)
+    for name, target in _QUERY_FIELDS.items():
         if name in col and target not in mapped:
-            mapped[target] = (col[name], convert)
+            mapped[target] = (col[name], _column_unit(path, headers[col[name]], target))
     reason_col = next((col[f] for f in _REASON_FIELDS if f in col), None)
     clock = _Clock(tz, "%Y/%m/%d %H:%M:%S")
     ids: dict[str, int] = {}
@@ -172,9 +228,8 @@ def parse_query_csv(
             else:
                 gpu = 0
             values: dict[str, Any] = {}
-            for target, (i, convert) in mapped.items():
-                v = _value(row[i])
-                values[target] = None if v is None else convert(v)
+            for target, (i, unit) in mapped.items():
+                values[target] = _converted(row[i], target, unit)
             if reason_col is not None and row[reason_col].strip().lower() not in _NA:
                 values["clock_event_reasons"] = int(row[reason_col].strip(), 16)
         except ValueError as exc:

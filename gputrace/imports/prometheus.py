@@ -135,19 +135,30 @@ class Matcher:
 
 # -- command-line values ----------------------------------------------------------------------
 
+_LAST_UNIX_S = 253_402_300_799  # 9999-12-31T23:59:59Z, the last second a datetime holds
+
+
 def parse_time_ms(text: str, what: str) -> int:
     """RFC 3339 (with a UTC offset) or unix seconds -> ms since the epoch."""
     try:
-        return round(float(text) * 1000)
+        seconds = float(text)
     except ValueError:
-        pass
+        seconds = _rfc3339_s(text, what)
+    # ns since the epoch must fit int64 and the report prints dates: 1e30 was "unexpected OverflowError"
+    if not 0 <= seconds <= _LAST_UNIX_S:
+        raise UsageError(f"{what} {text!r}: must be from 1970 to the end of 9999 "
+                         f"(unix seconds 0 to {_LAST_UNIX_S})")
+    return round(seconds * 1000)
+
+
+def _rfc3339_s(text: str, what: str) -> float:
     try:
         dt = datetime.fromisoformat(text.strip())
     except ValueError:
         raise UsageError(f"{what} {text!r}: give RFC 3339 (2026-01-02T03:04:05Z) or unix seconds") from None
     if dt.tzinfo is None:
         raise UsageError(f"{what} {text!r}: RFC 3339 needs a UTC offset (Z or +hh:mm)")
-    return round(dt.timestamp() * 1000)
+    return dt.timestamp()
 
 
 def parse_step_ms(text: str) -> int:

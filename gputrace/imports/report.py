@@ -23,6 +23,7 @@ log = get_logger("import")
 Record = RequestRecord | Marker | GpuSample
 """What the file importers parse into records (engine logs and Prometheus go in as columns)."""
 MAX_PROBLEMS = 5
+_INT64_MAX = 2**63 - 1
 
 
 @dataclass
@@ -40,6 +41,7 @@ class ImportReport:
     bad: int = 0
     problems: list[str] = field(default_factory=list)
     records: list[Record] = field(default_factory=list)  # parsed, not yet in the store
+    ended_before_start: int = 0  # requests whose end precedes their start: dropped, not stored
     # -- engine logs
     source: str = ""  # the log's name in the store
     lines: int = 0
@@ -51,6 +53,8 @@ class ImportReport:
     cut: str | None = None  # a compressed file that ends early: where, and what was read
     continues: str | None = None  # the file that first brought this log's content, if another
     first_bad_value: str | None = None
+    untimed: int = 0  # events stored with no time: an impossible stamp (Feb 30, hour 25) or no date
+    first_untimed_line: int | None = None
     # -- Prometheus
     gpus: int = 0
     ranks: int = 0
@@ -99,11 +103,16 @@ class ImportReport:
                        if self.lines_cut else "")
                     + (f"; {self.bad_values} bad values not stored (first: {self.first_bad_value})"
                        if self.bad_values else "")
+                    + (f"; {self.untimed} events with no valid time, stored untimed (an impossible "
+                       f"date or hour, or no date: --date gives one; first: line {self.first_untimed_line})"
+                       if self.untimed else "")
                     + (f"; FILE CUT: {self.cut}" if self.cut else "")
                     + self._present_summary())
         parts = [f"{n} {table}" for table, n in self.written.items() if n]
         line = f"{self.path} ({self.kind}): " + (", ".join(parts) or "nothing") + " imported"
         line += self._present_summary()
+        if self.ended_before_start:
+            line += f"; {self.ended_before_start} requests ending before they start dropped"
         if self.bad:
             line += f"; {self.bad} bad rows skipped (first: {self.problems[0]})"
         return line
@@ -152,6 +161,8 @@ def write_rows(store: Store, report: ImportReport, table: str,
     if stored_lines is not None:
         rows = _only_new_lines(rows, stored_lines)
     if isinstance(rows, Mapping):
+        if table == "scheduler_events":
+            _count_untimed(report, rows)
         n = store.append_columns(table, rows, unique=unique) if _column_length(rows) else 0
         rejected_n = 0
     elif not rows:
@@ -196,12 +207,36 @@ def _only_new_lines(rows: Sequence[Any] | Mapping[str, Any], stored: StoredLines
     return out
 
 
+def _count_untimed(report: ImportReport, columns: Mapping[str, Any]) -> None:
+    """Count the rows whose log time is null (the clock found no real time in the stamp)."""
+    times = columns.get("log_ts_ns")
+    if times is None:
+        return
+    if isinstance(times, pa.Array):
+        missing = times.is_null().to_numpy(zero_copy_only=False)
+    else:
+        missing = np.array([t is None for t in times], dtype=bool)
+    if not missing.any():
+        return
+    report.untimed += int(missing.sum())
+    if report.first_untimed_line is None:
+        line_no = columns["line_no"]
+        first = int(np.argmax(missing))
+        report.first_untimed_line = int(line_no[first].as_py() if isinstance(line_no, pa.Array)
+                                        else line_no[first])
+
+
 def write_parsed(store: Store, report: ImportReport) -> ImportReport:
     """Move a parser's records into the store, one batch per record type; returns ``report``."""
     for table in ("requests", "markers", "gpu_samples"):  # what a file can fill, in the summary's order
         report.written.setdefault(table, 0)
     by_table: dict[str, list[Record]] = {}
     for record in report.records:
+        if (isinstance(record, RequestRecord) and record.end_ns is not None
+                and record.end_ns < record.start_ns <= _INT64_MAX):  # a start past int64: a bad row
+            # a clock stepped back mid-request, or a tool's bug: no latency or load can come of it
+            report.ended_before_start += 1
+            continue
         by_table.setdefault(RECORD_TABLES[type(record)], []).append(record)
     report.records = []
     for table, records in by_table.items():
@@ -210,6 +245,9 @@ def write_parsed(store: Store, report: ImportReport) -> ImportReport:
     if report.bad:
         log.warning("bad rows skipped", file=report.path, kind=report.kind, bad=report.bad,
                     first=report.problems[0])
+    if report.ended_before_start:
+        log.warning("requests ending before they start dropped", file=report.path, kind=report.kind,
+                    requests=report.ended_before_start)
     return report
 
 
@@ -224,10 +262,11 @@ def _where(record: Any) -> str:
 
 
 def read_text(path: str | os.PathLike[str]) -> str:
-    """An input file as text (undecodable bytes replaced); ConfigError when it cannot be read."""
+    """An input file as text (undecodable bytes replaced, a UTF-8 byte-order mark dropped: Excel
+    and PowerShell write one, and it hid the first column's name); ConfigError when unreadable."""
     p = Path(path)
     try:
-        return p.read_text(encoding="utf-8", errors="replace")
+        return p.read_text(encoding="utf-8-sig", errors="replace")
     except OSError as exc:
         raise ConfigError(f"{p}: cannot read: {exc.strerror}") from exc
 

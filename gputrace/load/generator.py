@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from gputrace.config import LoadConfig
+from gputrace.config import LoadConfig, concurrency_problem
 from gputrace.errors import ConfigError, SourceError, UsageError
 from gputrace.load.stats import LevelStats, level_stats
 from gputrace.logsetup import get_logger
@@ -73,6 +73,9 @@ class LoadSpec:
     def __post_init__(self) -> None:
         if not self.concurrency or any(c < 1 for c in self.concurrency):
             raise UsageError(f"concurrency levels must be positive integers, got {self.concurrency}")
+        for level in self.concurrency:
+            if (problem := concurrency_problem(level)) is not None:
+                raise UsageError(f"--concurrency: {problem}")
         if self.requests_per_level is not None and self.duration_per_level_s is not None:
             raise UsageError("give --requests-per-level or --duration-per-level, not both")
         if self.requests_per_level is not None and self.requests_per_level < 1:

@@ -453,13 +453,26 @@ async def follow_log_batches(
             raise SourceError(f"{where}: the follower cannot run on the host (exit {status}): "
                               f"{stream.stderr_tail().strip() if stream else ''}")
         if status:
-            tail = stream.stderr_tail().strip()[-200:] if stream is not None else ""
+            tail = follower_error(stream.stderr_tail()) if stream is not None else ""
             tell(f"the follower exited with status {status}{': ' + tail if tail else ''}; restarting it")
         decoder.restart()
         delay_s = backoff.delay_s(attempt)
         attempt += 1
         log.info("follow_reconnecting", source=where, exit_status=status, delay_s=round(delay_s, 3))
         await asyncio.sleep(delay_s)
+
+
+def follower_error(stderr_tail: str) -> str:
+    """A failed follower's stderr in one line for /healthz and meta.json: a Python traceback's
+    last line (the error itself; the whole traceback went into /healthz), said plainly where
+    the cause is the configured path."""
+    lines = [line.strip() for line in stderr_tail.splitlines() if line.strip()]
+    if not lines:
+        return ""
+    last = lines[-1]
+    if last.startswith("IsADirectoryError"):
+        return "the log path is a directory on the host, not a log file: check [hosts.log] path"
+    return last[-200:]
 
 
 async def follow_log(

@@ -646,6 +646,7 @@ def phase_corrections(measured: list[PhaseOutcome], simulated: list[PhaseOutcome
     out = {}
     for m, s in zip(measured, simulated, strict=True):
         error = relative_error(s.throughput_tok_s, m.throughput_tok_s)
-        if error is not None and abs(error) > CALIBRATION_TOLERANCE:
+        # a replay of 0 tok/s (error -1) has no factor that corrects it: report ended in ZeroDivisionError
+        if error is not None and abs(error) > CALIBRATION_TOLERANCE and error > -1.0:
             out[m.label] = round(1.0 / (1.0 + error), 4)
     return out
