@@ -87,6 +87,7 @@ class Source:
             if self.stream is None or self.stream.tell() > off:
                 self.close_stream()
                 self.raw = os.fdopen(os.dup(self.fd), "rb")
+                self.raw.seek(0)  # a dup shares the offset the last stream left
                 self.stream = self.opener(fileobj=self.raw)
             self.stream.seek(off)
             data = self.stream.read(length)  # type: bytes
@@ -289,8 +290,8 @@ class Follower:
         newest = -1  # where in candidates the newest generation found beside the path is
         for known in gens:
             src, same_inode = self.locate(known, here + candidates)
+            in_place = at_path is not None and at_path.st_ino == known["ino"]
             if src is None:
-                in_place = at_path is not None and at_path.st_ino == known["ino"]
                 self.lost(known["key"], known["off"], (
                     "%s was truncated in place before it was read to its end and no copy of the old "
                     "content was found beside it" if in_place else "%s was rotated away, and no file "
@@ -306,7 +307,9 @@ class Follower:
                 paths = [p for p, _ in candidates]
                 newest = max(newest, paths.index(src.path) if src.path in paths else -1)
             self.opened(gen, None if same_inode else src.path)
-            if not same_inode and src.path != self.path:
+            if in_place and not same_inode:
+                # truncated in place after a copy (copytruncate): what was written between the
+                # copy and the truncation is in neither file
                 self.copied(gen.key, off, src.path, None)
         # then the generations rotated after them that were never read, oldest first
         heads = self.known_heads() + self.live_heads()
