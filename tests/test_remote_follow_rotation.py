@@ -5,21 +5,26 @@ against the lines written: nothing lost, nothing twice; where the file is gone, 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from live_chain import free_port, http_ok, wait_until
 from sshd import SshServer, sshd_server_fixture  # noqa: F401
 from test_remote_follow import Collector, log_line
 
 from gputrace.config import LogSource
 from gputrace.remote.follow import FollowGap
 from gputrace.remote.ssh import connect_ssh
+from gputrace.store import Store
 
 pytestmark = pytest.mark.system
 
@@ -76,7 +81,8 @@ async def until(predicate: object, timeout_s: float = 30.0) -> None:
 
 async def collect_all(collector: Collector, written: list[str], timeout_s: float = 60.0) -> None:
     """Wait until every line written arrived (or the timeout), then a little longer: none twice."""
-    await until(lambda: len(collector.lines) >= len(written) or written[-1] in collector.texts[-1:], timeout_s)
+    await until(lambda: len(collector.lines) >= len(written) or written[-1] in collector.texts[-1:],
+                timeout_s)
     await asyncio.sleep(0.5)
     await collector.stop()
 
@@ -86,7 +92,8 @@ def lost_and_doubled(collector: Collector, written: list[str]) -> tuple[int, int
     return len(set(written) - set(got)), len(got) - len(set(got))
 
 
-async def test_two_copytruncates_during_one_outage_lose_nothing(sshd_server: SshServer, tmp_path: Path) -> None:
+async def test_two_copytruncates_during_one_outage_lose_nothing(sshd_server: SshServer,
+                                                                tmp_path: Path) -> None:
     """Class 1: sshd down; logrotate copytruncate twice (the first copy becomes server.log.2, the
     second server.log.1); sshd back: both copies are read on, in order, then the live file
     (before: the lines only in server.log.1 were lost, 245 of 2,688)."""
@@ -250,3 +257,48 @@ async def test_copytruncate_while_the_follower_is_mid_read(sshd_server: SshServe
     assert mid_read, "the follower had read the burst already: the test did not test what it says"
     assert lost_and_doubled(collector, engine.written) == (0, 0)
     assert collector.texts == engine.written
+
+
+def test_collect_records_a_removed_rotated_file_in_meta_json(sshd_server: SshServer, tmp_path: Path) -> None:
+    """Class 3 as users run it: `gputrace collect` over SSH; during an outage the log is rotated
+    (logrotate create) and the rotated file removed before it was read to its end: meta.json's
+    log_gaps names the file, the byte the gap begins at and its time span, and source_problems
+    carries it to the report (before: only a warning on stderr)."""
+    path = tmp_path / "server.log"
+    engine = Engine(path)
+    engine.start()
+    cfg = tmp_path / "gputrace.toml"
+    cfg.write_text(f'[[hosts]]\nname = "node0"\nssh = "root@127.0.0.1:{sshd_server.port}"\n'
+                   f'identity_file = "{sshd_server.client_key_path}"\n'
+                   f'known_hosts = "{sshd_server.known_hosts_path}"\n'
+                   f'[hosts.log]\nkind = "file"\npath = {json.dumps(str(path))}\n')
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "gputrace", "collect", "--config", str(cfg), "--out",
+                             str(tmp_path / "run"), "--listen", f"127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/healthz"), timeout_s=60)
+        time.sleep(1.0)
+        sshd_server.kill()
+        time.sleep(0.5)
+        with engine.lock:
+            logrotate(tmp_path, path, "create")
+            (tmp_path / "server.log.1").unlink()
+            engine.reopen()
+        time.sleep(0.5)
+        sshd_server.restart()
+        wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/healthz"), timeout_s=60)
+        time.sleep(1.0)
+    finally:
+        engine.stop_event.set()
+        engine.join()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    with Store.open(tmp_path / "run", read_only=True) as store:
+        collector = store.meta.extra["collector"]
+    gaps = collector["log_gaps"]
+    assert len(gaps) == 1 and gaps[0]["source"] == "log node0" and gaps[0]["after_byte"] > 0
+    assert gaps[0]["found_ns"] - gaps[0]["since_ns"] > 0.5e9
+    assert any("rotated away" in p["reason"] and p["since_ns"] == gaps[0]["since_ns"]
+               for p in collector["source_problems"])

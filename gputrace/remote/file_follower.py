@@ -163,6 +163,9 @@ class Follower:
         self.folder, self.base = os.path.split(path)
         self.live = None  # type: Optional[Gen]  # the generation at the path
         self.old = []  # type: List[Gen]  # generations rotated away (renamed, copied, compressed), read first, in order
+        # when the live file was last known to hold the generation read (a truncation or a rename
+        # seen): a copy made since, before the new file is read, is a generation in between
+        self.since_ns = None  # type: Optional[int]
         self.done = []  # type: List[Tuple[int, str]]  # (head length, head sha) of generations read to their end
         os.set_blocking(out_fd, False)
 
@@ -195,8 +198,12 @@ class Follower:
     def siblings(self, skip_inodes: Set[Tuple[int, int]]) -> List[Candidate]:
         """Rotated files beside the path (``server.log.1``, ``server.log.2.gz``, ``server.log-2026…``),
         oldest first."""
-        found, names = [], []
-        for entry in os.scandir(self.folder or "."):
+        found, names = [], []  # type: List[Candidate], List[str]
+        try:
+            entries = list(os.scandir(self.folder or "."))
+        except OSError:
+            return found  # no such folder (yet): nothing beside the path
+        for entry in entries:
             if not entry.name.startswith(self.base) or entry.name == self.base:
                 continue
             try:
@@ -334,9 +341,11 @@ class Follower:
             self.pump_old()
             time.sleep(self.poll_s)
         pos = (src.size() or 0) if at_end and not told else 0
-        live = Gen(new_key(src.ino), src, pos, src.read(0, min(pos, HEAD_BYTES)),
+        live = Gen(new_key(src.ino), src, pos, src.read(0, HEAD_BYTES),
                    src.read(pos - TAIL_BYTES, min(pos, TAIL_BYTES)), keep=True)
-        live.unseen = not pos  # its head not read yet
+        live.unseen = not pos  # nothing of it read yet
+        if self.since_ns is not None:
+            live.opened_ns, self.since_ns = self.since_ns, None
         self.live = live
         self.opened(live)
 
@@ -375,6 +384,7 @@ class Follower:
     def truncated(self, gen: Gen) -> None:
         """The live file was truncated in place (and maybe written again): its generation is read on
         from a copy beside the path, if one holds it, then the generations copied after it."""
+        self.since_ns = int(time.time() * 1e9)
         known = {"key": gen.key, "ino": -1, "dev": 0, "off": gen.pos, "head_len": len(gen.head),
                  "head_sha": sha(gen.head), "tail_len": len(gen.tail), "tail_sha": sha(gen.tail)}
         candidates = self.siblings(self.open_inodes())
@@ -399,6 +409,7 @@ class Follower:
     def rotated(self, gen: Gen) -> None:
         """The path holds another file: the one read is renamed (or removed). It is read on while it
         is written; generations rotated in between are read from their start; then the new file."""
+        self.since_ns = int(time.time() * 1e9)
         self.live = None
         self.old.append(gen)
         self.pump(gen, verify=False)
