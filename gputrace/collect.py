@@ -43,7 +43,7 @@ from gputrace.model import DeviceInfo, EngineConfig, Marker, RequestRecord, Sche
 from gputrace.remote.clock import probe_clock
 from gputrace.remote.connect import TransportFactory, connect_host
 from gputrace.remote.engine_scrape import MetricsEndpoint, ScrapeStats, follow_metrics
-from gputrace.remote.follow import follow_log_batches
+from gputrace.remote.follow import FollowGap, follow_log_batches
 from gputrace.remote.ssh import HostKeyPolicy
 from gputrace.remote.transport import Transport
 from gputrace.store import REJECTS_FILE, BatchingWriter, Store, warm_up
@@ -128,6 +128,7 @@ class Collector:
         # task that ended); the open ones (until_ns None) are current
         self._problems: list[CaptureProblem] = []
         self._last_log_batch_ns: dict[str, int] = {}  # per log source, when its newest lines came
+        self._log_gaps: list[dict[str, object]] = []  # log content that could not be read (meta.json)
         # marks posted and not yet written, each with the future its request waits on (None: stored,
         # else why not)
         self._marks_pending: list[_PendingMark] = []
@@ -264,6 +265,7 @@ class Collector:
             self.store.update_meta(extra={"collector": {
                 "counts": dict(self.live.counts), "failures": self._failures,
                 "source_problems": [p.to_dict() for p in self._problems], "store_outages": outages,
+                "log_gaps": self._log_gaps,
                 "dropped_records": dict(writer.dropped), "unwritten_records": unwritten,
                 "stopped_ns": stopped_ns,
                 "log_clock": [found.to_dict() for found in self._log_clock_offsets()]}})
@@ -371,7 +373,8 @@ class Collector:
         ready = self._ready.setdefault(name, asyncio.Event())
         async for batch in follow_log_batches(ht.transport, src, from_start=self.options.log_from_start,
                                               on_caught_up=ready.set,
-                                              on_problem=lambda why: self._source_problem(name, why)):
+                                              on_problem=lambda why: self._source_problem(name, why),
+                                              on_gap=lambda gap: self._log_gap(name, gap)):
             self._last_log_batch_ns[name] = time.time_ns()
             self.live.counts["log_lines"] += len(batch)
             for line in batch:
@@ -512,6 +515,12 @@ class Collector:
                 self._problems[i] = dataclasses.replace(problem, until_ns=now)
         if reason is not None:
             self._problems.append(CaptureProblem(source, reason, now))
+
+    def _log_gap(self, source: str, gap: FollowGap) -> None:
+        """Log content ``source`` could not read: kept in meta.json with its position and size, and
+        as a problem over at once spanning the time it covers (the report's notes say it)."""
+        self._log_gaps.append({"source": source, **gap.to_dict()})
+        self._problems.append(CaptureProblem(source, gap.reason, gap.since_ns or gap.found_ns, gap.found_ns))
 
     def problems(self) -> list[CaptureProblem]:
         """What keeps the capture from being complete right now: failing sources, the store."""

@@ -529,19 +529,20 @@ def test_a_followed_line_past_the_cap_is_cut_and_positions_count_every_byte() ->
     from gputrace.remote.follow import _FileDecoder
 
     decoder = _FileDecoder("/var/log/x.log", None, True, 0.1)
-    head = b"\n:gputrace-follow-v1:\n" + b"O 7 0 0\n"
+    opened = json.dumps({"ino": 7, "dev": 1, "path": "/var/log/x.log", "head": "", "via": None}).encode()
+    head = b"\n:gputrace-follow-v2:\n" + b"O 7.a 0 %d 0\n" % len(opened) + opened
     blob = b"z" * (1 << 20)
     frames = [head]
     offset = 0
     for _ in range(3):
-        frames.append(b"D 7 %d %d\n" % (offset, len(blob)) + blob)
+        frames.append(b"D 7.a %d %d 0\n" % (offset, len(blob)) + blob)
         offset += len(blob)
     tail = b"\n[2026-01-01 00:00:00 PP0] Decode batch, #running-req: 1\n"
-    frames.append(b"D 7 %d %d\n" % (offset, len(tail)) + tail)
+    frames.append(b"D 7.a %d %d 0\n" % (offset, len(tail)) + tail)
     out = []
     for frame in frames:
         out += decoder.feed(frame, recv_ts_ns=1)
-        assert len(decoder._pending) <= MAX_LINE_BYTES
+        assert len(decoder.gens["7.a"].pending) <= MAX_LINE_BYTES
     assert [len(line.text) for line in out] == [MAX_LINE_BYTES, len(tail) - 2]
     assert out[-1].position.offset == offset + len(tail)
 

@@ -1,55 +1,175 @@
-"""Runs ON the followed host (sent as ``python3 -c``): follows one file through rotation and
-writes framed chunks (``KIND INODE OFFSET LENGTH\\n`` + bytes) so the collector can resume exactly.
-The frames follow a ``SYNC`` line, so that whatever a login script printed before is skipped.
+"""Runs ON the followed host (sent as ``python3 -c``): follows one log path through rotation and
+writes framed chunks (``KIND KEY OFFSET LENGTH MTIME_NS\\n`` + payload) so the collector can resume
+exactly. The frames follow a ``SYNC`` line, so that whatever a login script printed before is skipped.
 
-Kinds: O opened INODE at OFFSET; D data at OFFSET; T INODE was truncated (copytruncate), reading
-again from 0; L the rotated file INODE could not be found, lines after OFFSET are lost; K the old
-content past OFFSET is read from the copy INODE (its path is the frame's data) before the file
-is read again from 0; G INODE was truncated and regrown while its content past OFFSET was unread,
-and no copy of it was found: that content is lost.
+The log is followed by identity, not by position, as Fluent Bit and Vector do. A *generation* is
+one stream of content from its byte 0 (a file from its creation to its truncation or removal); it is
+known by KEY (``INODE.TOKEN``, the inode it was first read from), by its device and inode, by its
+head (its first HEAD_BYTES, fewer while it is shorter) and by the TAIL_BYTES before the read offset.
+On every read and every reconnect:
+- a file that shrank, or whose head or tail changed (truncated in place, even if regrown past the
+  offset since), is a new generation; the old one is read on from a copy beside the path whose
+  content matches (copytruncate's ``.1``, ``.2``, a ``.gz``), else its unread rest is lost (G);
+- generations rotated away are found by inode (renamed) or by content (copied, compressed) and read
+  on from their offsets, in rotation order, before the live file; generations rotated after them that
+  were never seen (two rotations in one outage) are read from their start;
+- a renamed file is read on while it is written (a writer that keeps it open, as Python's logging
+  does under logrotate's ``create``) and dropped once idle ROTATE_WAIT seconds (X).
 
-Truncation is recognised by content, not only by size: the follower keeps the last TAIL_BYTES it
-read (the collector sends their length and SHA-256 when it resumes), and content at its offset
-that no longer ends with them is a new file (a copytruncate during an SSH outage, after which the
-engine wrote past the old offset before the collector was back).
+Frames: O reading KEY goes on at OFFSET (payload: JSON with ino, dev, path, head as hex, via);
+D data of KEY at OFFSET (MTIME_NS: the file's mtime when read); X KEY read to its end, dropped;
+G KEY's content past OFFSET is lost (payload: JSON with why and lost_bytes, null when unknown);
+K KEY was continued from a copy after a truncation: lines written between the copy and the
+truncation, if any, are in no file (payload: the copy's path); W no file at the path yet.
 Kept to Python 3.6 syntax: hosts run whatever python3 their distribution ships.
 """
 
 import contextlib
+import gzip
 import hashlib
+import json
 import os
+import re
 import select
+import stat
 import sys
 import time
+from typing import Any, Dict, List, Optional, Set, Tuple  # Python 3.6: no X | None
 
 CHUNK_BYTES = 1 << 16
-SYNC = b"\n:gputrace-follow-v1:\n"
-COMPRESSED = (".gz", ".xz", ".bz2", ".zst", ".lz4", ".Z")
-TAIL_BYTES = 4096  # the fingerprint: a line of an engine log is 100-300 bytes, so 4 KiB spans 10+
+SYNC = b"\n:gputrace-follow-v2:\n"
+HEAD_BYTES = 256  # the identity of a generation: its first line or two (a timestamp and more)
+TAIL_BYTES = 4096  # the content before the offset: a line of an engine log is 100-300 bytes
+OPENERS = {".gz": gzip.GzipFile}  # type: dict[str, Any]
+BROKEN = (EOFError, OSError, ValueError)  # type: tuple[type[Exception], ...]  # a copy cut short
+with contextlib.suppress(ImportError):  # a Python built without them reads .gz copies only
+    import bz2
+
+    OPENERS[".bz2"] = bz2.BZ2File
+with contextlib.suppress(ImportError):
+    import lzma
+
+    OPENERS[".xz"] = lzma.LZMAFile
+    BROKEN += (lzma.LZMAError,)
+Candidate = Tuple[str, os.stat_result]  # a file beside the path and its stat
+NUMBERED = re.compile(r"[.-](\d+)(?:\.(?:gz|bz2|xz))?$")
 
 
-def fingerprint(data: bytes) -> str:
+def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def read_tail(fd: int, pos: int, length: int) -> bytes:
-    """The ``length`` bytes just before ``pos`` (fewer if the file is shorter there)."""
-    start = max(0, pos - length)
-    return os.pread(fd, pos - start, start) if pos > start else b""
+class Source:
+    """One file on disk that a generation is read from: plain (read by offset, it may still grow)
+    or compressed (decompressed in sequence)."""
+
+    def __init__(self, path: str, fd: int, st: os.stat_result) -> None:
+        self.path, self.fd = path, fd
+        self.dev, self.ino, self.mtime_ns = st.st_dev, st.st_ino, st.st_mtime_ns
+        self.opener = OPENERS.get(os.path.splitext(path)[1])
+        self.stream = None  # type: Any
+        self.raw = None  # type: Any
+
+    @classmethod
+    def open(cls, path: str) -> "Optional[Source]":
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return None
+        return cls(path, fd, os.fstat(fd))
+
+    def read(self, off: int, length: int) -> bytes:
+        if off < 0 or length <= 0:
+            return b""
+        if self.opener is None:
+            return os.pread(self.fd, length, off)
+        try:
+            if self.stream is None or self.stream.tell() > off:
+                self.close_stream()
+                self.raw = os.fdopen(os.dup(self.fd), "rb")
+                self.raw.seek(0)  # a dup shares the offset the last stream left
+                self.stream = self.opener(fileobj=self.raw)
+            self.stream.seek(off)
+            data = self.stream.read(length)  # type: bytes
+            return data
+        except BROKEN:
+            return b""  # a compressed copy still being written, or broken: nothing (more) from it
+
+    def size(self) -> Optional[int]:
+        return os.fstat(self.fd).st_size if self.opener is None else None
+
+    def close_stream(self) -> None:
+        for handle in (self.stream, self.raw):
+            if handle is not None:
+                with contextlib.suppress(OSError, EOFError):
+                    handle.close()
+        self.stream = self.raw = None
+
+    def close(self) -> None:
+        self.close_stream()
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+class Gen:
+    """One generation being read: KEY, from SRC at POS; HEAD and TAIL as read."""
+
+    def __init__(self, key: str, src: Source, pos: int, head: bytes, tail: bytes, keep: bool) -> None:
+        self.key, self.src, self.pos, self.head, self.tail = key, src, pos, head, tail
+        self.keep = keep  # it may still be written: read until idle (else: read to its end)
+        self.idle_since = time.time()
+        self.seen_size = pos
+        self.opened_ns = int(time.time() * 1e9)
+        self.unseen = False
+
+    def changed(self) -> bool:
+        """Whether the file no longer holds this generation's content (truncated in place)."""
+        if self.tail and self.src.read(self.pos - len(self.tail), len(self.tail)) != self.tail:
+            return True
+        return bool(self.head) and self.src.read(0, len(self.head)) != self.head
+
+    def took(self, data: bytes) -> None:
+        if self.pos < HEAD_BYTES and len(self.head) >= self.pos:
+            self.head = (self.head + data[max(0, len(self.head) - self.pos):])[:HEAD_BYTES]
+        self.pos += len(data)
+        self.tail = (self.tail + data)[-TAIL_BYTES:]
+        self.seen_size = max(self.seen_size, self.pos)
+        self.idle_since = time.time()
+
+
+def same_head(src: Source, head_len: int, head_sha: str) -> bool:
+    return head_len > 0 and sha(src.read(0, head_len)) == head_sha
+
+
+def holds(src: Source, known: Dict[str, Any]) -> bool:
+    """Whether ``src`` holds the known generation's content up to its offset."""
+    off, tail_len = known["off"], known["tail_len"]
+    if not known["head_len"] and not tail_len:
+        return False
+    if known["head_len"] and not same_head(src, known["head_len"], known["head_sha"]):
+        return False
+    if tail_len and sha(src.read(off - tail_len, tail_len)) != known["tail_sha"]:
+        return False
+    return off == 0 or len(src.read(off - 1, 1)) == 1
+
+
+def new_key(ino: int) -> str:
+    return "%d.%s" % (ino, os.urandom(4).hex())
 
 
 class Follower:
-    def __init__(self, path: str, poll_s: float, out_fd: int) -> None:
-        self.path = path
-        self.poll_s = poll_s
-        self.out_fd = out_fd
-        self.fd = -1
-        self.inode = 0
-        # Files that appeared at the path after the current one, opened at once and read in order:
-        # however far behind the collector is, a file rotated away twice is not skipped.
-        self.queue = []  # type: list[tuple[int, int]]
-        self.tail = b""  # the last bytes read from self.fd, up to the read position
+    def __init__(self, path: str, poll_s: float, rotate_wait_s: float, out_fd: int) -> None:
+        self.path, self.poll_s, self.rotate_wait_s, self.out_fd = path, poll_s, rotate_wait_s, out_fd
+        self.folder, self.base = os.path.split(path)
+        self.live = None  # type: Optional[Gen]  # the generation at the path
+        self.old = []  # type: List[Gen]  # generations rotated away (renamed, copied, compressed), read first, in order
+        # when the live file was last known to hold the generation read (a truncation or a rename
+        # seen): a copy made since, before the new file is read, is a generation in between
+        self.since_ns = None  # type: Optional[int]
+        self.done = []  # type: List[Tuple[int, str]]  # (head length, head sha) of generations read to their end
         os.set_blocking(out_fd, False)
+
+    # -- output ------------------------------------------------------------------------------
 
     def write(self, data: bytes) -> None:
         view = memoryview(data)
@@ -58,140 +178,274 @@ class Follower:
                 view = view[os.write(self.out_fd, view):]
             except BlockingIOError:
                 select.select([], [self.out_fd], [], self.poll_s)
-                self.watch_path()
 
-    def frame(self, kind: bytes, inode: int, off: int, data: bytes = b"") -> None:
-        self.write(kind + b" %d %d %d\n" % (inode, off, len(data)) + data)
+    def frame(self, kind: bytes, key: str, off: int, data: bytes = b"", mtime_ns: int = 0) -> None:
+        self.write(b"%s %s %d %d %d\n" % (kind, key.encode(), off, len(data), mtime_ns) + data)
 
-    def watch_path(self) -> None:
+    def opened(self, gen: Gen, via: Optional[str] = None) -> None:
+        info = {"ino": gen.src.ino, "dev": gen.src.dev, "path": gen.src.path, "head": gen.head.hex(),
+                "via": via}
+        self.frame(b"O", gen.key, gen.pos, json.dumps(info).encode())
+
+    def copied(self, key: str, off: int, path: str, lost_bytes: Optional[int]) -> None:
+        self.frame(b"K", key, off, json.dumps({"copy": path, "lost_bytes": lost_bytes}).encode())
+
+    def lost(self, key: str, off: int, why: str, lost_bytes: Optional[int] = None) -> None:
+        self.frame(b"G", key, off, json.dumps({"why": why, "lost_bytes": lost_bytes}).encode())
+
+    # -- the files beside the path -------------------------------------------------------------
+
+    def siblings(self, skip_inodes: Set[Tuple[int, int]]) -> List[Candidate]:
+        """Rotated files beside the path (``server.log.1``, ``server.log.2.gz``, ``server.log-2026…``),
+        oldest first."""
+        found, names = [], []  # type: List[Candidate], List[str]
         try:
-            path_inode = os.stat(self.path).st_ino
-        except FileNotFoundError:
-            return
-        newest = self.queue[-1][1] if self.queue else self.inode
-        if path_inode != newest:
-            try:
-                fd = os.open(self.path, os.O_RDONLY)
-            except FileNotFoundError:
-                return
-            self.queue.append((fd, os.fstat(fd).st_ino))
-
-    def drain(self, fd: int, inode: int, pos: int) -> int:
-        while True:
-            data = os.pread(fd, CHUNK_BYTES, pos)
-            if not data:
-                return pos
-            self.frame(b"D", inode, pos, data)
-            pos += len(data)
-            if fd == self.fd:
-                self.tail = (self.tail + data)[-TAIL_BYTES:]
-            self.watch_path()
-
-    def recover(self, offset: int, tail_len: int, tail_sha: str, lost_if_no_copy: bool) -> None:
-        # The file's content past ``offset`` was replaced (truncated in place) before it was read:
-        # a copy beside the path (copytruncate's) whose bytes before ``offset`` are those we read
-        # has it. Read the copy on from ``offset``; without one, say what is lost.
-        folder, base = os.path.split(self.path)
-        for entry in os.scandir(folder or "."):
-            if (not entry.name.startswith(base) or entry.name == base or entry.name.endswith(COMPRESSED)
-                    or not entry.is_file(follow_symlinks=False) or entry.inode() == self.inode):
+            entries = list(os.scandir(self.folder or "."))
+        except OSError:
+            return found  # no such folder (yet): nothing beside the path
+        for entry in entries:
+            if not entry.name.startswith(self.base) or entry.name == self.base:
                 continue
             try:
-                fd = os.open(entry.path, os.O_RDONLY)
+                st = entry.stat(follow_symlinks=False)
             except OSError:
                 continue
-            try:
-                size = os.fstat(fd).st_size
-                if tail_len and size >= offset and fingerprint(read_tail(fd, offset, tail_len)) == tail_sha:
-                    if size == offset and not lost_if_no_copy:
-                        return  # read to its end before the truncation: nothing was missed
-                    inode = os.fstat(fd).st_ino
-                    self.frame(b"K", inode, offset, os.fsencode(entry.path))
-                    self.frame(b"O", inode, offset)
-                    self.drain(fd, inode, offset)
-                    return
-            finally:
-                os.close(fd)
-        if lost_if_no_copy:
-            self.frame(b"G", self.inode, offset)
+            if stat.S_ISREG(st.st_mode) and st.st_size and (st.st_dev, st.st_ino) not in skip_inodes:
+                found.append((os.path.join(self.folder, entry.name), st))
+                names.append(entry.name[len(self.base):])
+        # oldest first by mtime (a rotated file is not written after the next one begins); files
+        # rotated in the same tick by their number (logrotate's .1 is newer than .2)
+        numbers = [NUMBERED.search(name) for name in names]
+        keys = [(st.st_mtime_ns, -int(m.group(1)) if m else 0, path)
+                for (path, st), m in zip(found, numbers)]
+        return [item for _, item in sorted(zip(keys, found))]
 
-    def resume_rotated(self, want_inode: int, offset: int) -> None:
-        # Rotated by rename while we were away: finish the old file if it is still beside the path,
-        # then any file rotated after it (same name prefix, not compressed, modified since), oldest first.
-        folder, base = os.path.split(self.path)
-        old_path, later = None, []
-        for entry in os.scandir(folder or "."):
-            if entry.inode() == want_inode and entry.is_file(follow_symlinks=False):
-                old_path = entry.path
-            elif (entry.name.startswith(base) and entry.name != base and entry.is_file(follow_symlinks=False)
-                  and not entry.name.endswith(COMPRESSED) and entry.inode() != self.inode):
-                later.append((entry.stat(follow_symlinks=False).st_mtime_ns, entry.path, entry.inode()))
-        if old_path is None:
-            self.frame(b"L", want_inode, offset)
-            return
-        old_fd = os.open(old_path, os.O_RDONLY)
-        old_mtime_ns = os.fstat(old_fd).st_mtime_ns
-        self.frame(b"O", want_inode, offset)
-        self.drain(old_fd, want_inode, offset)
-        os.close(old_fd)
-        for mtime_ns, path, inode in sorted(later):
-            if mtime_ns >= old_mtime_ns:
-                fd = os.open(path, os.O_RDONLY)
-                self.frame(b"O", inode, 0)
-                self.drain(fd, inode, 0)
-                os.close(fd)
+    def open_inodes(self) -> Set[Tuple[int, int]]:
+        gens = self.old + ([self.live] if self.live else [])
+        return set((g.src.dev, g.src.ino) for g in gens)
 
-    def run(self, want_inode: int, offset: int, tail_len: int = 0, tail_sha: str = "") -> None:
-        self.write(SYNC)
+    def known_heads(self) -> List[Tuple[int, str]]:
+        gens = self.old + ([self.live] if self.live else [])
+        return list(self.done) + [(len(g.head), sha(g.head)) for g in gens if g.head]
+
+    def locate(self, known: Dict[str, Any], candidates: List[Candidate]) -> Tuple[Optional[Source], bool]:
+        """The file that holds a known generation: by device and inode, else by content (a copy,
+        a compressed copy, a file put in its place); plain files before compressed ones."""
+        by_inode = [c for c in candidates if c[1].st_ino == known["ino"]
+                    and (not known["dev"] or c[1].st_dev == known["dev"])]
+        rest = [c for c in candidates if c not in by_inode]
+        rest.sort(key=lambda c: c[0].endswith(tuple(OPENERS)))
+        for path, st in by_inode + rest:
+            src = Source.open(path)
+            if src is None:
+                continue
+            ours = not known["head_len"] and not known["tail_len"] and (src.size() or 0) >= known["off"]
+            if (ours and (path, st) in by_inode) or holds(src, known):
+                return src, (path, st) in by_inode
+            src.close()
+        return None, False
+
+    def queue_later(self, candidates: List[Candidate], after: Optional[str], since_mtime_ns: int,
+                    heads: List[Tuple[int, str]]) -> None:
+        """Generations rotated after ``after`` (a path; None: modified since ``since_mtime_ns``) that
+        were never read: read from their start, oldest first."""
+        paths = [p for p, _ in candidates]
+        later = candidates[paths.index(after) + 1:] if after in paths else [
+            c for c in candidates if c[1].st_mtime_ns >= since_mtime_ns]
+        for path, _ in later:
+            src = Source.open(path)
+            if src is None:
+                continue
+            if any(same_head(src, n, h) for n, h in heads) or not src.read(0, 1):
+                src.close()  # read already, or being read (the copy of the live file, not yet truncated)
+                continue
+            head = src.read(0, HEAD_BYTES)
+            gen = Gen(new_key(src.ino), src, 0, head, b"", keep=src.opener is None)
+            self.old.append(gen)
+            self.opened(gen)
+            heads.append((len(head), sha(head)))
+
+    def live_heads(self) -> List[Tuple[int, str]]:
+        st = self.path_stat()
+        if st is None:
+            return []
+        src = Source.open(self.path)
+        if src is None:
+            return []
+        head = src.read(0, HEAD_BYTES)
+        src.close()
+        return [(len(head), sha(head))] if head else []
+
+    def path_stat(self) -> Optional[os.stat_result]:
+        try:
+            return os.stat(self.path)
+        except OSError:
+            return None
+
+    # -- resuming --------------------------------------------------------------------------------
+
+    def resume(self, state: Dict[str, Any]) -> bool:
+        """Find every generation the collector was reading and read each on from its offset; then
+        those rotated after them and never seen; then the file at the path."""
+        self.done = [tuple(d) for d in state.get("done", [])]
+        gens = sorted(state.get("gens", []), key=lambda k: k.get("mtime_ns", 0))
+        # generations the collector reads are never read again from their start
+        self.done += [(k["head_len"], k["head_sha"]) for k in gens if k["head_len"]]
+        candidates = self.siblings(set())
+        at_path = self.path_stat()
+        here = [(self.path, at_path)] if at_path is not None else []
+        newest = -1  # where in candidates the newest generation found beside the path is
+        for known in gens:
+            src, same_inode = self.locate(known, here + candidates)
+            in_place = at_path is not None and at_path.st_ino == known["ino"]
+            if src is None:
+                self.lost(known["key"], known["off"], (
+                    "%s was truncated in place before it was read to its end and no copy of the old "
+                    "content was found beside it" if in_place else "%s was rotated away, and no file "
+                    "beside it holds its content any more (removed, or replaced)") % self.path)
+                continue
+            head, off = src.read(0, known["head_len"]), known["off"]
+            gen = Gen(known["key"], src, off, head, src.read(off - known["tail_len"], known["tail_len"]),
+                      keep=same_inode and src.opener is None)
+            if src.path == self.path and self.live is None:
+                self.live = gen
+            else:
+                self.old.append(gen)
+                paths = [p for p, _ in candidates]
+                newest = max(newest, paths.index(src.path) if src.path in paths else -1)
+            self.opened(gen, None if same_inode else src.path)
+            if in_place and not same_inode:
+                # truncated in place after a copy (copytruncate): what was written between the
+                # copy and the truncation is in neither file
+                self.copied(gen.key, off, src.path, None)
+        # then the generations rotated after them that were never read, oldest first
+        heads = self.known_heads() + self.live_heads()
+        if newest >= 0:
+            self.queue_later(candidates, candidates[newest][0], 0, heads)
+        elif gens and not self.old and self.live is None:
+            # none found anywhere: what was rotated since the newest was last read is read whole
+            self.queue_later(candidates, None, max(k.get("mtime_ns", 0) for k in gens), heads)
+        return bool(gens)
+
+    def open_live(self, at_end: bool) -> None:
+        """Open the file at the path as a new generation (once it is there): from its start, or
+        from its end (``at_end``, the first time only, when it is there already)."""
         told = False
-        while self.fd < 0:
-            try:
-                self.fd = os.open(self.path, os.O_RDONLY)
-            except FileNotFoundError:
-                if not told:  # say it once: a wrong path must not look like an idle engine
-                    self.frame(b"W", 0, 0)
-                    told = True
-                time.sleep(self.poll_s)
-        st = os.fstat(self.fd)
-        self.inode, pos = st.st_ino, offset
-        if want_inode and want_inode != self.inode:
-            self.resume_rotated(want_inode, offset)
-            pos = 0
-        elif want_inode and (st.st_size < offset or (
-                tail_len and fingerprint(read_tail(self.fd, offset, tail_len)) != tail_sha)):
-            # truncated while the collector was away: what was written after its offset and before
-            # the truncation is only in a copy, if anywhere
-            self.frame(b"T", self.inode, offset)
-            self.recover(offset, tail_len, tail_sha, lost_if_no_copy=True)
-            pos = 0
-        elif offset < 0:
-            pos = st.st_size
-        self.tail = read_tail(self.fd, pos, TAIL_BYTES)
-        self.frame(b"O", self.inode, pos)
         while True:
-            size = os.fstat(self.fd).st_size
-            # regrown past our position since the last read: the bytes before it are not ours
-            replaced = size >= pos and self.tail and read_tail(self.fd, pos, len(self.tail)) != self.tail
-            if size < pos or replaced:
-                self.frame(b"T", self.inode, pos)
-                self.recover(pos, len(self.tail), fingerprint(self.tail), lost_if_no_copy=bool(replaced))
-                pos, self.tail = 0, b""
-                self.frame(b"O", self.inode, pos)
+            src = Source.open(self.path)
+            if src is not None:
+                break
+            if not told:  # say it once: a wrong path must not look like an idle engine
+                self.frame(b"W", "0", 0)
+                told = True
+            self.pump_old()
+            time.sleep(self.poll_s)
+        pos = (src.size() or 0) if at_end and not told else 0
+        live = Gen(new_key(src.ino), src, pos, src.read(0, HEAD_BYTES),
+                   src.read(pos - TAIL_BYTES, min(pos, TAIL_BYTES)), keep=True)
+        live.unseen = not pos  # nothing of it read yet
+        if self.since_ns is not None:
+            live.opened_ns, self.since_ns = self.since_ns, None
+        self.live = live
+        self.opened(live)
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def pump(self, gen: Gen, verify: bool) -> bool:
+        """Read ``gen`` on to its end (now); False when it changed under us (``verify``: a file that
+        may be truncated in place), else True."""
+        while True:
+            data = gen.src.read(gen.pos, CHUNK_BYTES)
+            if verify and gen.changed():
+                return False  # read after the check could be new content: checked again after the read
+            if not data:
+                size = gen.src.size()
+                if size is not None:
+                    gen.seen_size = max(gen.seen_size, size)
+                return True
+            mtime_ns = os.fstat(gen.src.fd).st_mtime_ns
+            self.frame(b"D", gen.key, gen.pos, data, mtime_ns)
+            gen.took(data)
+
+    def drop(self, gen: Gen) -> None:
+        self.old.remove(gen)
+        gen.src.close()
+        if gen.head:
+            self.done.append((len(gen.head), sha(gen.head)))
+            del self.done[:-64]
+        self.frame(b"X", gen.key, gen.pos)
+
+    def pump_old(self) -> None:
+        for gen in list(self.old):
+            self.pump(gen, verify=False)
+            if not gen.keep or time.time() - gen.idle_since >= self.rotate_wait_s:
+                self.drop(gen)
+
+    def truncated(self, gen: Gen) -> None:
+        """The live file was truncated in place (and maybe written again): its generation is read on
+        from a copy beside the path, if one holds it, then the generations copied after it."""
+        self.since_ns = int(time.time() * 1e9)
+        known = {"key": gen.key, "ino": -1, "dev": 0, "off": gen.pos, "head_len": len(gen.head),
+                 "head_sha": sha(gen.head), "tail_len": len(gen.tail), "tail_sha": sha(gen.tail)}
+        candidates = self.siblings(self.open_inodes())
+        src, _ = self.locate(known, candidates)
+        self.live = None
+        if src is not None:
+            old = Gen(gen.key, src, gen.pos, gen.head, gen.tail, keep=False)
+            self.old.append(old)
+            self.opened(old, src.path)
+            size = src.size()
+            if size is None or size < gen.seen_size:
+                self.copied(gen.key, gen.pos, src.path, None if size is None else gen.seen_size - size)
+        else:
+            lost = gen.seen_size - gen.pos
+            self.lost(gen.key, gen.pos, "%s was truncated in place before it was read to its end and no "
+                      "copy of the old content was found beside it" % self.path, lost if lost > 0 else None)
+        self.queue_later(candidates, src.path if src else None, gen.src.mtime_ns,
+                         [*self.known_heads(), (len(gen.head), sha(gen.head)), *self.live_heads()])
+        if src is None or src.fd != gen.src.fd:
+            gen.src.close()
+
+    def rotated(self, gen: Gen) -> None:
+        """The path holds another file: the one read is renamed (or removed). It is read on while it
+        is written; generations rotated in between are read from their start; then the new file."""
+        self.since_ns = int(time.time() * 1e9)
+        self.live = None
+        self.old.append(gen)
+        self.pump(gen, verify=False)
+        candidates = self.siblings(self.open_inodes())
+        self.queue_later(candidates, None, gen.src.mtime_ns if gen.pos else 0,
+                         self.known_heads() + self.live_heads())
+
+    def run(self, state: Dict[str, Any]) -> None:
+        self.write(SYNC)
+        resumed = self.resume(state)
+        at_end = state.get("start") == "end" and not resumed
+        while True:
+            self.pump_old()
+            live = self.live
+            if live is None:
+                self.open_live(at_end)
+                at_end = False
                 continue
-            pos = self.drain(self.fd, self.inode, pos)
-            self.watch_path()
-            if self.queue:
-                # The writer may have appended to the old file after our last read: finish it first.
-                self.drain(self.fd, self.inode, pos)
-                os.close(self.fd)
-                (self.fd, self.inode), pos = self.queue.pop(0), 0
-                self.tail = b""
-                self.frame(b"O", self.inode, pos)
+            if live.unseen and live.src.read(0, 1):
+                # its first bytes: a generation copied away and truncated since it was opened
+                # (never seen: the follower was behind) is read first
+                live.unseen = False
+                self.queue_later(self.siblings(self.open_inodes()), None, live.opened_ns,
+                                 self.known_heads() + self.live_heads())
                 continue
+            st = self.path_stat()
+            if st is not None and (st.st_dev, st.st_ino) != (live.src.dev, live.src.ino):
+                self.rotated(live)
+                continue
+            if not self.pump(live, verify=True):
+                self.truncated(live)
+                continue
+            live.src.mtime_ns = os.fstat(live.src.fd).st_mtime_ns
             time.sleep(self.poll_s)
 
 
 if __name__ == "__main__":
     with contextlib.suppress(BrokenPipeError, KeyboardInterrupt):
-        tail_args = (int(sys.argv[5]), sys.argv[6]) if len(sys.argv) > 6 else (0, "")
-        Follower(sys.argv[1], float(sys.argv[4]), 1).run(int(sys.argv[2]), int(sys.argv[3]), *tail_args)
+        Follower(sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), 1).run(json.loads(sys.argv[4]))

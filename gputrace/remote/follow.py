@@ -13,11 +13,12 @@ import hashlib
 import json
 import re
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from gputrace.backoff import Backoff
 from gputrace.config import LogSource
@@ -31,8 +32,12 @@ _READ_BYTES = 65536
 
 _RFC3339 = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)")
 _FILE_FOLLOWER_SOURCE = Path(__file__).with_name("file_follower.py").read_text()
-_SYNC = b"\n:gputrace-follow-v1:\n"  # file_follower.SYNC: frames start after it
+_SYNC = b"\n:gputrace-follow-v2:\n"  # file_follower.SYNC: frames start after it
 _TAIL_BYTES = 4096  # file_follower.TAIL_BYTES: the fingerprint of the content before the offset
+_HEAD_BYTES = 256  # file_follower.HEAD_BYTES: the fingerprint of a file's first bytes
+# a renamed file is read on until it is idle this long (a writer that keeps it open, as Python's
+# logging does under logrotate's `create`), as Fluent Bit's rotate_wait (also 5 s)
+ROTATE_WAIT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +74,25 @@ Position = FilePosition | CursorPosition | SincePosition | LineCountPosition
 
 
 @dataclass(frozen=True, slots=True)
+class FollowGap:
+    """Log content the follower could not read (a file gone before it was read to its end, a
+    command whose output no longer starts as it did): where, why, and what is known of its size."""
+
+    where: str  # the file (or command)
+    reason: str  # in words, for the capture's notes
+    after_byte: int | None  # in the file's generation: content past this byte is lost
+    after_line: int | None  # in a command's output: lines past this one may be lost
+    lost_bytes: int | None  # None: unknown
+    since_ns: int | None  # the receive time of the last line read before the gap (None: none read)
+    found_ns: int  # when it was found (collector clock)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"where": self.where, "reason": self.reason, "after_byte": self.after_byte,
+                "after_line": self.after_line, "lost_bytes": self.lost_bytes,
+                "since_ns": self.since_ns, "found_ns": self.found_ns}
+
+
+@dataclass(frozen=True, slots=True)
 class FollowedLine:
     """One complete log line (no newline) as received by the collector."""
 
@@ -83,7 +107,7 @@ class _Decoder(Protocol):
 
     merge_stderr: bool
     problem: str | None  # why the source yields nothing right now (a file not there), else None
-    gaps: list[str]  # what was lost or could not be told since the last feed (taken by the caller)
+    gaps: list[FollowGap]  # what was lost since the last feed (taken by the caller)
 
     def argv(self, python: str) -> list[str]: ...
 
@@ -96,46 +120,93 @@ def _text(raw: bytes) -> str:
     return raw.decode("utf-8", "replace").removesuffix("\r")
 
 
+@dataclass(slots=True)
+class _Generation:
+    """What the collector knows of one generation of a followed file (see file_follower.py): its
+    identity (head, and the tail before ``offset``) and where reading it goes on."""
+
+    key: str
+    inode: int  # the inode it was first read from (lines' FilePosition)
+    dev: int
+    path: str
+    offset: int  # right after the last full line received
+    next: int  # where the next data frame starts
+    head: bytes = b""
+    tail: bytes = b""  # the bytes before offset, at most _TAIL_BYTES (empty: unknown)
+    pending: bytes = b""  # a partial line, from byte offset
+    dropped: int = 0  # bytes of that line past MAX_LINE_BYTES, not kept
+    mtime_ns: int = 0  # the file's mtime when it was last read (host clock)
+    last_recv_ns: int | None = None  # when its last line arrived
+
+    def checkpoint(self) -> dict[str, object]:
+        return {"key": self.key, "ino": self.inode, "dev": self.dev, "off": self.offset,
+                "head_len": len(self.head), "head_sha": hashlib.sha256(self.head).hexdigest(),
+                "tail_len": len(self.tail), "tail_sha": hashlib.sha256(self.tail).hexdigest(),
+                "mtime_ns": self.mtime_ns}
+
+
 class _FileDecoder:
-    """Reads the framed output of file_follower.py; the position is that of the last full line."""
+    """Reads the framed output of file_follower.py, one generation of the file at a time (a rotated
+    file read on beside the live one); a line's position is that of its generation's last full line.
+    On reconnect every generation still open is handed back (its identity and offset), so the host
+    finds each again wherever rotation put it."""
 
     merge_stderr = False
 
-    def __init__(self, path: str, position: FilePosition | None, from_start: bool, poll_s: float) -> None:
+    def __init__(self, path: str, position: FilePosition | None, from_start: bool, poll_s: float,
+                 rotate_wait_s: float = ROTATE_WAIT_S) -> None:
         self.path = path
         self.problem: str | None = None
-        self.gaps: list[str] = []
+        self.gaps: list[FollowGap] = []
         self.poll_s = poll_s
-        start = (0, 0 if from_start else -1)  # offset -1: the end of the file
-        self.inode, self.offset = (position.inode, position.offset) if position else start
+        self.rotate_wait_s = rotate_wait_s
+        self.start = "begin" if from_start else "end"
+        self.gens: dict[str, _Generation] = {}
+        if position is not None:
+            key = str(position.inode)
+            self.gens[key] = _Generation(key, position.inode, 0, path, position.offset, position.offset)
+        # the heads of generations read to their end: never read again from their start
+        self.done: deque[tuple[int, str]] = deque(maxlen=64)
         self._frames = bytearray()
         self._synced = False
-        self._pending = b""  # a partial line, from byte self.offset of self.inode
-        self._dropped = 0  # bytes of that line past MAX_LINE_BYTES, not kept
-        self._next = self.offset  # the offset the next data frame should start at
-        # the last bytes of self.inode before self.offset (at most _TAIL_BYTES; empty: unknown): on
-        # resume the host checks the file still holds them there, else it was truncated and regrown
-        self._tail = b""
 
     def argv(self, python: str) -> list[str]:
-        tail = self._tail
-        return [python, "-c", _FILE_FOLLOWER_SOURCE, self.path, str(self.inode), str(self.offset),
-                f"{self.poll_s:g}", str(len(tail)), hashlib.sha256(tail).hexdigest()]
+        state = {"gens": [g.checkpoint() for g in self.gens.values()], "done": list(self.done),
+                 "start": self.start}
+        return [python, "-c", _FILE_FOLLOWER_SOURCE, self.path, f"{self.poll_s:g}",
+                f"{self.rotate_wait_s:g}", json.dumps(state)]
 
     def restart(self) -> None:
         self._frames.clear()
         self._synced = False
-        self._pending = b""
-        self._dropped = 0
+        for gen in self.gens.values():
+            gen.pending, gen.dropped, gen.next = b"", 0, gen.offset
 
-    def _flush_pending(self, out: list[FollowedLine], recv_ts_ns: int) -> None:
+    @staticmethod
+    def _flush_pending(gen: _Generation, out: list[FollowedLine], recv_ts_ns: int) -> None:
         # The file ended without a newline (rotated or truncated under a partial line).
-        if self._pending:
-            self.offset += len(self._pending) + self._dropped
-            self._tail = (self._tail + self._pending)[-_TAIL_BYTES:] if not self._dropped else b""
-            self._dropped = 0
-            out.append(FollowedLine(_text(self._pending), recv_ts_ns, FilePosition(self.inode, self.offset)))
-            self._pending = b""
+        if gen.pending:
+            gen.offset += len(gen.pending) + gen.dropped
+            gen.tail = (gen.tail + gen.pending)[-_TAIL_BYTES:] if not gen.dropped else b""
+            gen.dropped = 0
+            out.append(FollowedLine(_text(gen.pending), recv_ts_ns, FilePosition(gen.inode, gen.offset)))
+            gen.pending = b""
+        gen.next = gen.offset
+
+    def _ended(self, key: str, out: list[FollowedLine], recv_ts_ns: int) -> _Generation | None:
+        gen = self.gens.pop(key, None)
+        if gen is not None:
+            self._flush_pending(gen, out, recv_ts_ns)
+            if gen.head:
+                self.done.append((len(gen.head), hashlib.sha256(gen.head).hexdigest()))
+        return gen
+
+    def _gap(self, gen: _Generation | None, off: int, reason: str, lost_bytes: int | None,
+             recv_ts_ns: int) -> None:
+        where = gen.path if gen is not None else self.path
+        log.warning("log_gap", path=where, after_byte=off, lost_bytes=lost_bytes, why=reason)
+        self.gaps.append(FollowGap(where, reason, off, None, lost_bytes,
+                                   gen.last_recv_ns if gen is not None else None, recv_ts_ns))
 
     def feed(self, data: bytes, recv_ts_ns: int) -> list[FollowedLine]:
         frames = self._frames
@@ -157,84 +228,98 @@ class _FileDecoder:
             if eol < 0:
                 break
             try:
-                kind, inode_text, off_text, len_text = bytes(frames[start:eol]).split(b" ")
-                length = int(len_text)
-                inode, off = int(inode_text), int(off_text)
+                kind, key_raw, off_text, len_text, mtime_text = bytes(frames[start:eol]).split(b" ")
+                length, off, mtime_ns = int(len_text), int(off_text), int(mtime_text)
+                key = key_raw.decode("ascii")
             except ValueError as exc:
                 # A broken stream: reconnect and resume from the last complete line.
                 head = bytes(frames[start:eol])[:60]
                 raise TransportError(f"{self.path}: garbled follower output {head!r}") from exc
             if len(frames) < eol + 1 + length:
                 break
+            payload = bytes(frames[eol + 1:eol + 1 + length])
+            start = eol + 1 + length
             if kind == b"D":
-                self._data(inode, off, bytes(frames[eol + 1:eol + 1 + length]), recv_ts_ns, out)
+                self._data(key, off, payload, mtime_ns, recv_ts_ns, out)
             elif kind == b"O":
-                self.problem = None
-                if (inode, off) != (self.inode, self._next):  # else it continues where we are
-                    self._flush_pending(out, recv_ts_ns)
-                    self.inode, self.offset, self._next, self._pending = inode, off, off, b""
-                    self._dropped = 0
-                    self._tail = b""
-            elif kind == b"T":
-                # the O frame that follows says where reading goes on (a copy, or the file at 0)
-                log.info("log_truncated", path=self.path, inode=inode, at_offset=off)
-            elif kind == b"K":
-                copy = _text(bytes(frames[eol + 1:eol + 1 + length]))
-                log.warning("log_truncated", path=self.path, at_offset=off, read_rest_from=copy)
-                self.gaps.append(f"{self.path} was truncated in place at byte {off} before it was read "
-                                 f"to its end: the rest was read from its copy {copy}; lines written "
-                                 "between the copy and the truncation, if any, are lost")
-                if off == self._next:
-                    self.inode = inode  # the copy holds the same bytes up to off: go on in it
+                self._opened(key, off, json.loads(payload), out, recv_ts_ns)
+            elif kind == b"X":
+                self._ended(key, out, recv_ts_ns)
             elif kind == b"G":
-                self._flush_pending(out, recv_ts_ns)
-                log.warning("log_truncated", path=self.path, inode=inode, at_offset=off,
-                            why="truncated in place and written past our offset before we read on; "
-                                "no copy of the old content beside it")
-                self.gaps.append(f"{self.path} was truncated in place and rewritten past byte {off} "
-                                 "before it was read to its end, and no copy of the old content was "
-                                 f"found beside it: what it held after byte {off} is lost")
+                gen = self._ended(key, out, recv_ts_ns)
+                info = json.loads(payload)
+                self._gap(gen, off, f"{gen.path if gen else self.path}: what it held past byte {off} is "
+                          f"lost: {info['why']}", info.get("lost_bytes"), recv_ts_ns)
+            elif kind == b"K":
+                gen = self.gens.get(key)
+                info = json.loads(payload)
+                lost = info.get("lost_bytes")
+                self._gap(gen, off, f"{self.path} was truncated in place at byte {off} before it was read "
+                          f"to its end: the rest was read from its copy {info['copy']}; lines written "
+                          "between the copy and the truncation, "
+                          + (f"{lost} bytes, are lost" if lost else "if any, are lost"), lost, recv_ts_ns)
             elif kind == b"W":
                 self.problem = f"{self.path}: no such file on the host (followed once it appears)"
                 log.warning("log_file_missing", path=self.path,
                             why="no such file on the host yet: following it once it appears; "
                                 "check the path if the engine is already running")
-            elif kind == b"L":
-                log.warning("log_rotated_file_gone", path=self.path, inode=inode, after_offset=off,
-                            why="the rotated file was removed before it was read to the end")
-            start = eol + 1 + length
         del frames[:start]
         return out
 
-    def _data(self, inode: int, off: int, data: bytes, recv_ts_ns: int, out: list[FollowedLine]) -> None:
-        if inode != self.inode or off != self._next:
-            log.warning("log_frame_out_of_order", path=self.path, inode=inode, offset=off,
-                        expected_inode=self.inode, expected_offset=self._next)
-            self._flush_pending(out, recv_ts_ns)
-            self.inode, self.offset, self._tail = inode, off, b""
-        self._next = off + len(data)
-        joined = self._pending + data
+    def _opened(self, key: str, off: int, info: dict[str, Any], out: list[FollowedLine],
+                recv_ts_ns: int) -> None:
+        self.problem = None
+        gen = self.gens.get(key)
+        if gen is None:
+            head = bytes.fromhex(info["head"])
+            self.gens[key] = _Generation(key, int(info["ino"]), int(info["dev"]), str(info["path"]), off, off,
+                                         head, head[:off] if off <= len(head) else b"")
+            return
+        gen.dev, gen.path = gen.dev or int(info["dev"]), str(info["path"])
+        if info.get("via"):
+            log.info("log_generation_found", path=self.path, read_on_from=info["via"], at_offset=off)
+        if off != gen.next:
+            log.warning("log_frame_out_of_order", path=self.path, offset=off, expected_offset=gen.next)
+            self._flush_pending(gen, out, recv_ts_ns)
+            gen.offset, gen.next, gen.tail = off, off, b""
+
+    def _data(self, key: str, off: int, data: bytes, mtime_ns: int, recv_ts_ns: int,
+              out: list[FollowedLine]) -> None:
+        gen = self.gens.get(key)
+        if gen is None:
+            log.warning("log_frame_unknown_file", path=self.path, key=key, offset=off)
+            inode = int(key.partition(".")[0])
+            gen = self.gens[key] = _Generation(key, inode, 0, self.path, off, off)
+        elif off != gen.next:
+            log.warning("log_frame_out_of_order", path=gen.path, offset=off, expected_offset=gen.next)
+            self._flush_pending(gen, out, recv_ts_ns)
+            gen.offset, gen.tail = off, b""
+        if off <= len(gen.head) < _HEAD_BYTES:
+            gen.head += data[len(gen.head) - off:_HEAD_BYTES - off]
+        gen.next = off + len(data)
+        gen.mtime_ns, gen.last_recv_ns = mtime_ns, recv_ts_ns
+        joined = gen.pending + data
         parts = joined.split(b"\n")
-        self._pending = parts.pop()
-        offset = self.offset
+        gen.pending = parts.pop()
+        offset = gen.offset
         whole_from = 0  # where in joined the bytes as the file holds them begin (after a cut line)
         at = 0
         for raw in parts:
-            offset += len(raw) + 1 + self._dropped  # positions count every byte, cut ones too
+            offset += len(raw) + 1 + gen.dropped  # positions count every byte, cut ones too
             at += len(raw) + 1
-            if self._dropped:
-                whole_from, self._tail = at, b""
-            self._dropped = 0
-            out.append(FollowedLine(_text(raw[:MAX_LINE_BYTES]), recv_ts_ns, FilePosition(inode, offset)))
-        self._tail = (self._tail + joined[whole_from:at])[-_TAIL_BYTES:]
-        self.offset = offset
-        if len(self._pending) > MAX_LINE_BYTES:
+            if gen.dropped:
+                whole_from, gen.tail = at, b""
+            gen.dropped = 0
+            out.append(FollowedLine(_text(raw[:MAX_LINE_BYTES]), recv_ts_ns, FilePosition(gen.inode, offset)))
+        gen.tail = (gen.tail + joined[whole_from:at])[-_TAIL_BYTES:]
+        gen.offset = offset
+        if len(gen.pending) > MAX_LINE_BYTES:
             # a "line" no engine writes (a file without newlines): keep its head, drop the rest,
             # so memory stays bounded (it grew with the file)
-            if not self._dropped:
-                log.warning("log_line_cut", path=self.path, max_bytes=MAX_LINE_BYTES)
-            self._dropped += len(self._pending) - MAX_LINE_BYTES
-            self._pending = self._pending[:MAX_LINE_BYTES]
+            if not gen.dropped:
+                log.warning("log_line_cut", path=gen.path, max_bytes=MAX_LINE_BYTES)
+            gen.dropped += len(gen.pending) - MAX_LINE_BYTES
+            gen.pending = gen.pending[:MAX_LINE_BYTES]
 
 
 class _LineDecoder:
@@ -245,7 +330,7 @@ class _LineDecoder:
 
     def __init__(self) -> None:
         self._pending = b""
-        self.gaps: list[str] = []
+        self.gaps: list[FollowGap] = []
 
     def restart(self) -> None:
         self._pending = b""
@@ -394,6 +479,7 @@ async def follow_log_batches(
     backoff: Backoff | None = None,
     on_caught_up: Callable[[], None] | None = None,
     on_problem: Callable[[str | None], None] | None = None,
+    on_gap: Callable[[FollowGap], None] | None = None,
     clock_ns: Callable[[], int] = time.time_ns,
 ) -> AsyncGenerator[list[FollowedLine], None]:
     """Follow ``source`` on ``transport``'s host forever; yields the lines of each chunk received.
@@ -406,7 +492,7 @@ async def follow_log_batches(
     then on carry live receive times). ``on_problem`` is told why the source yields nothing (a
     file that is not there, a lost connection) when that starts, and None when it is over; a gap
     it could not avoid (a file truncated in place before it was read to its end, e.g. during an
-    outage) is told as a problem over at once, with what was lost.
+    outage) is told to ``on_gap`` with what is known of it, else as a problem over at once.
     ``clock_ns`` is the collector's clock, that receive times are read on.
     """
     caught_up = on_caught_up is None
@@ -431,8 +517,11 @@ async def follow_log_batches(
                 lines = decoder.feed(data, clock_ns())
                 if lines:  # the source delivers again; output that is no line (docker's "cannot
                     attempt = 0  # connect" to a daemon that is down) must not reset the back-off
-                for gap in decoder.gaps:  # recorded as a problem that is over at once
-                    tell(gap)
+                for gap in decoder.gaps:
+                    if on_gap is not None:
+                        on_gap(gap)
+                    else:  # told as a problem that is over at once
+                        tell(gap.reason)
                 decoder.gaps.clear()
                 tell(decoder.problem)
                 if lines:
