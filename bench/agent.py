@@ -41,6 +41,7 @@ class NullSampler:
     """The reference: same devices and loop, no sampling work."""
 
     backend = "null"
+    lag_ns = 0  # the Sampler protocol's: tick records stamped at now_ns
 
     def __init__(self, gpus: int) -> None:
         self._devices = SimulatedSampler("bench", gpus).devices()
