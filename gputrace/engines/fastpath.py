@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from gputrace.arrow_columns import from_numpy, strings
 from gputrace.engines.common import LogClock
 from gputrace.engines.sglang import RANK_FIELDS, RANK_TAG
 
@@ -486,20 +487,21 @@ def scan_chunk(chunk: bytes, first_line_no: int, clock: LogClock, only_sglang: b
     result.line_starts = src_ends[rows] - (line_end[rows] - starts[rows])
     # Every chunk yields the same columns and types, so chunks join without copying.
     cols: dict[str, pa.Array] = {
-        "line_no": pa.array(lines[rows] + first_line_no),
-        "kind": pa.DictionaryArray.from_arrays(np.where(is_decode[rows], 0, 1).astype(np.int32),
-                                               pa.array(["decode", "prefill"])),
-        "log_ts_ns": pa.array(ts_ns[rows], mask=~ts_known[rows]),
-        "ts_resolution_ns": pa.array(resolution[rows]),
+        "line_no": from_numpy(lines[rows] + first_line_no),
+        "kind": pa.DictionaryArray.from_arrays(from_numpy(np.where(is_decode[rows], 0, 1).astype(np.int32)),
+                                               _KIND_NAMES),
+        "log_ts_ns": from_numpy(ts_ns[rows], mask=~ts_known[rows]),
+        "ts_resolution_ns": from_numpy(resolution[rows]),
     }
     for name, table in ranks.items():
-        cols[name] = pa.array(table[rows], mask=table[rows] < 0)
+        cols[name] = from_numpy(table[rows], mask=table[rows] < 0)
     for name in _COLUMN_TYPES:
-        cols[name] = pa.array(values[name][rows], mask=~present[name][rows])
+        cols[name] = from_numpy(values[name][rows], mask=~present[name][rows])
     result.columns = cols
     return result
 
 
+_KIND_NAMES = strings(["decode", "prefill"])  # the kind column's dictionary, one for every chunk
 _COLUMN_TYPES: dict[str, type] = {
     "running_req": np.int64, "queue_req": np.int64, "new_seq": np.int64, "new_token": np.int64,
     "cached_token": np.int64, "num_token": np.int64, "token_usage": np.float64,
