@@ -79,10 +79,13 @@ def from_values(values: Sequence[Any], dtype: pa.DataType) -> pa.Array:
     return from_numpy(filled, mask)
 
 
-def int64_values(array: pa.Array) -> np.ndarray:
-    """An int64 array without NULLs as numpy: a view of its buffer (``to_numpy`` probes pandas)."""
-    if array.type != pa.int64() or array.null_count:
-        raise ValueError(f"not an int64 array without NULLs: {array.type}, {array.null_count} NULLs")
-    values: np.ndarray = np.frombuffer(array.buffers()[1], dtype=np.int64, count=len(array),
+def numbers(array: pa.Array) -> np.ndarray:
+    """An int64 or float64 array without NULLs as numpy: a view of its buffer (``to_numpy``
+    probes pandas)."""
+    dtypes = {pa.int64(): np.int64, pa.float64(): np.float64}
+    if array.type not in dtypes or array.null_count:
+        raise ValueError(f"not an int64 or float64 array without NULLs: {array.type}, "
+                         f"{array.null_count} NULLs")
+    values: np.ndarray = np.frombuffer(array.buffers()[1], dtype=dtypes[array.type], count=len(array),
                                        offset=8 * array.offset)
     return values

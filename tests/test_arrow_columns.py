@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from gputrace.arrow_columns import from_numpy, from_values, int64_values, strings
+from gputrace.arrow_columns import from_numpy, from_values, numbers, strings
 
 CASES = [
     ([1, None, -3, 2**62], pa.int64()),
@@ -51,7 +51,7 @@ def test_from_numpy_masks_and_packs() -> None:
         assert from_numpy(values, mask).equals(pa.array(values, mask=mask))
         assert from_numpy(values).equals(pa.array(values))
     ints = from_numpy(np.arange(10, dtype=np.int64))
-    assert int64_values(ints.slice(3, 4)).tolist() == [3, 4, 5, 6]
+    assert numbers(ints.slice(3, 4)).tolist() == [3, 4, 5, 6]
     assert strings(["a", "bc"]).equals(pa.array(["a", "bc"]))
 
 

@@ -24,7 +24,7 @@ from gputrace.engines.common import LogClock
 from gputrace.engines.sglang import RANK_FIELDS, RANK_TAG
 
 # A line without any of these cannot be an SGLang scheduler or configuration line.
-_MAYBE_SGLANG = re.compile(rb"batch|#running-req: |max_total_num_tokens=|server_args=(?:ServerArgs\(|\{)")
+MAYBE_SGLANG = re.compile(rb"batch|#running-req: |max_total_num_tokens=|server_args=(?:ServerArgs\(|\{)")
 _RANK_TEXT = re.compile(r"(?: (?:DP|PP|ATTN_CP|MOE_DP|TP|EP)\d+)*")
 # A container runtime's prefix in front of SGLang's ``[``: CRI (``<RFC3339> stdout F ``, as in
 # /var/log/pods) or ``docker logs -t`` / ``kubectl logs --timestamps``. It matches a subset of
@@ -428,9 +428,11 @@ def _form(raw: _Bytes, kind: str, closer: np.ndarray, line_end: np.ndarray,
     return cols, present
 
 
-def scan_chunk(chunk: bytes, first_line_no: int, clock: LogClock, only_sglang: bool = True) -> ChunkResult:
+def scan_chunk(chunk: bytes, first_line_no: int, clock: LogClock,
+               maybe: re.Pattern[bytes] | None = MAYBE_SGLANG) -> ChunkResult:
     """Take the chunk's current-form batch lines; hand back the rest (numbered from the chunk):
-    with ``only_sglang`` just those that may be SGLang's, else all (another grammar may read them)."""
+    those ``maybe`` finds something in (lines a grammar may read; the others are counted as
+    rejected), or all when it is None."""
     original = chunk
     if chunk[:1] != b"[" and _RUNTIME_LINE_PREFIX.match(chunk):  # a container's log: strip them all
         chunk = _RUNTIME_LINE_PREFIX.sub(b"", chunk)
@@ -447,7 +449,7 @@ def scan_chunk(chunk: bytes, first_line_no: int, clock: LogClock, only_sglang: b
     result = ChunkResult(n_lines=len(line_end))
     # only the lines with text are scanned: a blank one is no SGLang line, and one by one they cost
     # most of the time on a file of newlines
-    lines = np.flatnonzero(src_ends > src_starts) if only_sglang else np.arange(len(line_end))
+    lines = np.flatnonzero(src_ends > src_starts) if maybe is not None else np.arange(len(line_end))
     result.n_rejected = len(line_end) - len(lines)
     starts, line_end = starts[lines], line_end[lines]
     src_starts, src_ends = src_starts[lines], src_ends[lines]
@@ -476,7 +478,7 @@ def scan_chunk(chunk: bytes, first_line_no: int, clock: LogClock, only_sglang: b
         result.kinds[kind] = len(good)
     for index in np.flatnonzero(~taken).tolist():
         begin, end = int(src_starts[index]), int(src_ends[index])
-        if not only_sglang or _MAYBE_SGLANG.search(original, begin, end):
+        if maybe is None or maybe.search(original, begin, end):
             text = original[begin:end].decode("utf-8", errors="replace")
             result.leftovers.append((int(lines[index]), text))
         else:

@@ -19,7 +19,7 @@ from typing import IO, Any
 import numpy as np
 import pyarrow as pa
 
-from gputrace.arrow_columns import from_numpy, int64_values
+from gputrace.arrow_columns import from_numpy, numbers
 from gputrace.engines import KINDS, LogParser, fastpath
 from gputrace.engines.common import MAX_LINE_BYTES, METRIC_FIELDS, RANK_FIELDS, LogClock, ParsedLine
 from gputrace.errors import SourceError
@@ -412,7 +412,7 @@ def _take_chunk(
     first = parser.next_line_no
     if result.n_fast:
         columns: dict[str, pa.Array] = dict(result.columns)
-        columns["line_no"] = from_numpy(int64_values(result.columns["line_no"]) + first)
+        columns["line_no"] = from_numpy(numbers(result.columns["line_no"]) + first)
         pending.append(columns)
         stats.fast_path_lines += result.n_fast
         for kind, count in result.kinds.items():
