@@ -142,7 +142,7 @@ def _to_arrow_column(values: Any, dtype: pa.DataType) -> pa.Array:
     if isinstance(values, pa.Array | pa.ChunkedArray):
         if pa.types.is_dictionary(values.type) and values.type.value_type == dtype:
             return values  # DuckDB reads the codes (e.g. an engine line's kind) as is
-        return values.cast(dtype)
+        return values if values.type == dtype else values.cast(dtype)
     if isinstance(values, np.ndarray):
         mask = None
         if values.dtype.kind == "f":
