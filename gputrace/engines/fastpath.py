@@ -476,11 +476,12 @@ def scan_chunk(chunk: bytes, first_line_no: int, clock: LogClock,
             values[name][good] = column[row_ok]
             present[name][good] = form_present[name][row_ok] if name in form_present else True
         result.kinds[kind] = len(good)
-    for index in np.flatnonzero(~taken).tolist():
-        begin, end = int(src_starts[index]), int(src_ends[index])
+    rest = np.flatnonzero(~taken)
+    # as Python ints at once: numpy scalars one by one cost as much as the search
+    for line_no, begin, end in zip(lines[rest].tolist(), src_starts[rest].tolist(), src_ends[rest].tolist(),
+                                   strict=True):
         if maybe is None or maybe.search(original, begin, end):
-            text = original[begin:end].decode("utf-8", errors="replace")
-            result.leftovers.append((int(lines[index]), text))
+            result.leftovers.append((line_no, original[begin:end].decode("utf-8", errors="replace")))
         else:
             result.n_rejected += 1
     rows = np.flatnonzero(taken)
