@@ -4,7 +4,7 @@ the advised setting and at each finding's configuration change (same seed), and 
 duration-weighted gain of both on the default objective, and each phase's truth gain beside its
 band.
 
-    python bench/advisor.py [--seeds 0,1,2] [--scenarios motivating,bunched]
+    python bench/advisor.py [--seeds 0,1,2] [--scenarios motivating,bunched] [--quick]
 
 The advice passes where it gains at least as much as the best single finding's change and loses
 no phase beyond its band (in the simulator, not the fitted model). Also prints the median time of
@@ -26,7 +26,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
+    ap.add_argument("--quick", action="store_true",
+                    help="small inputs, one repeat: the users' code path (tests/test_bench_quick.py)")
     args = ap.parse_args()
+    if args.quick:
+        args.seeds, args.scenarios = "0", "motivating"
     seeds = [int(s) for s in args.seeds.split(",")]
     names = [n for n in args.scenarios.split(",") if n]
     scores: list[AdviceScore] = []

@@ -11,7 +11,7 @@ machine (on a shared VM waking is far dearer than on bare metal).
 GPUs, beside the same exposition of an equivalent registry of plain labelled Gauges.
 Targets: 8 GPUs at 10 Hz under 0.2 % of one core; /metrics for 8 GPUs under 2 ms.
 
-    python bench/agent.py [--seconds 5]
+    python bench/agent.py [--seconds 5] [--quick]
 """
 
 from __future__ import annotations
@@ -36,11 +36,14 @@ from gputrace.metric_names import GPU_GAUGES
 from gputrace.model import DeviceInfo, GpuSample
 from gputrace.topology import single_node_placements
 
+CONFIGS = ((8, 10.0), (8, 100.0), (64, 10.0), (64, 100.0))  # (GPUs, Hz) measured
+
 
 class NullSampler:
     """The reference: same devices and loop, no sampling work."""
 
     backend = "null"
+    lag_ns = 0  # the Sampler protocol's: tick records stamped at now_ns
 
     def __init__(self, gpus: int) -> None:
         self._devices = SimulatedSampler("bench", gpus).devices()
@@ -105,13 +108,13 @@ async def _run_one(gpus: int, hz: float, seconds: float, null: bool) -> dict[str
     return out
 
 
-def run_sampling(seconds: float) -> None:
+def run_sampling(seconds: float, configs: tuple[tuple[int, float], ...] = CONFIGS) -> None:
     print(f"== sampling cost ({seconds:g} s per configuration; agent and reference in two processes side by "
           "side; ref = the same agent with a null sampler; wake = a bare thread waking at the same rate)")
     print(f"{'gpus':>5} {'Hz':>5} {'core %':>8} {'ref core %':>10} {'wake %':>7} {'us/sample/gpu':>14} "
           f"{'ref us/tick/gpu':>15} {'RSS MiB':>8} {'ref RSS MiB':>11} {'ring B/sample':>13}")
     results = {}
-    for gpus, hz in ((8, 10.0), (8, 100.0), (64, 10.0), (64, 100.0)):
+    for gpus, hz in configs:
         # the agent and its reference run at the same time, so both see the same machine load
         procs = {mode: subprocess.Popen([sys.executable, __file__, "--one", str(gpus), str(hz), str(seconds),
                                          f"--{mode}"], stdout=subprocess.PIPE, text=True)
@@ -220,6 +223,8 @@ def main() -> None:
     parser.add_argument("--null", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--real", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--wake", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true",
+                        help="small inputs, one repeat: the users' code path (tests/test_bench_quick.py)")
     args = parser.parse_args()
     if args.one:
         gpus, hz, seconds = int(args.one[0]), float(args.one[1]), float(args.one[2])
@@ -227,6 +232,10 @@ def main() -> None:
             print(json.dumps(_run_wake_floor(hz, seconds)))
             return
         print(json.dumps(asyncio.run(_run_one(gpus, hz, seconds, args.null))))
+        return
+    if args.quick:  # one configuration (the target's) for a moment, a few renders
+        run_sampling(0.3, configs=((8, 10.0),))
+        run_metrics(5)
         return
     run_sampling(args.seconds)
     run_metrics(args.renders)

@@ -323,6 +323,8 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=19402)
     parser.add_argument("--matmul", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--probe", help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true",
+                        help="small inputs, one repeat: the users' code path (tests/test_bench_quick.py)")
     args = parser.parse_args()
     if args.matmul:
         run_matmul(float(args.matmul[0]), float(args.matmul[1]), args.matmul[2])

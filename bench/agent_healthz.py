@@ -9,6 +9,7 @@ Last, the ring's lookup of the newest full page (at --fill and at --lookup-fill 
 walk of the same rows from the start (how it was found before).
 
     python bench/agent_healthz.py [--fill 115000] [--clients 10] [--seconds 5] [--lookup-fill 1000000]
+                                  [--quick]
 """
 
 from __future__ import annotations
@@ -159,5 +160,9 @@ if __name__ == "__main__":
         parser.add_argument("--seconds", type=float, default=5.0, help="per prober phase")
         parser.add_argument("--lookup-fill", type=int, default=1_000_000,
                             help="samples in the ring for the lookup figures too (the ring's cap)")
+        parser.add_argument("--quick", action="store_true",
+                            help="small inputs, one repeat: the users' code path (tests/test_bench_quick.py)")
         args = parser.parse_args()
+        if args.quick:
+            args.fill, args.clients, args.seconds, args.lookup_fill = 12_000, 2, 0.5, 12_000  # > a page
         asyncio.run(main(args.fill, args.clients, args.seconds, args.lookup_fill))

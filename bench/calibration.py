@@ -118,7 +118,11 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fit", action="store_true", help="also search the calibrated model's costs again")
     ap.add_argument("--evals", type=int, default=40, help="with --fit: evaluations per prompt length")
+    ap.add_argument("--quick", action="store_true",
+                    help="small inputs, one repeat: the users' code path (tests/test_bench_quick.py)")
     args = ap.parse_args(argv)
+    if args.quick and args.fit:
+        args.evals = 2
     t0 = time.perf_counter()
     show("default (dense) cost model", {}, table({}))
     print()

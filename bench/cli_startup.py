@@ -22,7 +22,11 @@ def median_s(argv: list[str], runs: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs", type=int, default=15)
+    parser.add_argument("--quick", action="store_true",
+                        help="small inputs, one repeat: the users' code path (tests/test_bench_quick.py)")
     args = parser.parse_args()
+    if args.quick:
+        args.runs = 2
     bare = median_s([sys.executable, "-c", "pass"], args.runs)
     help_s = median_s([sys.executable, "-m", "gputrace", "--help"], args.runs)
     version_s = median_s([sys.executable, "-m", "gputrace", "--version"], args.runs)

@@ -4,7 +4,7 @@ real sshd on 127.0.0.N and its own clock under libfaketime), each with a sim-bac
 `gputrace collect` over SSH for a given duration.
 
     python bench/collector_scale.py [--hosts 32] [--duration 600] [--gpus 8] [--sample-hz 10]
-                                    [--lines-per-s 60] [--reference-duration 60] [--json]
+                                    [--lines-per-s 60] [--reference-duration 60] [--json] [--quick]
 
 Printed, beside the same measurement with one host (the reference, run first in the same
 invocation): the load the machine was under (its 1-minute load average before and after, and the
@@ -358,7 +358,11 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="run the collector under cProfile and print where its event loop spent its time")
     ap.add_argument("--keep", type=Path, help="keep the hosts' files and the run stores in this folder")
+    ap.add_argument("--quick", action="store_true",
+                    help="small inputs, one repeat: the users' code path (tests/test_bench_quick.py)")
     args = ap.parse_args()
+    if args.quick:
+        args.hosts, args.duration, args.reference_duration, args.gpus = 2, 8.0, 5.0, 2
 
     def say(text: str) -> None:
         print(text, flush=True)

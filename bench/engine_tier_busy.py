@@ -7,7 +7,7 @@ where stress-ng is missing, N Python spin loops) started before and stopped afte
 passed / failed tests and wall time, and at the end the count of runs that passed whole, against
 the same tier's wall time on the idle machine when `--reference` is given (the first run, no load).
 
-    python bench/engine_tier_busy.py [--runs 5] [--busy-cores 1] [--reference]
+    python bench/engine_tier_busy.py [--runs 5] [--busy-cores 1] [--reference] [--quick]
 """
 
 from __future__ import annotations
@@ -62,12 +62,16 @@ def run_tier(selection: str, log: Path) -> tuple[int, int, float, str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--quick", action="store_true",
+                    help="small inputs, one repeat: the users' code path (tests/test_bench_quick.py)")
     ap.add_argument("--busy-cores", type=int, default=1)
     ap.add_argument("--select", default="vllm", help="pytest -k expression (default: vllm)")
     ap.add_argument("--reference", action="store_true", help="first one run on the idle machine")
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/engine_tier_busy"),
                     help="each run's whole pytest output, run-N.txt (default: %(default)s)")
     args = ap.parse_args()
+    if args.quick:  # one loaded run of one engine-tier test
+        args.runs, args.select = 1, "vllm_every_stats_line"
     print(f"cores here: {os.cpu_count()}; busy cores during the runs: {args.busy_cores}", flush=True)
     if args.reference:
         p, f, wall, failures = run_tier(args.select, args.log_dir / "reference.txt")

@@ -1,7 +1,7 @@
 """Collector CPU per 1,000 log lines followed live over SSH (a real sshd on loopback, a log being
 appended to by another process), beside a local-transport follow of the same kind of file.
 
-    python bench/ingest_live.py [--lines N] [--rate LINES_PER_S] [--repeats R] [--json]
+    python bench/ingest_live.py [--lines N] [--rate LINES_PER_S] [--repeats R] [--json] [--quick]
 
 Both sides run the same follower on the "host" and the same decoding in this process; the ratio is
 the price of SSH (encryption, channel flow control) in collector CPU (time.process_time). Figures
@@ -148,7 +148,11 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=10_000.0, help="lines appended per second")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    parser.add_argument("--quick", action="store_true",
+                        help="small inputs, one repeat: the users' code path (tests/test_bench_quick.py)")
     args = parser.parse_args()
+    if args.quick:
+        args.lines, args.rate, args.repeats = 1_000, 5_000.0, 1
     result = measure_live_cpu_per_1000_lines(args.lines, args.rate, args.repeats)
     if args.json:
         print(json.dumps(result))

@@ -2,7 +2,7 @@
 plain pandas merge_asof + groupby reference computing the same phase-by-stage table (busy, bubble,
 micro-batch size, power per phase and stage) in the same run.
 
-    python bench/report.py [--hours H] [--gpus 8,64] [--source sim|synth]
+    python bench/report.py [--hours H] [--gpus 8,64] [--source sim|synth] [--quick]
     python bench/report.py --scale 8,64,512 --hours 8     # `gputrace report` alone, growing GPUs
 
 Each measurement runs in a fresh child process (peak RSS = its ru_maxrss). Runs come from the
@@ -349,6 +349,8 @@ def main() -> None:
     ap.add_argument("--gpus", default="8,64")
     ap.add_argument("--source", choices=("sim", "synth"), default="sim")
     ap.add_argument("--repeats", type=int, default=3, help="Runs of each, interleaved; medians shown.")
+    ap.add_argument("--quick", action="store_true",
+                    help="small inputs, one repeat: the users' code path (tests/test_bench_quick.py)")
     ap.add_argument("--scale", metavar="GPUS", default=None,
                     help="Instead: `gputrace report` alone on synthetic stores of these GPU counts "
                          "(e.g. 8,64,512 with --hours 8), printing the growth of time and peak RSS.")
@@ -357,6 +359,8 @@ def main() -> None:
     ap.add_argument("--no-command", dest="command", action="store_false",
                     help="Skip the real `gputrace report` against the DuckDB SQL reference.")
     args = ap.parse_args()
+    if args.quick:  # three minutes of 8 GPUs: every child and the real command, once
+        args.hours, args.gpus, args.repeats = 0.05, "8", 1
     if args.scale:
         scale(args.hours, [int(g) for g in args.scale.split(",")], args.command_timeout)
         return

@@ -2,7 +2,7 @@
 (13.8 M lines, the current format, as bench/ingest.py writes it) imported with `gputrace import`,
 then reported on; the peak RSS of each command is printed beside the log's size and lines.
 
-    python bench/report_memory.py [--lines 13800000] [--tmp DIR]
+    python bench/report_memory.py [--lines 13800000] [--tmp DIR] [--quick]
 
 Target: the report within 2 GB peak RSS. Printed: the import; the report without the what-if
 (read, align, analyse, figures, HTML/Markdown/JSON in one process); the real `gputrace report`
@@ -74,9 +74,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lines", type=int, default=13_800_000)
     ap.add_argument("--tmp", default=None, help="Where to write the log and the run (deleted after).")
+    ap.add_argument("--quick", action="store_true",
+                    help="small inputs, one repeat: the users' code path (tests/test_bench_quick.py)")
     ap.add_argument("--command-timeout", type=float, default=1800,
                     help="Seconds the full `gputrace report` (with its what-if) may take; 0: skip it.")
     args = ap.parse_args()
+    if args.quick:
+        args.lines = 20_000
     tmp = Path(tempfile.mkdtemp(prefix="gputrace-report-memory-", dir=args.tmp))
     try:
         log, run = tmp / "sglang.log", tmp / "run"

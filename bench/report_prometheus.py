@@ -2,7 +2,7 @@
 reference in the same run: the same range queries fetched and decoded (urllib + json) and nothing
 else, the least any Prometheus reader pays.
 
-    python bench/report_prometheus.py [--gpus 64] [--minutes 60] [--step 1s]
+    python bench/report_prometheus.py [--gpus 64] [--minutes 60] [--step 1s] [--quick]
 
 The data are backfilled into a fresh Prometheus with promtool (OpenMetrics, 1 s samples): GPUs on
 hosts of 8 (host i = stage i, TP across its 8 GPUs, as the agents label them), the collector's
@@ -114,7 +114,11 @@ def main() -> None:
     ap.add_argument("--gpus", type=int, default=64)
     ap.add_argument("--minutes", type=float, default=60.0)
     ap.add_argument("--step", default="1s")
+    ap.add_argument("--quick", action="store_true",
+                    help="small inputs, one repeat: the users' code path (tests/test_bench_quick.py)")
     args = ap.parse_args()
+    if args.quick:
+        args.gpus, args.minutes = 8, 3.0
     prometheus, promtool = shutil.which("prometheus"), shutil.which("promtool")
     if not prometheus or not promtool:
         sys.exit("needs prometheus and promtool on PATH")

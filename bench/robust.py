@@ -303,7 +303,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--marks-per-s", type=float, default=1000.0)
     parser.add_argument("--marks-s", type=float, default=3.0)
+    parser.add_argument("--quick", action="store_true",
+                        help="small inputs, one repeat: the users' code path (tests/test_bench_quick.py)")
     args = parser.parse_args()
+    if args.quick:
+        args.marks_per_s, args.marks_s = 100.0, 0.5
     with tempfile.TemporaryDirectory(prefix="gputrace-robust-") as tmp:
         root = Path(tmp)
         copytruncate_over_ssh(root)

@@ -1,6 +1,6 @@
 """Simulator speed: a one-hour PP8 run sampled at 10 Hz, generated in virtual time into a run store.
 
-    python bench/sim.py [--scenario motivating] [--hours 1] [--period 0.1]
+    python bench/sim.py [--scenario motivating] [--hours 1] [--period 0.1] [--quick]
     python bench/sim.py --calibration [--fit]     (the motivating figures: see bench/calibration.py)
 
 Prints the wall time of the engine model and of the run store write (GPU samples, the log
@@ -47,7 +47,11 @@ def main() -> None:
     ap.add_argument("--fit", action="store_true", help="with --calibration: fit the costs again")
     ap.add_argument("--hours", type=float, default=1.0)
     ap.add_argument("--period", type=float, default=0.1, help="sample period in seconds (0.1 = 10 Hz)")
+    ap.add_argument("--quick", action="store_true",
+                    help="small inputs, one repeat: the users' code path (tests/test_bench_quick.py)")
     args = ap.parse_args()
+    if args.quick:
+        args.hours = 0.02
     if args.calibration:
         import calibration  # bench/calibration.py, beside this file
 

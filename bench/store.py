@@ -1,7 +1,7 @@
 """Run-store throughput: GpuSample rows appended (batches of 1,000, 100,000 and 1,000,000) and read
 back as columns, beside numpy.save / numpy.load of the same arrays in the same run.
 
-    python bench/store.py [--rows N] [--repeats R]
+    python bench/store.py [--rows N] [--repeats R] [--quick]
 
 Prints medians. The reference (numpy) writes the same columns to .npy files without any
 database, so the ratio is the price of a queryable, crash-safe store.
@@ -90,7 +90,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=2_000_000)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true",
+                        help="small inputs, one repeat: the users' code path (tests/test_bench_quick.py)")
     args = parser.parse_args()
+    if args.quick:
+        args.rows, args.repeats = 20_000, 1
     n = args.rows
     cols = make_columns(n)
     print(f"GpuSample rows: {n:,}; {len(cols)} columns given; medians of {args.repeats} runs")

@@ -2,7 +2,7 @@
 store, predict each scenario's fix (truth.scenario_fixes) and other changes (K, the request pool,
 the load), run the simulator with the change, and print predicted against the simulator.
 
-    python bench/whatif.py [--seeds 0,1,2] [--scenarios motivating,bunched]
+    python bench/whatif.py [--seeds 0,1,2] [--scenarios motivating,bunched] [--quick]
 
 Prints the table, the largest error, and the fit's median wall time beside a reference measured
 in the same run: one plain simulator run of the same scenario (the fit replays the run once).
@@ -25,7 +25,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--scenarios", default=",".join(n for n, s in SCENARIOS.items() if s.causes))
+    ap.add_argument("--quick", action="store_true",
+                    help="small inputs, one repeat: the users' code path (tests/test_bench_quick.py)")
     args = ap.parse_args()
+    if args.quick:
+        args.seeds, args.scenarios = "0", "motivating"
     seeds = [int(s) for s in args.seeds.split(",")]
     names = [n for n in args.scenarios.split(",") if n]
     scores: list[Score] = []

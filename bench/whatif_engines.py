@@ -14,7 +14,7 @@ repeats lie inside the band at every phase, and the machine's own noise beside i
 spread of the defaults over the repeats (a phase "loses beyond the noise" where the change
 measured below the defaults by more than that spread).
 
-    python bench/whatif_engines.py [--engines sglang,vllm] [--repeats 5] [--keep DIR]
+    python bench/whatif_engines.py [--engines sglang,vllm] [--repeats 5] [--keep DIR] [--quick]
     python bench/whatif_engines.py --refit DIR     # the kept runs fitted again, no engine started
 
 Needs `make engines` (.venv-engines and the model); about 2 minutes per engine run, two runs per
@@ -186,11 +186,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engines", default="sglang,vllm")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--quick", action="store_true",
+                    help="small inputs, one repeat: the users' code path (tests/test_bench_quick.py)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     ap.add_argument("--keep", type=Path, default=None, help="keep the runs in this folder")
     ap.add_argument("--refit", type=Path, default=None,
                     help="fit the runs kept in this folder again (no engine is started)")
     args = ap.parse_args()
+    if args.quick:
+        args.engines, args.repeats = "sglang", 1
     # SIGTERM ends the bench as Ctrl-C does: the running engine's context stops its process group
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     engines = [e for e in args.engines.split(",") if e]

@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 from gputrace import __version__
+from gputrace.arrow_columns import from_numpy, from_values
 from gputrace.backoff import Backoff
 from gputrace.errors import RecordError, SchemaVersionError, StoreError, StoreWriteError
 from gputrace.logsetup import get_logger
@@ -175,7 +176,7 @@ def _to_arrow_column(values: Any, dtype: pa.DataType) -> pa.Array:
     if isinstance(values, pa.Array | pa.ChunkedArray):
         if pa.types.is_dictionary(values.type) and values.type.value_type == dtype:
             return values  # DuckDB reads the codes (e.g. an engine line's kind) as is
-        return values.cast(dtype)
+        return values if values.type == dtype else values.cast(dtype)
     if isinstance(values, np.ndarray):
         mask = None
         if values.dtype.kind == "f":
@@ -184,8 +185,10 @@ def _to_arrow_column(values: Any, dtype: pa.DataType) -> pa.Array:
         if isinstance(values, np.ma.MaskedArray):
             mask = np.ma.getmaskarray(values) if mask is None else mask | np.ma.getmaskarray(values)
             values = values.data
+        if values.ndim == 1 and values.dtype.kind in "biuf" and pa.from_numpy_dtype(values.dtype) == dtype:
+            return from_numpy(values, mask)
         return pa.array(values, type=dtype, mask=mask, from_pandas=False)
-    return pa.array(list(values), type=dtype)
+    return from_values(list(values), dtype)
 
 
 def _meta_from_json(raw: dict[str, Any], meta_path: Path) -> RunMeta:

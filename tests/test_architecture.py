@@ -81,7 +81,7 @@ LAYER_OF = {
     # shared vocabulary and plumbing, importable from every layer
     **dict.fromkeys(("gputrace", "errors", "model", "backoff", "logsetup", "run_tables", "vocabulary",
                      "topology", "metric_names", "token_file", "config", "httpserver", "exposition",
-                     "log_clock", "dashboard"), "base"),
+                     "log_clock", "dashboard", "arrow_columns"), "base"),
     # what produces the records: NVML and its agent, engine logs and metrics, SSH, the load
     **dict.fromkeys(("gpu", "engines", "remote", "load", "agent"), "sources"),
     "store": "store",

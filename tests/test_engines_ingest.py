@@ -160,7 +160,8 @@ def test_missing_log_is_a_source_error(tmp_path: Path) -> None:
 
 
 def test_import_command_with_engine_logs(tmp_path: Path) -> None:
-    """`gputrace import` creates the run, reads .gz and plain logs of both engines, and appends."""
+    """`gputrace import` creates the run, reads .gz and plain logs of both engines, and appends; the
+    same log again, plain after its .gz, adds nothing ([robust] import exactly once)."""
     gz = tmp_path / "sglang.log.gz"
     gz.write_bytes(gzip.compress(SGLANG_LINES.read_bytes()))
     run = tmp_path / "run"
@@ -173,14 +174,15 @@ def test_import_command_with_engine_logs(tmp_path: Path) -> None:
     again = subprocess.run([*cmd[:8], "--sglang-log", str(SGLANG_LINES)], capture_output=True, text=True,
                            timeout=60)
     assert again.returncode == 0, again.stderr
+    assert "73 events, 2 configuration records already present" in again.stdout, again.stdout
     with Store.open(run, read_only=True) as store:
         by_engine = dict(store.sql("SELECT engine, count(*) FROM scheduler_events GROUP BY 1"))
-        assert by_engine == {"sglang": 146, "vllm": 12}
+        assert by_engine == {"sglang": 73, "vllm": 12}
         assert store.sql("SELECT DISTINCT host FROM scheduler_events") == [("node-3",)]
         vllm_first = store.sql("SELECT min(log_ts_ns) FROM scheduler_events WHERE engine = 'vllm'")
         # The earliest vLLM stamp is "01-22 18:27:20"; its year comes from --date.
         assert vllm_first == [(int(dt.datetime(2025, 1, 22, 18, 27, 20, tzinfo=dt.UTC).timestamp()) * 10**9,)]
-        assert store.count("engine_configs") == 4
+        assert store.count("engine_configs") == 2
 
 
 _CURRENT_FORMS = [

@@ -172,6 +172,12 @@ def test_fast_path_gives_the_per_line_objects(tmp_path: Path, capsys: pytest.Cap
         "INFO 06-24 15:38:06 [loggers.py:87] Engine 000: Avg prompt throughput: 1254.4 tokens/s, Avg "
         "generation throughput: 29.2 tokens/s, Running: 10 reqs, Waiting: 4 reqs, GPU KV cache usage: "
         "57.9%, Prefix cache hit rate: 40.5%",
+        # magnitudes where Arrow's text of a double differs from json.dumps (an exponent, no ".0")
+        "[2026-06-24 15:38:06 PP3] Decode batch, #running-req: 2, #token: 10, token usage: 0.00001, "
+        "cuda graph: True, gen throughput (token/s): 99999999999999.5, #queue-req: 0",
+        "[2026-06-24 15:38:06 PP4] Prefill batch, #new-seq: 1, #new-token: 16, #cached-token: 3, "
+        "token usage: 0.0001, #running-req: 0, #queue-req: 0, #pending-token: 0, cuda graph: True, "
+        "input throughput (token/s): 1234567890123.00",
     ]
     log = tmp_path / "mixed.log"
     # enough lines to cross the 1 MiB chunks several times, in a shuffled but fixed order
@@ -196,3 +202,20 @@ def test_fast_path_gives_the_per_line_objects(tmp_path: Path, capsys: pytest.Cap
     assert f"stats {sum(line.startswith('INFO ') for line in lines)}" in summary  # the vLLM lines
     out = _parse(str(log))
     assert out.returncode == 0 and out.stderr.strip() == summary
+
+
+def test_json_text_of_doubles_is_json_dumps() -> None:
+    """The fast path's JSON text of a float column is json.dumps's for every magnitude: Arrow's
+    shortest digits where both write positional ones, json.dumps's text elsewhere."""
+    import random
+
+    import pyarrow as pa
+
+    from gputrace.engines.ndjson import _float_text
+
+    rnd = random.Random(1)
+    values: list[float | None] = [0.5, 300.0, 1e-05, 1e16, 0.0001, -0.0, 123456789012345.0, 0.1 + 0.2,
+                                  1e15, None, 9999999999999.5, float("inf"), float("nan"), 5e-324]
+    values += [rnd.uniform(-1, 1) * 10 ** rnd.randint(-8, 20) for _ in range(20_000)]
+    values += [round(rnd.uniform(0, 1e6), rnd.randint(0, 4)) for _ in range(20_000)]
+    assert _float_text(pa.array(values)).to_pylist() == [json.dumps(v) for v in values]

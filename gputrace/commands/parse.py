@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import heapq
 import json
 import os
+import re
 import sys
 from collections.abc import Iterator
 from typing import IO
 
 import click
-import numpy as np
 
-from gputrace.engines import ENGINES, KINDS, LogParser, fastpath
-from gputrace.engines.common import METRIC_FIELDS, RANK_FIELDS
+from gputrace.arrow_columns import numbers
+from gputrace.engines import ENGINES, KINDS, LogParser, fastpath, ndjson, vllm
 from gputrace.errors import SourceError
 from gputrace.imports.engine_log import GzipLog, chunk_lines, open_log, read_chunks
 from gputrace.imports.input_path import check_readable
@@ -34,37 +35,35 @@ def _lines_of(path: str, cuts: list[str]) -> Iterator[str]:
         yield from chunk_lines(chunk)
 
 
-_FAST_KEYS = (*RANK_FIELDS, *METRIC_FIELDS)  # to_json_obj's order after kind, engine, ts
+# The lines each grammar may read (the others are counted unrecognised without being parsed).
+_MAYBE = {"sglang": fastpath.MAYBE_SGLANG,
+          "auto": re.compile(fastpath.MAYBE_SGLANG.pattern + b"|" + vllm.MAYBE_VLLM.pattern)}
 
 
 def _parse_chunk(parser: LogParser, chunk: bytes, out: IO[str]) -> None:
-    """SGLang's current batch lines through the vectorised fast path, the rest line by line; the
-    objects come out in the file's order, the same as the per-line grammar gives (tested)."""
-    result = fastpath.scan_chunk(chunk, 0, parser.clock, only_sglang=parser.engine == "sglang")
-    by_offset: list[tuple[int, str]] = []
+    """SGLang's current batch lines through the vectorised fast path (their JSON built column by
+    column), the rest line by line; the objects come out in the file's order, the same as the
+    per-line grammar gives (tested)."""
+    result = fastpath.scan_chunk(chunk, 0, parser.clock, _MAYBE[parser.engine])
+    fast = None
     if result.n_fast:
-        offsets = result.columns["line_no"].to_pylist()
-        kinds = result.columns["kind"].to_pylist()
-        # the stamp as logged: "[YYYY-MM-DD hh:mm:ss" and ".mmm" when the resolution is 1 ms
-        stamp_ends = (result.line_starts + np.where(
-            result.columns["ts_resolution_ns"].to_numpy() == 1_000_000, 24, 20)).tolist()
-        columns = [result.columns[name].to_pylist() for name in _FAST_KEYS]
-        for i, (offset, kind, start, end) in enumerate(
-                zip(offsets, kinds, result.line_starts.tolist(), stamp_ends, strict=True)):
-            obj: dict[str, object] = {"kind": kind, "engine": "sglang", "ts": chunk[start + 1:end].decode()}
-            for name, column in zip(_FAST_KEYS, columns, strict=True):
-                obj[name] = column[i]
-            by_offset.append((offset, json.dumps(obj)))
+        ts_text = ndjson.stamps(chunk, result.line_starts, numbers(result.columns["ts_resolution_ns"]))
+        fast = ndjson.fast_rows_ndjson(result.columns, ts_text, "sglang")
         for kind, count in result.kinds.items():
             parser.counts.recognised[kind] += count
     parser.counts.lines += result.n_fast + result.n_rejected
     parser.counts.unrecognised += result.n_rejected
+    others: list[tuple[int, str]] = []
     for offset, line in result.leftovers:
         parsed = parser.parse(line)
         if parsed is not None:
-            by_offset.append((offset, json.dumps(parsed.to_json_obj(), default=str)))
-    by_offset.sort(key=lambda item: item[0])
-    out.writelines(text + "\n" for _, text in by_offset)
+            others.append((offset, json.dumps(parsed.to_json_obj(), default=str) + "\n"))
+    if not others:
+        if fast is not None:
+            out.write(ndjson.joined_text(fast))
+        return
+    fast_lines = zip(result.columns["line_no"].to_pylist(), fast.to_pylist(), strict=True) if fast else ()
+    out.writelines(text for _, text in heapq.merge(fast_lines, others, key=lambda item: item[0]))
 
 
 @click.command("parse")

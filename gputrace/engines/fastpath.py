@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from gputrace.arrow_columns import from_numpy, strings
 from gputrace.engines.common import LogClock
 from gputrace.engines.sglang import RANK_FIELDS, RANK_TAG
 
 # A line without any of these cannot be an SGLang scheduler or configuration line.
-_MAYBE_SGLANG = re.compile(rb"batch|#running-req: |max_total_num_tokens=|server_args=(?:ServerArgs\(|\{)")
+MAYBE_SGLANG = re.compile(rb"batch|#running-req: |max_total_num_tokens=|server_args=(?:ServerArgs\(|\{)")
 _RANK_TEXT = re.compile(r"(?: (?:DP|PP|ATTN_CP|MOE_DP|TP|EP)\d+)*")
 # A container runtime's prefix in front of SGLang's ``[``: CRI (``<RFC3339> stdout F ``, as in
 # /var/log/pods) or ``docker logs -t`` / ``kubectl logs --timestamps``. It matches a subset of
@@ -427,9 +428,11 @@ def _form(raw: _Bytes, kind: str, closer: np.ndarray, line_end: np.ndarray,
     return cols, present
 
 
-def scan_chunk(chunk: bytes, first_line_no: int, clock: LogClock, only_sglang: bool = True) -> ChunkResult:
+def scan_chunk(chunk: bytes, first_line_no: int, clock: LogClock,
+               maybe: re.Pattern[bytes] | None = MAYBE_SGLANG) -> ChunkResult:
     """Take the chunk's current-form batch lines; hand back the rest (numbered from the chunk):
-    with ``only_sglang`` just those that may be SGLang's, else all (another grammar may read them)."""
+    those ``maybe`` finds something in (lines a grammar may read; the others are counted as
+    rejected), or all when it is None."""
     original = chunk
     if chunk[:1] != b"[" and _RUNTIME_LINE_PREFIX.match(chunk):  # a container's log: strip them all
         chunk = _RUNTIME_LINE_PREFIX.sub(b"", chunk)
@@ -446,7 +449,7 @@ def scan_chunk(chunk: bytes, first_line_no: int, clock: LogClock, only_sglang: b
     result = ChunkResult(n_lines=len(line_end))
     # only the lines with text are scanned: a blank one is no SGLang line, and one by one they cost
     # most of the time on a file of newlines
-    lines = np.flatnonzero(src_ends > src_starts) if only_sglang else np.arange(len(line_end))
+    lines = np.flatnonzero(src_ends > src_starts) if maybe is not None else np.arange(len(line_end))
     result.n_rejected = len(line_end) - len(lines)
     starts, line_end = starts[lines], line_end[lines]
     src_starts, src_ends = src_starts[lines], src_ends[lines]
@@ -473,11 +476,12 @@ def scan_chunk(chunk: bytes, first_line_no: int, clock: LogClock, only_sglang: b
             values[name][good] = column[row_ok]
             present[name][good] = form_present[name][row_ok] if name in form_present else True
         result.kinds[kind] = len(good)
-    for index in np.flatnonzero(~taken).tolist():
-        begin, end = int(src_starts[index]), int(src_ends[index])
-        if not only_sglang or _MAYBE_SGLANG.search(original, begin, end):
-            text = original[begin:end].decode("utf-8", errors="replace")
-            result.leftovers.append((int(lines[index]), text))
+    rest = np.flatnonzero(~taken)
+    # as Python ints at once: numpy scalars one by one cost as much as the search
+    for line_no, begin, end in zip(lines[rest].tolist(), src_starts[rest].tolist(), src_ends[rest].tolist(),
+                                   strict=True):
+        if maybe is None or maybe.search(original, begin, end):
+            result.leftovers.append((line_no, original[begin:end].decode("utf-8", errors="replace")))
         else:
             result.n_rejected += 1
     rows = np.flatnonzero(taken)
@@ -486,20 +490,21 @@ def scan_chunk(chunk: bytes, first_line_no: int, clock: LogClock, only_sglang: b
     result.line_starts = src_ends[rows] - (line_end[rows] - starts[rows])
     # Every chunk yields the same columns and types, so chunks join without copying.
     cols: dict[str, pa.Array] = {
-        "line_no": pa.array(lines[rows] + first_line_no),
-        "kind": pa.DictionaryArray.from_arrays(np.where(is_decode[rows], 0, 1).astype(np.int32),
-                                               pa.array(["decode", "prefill"])),
-        "log_ts_ns": pa.array(ts_ns[rows], mask=~ts_known[rows]),
-        "ts_resolution_ns": pa.array(resolution[rows]),
+        "line_no": from_numpy(lines[rows] + first_line_no),
+        "kind": pa.DictionaryArray.from_arrays(from_numpy(np.where(is_decode[rows], 0, 1).astype(np.int32)),
+                                               _KIND_NAMES),
+        "log_ts_ns": from_numpy(ts_ns[rows], mask=~ts_known[rows]),
+        "ts_resolution_ns": from_numpy(resolution[rows]),
     }
     for name, table in ranks.items():
-        cols[name] = pa.array(table[rows], mask=table[rows] < 0)
+        cols[name] = from_numpy(table[rows], mask=table[rows] < 0)
     for name in _COLUMN_TYPES:
-        cols[name] = pa.array(values[name][rows], mask=~present[name][rows])
+        cols[name] = from_numpy(values[name][rows], mask=~present[name][rows])
     result.columns = cols
     return result
 
 
+_KIND_NAMES = strings(["decode", "prefill"])  # the kind column's dictionary, one for every chunk
 _COLUMN_TYPES: dict[str, type] = {
     "running_req": np.int64, "queue_req": np.int64, "new_seq": np.int64, "new_token": np.int64,
     "cached_token": np.int64, "num_token": np.int64, "token_usage": np.float64,
