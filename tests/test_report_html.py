@@ -143,8 +143,9 @@ async def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     assert errors == []
     assert len(page["imgs"]) == len(FIGURES)
     assert all(i["complete"] and i["w"] > 0 and i["h"] > 0 for i in page["imgs"]), page["imgs"]
-    # the verdict paragraph comes before these; per-phase figures once, then per stage
-    assert page["h2"][:4] == ["Summary", "Findings", "Phases", "Phase by stage"]
+    # the first screen (the advice, the busy heatmap, measured vs predicted) comes before these;
+    # then the per-phase table, the findings as evidence, the figures, the folded reference ([ux])
+    assert page["h2"][:4] == ["Per phase", "Findings: the evidence", "Figures", "Details"]
     assert (ARTIFACTS / "report_html.png").stat().st_size > 10_000
     assert all(i["w"] >= 1200 for i in page["imgs"]), page["imgs"]  # legible at the page's width
     assert page["scroll_w"] <= page["view_w"], page  # no table wider than the window
