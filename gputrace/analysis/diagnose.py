@@ -12,13 +12,13 @@ from typing import Any
 import numpy as np
 
 from gputrace.analysis.phase_figures import PhaseMetrics, StageMetrics, throughput_aliased
-from gputrace.engines import engine_words
+from gputrace.engines import ENGINE_WORDS, engine_words
 from gputrace.vocabulary import Cause, Change, EngineSettings
 
 CAUSES = tuple(c.value for c in Cause)
 
 # The engine-wide admission limit's flag, and the flags that size the KV cache, per engine.
-ADMISSION_FLAG = {"sglang": "--max-running-requests", "vllm": "--max-num-seqs"}
+ADMISSION_FLAG = {kind: words.flags["max_running_requests"] for kind, words in ENGINE_WORDS.items()}
 KV_FLAGS = {"sglang": "--mem-fraction-static or --max-total-tokens",
             "vllm": "--gpu-memory-utilization (VLLM_CPU_KVCACHE_SPACE on the CPU build)"}
 
