@@ -261,6 +261,11 @@ class EngineWords:
         """The engine's own name for a setting."""
         return self.setting_names.get(knob, knob)
 
+    def knob(self, setting: str) -> str:
+        """gputrace's setting name for the engine's own (``max_num_seqs`` -> ``max_running_requests``
+        on vLLM): what the simulator and the what-if take, from what the advice shows."""
+        return next((knob for knob, own in self.setting_names.items() if own == setting), setting)
+
     def knob_names(self) -> tuple[str, ...]:
         """The settings a user can name for this engine, in its own words."""
         return tuple(self.setting(k) for k in self.flags if not self.flags[k].isupper())
