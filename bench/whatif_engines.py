@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from engine_servers import EngineSetting, engines_available, running_engine
 
 from gputrace.analysis.result import Analysis, analyse_store
+from gputrace.engines import engine_words
 from gputrace.store import Store
 from gputrace.whatif.advise import (
     Advice,
@@ -138,7 +139,8 @@ def predicted_phases(analysis: Analysis, changes: list[dict[str, object]]
     """The model fitted to ``analysis`` and per phase its calibrated prediction of ``changes``
     with the band it states (widened where the change leaves what the run exercised)."""
     model = fit_model(analysis)
-    change = {str(c["knob"]): (tuple(c["value"]) if isinstance(c["value"], list) else c["value"])
+    words = engine_words(model.params.engine)  # the advice names the engine's own setting: map it back
+    change = {words.knob(str(c["knob"])): (tuple(c["value"]) if isinstance(c["value"], list) else c["value"])
               for c in changes}
     durations = {pm.label: pm.duration_s for pm in analysis.metrics}
     return phases_of(model, change, durations), model

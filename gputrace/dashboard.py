@@ -152,15 +152,15 @@ def _panels() -> list[tuple[dict[str, Any], int, int]]:
                       (f"max({mn.ENGINE_STAGES.name}{{{_RUN}}})", "pipeline stages (pp_size)")],
                      minimum=0), 12, 9),
         (_timeseries("Engine running total vs its pool and the load", "Requests the engine runs in "
-                     "all its micro-batches (one stage's #running-req is one micro-batch), its "
-                     "pool (--max-running-requests / --max-num-seqs) and what the load offers.", "short",
+                     "all its micro-batches (one stage's logged running count is one micro-batch), "
+                     "its admission limit (its request pool) and what the load offers.", "short",
                      [(f"sum({mn.ENGINE_TOTAL_RUNNING.name}{{{_RUN}}})", "engine running (total)"),
                       (f"max({mn.ENGINE_POOL.name}{{{_RUN}}})", "pool limit"),
                       (f"sum({mn.LOAD_INFLIGHT.name}{{{_RUN}}})", "load in flight")],
                      minimum=0), 12, 9),
         (_heatmap("Busy per stage (heatmap)", "Each stage's busy share by the best signal present, "
-                  "in the report's order: SGLang's device timer, SM activity (GPM), SGLang's loop "
-                  "timers (with [hosts.engine_metrics]), else NVML utilization, which reads high "
+                  "in the report's order: the engine's device timer, SM activity (GPM), the engine's "
+                  "loop timers (with [hosts.engine_metrics]), else NVML utilization, which reads high "
                   "while a stage only waits in NCCL. Rows: pp_rank; stages in lockstep show as bands.",
                   f"max by (pp_rank) ({mn.STAGE_BUSY.name}{{{_RUN}}})", "stage {{pp_rank}}"), 12, 9),
         (_timeseries("Busy and bubble per stage", "Busy (by the signal named) and the bubble: the "
@@ -184,15 +184,15 @@ def _panels() -> list[tuple[dict[str, Any], int, int]]:
                      [(f"avg by (pp_rank) ({mn.GPU_SM_ACTIVE.name}{{{_HOST}}})", "stage {{pp_rank}}")],
                      minimum=0, maximum=1), 12, 8),
         (_row("Engine and load"), 24, 1),
-        (_timeseries("Micro-batch per stage (#running-req) vs load in flight", "Each stage's "
-                     "#running-req: the micro-batch it last ran, not the engine's total (see the "
+        (_timeseries("Micro-batch per stage (running) vs load in flight", "Each stage's "
+                     "logged running count: the micro-batch it last ran, not the engine's total (see the "
                      "engine panel), against what the load generator keeps in flight.", "short",
                      [(_per_stage("max", mn.ENGINE_RUNNING.name, _ENGINE),
                        "running, stage {{pp_rank}}"),
                       (f"sum({mn.LOAD_INFLIGHT.name}{{{_RUN}}})", "load in flight"),
                       (f"sum({mn.LOAD_TARGET_CONCURRENCY.name}{{{_RUN}}})", "target concurrency")],
                      minimum=0), 12, 9),
-        (_timeseries("Queued requests per stage", "The engine's #queue-req per stage.", "short",
+        (_timeseries("Queued requests per stage", "The engine's logged waiting queue per stage.", "short",
                      [(_per_stage("max", mn.ENGINE_QUEUE.name, _ENGINE),
                        "queued, stage {{pp_rank}}")],
                      minimum=0), 12, 9),

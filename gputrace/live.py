@@ -28,10 +28,10 @@ from typing import Any
 import numpy as np
 
 from gputrace import metric_names as mn
-from gputrace.analysis.diagnose import ADMISSION_FLAG
 from gputrace.analysis.engine_metrics import LOOP_SERIES, EngineBusy, MetricSeries, engine_busy
 from gputrace.analysis.phase_figures import BUSY_SIGNALS, busy_and_bubble
 from gputrace.analysis.schedule import engine_totals, line_sizes
+from gputrace.engines import engine_words
 from gputrace.exposition import Collector, Metric, family
 from gputrace.model import (
     ClockProbe,
@@ -374,11 +374,12 @@ class LiveState:
         k = cfg.get("pp_max_micro_batch_size") or (max(pool // pp, 1) if pool else None)
         firsts = [r for (_h, p, t, _d), r in self.engine.items() if p == 0 and t == 0]
         queued = _sum(r.queue_req for r in firsts)
-        if self.engine_kind != "sglang" or pp < 2 or not self.rank0_lines:
+        slotted = self.engine_kind is not None and engine_words(self.engine_kind).microbatch_slots
+        if not slotted or pp < 2 or not self.rank0_lines:
             # vLLM's stats line gives the engine's total as logged; so does a single stage (one
             # micro-batch, when it runs any)
             running = _sum(r.running_req for r in firsts)
-            single = None if self.engine_kind != "sglang" or running is None else float(running > 0)
+            single = None if not slotted or running is None else float(running > 0)
             return EngineNow(running, queued, single, slots, k, pool, "logged" if firsts else "none",
                              self.engine_kind)
         running = 0.0
@@ -432,7 +433,7 @@ def current_finding(engine: EngineNow, stages: list[dict[str, Any]], pp_size: in
     if running < 0.5 and queued < 0.5:
         return "idle: the engine runs no request"
     if queued >= 0.5 and engine.pool is not None and running >= engine.pool - 0.5:
-        flag = ADMISSION_FLAG.get(engine.engine_kind or "sglang", ADMISSION_FLAG["sglang"])
+        flag = engine_words(engine.engine_kind).flag("max_running_requests")
         return (f"admission_bound: {queued:.0f} waiting while the engine runs {running:.0f}, its pool "
                 f"({flag} {engine.pool})")
     slots = engine.slots or pp
@@ -442,7 +443,8 @@ def current_finding(engine: EngineNow, stages: list[dict[str, Any]], pp_size: in
         # sweep's C=32 and C=64 read "no finding" here while the report found microbatch_cap)
         pool = f", under its pool of {engine.pool}" if engine.pool is not None else ""
         return (f"microbatch_cap: {queued:.0f} waiting while the engine runs {running:.0f} in "
-                f"{mbs:.0f} micro-batches of at most K = {engine.k} (--pp-max-micro-batch-size){pool}")
+                f"{mbs:.0f} micro-batches of at most K = {engine.k} "
+                f"({engine_words(engine.engine_kind).flag('pp_max_micro_batch_size')}){pool}")
     if mbs is not None and pp >= 2 and mbs < pp - 0.5:
         k = f" (K = {engine.k})" if engine.k else ""
         return (f"pipeline_underfilled: {mbs:.0f} micro-batches in flight for {pp} stages{k}: "

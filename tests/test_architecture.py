@@ -82,8 +82,10 @@ LAYER_OF = {
     **dict.fromkeys(("gputrace", "errors", "model", "backoff", "logsetup", "run_tables", "vocabulary",
                      "topology", "metric_names", "token_file", "config", "httpserver", "exposition",
                      "log_clock", "dashboard", "arrow_columns"), "base"),
+    # the engines (their log grammars, settings and words): every layer asks the run's engine
+    "engines": "base",
     # what produces the records: NVML and its agent, engine logs and metrics, SSH, the load
-    **dict.fromkeys(("gpu", "engines", "remote", "load", "agent"), "sources"),
+    **dict.fromkeys(("gpu", "remote", "load", "agent"), "sources"),
     "store": "store",
     # from sources into the store: the collector (and its live view), importers of files and Prometheus
     **dict.fromkeys(("collect", "live", "imports", "prometheus"), "capture"),
@@ -166,7 +168,7 @@ def test_the_layer_check_sees_a_violation() -> None:
     capture, the report importing a command) and passes the arrows the data flow has."""
     assert _violations({"analysis": {"store", "run_tables"}, "engines": {"collect"},
                         "report": {"commands", "analysis"}}) == [
-        "analysis (analysis) -> store (store)", "engines (sources) -> collect (capture)",
+        "analysis (analysis) -> store (store)", "engines (base) -> collect (capture)",
         "report (outputs) -> commands (cli)"]
     assert _violations({"collect": {"store", "remote"}, "whatif": {"analysis", "sim"}}) == []
 

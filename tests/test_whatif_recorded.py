@@ -99,13 +99,13 @@ def test_the_fit_without_gpu_samples_says_how_it_was_made(tmp_path_factory: pyte
 
 def test_whatif_takes_vllm_names(tmp_path_factory: pytest.TempPathFactory) -> None:
     """`--set max_num_seqs=4` is vLLM's name for the admission limit: accepted, and reported
-    under the simulator's name."""
+    in vLLM's words (the simulator's name for it is SGLang's)."""
     run = _imported(tmp_path_factory, "vllm", "default")
     out = subprocess.run([sys.executable, "-m", "gputrace", "whatif", str(run), "--set", "max_num_seqs=4",
                           "--format", "json"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     doc = json.loads(out.stdout)
-    assert int(doc["changes"]["max_running_requests"]) == 4
+    assert list(doc["changes"]) == ["max_num_seqs"] and int(doc["changes"]["max_num_seqs"]) == 4
     bad = subprocess.run([sys.executable, "-m", "gputrace", "whatif", str(run), "--set", "max_num_seq=4"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "max_num_seqs" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

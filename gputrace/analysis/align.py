@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from gputrace.engines import engine_words
 from gputrace.topology import Placement, is_parallel_size, placements_from_meta, sglang_placements
 
 PROBE_BURST_GAP_NS = 5_000_000_000
@@ -242,7 +243,7 @@ class StageMapping:
 
 def stage_mapping(topology: Mapping[str, Any], engine_pp_size: int | None,
                   engine_tp_size: int | None, gpu_keys: Sequence[tuple[str, int]],
-                  log_pp_ranks: int | None = None) -> StageMapping:
+                  log_pp_ranks: int | None = None, engine: str | None = None) -> StageMapping:
     """From meta.topology, else SGLang's placement rule on the engine's pp/tp sizes (hosts as
     nodes in name order), else one stage per rank the log shows (or one stage for all GPUs)."""
     placements = placements_from_meta(topology) if topology else []
@@ -254,10 +255,11 @@ def stage_mapping(topology: Mapping[str, Any], engine_pp_size: int | None,
     n_gpu = max(len(gpu_keys), 1)
     # sizes outside 1..MAX_PARALLEL_SIZE (a store written before they were bounded) are not taken
     if is_parallel_size(engine_pp_size):
-        pp, source = engine_pp_size, "engine config + SGLang formula"
+        pp, source = engine_pp_size, f"engine config + {engine_words(engine).placement_rule}"
         tp = engine_tp_size if is_parallel_size(engine_tp_size) else 1
     elif is_parallel_size(log_pp_ranks):
-        pp, tp, source = log_pp_ranks, max(n_gpu // log_pp_ranks, 1), "log ranks + SGLang formula"
+        pp, tp, source = log_pp_ranks, max(n_gpu // log_pp_ranks, 1), \
+            f"log ranks + {engine_words(engine).placement_rule}"
     else:
         pp, tp, source = 1, n_gpu, "assumed: one stage"
     nnodes = max(len(hosts), 1)

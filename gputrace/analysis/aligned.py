@@ -157,7 +157,7 @@ def align(tables: RunTables) -> AlignedRun:
     events = _place_events(tables.scheduler_events, clocks, notes)
     engine = tables.engine
     mapping = stage_mapping(tables.meta.topology, engine.get("pp_size"), engine.get("tp_size"),
-                            samples.keys, events.log_pp)
+                            samples.keys, events.log_pp, engine.kind)
     gpu_stage = np.array([s if (s := mapping.stage_of(h, g)) is not None else -1 for h, g in samples.keys],
                          dtype=np.int64)
     requests = _requests_in_reference(tables.requests, clocks)

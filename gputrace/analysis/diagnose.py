@@ -12,12 +12,13 @@ from typing import Any
 import numpy as np
 
 from gputrace.analysis.phase_figures import PhaseMetrics, StageMetrics, throughput_aliased
+from gputrace.engines import ENGINE_WORDS, engine_words
 from gputrace.vocabulary import Cause, Change, EngineSettings
 
 CAUSES = tuple(c.value for c in Cause)
 
 # The engine-wide admission limit's flag, and the flags that size the KV cache, per engine.
-ADMISSION_FLAG = {"sglang": "--max-running-requests", "vllm": "--max-num-seqs"}
+ADMISSION_FLAG = {kind: words.flags["max_running_requests"] for kind, words in ENGINE_WORDS.items()}
 KV_FLAGS = {"sglang": "--mem-fraction-static or --max-total-tokens",
             "vllm": "--gpu-memory-utilization (VLLM_CPU_KVCACHE_SPACE on the CPU build)"}
 
@@ -242,8 +243,8 @@ def rule_client_bound(c: PhaseContext) -> Finding | None:
 
 
 def rule_admission_bound(c: PhaseContext) -> Finding | None:
-    """The engine runs at its admission limit (SGLang's request pool, vLLM's max_num_seqs) while
-    requests wait: raise it to the offered load, within the KV cache's headroom."""
+    """The engine runs at its admission limit while requests wait: raise it to the offered load,
+    within the KV cache's headroom."""
     return admission_bound(c.pm, c.engine, c.load, c.queue_mean, c.engine_running, c.th)
 
 
@@ -621,13 +622,27 @@ def cannot_tell(phases: Sequence[PhaseMetrics], pp_size: int,
     return out
 
 
-def rule_table() -> list[tuple[str, str]]:
-    """(rule, what it checks) for every rule the diagnosis applies, in the order it tries them: the
-    report prints this with the thresholds."""
+# Rules that read per-slot micro-batches and their cap K, which only a slot scheduler has (SGLang's
+# PP loop): an engine that admits engine-wide (vLLM) is never checked for them.
+SLOT_RULES = frozenset({"microbatch_cap", "bunched_at_the_bound", "log_sampling"})
+# The setting a rule's text names, said with the run's engine's flag.
+RULE_KNOBS = {"admission_bound": "max_running_requests"}
+
+
+def rule_table(engine: str | None = None) -> list[tuple[str, str]]:
+    """(rule, what it checks) for every rule the diagnosis applies to the run's engine, in the
+    order it tries them, in that engine's words: the report prints this with the thresholds."""
+    words = engine_words(engine)
     rules = (*RULES, rule_pipeline_underfilled, diagnose_log_sampling, cannot_tell)
-    return [(r.__name__.removeprefix("rule_").removeprefix("diagnose_"),
-             " ".join((r.__doc__ or "").split(".")[0].split()))
-            for r in rules]
+    out = []
+    for r in rules:
+        name = r.__name__.removeprefix("rule_").removeprefix("diagnose_")
+        if name in SLOT_RULES and not words.microbatch_slots:
+            continue
+        text = " ".join((r.__doc__ or "").split(".")[0].split())
+        flag = words.flag(RULE_KNOBS.get(name, ""))
+        out.append((name, f"{text} ({flag})" if flag else text))
+    return out
 
 
 def diagnose(phases: Sequence[PhaseMetrics], engine: EngineSettings, pp_size: int,

@@ -1,5 +1,6 @@
 """Serving-engine log grammars (SGLang, vLLM): text in, SchedulerEvent / EngineConfig out;
-``LogParser`` numbers and counts the lines of one source, from a file or followed live.
+``LogParser`` numbers and counts the lines of one source, from a file or followed live; and each
+engine's words (``engine_words``: its flags, setting names and log fields) that outputs speak in.
 """
 
 from __future__ import annotations
@@ -10,12 +11,29 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gputrace.engines import sglang, vllm
-from gputrace.engines.common import LogClock, ParsedLine
+from gputrace.engines.common import EngineWords, LogClock, ParsedLine
 from gputrace.errors import UsageError
 from gputrace.model import EngineConfig, SchedulerEvent
 
 ENGINES = ("sglang", "vllm", "auto")
 KINDS = ("prefill", "decode", "config", "stats")
+
+# Each engine's words, by the store's engine name. A run whose engine is not known is read as SGLang's,
+# as its settings are (``EngineSettings``).
+ENGINE_WORDS: dict[str, EngineWords] = {w.kind: w for w in (sglang.WORDS, vllm.WORDS)}
+
+
+def engine_words(kind: str | None) -> EngineWords:
+    """The words of the run's engine ("sglang", "vllm"; None or unknown: SGLang's)."""
+    return ENGINE_WORDS.get(kind or "", sglang.WORDS)
+
+
+def foreign_words(kind: str | None) -> frozenset[str]:
+    """The words other engines use that this one does not: what its outputs must never show."""
+    own = engine_words(kind)
+    return frozenset(w for other in ENGINE_WORDS.values() if other is not own
+                     for w in other.vocabulary()) - own.vocabulary()
+
 
 LineGrammar = Callable[[str, LogClock], ParsedLine | None]
 

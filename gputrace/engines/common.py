@@ -234,3 +234,43 @@ class LogClock:
             return None, resolution
         frac_ns = int(frac.ljust(9, "0")[:9]) if frac else 0
         return secs * 1_000_000_000 + frac_ns, resolution
+
+
+@dataclass(frozen=True, slots=True)
+class EngineWords:
+    """How one engine names what gputrace reads and changes: every output that shows a setting,
+    a flag or a log field asks the run's engine here (a vLLM report in vLLM's words)."""
+
+    kind: str  # the store's engine name: "sglang", "vllm"
+    name: str  # as people write it: "SGLang"
+    # gputrace's setting name (EngineSettings, the simulator, Change.knob) -> how a user sets it
+    flags: dict[str, str]
+    # gputrace's setting name -> the engine's own name for it, where it differs
+    setting_names: dict[str, str]
+    log_fields: tuple[str, ...]  # the field names its scheduler lines carry ("#running-req")
+    placement_rule: str  # how the report names the rule that put its ranks on GPUs
+    # per-slot micro-batches with their own cap K (SGLang's PP scheduler); vLLM admits engine-wide
+    microbatch_slots: bool
+    other_words: tuple[str, ...] = ()  # flags and variables it has beyond its knobs
+
+    def flag(self, knob: str) -> str | None:
+        """The engine's flag for a setting, None where the engine has no such setting."""
+        return self.flags.get(knob)
+
+    def setting(self, knob: str) -> str:
+        """The engine's own name for a setting."""
+        return self.setting_names.get(knob, knob)
+
+    def knob(self, setting: str) -> str:
+        """gputrace's setting name for the engine's own (``max_num_seqs`` -> ``max_running_requests``
+        on vLLM): what the simulator and the what-if take, from what the advice shows."""
+        return next((knob for knob, own in self.setting_names.items() if own == setting), setting)
+
+    def knob_names(self) -> tuple[str, ...]:
+        """The settings a user can name for this engine, in its own words."""
+        return tuple(self.setting(k) for k in self.flags if not self.flags[k].isupper())
+
+    def vocabulary(self) -> frozenset[str]:
+        """Every engine-specific word: its name, flags, setting names and log fields."""
+        return frozenset({self.name, *self.flags.values(), *self.knob_names(), *self.log_fields,
+                          *self.other_words})

@@ -91,7 +91,7 @@ def build_document(a: Analysis) -> dict[str, Any]:
         "mapping": [asdict(p) for p in a.run.mapping.placements],
         "notes": list(a.notes),
         # the rules in the order they are tried and the thresholds they were applied with
-        "rules": [{"rule": name, "checks": text} for name, text in rule_table()],
+        "rules": [{"rule": name, "checks": text} for name, text in rule_table(a.run.engine.kind)],
         "thresholds": asdict(a.thresholds),
     }
     if a.advice is not None:

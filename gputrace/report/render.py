@@ -13,6 +13,7 @@ from typing import Any
 
 from gputrace.analysis.diagnose import changes_the_deployment
 from gputrace.analysis.result import Analysis
+from gputrace.engines import engine_words
 from gputrace.errors import UsageError
 from gputrace.report.document import STAGE_NOTE, build_document, fmt, stage_columns
 from gputrace.report.figures import FIGURES, FIRST_SCREEN
@@ -43,6 +44,11 @@ def render_figures(a: Analysis, progress: Callable[[str], None] | None = None) -
     return out
 
 
+# The settings the summary's engine line shows, where the run's engine has them.
+ENGINE_LINE_SETTINGS = ("max_running_requests", "pp_max_micro_batch_size", "pp_async_batch_depth",
+                        "chunked_prefill_size", "decode_log_interval")
+
+
 def _summary_lines(doc: dict[str, Any]) -> list[str]:
     s = doc["summary"]
     if s["sample_period_ms"] is None:
@@ -60,16 +66,18 @@ def _summary_lines(doc: dict[str, Any]) -> list[str]:
         f"log events placed by: {s['log_placement']}",
     ]
     eng = s.get("engine") or {}
-    keys = ("max_running_requests", "pp_max_micro_batch_size", "pp_async_batch_depth", "decode_log_interval")
     if eng:
+        # the settings the run's engine has, by its own names
+        words = engine_words(eng.get("engine"))
+        keys = [k for k in ENGINE_LINE_SETTINGS if words.flag(k)]
+
         def shown(key: str) -> object:
             value = eng.get(key)
             pool, pp = eng.get("max_running_requests"), s.get("pp_size")
-            sglang = eng.get("engine") == "sglang"
-            if key == "pp_max_micro_batch_size" and value is None and pool and pp and sglang:
+            if key == "pp_max_micro_batch_size" and value is None and pool and pp and words.microbatch_slots:
                 return f"default ({pool} // {pp} = {max(int(pool) // int(pp), 1)})"  # SGLang's rule
             return value
-        lines.append("engine: " + ", ".join(f"{k}={shown(k)}" for k in keys))
+        lines.append("engine: " + ", ".join(f"{words.setting(k)}={shown(k)}" for k in keys))
     if s["clock_offsets"]:
         lines.append("clock offsets: " + ", ".join(
             f"{h} {o['offset_ms_last']:+.3f} ms" for h, o in s["clock_offsets"].items()))

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gputrace.analysis.result import Analysis
+from gputrace.engines import engine_words
 from gputrace.errors import GputraceError, UsageError
 from gputrace.vocabulary import Change
 from gputrace.whatif.effects import fit_note
@@ -57,10 +58,11 @@ class AdvisedSetting:
     knob: str
     flag: str
     value: Any
+    setting: str | None = None  # the engine's own name for the knob (vLLM's max_num_seqs)
 
     def to_dict(self) -> dict[str, Any]:
         value = list(self.value) if isinstance(self.value, tuple) else self.value
-        return {"knob": self.knob, "flag": self.flag, "value": value}
+        return {"knob": self.setting or self.knob, "flag": self.flag, "value": value}
 
     def text(self) -> str:
         if self.knob == "stage_cost_multipliers":
@@ -212,7 +214,8 @@ def _engine(model: FittedModel) -> str:
 
 def to_change(model: FittedModel, knob: str, value: Any) -> AdvisedSetting | None:
     flag = FLAGS[_engine(model)].get(knob)
-    return None if flag is None else AdvisedSetting(knob, flag, value)
+    setting = engine_words(_engine(model)).setting(knob)
+    return None if flag is None else AdvisedSetting(knob, flag, value, setting)
 
 
 def _neighbours(model: FittedModel) -> list[dict[str, Any]]:

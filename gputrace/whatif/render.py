@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from gputrace.engines import engine_words
 from gputrace.whatif.fit import FittedModel
 from gputrace.whatif.predict import PhasePrediction
 
@@ -15,7 +16,9 @@ SCHEMA = "gputrace.whatif/1"
 def whatif_document(run: str, model: FittedModel, changes: Mapping[str, Any],
                     rows: list[PhasePrediction]) -> dict[str, Any]:
     return {"schema": SCHEMA, "run": run,
-            "changes": {k: list(v) if isinstance(v, tuple) else v for k, v in changes.items()},
+            # in the engine's own words (vLLM's max_num_seqs, not the simulator's name for it)
+            "changes": {engine_words(model.params.engine).setting(k): list(v) if isinstance(v, tuple) else v
+                        for k, v in changes.items()},
             "fit": {"uncertainty_ratio": round(model.uncertainty_ratio, 4), "scale": model.scale,
                     "notes": model.notes,
                     "phases": [{"measured": m.to_dict(), "simulated": s.to_dict()}
