@@ -27,7 +27,7 @@ from gputrace.analysis.result import Analysis
 from gputrace.run_tables import EngineSettings
 from gputrace.sim.params import SimParams, make_params
 from gputrace.whatif.outcome import PhaseOutcome, measured_outcomes, phase_concurrency, trace_outcomes
-from gputrace.whatif.replay import counted, current_session, run_replay
+from gputrace.whatif.replay import Reached, counted, current_session, run_replay
 
 _Scored = TypeVar("_Scored", bound=tuple[Any, ...])  # (error, ...) of one point of a search
 COST_FIELDS = ("launch_s", "weight_read_s", "decode_token_s", "prefill_token_s", "context_token_s")
@@ -390,14 +390,14 @@ def _outcomes(p: SimParams, labels: list[str] | None, seed: int) -> list[PhaseOu
     """One replay's outcomes (gputrace.whatif.replay's driver: each phase stopped once settled),
     from the open replay session's cache where these parameters and seed were replayed."""
     stats = current_session()
-    key = (p, seed, tuple(labels) if labels else None)
-    if stats is not None and key in stats.cache:
-        stats.cached += 1
-        return list(stats.cache[key])
+    named = tuple(labels) if labels else None
+    known = stats.find(p, seed, named) if stats is not None else None
+    if known is not None:
+        return [dataclasses.replace(o) for o in known]
     ran = counted(run_replay(p, seed))
     out = trace_outcomes(ran.result, labels, [(ph.rest_s, ph.rest_tok_s) for ph in ran.phases])
     if stats is not None:
-        stats.cache[key] = tuple(out)
+        stats.cache[(p, seed, named)] = (tuple(out), Reached.of(ran))
     return out
 
 

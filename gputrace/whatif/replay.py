@@ -67,8 +67,19 @@ class ReplayStats:
     cached: int = 0
     phases_stopped: int = 0
     phases: int = 0
-    # (parameters, seed, labels) -> the replay's outcomes (whatif.fit.replay_outcomes')
-    cache: dict[Any, Any] = field(default_factory=dict, repr=False)
+    # (parameters, seed, labels) -> the replay's outcomes (whatif.fit.replay_outcomes') and Reached
+    cache: dict[tuple[SimParams, int, Any], tuple[Any, Reached]] = field(default_factory=dict, repr=False)
+
+    def find(self, p: SimParams, seed: int, labels: Any) -> Any | None:
+        """The outcomes of a replay of ``p`` at ``seed``: its own, or that of a replay whose
+        settings differ only where neither bound (same_replay); None: not replayed yet."""
+        hit = self.cache.get((p, seed, labels))
+        if hit is None:
+            hit = next((v for (q, s, lab), v in self.cache.items()
+                        if s == seed and lab == labels and same_replay(q, v[1], p)), None)
+        if hit is not None:
+            self.cached += 1
+        return None if hit is None else hit[0]
 
     def text(self) -> str:
         return (f"{self.replays} replays ({self.cached} shared), {self.steps:,} engine steps; "
@@ -171,6 +182,45 @@ def run_replay(p: SimParams, seed: int = 0) -> Replay:
     phases = [Phase(ph.label, ph.concurrency, ph.start_s, ph.stop_s) for ph in ran]
     result = SimResult("whatif", p, parse_start_ns(p.start), end_s, phases, client.requests, engine)
     return Replay(result, tuple(ran))
+
+
+# Settings a replay may show it never reached: a change of them alone replays the same run
+UNBOUND_KNOBS = frozenset({"max_running_requests", "chunked_prefill_size", "max_prefill_tokens"})
+
+
+@dataclass(frozen=True, slots=True)
+class Reached:
+    """What a replay's admission reached: the most requests running at once, the most prompt
+    tokens a step prefilled."""
+
+    running_max: int
+    prefill_step_tokens_max: int
+
+    @classmethod
+    def of(cls, replay: Replay) -> Reached:
+        tr = replay.result.engine.trace
+        return cls(max(tr.st_running, default=0), max(tr.pf_n, default=0))
+
+
+def same_replay(ran: SimParams, reached: Reached, other: SimParams) -> bool:
+    """Whether ``other`` replays exactly as ``ran`` did, having reached ``reached``: they differ
+    only in the request pool and the prefill budget, and neither bound in ``ran``'s replay nor
+    would in ``other``'s (SGLang: a slot admits min(K - its running, pool - running), so a pool
+    at least K above the most running never binds; the budget is only spent by prefills, so a
+    budget above the largest step's prompt tokens never cut one). vLLM admits to the pool
+    directly: only its budget is compared."""
+    a = {f.name: getattr(ran, f.name) for f in dataclasses.fields(ran)}
+    b = {f.name: getattr(other, f.name) for f in dataclasses.fields(other)}
+    differ = {k for k in a if a[k] != b[k]}
+    if not differ or not differ <= UNBOUND_KNOBS or ran.micro_batch_cap != other.micro_batch_cap:
+        return False
+    pool = min(ran.max_running_requests, other.max_running_requests)
+    if "max_running_requests" in differ and (
+            ran.engine != "sglang" or pool < reached.running_max + ran.micro_batch_cap):
+        return False
+    budget = min(ran.chunked_prefill_size, ran.max_prefill_tokens, other.chunked_prefill_size,
+                 other.max_prefill_tokens)
+    return reached.prefill_step_tokens_max < budget
 
 
 _SESSION: ContextVar[ReplayStats | None] = ContextVar("gputrace_whatif_replays", default=None)
