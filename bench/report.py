@@ -129,10 +129,13 @@ def child_command(run: str, out: str) -> dict[str, object]:
     """The real `gputrace report` command (analysis, the what-if's effects and the advice, the
     figures and the three formats), in this process; its CPU seconds."""
     from gputrace.cli import main as gputrace_main
+    from gputrace.whatif.replay import replay_session
 
     c0 = time.process_time()
-    gputrace_main(["report", run, "--out", out, "--no-progress", "--format", "html,md,json"])
-    return {"cpu_s": time.process_time() - c0}
+    with replay_session() as replays:  # the command's analysis counts its replays in it
+        gputrace_main(["report", run, "--out", out, "--no-progress", "--format", "html,md,json"])
+    return {"cpu_s": time.process_time() - c0, "replays": replays.replays, "steps": replays.steps,
+            "shared": replays.cached, "stopped": f"{replays.phases_stopped}/{replays.phases}"}
 
 
 def _placement_rows(store: Store) -> str:
@@ -397,9 +400,11 @@ def command_cpu(n_gpus: int, hours: float, run: str | Path, tmp: str | Path, rep
     """One row: the real command's CPU seconds beside the DuckDB SQL references' (medians, and
     the range over the repeats); the SQL table is checked against the report's (``report_table``)."""
     cmd, sql, full, diff = [], [], [], 0.0
+    replays: dict[str, object] = {}
     for i in range(repeats):  # interleaved
         out = str(Path(tmp) / f"cmd{i}")
-        cmd.append(float(str(run_child(["--child", "command", str(run), out])[2]["cpu_s"])))
+        replays = run_child(["--child", "command", str(run), out])[2]
+        cmd.append(float(str(replays["cpu_s"])))
         sql.append(float(str(run_child(["--child", "sql", str(run)])[2]["cpu_s"])))
         res = run_child(["--child", "sql-table", str(run)])[2]
         full.append(float(str(res["cpu_s"])))
@@ -407,7 +412,8 @@ def command_cpu(n_gpus: int, hours: float, run: str | Path, tmp: str | Path, rep
     c, q, f = statistics.median(cmd), statistics.median(sql), statistics.median(full)
     return (f"{n_gpus:>3} GPUs x {hours:g} h {c:>8.2f} ({min(cmd):.1f}-{max(cmd):.1f}) "
             f"{q:>6.2f} ({min(sql):.2f}-{max(sql):.2f}) {f:>6.2f} ({min(full):.2f}-{max(full):.2f}) "
-            f"{c / f:>7.1f}x {c / q:>7.1f}x {diff:>9.1e}")
+            f"{c / f:>7.1f}x {c / q:>7.1f}x {diff:>9.1e} {replays['replays']:>8} {replays['steps']:>10,} "
+            f"{replays['shared']:>7} {replays['stopped']:>8}")
 
 
 def print_command_rows(rows: list[str]) -> None:
@@ -419,10 +425,13 @@ def print_command_rows(rows: list[str]) -> None:
           "table the report computes\n(busy, bubble from the requests in flight, power, micro-batch: two "
           "ASOF JOINs + GROUP BY); CPU seconds\nof the call, medians (range over the repeats):")
     print(f"{'run':>16} {'report cpu s':>18} {'SQL busy s':>17} {'SQL table s':>17} {'ratio':>8} "
-          f"{'(busy)':>8} {'table diff':>9}")
+          f"{'(busy)':>8} {'table diff':>9} {'replays':>8} {'steps':>10} {'shared':>7} {'stopped':>8}")
     print("\n".join(rows))
     print("ratio = report / SQL table, (busy) = report / SQL busy column (the issue's target: at most 5x);\n"
-          "table diff: the largest |difference| of busy or bubble fraction, SQL table against the report's")
+          "table diff: the largest |difference| of busy or bubble fraction, SQL table against the report's;\n"
+          "replays: the what-if's simulator replays per report (fit, findings' effects, advice), steps: the\n"
+          "engine steps they took, shared: replays found in the session's cache instead of run again,\n"
+          "stopped: replayed phases stopped once their throughput settled, of all replayed phases")
 
 
 if __name__ == "__main__":

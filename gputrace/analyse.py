@@ -30,6 +30,7 @@ from gputrace.analysis.result import (
 from gputrace.run_tables import RunSource, Window
 from gputrace.whatif.effects import with_predicted_effects
 from gputrace.whatif.fit import FittedModel
+from gputrace.whatif.replay import replay_session
 
 
 class Advise(Protocol):
@@ -59,10 +60,12 @@ def analyse_run(source: RunSource, window: Window = (None, None), *, advise: Adv
     analysis = analyse_aligned(aligned, thresholds, progress, engine_series)
     analysis = with_notes(analysis, store_notes(source, analysis))
     model: FittedModel | None = None
-    if effects:
-        analysis, model = with_predicted_effects(analysis, progress)
-    if advise is not None:
-        if progress:
-            progress("advice")
-        analysis = replace(analysis, advice=advise(analysis, model))
+    # the fit, the findings' effects and the advice's search share their replays (one session)
+    with replay_session():
+        if effects:
+            analysis, model = with_predicted_effects(analysis, progress)
+        if advise is not None:
+            if progress:
+                progress("advice")
+            analysis = replace(analysis, advice=advise(analysis, model))
     return analysis

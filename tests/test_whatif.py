@@ -142,8 +142,9 @@ def test_a_run_of_many_phases_replays_a_bounded_number_of_levels() -> None:
     spread over the captured ones, each phase taking its nearest level's replay (its own label
     and level kept); a run of few phases replays as captured."""
     from gputrace.sim.params import make_params
-    from gputrace.whatif.fit import MAX_REPLAYED_LEVELS, replay, replay_outcomes, replayed_levels
+    from gputrace.whatif.fit import MAX_REPLAYED_LEVELS, replay_outcomes, replayed_levels
     from gputrace.whatif.outcome import trace_outcomes
+    from gputrace.whatif.replay import run_replay
 
     levels = tuple(1 + (7 * i) % 60 for i in range(40))  # 40 phases, 40 distinct levels in 1..60
     p = make_params({"concurrency": levels, "phase_s": 3.0})
@@ -154,14 +155,17 @@ def test_a_run_of_many_phases_replays_a_bounded_number_of_levels() -> None:
     assert ran_levels[0] == min(levels) and ran_levels[-1] == max(levels)
     labels = [f"phase {i}" for i in range(len(levels))]
     out = replay_outcomes(p, labels)
-    ran = trace_outcomes(replay(dataclasses.replace(p, concurrency=ran_levels)))
+    whole = run_replay(dataclasses.replace(p, concurrency=ran_levels))
+    ran = trace_outcomes(whole.result, None, [(ph.rest_s, ph.rest_tok_s) for ph in whole.phases])
     assert [o.label for o in out] == labels and [o.concurrency for o in out] == list(levels)
     for c, o, j in zip(levels, out, nearest, strict=True):
         assert abs(ran_levels[j] - c) == min(abs(r - c) for r in ran_levels)
         assert o.throughput_tok_s == ran[j].throughput_tok_s
     few = dataclasses.replace(p, concurrency=levels[:4])
     assert replayed_levels(few.concurrency) is None
-    assert replay_outcomes(few, labels[:4]) == trace_outcomes(replay(few), labels[:4])
+    ran_few = run_replay(few)
+    assert replay_outcomes(few, labels[:4]) == trace_outcomes(
+        ran_few.result, labels[:4], [(ph.rest_s, ph.rest_tok_s) for ph in ran_few.phases])
 
 
 def test_a_load_of_fixed_lengths_is_replayed_once_for_every_seed(monkeypatch) -> None:

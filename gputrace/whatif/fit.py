@@ -26,8 +26,8 @@ from gputrace.analysis.phase_figures import PhaseMetrics
 from gputrace.analysis.result import Analysis
 from gputrace.run_tables import EngineSettings
 from gputrace.sim.params import SimParams, make_params
-from gputrace.sim.simulate import SimResult, simulate
 from gputrace.whatif.outcome import PhaseOutcome, measured_outcomes, phase_concurrency, trace_outcomes
+from gputrace.whatif.replay import Reached, counted, current_session, run_replay
 
 _Scored = TypeVar("_Scored", bound=tuple[Any, ...])  # (error, ...) of one point of a search
 COST_FIELDS = ("launch_s", "weight_read_s", "decode_token_s", "prefill_token_s", "context_token_s")
@@ -386,10 +386,19 @@ def initial_params(analysis: Analysis) -> tuple[SimParams, list[PhaseWork]]:
     return dataclasses.replace(p, **link), works
 
 
-def replay(p: SimParams, seed: int = 0) -> SimResult:
-    """The fitted model run over the captured phases: the engine's trace and the requests only
-    (no log text, no ground truth)."""
-    return simulate(dataclasses.replace(p, seed=seed), "whatif", log=False)
+def _outcomes(p: SimParams, labels: list[str] | None, seed: int) -> list[PhaseOutcome]:
+    """One replay's outcomes (gputrace.whatif.replay's driver: each phase stopped once settled),
+    from the open replay session's cache where these parameters and seed were replayed."""
+    stats = current_session()
+    named = tuple(labels) if labels else None
+    known = stats.find(p, seed, named) if stats is not None else None
+    if known is not None:
+        return [dataclasses.replace(o) for o in known]
+    ran = counted(run_replay(p, seed))
+    out = trace_outcomes(ran.result, labels, [(ph.rest_s, ph.rest_tok_s) for ph in ran.phases])
+    if stats is not None:
+        stats.cache[(p, seed, named)] = (tuple(out), Reached.of(ran))
+    return out
 
 
 def replayed_levels(levels: tuple[int, ...]) -> tuple[tuple[int, ...], np.ndarray] | None:
@@ -412,9 +421,9 @@ def replay_outcomes(p: SimParams, labels: list[str] | None, seed: int = 0) -> li
     its own (see ``replayed_levels``)."""
     reduced = replayed_levels(p.concurrency)
     if reduced is None:
-        return trace_outcomes(replay(p, seed), labels)
+        return _outcomes(p, labels, seed)
     levels, nearest = reduced
-    ran = trace_outcomes(replay(dataclasses.replace(p, concurrency=levels), seed))
+    ran = _outcomes(dataclasses.replace(p, concurrency=levels), None, seed)
     return [dataclasses.replace(ran[int(j)], concurrency=c,
                                 label=labels[i] if labels and i < len(labels) else f"C={c}")
             for i, (c, j) in enumerate(zip(p.concurrency, nearest, strict=True))]

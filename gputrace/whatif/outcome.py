@@ -3,6 +3,7 @@ ITL percentiles, bubble per stage. The same latency definitions as gputrace.anal
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -166,11 +167,14 @@ def stage_busy_s(result: SimResult, edges_s: np.ndarray) -> np.ndarray:
     return np.array([cumulative(starts[:, s], ends[:, s], edges_s) for s in range(pp)])
 
 
-def trace_outcomes(result: SimResult, labels: list[str] | None = None) -> list[PhaseOutcome]:
+def trace_outcomes(result: SimResult, labels: list[str] | None = None,
+                   rest: Sequence[tuple[float, float | None]] | None = None) -> list[PhaseOutcome]:
     """Each phase of a replay from its engine trace and requests alone (no log, no ground truth):
     throughput (tokens out of the last stage in the phase over its length), TTFT of the requests
     it started, ITL of each request from its first token to its latest (a phase replayed shorter
-    than a request's life still has one), bubble per stage and the decode micro-batch sizes."""
+    than a request's life still has one), bubble per stage and the decode micro-batch sizes.
+    ``rest``: per phase, (seconds it stands for beyond its replayed span, tokens/s taken for them)
+    where the replay stopped it once settled (gputrace.whatif.replay)."""
     p = result.params
     tr = result.engine.trace
     tok_t, tok_n = np.asarray(tr.tok_t, dtype=np.float64), np.asarray(tr.tok_n, dtype=np.float64)
@@ -196,7 +200,11 @@ def trace_outcomes(result: SimResult, labels: list[str] | None = None) -> list[P
         a, b = ph.start_s, ph.end_s
         dur = b - a
         in_tok = (tok_t >= a) & (tok_t < b)
-        throughput = float(tok_n[in_tok].sum()) / dur if dur > 0 else 0.0
+        rest_s, rest_tok_s = rest[i] if rest is not None else (0.0, None)
+        if rest_tok_s is not None and rest_s > 0:
+            throughput = (float(tok_n[in_tok].sum()) + rest_tok_s * rest_s) / (dur + rest_s)
+        else:
+            throughput = float(tok_n[in_tok].sum()) / dur if dur > 0 else 0.0
         sel = phase_of == ph.label
         lat = latency_percentiles(start[sel], first[sel], last[sel], generated[sel]) if sel.any() \
             else NO_LATENCIES
