@@ -130,7 +130,8 @@ async def two_copytruncates_in_one_outage(sshd: SshServer, root: Path) -> Outcom
     engine = Engine(path)
     engine.start()
     transport = await connect_ssh(sshd.options())
-    collector = Collector(transport, LogSource("file", str(path)))
+    gaps: list[FollowGap] = []
+    collector = Collector(transport, LogSource("file", str(path)), on_gap=gaps.append)
     await until(lambda: len(collector.lines) > 100)
     sshd.kill()
     for _ in range(2):
@@ -144,7 +145,7 @@ async def two_copytruncates_in_one_outage(sshd: SshServer, root: Path) -> Outcom
     await engine.finish()
     await collect_all(collector, engine.written)
     await transport.close()
-    return Outcome(engine.written, collector.texts, [], engine.written, (root / "server.log.2").exists())
+    return Outcome(engine.written, collector.texts, gaps, engine.written, (root / "server.log.2").exists())
 
 
 async def copytruncate_after_each_burst(sshd: SshServer, root: Path, burst: int = 40_000) -> Outcome:
@@ -153,7 +154,8 @@ async def copytruncate_after_each_burst(sshd: SshServer, root: Path, burst: int 
     path = root / "server.log"
     engine = Engine(path)
     transport = await connect_ssh(sshd.options())
-    collector = Collector(transport, LogSource("file", str(path)))
+    gaps: list[FollowGap] = []
+    collector = Collector(transport, LogSource("file", str(path)), on_gap=gaps.append)
     engine.burst(1)
     await until(lambda: len(collector.lines) == 1)
     for _ in range(3):
@@ -163,7 +165,7 @@ async def copytruncate_after_each_burst(sshd: SshServer, root: Path, burst: int 
     engine.burst(10)
     await collect_all(collector, engine.written)
     await transport.close()
-    return Outcome(engine.written, collector.texts, [], engine.written, behind)
+    return Outcome(engine.written, collector.texts, gaps, engine.written, behind)
 
 
 async def command_log_rewritten_in_an_outage(sshd: SshServer, root: Path, case: str) -> Outcome:
@@ -259,7 +261,8 @@ async def renamed_while_python_logging_writes(sshd: SshServer, root: Path) -> Ou
 
     writer = threading.Thread(target=engine, daemon=True)
     transport = await connect_ssh(sshd.options())
-    collector = Collector(transport, LogSource("file", str(path)))
+    gaps: list[FollowGap] = []
+    collector = Collector(transport, LogSource("file", str(path)), on_gap=gaps.append)
     writer.start()
     await until(lambda: len(collector.lines) > 100)
     for _ in range(2):
@@ -275,7 +278,7 @@ async def renamed_while_python_logging_writes(sshd: SshServer, root: Path) -> Ou
     await collect_all(collector, written)
     await transport.close()
     tested = path.stat().st_size == 0 and (root / "server.log.2").stat().st_size > 0
-    return Outcome(written, collector.texts, [], written, tested)
+    return Outcome(written, collector.texts, gaps, written, tested)
 
 
 async def copytruncate_mid_read(sshd: SshServer, root: Path, burst: int = 121_000) -> Outcome:
@@ -284,7 +287,8 @@ async def copytruncate_mid_read(sshd: SshServer, root: Path, burst: int = 121_00
     path = root / "server.log"
     engine = Engine(path)
     transport = await connect_ssh(sshd.options())
-    collector = Collector(transport, LogSource("file", str(path)))
+    gaps: list[FollowGap] = []
+    collector = Collector(transport, LogSource("file", str(path)), on_gap=gaps.append)
     engine.burst(1)
     await until(lambda: len(collector.lines) == 1)
     engine.burst(burst)
@@ -295,4 +299,4 @@ async def copytruncate_mid_read(sshd: SshServer, root: Path, burst: int = 121_00
     engine.burst(burst // 2)
     await collect_all(collector, engine.written, timeout_s=120)
     await transport.close()
-    return Outcome(engine.written, collector.texts, [], engine.written, mid_read)
+    return Outcome(engine.written, collector.texts, gaps, engine.written, mid_read)
