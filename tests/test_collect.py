@@ -15,6 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -544,6 +545,39 @@ def test_a_full_disk_is_reported_and_the_backlog_written_when_space_returns(
     assert ["No space left on device" in o["error"] for o in collector["store_outages"]] == [True]
 
 
+@dataclass(frozen=True, slots=True)
+class FullDiskStop:
+    """What `gputrace collect` left when stopped while its disk was full (loss class 4 of #45)."""
+
+    written: int  # log lines appended
+    returncode: int
+    stderr: str
+    collector: dict[str, Any]  # meta.json's extra.collector, read once the disk was freed
+    stored: dict[str, int]  # rows per table in the run
+
+    def accounted(self, table: str, record_type: str) -> int:
+        """Rows of ``table`` stored, or recorded as not written or dropped."""
+        return (self.stored[table] + self.collector["unwritten_records"].get(record_type, {}).get("rows", 0)
+                + self.collector["dropped_records"].get(record_type, 0))
+
+
+def stop_while_the_disk_is_full(tmp_path: Path, small_disk: SmallDisk, agent_port: int,
+                                stop_signal: signal.Signals, lines: int = 2000) -> FullDiskStop:
+    """`lines` scheduler lines received while the run's disk is full, then ``stop_signal``; the
+    disk is freed after the exit to read what it left (also run by bench/robust.py)."""
+    with collecting_onto_a_full_disk(tmp_path, small_disk, agent_port, stop_signal) as (log, proc, base):
+        with log.open("a") as fh:
+            fh.writelines(decode_line(i, i % 8) for i in range(lines))
+        wait_until(lambda: http_answer(f"{base}/v1/status")[1]["counts"]["scheduler_events"] == lines,
+                   timeout_s=30)
+    _, err_bytes = proc.communicate(timeout=60)
+    small_disk.free()
+    meta = json.loads((small_disk.root / "run" / "meta.json").read_text())
+    with Store.open(small_disk.root / "run", read_only=True) as store:
+        stored = {table: store.count(table) for table in ("scheduler_events", "gpu_samples")}
+    return FullDiskStop(lines, proc.returncode, err_bytes.decode(), meta["extra"]["collector"], stored)
+
+
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_stop_while_the_disk_is_full_records_what_it_could_not_write(
         tmp_path: Path, small_disk: SmallDisk, agent_port: int, stop_signal: signal.Signals) -> None:
@@ -551,30 +585,19 @@ def test_a_stop_while_the_disk_is_full_records_what_it_could_not_write(
     can, records in meta.json what it could not (per record type, with its time span), and exits
     1 with one line (it lost 3,681 of 4,568 lines, exit 0, "run written to ...", meta.json as it
     was): every record it received is stored or accounted for."""
-    with collecting_onto_a_full_disk(tmp_path, small_disk, agent_port, stop_signal) as (log, proc, base):
-        with log.open("a") as fh:
-            fh.writelines(decode_line(i, i % 8) for i in range(2000))
-        wait_until(lambda: http_answer(f"{base}/v1/status")[1]["counts"]["scheduler_events"] == 2000,
-                   timeout_s=30)
-    _, err_bytes = proc.communicate(timeout=60)
-    err = err_bytes.decode()
-    assert proc.returncode == 1, err[-2000:]
+    stop = stop_while_the_disk_is_full(tmp_path, small_disk, agent_port, stop_signal)
+    err = stop.stderr
+    assert stop.returncode == 1, err[-2000:]
     last = err.rstrip("\n").splitlines()[-1]
     assert last.startswith("gputrace: error: stopped with ") and "run written" not in err, err[-2000:]
     assert "(No space left on device); counted in " in last
-    small_disk.free()
-    meta = json.loads((small_disk.root / "run" / "meta.json").read_text())
-    collector = meta["extra"]["collector"]
+    collector = stop.collector
     unwritten = collector["unwritten_records"]
     assert unwritten["SchedulerEvent"]["rows"] > 0
     assert unwritten["SchedulerEvent"]["first_ns"] <= unwritten["SchedulerEvent"]["last_ns"]
     assert f"stopped with {sum(u['rows'] for u in unwritten.values())} records not written" in last
-    with Store.open(small_disk.root / "run", read_only=True) as store:
-        for table, record_type in (("scheduler_events", "SchedulerEvent"), ("gpu_samples", "GpuSample")):
-            received = collector["counts"][table]
-            accounted = (store.count(table) + unwritten.get(record_type, {}).get("rows", 0)
-                         + collector["dropped_records"].get(record_type, 0))
-            assert accounted == received > 0, (table, collector)
+    for table, record_type in (("scheduler_events", "SchedulerEvent"), ("gpu_samples", "GpuSample")):
+        assert stop.accounted(table, record_type) == collector["counts"][table] > 0, (table, collector)
 
 
 def test_a_missing_log_shows_as_failing_in_health_status_watch_and_report(

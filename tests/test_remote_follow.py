@@ -23,10 +23,11 @@ from gputrace.config import LogSource
 from gputrace.errors import SourceError
 from gputrace.remote.follow import (
     Backoff,
+    CommandPosition,
     CursorPosition,
     FilePosition,
     FollowedLine,
-    LineCountPosition,
+    FollowGap,
     _decoder_for,
     follow_log,
     follow_log_batches,
@@ -411,8 +412,39 @@ async def test_command_source_with_a_follower_script(sshd_server: SshServer, tmp
     await collector.stop()
     await transport.close()
     assert collector.texts == writer.written
-    assert collector.lines[-1].position == LineCountPosition(len(writer.written))
+    last = collector.lines[-1].position
+    assert isinstance(last, CommandPosition) and last.lines == len(writer.written)
     assert wait_no_processes(str(path)) == []
+
+
+async def test_a_command_that_ends_is_rerun_and_matched_by_content(tmp_path: Path) -> None:
+    """[robust] #45 class 2 with a command that prints the whole log and ends (`cat`, rerun after
+    each end): each rerun that replays what was read adds nothing; one that ends short of it (the
+    log truncated back to its first 10 lines) is recorded as a gap after the last line read; what
+    is appended then is read once (before: skipped by the old count until the log regrew past it)."""
+    path = tmp_path / "server.log"
+    old = [log_line(i) for i in range(300)]
+    path.write_text("".join(f"{text}\n" for text in old))
+    gaps: list[FollowGap] = []
+    collector = Collector(LocalTransport(), LogSource("command", f"cat {path}"), on_gap=gaps.append)
+    await collector.wait_for(len(old))
+    await asyncio.sleep(1.0)  # rerun a few times, each replaying the same 300 lines
+    assert collector.texts == old and gaps == []
+    path.write_text("".join(f"{text}\n" for text in old[:10]))
+    deadline = time.monotonic() + 20
+    while not gaps and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    new = [log_line(5000 + i) for i in range(40)]
+    with path.open("a") as fh:
+        fh.writelines(f"{text}\n" for text in new)
+    await collector.wait_for(len(old) + len(new))
+    await asyncio.sleep(1.0)
+    await collector.stop()
+    assert collector.texts == old + new
+    assert [(g.where, g.after_line) for g in gaps] == [(f"cat {path}", 300)]
+    assert "it ended after 10 lines" in gaps[0].reason and "read from line 11" in gaps[0].reason
+    last = collector.lines[-1].position
+    assert isinstance(last, CommandPosition) and last.lines == 10 + len(new)
 
 
 async def test_missing_follower_program_is_a_source_error(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ closed and the command ends on the host (see ``transport.watched_argv``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import re
@@ -38,6 +39,15 @@ _HEAD_BYTES = 256  # file_follower.HEAD_BYTES: the fingerprint of a file's first
 # a renamed file is read on until it is idle this long (a writer that keeps it open, as Python's
 # logging does under logrotate's `create`), as Fluent Bit's rotate_wait (also 5 s)
 ROTATE_WAIT_S = 5.0
+# A command's rerun is checked against the output read before by the digests of its first lines,
+# one by one, then of every _MARK_EVERY lines: at most that many of its lines wait in memory while
+# it is checked (more only when resuming from a bare CommandPosition, up to _MAX_HELD)
+_HEAD_MARKS = 16
+_MARK_EVERY = 1024
+_MAX_HELD = 100_000
+# a rerun that goes silent (or ends) short of the lines read before is no replay of them (a log
+# truncated during an outage, printed whole): decided once it has been silent this long
+COMMAND_SILENT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,13 +74,16 @@ class SincePosition:
 
 
 @dataclass(frozen=True, slots=True)
-class LineCountPosition:
-    """A command's output: ``lines`` already read (the command replays; that many are skipped)."""
+class CommandPosition:
+    """A command's output: ``lines`` already read, and ``digest``, the digest of those lines
+    (blake2b over each line and its newline). A rerun continues this output only if its first
+    ``lines`` lines have this digest: matched by content, never by a count alone."""
 
     lines: int
+    digest: bytes
 
 
-Position = FilePosition | CursorPosition | SincePosition | LineCountPosition
+Position = FilePosition | CursorPosition | SincePosition | CommandPosition
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +127,14 @@ class _Decoder(Protocol):
     def feed(self, data: bytes, recv_ts_ns: int) -> list[FollowedLine]: ...
 
     def restart(self) -> None: ...
+
+    def wait_s(self) -> float | None:
+        """How long the output may stay silent before ``silent`` is told (None: for ever)."""
+        ...
+
+    def silent(self, recv_ts_ns: int, *, ended: bool) -> list[FollowedLine]:
+        """The output stayed silent for ``wait_s``, or the command ended by itself (exit 0)."""
+        ...
 
 
 def _text(raw: bytes) -> str:
@@ -181,6 +202,12 @@ class _FileDecoder:
         self._synced = False
         for gen in self.gens.values():
             gen.pending, gen.dropped, gen.next = b"", 0, gen.offset
+
+    def wait_s(self) -> float | None:
+        return None  # the host's follower itself decides when a renamed file is done with
+
+    def silent(self, recv_ts_ns: int, *, ended: bool) -> list[FollowedLine]:
+        return []
 
     @staticmethod
     def _flush_pending(gen: _Generation, out: list[FollowedLine], recv_ts_ns: int) -> None:
@@ -335,6 +362,12 @@ class _LineDecoder:
     def restart(self) -> None:
         self._pending = b""
 
+    def wait_s(self) -> float | None:
+        return None
+
+    def silent(self, recv_ts_ns: int, *, ended: bool) -> list[FollowedLine]:
+        return []
+
     def _lines(self, data: bytes) -> list[bytes]:
         parts = (self._pending + data).split(b"\n")
         # past the cap a line is cut (memory grew with a stream that sends no newline)
@@ -429,31 +462,121 @@ class _DockerDecoder(_LineDecoder):
         return out
 
 
-class _CommandDecoder(_LineDecoder):
-    """Any shell command; it must print the log from its start (it is restarted on reconnect)."""
+def _line_digest() -> Any:
+    return hashlib.blake2b(digest_size=16)
 
-    def __init__(self, command: str, position: LineCountPosition | None) -> None:
+
+@dataclass(slots=True)
+class _Rerun:
+    """A rerun of a command (after an outage) while it is checked against the output read before:
+    its lines are held until a digest of the earlier output says they are the same (then dropped:
+    read already) or not (then read: the log was truncated or restarted meanwhile)."""
+
+    hash: Any = dataclasses.field(default_factory=_line_digest)
+    count: int = 0  # its lines so far
+    same: int = 0  # its first lines known to be those read before
+    same_hash: Any = None  # the digest state after them
+    held: deque[bytes] = dataclasses.field(default_factory=deque)  # its lines past `same`
+    unkept: int = 0  # held lines let go past _MAX_HELD (lost if the rerun turns out to differ)
+
+
+class _CommandDecoder(_LineDecoder):
+    """Any shell command that prints the log from its start; rerun on reconnect. Its rerun's output
+    is matched by content against what was read: the same lines are skipped, exactly those; output
+    that no longer starts with them (a log truncated, or a container restarted, meanwhile) is read
+    whole from its start, and the lines the earlier output may have had past the last one read are
+    recorded as a gap."""
+
+    def __init__(self, command: str, position: CommandPosition | None,
+                 silent_s: float = COMMAND_SILENT_S) -> None:
         super().__init__()
         self.command = command
-        self.lines = position.lines if position else 0
-        self._skip = self.lines
+        self.silent_s = silent_s
+        self.lines = 0  # of the current output, read
+        self.hash = _line_digest()  # of those lines
+        self.marks: dict[int, bytes] = {}  # line count -> the digest of the lines up to it
+        self.last_recv_ns: int | None = None
+        self.rerun: _Rerun | None = None
+        if position is not None and position.lines > 0:
+            # a digest state cannot be rebuilt from a digest: the rerun's own, once it matches
+            self.lines, self.marks[position.lines] = position.lines, position.digest
+            self.rerun = _Rerun()
 
     def argv(self, python: str) -> list[str]:
         return ["sh", "-c", self.command]
 
     def restart(self) -> None:
         super().restart()
-        self._skip = self.lines
+        if self.lines > 0:
+            self.marks.setdefault(self.lines, self.hash.digest())
+            self.rerun = _Rerun()
+
+    def wait_s(self) -> float | None:
+        # a rerun that printed nothing yet is waited for (a tool still connecting)
+        return self.silent_s if self.rerun is not None and self.rerun.count > 0 else None
+
+    def silent(self, recv_ts_ns: int, *, ended: bool) -> list[FollowedLine]:
+        out: list[FollowedLine] = []
+        rerun = self.rerun
+        if rerun is not None and (ended or rerun.count > 0):
+            self._differs(f"it {'ended' if ended else 'stopped'} after {rerun.count} lines", recv_ts_ns, out)
+        return out
 
     def feed(self, data: bytes, recv_ts_ns: int) -> list[FollowedLine]:
         out: list[FollowedLine] = []
         for raw in self._lines(data):
-            if self._skip > 0:
-                self._skip -= 1
-                continue
-            self.lines += 1
-            out.append(FollowedLine(_text(raw), recv_ts_ns, LineCountPosition(self.lines)))
+            if self.rerun is None:
+                self._read(raw, recv_ts_ns, out)
+            else:
+                self._check(self.rerun, raw, recv_ts_ns, out)
         return out
+
+    def _read(self, raw: bytes, recv_ts_ns: int, out: list[FollowedLine]) -> None:
+        self.hash.update(raw)
+        self.hash.update(b"\n")
+        self.lines += 1
+        digest = self.hash.digest()
+        if self.lines <= _HEAD_MARKS or self.lines % _MARK_EVERY == 0:
+            self.marks[self.lines] = digest
+        self.last_recv_ns = recv_ts_ns
+        out.append(FollowedLine(_text(raw), recv_ts_ns, CommandPosition(self.lines, digest)))
+
+    def _check(self, rerun: _Rerun, raw: bytes, recv_ts_ns: int, out: list[FollowedLine]) -> None:
+        rerun.hash.update(raw)
+        rerun.hash.update(b"\n")
+        rerun.count += 1
+        rerun.held.append(raw)
+        want = self.marks.get(rerun.count)
+        if want is None:
+            if len(rerun.held) > _MAX_HELD:
+                rerun.held.popleft()
+                rerun.unkept += 1
+            return
+        if rerun.hash.digest() != want:
+            self._differs(f"its first {rerun.count} lines differ", recv_ts_ns, out)
+            return
+        rerun.same, rerun.same_hash, rerun.unkept = rerun.count, rerun.hash.copy(), 0
+        rerun.held.clear()
+        if rerun.count == self.lines:  # it replayed exactly what was read: go on after it
+            self.hash, self.rerun = rerun.hash, None
+
+    def _differs(self, why: str, recv_ts_ns: int, out: list[FollowedLine]) -> None:
+        rerun, read = self.rerun, self.lines
+        assert rerun is not None
+        self.rerun = None
+        unkept = (f"{rerun.unkept} lines of the rerun, let go while it was checked, and "
+                  if rerun.unkept else "")
+        reason = (f"{self.command!r}: its output, rerun, no longer starts with the {read} lines read "
+                  f"before ({why}: the log was truncated or restarted meanwhile); read from "
+                  + (f"line {rerun.same + 1}, the lines before it the same" if rerun.same else "its start")
+                  + f"; {unkept}what the earlier output held past line {read}, if anything, is lost")
+        log.warning("log_gap", command=self.command, after_line=read, why=why)
+        self.gaps.append(FollowGap(self.command, reason, None, read, None, self.last_recv_ns, recv_ts_ns))
+        self.lines = rerun.same
+        self.hash = rerun.same_hash if rerun.same_hash is not None else _line_digest()
+        self.marks = {lines: digest for lines, digest in self.marks.items() if lines <= rerun.same}
+        for raw in rerun.held:
+            self._read(raw, recv_ts_ns, out)
 
 
 def _decoder_for(source: LogSource, position: Position | None, from_start: bool, poll_s: float) -> _Decoder:
@@ -464,7 +587,7 @@ def _decoder_for(source: LogSource, position: Position | None, from_start: bool,
         return _JournalDecoder(source.target, position, from_start)
     if kind == "docker" and (position is None or isinstance(position, SincePosition)):
         return _DockerDecoder(source.target, position, from_start)
-    if kind == "command" and (position is None or isinstance(position, LineCountPosition)):
+    if kind == "command" and (position is None or isinstance(position, CommandPosition)):
         return _CommandDecoder(source.target, position)
     raise SourceError(f"cannot follow a {kind!r} log source from a {type(position).__name__}")
 
@@ -508,25 +631,40 @@ async def follow_log_batches(
             on_problem(problem)
         told = problem
 
+    def take_gaps() -> None:
+        for gap in decoder.gaps:
+            if on_gap is not None:
+                on_gap(gap)
+            else:  # told as a problem that is over at once
+                tell(gap.reason)
+        decoder.gaps.clear()
+
     while True:
         stream: StreamedCommand | None = None
         try:
             stream = await transport.open_stream(decoder.argv(transport.python),
                                                  merge_stderr=decoder.merge_stderr)
-            while data := await stream.read(_READ_BYTES):
-                lines = decoder.feed(data, clock_ns())
+            while True:
+                wait_s = decoder.wait_s()
+                try:  # a stream's read keeps its data when cancelled
+                    data: bytes | None = await (stream.read(_READ_BYTES) if wait_s is None else
+                                                asyncio.wait_for(stream.read(_READ_BYTES), wait_s))
+                except TimeoutError:
+                    data = None
+                if data == b"":
+                    break
+                if data is None:
+                    lines = decoder.silent(clock_ns(), ended=False)
+                else:
+                    lines = decoder.feed(data, clock_ns())
                 if lines:  # the source delivers again; output that is no line (docker's "cannot
                     attempt = 0  # connect" to a daemon that is down) must not reset the back-off
-                for gap in decoder.gaps:
-                    if on_gap is not None:
-                        on_gap(gap)
-                    else:  # told as a problem that is over at once
-                        tell(gap.reason)
-                decoder.gaps.clear()
+                take_gaps()
                 tell(decoder.problem)
                 if lines:
                     yield lines
-                if not caught_up and len(data) < _READ_BYTES and on_caught_up is not None:
+                if (not caught_up and data is not None and len(data) < _READ_BYTES
+                        and on_caught_up is not None):
                     caught_up = True
                     on_caught_up()
         except HostKeyError:
@@ -541,6 +679,11 @@ async def follow_log_batches(
         if status in (126, 127):
             raise SourceError(f"{where}: the follower cannot run on the host (exit {status}): "
                               f"{stream.stderr_tail().strip() if stream else ''}")
+        if status == 0:  # the command printed all it had: a rerun short of what was read differs
+            lines = decoder.silent(clock_ns(), ended=True)
+            take_gaps()
+            if lines:
+                yield lines
         if status:
             tail = follower_error(stream.stderr_tail()) if stream is not None else ""
             tell(f"the follower exited with status {status}{': ' + tail if tail else ''}; restarting it")
