@@ -291,8 +291,8 @@ def test_the_report_opens_with_the_verdict_and_shows_each_phase_once(tmp_path: P
     assert "; predicted: " in first and " tok/s at C=32 (±" in first  # [whatif]'s effect, in the verdict
     assert md.index(first) < md.index("## Summary") < md.index("## Findings") < md.index("## Phases")
     phases = md[md.index("## Phases"):md.index("## Phase by stage")]
-    assert "| phase | C | in flight | tok/s | client tok/s | completed | failed | unfinished | TTFT p50 s" \
-        in phases
+    assert ("| phase | C | in flight | tok/s | tok/s from | client tok/s | input tok/s | completed | failed "
+            "| unfinished | TTFT p50 s") in phases
     assert phases.count("\n| C=") == 2
     html = (tmp_path / "out" / "report.html").read_text()
     assert html.index("class='verdict'>Verdict: microbatch_cap") < html.index("<h2>Summary</h2>")

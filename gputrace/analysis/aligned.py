@@ -79,8 +79,12 @@ class StageEvents:
     queue_req: np.ndarray
     token_usage: np.ndarray
     gen_throughput_tok_s: np.ndarray
-    new_seq: np.ndarray  # prefill lines: requests whose first token this prefill makes
+    # prefill lines: the prefill batch's requests, a continued chunk included (SGLang's
+    # len(can_run_list); phase_figures.first_tokens gives those whose prefill it ends)
+    new_seq: np.ndarray
     new_token: np.ndarray  # prefill lines: prompt tokens it computes (cached ones not counted)
+    cached_token: np.ndarray  # prefill lines: prompt tokens the prefix cache held (not computed)
+    input_throughput_tok_s: np.ndarray  # prefill (SGLang) and stats (vLLM) lines: prompt tokens/s
 
 
 @dataclass
@@ -532,7 +536,8 @@ class _StagesOnGrid:
     token_usage: np.ndarray  # the fullest DP rank's
 
 
-_EVENT_VALUES = ("running_req", "queue_req", "token_usage", "gen_throughput_tok_s", "new_seq", "new_token")
+_EVENT_VALUES = ("running_req", "queue_req", "token_usage", "gen_throughput_tok_s", "new_seq", "new_token",
+                 "cached_token", "input_throughput_tok_s")
 
 
 def _stages_on_grid(lines: SchedulerEvents, placed: _PlacedEvents, pp: int, grid: np.ndarray
