@@ -9,7 +9,9 @@ from typing import Any
 import pytest
 
 from gputrace.analysis.result import Analysis, analyse_store
-from gputrace.sim.outputs import write_store
+from gputrace.imports.engine_log import ingest_log
+from gputrace.imports.nvidia_smi import import_nvidia_smi_csv
+from gputrace.sim.outputs import sample_columns, write_gpu_csv, write_log, write_store
 from gputrace.sim.params import make_params
 from gputrace.sim.virtual import run_params
 from gputrace.store import Store
@@ -48,3 +50,29 @@ def test_phase_throughput_counts_generated_tokens_only(tmp_path: Path, interval:
         assert pm.input_tok_s == pm.engine_input_tok_s
         # input is ~90 x output here: had a chunk counted as output, tok/s would read far above
         assert pm.input_tok_s > 50 * pm.throughput_tok_s
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_log_only_pp2_at_c1_with_nccl_spin_counts_the_request_once(tmp_path: Path, seed: int) -> None:
+    """[prefill] Must show 6: a PP2 run at C=1 with NCCL's spinning receive, imported as its log
+    and an nvidia-smi CSV (utilization and power, no SM activity, no client records): the load
+    from the log is the one request, not one per rank (utilization read ~100 % on both ranks and
+    made the one micro-batch two: load 2, bubble 0.01 against 0.50), and each stage's bubble is
+    within 0.05 of the simulator's truth."""
+    result = run_params(make_params({"pp_size": 2, "max_running_requests": 16, "concurrency": (1,),
+                                     "phase_s": 60.0, "nccl_spin": True, "max_tokens": 256,
+                                     "decode_log_interval": 1, "seed": seed}), "pp2-c1")
+    write_log(result, tmp_path / "server.log")
+    write_gpu_csv(result, tmp_path / "gpu.csv", sample_columns(result))
+    with Store.create(tmp_path / "imported") as store:
+        ingest_log(store, tmp_path / "server.log", host="gpu-box", engine="sglang")
+        import_nvidia_smi_csv(store, tmp_path / "gpu.csv", host="gpu-box")
+        a = analyse_store(store)
+    assert a.summary()["work_source"] == "engine running + queued requests (log)"
+    (pm,) = a.metrics
+    (truth,) = result.ground_truth["phases"]
+    assert pm.label == "load=1" and pm.microbatches_in_flight == pytest.approx(1.0, abs=0.05)
+    for stage, gs in zip(pm.stages, truth["stages"], strict=True):
+        assert stage.utilization_mean is not None and stage.utilization_mean > 0.95  # the spin
+        assert stage.bubble_fraction is not None and gs["bubble_fraction"] > 0.4
+        assert abs(stage.bubble_fraction - gs["bubble_fraction"]) <= 0.05, (stage, gs["bubble_fraction"])
