@@ -76,3 +76,24 @@ def test_log_only_pp2_at_c1_with_nccl_spin_counts_the_request_once(tmp_path: Pat
         assert stage.utilization_mean is not None and stage.utilization_mean > 0.95  # the spin
         assert stage.bubble_fraction is not None and gs["bubble_fraction"] > 0.4
         assert abs(stage.bubble_fraction - gs["bubble_fraction"]) <= 0.05, (stage, gs["bubble_fraction"])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_prefill_budget_is_named_where_every_turn_fills_it_and_requests_wait(tmp_path: Path,
+                                                                             seed: int) -> None:
+    """[prefill] The prefill cause with its evidence and knob: at C=16 against a pool of 16, prompts
+    of ~1,450 tokens in 256-token chunks fill 84 % of the prefill turns while ~5.6 requests wait
+    with pool rows free: prefill_budget names --chunked-prefill-size (a power of two at least a
+    prompt, twice the run's), and the phase's prefill figures say so. With a 2,048 chunk the
+    prompts fit a turn: not named."""
+    small = _analysed(tmp_path / "small", {**LONG_PROMPTS, "concurrency": (16,), "seed": seed})
+    (found,) = [f for f in small.findings if f.cause == "prefill_budget"]
+    assert found.change is not None and found.change.flag == "--chunked-prefill-size"
+    assert found.change.value == 2048 and found.recommendation.startswith("--chunked-prefill-size 2048")
+    assert found.evidence["prefill_budget_tokens"] == 256 and found.evidence["full_turn_share"] >= 0.5
+    assert found.evidence["queue_req_mean"] > 0.5
+    (pm,) = small.metrics
+    assert pm.prefill is not None and pm.prefill.prompt_tokens_mean == pytest.approx(1400, rel=0.1)
+    large = _analysed(tmp_path / "large", {**LONG_PROMPTS, "concurrency": (16,), "seed": seed,
+                                            "chunked_prefill_size": 2048})
+    assert not [f for f in large.findings if f.cause == "prefill_budget"]

@@ -268,6 +268,20 @@ def test_prompt_tokens_are_their_own_figure(imported, engine: str, name: str) ->
         assert pm.throughput_source == "engine log"
 
 
+def test_vllm_prefill_budget_is_read_and_its_knob_named_in_vllms_words(imported) -> None:  # type: ignore[no-untyped-def]
+    """[prefill] vLLM logs "Chunked prefill is enabled with max_num_batched_tokens=4096": the run's
+    prefill budget; `whatif --set chunked_prefill_size=...` (SGLang's flag, which vLLM does not
+    have) is refused with one line naming vLLM's knobs, exit 2, before any fitting."""
+    run = imported("vllm", "default")
+    assert analyse(run).run.engine.chunked_prefill_size == 4096
+    out = subprocess.run([sys.executable, "-m", "gputrace", "whatif", str(run), "--set",
+                          "chunked_prefill_size=8192"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert "chunked_prefill_size is SGLang's setting" in line and "max_num_batched_tokens" in line
+    assert "max_num_seqs" in line and "fitting" not in out.stderr
+
+
 @pytest.mark.parametrize(("name", "limit"), [("default", 8), ("seqs4", 4)])
 def test_vllm_configuration_is_read_from_its_startup_lines(imported, name: str, limit: int) -> None:  # type: ignore[no-untyped-def]
     """`non-default args: {...}` and `Initializing a V1 LLM engine ... pipeline_parallel_size=2`

@@ -133,6 +133,46 @@ class StageMetrics:
     schedule_busy_fraction: float | None = None  # the log schedule's figure, beside an engine timer's
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillFigures:
+    """One phase's prefill turns as the last stage logged them (every prefill passes it once)."""
+
+    turns_per_s: float
+    tokens_per_turn_mean: float  # #new-token: prompt tokens computed per turn
+    budget_tokens: int | None  # the turn's budget: min(chunked_prefill_size, max_prefill_tokens)
+    full_turn_share: float | None  # turns whose #new-token reached the budget (None: budget unknown)
+    prompt_tokens_mean: float | None  # per request whose prefill ended in the phase
+
+
+def prefill_budget(engine: Any) -> int | None:
+    """The prefill's token budget per turn: SGLang's min(chunked_prefill_size, max_prefill_tokens)
+    (vLLM's max_num_batched_tokens is logged under chunked_prefill_size); None where not logged."""
+    chunk = engine.chunked_prefill_size
+    turn = (engine.fields or {}).get("max_prefill_tokens")
+    values = [int(v) for v in (chunk, turn) if isinstance(v, int | float) and v > 0]
+    return min(values) if values else None
+
+
+def prefill_figures(run: AlignedRun, start_ns: int, stop_ns: int) -> PrefillFigures | None:
+    """The phase's prefill turns from the last stage's SGLang prefill lines; None without any."""
+    ev = next((e for e in reversed(run.stage_events) if len(e.t_ns)), None)
+    if ev is None or stop_ns <= start_ns:
+        return None
+    lo, hi = np.searchsorted(ev.t_ns, [start_ns, stop_ns])
+    prefill = ev.kind[lo:hi] == "prefill"
+    tokens = ev.new_token[lo:hi][prefill]
+    if not len(tokens) or np.isnan(tokens).all():
+        return None
+    budget = prefill_budget(run.engine)
+    firsts = float(np.sum(first_tokens(ev.new_seq[lo:hi][prefill], tokens, run.engine.chunked_prefill_size)))
+    prompts = float(np.nansum(tokens) + np.nansum(ev.cached_token[lo:hi][prefill]))
+    return PrefillFigures(
+        turns_per_s=len(tokens) / ((stop_ns - start_ns) / 1e9),
+        tokens_per_turn_mean=float(np.nanmean(tokens)), budget_tokens=budget,
+        full_turn_share=float(np.mean(np.nan_to_num(tokens) >= budget)) if budget else None,
+        prompt_tokens_mean=prompts / firsts if firsts > 0 else None)
+
+
 @dataclass
 class PhaseMetrics:
     """One phase: the load it offered, what it got, and every stage."""
@@ -168,6 +208,7 @@ class PhaseMetrics:
     input_tok_s: float | None = None  # the engine's, else the client's
     client_input_tok_s: float | None = None  # requests' prompt tokens, at their first token
     engine_input_tok_s: float | None = None  # from the engine's log (input_throughput)
+    prefill: PrefillFigures | None = None  # SGLang's prefill lines in the phase (None: none logged)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -499,6 +540,7 @@ def phase_metrics(run: AlignedRun, series: StageSeries, phase: Phase) -> PhaseMe
         "client records" if client_tput is not None else None,
         input_tok_s=engine_in if engine_in is not None else client_in,
         client_input_tok_s=client_in, engine_input_tok_s=engine_in,
+        prefill=prefill_figures(run, phase.start_ns, phase.end_ns) if run.engine.kind == "sglang" else None,
         unfinished_requests=unfinished,
         ttft_s_p50=_pct(ttft, 50), ttft_s_p90=_pct(ttft, 90),
         itl_s_mean=_f(np.nanmean(itl)) if len(itl) and not np.isnan(itl).all() else None,
