@@ -146,6 +146,8 @@ class SchedulerEventColumns:
     gen_throughput_tok_s: np.ndarray = field(default_factory=lambda: _empty(np.float64))
     new_seq: np.ndarray = field(default_factory=lambda: _empty(np.float32))
     new_token: np.ndarray = field(default_factory=lambda: _empty(np.float32))
+    cached_token: np.ndarray = field(default_factory=lambda: _empty(np.float32))
+    input_throughput_tok_s: np.ndarray = field(default_factory=lambda: _empty(np.float64))
 
     def __len__(self) -> int:  # placement and stage reads fill different columns
         return max(len(self.kind_code), len(self.line_no))

@@ -761,7 +761,7 @@ class StoreSchedulerEvents:
     _PLACEMENT = ("host_code", "source_code", "line_no", "log_ts_ns", "ts_resolution_ns", "recv_ts_ns",
                   "pp_rank")
     _STAGE = ("kind_code", "dp_rank", "running_req", "queue_req", "token_usage", "gen_throughput_tok_s",
-              "new_seq", "new_token")
+              "new_seq", "new_token", "cached_token", "input_throughput_tok_s")
 
     def __init__(self, store: Store, where: str):
         self._store = store

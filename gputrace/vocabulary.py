@@ -36,6 +36,7 @@ class Cause(StrEnum):
     PCIE_BOUND = "pcie_bound"
     THROTTLING = "throttling"
     LOG_SAMPLING_ALIASED = "log_sampling_aliased"
+    PREFILL_BUDGET = "prefill_budget"
     CANNOT_TELL = "cannot_tell"
 
 
@@ -46,6 +47,11 @@ FLAG_KNOBS = {
     "--pp-async-batch-depth": "pp_async_batch_depth",
     "--decode-log-interval": "decode_log_interval",
     "--max-total-tokens": "max_total_num_tokens",
+    # the prefill's token budget: SGLang's chunk and turn budget, vLLM's step budget (logged as
+    # "Chunked prefill is enabled with max_num_batched_tokens=N"), under SGLang's name
+    "--chunked-prefill-size": "chunked_prefill_size",
+    "--max-prefill-tokens": "max_prefill_tokens",
+    "--max-num-batched-tokens": "chunked_prefill_size",
     "--gpu-memory-utilization": "gpu_memory_utilization",
     "SGLANG_PP_LAYER_PARTITION": "layer_partition",
     "link": "link",

@@ -494,6 +494,29 @@ def _gauges_read_the_load(capture: Capture, engine_name: str, window: tuple[int,
     return bool(readings) and sorted(readings)[len(readings) // 10] >= 2 * ADMISSION_LIMIT - 1
 
 
+
+@pytest.mark.parametrize("engine_name", ["sglang", "vllm"])
+def test_phase_throughput_is_the_generated_tokens(engine_name: str, request: pytest.FixtureRequest) -> None:
+    """[prefill] Must show 3: in every phase of the capture the report's tok/s is within 5 % of
+    the client's completion tokens (prefill lines' tokens are input, never counted as output),
+    it says which source it took, and the prompt tokens are their own figure (input tok/s)."""
+    from gputrace.analysis.result import analyse_store
+
+    capture: Capture = request.getfixturevalue(f"{engine_name}_run")
+    with Store.open(capture.run_dir, read_only=True) as store:
+        analysis = analyse_store(store)
+    phases = [pm for pm in analysis.metrics if pm.label.startswith("C=")]
+    assert [pm.label for pm in phases] == [f"C={c}" for c in CONCURRENCY]
+    for pm in phases:
+        assert pm.throughput_tok_s is not None and pm.client_throughput_tok_s
+        assert pm.throughput_tok_s == pytest.approx(pm.client_throughput_tok_s, rel=0.05), pm.label
+        assert pm.throughput_source in ("engine log", "client records")
+        assert pm.input_tok_s is not None and pm.input_tok_s > 0
+        print(f"\n{engine_name} {pm.label}: {pm.throughput_tok_s:.1f} tok/s ({pm.throughput_source}), "
+              f"client {pm.client_throughput_tok_s:.1f}; input {pm.input_tok_s:.1f} tok/s, "
+              f"client {pm.client_input_tok_s}")
+
+
 # The shipped dashboard's panels, drawn from a Prometheus that scraped the real capture
 
 

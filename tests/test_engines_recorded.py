@@ -256,6 +256,33 @@ def test_sglang_engine_throughput_matches_the_client(imported, name: str) -> Non
         assert pm.engine_gen_throughput_tok_s == pytest.approx(pm.client_throughput_tok_s, rel=0.05), pm.label
 
 
+@pytest.mark.parametrize(("engine", "name"), RECORDED, ids=_ids(RECORDED))
+def test_prompt_tokens_are_their_own_figure(imported, engine: str, name: str) -> None:  # type: ignore[no-untyped-def]
+    """[prefill] Must show 3: the engine's input tok/s (SGLang's #new-token plus #cached-token on its
+    prefill lines, vLLM's prompt throughput) is its own figure, within 10 % of the client's prompt
+    tokens in every phase (the client counts a prompt at its first token, the engine as it
+    prefills), and each phase says where its tok/s came from."""
+    for pm in _load_phases(analyse(imported(engine, name))):
+        assert pm.engine_input_tok_s is not None and pm.client_input_tok_s
+        assert pm.engine_input_tok_s == pytest.approx(pm.client_input_tok_s, rel=0.10), pm.label
+        assert pm.input_tok_s == pm.engine_input_tok_s
+        assert pm.throughput_source == "engine log"
+
+
+def test_vllm_prefill_budget_is_read_and_its_knob_named_in_vllms_words(imported) -> None:  # type: ignore[no-untyped-def]
+    """[prefill] vLLM logs "Chunked prefill is enabled with max_num_batched_tokens=4096": the run's
+    prefill budget; `whatif --set chunked_prefill_size=...` (SGLang's flag, which vLLM does not
+    have) is refused with one line naming vLLM's knobs, exit 2, before any fitting."""
+    run = imported("vllm", "default")
+    assert analyse(run).run.engine.chunked_prefill_size == 4096
+    out = subprocess.run([sys.executable, "-m", "gputrace", "whatif", str(run), "--set",
+                          "chunked_prefill_size=8192"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert "chunked_prefill_size is SGLang's setting" in line and "max_num_batched_tokens" in line
+    assert "max_num_seqs" in line and "fitting" not in out.stderr
+
+
 @pytest.mark.parametrize(("name", "limit"), [("default", 8), ("seqs4", 4)])
 def test_vllm_configuration_is_read_from_its_startup_lines(imported, name: str, limit: int) -> None:  # type: ignore[no-untyped-def]
     """`non-default args: {...}` and `Initializing a V1 LLM engine ... pipeline_parallel_size=2`
@@ -425,7 +452,9 @@ def test_sglang_decode_log_interval_2_is_named_aliased_and_its_throughput_not_ta
     """[busy] Must show 3 on a recorded real SGLang with --decode-log-interval 2 (PP=2, two
     micro-batch slots: every rank logs one of the two micro-batches): log_sampling_aliased names
     the flag, and no phase takes as the engine's throughput a log figure the client's tokens
-    contradict (more than 25 % apart): each phase's throughput is within 15 % of the client's."""
+    contradict (more than 25 % apart): each phase's throughput is within 20 % of the client's (3
+    requests a phase at ~1 s a step: one step's tokens are 8 % of a phase; the prefills' first
+    tokens, which SGLang's gen throughput leaves out, are 3 of its ~35)."""
     analysis = analyse(imported("sglang", "interval2"))
     (aliased,) = [f for f in analysis.findings if f.cause == "log_sampling_aliased"]
     assert aliased.change == Change.of_flag("--decode-log-interval", 1)
@@ -434,7 +463,7 @@ def test_sglang_decode_log_interval_2_is_named_aliased_and_its_throughput_not_ta
         if not pm.label.startswith("C=") or pm.client_throughput_tok_s is None:
             continue
         assert pm.throughput_tok_s is not None
-        assert abs(pm.throughput_tok_s - pm.client_throughput_tok_s) <= 0.15 * pm.client_throughput_tok_s, pm
+        assert abs(pm.throughput_tok_s - pm.client_throughput_tok_s) <= 0.20 * pm.client_throughput_tok_s, pm
     # the log's figure at C=6 (one of two micro-batches logged) is half the client's: not taken
     c6 = next(pm for pm in analysis.metrics if pm.label == "C=6")
     assert c6.engine_gen_throughput_tok_s is not None and c6.client_throughput_tok_s is not None

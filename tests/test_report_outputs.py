@@ -306,8 +306,8 @@ def test_the_report_opens_with_the_advice_and_shows_each_phase_once(tmp_path: Pa
     assert "--pp-max-micro" in would and " tok/s (" in would and "(band ±" in would  # [whatif]'s effect
     assert md.index("## Per phase") < md.index("## Findings") < md.index("## Figures")
     phases = md[md.index("## Per phase"):md.index("## Findings")]
-    assert "| phase | C | in flight | tok/s | model as run tok/s | band | client tok/s | completed " \
-        "| failed | unfinished | TTFT p50 s" in phases
+    assert "| phase | C | in flight | tok/s | model as run tok/s | band | tok/s from | client tok/s " \
+        "| input tok/s | completed | failed | unfinished | TTFT p50 s" in phases
     assert phases.count("\n| C=") == 2
     html = (tmp_path / "out" / "report.html").read_text()
     assert html.index("class='answer'>Advice: ") < html.index("<h2>Per phase</h2>")

@@ -80,8 +80,12 @@ class StageEvents:
     queue_req: np.ndarray
     token_usage: np.ndarray
     gen_throughput_tok_s: np.ndarray
-    new_seq: np.ndarray  # prefill lines: requests whose first token this prefill makes
+    # prefill lines: the prefill batch's requests, a continued chunk included (SGLang's
+    # len(can_run_list); phase_figures.first_tokens gives those whose prefill it ends)
+    new_seq: np.ndarray
     new_token: np.ndarray  # prefill lines: prompt tokens it computes (cached ones not counted)
+    cached_token: np.ndarray  # prefill lines: prompt tokens the prefix cache held (not computed)
+    input_throughput_tok_s: np.ndarray  # prefill (SGLang) and stats (vLLM) lines: prompt tokens/s
 
 
 @dataclass
@@ -550,7 +554,8 @@ class _StagesOnGrid:
     token_usage: np.ndarray  # the fullest DP rank's
 
 
-_EVENT_VALUES = ("running_req", "queue_req", "token_usage", "gen_throughput_tok_s", "new_seq", "new_token")
+_EVENT_VALUES = ("running_req", "queue_req", "token_usage", "gen_throughput_tok_s", "new_seq", "new_token",
+                 "cached_token", "input_throughput_tok_s")
 
 
 def _stages_on_grid(lines: SchedulerEvents, placed: _PlacedEvents, pp: int, grid: np.ndarray
@@ -699,11 +704,16 @@ BUSY_WINDOW_NS = 2_000_000_000  # the compute share around a line, for counting 
 
 def _stage_busy(stage_gpu: dict[str, np.ndarray], stage: int, grid: np.ndarray, period: int) -> np.ndarray:
     """A stage's compute share on the grid, averaged over BUSY_WINDOW_NS: SM activity where the
-    GPUs have it (NCCL's spinning receive fills utilization.gpu), else utilization."""
+    GPUs have it, else utilization, but not under PP: there NCCL's spinning receive fills
+    utilization.gpu while a rank waits, so one micro-batch at PP2 read as two, the engine's total
+    as the request once per rank (a log-only C=1 run read load 2 and bubble 0.04 against 0.50);
+    without it the count is the log's own (its shortest period, a lower bound)."""
     if stage >= len(stage_gpu["sm_active"]):
         return np.full(len(grid), np.nan)
     mean = stage_gpu["sm_active"][stage]
     if np.isnan(mean).all():
+        if len(stage_gpu["utilization"]) > 1:
+            return np.full(len(grid), np.nan)
         mean = stage_gpu["utilization"][stage]
     width = max(int(BUSY_WINDOW_NS // max(period, 1)), 1)
     ok = ~np.isnan(mean)

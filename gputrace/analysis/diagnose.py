@@ -458,10 +458,48 @@ def rule_bunched_at_the_bound(c: PhaseContext) -> Finding | None:
         impact=c.mean_bubble + 0.2, change=Change.of_flag("--pp-max-micro-batch-size", fair))
 
 
+PREFILL_FULL_SHARE = 0.5  # of a phase's prefill turns at their budget: the budget binds
+
+
+def rule_prefill_budget(c: PhaseContext) -> Finding | None:
+    """Requests wait while every prefill turn fills its token budget and the pool has free rows:
+    the prefill budget admits the prompts a chunk at a time, so they wait for turns, not for rows.
+    (The budget: SGLang's chunked_prefill_size / max_prefill_tokens, vLLM's max_num_batched_tokens;
+    the report's rule table shows the first sentence with the run's own flag.) The change: a budget that takes a whole prompt per turn at least, twice the run's, up to
+    the context length. vLLM's stats lines carry no per-step tokens: it is named from SGLang's
+    prefill lines only."""
+    pf = c.pm.prefill
+    if pf is None or pf.budget_tokens is None or pf.full_turn_share is None or c.pool_full:
+        return None
+    prompt = pf.prompt_tokens_mean or 0.0
+    # too small for the prompts: a prompt takes more than one turn, and the turns are full
+    if not (c.queue_mean is not None and c.queue_mean > 0.5 and pf.full_turn_share >= PREFILL_FULL_SHARE
+            and prompt > pf.budget_tokens):
+        return None
+    want = 1 << max(math.ceil(math.log2(max(2 * pf.budget_tokens, prompt, 1))), 0)
+    context = (c.engine.fields or {}).get("context_len") or (c.engine.fields or {}).get("context_length")
+    if isinstance(context, int | float) and context > pf.budget_tokens:
+        want = min(want, int(context))
+    flag = "--max-num-batched-tokens" if engine_kind(c.engine) == "vllm" else "--chunked-prefill-size"
+    return Finding(
+        Cause.PREFILL_BUDGET, c.pm.label, c.stages,
+        {"prefill_budget_tokens": pf.budget_tokens, "full_turn_share": _r(pf.full_turn_share, 2),
+         "prefill_tokens_per_turn_mean": _r(pf.tokens_per_turn_mean, 1),
+         "prefill_turns_per_s": _r(pf.turns_per_s, 2), "prompt_tokens_mean": _r(pf.prompt_tokens_mean, 0),
+         "queue_req_mean": _r(c.queue_mean, 2), "engine_running_estimate": _r(c.engine_running, 1),
+         "max_running_requests": c.engine.admission_limit, "mean_bubble_fraction": _r(c.mean_bubble)},
+        0.8, f"{flag} {want} (a turn takes whole prompts: they average {prompt:.0f} tokens)"
+        + (" with --max-prefill-tokens at least as large" if flag == "--chunked-prefill-size" else ""),
+        f"{pf.full_turn_share:.0%} of the prefill turns fill the {pf.budget_tokens}-token budget while "
+        f"{c.queue_mean:.1f} requests wait and the pool has free rows (about {c.engine_running or 0:.0f} of "
+        f"{c.engine.admission_limit or '?'} running): prompts of {prompt:.0f} tokens enter a chunk at a time",
+        impact=c.mean_bubble + 0.9, change=Change.of_flag(flag, want))
+
+
 # The rules of a phase in the order they are tried; pipeline_underfilled runs last, only where
 # none of them explains the bubble.
 RULES = (rule_client_bound, rule_admission_bound, rule_bunched_at_the_bound, rule_microbatch_cap,
-         rule_stage_imbalance, rule_kv_cache_bound, rule_pcie_bound, rule_throttling)
+         rule_prefill_budget, rule_stage_imbalance, rule_kv_cache_bound, rule_pcie_bound, rule_throttling)
 
 
 def diagnose_phase(pm: PhaseMetrics, engine: EngineSettings, pp_size: int,
@@ -626,7 +664,7 @@ def cannot_tell(phases: Sequence[PhaseMetrics], pp_size: int,
 # PP loop): an engine that admits engine-wide (vLLM) is never checked for them.
 SLOT_RULES = frozenset({"microbatch_cap", "bunched_at_the_bound", "log_sampling"})
 # The setting a rule's text names, said with the run's engine's flag.
-RULE_KNOBS = {"admission_bound": "max_running_requests"}
+RULE_KNOBS = {"admission_bound": "max_running_requests", "prefill_budget": "chunked_prefill_size"}
 
 
 def rule_table(engine: str | None = None) -> list[tuple[str, str]]:

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from gputrace.analysis.aligned import AlignedRun
+from gputrace.analysis.aligned import AlignedRun, StageEvents
 from gputrace.analysis.phases import Phase
 
 
@@ -133,6 +133,46 @@ class StageMetrics:
     schedule_busy_fraction: float | None = None  # the log schedule's figure, beside an engine timer's
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillFigures:
+    """One phase's prefill turns as the last stage logged them (every prefill passes it once)."""
+
+    turns_per_s: float
+    tokens_per_turn_mean: float  # #new-token: prompt tokens computed per turn
+    budget_tokens: int | None  # the turn's budget: min(chunked_prefill_size, max_prefill_tokens)
+    full_turn_share: float | None  # turns whose #new-token reached the budget (None: budget unknown)
+    prompt_tokens_mean: float | None  # per request whose prefill ended in the phase
+
+
+def prefill_budget(engine: Any) -> int | None:
+    """The prefill's token budget per turn: SGLang's min(chunked_prefill_size, max_prefill_tokens)
+    (vLLM's max_num_batched_tokens is logged under chunked_prefill_size); None where not logged."""
+    chunk = engine.chunked_prefill_size
+    turn = (engine.fields or {}).get("max_prefill_tokens")
+    values = [int(v) for v in (chunk, turn) if isinstance(v, int | float) and v > 0]
+    return min(values) if values else None
+
+
+def prefill_figures(run: AlignedRun, start_ns: int, stop_ns: int) -> PrefillFigures | None:
+    """The phase's prefill turns from the last stage's SGLang prefill lines; None without any."""
+    ev = next((e for e in reversed(run.stage_events) if len(e.t_ns)), None)
+    if ev is None or stop_ns <= start_ns:
+        return None
+    lo, hi = np.searchsorted(ev.t_ns, [start_ns, stop_ns])
+    prefill = ev.kind[lo:hi] == "prefill"
+    tokens = ev.new_token[lo:hi][prefill]
+    if not len(tokens) or np.isnan(tokens).all():
+        return None
+    budget = prefill_budget(run.engine)
+    firsts = float(np.sum(first_tokens(ev.new_seq[lo:hi][prefill], tokens, run.engine.chunked_prefill_size)))
+    prompts = float(np.nansum(tokens) + np.nansum(ev.cached_token[lo:hi][prefill]))
+    return PrefillFigures(
+        turns_per_s=len(tokens) / ((stop_ns - start_ns) / 1e9),
+        tokens_per_turn_mean=float(np.nanmean(tokens)), budget_tokens=budget,
+        full_turn_share=float(np.mean(np.nan_to_num(tokens) >= budget)) if budget else None,
+        prompt_tokens_mean=prompts / firsts if firsts > 0 else None)
+
+
 @dataclass
 class PhaseMetrics:
     """One phase: the load it offered, what it got, and every stage."""
@@ -161,6 +201,14 @@ class PhaseMetrics:
     # the in-flight gauge's 90th percentile: a gauge read from the engine (running + waiting)
     # dips while finished requests are replaced, so its mean runs under the offered load
     inflight_p90: float | None = None
+    # where throughput_tok_s came from: "engine log" (generated tokens the engine logged) or
+    # "client records" (completion tokens the client received)
+    throughput_source: str | None = None
+    # prompt (input) tokens prefilled per second: never counted as generated
+    input_tok_s: float | None = None  # the engine's, else the client's
+    client_input_tok_s: float | None = None  # requests' prompt tokens, at their first token
+    engine_input_tok_s: float | None = None  # from the engine's log (input_throughput)
+    prefill: PrefillFigures | None = None  # SGLang's prefill lines in the phase (None: none logged)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -272,36 +320,98 @@ def engine_tokens(t_ns: np.ndarray, gen_tok_s: np.ndarray, is_decode: np.ndarray
     return float(np.sum(rate * (t - prev) * share) / 1e9)
 
 
-def counted_tokens(kind: np.ndarray, running_req: np.ndarray, new_seq: np.ndarray) -> float | None:
+def first_tokens(new_seq: np.ndarray, new_token: np.ndarray, chunk_tokens: float | None) -> np.ndarray:
+    """Per SGLang prefill line, the requests whose prefill it ends (each makes its first token).
+    ``#new-seq`` is the prefill batch's request count (``len(can_run_list)``), a continued chunk
+    included, so a prompt cut into n chunks is in n lines; only its last chunk makes a token. A
+    line whose ``#new-token`` reached the chunk size (``chunked_prefill_size``) was cut there:
+    its last request goes on in the next turn. Without the chunk size every request counts."""
+    seqs = np.nan_to_num(new_seq.astype(np.float64))
+    if not chunk_tokens or chunk_tokens <= 0:
+        return seqs
+    cut = np.nan_to_num(new_token.astype(np.float64)) >= chunk_tokens
+    return np.clip(seqs - cut, 0.0, None)
+
+
+def counted_tokens(kind: np.ndarray, running_req: np.ndarray, new_seq: np.ndarray,
+                   new_token: np.ndarray | None = None, chunk_tokens: float | None = None) -> float | None:
     """Tokens SGLang generated, counted from one stage's lines logged at --decode-log-interval 1: a
-    decode line is one step of its micro-batch (a token per request), a prefill line gives each new
-    request its first token. Unlike the logged throughput, this does not depend on where the lines
-    fall within their one-second stamps."""
+    decode line is one step of its micro-batch (a token per request), a prefill line gives each
+    request whose prefill it ends its first token (``first_tokens``: a chunk that goes on makes
+    none). Unlike the logged throughput, this does not depend on where the lines fall within
+    their one-second stamps."""
     decode = kind == "decode"
     if not decode.any():
         return None
-    return float(np.nansum(running_req[decode]) + np.nansum(new_seq[kind == "prefill"]))
+    prefill = kind == "prefill"
+    tokens = new_token[prefill] if new_token is not None else np.full(int(prefill.sum()), np.nan)
+    firsts = first_tokens(new_seq[prefill], tokens, chunk_tokens)
+    return float(np.nansum(running_req[decode]) + np.sum(firsts))
+
+
+def _last_logging_stage(run: AlignedRun) -> StageEvents | None:
+    logging = [ev for ev in run.stage_events if len(ev.t_ns)]
+    return logging[-1] if logging else None
 
 
 def engine_throughput(run: AlignedRun, start_ns: int, stop_ns: int) -> float | None:
     """The engine's generated tokens per second in [start, stop) from its log: SGLang's last stage's
     lines counted (each micro-batch passes it once), vLLM's engine-wide stats lines (filed under
-    stage 0) integrated; None without such lines."""
+    stage 0) integrated; None without such lines. Prompt tokens are not in it (input_throughput)."""
     duration_s = (stop_ns - start_ns) / 1e9
-    logging = [ev for ev in run.stage_events if len(ev.t_ns)]
-    if duration_s <= 0 or not logging:
+    ev = _last_logging_stage(run)
+    if duration_s <= 0 or ev is None:
         return None
-    ev = logging[-1]
     interval = run.engine.decode_log_interval
     lo, hi = np.searchsorted(ev.t_ns, [start_ns, stop_ns])
     # Every step logged: count them. A sampled log (interval > 1) gives each line the throughput
     # over its interval, which integrates without the sampling's noise.
-    if interval == 1 and (run.engine.engine or "sglang") == "sglang":
-        tokens = counted_tokens(ev.kind[lo:hi], ev.running_req[lo:hi], ev.new_seq[lo:hi])
+    sglang = (run.engine.engine or "sglang") == "sglang"
+    if interval == 1 and sglang:
+        tokens = counted_tokens(ev.kind[lo:hi], ev.running_req[lo:hi], ev.new_seq[lo:hi], ev.new_token[lo:hi],
+                                run.engine.chunked_prefill_size)
     else:
         tokens = engine_tokens(ev.t_ns, ev.gen_throughput_tok_s, np.isin(ev.kind, ("decode", "stats")),
                                start_ns, stop_ns, run.grid_ns, run.work_ratio)
+        if tokens is not None and sglang:
+            # SGLang's gen throughput counts decode steps only (process_batch_result_decode); each
+            # request's first token comes from its prefill, whose lines are never sampled
+            prefill = ev.kind[lo:hi] == "prefill"
+            tokens += float(np.sum(first_tokens(ev.new_seq[lo:hi][prefill], ev.new_token[lo:hi][prefill],
+                                                run.engine.chunked_prefill_size)))
     return tokens / duration_s if tokens is not None else None
+
+
+def input_throughput(run: AlignedRun, start_ns: int, stop_ns: int) -> float | None:
+    """The engine's prompt (input) tokens per second prefilled in [start, stop), from its log:
+    SGLang's ``#new-token`` and ``#cached-token`` summed over the last stage's prefill lines (every
+    prefill passes it once; the client's prompt is both: the engine computes the new ones and
+    reads the rest from its prefix cache), vLLM's ``Avg prompt throughput`` integrated; None
+    without such lines."""
+    duration_s = (stop_ns - start_ns) / 1e9
+    ev = _last_logging_stage(run)
+    if duration_s <= 0 or ev is None:
+        return None
+    if run.engine.kind == "sglang":
+        prefill = ev.kind == "prefill"
+        if np.isnan(ev.new_token[prefill]).all():
+            return None
+        lo, hi = np.searchsorted(ev.t_ns, [start_ns, stop_ns])
+        inside = prefill[lo:hi]
+        tokens = np.nansum(ev.new_token[lo:hi][inside]) + np.nansum(ev.cached_token[lo:hi][inside])
+        return float(tokens) / duration_s
+    got = engine_tokens(ev.t_ns, ev.input_throughput_tok_s, ev.kind == "stats", start_ns, stop_ns,
+                        run.grid_ns, run.work_ratio)
+    return got / duration_s if got is not None else None
+
+
+def prompt_tokens_prefilled(first_token_ns: np.ndarray, prompt_tokens: np.ndarray, start_ns: int,
+                            stop_ns: int) -> float:
+    """The client's prompt tokens whose prefill ended in [start, stop): each request's prompt at
+    its first token (the prefill's end; a chunked prompt's earlier chunks ran before it)."""
+    ok = ~np.isnan(first_token_ns) & ~np.isnan(prompt_tokens)
+    inside = ok & (first_token_ns >= start_ns) & (first_token_ns < stop_ns)
+    return float(np.sum(prompt_tokens[inside]))
 
 
 def _wmean(values: np.ndarray, w: np.ndarray) -> float | None:
@@ -400,6 +510,10 @@ def phase_metrics(run: AlignedRun, series: StageSeries, phase: Phase) -> PhaseMe
                                              series.idle_power_w, strict=True)]
     gen = engine_throughput(run, phase.start_ns, phase.end_ns)
     client_tput = _f(tokens / phase.duration_s) if phase.duration_s > 0 else None
+    engine_in = input_throughput(run, phase.start_ns, phase.end_ns)
+    client_in = _f(prompt_tokens_prefilled(rq["first_token_ns"], rq["prompt_tokens"], phase.start_ns,
+                                           phase.end_ns) / phase.duration_s) \
+        if phase.duration_s > 0 and len(rq["start_ns"]) and not np.isnan(rq["prompt_tokens"]).all() else None
     # a log that can hide micro-batches: SGLang's, every interval-th step, the interval sharing a
     # factor with the micro-batch slots (coprime, every micro-batch is logged in turn)
     interval = int(run.engine.get("decode_log_interval") or 1)
@@ -422,6 +536,11 @@ def phase_metrics(run: AlignedRun, series: StageSeries, phase: Phase) -> PhaseMe
         requests_failed=int((in_phase & ~rq["ok"] & ~abandoned).sum()),
         throughput_tok_s=gen_taken if gen_taken is not None else client_tput,
         client_throughput_tok_s=client_tput, engine_gen_throughput_tok_s=gen,
+        throughput_source="engine log" if gen_taken is not None else
+        "client records" if client_tput is not None else None,
+        input_tok_s=engine_in if engine_in is not None else client_in,
+        client_input_tok_s=client_in, engine_input_tok_s=engine_in,
+        prefill=prefill_figures(run, phase.start_ns, phase.end_ns) if run.engine.kind == "sglang" else None,
         unfinished_requests=unfinished,
         ttft_s_p50=_pct(ttft, 50), ttft_s_p90=_pct(ttft, 90),
         itl_s_mean=_f(np.nanmean(itl)) if len(itl) and not np.isnan(itl).all() else None,

@@ -45,7 +45,9 @@ CONFIG_FIELD_NAMES: dict[str, tuple[str, ...]] = {
     "max_running_requests": ("max_running_requests", "max_num_seqs"),
     "pp_max_micro_batch_size": ("pp_max_micro_batch_size", "max_micro_batch_size"),
     "pp_async_batch_depth": ("pp_async_batch_depth",),
-    "chunked_prefill_size": ("chunked_prefill_size",),
+    # the prefill's token budget per turn: SGLang's chunk, vLLM's max_num_batched_tokens (a step's
+    # budget shared by decode tokens and prefill chunks, chunked prefill on by default in V1)
+    "chunked_prefill_size": ("chunked_prefill_size", "max_num_batched_tokens"),
     "max_total_num_tokens": ("max_total_num_tokens",),
     "decode_log_interval": ("decode_log_interval",),
 }

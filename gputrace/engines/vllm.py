@@ -23,7 +23,8 @@ ENGINE = "vllm"
 _MARKER = re.compile(r"(?<!\w)Avg prompt throughput: ")
 # The engine's arguments as given (a dict) and its resolved configuration (``k=v, ...``).
 _CONFIG_MARKER = re.compile(r"(?<!\w)(?:non-default args: (?P<args>\{)|"
-                            r"Initializing a V1 LLM engine \(v[^)]*\) with config: (?P<config>))")
+                            r"Initializing a V1 LLM engine \(v[^)]*\) with config: (?P<config>)|"
+                            r"Chunked prefill is enabled with max_num_batched_tokens=(?P<budget>\d+))")
 _TIMESTAMP = re.compile(
     r"(?<![\d:.-])(?:(\d{4})-)?(\d\d)-(\d\d) (\d\d:\d\d:\d\d)(?:[.,](\d{1,9}))?(?![\d:])"
 )
@@ -107,7 +108,11 @@ def _config_line(line: str, clock: LogClock) -> ParsedLine | None:
     if marker is None:
         return None
     body = line[marker.end():].rstrip()
-    fields = python_dict(body.removesuffix("}")) if marker.group("args") else python_kwargs(body)
+    if marker.group("budget"):
+        # the scheduler's per-step token budget (decode tokens and prefill chunks share it)
+        fields: dict[str, object] = {"max_num_batched_tokens": int(marker.group("budget"))}
+    else:
+        fields = python_dict(body.removesuffix("}")) if marker.group("args") else python_kwargs(body)
     if not fields:
         return None
     ts_text, log_ts_ns, resolution = _stamp(line[: marker.start()], clock)

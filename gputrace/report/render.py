@@ -87,7 +87,9 @@ def _summary_lines(doc: dict[str, Any]) -> list[str]:
 
 PHASE_COLUMNS = (
     ("label", "phase"), ("target_concurrency", "C"), ("inflight_mean", "in flight"),
-    ("throughput_tok_s", "tok/s"), ("client_throughput_tok_s", "client tok/s"),
+    ("throughput_tok_s", "tok/s"), ("throughput_source", "tok/s from"),
+    ("client_throughput_tok_s", "client tok/s"),
+    ("input_tok_s", "input tok/s"),
     ("requests_completed", "completed"), ("requests_failed", "failed"),
     ("unfinished_requests", "unfinished"), ("ttft_s_p50", "TTFT p50 s"), ("ttft_s_p90", "TTFT p90 s"),
     ("itl_s_mean", "ITL mean s"), ("itl_s_p90", "ITL p90 s"), ("allowed_busy_fraction", "allowed busy"),

@@ -525,7 +525,9 @@ class PipelineEngine:
         assert self.on_log is not None
         gap = max(start - self._in_since[s], 1e-9)
         self._in_tokens[s] += tokens
-        new_seq = sum(1 for r, _ in batch if r.prefilled == 0)
+        # SGLang's #new-seq is the prefill batch's len(can_run_list): a continued chunk counts
+        # in every turn that computes one of its chunks, not only the first
+        new_seq = sum(1 for r, _ in batch if r.prefilled < r.prefill_target)
         fields: dict[str, float | int | bool] = {
             "new_seq": new_seq, "new_token": tokens, "cached_token": 0,
             "token_usage": self.kv_used / self.p.max_total_num_tokens,

@@ -28,6 +28,13 @@ SIMULATED_KNOBS = frozenset({"pp_max_micro_batch_size", "max_running_requests", 
                              "pp_async_batch_depth", "max_total_num_tokens"})
 # vLLM's names for the simulator's keys (its max_num_seqs is the engine-wide admission limit)
 ALIASES = {"max_num_seqs": "max_running_requests"}
+# Each engine's own names for its prefill budget, and the settings only SGLang has: a what-if
+# in the other engine's words is refused (vLLM has no --chunked-prefill-size; a prediction from
+# it changed nothing the engine can be told)
+VLLM_ONLY = {"max_num_batched_tokens": "chunked_prefill_size"}  # a step's budget, chunks included
+SGLANG_ONLY = ("chunked_prefill_size", "max_prefill_tokens", "pp_max_micro_batch_size",
+               "pp_async_batch_depth")
+VLLM_KNOBS = ("max_num_seqs", "max_num_batched_tokens", "max_total_num_tokens")
 # A healthy link between adjacent stages (what "use NVLink or a full PCIe link" buys): the
 # simulator's default, a PCIe gen4 x16 link's payload rate.
 HEALTHY_LINK = {"pcie_bandwidth_bytes_per_s": SimParams().pcie_bandwidth_bytes_per_s,
@@ -106,7 +113,18 @@ def parse_changes(items: Mapping[str, Any]) -> dict[str, Any]:
 def check_changes(engine: EngineSettings, pp_size: int, changes: Mapping[str, Any]) -> dict[str, Any]:
     """The changes under the simulator's names; unknown keys and impossible values as one-line
     errors, before any fitting."""
-    named = parse_changes(changes)
+    kind = engine_kind(engine)
+    for key in changes:
+        if kind == "vllm" and key in SGLANG_ONLY:
+            raise UsageError(f"whatif: {key} is SGLang's setting; this run is vLLM's: its knobs are "
+                             f"{', '.join(VLLM_KNOBS)} (and the load: concurrency, input_tokens, max_tokens)")
+        if kind != "vllm" and key in VLLM_ONLY:
+            raise UsageError(f"whatif: {key} is vLLM's setting; this run is SGLang's: its prefill knobs are "
+                             "chunked_prefill_size and max_prefill_tokens")
+    budget = {VLLM_ONLY[k]: v for k, v in changes.items() if k in VLLM_ONLY}
+    if budget:  # one budget for the chunk and the turn (the simulator takes the smaller)
+        budget["max_prefill_tokens"] = budget["chunked_prefill_size"]
+    named = {**parse_changes({k: v for k, v in changes.items() if k not in VLLM_ONLY}), **budget}
     try:
         make_params({"engine": engine_kind(engine), "pp_size": pp_size, **named})
     except ConfigError as exc:
