@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -536,6 +537,7 @@ def test_dashboard_panels_render_a_real_engine_capture(engine_name: str, request
     # shows) was up then
     start_s, end_s = windows[0][0] / 1e9, windows[-1][0] / 1e9 + 0.75 * LEVEL_S[engine_name]
     out = Path(__file__).parent / "artifacts" / f"panels-{engine_name}"
+    shutil.rmtree(out, ignore_errors=True)  # a panel renamed since an earlier run leaves its PNG behind
     done = gputrace_process(
         "panels", "--prometheus", capture.dashboard_url, "--start", f"{start_s:.3f}", "--end", f"{end_s:.3f}",
         "--step", "1s", "--run", f"{engine_name}-tier", "--out", str(out), timeout_s=180)

@@ -465,9 +465,9 @@ def rule_prefill_budget(c: PhaseContext) -> Finding | None:
     """Requests wait while every prefill turn fills its token budget and the pool has free rows:
     the prefill budget admits the prompts a chunk at a time, so they wait for turns, not for rows.
     (The budget: SGLang's chunked_prefill_size / max_prefill_tokens, vLLM's max_num_batched_tokens;
-    the report's rule table shows the first sentence with the run's own flag.) The change: a budget that takes a whole prompt per turn at least, twice the run's, up to
-    the context length. vLLM's stats lines carry no per-step tokens: it is named from SGLang's
-    prefill lines only."""
+    the report's rule table shows the first sentence with the run's own flag.) The change: a
+    budget that takes a whole prompt per turn at least, twice the run's, up to the context length.
+    vLLM's stats lines carry no per-step tokens: it is named from SGLang's prefill lines only."""
     pf = c.pm.prefill
     if pf is None or pf.budget_tokens is None or pf.full_turn_share is None or c.pool_full:
         return None
