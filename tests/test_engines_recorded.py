@@ -26,7 +26,7 @@ from helpers import analyse
 from live_chain import free_port, wait_until
 
 from gputrace.analysis.aligned import align_store
-from gputrace.analysis.phase_figures import STATS_WINDOW_SHARE, PhaseMetrics, stats_window_s
+from gputrace.analysis.phase_figures import PhaseMetrics
 from gputrace.analysis.result import Analysis
 from gputrace.engines import LogParser
 from gputrace.store import Store
@@ -262,16 +262,11 @@ def test_prompt_tokens_are_their_own_figure(imported, engine: str, name: str) ->
     prefill lines, vLLM's prompt throughput) is its own figure, within 10 % of the client's prompt
     tokens in every phase (the client counts a prompt at its first token, the engine as it
     prefills), and each phase says where its tok/s came from."""
-    analysis = analyse(imported(engine, name))
-    window_s = stats_window_s(analysis.run)  # vLLM's stats lines: 10 s windows
-    for pm in _load_phases(analysis):
+    for pm in _load_phases(analyse(imported(engine, name))):
         assert pm.engine_input_tok_s is not None and pm.client_input_tok_s
         assert pm.engine_input_tok_s == pytest.approx(pm.client_input_tok_s, rel=0.10), pm.label
         assert pm.input_tok_s == pm.engine_input_tok_s
-        # a stats window too long to resolve the phase's edges gives way to the client's records
-        coarse = window_s is not None and window_s > STATS_WINDOW_SHARE * pm.duration_s
-        assert pm.throughput_source == ("client records" if coarse else "engine log"), pm.label
-        assert engine == "vllm" or not coarse
+        assert pm.throughput_source == "engine log"
 
 
 def test_vllm_prefill_budget_is_read_and_its_knob_named_in_vllms_words(imported) -> None:  # type: ignore[no-untyped-def]

@@ -80,8 +80,6 @@ UTILIZATION_AGREES = 0.1  # utilization.gpu this far above the schedule's busy f
 # one load, 50 % below at another); a phase's edges blur the log's by about a second.
 THROUGHPUT_ALIAS_RATIO = 0.25
 THROUGHPUT_EDGE_S = 1.0
-# a stats window (vLLM's) longer than this share of a phase: its tok/s is the client's where it has one
-STATS_WINDOW_SHARE = 0.05
 
 
 def throughput_aliased(pm: PhaseMetrics) -> bool:
@@ -358,7 +356,8 @@ def _last_logging_stage(run: AlignedRun) -> StageEvents | None:
 
 def stats_window_s(run: AlignedRun) -> float | None:
     """The window an engine's periodic stats lines average over (vLLM: VLLM_LOG_STATS_INTERVAL,
-    10 s by default), as the median gap between them; None where the log has no stats lines."""
+    10 s by default), as the median gap between them; None where the log has no stats lines. A
+    phase a few windows long is resolved only to about a window at each edge."""
     ev = _last_logging_stage(run)
     if ev is None:
         return None
@@ -531,16 +530,9 @@ def phase_metrics(run: AlignedRun, series: StageSeries, phase: Phase) -> PhaseMe
     interval = int(run.engine.get("decode_log_interval") or 1)
     slots = run.pp_size + int(run.engine.get("pp_async_batch_depth") or 0)
     sampled = run.engine.get("engine", "sglang") == "sglang" and math.gcd(interval, slots) > 1
-    window_s = stats_window_s(run)
     if sampled and gen is not None and client_tput is not None and abs(gen - client_tput) > \
             client_tput * (THROUGHPUT_ALIAS_RATIO + THROUGHPUT_EDGE_S / max(phase.duration_s, 1.0)):
         gen_taken = None  # a sampled log that hides micro-batches: its throughput is not the engine's
-    elif (client_tput is not None and window_s is not None
-          and window_s > STATS_WINDOW_SHARE * phase.duration_s):
-        # stats lines averaging over windows longer than this share of the phase cannot resolve its
-        # edges (vLLM's 10 s windows read a 25 s phase 13 % high on the engine tier): the client's
-        # records can, and the phase says it took them
-        gen_taken = None
     else:
         gen_taken = gen
     # abandoned at the drain: the client stopped waiting, so neither failed nor complete
