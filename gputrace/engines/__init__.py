@@ -23,9 +23,18 @@ KINDS = ("prefill", "decode", "config", "stats")
 ENGINE_WORDS: dict[str, EngineWords] = {w.kind: w for w in (sglang.WORDS, vllm.WORDS)}
 
 
+# A run whose engine is not known is read as SGLang's (the engine gputrace was first written for).
+DEFAULT_ENGINE = sglang.ENGINE
+
+
+def engine_kind(engine: str | None) -> str:
+    """The store's engine name when gputrace knows the engine, else ``DEFAULT_ENGINE``."""
+    return engine if engine is not None and engine in ENGINE_WORDS else DEFAULT_ENGINE
+
+
 def engine_words(kind: str | None) -> EngineWords:
     """The words of the run's engine ("sglang", "vllm"; None or unknown: SGLang's)."""
-    return ENGINE_WORDS.get(kind or "", sglang.WORDS)
+    return ENGINE_WORDS[engine_kind(kind)]
 
 
 def foreign_words(kind: str | None) -> frozenset[str]:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+from gputrace.engines.knobs import Knob
 from gputrace.errors import UsageError
 from gputrace.model import EngineConfig, SchedulerEvent
 from gputrace.topology import is_parallel_size
@@ -245,32 +246,58 @@ class EngineWords:
 
     kind: str  # the store's engine name: "sglang", "vllm"
     name: str  # as people write it: "SGLang"
-    # gputrace's setting name (EngineSettings, the simulator, Change.knob) -> how a user sets it
-    flags: dict[str, str]
-    # gputrace's setting name -> the engine's own name for it, where it differs
-    setting_names: dict[str, str]
+    knobs: tuple[Knob, ...]  # the settings a finding, the what-if or the advice can change
     log_fields: tuple[str, ...]  # the field names its scheduler lines carry ("#running-req")
     placement_rule: str  # how the report names the rule that put its ranks on GPUs
     # per-slot micro-batches with their own cap K (SGLang's PP scheduler); vLLM admits engine-wide
     microbatch_slots: bool
     other_words: tuple[str, ...] = ()  # flags and variables it has beyond its knobs
 
+    @property
+    def flags(self) -> dict[str, str]:
+        """gputrace's setting name (EngineSettings, the simulator, Change.knob) -> how a user sets it."""
+        return {k.name: k.flag for k in self.knobs}
+
+    def knob_named(self, name: str) -> Knob | None:
+        """The knob of gputrace's setting ``name``; None where the engine has no such setting."""
+        return next((k for k in self.knobs if k.name == name), None)
+
+    def knob_of_flag(self, flag: str) -> Knob | None:
+        return next((k for k in self.knobs if k.flag == flag), None)
+
+    def knob_of_param(self, param: str) -> Knob | None:
+        """The knob the simulator's parameter ``param`` models on this engine."""
+        return next((k for k in self.knobs if k.sim_param == param), None)
+
     def flag(self, knob: str) -> str | None:
         """The engine's flag for a setting, None where the engine has no such setting."""
-        return self.flags.get(knob)
+        found = self.knob_named(knob)
+        return None if found is None else found.flag
 
     def setting(self, knob: str) -> str:
         """The engine's own name for a setting."""
-        return self.setting_names.get(knob, knob)
+        found = self.knob_named(knob)
+        return knob if found is None else found.own_name
 
     def knob(self, setting: str) -> str:
         """gputrace's setting name for the engine's own (``max_num_seqs`` -> ``max_running_requests``
         on vLLM): what the simulator and the what-if take, from what the advice shows."""
-        return next((knob for knob, own in self.setting_names.items() if own == setting), setting)
+        return next((k.name for k in self.knobs if k.setting == setting), setting)
 
     def knob_names(self) -> tuple[str, ...]:
         """The settings a user can name for this engine, in its own words."""
-        return tuple(self.setting(k) for k in self.flags if not self.flags[k].isupper())
+        return tuple(k.own_name for k in self.knobs if k.settable)
+
+    def microbatch_cap(self, pool: int, pp_size: int, set_cap: int | None = None) -> int:
+        """The requests one micro-batch holds at most: on a slot scheduler its cap K (``set_cap``
+        where set, else the K knob's default), elsewhere the engine-wide limit ``pool``."""
+        knob = self.knob_named("pp_max_micro_batch_size")
+        if not self.microbatch_slots or knob is None:
+            return pool
+        if set_cap is not None:
+            return set_cap
+        default = knob.default_for({"max_running_requests": pool, "pp_size": pp_size})
+        return pool if default is None else default
 
     def vocabulary(self) -> frozenset[str]:
         """Every engine-specific word: its name, flags, setting names and log fields."""
