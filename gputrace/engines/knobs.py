@@ -36,6 +36,9 @@ class Knob:
     # pool is a share of memory, the advice's value tokens)
     value_flag: str | None = None
     causes: tuple[str, ...] = ()  # the findings' causes (``Cause`` values) that name it
+    # the simulator's parameters it sets beside its own, to the same value (vLLM's one step budget
+    # is both the chunk and the turn's budget)
+    sets_too: tuple[str, ...] = ()
     # it changes how the engine serves (False: only what its log shows)
     serving: bool = True
     # a deployment setting a user can name in ``--set`` (an environment variable such as the layer

@@ -87,14 +87,14 @@ def _default_k(s: Settings) -> int | None:
 
 
 KNOBS = (
-    Knob("max_running_requests", "--max-running-requests", int,
-         "requests running at once, engine-wide (the request pool's rows)",
-         "sized from the KV pool (max_total_num_tokens) when not set", low=1, simulated=True,
-         causes=("admission_bound",)),
     Knob("pp_max_micro_batch_size", "--pp-max-micro-batch-size", int,
          "requests per micro-batch slot (K); K x slots caps the engine beside the pool",
          "max(max_running_requests // pp_size, 1)", default=_default_k, low=1, simulated=True,
          causes=("microbatch_cap", "pipeline_underfilled")),
+    Knob("max_running_requests", "--max-running-requests", int,
+         "requests running at once, engine-wide (the request pool's rows)",
+         "sized from the KV pool (max_total_num_tokens) when not set", low=1, simulated=True,
+         causes=("admission_bound",)),
     Knob("pp_async_batch_depth", "--pp-async-batch-depth", int,
          "micro-batch slots beyond pp_size (slots = pp_size + depth)", "0",
          default=lambda s: 0, low=0, simulated=True),

@@ -54,7 +54,7 @@ KNOBS = (
     Knob("chunked_prefill_size", "--max-num-batched-tokens", int,
          "tokens a step schedules, decode tokens and prefill chunks together",
          "set by vLLM per device and usage context when not given", low=1, simulated=True,
-         setting="max_num_batched_tokens", causes=("prefill_budget",)),
+         setting="max_num_batched_tokens", sets_too=("max_prefill_tokens",), causes=("prefill_budget",)),
     # the KV pool keeps gputrace's name: vLLM sets it as a memory share, not in tokens
     Knob("max_total_num_tokens", "--gpu-memory-utilization", int,
          "KV-cache tokens (vLLM sizes the pool as a share of the GPU's memory)", "0.9 of the memory",
