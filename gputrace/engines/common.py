@@ -15,7 +15,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from gputrace.engines.knobs import Knob
 from gputrace.errors import UsageError
 from gputrace.model import EngineConfig, SchedulerEvent
-from gputrace.topology import is_parallel_size
+from gputrace.topology import Placement, is_parallel_size, sglang_placements
 
 Value = int | float | bool | None
 
@@ -249,6 +249,7 @@ class EngineWords:
     knobs: tuple[Knob, ...]  # the settings a finding, the what-if or the advice can change
     log_fields: tuple[str, ...]  # the field names its scheduler lines carry ("#running-req")
     placement_rule: str  # how the report names the rule that put its ranks on GPUs
+    placement_source: str  # the same in meta.json's topology.source ("sglang-formula")
     # per-slot micro-batches with their own cap K (SGLang's PP scheduler); vLLM admits engine-wide
     microbatch_slots: bool
     other_words: tuple[str, ...] = ()  # flags and variables it has beyond its knobs
@@ -287,6 +288,14 @@ class EngineWords:
     def knob_names(self) -> tuple[str, ...]:
         """The settings a user can name for this engine, in its own words."""
         return tuple(k.own_name for k in self.knobs if k.settable)
+
+    def placements(self, host: str, *, pp_size: int, tp_size: int, nnodes: int = 1, node_rank: int = 0,
+                   base_gpu_id: int = 0, gpu_id_step: int = 1) -> list[Placement]:
+        """The GPUs of ``host`` (node ``node_rank`` of ``nnodes``) and the ranks the engine puts on
+        them. Both engines place rank pp_rank * tp_size + tp_rank on a node's GPU of that index
+        (SGLang's formula, which also spreads the stages over nodes, vLLM's rank order)."""
+        return sglang_placements(host, pp_size=pp_size, tp_size=tp_size, nnodes=nnodes, node_rank=node_rank,
+                                 base_gpu_id=base_gpu_id, gpu_id_step=gpu_id_step)
 
     def microbatch_cap(self, pool: int, pp_size: int, set_cap: int | None = None) -> int:
         """The requests one micro-batch holds at most: on a slot scheduler its cap K (``set_cap``

@@ -122,6 +122,7 @@ WORDS = EngineWords(
     knobs=KNOBS,  # gputrace's setting names are SGLang's
     log_fields=tuple(k for k in _KEYS if k.startswith("#")),
     placement_rule="SGLang formula",
+    placement_source="sglang-formula",
     microbatch_slots=True,
     # K's flag before 2025-10; the KV pool's other flag; the metrics and the device timer
     other_words=("--max-micro-batch-size", "--mem-fraction-static", "--enable-metrics",

@@ -67,6 +67,7 @@ WORDS = EngineWords(
     knobs=KNOBS,
     log_fields=tuple(k for k in _KEYS if " " in k),  # "Running" and "Waiting" are plain words
     placement_rule="vLLM rank order",  # rank = pp_rank * tp_size + tp_rank, as SGLang's
+    placement_source="vllm-rank-order",
     microbatch_slots=False,
     other_words=("VLLM_LOG_STATS_INTERVAL",),
 )
