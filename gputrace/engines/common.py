@@ -12,6 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+import numpy as np
+import pyarrow as pa
+
 from gputrace.engines.knobs import Knob
 from gputrace.errors import UsageError
 from gputrace.model import EngineConfig, SchedulerEvent
@@ -239,10 +242,38 @@ class LogClock:
         return secs * 1_000_000_000 + frac_ns, resolution
 
 
+@dataclass
+class ChunkResult:
+    """One chunk of a log through an engine's fast path: its line count, the fast rows as
+    SchedulerEvent columns, and what is left to the per-line grammar."""
+
+    n_lines: int
+    columns: dict[str, pa.Array] = field(default_factory=dict)
+    n_fast: int = 0
+    kinds: dict[str, int] = field(default_factory=dict)
+    line_starts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # fast rows'
+    n_rejected: int = 0  # lines that cannot be scheduler lines: counted, never parsed
+    leftovers: list[tuple[int, str]] = field(default_factory=list)  # (offset in chunk, line)
+
+
+def join_chunks(parts: list[dict[str, pa.Array]]) -> dict[str, pa.ChunkedArray]:
+    """Chunks' columns side by side as chunked arrays (no copy)."""
+    return {name: pa.chunked_array([part[name] for part in parts]) for name in parts[0]}
+
+
+LineGrammar = Callable[[str, LogClock], ParsedLine | None]
+# (chunk, number of its first line, clock, the lines a grammar may read or None) -> its fast rows
+# and the lines handed back
+FastPath = Callable[[bytes, int, LogClock, "re.Pattern[bytes] | None"], ChunkResult]
+
+
 @dataclass(frozen=True, slots=True)
-class EngineWords:
-    """How one engine names what gputrace reads and changes: every output that shows a setting,
-    a flag or a log field asks the run's engine here (a vLLM report in vLLM's words)."""
+class Engine:
+    """One serving engine, as every layer of gputrace asks it (each in its own package under
+    gputrace/engines/, registered in gputrace/engines/__init__.py): its log grammar and fast path,
+    the settings it reads from its config lines, its knobs, its stage placement rule, the words
+    outputs use for it (a vLLM report in vLLM's words) and the scheduling policy the simulator and
+    the what-if run for it."""
 
     kind: str  # the store's engine name: "sglang", "vllm"
     name: str  # as people write it: "SGLang"
@@ -250,8 +281,12 @@ class EngineWords:
     log_fields: tuple[str, ...]  # the field names its scheduler lines carry ("#running-req")
     placement_rule: str  # how the report names the rule that put its ranks on GPUs
     placement_source: str  # the same in meta.json's topology.source ("sglang-formula")
-    # per-slot micro-batches with their own cap K (SGLang's PP scheduler); vLLM admits engine-wide
+    # the scheduling policy: per-slot micro-batches with their own cap K (SGLang's PP scheduler),
+    # else engine-wide admission (vLLM)
     microbatch_slots: bool
+    parse_line: LineGrammar  # one line -> ParsedLine, None where it is not the engine's
+    maybe_line: re.Pattern[bytes]  # every line parse_line reads holds a match
+    fast_path: FastPath | None = None  # a vectorised reader of its commonest lines
     other_words: tuple[str, ...] = ()  # flags and variables it has beyond its knobs
 
     @property
@@ -312,3 +347,7 @@ class EngineWords:
         """Every engine-specific word: its name, flags, setting names and log fields."""
         return frozenset({self.name, *self.flags.values(), *self.knob_names(), *self.log_fields,
                           *self.other_words})
+
+
+# The name the engine had while it held only its words.
+EngineWords = Engine

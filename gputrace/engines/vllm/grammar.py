@@ -9,14 +9,12 @@ from __future__ import annotations
 import re
 
 from gputrace.engines.common import (
-    EngineWords,
     LogClock,
     ParsedLine,
     Value,
     config_bad_values,
     convert_value,
 )
-from gputrace.engines.knobs import Knob
 from gputrace.engines.reprs import python_dict, python_kwargs
 
 ENGINE = "vllm"
@@ -43,34 +41,8 @@ _KEYS: dict[str, tuple[str, type, float]] = {  # field, type, divisor
     "GPU KV cache usage": ("token_usage", float, 100.0),  # logged in percent; stored as a ratio
     "CPU KV cache usage": ("token_usage", float, 100.0),  # vLLM's CPU build names its cache so
 }
-
-KNOBS = (
-    Knob("max_running_requests", "--max-num-seqs", int,
-         "requests running at once, engine-wide (no per-micro-batch cap)",
-         "set by vLLM per device and usage context when not given", low=1, simulated=True,
-         setting="max_num_seqs", causes=("admission_bound",)),
-    # a step's token budget, shared by decode tokens and prefill chunks (chunked prefill is on by
-    # default in V1): under gputrace's name for the prefill budget
-    Knob("chunked_prefill_size", "--max-num-batched-tokens", int,
-         "tokens a step schedules, decode tokens and prefill chunks together",
-         "set by vLLM per device and usage context when not given", low=1, simulated=True,
-         setting="max_num_batched_tokens", sets_too=("max_prefill_tokens",), causes=("prefill_budget",)),
-    # the KV pool keeps gputrace's name: vLLM sets it as a memory share, not in tokens
-    Knob("max_total_num_tokens", "--gpu-memory-utilization", int,
-         "KV-cache tokens (vLLM sizes the pool as a share of the GPU's memory)", "0.9 of the memory",
-         low=1, simulated=True, value_flag="KV cache tokens (--num-gpu-blocks-override x block size)",
-         causes=("kv_cache_bound",)),
-)
-
-WORDS = EngineWords(
-    kind=ENGINE, name="vLLM",
-    knobs=KNOBS,
-    log_fields=tuple(k for k in _KEYS if " " in k),  # "Running" and "Waiting" are plain words
-    placement_rule="vLLM rank order",  # rank = pp_rank * tp_size + tp_rank, as SGLang's
-    placement_source="vllm-rank-order",
-    microbatch_slots=False,
-    other_words=("VLLM_LOG_STATS_INTERVAL",),
-)
+# its stats lines' field names ("Running" and "Waiting" are plain words, not its own)
+LOG_FIELDS = tuple(k for k in _KEYS if " " in k)
 
 
 def parse_line(line: str, clock: LogClock) -> ParsedLine | None:
