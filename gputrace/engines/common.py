@@ -286,8 +286,15 @@ class Engine:
     microbatch_slots: bool
     parse_line: LineGrammar  # one line -> ParsedLine, None where it is not the engine's
     maybe_line: re.Pattern[bytes]  # every line parse_line reads holds a match
+    # its scheduler lines log each micro-batch step (SGLang's batch lines: steps and tokens are
+    # counted from them), else periodic windows of engine-wide figures (vLLM's stats lines)
+    steps_logged: bool = True
     fast_path: FastPath | None = None  # a vectorised reader of its commonest lines
     other_words: tuple[str, ...] = ()  # flags and variables it has beyond its knobs
+    kv_advice: str = ""  # how a user gives its KV cache more memory, in its flags
+    log_advice: str = ""  # how its log shows every step (a flag), "" where it cannot
+    # how a user gets its own per-stage busy timers, None where it has none
+    stage_timers: str | None = None
 
     @property
     def flags(self) -> dict[str, str]:
@@ -304,6 +311,10 @@ class Engine:
     def knob_of_param(self, param: str) -> Knob | None:
         """The knob the simulator's parameter ``param`` models on this engine."""
         return next((k for k in self.knobs if k.sim_param == param), None)
+
+    def flag_for(self, knob: str) -> str:
+        """The engine's flag for a setting; the setting's name where the engine has no flag."""
+        return self.flag(knob) or knob
 
     def flag(self, knob: str) -> str | None:
         """The engine's flag for a setting, None where the engine has no such setting."""

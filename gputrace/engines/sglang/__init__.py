@@ -24,6 +24,11 @@ ENGINE = Engine(
     maybe_line=MAYBE_SGLANG,
     fast_path=scan_chunk,
     # K's flag before 2025-10; the KV pool's other flag; the metrics and the device timer
+    kv_advice="--mem-fraction-static or --max-total-tokens",
+    log_advice="--decode-log-interval 1",
+    stage_timers=("scrape the engine's per-stage timers: start SGLang with --enable-metrics and add "
+                  "`[hosts.engine_metrics] url = \"http://HOST:PORT/metrics\"` to gputrace.toml (SGLang "
+                  "0.5.23+'s run_batch timers give each stage's busy and bubble)"),
     other_words=("--max-micro-batch-size", "--mem-fraction-static", "--enable-metrics",
                  "SGLANG_ENABLE_METRICS_DEVICE_TIMER"),
 )

@@ -19,6 +19,8 @@ ENGINE = Engine(
     microbatch_slots=False,  # admission is engine-wide (max_num_seqs), no per-micro-batch cap
     parse_line=parse_line,
     maybe_line=MAYBE_VLLM,
+    steps_logged=False,  # a stats line every VLLM_LOG_STATS_INTERVAL, averaged over it
+    kv_advice="--gpu-memory-utilization (VLLM_CPU_KVCACHE_SPACE on the CPU build)",
     other_words=("VLLM_LOG_STATS_INTERVAL",),
 )
 WORDS = ENGINE
