@@ -4,7 +4,7 @@ gputrace/engines/__init__.py."""
 
 from __future__ import annotations
 
-from gputrace.engines.common import Engine
+from gputrace.engines.common import Engine, SchedulingPolicy
 from gputrace.engines.sglang.fastpath import MAYBE_SGLANG, scan_chunk
 from gputrace.engines.sglang.grammar import ENGINE as KIND
 from gputrace.engines.sglang.grammar import LOG_FIELDS, RANK_FIELDS, RANK_TAG, batch_fields, parse_line
@@ -19,7 +19,8 @@ ENGINE = Engine(
     log_fields=LOG_FIELDS,
     placement_rule="SGLang formula",
     placement_source="sglang-formula",
-    microbatch_slots=True,  # the PP loop's slots, each a micro-batch capped at K
+    # the PP loop's slots, each a micro-batch capped at K; a prefill turn runs alone
+    policy=SchedulingPolicy(microbatch_slots=True, mixed_prefill=False, cpu_forward_in_loop=True),
     parse_line=parse_line,
     maybe_line=MAYBE_SGLANG,
     fast_path=scan_chunk,
