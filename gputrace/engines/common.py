@@ -301,6 +301,8 @@ class Engine:
     # its scheduler lines log each micro-batch step (SGLang's batch lines: steps and tokens are
     # counted from them), else periodic windows of engine-wide figures (vLLM's stats lines)
     steps_logged: bool = True
+    # its log's stamps carry the year (vLLM's ``MM-DD`` do not: the import dates them by the file)
+    stamps_have_year: bool = True
     fast_path: FastPath | None = None  # a vectorised reader of its commonest lines
     other_words: tuple[str, ...] = ()  # flags and variables it has beyond its knobs
     kv_advice: str = ""  # how a user gives its KV cache more memory, in its flags

@@ -20,6 +20,7 @@ ENGINE = Engine(
     policy=SchedulingPolicy(microbatch_slots=False, mixed_prefill=True, cpu_forward_in_loop=False),
     parse_line=parse_line,
     maybe_line=MAYBE_VLLM,
+    stamps_have_year=False,  # MM-DD HH:MM:SS
     steps_logged=False,  # a stats line every VLLM_LOG_STATS_INTERVAL, averaged over it
     kv_advice="--gpu-memory-utilization (VLLM_CPU_KVCACHE_SPACE on the CPU build)",
     other_words=("VLLM_LOG_STATS_INTERVAL",),
