@@ -12,13 +12,11 @@ from typing import Any
 import numpy as np
 
 from gputrace.analysis.phase_figures import PhaseMetrics, StageMetrics, throughput_aliased
-from gputrace.engines import ENGINE_WORDS, engine_words
+from gputrace.engines import engine_words
 from gputrace.vocabulary import Cause, Change, EngineSettings
 
 CAUSES = tuple(c.value for c in Cause)
 
-# The engine-wide admission limit's flag, per engine.
-ADMISSION_FLAG = {kind: words.flags["max_running_requests"] for kind, words in ENGINE_WORDS.items()}
 
 
 @dataclass(frozen=True)
@@ -136,7 +134,7 @@ def admission_bound(pm: PhaseMetrics, engine: EngineSettings, load: float | None
     usage_max = float(np.nanmax(usage)) if not np.isnan(usage).all() else None
     projected = usage_max * want / max(engine_running, 1.0) if usage_max is not None else None
     kv_short = projected is not None and projected >= th.kv_usage
-    flag = ADMISSION_FLAG[kind]
+    flag = engine.engine_spec.flag_for("max_running_requests")  # the engine-wide admission limit's
     setting = f"{flag} {want}"
     if not clients_level:
         # the load seen never exceeds what was offered, and a gauge read at a turnover reads low

@@ -15,8 +15,6 @@ from gputrace.engines import ENGINE_WORDS, Engine, engine_words
 from gputrace.engines.sglang import slot_count
 from gputrace.errors import ConfigError, UsageError
 
-ENGINES = tuple(ENGINE_WORDS)  # the engines the simulator models (their policy: Engine.policy)
-
 
 @dataclass(frozen=True, slots=True)
 class SimParams:
@@ -269,7 +267,8 @@ def _validate(p: SimParams) -> None:
         (p.pp_max_micro_batch_size is None or p.pp_max_micro_batch_size >= 1,
          "pp_max_micro_batch_size must be >= 1"),
         (p.pp_async_batch_depth >= 0, "pp_async_batch_depth must be >= 0"),
-        (p.engine in ENGINES, f"engine must be one of {', '.join(ENGINES)}"),
+        # the registered engines: the simulator runs each one's scheduling policy (Engine.policy)
+        (p.engine in ENGINE_WORDS, f"engine must be one of {', '.join(ENGINE_WORDS)}"),
         (p.client_mode in ("closed", "burst"), "client_mode must be closed or burst"),
         (p.engine_spec.microbatch_slots or (p.pp_max_micro_batch_size is None and not p.pp_async_batch_depth),
          "pp_max_micro_batch_size and pp_async_batch_depth are SGLang settings (engine = sglang)"),

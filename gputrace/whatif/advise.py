@@ -267,7 +267,8 @@ def candidates(model: FittedModel, findings: Sequence[Mapping[str, Any]]) -> lis
         if change and changes_of(model, change) is not None:
             out.setdefault(_key(change), (change, f"finding: {f.get('cause')} at {f.get('phase')}"))
     for change in _neighbours(model):
-        out.setdefault(_key(change), (change, "around the run's settings"))
+        if changes_of(model, change) is not None:  # knobs the run's engine has
+            out.setdefault(_key(change), (change, "around the run's settings"))
     return list(out.values())[:MAX_CANDIDATES]
 
 
