@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import toy_engine
+from helpers import json_strings
 
 from gputrace.analyse import analyse_run
 from gputrace.engines import ENGINE_WORDS, foreign_words, grammar
@@ -76,17 +77,8 @@ def test_a_third_engine_goes_through_the_same_path(tmp_path: Path, toy: None) ->
     assert "--max-batch 16" in report and "stage mapping: engine config + ToyServe rank order" in report
     assert "engine: max_batch=8" in report  # the engine line, in its own setting's name
     # what the user reads (the report, and findings.json's texts: its keys are gputrace's schema)
-    text = report + "\n".join(_strings(doc))
+    text = report + "\n".join(json_strings(doc))
     leaked = sorted(w for w in foreign_words("toy")
                     if re.search(rf"(?<![\w#-]){re.escape(w)}(?![\w-])", text))
     assert leaked == [], leaked
 
-
-def _strings(value: object) -> list[str]:
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, dict):
-        return [s for v in value.values() for s in _strings(v)]
-    if isinstance(value, list):
-        return [s for v in value for s in _strings(v)]
-    return []
