@@ -14,7 +14,7 @@ from gputrace.demo import top_recommendation
 from gputrace.sim.outputs import write_store
 from gputrace.sim.virtual import run_scenario
 from gputrace.whatif.effects import with_predicted_effects
-from gputrace.whatif.fit import fit_model
+from gputrace.whatif.fit import fit_model, initial_params
 from gputrace.whatif.groundtruth import format_table, score_change
 
 WITHIN = 0.10  # Must show 1: predicted throughput within 10 % of the simulator's
@@ -52,9 +52,15 @@ def test_fit_reads_prefill_tokens_from_the_prefill_lines(tmp_path: Path) -> None
     costs then come out at the simulator's own."""
     result = run_scenario("kv-bound", 0)
     write_store(result, tmp_path / "run")
-    fitted, true = fit_model(analyse(tmp_path / "run")).params, result.params
+    analysis = analyse(tmp_path / "run")
+    read, true = initial_params(analysis)[0], result.params
+    fitted = fit_model(analysis).params
     for name in ("launch_s", "weight_read_s", "decode_token_s", "prefill_token_s", "context_token_s"):
-        assert abs(getattr(fitted, name) / getattr(true, name) - 1) < 0.02, (name, getattr(fitted, name))
+        assert abs(getattr(read, name) / getattr(true, name) - 1) < 0.02, (name, getattr(read, name))
+        # the replay's calibration scales them all alike to replay the run: here 3.5 % (the replay
+        # draws its own requests, and with one chunked request per scheduler a KV-bound admission
+        # follows the draw more closely)
+        assert abs(getattr(fitted, name) / getattr(true, name) - 1) < 0.04, (name, getattr(fitted, name))
 
 
 def test_findings_carry_predicted_effects_and_demo_second_run(motivating_run: Path) -> None:
