@@ -19,14 +19,24 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from gputrace.analysis.result import Analysis
 from gputrace.engines import engine_words
 from gputrace.errors import GputraceError, UsageError
+from gputrace.sim.params import SimParams
 from gputrace.vocabulary import Change
 from gputrace.whatif.effects import fit_note
 from gputrace.whatif.fit import FittedModel, fit_model
 from gputrace.whatif.outcome import PhaseOutcome
-from gputrace.whatif.predict import PhasePrediction, decision_band, finding_change, predict, predicted_already
+from gputrace.whatif.predict import (
+    PhasePrediction,
+    decision_band,
+    finding_change,
+    predict,
+    predicted_already,
+    prefill_budget_change,
+)
 
 OBJECTIVES = ("throughput", "peak", "slo")
 SCREEN_SEEDS = (0,)  # a candidate's first replay; the best CONFIRM are replayed at every seed
@@ -39,6 +49,7 @@ SLO_KEYS = ("ttft_p90", "itl_p90")
 FLAGS = {"sglang": {"pp_max_micro_batch_size": "--pp-max-micro-batch-size",
                     "max_running_requests": "--max-running-requests",
                     "chunked_prefill_size": "--chunked-prefill-size",
+                    "max_prefill_tokens": "--max-prefill-tokens",
                     "pp_async_batch_depth": "--pp-async-batch-depth",
                     "max_total_num_tokens": "--max-total-tokens",
                     "stage_cost_multipliers": "SGLANG_PP_LAYER_PARTITION"},
@@ -235,10 +246,43 @@ def _neighbours(model: FittedModel) -> list[dict[str, Any]]:
     if p.engine == "vllm":
         pools |= {max(p.max_running_requests // 2, 1)}
     out += [{"max_running_requests": m} for m in sorted(pools) if m >= 1]
-    chunk = p.chunked_prefill_size
-    out += [{"chunked_prefill_size": c, "max_prefill_tokens": max(c, p.max_prefill_tokens)}
-            for c in (chunk // 2, chunk * 2) if c >= 64]
+    out += [prefill_budget_change(p, c) for c in prefill_budgets(p)]
     return out
+
+
+PREFILL_STEPS = 4  # budgets tried above the run's at most, log-spaced up to the context length
+
+
+def prefill_budgets(p: SimParams) -> list[int]:
+    """The prefill budgets the search tries: half the run's, and from the run's up to the context
+    length, log-spaced (SGLang's chunked_prefill_size, vLLM's max_num_batched_tokens): a chunk
+    smaller than the prompts makes them take turns one chunk at a time (issue 47: 256 -> 4096
+    measured x2.06 on SGLang), a larger one lets long prefills hold the other micro-batches."""
+    chunk = p.chunked_prefill_size
+    # powers of two above the run's, the last one holding the longest context
+    top = 1 << max(math.ceil(math.log2(max(p.context_len, 1))), 0)
+    ups = [1 << e for e in range(chunk.bit_length(), top.bit_length()) if 1 << e > chunk]
+    if len(ups) > PREFILL_STEPS:  # evenly in log, the largest kept
+        ups = [ups[int(i)] for i in np.round(np.linspace(0, len(ups) - 1, PREFILL_STEPS))]
+    return sorted({v for v in (chunk // 2, *ups) if v >= 64 and v != chunk})
+
+
+PREFILL_KNOBS = frozenset({"chunked_prefill_size", "max_prefill_tokens"})
+
+
+def prefill_pairs(singles: Sequence[tuple[Mapping[str, Any], Option]]) -> list[dict[str, Any]]:
+    """The best prefill budget beside the best K and the best pool, whether or not they were
+    among the best singles: the budget sets how many requests a turn admits, K and the pool how
+    many a micro-batch and the engine hold, so one may need the other."""
+    def best(knobs: frozenset[str]) -> Mapping[str, Any] | None:
+        fits = [(c, o) for c, o in singles if c and set(c) <= knobs]
+        return max(fits, key=lambda s: s[1].weighted_gain_tok_s)[0] if fits else None
+
+    budget = best(PREFILL_KNOBS)
+    if budget is None:
+        return []
+    others = (best(frozenset({"pp_max_micro_batch_size"})), best(frozenset({"max_running_requests"})))
+    return [{**budget, **other} for other in others if other is not None]
 
 
 def _key(change: Mapping[str, Any]) -> str:
@@ -248,8 +292,9 @@ def _key(change: Mapping[str, Any]) -> str:
 def changes_of(model: FittedModel, change: Mapping[str, Any]) -> tuple[AdvisedSetting, ...] | None:
     out = []
     for knob, value in change.items():
-        if knob == "max_prefill_tokens":  # rides with the chunk
-            continue
+        if knob == "max_prefill_tokens" and ("chunked_prefill_size" in change and (
+                _engine(model) == "vllm" or value == model.params.max_prefill_tokens)):
+            continue  # rides with the chunk: vLLM's one budget, or SGLang's left as it ran
         c = to_change(model, knob, value)
         if c is None:
             return None
@@ -364,6 +409,14 @@ def search(model: FittedModel, findings: Sequence[Mapping[str, Any]], objective:
             assert changes is not None
             rows = _screen(model, pair)
             screened.append((pair, "pair", Option(changes, _phases(model, rows, weights), "pair")))
+    for pair in prefill_pairs([(c, o) for c, _, o in screened]):
+        if _key(pair) in seen:
+            continue
+        seen.add(_key(pair))
+        changes = changes_of(model, pair)
+        assert changes is not None
+        rows = _screen(model, pair)
+        screened.append((pair, "pair", Option(changes, _phases(model, rows, weights), "pair")))
 
     def rank(o: Option) -> float:
         s = score(o, objective, slo)

@@ -151,6 +151,12 @@ def deployment_params(engine: EngineSettings, pp_size: int) -> dict[str, Any]:
             out[key] = engine[key]
     if fields.get("max_prefill_tokens"):
         out["max_prefill_tokens"] = fields["max_prefill_tokens"]
+    # the longest context (SGLang's context_len, vLLM's max_model_len): how far the search takes
+    # the prefill budget
+    context = next((fields[k] for k in ("context_len", "context_length", "max_model_len")
+                    if isinstance(fields.get(k), int | float) and fields[k] > 0), None)
+    if context is not None:
+        out["context_len"] = int(context)
     if out["engine"] == "vllm":
         out.pop("pp_max_micro_batch_size", None)
         out.pop("pp_async_batch_depth", None)
@@ -178,11 +184,41 @@ def _load_params(analysis: Analysis) -> dict[str, Any]:
         out["max_tokens"] = max(int(top), 1)
         # uniform in [(1 - j) max, max] has a mean of (1 - j / 2) max
         out["output_tokens_jitter"] = float(np.clip(2 * (1 - completion.mean() / top), 0.0, 1.0))
+    if burst_load(analysis):
+        # each level sent its requests at once and ended with the last: replay it so (a closed
+        # loop would refill the slots turn by turn, where the burst's packing is the point)
+        out["client_mode"] = "burst"
+        out["phase_s"] = MAX_BURST_S
+        return out
     short = [pm.inflight_mean for pm in analysis.metrics if pm.target_concurrency and pm.inflight_mean
              and pm.inflight_mean < CLIENT_SHORTFALL * pm.target_concurrency]
     if short:
         out["client_max_inflight"] = max(round(max(short)), 1)
     return out
+
+
+MAX_BURST_S = 600.0  # a replayed burst level ends with its last request, at the latest then
+BURST_SPAN = 0.05  # of a phase: its requests all started within it, and it ended with their last
+
+
+def burst_load(analysis: Analysis) -> bool:
+    """Whether every phase was a burst (the motivating figures' way of measuring): it started its
+    level's requests at once, none after (no more than the level), and ended with the last."""
+    rq = analysis.run.requests
+    if not len(rq["ok"]) or not analysis.metrics:
+        return False
+    start, end = rq["start_ns"].astype(float), rq["end_ns"].astype(float)
+    for pm in analysis.metrics:
+        span_ns = float(pm.end_ns - pm.start_ns)
+        sel = (start >= pm.start_ns) & (start < pm.end_ns)
+        level = pm.target_concurrency
+        if not level or span_ns <= 0 or not sel.any() or sel.sum() > level:
+            return False
+        ends = end[sel][np.isfinite(end[sel])]
+        if np.ptp(start[sel]) > BURST_SPAN * span_ns or not len(ends) or \
+                abs(float(ends.max()) - pm.end_ns) > BURST_SPAN * span_ns:
+            return False
+    return True
 
 
 def steady_phase_s(requests: Mapping[str, np.ndarray]) -> float:
