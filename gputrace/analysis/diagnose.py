@@ -518,7 +518,7 @@ def rule_prefill_burst(c: PhaseContext) -> Finding | None:
     prompt, budget = pf.tokens_per_turn_mean / pf.seqs_per_turn_mean, pf.budget_tokens
     slots = c.slots
     packed = -(-round(load) // per_turn) if per_turn else 0
-    if not (1 <= per_turn <= k and load >= slots - 0.5 and packed < slots
+    if not (1 <= per_turn <= k and per_turn < load - 0.5 and load >= slots - 0.5 and packed < slots
             and pm.microbatches_in_flight < slots - 0.5 and c.mean_bubble > c.th.bubble_material
             and pf.tokens_per_turn_mean >= PREFILL_BURST_FILL * budget):
         return None
