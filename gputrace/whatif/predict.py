@@ -26,6 +26,8 @@ CHANGEABLE = ("pp_max_micro_batch_size", "max_running_requests", "pp_async_batch
 # The settings a finding's change can name that the simulator takes as they are.
 SIMULATED_KNOBS = frozenset({"pp_max_micro_batch_size", "max_running_requests", "decode_log_interval",
                              "pp_async_batch_depth", "max_total_num_tokens"})
+# The load's lengths: a change of them replaces the run's recorded requests with drawn ones
+LENGTH_KEYS = frozenset({"input_tokens", "max_tokens", "input_tokens_jitter", "output_tokens_jitter"})
 # vLLM's names for the simulator's keys (its max_num_seqs is the engine-wide admission limit)
 ALIASES = {"max_num_seqs": "max_running_requests"}
 # Each engine's own names for its prefill budget, and the settings only SGLang has: a what-if
@@ -138,6 +140,8 @@ def changed_params(model: FittedModel, changes: Mapping[str, Any]) -> SimParams:
     base = model.params
     values = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
     values.update(changes)
+    if LENGTH_KEYS & set(changes):  # requests of other lengths: drawn, not the run's own
+        values["request_lengths"] = ()
     try:
         p = make_params(values)
     except ConfigError as exc:
