@@ -435,6 +435,19 @@ def search(model: FittedModel, findings: Sequence[Mapping[str, Any]], objective:
         changes = changes_of(model, change)
         assert changes is not None
         options.append(Option(changes, _phases(model, rows, weights), origin))
+    # the parts of the best pair, confirmed too: fewest_changes_within_band keeps a setting only
+    # where it adds beyond the band to the set without it, which it can tell only where that set
+    # was replayed as fully (kv-bound: two pairs screened above the KV size alone, which went
+    # unconfirmed, and the advice kept --chunked-prefill-size 4096 beside it for a predicted -1 %)
+    best_pair = max((o for o in options if score(o, objective, slo) is not None and len(o.changes) > 1),
+                    key=rank, default=None)
+    pair_settings = set(best_pair.changes) if best_pair is not None else set()
+    for change, origin, o in screened:
+        if _key(change) in confirmed or not set(o.changes) < pair_settings:
+            continue
+        rows = predict(model, change)
+        confirmed[_key(change)] = rows
+        options.append(Option(o.changes, _phases(model, rows, weights), origin))
     as_run = _phases(model, [PhasePrediction(m.label, m.concurrency, m, m, model.band_ratio(m.label),
                                              _unchanged(model, m.label), None, None, model.uncertainty_ratio)
                              for m in model.measured],
