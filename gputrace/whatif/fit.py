@@ -26,6 +26,7 @@ from gputrace.analysis.phase_figures import PhaseMetrics
 from gputrace.analysis.result import Analysis
 from gputrace.run_tables import EngineSettings
 from gputrace.sim.params import SimParams, make_params
+from gputrace.whatif.lengths import fit_output_lengths, output_observations, recorded_lengths
 from gputrace.whatif.outcome import PhaseOutcome, measured_outcomes, phase_concurrency, trace_outcomes
 from gputrace.whatif.replay import Reached, counted, current_session, run_replay
 
@@ -178,13 +179,12 @@ def _load_params(analysis: Analysis) -> dict[str, Any]:
         out["input_tokens"] = max(round(mean_in), 1)
         # uniform +- j x mean has a standard deviation of j x mean / sqrt(3)
         out["input_tokens_jitter"] = float(min(np.sqrt(3) * prompt.std() / mean_in, 0.95))
-    completion = rq["completion_tokens"][ok].astype(float) if len(rq["ok"]) else np.zeros(0)
-    if len(completion):
-        top = float(completion.max())
-        out["max_tokens"] = max(int(top), 1)
-        # uniform in [(1 - j) max, max] has a mean of (1 - j / 2) max
-        out["output_tokens_jitter"] = float(np.clip(2 * (1 - completion.mean() / top), 0.0, 1.0))
-    out["request_lengths"] = recorded_lengths(rq)
+    tokens, finished = output_observations(rq, recording_end_ns(analysis))
+    outputs = fit_output_lengths(tokens, finished)
+    if outputs is not None:
+        out["max_tokens"] = outputs.max_tokens
+        out["output_tokens_jitter"] = outputs.jitter
+    out["request_lengths"] = recorded_lengths(rq, tokens, finished, outputs)
     if burst_load(analysis):
         # each level sent its requests at once and ended with the last: replay it so (a closed
         # loop would refill the slots turn by turn, where the burst's packing is the point)
@@ -198,24 +198,13 @@ def _load_params(analysis: Analysis) -> dict[str, Any]:
     return out
 
 
-def recorded_lengths(requests: Mapping[str, np.ndarray]) -> tuple[tuple[int, int], ...]:
-    """The run's own requests as a replay sends them: (prompt, output) tokens in the order the
-    client started them, 0 where the records do not tell (a request that did not finish: its
-    output is drawn). A replay of a fresh draw put a phase 5-15 % off the run it replays where
-    the throughput follows which prompts land where (kv-bound's C=64 at seed 1: 400 tok/s run,
-    359-377 replayed), and moved the prediction of a change with it."""
-    if not len(requests["ok"]):
-        return ()
-    order = np.argsort(requests["start_ns"].astype(float), kind="stable")
-    prompt = requests["prompt_tokens"][order].astype(float)
-    output = requests["completion_tokens"][order].astype(float)
-    output[~requests["ok"][order].astype(bool)] = np.nan
-    known = np.isfinite(prompt) | np.isfinite(output)
-    if not known.any():
-        return ()
-    lengths = np.stack([prompt, output], axis=1)
-    lengths = np.where(np.isfinite(lengths) & (lengths >= 1), np.round(lengths), 0).astype(np.int64)
-    return tuple((int(a), int(b)) for a, b in lengths)
+def recording_end_ns(analysis: Analysis) -> float:
+    """When the recording ended: its grid's last cell, or the last request's end after it."""
+    grid = analysis.run.grid_ns
+    ends = analysis.run.requests["end_ns"].astype(float)
+    candidates = [float(grid[-1])] if len(grid) else []
+    candidates += [float(np.nanmax(ends))] if np.isfinite(ends).any() else []
+    return max(candidates, default=float("nan"))
 
 
 MAX_BURST_S = 600.0  # a replayed burst level ends with its last request, at the latest then
