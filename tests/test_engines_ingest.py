@@ -21,6 +21,7 @@ from gputrace.engines import fastpath, sglang
 from gputrace.engines.common import METRIC_FIELDS, LogClock
 from gputrace.errors import SourceError
 from gputrace.imports import engine_log as ingest
+from gputrace.imports import log_files
 from gputrace.imports.engine_log import ingest_log
 from gputrace.model import EngineConfig
 from gputrace.store import Store
@@ -264,7 +265,7 @@ def test_an_imported_log_is_closed_after_the_import(tmp_path: Path, compressed: 
     it is handed), with or without the ledger's hash reading beside it."""
     text, log = _decode_log(tmp_path, 100, compressed)
     hashed: list[int] = []
-    with ingest.open_log(log, (lambda block: hashed.append(len(block))) if ledger else None) as stream:
+    with log_files.open_log(log, (lambda block: hashed.append(len(block))) if ledger else None) as stream:
         assert stream.read().decode() == text
         assert str(log) in open_paths()
     assert str(log) not in open_paths()
@@ -320,7 +321,7 @@ def test_a_line_past_the_cap_is_cut_and_memory_stays_bounded() -> None:
     a 2 GB file without newlines grew past 1.9 GB)."""
     import io
 
-    from gputrace.imports.engine_log import chunk_lines, read_chunks
+    from gputrace.imports.log_files import chunk_lines, read_chunks
 
     good = b"[2026-01-01 00:00:00 PP0] Decode batch, #running-req: 1, #queue-req: 0\n"
     data = good + b"x" * 50_000 + b"\n" + good + b"y" * 200_000 + good

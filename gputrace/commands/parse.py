@@ -15,8 +15,8 @@ import click
 from gputrace.arrow_columns import numbers
 from gputrace.engines import ENGINES, KINDS, LogParser, fastpath, ndjson, vllm
 from gputrace.errors import SourceError
-from gputrace.imports.engine_log import GzipLog, chunk_lines, open_log, read_chunks
 from gputrace.imports.input_path import check_readable
+from gputrace.imports.log_files import GzipLog, chunk_lines, open_log, read_chunks
 
 
 def _chunks_of(path: str, cuts: list[str]) -> Iterator[bytes]:
