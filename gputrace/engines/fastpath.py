@@ -88,7 +88,7 @@ class ChunkResult:
 
 
 class _Bytes:
-    """A chunk as bytes, 8-byte words at every offset, and the sorted positions of separators."""
+    """A chunk as bytes, and as 8-byte words at every offset."""
 
     def __init__(self, chunk: bytes):
         self.size = len(chunk)
@@ -96,8 +96,6 @@ class _Bytes:
         self.b = np.frombuffer(padded, dtype=np.uint8)
         # An unaligned little-endian uint64 starting at every byte: one compare checks 8 bytes.
         self.words = np.ndarray(shape=(self.size + 1,), dtype="<u8", buffer=padded, strides=(1,))
-        # Each list ends with the chunk's size: "no such byte further on".
-        self.closers = np.append(np.flatnonzero(self.b[: self.size] == ord("]")), self.size)
 
     def at(self, pos: np.ndarray) -> np.ndarray:
         found: np.ndarray = self.b[np.minimum(pos, self.size)]
@@ -113,10 +111,22 @@ class _Bytes:
             ok &= (self.words[np.minimum(pos + i, self.size)] & mask) == expected
         return ok
 
-    @staticmethod
-    def next_at(positions: np.ndarray, start: np.ndarray) -> np.ndarray:
-        """The first position >= start in ``positions`` (the chunk's size when there is none)."""
-        found: np.ndarray = positions[np.searchsorted(positions, np.minimum(start, positions[-1]))]
+    def next_closer(self, start: np.ndarray, within: int) -> np.ndarray:
+        """The first ``]`` at or after each position, looked for in the next ``within`` bytes and
+        a few more (the chunk's size where there is none): 8 bytes a step, each step on the rows
+        still looking. Finding every ``]`` of the chunk first cost a fifth of the scan."""
+        found = np.full(len(start), self.size, dtype=np.int64)
+        rows = np.arange(len(start))
+        pos = start
+        for offset in range(0, within + 1, 8):
+            x = self.words[np.minimum(pos + offset, self.size)] ^ _CLOSERS
+            with np.errstate(over="ignore"):
+                index = _first_flagged_byte((x - _ONES) & ~x & _HIGH)  # exact for the lowest zero byte
+            hit = index < 8
+            found[rows[hit]] = pos[hit] + offset + index[hit]
+            rows, pos = rows[~hit], pos[~hit]
+            if not len(rows):
+                break
         return found
 
     def digit_run(self, pos: np.ndarray) -> np.ndarray:
@@ -168,6 +178,8 @@ _ZEROS = np.uint64(0x3030303030303030)  # "00000000": XOR turns digits into thei
 _LOW7 = np.uint64(0x7F7F7F7F7F7F7F7F)
 _DIGIT_CARRY = np.uint64(0x7676767676767676)  # a byte value above 9 reaches its high bit
 _HIGH = np.uint64(0x8080808080808080)
+_ONES = np.uint64(0x0101010101010101)
+_CLOSERS = np.uint64(0x5D5D5D5D5D5D5D5D)  # "]]]]]]]]": XOR leaves a zero byte where one was
 _KEEP_BYTES = np.array([(1 << (8 * k)) - 1 for k in range(8)] + [(1 << 64) - 1], dtype=np.uint64)
 
 
@@ -454,7 +466,7 @@ def scan_chunk(chunk: bytes, first_line_no: int, clock: LogClock,
     starts, line_end = starts[lines], line_end[lines]
     src_starts, src_ends = src_starts[lines], src_ends[lines]
     ok, ts_ns, ts_known, resolution, rank_start = _timestamps(raw, starts, clock)
-    closer = raw.next_at(raw.closers, rank_start)
+    closer = raw.next_closer(rank_start, _MAX_RANK_TEXT)  # further on, the rank text is too long
     ok &= closer < line_end
     ranks = _ranks(raw, rank_start, closer, ok)
     after = raw.at(closer + 2)
