@@ -137,6 +137,18 @@ class _Bytes:
             run[longer] = 8 + _first_flagged_byte(self._non_digits(pos[longer] + 8))
         return run
 
+    def digits(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``digit_run`` and the value of the first (up to 15) of those digits, from one gather of
+        8 bytes where there are fewer than 8 (gathering them twice cost a tenth of the scan)."""
+        x = self.words[np.minimum(pos, self.size)] ^ _ZEROS
+        run = _first_flagged_byte((((x & _LOW7) + _DIGIT_CARRY) | x) & _HIGH)
+        value = _digits_value(x, run)
+        longer = np.flatnonzero(run == 8)
+        if len(longer):  # rare: only these rows need the next 8 bytes
+            run[longer] = 8 + _first_flagged_byte(self._non_digits(pos[longer] + 8))
+            value[longer] = self.number(pos[longer], np.minimum(run[longer], 15))
+        return run, value
+
     def _non_digits(self, pos: np.ndarray) -> np.ndarray:
         """The high bit of each of the 8 bytes at ``pos`` set where that byte is not a digit."""
         x = self.words[np.minimum(pos, self.size)] ^ _ZEROS
@@ -154,14 +166,20 @@ class _Bytes:
         return value
 
     def _eight_digits(self, pos: np.ndarray, length: np.ndarray) -> np.ndarray:
-        """Up to 8 digits at once: left-pad with zero digits, then combine pairs, quads, octets."""
-        x = (self.words[np.minimum(pos, self.size)] ^ _ZEROS) & _KEEP_BYTES[length]
-        x = np.where(length > 0, x << (np.uint64(8) * (np.uint64(8) - length.astype(np.uint64))), _U0)
-        with np.errstate(over="ignore"):
-            x = ((x & np.uint64(0x0F0F0F0F0F0F0F0F)) * np.uint64(2561)) >> np.uint64(8)
-            x = ((x & np.uint64(0x00FF00FF00FF00FF)) * np.uint64(6553601)) >> np.uint64(16)
-            x = ((x & np.uint64(0x0000FFFF0000FFFF)) * np.uint64(42949672960001)) >> np.uint64(32)
-        return x.astype(np.int64)
+        """The value of the ``length`` (0 to 8) digits at each position."""
+        return _digits_value(self.words[np.minimum(pos, self.size)] ^ _ZEROS, length)
+
+
+def _digits_value(x: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """The value of the first ``length`` (0 to 8) bytes of each word, digits XOR "0" (byte values
+    0-9), all at once: left-pad with zero digits, then combine pairs, quads, octets."""
+    x = x & _KEEP_BYTES[length]
+    x = np.where(length > 0, x << (np.uint64(8) * (np.uint64(8) - length.astype(np.uint64))), _U0)
+    with np.errstate(over="ignore"):
+        x = ((x & np.uint64(0x0F0F0F0F0F0F0F0F)) * np.uint64(2561)) >> np.uint64(8)
+        x = ((x & np.uint64(0x00FF00FF00FF00FF)) * np.uint64(6553601)) >> np.uint64(16)
+        x = ((x & np.uint64(0x0000FFFF0000FFFF)) * np.uint64(42949672960001)) >> np.uint64(32)
+    return x.astype(np.int64)
 
 
 def _first_flagged_byte(bits: np.ndarray) -> np.ndarray:
@@ -185,20 +203,20 @@ _KEEP_BYTES = np.array([(1 << (8 * k)) - 1 for k in range(8)] + [(1 << 64) - 1],
 
 def _int_field(raw: _Bytes, start: np.ndarray, ok: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """An unsigned integer at ``start``: its value and where it ends; clears ``ok`` if absent or too long."""
-    length = raw.digit_run(start)
+    length, value = raw.digits(start)
     ok &= (length >= 1) & (length <= _MAX_INT_DIGITS)
-    return raw.number(start, np.minimum(length, 16)), start + length
+    return value, start + length
 
 
 def _decimal_field(raw: _Bytes, start: np.ndarray, ok: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``123.45`` -> 12345 / 10**2, the correctly rounded double (as float("123.45") is)."""
-    whole_len = raw.digit_run(start)
+    whole_len, whole = raw.digits(start)
     dot = start + whole_len
-    frac_len = raw.digit_run(dot + 1)
+    frac_len, frac = raw.digits(dot + 1)
     ok &= (whole_len >= 1) & (raw.at(dot) == ord(".")) & (frac_len >= 1)
     ok &= whole_len + frac_len <= _MAX_DEC_DIGITS
-    whole_len, frac_len = np.minimum(whole_len, 15), np.minimum(frac_len, 15)
-    mantissa = raw.number(start, whole_len) * 10**frac_len + raw.number(dot + 1, frac_len)
+    frac_len = np.minimum(frac_len, 15)
+    mantissa = whole * 10**frac_len + frac
     value: np.ndarray = mantissa / (10.0**frac_len)
     return value, dot + 1 + frac_len
 
