@@ -708,6 +708,20 @@ class Store:
         except duckdb.Error as exc:
             raise StoreError(f"{self.path}: setting receive times failed: {exc}") from exc
 
+    def shift_log_times(self, host: str, source: str, by_ns: int) -> int:
+        """Move the logged stamps of one log's lines (scheduler events, engine configs) back by
+        ``by_ns``: a log written in a zone it was not read in (gputrace.log_clock). Returns the
+        scheduler events moved."""
+        try:
+            moved = [self._con.execute(f"UPDATE {table} SET log_ts_ns = log_ts_ns - ? "
+                                       "WHERE host = ? AND source = ? AND log_ts_ns IS NOT NULL",
+                                       [by_ns, host, source]).fetchone()
+                     for table in ("engine_configs", "scheduler_events")]
+        except duckdb.Error as exc:
+            raise StoreWriteError(f"{self.path}: correcting the log's stamps failed: "
+                                  f"{_first_line(exc)}") from exc
+        return int((moved[-1] or (0,))[0])
+
     def log_and_receive_times(self) -> pa.Table:
         """host, source, log_ts_ns and recv_ts_ns of the scheduler events that have both (the
         lines a collector received), for the log clock check (gputrace.log_clock)."""
