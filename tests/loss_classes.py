@@ -102,6 +102,7 @@ class Outcome:
     gaps: list[FollowGap]
     expected: list[str]
     tested: bool = True
+    gone_bytes: int | None = None  # the bytes of the lines lost, where the scenario knows them
 
     @property
     def lost(self) -> int:
@@ -117,7 +118,8 @@ class Outcome:
             (f"after line {g.after_line}" if g.after_line is not None else f"after byte {g.after_byte}")
             + (f" (at least {g.lost_bytes:,} bytes)" if g.lost_bytes is not None else " (size unknown)")
             for g in self.gaps)
-        return (f"written {len(self.written):,}, stored {len(set(self.got)):,}, lost {self.lost:,}, "
+        return (f"written {len(self.written):,}, stored {len(set(self.got)):,}, lost {self.lost:,}"
+                + (f" ({self.gone_bytes:,} bytes)" if self.gone_bytes is not None else "") + ", "
                 f"recorded as lost: {len(self.gaps)} gap{'s' * (len(self.gaps) != 1)}"
                 f"{' ' + recorded if recorded else ''}, doubled {self.doubled:,}"
                 + ("" if self.tested else " (the scenario's condition did not hold: not tested)"))
@@ -241,11 +243,11 @@ async def new_inode_in_an_outage(sshd: SshServer, root: Path, rotation: str) -> 
 
 
 async def gone_in_an_outage_while_behind(sshd: SshServer, root: Path, how: str,
-                                         burst: int = 100_000) -> tuple[Outcome, int]:
+                                         burst: int = 100_000) -> Outcome:
     """Class 3 with the follower behind: a burst (12 MB at 100,000 lines) it is still reading when
     sshd goes down; in the outage the file is rotated and the rotated file ``removed``, or
     ``truncated`` in place with no copy; ten new lines; sshd back. The unread rest of the burst is
-    gone: returned beside the outcome, the bytes it held (what the gap is to record)."""
+    gone: ``gone_bytes``, the bytes it held, is what the gap is to record."""
     path = root / "server.log"
     engine = Engine(path)
     transport = await connect_ssh(sshd.options())
@@ -275,16 +277,16 @@ async def gone_in_an_outage_while_behind(sshd: SshServer, root: Path, how: str,
     await transport.close()
     gone = engine.written[read_before:burst + 1]
     kept = engine.written[:read_before] + engine.written[burst + 1:]
-    return (Outcome(engine.written, collector.texts, gaps, kept, read_before < burst * 0.8),
-            sum(len(t) + 1 for t in gone))
+    return Outcome(engine.written, collector.texts, gaps, kept, read_before < burst * 0.8,
+                   sum(len(t) + 1 for t in gone))
 
 
 async def written_between_copy_and_truncation(sshd: SshServer, root: Path,
-                                              burst: int = 100_000) -> tuple[Outcome, int]:
+                                              burst: int = 100_000) -> Outcome:
     """Class 1, where copytruncate does lose lines: the follower is mid-read of a 12 MB burst; the
     log is copied (as logrotate's copytruncate), 100 lines are written, the follower reads on (it
-    sees the file's new size), then the log is truncated: those 100 lines are in no file. Returned
-    beside the outcome, the bytes they held."""
+    sees the file's new size), then the log is truncated: those 100 lines are in no file
+    (``gone_bytes``)."""
     path = root / "server.log"
     engine = Engine(path)
     transport = await connect_ssh(sshd.options())
@@ -305,7 +307,7 @@ async def written_between_copy_and_truncation(sshd: SshServer, root: Path,
     await transport.close()
     gone = engine.written[burst + 1:burst + 101]
     kept = engine.written[:burst + 1] + engine.written[burst + 101:]
-    return Outcome(engine.written, collector.texts, gaps, kept, behind), sum(len(t) + 1 for t in gone)
+    return Outcome(engine.written, collector.texts, gaps, kept, behind, sum(len(t) + 1 for t in gone))
 
 
 async def renamed_while_python_logging_writes(sshd: SshServer, root: Path) -> Outcome:

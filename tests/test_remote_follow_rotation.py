@@ -64,10 +64,10 @@ async def test_lines_written_between_the_copy_and_the_truncation_are_recorded_wi
     written (the follower sees the file grow), the log truncated: those 100 lines are in no file.
     The copy is read to its end, then the new content; one gap is recorded, at the copy's end, with
     the 100 lines' bytes (before: 'if any, are lost', size unknown)."""
-    outcome, gone_bytes = await written_between_copy_and_truncation(sshd_server, tmp_path)
+    outcome = await written_between_copy_and_truncation(sshd_server, tmp_path)
     assert outcome.tested, "the follower had read the burst already: the test did not test what it says"
     assert outcome.got == outcome.expected and (outcome.lost, outcome.doubled) == (100, 0)
-    assert [g.lost_bytes for g in outcome.gaps] == [gone_bytes], outcome.summary()
+    assert [g.lost_bytes for g in outcome.gaps] == [outcome.gone_bytes], outcome.summary()
     assert outcome.gaps[0].after_byte == (tmp_path / "server.log.1").stat().st_size
 
 
@@ -118,11 +118,11 @@ async def test_a_file_gone_in_an_outage_records_the_size_it_was_seen_at(
     recorded with its size: the bytes the file held past the offset when the follower last looked
     (here all of the burst's unread rest: nothing was written after), and the lines after it are
     read (before: 'size unknown')."""
-    outcome, gone_bytes = await gone_in_an_outage_while_behind(sshd_server, tmp_path, how)
+    outcome = await gone_in_an_outage_while_behind(sshd_server, tmp_path, how)
     assert outcome.tested, "the follower had read the burst already: the test did not test what it says"
     assert outcome.got == outcome.expected and outcome.lost > 1_000
-    assert [(g.after_byte is not None, g.lost_bytes) for g in outcome.gaps] == [(True, gone_bytes)], \
-        outcome.summary()
+    assert [(g.after_byte is not None, g.lost_bytes) for g in outcome.gaps] == [
+        (True, outcome.gone_bytes)], outcome.summary()
 
 
 async def test_renamed_while_python_logging_keeps_writing_to_it(sshd_server: SshServer,
