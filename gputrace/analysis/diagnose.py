@@ -496,10 +496,61 @@ def rule_prefill_budget(c: PhaseContext) -> Finding | None:
         impact=c.mean_bubble + 0.9, change=Change.of_flag(flag, want))
 
 
+PREFILL_BURST_FILL = 0.75  # of the budget, a phase's prefill turns' mean: the budget, not K, ends them
+
+
+def rule_prefill_burst(c: PhaseContext) -> Finding | None:
+    """A burst admitted budget-at-a-time lands in fewer micro-batches than stages. SGLang's
+    prefill turn takes waiting prompts while its token budget lasts, so a turn admits
+    budget // prompt of them (the motivating deployment: 8,192 tokens, prompts of 1,024, 8 a
+    turn) and each turn fills one slot's micro-batch; 32 requests then run as 4 micro-batches for
+    8 stages whatever K allows above 8. The change: a budget of about ceil(load / slots) prompts
+    (--max-prefill-tokens stops admission once spent and cuts no prompt), or K = ceil(load / slots);
+    more slots (--pp-async-batch-depth) only add empty ones."""
+    pm, pf = c.pm, c.pm.prefill
+    k, k_from = default_microbatch_cap(c.engine, c.pp_size)
+    load = pm.target_concurrency or c.load
+    if engine_kind(c.engine) != "sglang" or c.pp_size < 2 or pf is None or not pf.budget_tokens \
+            or not pf.seqs_per_turn_mean or not k or load is None or pm.microbatches_in_flight is None:
+        return None
+    # the turns' own count (#new-seq), not prompt / budget: a burst's turns are what it admitted
+    per_turn = round(pf.seqs_per_turn_mean)
+    prompt, budget = pf.tokens_per_turn_mean / pf.seqs_per_turn_mean, pf.budget_tokens
+    slots = c.slots
+    packed = -(-round(load) // per_turn) if per_turn else 0
+    if not (1 <= per_turn <= k and per_turn < load - 0.5 and load >= slots - 0.5 and packed < slots
+            and pm.microbatches_in_flight < slots - 0.5 and c.mean_bubble > c.th.bubble_material
+            and pf.tokens_per_turn_mean >= PREFILL_BURST_FILL * budget):
+        return None
+    spread = max(-(-round(load) // slots), 1)
+    want = round((spread - 0.5) * prompt)  # spread prompts spend it, spread - 1 do not
+    mb = float(np.nanmax(_vals(pm.stages, "microbatch_size_max")))
+    k_words = (f"K does not bind (K = {k}, {k_from})" if per_turn < k else
+               f"K = {k} ({k_from}) caps each micro-batch, not the engine, and admits as many")
+    return Finding(
+        Cause.PREFILL_BURST, pm.label, c.stages,
+        {"prefill_budget_tokens": budget, "prefill_tokens_per_turn_mean": _r(pf.tokens_per_turn_mean, 1),
+         "full_turn_share": _r(pf.full_turn_share, 2),
+         "prompt_tokens_mean": _r(prompt, 0),
+         "prompts_per_turn": per_turn, "K": k, "K_from": k_from, "offered_load": _r(load, 1),
+         "microbatches_packed": packed, "microbatches_in_flight": _r(pm.microbatches_in_flight, 2),
+         "microbatch_size_max": _r(mb, 1), "microbatch_slots": slots, "pp_size": c.pp_size,
+         "mean_bubble_fraction": _r(c.mean_bubble)},
+        0.8,
+        f"--max-prefill-tokens {want} (a turn then admits {spread} prompts of about {prompt:.0f} tokens: "
+        f"{load:.0f} requests over {-(-round(load) // spread)} micro-batches), or --pp-max-micro-batch-size "
+        f"{spread}; --pp-async-batch-depth adds slots the budget leaves empty",
+        f"`#running-req: {mb:.0f}` is one micro-batch; {k_words}: the prefill budget ({budget} tokens, "
+        f"{pf.tokens_per_turn_mean:.0f} a turn) admits {per_turn} prompts per turn, so {load:.0f} requests "
+        f"run as {packed} micro-batches for {c.pp_size} stages ({pm.microbatches_in_flight:.1f} in flight)",
+        impact=c.mean_bubble + 0.8, change=Change.of_flag("--max-prefill-tokens", want))
+
+
 # The rules of a phase in the order they are tried; pipeline_underfilled runs last, only where
 # none of them explains the bubble.
 RULES = (rule_client_bound, rule_admission_bound, rule_bunched_at_the_bound, rule_microbatch_cap,
-         rule_prefill_budget, rule_stage_imbalance, rule_kv_cache_bound, rule_pcie_bound, rule_throttling)
+         rule_prefill_budget, rule_prefill_burst, rule_stage_imbalance, rule_kv_cache_bound, rule_pcie_bound,
+         rule_throttling)
 
 
 def diagnose_phase(pm: PhaseMetrics, engine: EngineSettings, pp_size: int,

@@ -142,6 +142,8 @@ class PrefillFigures:
     budget_tokens: int | None  # the turn's budget: min(chunked_prefill_size, max_prefill_tokens)
     full_turn_share: float | None  # turns whose #new-token reached the budget (None: budget unknown)
     prompt_tokens_mean: float | None  # per request whose prefill ended in the phase
+    # #new-seq: requests per turn (a continued chunk counted in each turn it runs in)
+    seqs_per_turn_mean: float | None = None
 
 
 def prefill_budget(engine: Any) -> int | None:
@@ -164,13 +166,15 @@ def prefill_figures(run: AlignedRun, start_ns: int, stop_ns: int) -> PrefillFigu
     if not len(tokens) or np.isnan(tokens).all():
         return None
     budget = prefill_budget(run.engine)
-    firsts = float(np.sum(first_tokens(ev.new_seq[lo:hi][prefill], tokens, run.engine.chunked_prefill_size)))
+    seqs = ev.new_seq[lo:hi][prefill].astype(np.float64)
+    firsts = float(np.sum(first_tokens(seqs, tokens, run.engine.chunked_prefill_size)))
     prompts = float(np.nansum(tokens) + np.nansum(ev.cached_token[lo:hi][prefill]))
     return PrefillFigures(
         turns_per_s=len(tokens) / ((stop_ns - start_ns) / 1e9),
         tokens_per_turn_mean=float(np.nanmean(tokens)), budget_tokens=budget,
         full_turn_share=float(np.mean(np.nan_to_num(tokens) >= budget)) if budget else None,
-        prompt_tokens_mean=prompts / firsts if firsts > 0 else None)
+        prompt_tokens_mean=prompts / firsts if firsts > 0 else None,
+        seqs_per_turn_mean=float(np.nanmean(seqs)) if not np.isnan(seqs).all() else None)
 
 
 @dataclass

@@ -150,10 +150,13 @@ def phase_causes(result: SimResult, ph: dict[str, Any]) -> list[str]:
     kv_bound = ph["kv_admission_stalls"] > 0 and ph["token_usage_max"] >= KV_USAGE_HIGH
     held_elsewhere = client_bound or kv_bound
     pool_full = ph["running_max"] >= p.max_running_requests
+    budget = prefill_budget(p)
     if queued and pool_full and not held_elsewhere:
         causes.append("admission_bound")
         if bunched_at_the_bound(p, stages):
             causes.append("pipeline_underfilled")
+    elif p.engine == "sglang" and queued and not held_elsewhere and p.input_tokens > budget:
+        causes.append("prefill_budget")  # the prompts wait for turns, a chunk of one at a time
     elif p.engine == "sglang" and queued and not pool_full and mb_max >= k and not held_elsewhere:
         causes.append("microbatch_cap")
     if client_bound:
@@ -168,6 +171,8 @@ def phase_causes(result: SimResult, ph: dict[str, Any]) -> list[str]:
         causes.append("stage_imbalance")
     underfilled = (ph["microbatches_in_flight"] or 0) < UNDERFILLED_SHARE * p.pp_size and \
         bubble > BUBBLE_MATERIAL
+    if underfilled and not causes and burst_packed(p, _load(p, ph)):
+        causes.append("prefill_burst")
     if underfilled and not causes:
         causes.append("pipeline_underfilled")
     # each stage logs every interval-th decode step: with a factor in common with the micro-batches
@@ -177,6 +182,21 @@ def phase_causes(result: SimResult, ph: dict[str, Any]) -> list[str]:
     if p.decode_log_interval > 1 and p.slots >= 2 and full and math.gcd(p.decode_log_interval, p.slots) > 1:
         causes.append("log_sampling_aliased")
     return causes
+
+
+def prefill_budget(p: SimParams) -> int:
+    """The prompt tokens one SGLang prefill turn takes: its chunk, or max_prefill_tokens where
+    smaller (which stops admission once spent)."""
+    return min(p.chunked_prefill_size, p.max_prefill_tokens)
+
+
+def burst_packed(p: SimParams, load: int) -> bool:
+    """A burst admitted budget-at-a-time lands in fewer micro-batches than slots: the budget,
+    not a larger K, sets the micro-batch size (budget // prompt <= K) and packs the load into
+    ceil(load / per turn) < slots micro-batches while there are requests enough for every slot."""
+    per_turn = prefill_budget(p) // p.input_tokens
+    return p.engine == "sglang" and p.pp_size >= 2 and 1 <= per_turn <= p.micro_batch_cap and \
+        per_turn < load and load >= p.slots and -(-load // per_turn) < p.slots
 
 
 def bunched_at_the_bound(p: SimParams, stages: list[dict[str, Any]]) -> bool:
@@ -212,6 +232,17 @@ def fix_for(p: SimParams, cause: str, ph: dict[str, Any]) -> dict[str, Any] | No
         want = spread_cap(p, load)  # K that spreads the load over every slot
         return {"knob": "--pp-max-micro-batch-size", "value": want,
                 "params": {"pp_max_micro_batch_size": want}}
+    if cause == "prefill_budget":  # a turn takes whole prompts: a power of two at least one
+        longest = round(p.input_tokens * (1 + p.input_tokens_jitter))
+        want = 1 << max(math.ceil(math.log2(max(2 * prefill_budget(p), longest))), 0)
+        want = min(want, max(p.context_len, prefill_budget(p)))
+        return {"knob": "--chunked-prefill-size", "value": want,
+                "params": {"chunked_prefill_size": want,
+                           "max_prefill_tokens": max(want, p.max_prefill_tokens)}}
+    if cause == "prefill_burst":  # a turn admits ceil(load / slots) prompts: every slot filled
+        spread = spread_cap(p, load)
+        want = round((spread - 0.5) * p.input_tokens)
+        return {"knob": "--max-prefill-tokens", "value": want, "params": {"max_prefill_tokens": want}}
     if cause == "stage_imbalance":
         mean = float(np.mean([p.stage_multiplier(s) for s in range(p.pp_size)]))
         return {"knob": "SGLANG_PP_LAYER_PARTITION", "value": None,
