@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from live_chain import free_port, http_ok, wait_until
+from live_chain import free_port, get_json, http_ok, wait_until
 from loss_classes import (
     Engine,
     command_log_rewritten_in_an_outage,
@@ -150,6 +150,13 @@ async def test_copytruncate_while_the_follower_is_mid_read(sshd_server: SshServe
     assert outcome.got == outcome.written
 
 
+def log_lines(port: int) -> int:
+    """The log lines `gputrace collect` listening on ``port`` has received."""
+    counts = get_json(f"http://127.0.0.1:{port}/v1/status")["counts"]
+    assert isinstance(counts, dict)
+    return int(counts["log_lines"])
+
+
 def test_collect_records_a_removed_rotated_file_in_meta_json(sshd_server: SshServer, tmp_path: Path) -> None:
     """Class 3 as users run it: `gputrace collect` over SSH; during an outage the log is rotated
     (logrotate create) and the rotated file removed before it was read to its end: meta.json's
@@ -169,7 +176,9 @@ def test_collect_records_a_removed_rotated_file_in_meta_json(sshd_server: SshSer
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/healthz"), timeout_s=60)
-        time.sleep(1.0)
+        # the follower has read the file (a loaded machine took over a second to start it: with
+        # nothing read, the collector knew no file to miss)
+        wait_until(lambda: log_lines(port) > 50, timeout_s=60)
         sshd_server.kill()
         time.sleep(0.5)
         with engine.lock:
@@ -177,9 +186,10 @@ def test_collect_records_a_removed_rotated_file_in_meta_json(sshd_server: SshSer
             (tmp_path / "server.log.1").unlink()
             engine.reopen()
         time.sleep(0.5)
+        read_by_then = log_lines(port)
         sshd_server.restart()
-        wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/healthz"), timeout_s=60)
-        time.sleep(1.0)
+        # reconnected (its back-off may be seconds after the outage): lines written since arrive
+        wait_until(lambda: log_lines(port) > read_by_then + 20, timeout_s=60)
     finally:
         engine.stop_event.set()
         engine.join()
