@@ -267,7 +267,7 @@ class Collector:
                 "log_gaps": self._log_gaps,
                 "dropped_records": dict(writer.dropped), "unwritten_records": unwritten,
                 "stopped_ns": stopped_ns,
-                "log_clock": [found.to_dict() for found in self._log_clock_offsets()]}})
+                "log_clock": self._log_clocks()}})
         except StoreWriteError as exc:
             meta_error = str(exc)
             log.error("meta_not_updated", error=meta_error)
@@ -275,7 +275,25 @@ class Collector:
             self.lost_on_stop = _lost_on_stop(self.store.path, unwritten, writer.write_error, meta_error)
         log.info("collector_stopped", run=str(self.store.path), **self.live.counts)
 
-    def _log_clock_offsets(self) -> list[LogClockOffset]:
+    def _log_clocks(self) -> list[dict[str, object]]:
+        """meta.json's ``log_clock``: each log whose stamps run off its receive times; those off by
+        a zone's offset, consistently, moved back by it in the store (the report says so)."""
+        out = []
+        for host, source, found in self._log_clock_offsets():
+            corrected = False
+            if found.correctable:
+                try:
+                    moved = self.store.shift_log_times(host, source, found.zone_offset_s * 10**9)
+                except StoreError as exc:
+                    log.warning("log_clock_not_corrected", source=found.source, error=str(exc))
+                else:
+                    corrected = True
+                    log.warning("log_clock_corrected", source=found.source, moved_back_s=found.zone_offset_s,
+                                lines=moved, suggested_timezone=found.suggested_timezone())
+            out.append(found.to_dict(corrected))
+        return out
+
+    def _log_clock_offsets(self) -> list[tuple[str, str, LogClockOffset]]:
         """Each followed log whose stamps run more than a minute from when its lines arrived (an
         engine logging local time read as UTC put every line hours off, and nothing said so)."""
         try:
@@ -296,7 +314,7 @@ class Collector:
             if offset is not None:
                 log.warning("log_clock_disagrees", source=offset.source, offset_s=round(offset.offset_s),
                             suggested_timezone=offset.suggested_timezone())
-                found.append(offset)
+                found.append((host, source, offset))
         return found
 
     async def start_unless(self, stop: asyncio.Event) -> bool:

@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import local_time_log
 import pytest
 from conftest import SmallDisk
 from live_chain import free_port, http_ok, wait_until
@@ -29,8 +30,8 @@ from sshd import SshServer, processes_matching, sshd_server_fixture  # noqa: F40
 from gputrace.store import Store
 
 
-def decode_line(i: int, pp: int, ahead_s: float = 0.0) -> str:
-    ts = datetime.fromtimestamp(time.time() + ahead_s, UTC).strftime("%Y-%m-%d %H:%M:%S")
+def decode_line(i: int, pp: int) -> str:
+    ts = datetime.fromtimestamp(time.time(), UTC).strftime("%Y-%m-%d %H:%M:%S")
     return (f"[{ts} PP{pp}] Decode batch, #running-req: 8, #token: {i}, token usage: 0.05, "
             f"cuda graph: True, gen throughput (token/s): 250.00, #queue-req: 24\n")
 
@@ -38,9 +39,9 @@ def decode_line(i: int, pp: int, ahead_s: float = 0.0) -> str:
 class LogWriter(threading.Thread):
     """Appends one scheduler line every ``period_s``, remembering when each was written."""
 
-    def __init__(self, path: Path, period_s: float = 0.005, ahead_s: float = 0.0):
+    def __init__(self, path: Path, period_s: float = 0.005):
         super().__init__(daemon=True)
-        self.path, self.period_s, self.ahead_s = path, period_s, ahead_s
+        self.path, self.period_s = path, period_s
         self.written: list[tuple[int, float]] = []  # (index, time.time())
         self.stop_event = threading.Event()
 
@@ -48,7 +49,7 @@ class LogWriter(threading.Thread):
         i = 0
         with open(self.path, "a", buffering=1) as f:
             while not self.stop_event.is_set():
-                f.write(decode_line(i, i % 8, self.ahead_s))
+                f.write(decode_line(i, i % 8))
                 self.written.append((i, time.time()))
                 i += 1
                 time.sleep(self.period_s)
@@ -312,42 +313,42 @@ def test_a_directory_as_log_path_is_one_line_in_check_config_and_healthz(tmp_pat
     assert "Traceback" not in err.decode()
 
 
-def test_a_log_in_local_time_is_named_in_meta_and_in_the_report(tmp_path: Path, agent_port: int) -> None:
-    """An engine logging UTC+2 read with the default timezone (UTC): its stamps run 7,200 s ahead of
-    when the collector received them; meta.json and the report name the offset and the timezone
-    to set (it gave a healthy report with every line 2 h off and no word), and every line is kept."""
+def test_a_log_in_local_time_is_corrected_and_said_in_meta_and_in_the_report(tmp_path: Path,
+                                                                          agent_port: int) -> None:
+    """An engine logging in local time, UTC+2 (Python logging in a process with TZ=Etc/GMT-2, as
+    SGLang logs), read with the default timezone (UTC): its stamps run 7,200 s ahead of when the
+    collector received its lines, a zone's offset, every line alike. The collector moves the stored
+    stamps back by 7,200 s (each line's stamp then its true second), keeps the offset in meta.json
+    and the report says so in one line (before: a healthy report with every line 2 h off and no
+    word; then a note only, the stamps left 2 h off)."""
     log = tmp_path / "sglang.log"
     log.touch()
-    writer = LogWriter(log, period_s=0.05, ahead_s=7200)
     port = free_port()
     proc = start_collector(write_config(tmp_path, log, agent_port), tmp_path / "run", port)
     try:
         wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/healthz"), timeout_s=30)
-        writer.start()
+        true_s = local_time_log.true_times_s(local_time_log.start(log, 60, 0.05, "Etc/GMT-2"))
         wait_until(lambda: http_answer(f"http://127.0.0.1:{port}/v1/status")[1]["counts"]["scheduler_events"]
-                   >= 40, timeout_s=60)
-        writer.stop_event.set()
-        writer.join(5)
-        written = len(writer.written)
-        wait_until(lambda: http_answer(f"http://127.0.0.1:{port}/v1/status")[1]["counts"]["scheduler_events"]
-                   == written, timeout_s=30)
+                   == len(true_s), timeout_s=30)
     finally:
-        writer.stop_event.set()
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err.decode()[-2000:]
     with Store.open(tmp_path / "run", read_only=True) as store:
-        assert store.count("scheduler_events") == written
+        stamps = store.sql("SELECT log_ts_ns, recv_ts_ns FROM scheduler_events ORDER BY line_no")
         (found,) = store.meta.extra["collector"]["log_clock"]
+    assert [log_ns for log_ns, _ in stamps] == [int(t) * 10**9 for t in true_s]
+    assert all(0 <= recv_ns - log_ns < 5e9 for log_ns, recv_ns in stamps)
     assert found["source"] == f"node0 file:{log}" and found["suggested_timezone"] == "Etc/GMT-2"
-    assert 7190 <= found["offset_s"] <= 7201 and found["lines"] >= 35
+    assert found["corrected_s"] == 7200 and 7190 <= found["offset_s"] <= 7201 and found["lines"] >= 55
     report = subprocess.run([sys.executable, "-m", "gputrace", "report", str(tmp_path / "run"), "--format",
                              "json", "--out", str(tmp_path / "report")], capture_output=True, text=True,
                             timeout=120)
     assert report.returncode == 0, report.stderr
     notes = json.loads((tmp_path / "report" / "findings.json").read_text())["notes"]
     (note,) = [n for n in notes if n.startswith("log clock:")]
-    assert f"node0 file:{log}: its stamps run 7" in note and 'set timezone = "Etc/GMT-2"' in note
+    assert note.startswith(f"log clock: node0 file:{log}: its stamps ran 7,200 s ahead of")
+    assert "corrected at capture, every stamp moved back by 7,200 s" in note and "\n" not in note
 
 
 def test_a_log_path_that_does_not_exist_is_said_at_start(tmp_path: Path) -> None:

@@ -33,6 +33,7 @@ from gputrace.analysis.phases import (
     phases_from_request_labels,
 )
 from gputrace.analysis.predicted import PredictedEffect
+from gputrace.log_clock import corrected_note
 from gputrace.run_tables import EngineMetricColumns, RunSource, RunTables
 from gputrace.vocabulary import CaptureProblem
 
@@ -215,6 +216,9 @@ def capture_problem_notes(extra: dict[str, Any]) -> list[str]:
         if isinstance(o, dict):
             lost = f"; {o['lost_rows']} records lost at the end" if o.get("lost_rows") else ""
             notes.append(f"capture problem: the store could not be written ({o.get('error')}){lost}")
+    for entry in collector.get("log_clock") or []:  # those left as logged: the analysis names them
+        if isinstance(entry, dict) and (note := corrected_note(entry)) is not None:
+            notes.append(note)
     dropped = collector.get("dropped_records") or {}
     if isinstance(dropped, dict) and dropped:
         notes.append("capture problem: records dropped while the store could not be written: "
