@@ -34,11 +34,12 @@ from typing import Any
 from gputrace.analyse import analyse_run
 from gputrace.analysis.predicted import PredictedEffect
 from gputrace.analysis.result import Analysis
+from gputrace.engines import engine_words
 from gputrace.errors import GputraceError, SourceError, UsageError
 from gputrace.report.render import write_report
 from gputrace.sim.calibration import FIGURES, Figure
 from gputrace.sim.outputs import write_store
-from gputrace.sim.params import KIMI_K26_PCIE_COST, scenario_params
+from gputrace.sim.params import KIMI_K26_PCIE_COST, SimParams, scenario_params
 from gputrace.sim.virtual import run_params
 from gputrace.store import Store
 from gputrace.whatif.advise import Advice, advisor
@@ -103,13 +104,14 @@ DEFAULTS = Sweep("defaults", (1, 32), 512)
 FIRST_TRIES = (Sweep("k64", (32, 48), 4096, tuple(FIRST_TRY.items())),
                Sweep("k64-2048", (32, 64), 2048, tuple(FIRST_TRY.items()), tuple(EARLY_END.items())))
 QUICK_FIRST_TRIES = (Sweep("k64", (32,), 4096, tuple(FIRST_TRY.items())),)
-# The engine flags a finding can name, as the simulator's parameters that make them.
-FLAG_PARAMS = {"--pp-max-micro-batch-size": "pp_max_micro_batch_size",
-               "--max-running-requests": "max_running_requests",
-               "--decode-log-interval": "decode_log_interval",
-               "--pp-async-batch-depth": "pp_async_batch_depth",
-               "--max-prefill-tokens": "max_prefill_tokens",
-               "--chunked-prefill-size": "chunked_prefill_size"}
+# The knobs of the simulated engine a demo applies when a finding names them: K, the pool, the
+# async depth, the log interval and the prefill budget (the demo shows these; the advice searches
+# the rest)
+DEMO_KNOBS = ("pp_max_micro_batch_size", "max_running_requests", "decode_log_interval",
+              "pp_async_batch_depth", "max_prefill_tokens", "chunked_prefill_size")
+# their flags (as a finding names them) -> the simulator's parameters that make them
+FLAG_PARAMS = {knob.flag: knob.sim_param or knob.name for knob in engine_words(SimParams().engine).knobs
+               if knob.name in DEMO_KNOBS}
 # Every simulated engine logs as the README asks of a real one: every decode step. With the
 # simulator's own default (every 9th) the first report a user saw carried a sampling caveat.
 LOGGED_AS_ADVISED = {"decode_log_interval": 1}

@@ -518,8 +518,9 @@ def rule_prefill_burst(c: PhaseContext) -> Finding | None:
     # where the turns the budget ended admitted most of the load, theirs (a burst's first arrivals
     # start a turn alone before the rest land)
     prompt, budget = pf.tokens_per_turn_mean / pf.seqs_per_turn_mean, pf.budget_tokens
-    budget_bound = pf.seqs_per_full_turn is not None and pf.seqs_in_full_turns >= BURST_FULL_TURNS_SHARE * load
-    per_turn = round(pf.seqs_per_full_turn if budget_bound and pf.seqs_per_full_turn else pf.seqs_per_turn_mean)
+    full = pf.seqs_per_full_turn
+    budget_bound = full is not None and pf.seqs_in_full_turns >= BURST_FULL_TURNS_SHARE * load
+    per_turn = round(full if budget_bound and full else pf.seqs_per_turn_mean)
     slots = c.slots
     packed = -(-round(load) // per_turn) if per_turn else 0
     if not (1 <= per_turn <= k and per_turn < load - 0.5 and load >= slots - 0.5 and packed < slots
