@@ -149,13 +149,14 @@ def command(out: Path, quick: bool, nodes: int) -> None:
     # the report's first screen, as text: the cause in the engine's words, what K=64 would do,
     # the one answer, the busy heatmap, then the tables
     cause = result.cause()
+    # one line each, however wide (the first line is the cause, whole)
     out_console.print(f"Cause: {cause}" if cause else "Cause: no finding names a setting", style="bold",
-                      highlight=False, markup=False)
+                      highlight=False, markup=False, soft_wrap=True)
     first_try = first_try_line(result)
     if first_try:
-        out_console.print(first_try, highlight=False, markup=False)
+        out_console.print(first_try, highlight=False, markup=False, soft_wrap=True)
     effect = advice_effect(result)
-    out_console.print(effect[0], style="bold", highlight=False, markup=False)
+    out_console.print(effect[0], style="bold", highlight=False, markup=False, soft_wrap=True)
     out_console.print(f"time scaled: the live runs' simulated engine ran {result.speed:g}x the wall clock "
                       f"(their reports' tok/s are {result.speed:g}x); the first tries ran on the "
                       "simulator's own clock; every tok/s below is in the deployment's time", highlight=False)
