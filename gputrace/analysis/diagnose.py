@@ -501,7 +501,7 @@ BURST_FULL_TURNS_SHARE = 0.5  # or of the load, admitted by turns the budget end
 
 
 def rule_prefill_burst(c: PhaseContext) -> Finding | None:
-    """A burst admitted budget-at-a-time lands in fewer micro-batches than stages: SGLang's
+    """A burst admitted budget-at-a-time lands in fewer micro-batches than stages. SGLang's
     prefill turn takes waiting prompts while its token budget lasts, so a turn admits
     budget // prompt of them (the motivating deployment: 8,192 tokens, prompts of 1,024, 8 a
     turn) and each turn fills one slot's micro-batch; 32 requests then run as 4 micro-batches for

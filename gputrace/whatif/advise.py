@@ -282,8 +282,9 @@ def changes_of(model: FittedModel, change: Mapping[str, Any]) -> tuple[AdvisedSe
     out = []
     for knob, value in change.items():
         if knob == "max_prefill_tokens" and ("chunked_prefill_size" in change and (
-                model.params.engine == "vllm" or value == model.params.max_prefill_tokens)):
-            continue  # rides with the chunk: vLLM's one budget, or SGLang's left as it ran
+                engine_words(model.params.engine).knob_of_param(knob) is None
+                or value == model.params.max_prefill_tokens)):
+            continue  # rides with the chunk: the engine's one budget (vLLM's), or SGLang's left as it ran
         c = to_change(model, knob, value)
         if c is None:
             return None

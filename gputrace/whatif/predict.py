@@ -28,14 +28,14 @@ CHANGEABLE = ("pp_max_micro_batch_size", "max_running_requests", "pp_async_batch
 # The settings a finding's change can name that the simulator takes as they are.
 SIMULATED_KNOBS = frozenset({"pp_max_micro_batch_size", "max_running_requests", "decode_log_interval",
                              "pp_async_batch_depth", "max_total_num_tokens"})
-# The load's lengths: a change of them replaces the run's recorded requests with drawn ones
-LENGTH_KEYS = frozenset({"input_tokens", "max_tokens", "input_tokens_jitter", "output_tokens_jitter"})
 # gputrace's names of the engines' knobs a user can set
 SETTING_NAMES = frozenset(k.name for w in ENGINE_WORDS.values() for k in w.knobs if k.settable)
 # What a what-if may change beside the engine's knobs (which the run's engine names, from the
 # registry in gputrace/engines/): the cost model's layer split, the link, and the load.
 MODEL_AND_LOAD = tuple(k for k in CHANGEABLE if k not in SETTING_NAMES)
 LOAD_WORDS = "concurrency, input_tokens, max_tokens"
+# The load's lengths: a change of them replaces the run's recorded requests with drawn ones
+LENGTH_KEYS = frozenset({"input_tokens", "max_tokens", "input_tokens_jitter", "output_tokens_jitter"})
 # A healthy link between adjacent stages (what "use NVLink or a full PCIe link" buys): the
 # simulator's default, a PCIe gen4 x16 link's payload rate.
 HEALTHY_LINK = {"pcie_bandwidth_bytes_per_s": SimParams().pcie_bandwidth_bytes_per_s,
