@@ -497,7 +497,10 @@ def rule_prefill_budget(c: PhaseContext) -> Finding | None:
 
 
 PREFILL_BURST_FILL = 0.75  # of the budget, a phase's prefill turns' mean: the budget, not K, ends them
-BURST_FULL_TURNS_SHARE = 0.5  # or of the load, admitted by turns the budget ended
+# or of the phase's admissions, by turns the budget ended: a burst's (the demo's live C=32: 30 of 32;
+# a burst whose first request lands alone: 31 of 32), not a closed loop's, whose replacements
+# trickle in one or two a turn (bunched and bunched-at-pool: 32 of 66, their first turn)
+BURST_FULL_TURNS_SHARE = 0.75
 
 
 def rule_prefill_burst(c: PhaseContext) -> Finding | None:
@@ -519,7 +522,7 @@ def rule_prefill_burst(c: PhaseContext) -> Finding | None:
     # start a turn alone before the rest land)
     prompt, budget = pf.tokens_per_turn_mean / pf.seqs_per_turn_mean, pf.budget_tokens
     full = pf.seqs_per_full_turn
-    budget_bound = full is not None and pf.seqs_in_full_turns >= BURST_FULL_TURNS_SHARE * load
+    budget_bound = full is not None and pf.seqs_in_full_turns >= BURST_FULL_TURNS_SHARE * pf.seqs_in_turns
     per_turn = round(full if budget_bound and full else pf.seqs_per_turn_mean)
     slots = c.slots
     packed = -(-round(load) // per_turn) if per_turn else 0

@@ -150,6 +150,7 @@ class PrefillFigures:
     # 8, 8, 7), so the mean turn understates what the budget admits
     seqs_per_full_turn: float | None = None
     seqs_in_full_turns: float = 0.0
+    seqs_in_turns: float = 0.0  # #new-seq over all the phase's turns
 
 
 def prefill_budget(engine: Any) -> int | None:
@@ -191,7 +192,8 @@ def _full_turns(tokens: np.ndarray, seqs: np.ndarray, budget: int | None,
     full = (np.nan_to_num(tokens) > budget - prompt_tokens) & np.isfinite(seqs)
     if not full.any():
         return {}
-    return {"seqs_per_full_turn": float(np.mean(seqs[full])), "seqs_in_full_turns": float(np.sum(seqs[full]))}
+    return {"seqs_per_full_turn": float(np.mean(seqs[full])), "seqs_in_full_turns": float(np.sum(seqs[full])),
+            "seqs_in_turns": float(np.nansum(seqs))}
 
 
 @dataclass
