@@ -108,6 +108,24 @@ def _motivating_burst(k: int | None, **overrides: Any) -> dict[str, Any]:
             "drain_s": 0.0, **overrides}
 
 
+def test_a_burst_whose_first_request_lands_alone_is_read_by_the_turns_the_budget_ended(
+        tmp_path: Path) -> None:
+    """A burst sent one request after another: the first lands alone and takes a turn of its own
+    (the demo's live C=32: turns of 1, 1, 7, 8, 8, 7), the rest wait for the budget. The finding
+    reads what the turns the budget ended admitted, 8 prompts a turn, not the mean turn (6.4)."""
+    late = (0.0, *([0.1] * 31))  # the first prompt's turn takes 0.22 s on stage 0
+    a = _analysed(tmp_path, _motivating_burst(None, burst_offsets_s=late))
+    (found,) = [f for f in a.findings if f.cause == "prefill_burst"]
+    (pm,) = a.metrics
+    assert pm.prefill is not None and pm.prefill.seqs_per_turn_mean == pytest.approx(6.4)
+    # the turns of 8, and the 7 that took the rest
+    assert pm.prefill.seqs_per_full_turn is not None and 7.5 <= pm.prefill.seqs_per_full_turn <= 8
+    assert pm.prefill.seqs_in_full_turns >= 24
+    assert found.evidence["prompts_per_turn"] == 8 and found.evidence["microbatches_packed"] == 4
+    assert "admits 8 prompts per turn, so 32 requests run as 4 micro-batches for 8 stages" in found.summary
+    assert found.change is not None and found.change.value == 3584
+
+
 @pytest.mark.parametrize("k", [None, 64])
 def test_a_burst_admitted_budget_at_a_time_is_named_in_the_engineers_words(tmp_path: Path,
                                                                            k: int | None) -> None:
