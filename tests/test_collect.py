@@ -191,8 +191,8 @@ def test_a_bad_mark_is_refused_where_it_enters(body: dict[str, object], reason: 
     from gputrace.collect import marker_from_json
 
     with pytest.raises(ValueError, match=reason):
-        marker_from_json(body, default_host="client")
-    assert marker_from_json({"label": "C=8", "target_concurrency": 8}, "client").target_concurrency == 8
+        marker_from_json(body, default_host="client", now_ns=1)
+    assert marker_from_json({"label": "C=8", "target_concurrency": 8}, "client", now_ns=1).target_concurrency == 8
 
 
 def test_bad_marks_and_values_are_refused_and_the_capture_goes_on(tmp_path: Path) -> None:
