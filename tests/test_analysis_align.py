@@ -11,8 +11,9 @@ from analysis_synth import Level, SynthRun, build, synth_tables
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gputrace.analysis import aligned
-from gputrace.analysis.align import (
+from gputrace.analysis import aligned_run as aligned
+from gputrace.analysis.aligned_run import align, align_store
+from gputrace.analysis.clocks_and_grid import (
     clock_model,
     count_in_flight,
     coverage_ratio,
@@ -23,7 +24,6 @@ from gputrace.analysis.align import (
     sample_period_ns,
     stage_mapping,
 )
-from gputrace.analysis.aligned import align, align_store
 from gputrace.analysis.result import analyse_store, analyse_tables
 from gputrace.model import EngineConfig
 from gputrace.run_tables import ClockProbeColumns, EngineSettings, GpuExtents, GpuSampleColumns, GpuSamples

@@ -15,7 +15,7 @@ from analysis_synth import T0, Level, SynthRun, build
 from helpers import analyse, cli
 from matplotlib.lines import Line2D
 
-from gputrace.analysis.aligned import gpu_metrics_on_grid
+from gputrace.analysis.aligned_run import gpu_metrics_on_grid
 from gputrace.analysis.result import Analysis, analyse_store
 from gputrace.report.document import STAGE_COLUMNS, phase_stage_table, shown_columns, stage_columns
 from gputrace.report.figures import (

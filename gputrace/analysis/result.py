@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from gputrace.analysis.aligned import AlignedRun, align
+from gputrace.analysis.aligned_run import AlignedRun, align
 from gputrace.analysis.diagnose import Finding, Thresholds, diagnose
 from gputrace.analysis.engine_metrics import (
     COMPARED,
