@@ -446,7 +446,7 @@ def test_samples_of_an_agent_named_otherwise_are_filed_under_the_configured_host
     hostname) has its samples filed under the configured host, which its devices and the stage
     mapping use: every stage gets its busy figure ([robust] #4: every sample was dropped and the
     report said 'healthy')."""
-    from gputrace.analysis.result import analyse_store
+    from gputrace.analyse import analyse_run
 
     with sim_agent("gpu-box-17") as agent_port:
         log = tmp_path / "sglang.log"
@@ -465,7 +465,7 @@ def test_samples_of_an_agent_named_otherwise_are_filed_under_the_configured_host
     assert b"agent names its host differently" in err
     with Store.open(tmp_path / "run", read_only=True) as store:
         assert store.sql("SELECT DISTINCT host FROM gpu_samples") == [("node0",)]
-        analysis = analyse_store(store)
+        analysis = analyse_run(store, effects=False)
     assert all(s.busy_fraction is not None for pm in analysis.metrics for s in pm.stages)
 
 
@@ -621,7 +621,7 @@ def test_a_missing_log_shows_as_failing_in_health_status_watch_and_report(
     names the source and the reason, `watch` draws it, and the report notes it (all said ok)."""
     from rich.console import Console
 
-    from gputrace.analysis.result import analyse_store
+    from gputrace.analyse import analyse_run
     from gputrace.report.render import write_report
     from gputrace.vocabulary import LiveStatus
     from gputrace.watch import render_status
@@ -649,7 +649,7 @@ def test_a_missing_log_shows_as_failing_in_health_status_watch_and_report(
     with Store.open(tmp_path / "run", read_only=True) as store:
         problems = store.meta.extra["collector"]["source_problems"]
         assert [(p["source"], p["until_ns"]) for p in problems] == [("log node0", None)]
-        write_report(analyse_store(store), tmp_path / "report", formats=["md", "json"])
+        write_report(analyse_run(store, effects=False), tmp_path / "report", formats=["md", "json"])
     note = f"capture problem: log node0: {missing}: no such file"
     assert note in (tmp_path / "report" / "report.md").read_text()
     notes = json.loads((tmp_path / "report" / "findings.json").read_text())["notes"]
@@ -718,7 +718,7 @@ def test_an_agent_killed_during_collect_is_a_503_and_a_noted_gap(tmp_path: Path)
     """[robust] 7: SIGKILL of the agent while `collect` runs: /healthz is 503 naming the agent within
     15 s, 200 again once it is back, and the GPU gap is in meta.json and the report (it said 200
     with no problem, and the 20 s without samples went unnoted)."""
-    from gputrace.analysis.result import analyse_store
+    from gputrace.analyse import analyse_run
     from gputrace.report.render import write_report
 
     agent_port = free_port()
@@ -749,7 +749,7 @@ def test_an_agent_killed_during_collect_is_a_503_and_a_noted_gap(tmp_path: Path)
         assert len(gaps) == 1 and gaps[0]["until_ns"] is not None
         # the gap runs from the kill (once noticed) to the agent answering again
         assert killed_ns <= gaps[0]["since_ns"] <= restarted_ns <= gaps[0]["until_ns"]
-        write_report(analyse_store(store), tmp_path / "report", formats=["md"])
+        write_report(analyse_run(store, effects=False), tmp_path / "report", formats=["md"])
     assert "capture problem: agent node0: the agent does not answer" in (
         tmp_path / "report" / "report.md").read_text()
 

@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 from live_chain import free_port, http_ok, wait_until
 
-from gputrace.analysis.result import analyse_store
+from gputrace.analyse import analyse_run
 from gputrace.collect import CollectOptions, Collector
 from gputrace.config import parse_config
 from gputrace.errors import ConfigError
@@ -124,7 +124,7 @@ async def test_collect_stores_the_engine_metrics_of_a_live_engine(sim: SimServer
     assert proc.returncode == 0, err.decode()
     with Store.open(tmp_path / "run", read_only=True) as store:
         rows = store.sql("SELECT name, labels_json, count(*), max(value) FROM engine_metrics GROUP BY ALL")
-        analysis = analyse_store(store)
+        analysis = analyse_run(store, effects=False)
     ranks = {json.loads(labels)["pp_rank"] for name, labels, _, _ in rows
              if name == "sglang:num_running_reqs"}
     assert ranks == {str(s) for s in range(8)}
@@ -179,7 +179,7 @@ async def test_metrics_that_disagree_with_the_log_are_reported(sim: SimServer, t
     finally:
         await collector.stop()
         await runner.cleanup()
-    analysis = analyse_store(store)
+    analysis = analyse_run(store, effects=False)
     store.close()
     note = next(n for n in analysis.notes if n.startswith("C=32: engine metrics say"))
     assert "0.0 requests waiting on average, the log says" in note

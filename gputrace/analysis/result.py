@@ -261,9 +261,3 @@ def analyse_tables(tables: RunTables, th: Thresholds = DEFAULT_THRESHOLDS,
                      else [])
     analysis = analyse_aligned(align(tables), th, progress, engine_series)
     return with_notes(analysis, table_notes(tables.meta.extra, tables.engine_metrics, analysis))
-
-
-def analyse_store(store: RunSource, th: Thresholds = DEFAULT_THRESHOLDS,
-                  progress: Callable[[str], None] | None = None) -> Analysis:
-    """Read, align and diagnose a run store."""
-    return analyse_tables(store.read_run(engine_metric_names=COMPARED), th, progress)
