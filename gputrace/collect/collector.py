@@ -20,28 +20,21 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
-import numpy as np
-
 from gputrace.agent.client import HISTORY_MARGIN_S, AgentClient
+from gputrace.collect.http_api import CollectorApi
 from gputrace.collect.marks import MarkWriter
 from gputrace.collect.problems import SourceProblems
-from gputrace.collect.run_store import lost_on_stop
+from gputrace.collect.run_store import log_clock_offsets, lost_on_stop
 from gputrace.config import Config, HostConfig
 from gputrace.engines import LogParser
-from gputrace.errors import ConfigError, GputraceError, SourceError, StoreError, StoreWriteError, UsageError
-from gputrace.exposition import metrics_handler
+from gputrace.errors import ConfigError, GputraceError, SourceError, StoreWriteError, UsageError
 from gputrace.httpserver import (
     HttpLimits,
     HttpListener,
-    bearer_auth,
-    has_token,
     is_loopback,
     parse_listen,
-    require_token_beyond_loopback,
-    web,
 )
-from gputrace.live import LiveCollector, LiveState
-from gputrace.log_clock import LogClockOffset, log_clock_offset
+from gputrace.live import LiveState
 from gputrace.logsetup import get_logger
 from gputrace.model import DeviceInfo, EngineConfig, Marker, RequestRecord, SchedulerEvent
 from gputrace.remote.clock import probe_clock
@@ -137,7 +130,10 @@ class Collector:
             topo.pp_size, topo.tp_size, topo.dp_size, self.placements,
             "explicit" if topo.placements else "sglang-formula"))
         if self.options.listen:
-            await self._start_http(self.options.listen)
+            api = CollectorApi(self.live, self.marks, self.status, self.problems, self._failures,
+                               token=self.options.http_token, insecure=self.options.insecure,
+                               limits=self.options.http_limits)
+            self._listener, self.url = await api.start(self.options.listen)
         # The writer flushes from the first record: the first hosts deliver while the others connect
         # (32 hosts connected one after another on a busy 2-core box held 67,000 rows unwritten).
         self._tasks.append(self._spawn(self._flush_loop(), "flush"))
@@ -260,37 +256,13 @@ class Collector:
                 "store_outages": outages, "log_gaps": self.source_problems.log_gaps,
                 "dropped_records": dict(writer.dropped), "unwritten_records": unwritten,
                 "stopped_ns": stopped_ns,
-                "log_clock": [found.to_dict() for found in self._log_clock_offsets()]}})
+                "log_clock": [found.to_dict() for found in log_clock_offsets(self.store)]}})
         except StoreWriteError as exc:
             meta_error = str(exc)
             log.error("meta_not_updated", error=meta_error)
         if unwritten:
             self.lost_on_stop = lost_on_stop(self.store.path, unwritten, writer.write_error, meta_error)
         log.info("collector_stopped", run=str(self.store.path), **self.live.counts)
-
-    def _log_clock_offsets(self) -> list[LogClockOffset]:
-        """Each followed log whose stamps run more than a minute from when its lines arrived (an
-        engine logging local time read as UTC put every line hours off, and nothing said so)."""
-        try:
-            table = self.store.log_and_receive_times()
-        except StoreError as exc:
-            log.warning("log_clock_not_checked", error=str(exc))
-            return []
-        if not table.num_rows:
-            return []
-        hosts = table.column("host").to_numpy(zero_copy_only=False)
-        sources = table.column("source").to_numpy(zero_copy_only=False)
-        log_ts = table.column("log_ts_ns").to_numpy().astype(np.float64)
-        recv = table.column("recv_ts_ns").to_numpy().astype(np.float64)
-        found = []
-        for host, source in sorted(set(zip(hosts.tolist(), sources.tolist(), strict=True))):
-            sel = (hosts == host) & (sources == source)
-            offset = log_clock_offset(f"{host} {source}", log_ts[sel], recv[sel])
-            if offset is not None:
-                log.warning("log_clock_disagrees", source=offset.source, offset_s=round(offset.offset_s),
-                            suggested_timezone=offset.suggested_timezone())
-                found.append(offset)
-        return found
 
     async def start_unless(self, stop: asyncio.Event) -> bool:
         """``start``, ended early when ``stop`` is set (the readiness wait included): False then.
@@ -498,46 +470,6 @@ class Collector:
             self.live.on_marker(record)
         else:
             self.live.on_request(record)
-
-    # -- HTTP: /metrics, /v1/mark, /v1/status ---------------------------------------------------
-
-    async def _start_http(self, listen: str) -> None:
-        host, port = parse_listen(listen, example_port=9401)
-        token = self.options.http_token or None
-        require_token_beyond_loopback(
-            host, token, self.options.insecure,
-            refusal=f"--listen {listen}: listening beyond loopback needs a token (--token-file) or "
-                    "--insecure",
-            warning="collector endpoints open to the network without authentication (--insecure): "
-                    "anyone who reaches the port can post marks", listen=listen)
-        app = web.Application(middlewares=[bearer_auth(token, "gputrace-collector")] if token else [])
-        app.router.add_get("/metrics", metrics_handler(LiveCollector(self.live), auto_describe=True))
-        app.router.add_post("/v1/mark", self.marks.handle)
-        app.router.add_get("/v1/status", self._status)
-        app.router.add_get("/healthz", self._healthz)
-        listener = HttpListener(app, "collector", self.options.http_limits)
-        try:
-            bound = await listener.start(host, port)
-        except OSError as exc:
-            raise UsageError(f"--listen {listen}: cannot listen: {exc.strerror}") from exc
-        self._listener = listener
-        self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{bound}"
-        log.info("collector_listening", url=self.url)
-
-    async def _status(self, request: web.Request) -> web.Response:
-        return web.json_response(self.status().to_dict())
-
-    async def _healthz(self, request: web.Request) -> web.Response:
-        """200 while every source delivers and the store takes what they send; 503 with the
-        problems otherwise (a full disk said ok while every sample was kept in memory only). Open
-        without the token, as the agent's is; then it says only whether."""
-        problems = self.problems()
-        status = 503 if problems else 200
-        if not has_token(request, self.options.http_token or None):
-            return web.json_response({"ok": not problems}, status=status)
-        return web.json_response({"ok": not problems, "problems": [p.to_dict() for p in problems],
-                                  "failures": self._failures},
-                                 status=status)
 
 
 @contextlib.contextmanager

@@ -12,8 +12,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from gputrace.config import Config
+from gputrace.errors import StoreError
+from gputrace.log_clock import LogClockOffset, log_clock_offset
+from gputrace.logsetup import get_logger
 from gputrace.store import Store
+
+log = get_logger("collect")
 
 
 def lost_on_stop(run: Path, unwritten: dict[str, dict[str, Any]], error: str | None,
@@ -59,3 +66,28 @@ def open_run_store(out: Path, cfg: Config) -> Iterator[Store]:
             store.close()
         raise
     store.close()
+
+
+def log_clock_offsets(store: Store) -> list[LogClockOffset]:
+    """Each followed log whose stamps run more than a minute from when its lines arrived (an
+    engine logging local time read as UTC put every line hours off, and nothing said so)."""
+    try:
+        table = store.log_and_receive_times()
+    except StoreError as exc:
+        log.warning("log_clock_not_checked", error=str(exc))
+        return []
+    if not table.num_rows:
+        return []
+    hosts = table.column("host").to_numpy(zero_copy_only=False)
+    sources = table.column("source").to_numpy(zero_copy_only=False)
+    log_ts = table.column("log_ts_ns").to_numpy().astype(np.float64)
+    recv = table.column("recv_ts_ns").to_numpy().astype(np.float64)
+    found = []
+    for host, source in sorted(set(zip(hosts.tolist(), sources.tolist(), strict=True))):
+        sel = (hosts == host) & (sources == source)
+        offset = log_clock_offset(f"{host} {source}", log_ts[sel], recv[sel])
+        if offset is not None:
+            log.warning("log_clock_disagrees", source=offset.source, offset_s=round(offset.offset_s),
+                        suggested_timezone=offset.suggested_timezone())
+            found.append(offset)
+    return found
