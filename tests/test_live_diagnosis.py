@@ -72,3 +72,22 @@ def test_the_live_view_names_the_cause_the_report_names(tmp_path: Path, scenario
             seen.append((pm.label, report, finding_cause(live.status().finding or "")))
     assert [(label, cause) for label, cause, _ in seen] == [(label, cause) for label, _, cause in seen]
     assert any(cause != "no finding now" for _, cause, _ in seen) or scenario == "healthy"
+
+
+def test_watch_marks_a_bubble_by_the_reports_threshold() -> None:
+    """`watch` draws a stage's bubble red where the report's diagnosis counts it
+    (Thresholds.bubble_material), not at a threshold of its own (it was 0.3: a 20 % bubble the
+    report diagnoses was drawn plain)."""
+    from rich.table import Table
+
+    from gputrace.analysis.result import DEFAULT_THRESHOLDS
+    from gputrace.vocabulary import LiveStatus
+    from gputrace.watch import render_status
+
+    material = DEFAULT_THRESHOLDS.bubble_material
+    stages = tuple({"pp_rank": pp, "gpus": [f"node0:{pp}"], "busy_ratio": 0.5, "bubble_ratio": bubble}
+                   for pp, bubble in enumerate((0.2, material / 2)))
+    drawn = render_status(LiveStatus("run", stages=stages, pp_size=2))
+    (table,) = [r for r in drawn.renderables if isinstance(r, Table)]
+    (bubble_column,) = [c for c in table.columns if c.header == "bubble"]
+    assert [getattr(cell, "style", None) for cell in bubble_column.cells] == ["red", ""]
