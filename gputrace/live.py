@@ -429,7 +429,8 @@ class LiveState:
     def finding(self, engine: EngineNow | None = None, stages: list[dict[str, Any]] | None = None,
                 th: Thresholds = DEFAULT_THRESHOLDS) -> str:
         """The report's diagnosis of the last ``window_s`` in one line (see ``current_finding``)."""
-        engine = engine or self.engine_now(self._recent_busy(0, ENGINE_BUSY_WINDOW_S))
+        if engine is None:
+            engine = self.engine_now(self._recent_busy(0, ENGINE_BUSY_WINDOW_S))
         stages = self.stages() if stages is None else stages
         cutoff = self.clock_ns() - int(self.window_s * 1e9)
         lines = {pp: [row for row in rows if row[0] >= cutoff] for pp, rows in self.stage_lines.items()}
