@@ -296,3 +296,29 @@ async def test_a_non_utf8_token_or_a_deeply_nested_mark_is_a_4xx_without_a_trace
     assert good.startswith(b"HTTP/1.1 200 "), good[:300]
     assert [r.getMessage() for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")] == []
     assert collector.store.sql("SELECT label FROM markers") == [("C=8",)]
+
+
+async def test_marks_and_problems_are_dated_and_named_by_the_injected_clock_and_hostname(
+        tmp_path: Path, start_collector: Start) -> None:
+    """A mark posted without a time or host is stored at the collector's clock under its hostname,
+    a source's problem opens and closes at that clock's times, and the stop is stamped on it: a
+    test reads them exactly (they were time.time_ns() and socket.gethostname())."""
+    log = tmp_path / "later.log"
+    clock = FakeClock(1_800_000_000 * 10**9)
+    collector = await start_collector(config(tmp_path, {"n0": log}), clock_ns=clock, hostname="client-7",
+                                      options={"listen": "127.0.0.1:0", "ready_timeout_s": 0.5})
+    await until(lambda: collector.problems(), "the missing log among the problems")
+    opened_ns = clock()
+    clock.advance(5.0)
+    log.write_text(decode_lines(0, 1))
+    await until(lambda: not collector.problems(), "the log found")
+    async with aiohttp.ClientSession() as session, \
+            session.post(f"{collector.url}/v1/mark", json={"label": "C=4"}) as resp:
+        assert resp.status == 200 and (await resp.json())["ts_ns"] == clock()
+    assert collector.store.sql("SELECT host, ts_ns, label FROM markers") == [("client-7", clock(), "C=4")]
+    (problem,) = collector.source_problems.seen
+    assert (problem.source, problem.since_ns) == ("log n0", opened_ns)
+    assert problem.until_ns == opened_ns + 5 * 10**9
+    clock.advance(1.0)
+    await collector.stop()
+    assert collector.store.meta.extra["collector"]["stopped_ns"] == clock()
