@@ -30,8 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from gputrace.engines import fastpath
-from gputrace.engines.common import LogClock
+from gputrace.engines.common import LogClock, join_chunks
+from gputrace.engines.sglang import fastpath
 from gputrace.imports.engine_log import ingest_log, read_chunks
 from gputrace.store import Store
 
@@ -160,7 +160,7 @@ def parse_and_store_apart(path: Path, root: Path) -> tuple[float, float, int]:
     scan_cpu = cpu_s() - start
     parts = [r.columns for r in results if r.n_fast]
     columns: dict[str, object] = {name: chunks.combine_chunks()
-                                  for name, chunks in fastpath.join_chunks(parts).items()}
+                                  for name, chunks in join_chunks(parts).items()}
     n_rows = sum(r.n_fast for r in results)
     columns.update(host="node0", source=str(path), engine="sglang")
     store = Store.create(root / f"run-{time.monotonic_ns()}")

@@ -47,8 +47,10 @@ from typing import Any
 from urllib.parse import urlsplit
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+from gputrace.engines import ENGINE_WORDS, engine_words
+from gputrace.engines.common import EngineWords
 from gputrace.errors import ConfigError
-from gputrace.topology import MAX_GPU_INDEX, MAX_GPUS, MAX_PARALLEL_SIZE, Placement, sglang_placements
+from gputrace.topology import MAX_GPU_INDEX, MAX_GPUS, MAX_PARALLEL_SIZE, Placement
 
 LOG_KINDS = ("file", "journald", "docker", "command")
 # A request in flight holds one connection to the server (gputrace load opens one per request),
@@ -57,7 +59,7 @@ LOG_KINDS = ("file", "journald", "docker", "command")
 MAX_CONCURRENCY = 65_535
 # File descriptors kept for what is not a request: the store, logs, marker posts, the event loop.
 _FDS_KEPT = 64
-ENGINES = ("sglang", "vllm")
+ENGINES = tuple(ENGINE_WORDS)  # the engines a log source may name (gputrace/engines/)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,15 +133,27 @@ class Config:
     load: LoadConfig | None = None
     raw: Mapping[str, Any] = field(default_factory=dict)
 
+    @property
+    def engine(self) -> EngineWords:
+        """The engine the hosts' logs name (the first that names one gputrace knows; SGLang's
+        where none does, as for a run whose log names none)."""
+        named = [h.log.engine for h in self.hosts if h.log is not None and h.log.engine in ENGINE_WORDS]
+        return engine_words(named[0] if named else None)
+
+    @property
+    def placement_source(self) -> str:
+        """How the GPUs' ranks were found, as meta.json's topology.source says it."""
+        return "explicit" if self.topology.placements else self.engine.placement_source
+
     def placements(self) -> list[Placement]:
-        """The explicit table when the config has one, else SGLang's rule per host's node_rank."""
+        """The explicit table when the config has one, else the engine's rule per host's node_rank."""
         topo = self.topology
         if topo.placements:
             return list(topo.placements)
         return [p for host in self.hosts
-                for p in sglang_placements(host.name, pp_size=topo.pp_size, tp_size=topo.tp_size,
-                                           nnodes=topo.nnodes, node_rank=host.node_rank,
-                                           base_gpu_id=topo.base_gpu_id, gpu_id_step=topo.gpu_id_step)]
+                for p in self.engine.placements(host.name, pp_size=topo.pp_size, tp_size=topo.tp_size,
+                                                nnodes=topo.nnodes, node_rank=host.node_rank,
+                                                base_gpu_id=topo.base_gpu_id, gpu_id_step=topo.gpu_id_step)]
 
 
 class _Section:

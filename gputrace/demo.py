@@ -29,8 +29,10 @@ from typing import Any
 from gputrace.analyse import analyse_run
 from gputrace.analysis.predicted import PredictedEffect
 from gputrace.analysis.result import Analysis
+from gputrace.engines import engine_words
 from gputrace.errors import GputraceError, SourceError, UsageError
 from gputrace.report.render import write_report
+from gputrace.sim.params import SimParams
 from gputrace.store import Store
 from gputrace.whatif.advise import Advice, advisor
 from gputrace.whatif.fit import FittedModel, fit_model
@@ -55,11 +57,13 @@ class DemoPlan:
 
 
 SCENARIO = "motivating"
-# The engine flags a finding can name, as the simulator's parameters that make them.
-FLAG_PARAMS = {"--pp-max-micro-batch-size": "pp_max_micro_batch_size",
-               "--max-running-requests": "max_running_requests",
-               "--decode-log-interval": "decode_log_interval",
-               "--pp-async-batch-depth": "pp_async_batch_depth"}
+# The knobs of the simulated engine a demo applies when a finding names them: K, the pool, the
+# async depth and the log interval (the demo shows these; the advice searches the rest)
+DEMO_KNOBS = ("pp_max_micro_batch_size", "max_running_requests", "decode_log_interval",
+              "pp_async_batch_depth")
+# their flags (as a finding names them) -> the simulator's parameters that make them
+FLAG_PARAMS = {knob.flag: knob.sim_param or knob.name for knob in engine_words(SimParams().engine).knobs
+               if knob.name in DEMO_KNOBS}
 FIRST_TRY = {"pp_max_micro_batch_size": 64}  # what people set first when the log says 8 running
 # Every simulated engine logs as the README asks of a real one: every decode step. With the
 # simulator's own default (every 9th) the first report a user saw carried a sampling caveat.

@@ -37,7 +37,7 @@ from gputrace.analysis.engine_metrics import LOOP_SERIES, EngineBusy, MetricSeri
 from gputrace.analysis.phase_figures import BUSY_SIGNALS, PhaseMetrics, StageMetrics, busy_and_bubble
 from gputrace.analysis.result import DEFAULT_THRESHOLDS  # the report's thresholds, the same object
 from gputrace.analysis.schedule import engine_totals, line_sizes
-from gputrace.engines import engine_words
+from gputrace.engines import engine_words, sglang
 from gputrace.exposition import Collector, Metric, family
 from gputrace.model import (
     ClockProbe,
@@ -384,9 +384,9 @@ class LiveState:
         tells the count when every micro-batch has the same size, as the report's reading does."""
         cfg = self.settings
         pp = self.pp_size or 1
-        slots = pp + cfg.get("pp_async_batch_depth", 0)
+        slots = sglang.slot_count(pp, cfg.get("pp_async_batch_depth"))
         pool = cfg.get("max_running_requests")
-        k = cfg.get("pp_max_micro_batch_size") or (max(pool // pp, 1) if pool else None)
+        k = cfg.get("pp_max_micro_batch_size") or (sglang.default_microbatch_cap(pool, pp) if pool else None)
         firsts = [r for (_h, p, t, _d), r in self.engine.items() if p == 0 and t == 0]
         queued = _sum(r.queue_req for r in firsts)
         slotted = self.engine_kind is not None and engine_words(self.engine_kind).microbatch_slots

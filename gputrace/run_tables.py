@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from gputrace.engines import engine_kind, sglang
 from gputrace.model import ClockProbe, DeviceInfo, EngineConfig, Marker, RunMeta
 
 GPU_METRICS = ("utilization_ratio", "power_w", "pcie_tx_bytes_per_s", "pcie_rx_bytes_per_s",
@@ -251,9 +252,6 @@ class EngineMetricColumns:
 _SETTING_NAMES = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "fields_json")
 
 
-ENGINE_KINDS = ("sglang", "vllm")
-
-
 @dataclass(frozen=True)
 class EngineSettings(Mapping[str, Any]):
     """The engine's configuration as its log gave it: every config line merged (later lines win,
@@ -304,7 +302,7 @@ class EngineSettings(Mapping[str, Any]):
     @property
     def kind(self) -> str:
         """"sglang" or "vllm" (SGLang when the log named neither)."""
-        return self.engine if self.engine in ENGINE_KINDS else "sglang"
+        return engine_kind(self.engine)
 
     @property
     def runs_on_cpu(self) -> bool:
@@ -321,7 +319,7 @@ class EngineSettings(Mapping[str, Any]):
     def slots_at(self, pp_size: int) -> int:
         """SGLang's micro-batch slots under PP: pp_size + pp_async_batch_depth (0 where not logged).
         ``pp_size`` is the run's (the log's ranks where its configuration line did not say)."""
-        return pp_size + int(self.pp_async_batch_depth or 0)
+        return sglang.slot_count(pp_size, self.pp_async_batch_depth)
 
     @property
     def slot_count(self) -> int | None:
@@ -334,7 +332,7 @@ class EngineSettings(Mapping[str, Any]):
         if self.pp_max_micro_batch_size:
             return int(self.pp_max_micro_batch_size)
         limit = self.admission_limit
-        return None if limit is None else max(limit // pp_size, 1)
+        return None if limit is None else sglang.default_microbatch_cap(limit, pp_size)
 
     def _known(self) -> Iterator[str]:
         for name in (*_SETTING_NAMES, "fields"):

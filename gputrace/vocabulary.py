@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from gputrace.engines import ENGINE_WORDS
 from gputrace.run_tables import EngineSettings
 
 __all__ = ["FLAG_KNOBS", "LOAD_KNOBS", "CaptureProblem", "Cause", "Change", "EngineSettings", "LiveStatus"]
@@ -40,27 +41,15 @@ class Cause(StrEnum):
     CANNOT_TELL = "cannot_tell"
 
 
-FLAG_KNOBS = {
-    "--pp-max-micro-batch-size": "pp_max_micro_batch_size",
-    "--max-running-requests": "max_running_requests",
-    "--max-num-seqs": "max_running_requests",  # vLLM's admission limit, logged under SGLang's name
-    "--pp-async-batch-depth": "pp_async_batch_depth",
-    "--decode-log-interval": "decode_log_interval",
-    "--max-total-tokens": "max_total_num_tokens",
-    # the prefill's token budget: SGLang's chunk and turn budget, vLLM's step budget (logged as
-    # "Chunked prefill is enabled with max_num_batched_tokens=N"), under SGLang's name
-    "--chunked-prefill-size": "chunked_prefill_size",
-    "--max-prefill-tokens": "max_prefill_tokens",
-    "--max-num-batched-tokens": "chunked_prefill_size",
-    "--gpu-memory-utilization": "gpu_memory_utilization",
-    "SGLANG_PP_LAYER_PARTITION": "layer_partition",
-    "link": "link",
-    "cooling/power": "cooling",
-    "client": "client",
-    "concurrency": "concurrency",
-}
+# Changes that are no engine's setting: the hardware and the offered load (how a finding names
+# them -> the setting's name).
+OTHER_CHANGES = {"link": "link", "cooling/power": "cooling", "client": "client", "concurrency": "concurrency"}
+
+FLAG_KNOBS = {**{knob.flag: knob.name for words in ENGINE_WORDS.values() for knob in words.knobs},
+              **OTHER_CHANGES}
 """How a user sets a thing (an engine flag, an environment variable, the hardware, the load) ->
-the setting's name (``EngineSettings``' and the simulator's where they have it)."""
+the setting's name (``EngineSettings``' and the simulator's where they have it): the engines'
+knobs (``gputrace/engines/``) and the other changes."""
 
 LOAD_KNOBS = frozenset({"client", "concurrency"})
 """Settings of the offered load, not of the deployment."""

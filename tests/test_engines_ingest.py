@@ -17,8 +17,9 @@ from helpers import open_paths
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gputrace.engines import fastpath, sglang
+from gputrace.engines import sglang
 from gputrace.engines.common import METRIC_FIELDS, LogClock
+from gputrace.engines.sglang import fastpath
 from gputrace.errors import SourceError
 from gputrace.imports import engine_log as ingest
 from gputrace.imports.engine_log import ingest_log

@@ -283,6 +283,29 @@ def test_vllm_prefill_budget_is_read_and_its_knob_named_in_vllms_words(imported)
     assert "max_num_seqs" in line and "fitting" not in out.stderr
 
 
+VLLM_KNOBS = "max_num_seqs, max_num_batched_tokens, max_total_num_tokens"
+
+
+@pytest.mark.parametrize(("engine", "key", "owner", "knobs"), [
+    ("vllm", "chunked_prefill_size=4096", "SGLang", VLLM_KNOBS),
+    ("vllm", "pp_max_micro_batch_size=4", "SGLang", VLLM_KNOBS),
+    ("vllm", "decode_log_interval=1", "SGLang", VLLM_KNOBS),
+    ("sglang", "max_num_seqs=16", "vLLM", "pp_max_micro_batch_size, max_running_requests"),
+])
+def test_whatif_refuses_a_knob_the_runs_engine_does_not_have(imported, engine: str, key: str, owner: str,  # type: ignore[no-untyped-def]
+                                                             knobs: str) -> None:
+    """[engines] `whatif --set` with another engine's setting on a recorded run: one line that says
+    whose setting it is and names the run's engine's knobs (from the knob registry), exit 2,
+    before any fitting."""
+    run = imported(engine, "default")
+    out = subprocess.run([sys.executable, "-m", "gputrace", "whatif", str(run), "--set", key],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert f"{key.split('=')[0]} is {owner}'s setting" in line and f"its knobs are {knobs}" in line, line
+    assert "fitting" not in out.stderr
+
+
 @pytest.mark.parametrize(("name", "limit"), [("default", 8), ("seqs4", 4)])
 def test_vllm_configuration_is_read_from_its_startup_lines(imported, name: str, limit: int) -> None:  # type: ignore[no-untyped-def]
     """`non-default args: {...}` and `Initializing a V1 LLM engine ... pipeline_parallel_size=2`

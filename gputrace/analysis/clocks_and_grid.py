@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from gputrace.engines import engine_words
-from gputrace.topology import Placement, is_parallel_size, placements_from_meta, sglang_placements
+from gputrace.topology import Placement, is_parallel_size, placements_from_meta
 
 PROBE_BURST_GAP_NS = 5_000_000_000
 """Probes closer than this form one burst; the smallest round trip of a burst is kept."""
@@ -244,7 +244,7 @@ class StageMapping:
 def stage_mapping(topology: Mapping[str, Any], engine_pp_size: int | None,
                   engine_tp_size: int | None, gpu_keys: Sequence[tuple[str, int]],
                   log_pp_ranks: int | None = None, engine: str | None = None) -> StageMapping:
-    """From meta.topology, else SGLang's placement rule on the engine's pp/tp sizes (hosts as
+    """From meta.topology, else the engine's placement rule on its pp/tp sizes (hosts as
     nodes in name order), else one stage per rank the log shows (or one stage for all GPUs)."""
     placements = placements_from_meta(topology) if topology else []
     if placements:
@@ -264,7 +264,8 @@ def stage_mapping(topology: Mapping[str, Any], engine_pp_size: int | None,
         pp, tp, source = 1, n_gpu, "assumed: one stage"
     nnodes = max(len(hosts), 1)
     out = [p for node_rank, host in enumerate(hosts)
-           for p in sglang_placements(host, pp_size=pp, tp_size=tp, nnodes=nnodes, node_rank=node_rank)]
+           for p in engine_words(engine).placements(host, pp_size=pp, tp_size=tp, nnodes=nnodes,
+                                                    node_rank=node_rank)]
     return StageMapping(pp, tp, tuple(out), source)
 
 

@@ -528,7 +528,7 @@ def phase_metrics(run: AlignedRun, series: StageSeries, phase: Phase) -> PhaseMe
     # a log that can hide micro-batches: SGLang's, every interval-th step, the interval sharing a
     # factor with the micro-batch slots (coprime, every micro-batch is logged in turn)
     interval = int(run.engine.get("decode_log_interval") or 1)
-    slots = run.pp_size + int(run.engine.get("pp_async_batch_depth") or 0)
+    slots = run.engine.slots_at(run.pp_size)
     sampled = run.engine.get("engine", "sglang") == "sglang" and math.gcd(interval, slots) > 1
     if sampled and gen is not None and client_tput is not None and abs(gen - client_tput) > \
             client_tput * (THROUGHPUT_ALIAS_RATIO + THROUGHPUT_EDGE_S / max(phase.duration_s, 1.0)):

@@ -127,8 +127,7 @@ class Collector:
         await asyncio.to_thread(warm_up)  # not on the loop once requests and records come
         topo = self.cfg.topology
         self.store.update_meta(topology=topology_to_meta(
-            topo.pp_size, topo.tp_size, topo.dp_size, self.placements,
-            "explicit" if topo.placements else "sglang-formula"))
+            topo.pp_size, topo.tp_size, topo.dp_size, self.placements, self.cfg.placement_source))
         if self.options.listen:
             api = CollectorApi(self.live, self.marks, self.status, self.problems, self._failures,
                                token=self.options.http_token, insecure=self.options.insecure,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import heapq
 import json
 import os
-import re
 import sys
 from collections.abc import Iterator
 from typing import IO
@@ -13,7 +12,7 @@ from typing import IO
 import click
 
 from gputrace.arrow_columns import numbers
-from gputrace.engines import ENGINES, KINDS, LogParser, fastpath, ndjson, vllm
+from gputrace.engines import ENGINES, KINDS, LogParser, fast_path_engine, maybe_line, ndjson
 from gputrace.errors import SourceError
 from gputrace.imports.engine_log import GzipLog, chunk_lines, open_log, read_chunks
 from gputrace.imports.input_path import check_readable
@@ -35,20 +34,18 @@ def _lines_of(path: str, cuts: list[str]) -> Iterator[str]:
         yield from chunk_lines(chunk)
 
 
-# The lines each grammar may read (the others are counted unrecognised without being parsed).
-_MAYBE = {"sglang": fastpath.MAYBE_SGLANG,
-          "auto": re.compile(fastpath.MAYBE_SGLANG.pattern + b"|" + vllm.MAYBE_VLLM.pattern)}
-
-
 def _parse_chunk(parser: LogParser, chunk: bytes, out: IO[str]) -> None:
     """SGLang's current batch lines through the vectorised fast path (their JSON built column by
     column), the rest line by line; the objects come out in the file's order, the same as the
     per-line grammar gives (tested)."""
-    result = fastpath.scan_chunk(chunk, 0, parser.clock, _MAYBE[parser.engine])
+    fast_engine = fast_path_engine(parser.engine)
+    assert fast_engine is not None and fast_engine.fast_path is not None
+    # the lines any grammar of the parser may read (the others are counted unrecognised, unparsed)
+    result = fast_engine.fast_path(chunk, 0, parser.clock, maybe_line(parser.engine))
     fast = None
     if result.n_fast:
         ts_text = ndjson.stamps(chunk, result.line_starts, numbers(result.columns["ts_resolution_ns"]))
-        fast = ndjson.fast_rows_ndjson(result.columns, ts_text, "sglang")
+        fast = ndjson.fast_rows_ndjson(result.columns, ts_text, fast_engine.kind)
         for kind, count in result.kinds.items():
             parser.counts.recognised[kind] += count
     parser.counts.lines += result.n_fast + result.n_rejected
@@ -95,7 +92,7 @@ def _parse_all(paths: tuple[str, ...], engine: str, out: IO[str], fast: bool = T
     for path in paths:
         parser = LogParser(host="", source=path, engine=engine)
         cuts: list[str] = []
-        if fast and engine in ("auto", "sglang"):
+        if fast and fast_path_engine(engine) is not None:
             for chunk in _chunks_of(path, cuts):
                 _parse_chunk(parser, chunk, out)
         else:

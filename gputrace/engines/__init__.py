@@ -1,31 +1,60 @@
-"""Serving-engine log grammars (SGLang, vLLM): text in, SchedulerEvent / EngineConfig out;
-``LogParser`` numbers and counts the lines of one source, from a file or followed live; and each
-engine's words (``engine_words``: its flags, setting names and log fields) that outputs speak in.
+"""The serving engines, one package each (gputrace/engines/sglang/, gputrace/engines/vllm/) behind
+one interface (``Engine``: its log grammar and fast path, knobs, placement rule, words and
+scheduling policy), registered here and nowhere else; ``engine_words`` gives the run's engine.
+``LogParser`` numbers and counts the lines of one source, from a file or followed live.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gputrace.engines import sglang, vllm
-from gputrace.engines.common import EngineWords, LogClock, ParsedLine
+from gputrace.engines.common import Engine, EngineWords, LineGrammar, LogClock, ParsedLine
 from gputrace.errors import UsageError
 from gputrace.model import EngineConfig, SchedulerEvent
 
-ENGINES = ("sglang", "vllm", "auto")
+__all__ = ["ENGINES", "ENGINE_WORDS", "KINDS", "Engine", "EngineWords", "LogParser", "ParseCounts",
+           "engine_kind", "engine_words", "grammar", "parse_line", "register"]
+
+# The engines gputrace reads, by the store's engine name: the one place an engine is registered.
+ENGINE_WORDS: dict[str, Engine] = {}
+AUTO = "auto"  # a log whose engine is found line by line: every registered grammar tries it
 KINDS = ("prefill", "decode", "config", "stats")
 
-# Each engine's words, by the store's engine name. A run whose engine is not known is read as SGLang's,
-# as its settings are (``EngineSettings``).
-ENGINE_WORDS: dict[str, EngineWords] = {w.kind: w for w in (sglang.WORDS, vllm.WORDS)}
+
+def register(engine: Engine) -> Engine:
+    """Add an engine (its package's ``ENGINE``); the last registered with a name wins."""
+    ENGINE_WORDS[engine.kind] = engine
+    return engine
 
 
-def engine_words(kind: str | None) -> EngineWords:
-    """The words of the run's engine ("sglang", "vllm"; None or unknown: SGLang's)."""
-    return ENGINE_WORDS.get(kind or "", sglang.WORDS)
+for _engine in (sglang.ENGINE, vllm.ENGINE):
+    register(_engine)
+
+# A run whose engine is not known is read as SGLang's (the engine gputrace was first written for).
+DEFAULT_ENGINE = sglang.KIND
+
+
+def engine_names() -> tuple[str, ...]:
+    """The engines a log source may name, and "auto"."""
+    return (*ENGINE_WORDS, AUTO)
+
+
+ENGINES = engine_names()  # as at import (the CLI's choices)
+
+
+def engine_kind(engine: str | None) -> str:
+    """The store's engine name when gputrace knows the engine, else ``DEFAULT_ENGINE``."""
+    return engine if engine is not None and engine in ENGINE_WORDS else DEFAULT_ENGINE
+
+
+def engine_words(kind: str | None) -> Engine:
+    """The run's engine (None or unknown: SGLang): its words, knobs, grammar and rules."""
+    return ENGINE_WORDS[engine_kind(kind)]
 
 
 def foreign_words(kind: str | None) -> frozenset[str]:
@@ -35,22 +64,37 @@ def foreign_words(kind: str | None) -> frozenset[str]:
                      for w in other.vocabulary()) - own.vocabulary()
 
 
-LineGrammar = Callable[[str, LogClock], ParsedLine | None]
-
-
 def _auto(line: str, clock: LogClock) -> ParsedLine | None:
-    return sglang.parse_line(line, clock) or vllm.parse_line(line, clock)
-
-
-_GRAMMARS: dict[str, LineGrammar] = {"sglang": sglang.parse_line, "vllm": vllm.parse_line, "auto": _auto}
+    for engine in ENGINE_WORDS.values():
+        parsed = engine.parse_line(line, clock)
+        if parsed is not None:
+            return parsed
+    return None
 
 
 def grammar(engine: str) -> LineGrammar:
-    """The line grammar of an engine ("sglang", "vllm" or "auto" for either)."""
+    """The line grammar of an engine (a registered name, or "auto" for any)."""
+    if engine == AUTO:
+        return _auto
     try:
-        return _GRAMMARS[engine]
+        return ENGINE_WORDS[engine].parse_line
     except KeyError:
-        raise UsageError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}") from None
+        raise UsageError(f"unknown engine {engine!r}; known: {', '.join(engine_names())}") from None
+
+
+def fast_path_engine(engine: str) -> Engine | None:
+    """The engine whose fast path reads a log of ``engine``: that engine where it has one, for
+    "auto" the first registered that has one; None where there is none."""
+    grammar(engine)  # an unknown name: the one-line error
+    candidates = ENGINE_WORDS.values() if engine == AUTO else [ENGINE_WORDS[engine]]
+    return next((e for e in candidates if e.fast_path is not None), None)
+
+
+def maybe_line(engine: str) -> re.Pattern[bytes]:
+    """What every line the engine's grammar (or, for "auto", any grammar) reads holds."""
+    if engine != AUTO:
+        return ENGINE_WORDS[engine].maybe_line
+    return re.compile(b"|".join(e.maybe_line.pattern for e in ENGINE_WORDS.values()))
 
 
 def parse_line(

@@ -12,9 +12,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+import numpy as np
+import pyarrow as pa
+
+from gputrace.engines.knobs import Knob
 from gputrace.errors import UsageError
 from gputrace.model import EngineConfig, SchedulerEvent
-from gputrace.topology import is_parallel_size
+from gputrace.topology import Placement, is_parallel_size, sglang_placements
 
 Value = int | float | bool | None
 
@@ -238,41 +242,112 @@ class LogClock:
         return secs * 1_000_000_000 + frac_ns, resolution
 
 
+@dataclass
+class ChunkResult:
+    """One chunk of a log through an engine's fast path: its line count, the fast rows as
+    SchedulerEvent columns, and what is left to the per-line grammar."""
+
+    n_lines: int
+    columns: dict[str, pa.Array] = field(default_factory=dict)
+    n_fast: int = 0
+    kinds: dict[str, int] = field(default_factory=dict)
+    line_starts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # fast rows'
+    n_rejected: int = 0  # lines that cannot be scheduler lines: counted, never parsed
+    leftovers: list[tuple[int, str]] = field(default_factory=list)  # (offset in chunk, line)
+
+
+def join_chunks(parts: list[dict[str, pa.Array]]) -> dict[str, pa.ChunkedArray]:
+    """Chunks' columns side by side as chunked arrays (no copy)."""
+    return {name: pa.chunked_array([part[name] for part in parts]) for name in parts[0]}
+
+
+LineGrammar = Callable[[str, LogClock], ParsedLine | None]
+# (chunk, number of its first line, clock, the lines a grammar may read or None) -> its fast rows
+# and the lines handed back
+FastPath = Callable[[bytes, int, LogClock, "re.Pattern[bytes] | None"], ChunkResult]
+
+
 @dataclass(frozen=True, slots=True)
-class EngineWords:
-    """How one engine names what gputrace reads and changes: every output that shows a setting,
-    a flag or a log field asks the run's engine here (a vLLM report in vLLM's words)."""
+class Engine:
+    """One serving engine, as every layer of gputrace asks it (each in its own package under
+    gputrace/engines/, registered in gputrace/engines/__init__.py): its log grammar and fast path,
+    the settings it reads from its config lines, its knobs, its stage placement rule, the words
+    outputs use for it (a vLLM report in vLLM's words) and the scheduling policy the simulator and
+    the what-if run for it."""
 
     kind: str  # the store's engine name: "sglang", "vllm"
     name: str  # as people write it: "SGLang"
-    # gputrace's setting name (EngineSettings, the simulator, Change.knob) -> how a user sets it
-    flags: dict[str, str]
-    # gputrace's setting name -> the engine's own name for it, where it differs
-    setting_names: dict[str, str]
+    knobs: tuple[Knob, ...]  # the settings a finding, the what-if or the advice can change
     log_fields: tuple[str, ...]  # the field names its scheduler lines carry ("#running-req")
     placement_rule: str  # how the report names the rule that put its ranks on GPUs
-    # per-slot micro-batches with their own cap K (SGLang's PP scheduler); vLLM admits engine-wide
+    placement_source: str  # the same in meta.json's topology.source ("sglang-formula")
+    # the scheduling policy: per-slot micro-batches with their own cap K (SGLang's PP scheduler),
+    # else engine-wide admission (vLLM)
     microbatch_slots: bool
+    parse_line: LineGrammar  # one line -> ParsedLine, None where it is not the engine's
+    maybe_line: re.Pattern[bytes]  # every line parse_line reads holds a match
+    fast_path: FastPath | None = None  # a vectorised reader of its commonest lines
     other_words: tuple[str, ...] = ()  # flags and variables it has beyond its knobs
+
+    @property
+    def flags(self) -> dict[str, str]:
+        """gputrace's setting name (EngineSettings, the simulator, Change.knob) -> how a user sets it."""
+        return {k.name: k.flag for k in self.knobs}
+
+    def knob_named(self, name: str) -> Knob | None:
+        """The knob of gputrace's setting ``name``; None where the engine has no such setting."""
+        return next((k for k in self.knobs if k.name == name), None)
+
+    def knob_of_flag(self, flag: str) -> Knob | None:
+        return next((k for k in self.knobs if k.flag == flag), None)
+
+    def knob_of_param(self, param: str) -> Knob | None:
+        """The knob the simulator's parameter ``param`` models on this engine."""
+        return next((k for k in self.knobs if k.sim_param == param), None)
 
     def flag(self, knob: str) -> str | None:
         """The engine's flag for a setting, None where the engine has no such setting."""
-        return self.flags.get(knob)
+        found = self.knob_named(knob)
+        return None if found is None else found.flag
 
     def setting(self, knob: str) -> str:
         """The engine's own name for a setting."""
-        return self.setting_names.get(knob, knob)
+        found = self.knob_named(knob)
+        return knob if found is None else found.own_name
 
     def knob(self, setting: str) -> str:
         """gputrace's setting name for the engine's own (``max_num_seqs`` -> ``max_running_requests``
         on vLLM): what the simulator and the what-if take, from what the advice shows."""
-        return next((knob for knob, own in self.setting_names.items() if own == setting), setting)
+        return next((k.name for k in self.knobs if k.setting == setting), setting)
 
     def knob_names(self) -> tuple[str, ...]:
         """The settings a user can name for this engine, in its own words."""
-        return tuple(self.setting(k) for k in self.flags if not self.flags[k].isupper())
+        return tuple(k.own_name for k in self.knobs if k.settable)
+
+    def placements(self, host: str, *, pp_size: int, tp_size: int, nnodes: int = 1, node_rank: int = 0,
+                   base_gpu_id: int = 0, gpu_id_step: int = 1) -> list[Placement]:
+        """The GPUs of ``host`` (node ``node_rank`` of ``nnodes``) and the ranks the engine puts on
+        them. Both engines place rank pp_rank * tp_size + tp_rank on a node's GPU of that index
+        (SGLang's formula, which also spreads the stages over nodes, vLLM's rank order)."""
+        return sglang_placements(host, pp_size=pp_size, tp_size=tp_size, nnodes=nnodes, node_rank=node_rank,
+                                 base_gpu_id=base_gpu_id, gpu_id_step=gpu_id_step)
+
+    def microbatch_cap(self, pool: int, pp_size: int, set_cap: int | None = None) -> int:
+        """The requests one micro-batch holds at most: on a slot scheduler its cap K (``set_cap``
+        where set, else the K knob's default), elsewhere the engine-wide limit ``pool``."""
+        knob = self.knob_named("pp_max_micro_batch_size")
+        if not self.microbatch_slots or knob is None:
+            return pool
+        if set_cap is not None:
+            return set_cap
+        default = knob.default_for({"max_running_requests": pool, "pp_size": pp_size})
+        return pool if default is None else default
 
     def vocabulary(self) -> frozenset[str]:
         """Every engine-specific word: its name, flags, setting names and log fields."""
         return frozenset({self.name, *self.flags.values(), *self.knob_names(), *self.log_fields,
                           *self.other_words})
+
+
+# The name the engine had while it held only its words.
+EngineWords = Engine

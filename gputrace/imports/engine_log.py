@@ -1,5 +1,6 @@
 """Ingest an engine log file (plain or .gz) into a run store, in columnar batches: SGLang's
-current form through gputrace.engines.fastpath, every other line through the per-line grammar.
+current form through its fast path (gputrace.engines.sglang.fastpath), every other line through the
+per-line grammar.
 """
 
 from __future__ import annotations
@@ -20,8 +21,16 @@ import numpy as np
 import pyarrow as pa
 
 from gputrace.arrow_columns import from_numpy, numbers
-from gputrace.engines import KINDS, LogParser, fastpath
-from gputrace.engines.common import MAX_LINE_BYTES, METRIC_FIELDS, RANK_FIELDS, LogClock, ParsedLine
+from gputrace.engines import KINDS, LogParser, fast_path_engine
+from gputrace.engines.common import (
+    MAX_LINE_BYTES,
+    METRIC_FIELDS,
+    RANK_FIELDS,
+    ChunkResult,
+    LogClock,
+    ParsedLine,
+    join_chunks,
+)
 from gputrace.errors import SourceError
 from gputrace.imports.report import ImportReport, StoredLines, write_rows
 from gputrace.logsetup import get_logger
@@ -283,8 +292,14 @@ def ingest_log(
         if on_progress is not None:
             raw: IO[bytes] = stream.fileobj if isinstance(stream, gzip.GzipFile) else stream
             chunks = _reporting(chunks, raw, on_progress)
-        if fast and engine == "sglang":
-            _ingest_fast(store, parser, chunks, events, configs, stats, batch_rows, stored_lines)
+        fast_engine = fast_path_engine(engine) if fast else None
+        if fast_engine is not None and fast_engine.fast_path is not None:
+            fast_path, maybe = fast_engine.fast_path, fast_engine.maybe_line
+
+            def scan(chunk: bytes, first_line_no: int, clock: LogClock) -> ChunkResult:
+                return fast_path(chunk, first_line_no, clock, maybe)
+
+            _ingest_fast(store, parser, chunks, events, configs, stats, batch_rows, stored_lines, scan)
         else:
             for chunk in chunks:
                 blank = 0  # no grammar reads a blank line: counted here, not parsed one by one
@@ -320,11 +335,13 @@ def _ingest_fast(
     stats: ImportReport,
     batch_rows: int,
     stored_lines: StoredLines | None,
+    scan: Callable[[bytes, int, LogClock], ChunkResult],
 ) -> None:
-    """Scan chunks in worker threads while one writer thread appends the previous batch, so
-    parsing and the database's work overlap; one append in flight at a time keeps the order.
-    Fast rows are appended in whole row groups (the rest waits for the next batch); the writer
-    thread counts them into ``stats`` (one job at a time, so no count is written twice at once)."""
+    """Scan chunks (``scan``: the engine's fast path) in worker threads while one writer thread
+    appends the previous batch, so parsing and the database's work overlap; one append in flight
+    at a time keeps the order. Fast rows are appended in whole row groups (the rest waits for the
+    next batch); the writer thread counts them into ``stats`` (one job at a time, so no count is
+    written twice at once)."""
     pending: list[dict[str, pa.Array]] = []
     pending_rows = 0
     quantum = ROW_GROUP_ROWS
@@ -337,7 +354,7 @@ def _ingest_fast(
                 in_flight.result()
             in_flight = writer.submit(job)
 
-        for chunk_result in _scan_in_threads(chunks, parser.clock):
+        for chunk_result in _scan_in_threads(chunks, parser.clock, scan):
             _take_chunk(parser, chunk_result, events, configs, stats, pending)
             pending_rows += chunk_result.n_fast
             if pending_rows >= max(batch_rows, quantum):
@@ -357,16 +374,17 @@ def _ingest_fast(
             in_flight.result()
 
 
-def _scan_in_threads(chunks: Iterator[bytes], clock: LogClock) -> Iterator[fastpath.ChunkResult]:
+def _scan_in_threads(chunks: Iterator[bytes], clock: LogClock,
+                     scan: Callable[[bytes, int, LogClock], ChunkResult]) -> Iterator[ChunkResult]:
     """Scan chunks in worker threads (numpy releases the GIL), yielding results in file order.
 
     Line numbers are not known until earlier chunks are counted, so chunks are scanned with
     offsets from 0 and renumbered by the caller.
     """
-    window: deque[Future[fastpath.ChunkResult]] = deque()
+    window: deque[Future[ChunkResult]] = deque()
     with ThreadPoolExecutor(max_workers=_WORKERS) as pool:
         for chunk in chunks:
-            window.append(pool.submit(fastpath.scan_chunk, chunk, 0, clock))
+            window.append(pool.submit(scan, chunk, 0, clock))
             if len(window) > 2 * _WORKERS:
                 yield window.popleft().result()
         while window:
@@ -402,14 +420,14 @@ def _flush_fast(store: Store, report: ImportReport, pending: list[dict[str, pa.A
     # One contiguous array per column, and the constant columns as scalars, insert fastest
     # (measured: about 1.5x against per-chunk pieces and per-row strings).
     columns: dict[str, object] = {
-        name: chunks.combine_chunks() for name, chunks in fastpath.join_chunks(pending).items()}
+        name: chunks.combine_chunks() for name, chunks in join_chunks(pending).items()}
     columns.update(host=parser.host, source=parser.source, engine=parser.engine)
     return write_rows(store, report, "scheduler_events", columns, stored_lines=stored_lines)
 
 
 def _take_chunk(
     parser: LogParser,
-    result: fastpath.ChunkResult,
+    result: ChunkResult,
     events: _EventColumns,
     configs: list[EngineConfig],
     stats: ImportReport,

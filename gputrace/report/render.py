@@ -74,8 +74,10 @@ def _summary_lines(doc: dict[str, Any]) -> list[str]:
         def shown(key: str) -> object:
             value = eng.get(key)
             pool, pp = eng.get("max_running_requests"), s.get("pp_size")
-            if key == "pp_max_micro_batch_size" and value is None and pool and pp and words.microbatch_slots:
-                return f"default ({pool} // {pp} = {max(int(pool) // int(pp), 1)})"  # SGLang's rule
+            knob = words.knob_named(key)
+            default = None if value is not None or knob is None else knob.default_for({**eng, "pp_size": pp})
+            if key == "pp_max_micro_batch_size" and default is not None:
+                return f"default ({pool} // {pp} = {default})"  # SGLang's rule, as its knob gives it
             return value
         lines.append("engine: " + ", ".join(f"{words.setting(k)}={shown(k)}" for k in keys))
     if s["clock_offsets"]:

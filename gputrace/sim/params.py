@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gputrace.engines import engine_words
+from gputrace.engines.sglang import slot_count
 from gputrace.errors import ConfigError, UsageError
 
 ENGINES = ("sglang", "vllm")
@@ -104,17 +106,14 @@ class SimParams:
     @property
     def micro_batch_cap(self) -> int:
         """SGLang's effective pp_max_micro_batch_size (vLLM has none: its max_num_seqs)."""
-        if self.engine == "vllm":
-            return self.max_running_requests
-        if self.pp_max_micro_batch_size is not None:
-            return self.pp_max_micro_batch_size
-        return max(self.max_running_requests // self.pp_size, 1)
+        return engine_words(self.engine).microbatch_cap(self.max_running_requests, self.pp_size,
+                                                        self.pp_max_micro_batch_size)
 
     @property
     def slots(self) -> int:
         """Micro-batches in flight at most: SGLang's PP loop slots (pp_size + pp_async_batch_depth),
         vLLM's batch queue (pp_size)."""
-        return self.pp_size + self.pp_async_batch_depth
+        return slot_count(self.pp_size, self.pp_async_batch_depth)
 
     @property
     def draws_lengths(self) -> bool:

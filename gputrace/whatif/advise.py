@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gputrace.analysis.result import Analysis
-from gputrace.engines import engine_words
+from gputrace.engines import ENGINE_WORDS, engine_words
 from gputrace.errors import GputraceError, UsageError
 from gputrace.vocabulary import Change
 from gputrace.whatif.effects import fit_note
@@ -35,19 +35,8 @@ CONFIRM = 2
 MAX_CANDIDATES = 36
 PAIR_FROM = 4  # the best single changes combined in pairs
 SLO_KEYS = ("ttft_p90", "itl_p90")
-# SGLang's and vLLM's flags for the simulator's knobs
-FLAGS = {"sglang": {"pp_max_micro_batch_size": "--pp-max-micro-batch-size",
-                    "max_running_requests": "--max-running-requests",
-                    "chunked_prefill_size": "--chunked-prefill-size",
-                    "pp_async_batch_depth": "--pp-async-batch-depth",
-                    "max_total_num_tokens": "--max-total-tokens",
-                    "stage_cost_multipliers": "SGLANG_PP_LAYER_PARTITION"},
-         "vllm": {"max_running_requests": "--max-num-seqs",
-                  "chunked_prefill_size": "--max-num-batched-tokens",
-                  "max_total_num_tokens": "KV cache tokens (--num-gpu-blocks-override x block size)"}}
-# Findings whose change is to the offered load, the log or the hardware: facts and information,
-# never ranked as a configuration gain
-NOT_CONFIGURATION = frozenset({"concurrency", "client", "link", "--decode-log-interval", "cooling/power"})
+NOT_CONFIGURATION = frozenset({"concurrency", "client", "link", "cooling/power",
+                               *(k.flag for w in ENGINE_WORDS.values() for k in w.knobs if not k.serving)})
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,14 +197,15 @@ def parse_slo(text: str | None) -> dict[str, float]:
     return out
 
 
-def _engine(model: FittedModel) -> str:
-    return "vllm" if model.params.engine == "vllm" else "sglang"
-
-
 def to_change(model: FittedModel, knob: str, value: Any) -> AdvisedSetting | None:
-    flag = FLAGS[_engine(model)].get(knob)
-    setting = engine_words(_engine(model)).setting(knob)
-    return None if flag is None else AdvisedSetting(knob, flag, value, setting)
+    """The advice's setting for the simulator's parameter ``knob``, in the run's engine's flag;
+    None where the engine has no knob the simulator models by it (or one that changes only what
+    the log shows)."""
+    words = engine_words(model.params.engine)
+    made = words.knob_of_param(knob)
+    if made is None or not made.serving:
+        return None
+    return AdvisedSetting(knob, made.value_flag or made.flag, value, words.setting(knob))
 
 
 def _neighbours(model: FittedModel) -> list[dict[str, Any]]:

@@ -11,7 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from gputrace.analysis.diagnose import engine_kind
+from gputrace.engines import ENGINE_WORDS, engine_words
+from gputrace.engines.common import EngineWords
+from gputrace.engines.knobs import Knob
 from gputrace.errors import ConfigError, UsageError
 from gputrace.sim.params import SimParams, make_params
 from gputrace.vocabulary import Change, EngineSettings
@@ -26,15 +28,12 @@ CHANGEABLE = ("pp_max_micro_batch_size", "max_running_requests", "pp_async_batch
 # The settings a finding's change can name that the simulator takes as they are.
 SIMULATED_KNOBS = frozenset({"pp_max_micro_batch_size", "max_running_requests", "decode_log_interval",
                              "pp_async_batch_depth", "max_total_num_tokens"})
-# vLLM's names for the simulator's keys (its max_num_seqs is the engine-wide admission limit)
-ALIASES = {"max_num_seqs": "max_running_requests"}
-# Each engine's own names for its prefill budget, and the settings only SGLang has: a what-if
-# in the other engine's words is refused (vLLM has no --chunked-prefill-size; a prediction from
-# it changed nothing the engine can be told)
-VLLM_ONLY = {"max_num_batched_tokens": "chunked_prefill_size"}  # a step's budget, chunks included
-SGLANG_ONLY = ("chunked_prefill_size", "max_prefill_tokens", "pp_max_micro_batch_size",
-               "pp_async_batch_depth")
-VLLM_KNOBS = ("max_num_seqs", "max_num_batched_tokens", "max_total_num_tokens")
+# gputrace's names of the engines' knobs a user can set
+SETTING_NAMES = frozenset(k.name for w in ENGINE_WORDS.values() for k in w.knobs if k.settable)
+# What a what-if may change beside the engine's knobs (which the run's engine names, from the
+# registry in gputrace/engines/): the cost model's layer split, the link, and the load.
+MODEL_AND_LOAD = tuple(k for k in CHANGEABLE if k not in SETTING_NAMES)
+LOAD_WORDS = "concurrency, input_tokens, max_tokens"
 # A healthy link between adjacent stages (what "use NVLink or a full PCIe link" buys): the
 # simulator's default, a PCIe gen4 x16 link's payload rate.
 HEALTHY_LINK = {"pcie_bandwidth_bytes_per_s": SimParams().pcie_bandwidth_bytes_per_s,
@@ -97,39 +96,48 @@ class PhasePrediction:
                 "extrapolation": self.extrapolation}
 
 
-def parse_changes(items: Mapping[str, Any]) -> dict[str, Any]:
-    """Check the keys of ``--set`` against what a what-if may change (vLLM's names taken as the
-    simulator's)."""
-    out = {}
-    for key, value in items.items():
-        name = ALIASES.get(key, key)
-        if name not in CHANGEABLE:
-            raise UsageError(f"whatif: cannot change {key!r}; valid keys: {', '.join(CHANGEABLE)}, "
-                             f"{', '.join(ALIASES)}")
-        out[name] = value
-    return out
+def engine_keys(words: EngineWords) -> dict[str, Knob]:
+    """What ``--set`` takes for the run's engine's knobs: its own names (vLLM's max_num_seqs), and
+    gputrace's where no other engine uses that name for a setting of its own."""
+    own = {k.own_name: k for k in words.knobs if k.settable and k.simulated}
+    foreign = {k.own_name for w in ENGINE_WORDS.values() if w is not words for k in w.knobs}
+    return {**{k.name: k for k in own.values() if k.name not in foreign}, **own}
+
+
+def _knob_owner(key: str, words: EngineWords) -> EngineWords | None:
+    """The other engine whose setting ``key`` is (its own name for it), None where none is."""
+    return next((w for w in ENGINE_WORDS.values() if w is not words
+                 and any(k.own_name == key for k in w.knobs)), None)
 
 
 def check_changes(engine: EngineSettings, pp_size: int, changes: Mapping[str, Any]) -> dict[str, Any]:
-    """The changes under the simulator's names; unknown keys and impossible values as one-line
-    errors, before any fitting."""
-    kind = engine_kind(engine)
-    for key in changes:
-        if kind == "vllm" and key in SGLANG_ONLY:
-            raise UsageError(f"whatif: {key} is SGLang's setting; this run is vLLM's: its knobs are "
-                             f"{', '.join(VLLM_KNOBS)} (and the load: concurrency, input_tokens, max_tokens)")
-        if kind != "vllm" and key in VLLM_ONLY:
-            raise UsageError(f"whatif: {key} is vLLM's setting; this run is SGLang's: its prefill knobs are "
-                             "chunked_prefill_size and max_prefill_tokens")
-    budget = {VLLM_ONLY[k]: v for k, v in changes.items() if k in VLLM_ONLY}
-    if budget:  # one budget for the chunk and the turn (the simulator takes the smaller)
-        budget["max_prefill_tokens"] = budget["chunked_prefill_size"]
-    named = {**parse_changes({k: v for k, v in changes.items() if k not in VLLM_ONLY}), **budget}
+    """The changes under the simulator's names; a knob the run's engine does not have, unknown
+    keys and impossible values as one-line errors naming the knobs it has, before any fitting."""
+    words = engine_words(engine.kind)
+    keys = engine_keys(words)
+    has = f"this run is {words.name}'s: its knobs are {', '.join(keys_named(words))}"
+    valid = f"valid keys: {', '.join((*keys_named(words), *MODEL_AND_LOAD))}"
+    named: dict[str, Any] = {}
+    for key, value in changes.items():
+        knob = keys.get(key)
+        if knob is not None:
+            named.update(dict.fromkeys((knob.sim_param or knob.name, *knob.sets_too), value))
+        elif key in MODEL_AND_LOAD:
+            named[key] = value
+        elif (owner := _knob_owner(key, words)) is not None:
+            raise UsageError(f"whatif: {key} is {owner.name}'s setting; {has} (and the load: {LOAD_WORDS})")
+        else:
+            raise UsageError(f"whatif: cannot change {key!r}; {valid}")
     try:
-        make_params({"engine": engine_kind(engine), "pp_size": pp_size, **named})
+        make_params({"engine": words.kind, "pp_size": pp_size, **named})
     except ConfigError as exc:
-        raise UsageError(f"whatif: {exc}; valid keys: {', '.join(CHANGEABLE)}") from None
+        raise UsageError(f"whatif: {exc}; {valid}") from None
     return named
+
+
+def keys_named(words: EngineWords) -> tuple[str, ...]:
+    """The run's engine's knobs as ``--set`` names them (its own words), in its registry's order."""
+    return tuple(dict.fromkeys(k.own_name for k in engine_keys(words).values()))
 
 
 def changed_params(model: FittedModel, changes: Mapping[str, Any]) -> SimParams:
@@ -141,7 +149,7 @@ def changed_params(model: FittedModel, changes: Mapping[str, Any]) -> SimParams:
     try:
         p = make_params(values)
     except ConfigError as exc:
-        raise UsageError(f"whatif: {exc}; valid keys: {', '.join(CHANGEABLE)}") from None
+        raise UsageError(f"whatif: {exc}") from None
     if "stage_cost_multipliers" in changes and p.stage_cost_multipliers:
         total = sum(base.stage_multiplier(s) for s in range(base.pp_size))
         shares = np.asarray(p.stage_cost_multipliers, dtype=float)

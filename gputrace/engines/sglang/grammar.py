@@ -1,4 +1,4 @@
-"""SGLang's scheduler and startup lines, every known version, as ParsedLine: fields by name
+"""SGLang's log grammar: its scheduler and startup lines, every known version, as ParsedLine: fields by name
 (unknown ignored, missing None); any other line gives None; no input makes it raise.
 """
 
@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 
 from gputrace.engines.common import (
-    EngineWords,
     LogClock,
     ParsedLine,
     Value,
@@ -16,7 +15,7 @@ from gputrace.engines.common import (
 )
 from gputrace.engines.reprs import python_dict, python_kwargs, simple_kwargs
 
-ENGINE = "sglang"
+ENGINE = "sglang"  # the store's name of the engine
 
 # A container runtime's own prefix (CRI ``<RFC3339> stdout F ``, ``docker logs -t``).
 _RUNTIME_PREFIX = re.compile(
@@ -66,27 +65,9 @@ _KEYS: dict[str, str] = {
     "npu graph": "cuda_graph",
     "musa graph": "cuda_graph",
 }
+# the field names its scheduler lines carry, as its report words (gputrace.engines.Engine.log_fields)
+LOG_FIELDS = tuple(k for k in _KEYS if k.startswith("#"))
 # Hybrid (SWA / mamba) models log the full-attention pool under these names instead.
-WORDS = EngineWords(
-    kind=ENGINE, name="SGLang",
-    flags={
-        "max_running_requests": "--max-running-requests",  # the request pool, engine-wide
-        "pp_max_micro_batch_size": "--pp-max-micro-batch-size",  # K, per micro-batch slot
-        "pp_async_batch_depth": "--pp-async-batch-depth",
-        "chunked_prefill_size": "--chunked-prefill-size",
-        "max_prefill_tokens": "--max-prefill-tokens",
-        "max_total_num_tokens": "--max-total-tokens",
-        "decode_log_interval": "--decode-log-interval",
-        "layer_partition": "SGLANG_PP_LAYER_PARTITION",
-    },
-    setting_names={},  # gputrace's setting names are SGLang's
-    log_fields=tuple(k for k in _KEYS if k.startswith("#")),
-    placement_rule="SGLang formula",
-    microbatch_slots=True,
-    # K's flag before 2025-10; the KV pool's other flag; the metrics and the device timer
-    other_words=("--max-micro-batch-size", "--mem-fraction-static", "--enable-metrics",
-                 "SGLANG_ENABLE_METRICS_DEVICE_TIMER"),
-)
 _FALLBACK_KEYS: dict[str, str] = {"#full token": "num_token", "full token usage": "token_usage"}
 _FIELD_TYPES: dict[str, type] = {
     "running_req": int, "queue_req": int, "new_seq": int, "new_token": int, "cached_token": int,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import re
 
 from gputrace.engines.common import (
-    EngineWords,
     LogClock,
     ParsedLine,
     Value,
@@ -42,22 +41,8 @@ _KEYS: dict[str, tuple[str, type, float]] = {  # field, type, divisor
     "GPU KV cache usage": ("token_usage", float, 100.0),  # logged in percent; stored as a ratio
     "CPU KV cache usage": ("token_usage", float, 100.0),  # vLLM's CPU build names its cache so
 }
-
-WORDS = EngineWords(
-    kind=ENGINE, name="vLLM",
-    flags={
-        "max_running_requests": "--max-num-seqs",  # engine-wide admission, no per-micro-batch cap
-        # a step's token budget, shared by decode tokens and prefill chunks
-        "chunked_prefill_size": "--max-num-batched-tokens",
-        "max_total_num_tokens": "--gpu-memory-utilization",  # the KV pool is a share of memory
-    },
-    # the KV pool keeps gputrace's name: vLLM sets it as a memory share, not in tokens
-    setting_names={"max_running_requests": "max_num_seqs", "chunked_prefill_size": "max_num_batched_tokens"},
-    log_fields=tuple(k for k in _KEYS if " " in k),  # "Running" and "Waiting" are plain words
-    placement_rule="vLLM rank order",  # rank = pp_rank * tp_size + tp_rank, as SGLang's
-    microbatch_slots=False,
-    other_words=("VLLM_LOG_STATS_INTERVAL",),
-)
+# its stats lines' field names ("Running" and "Waiting" are plain words, not its own)
+LOG_FIELDS = tuple(k for k in _KEYS if " " in k)
 
 
 def parse_line(line: str, clock: LogClock) -> ParsedLine | None:

@@ -1,5 +1,6 @@
 """Vectorised reading of SGLang's current default batch lines, one chunk of a file at a time;
-every other line is handed back for gputrace.engines.sglang, which reads it the same way.
+every other line is handed back for its grammar (gputrace.engines.sglang.grammar), which reads it
+the same way.
 """
 
 # A line is taken only when numpy has checked every byte of it against the exact current layout
@@ -14,14 +15,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
 
 from gputrace.arrow_columns import from_numpy, strings
-from gputrace.engines.common import LogClock
-from gputrace.engines.sglang import RANK_FIELDS, RANK_TAG
+from gputrace.engines.common import ChunkResult, LogClock
+from gputrace.engines.sglang.grammar import RANK_FIELDS, RANK_TAG
 
 # A line without any of these cannot be an SGLang scheduler or configuration line.
 MAYBE_SGLANG = re.compile(rb"batch|#running-req: |max_total_num_tokens=|server_args=(?:ServerArgs\(|\{)")
@@ -72,19 +72,6 @@ _PREFILL_TAIL = (
     ("input_throughput_tok_s", b", input throughput (token/s): ", "dec"),
 )
 _PENDING = b", #pending-token: "
-
-
-@dataclass
-class ChunkResult:
-    """One chunk: its line count, the fast rows as columns, and what is left to do."""
-
-    n_lines: int
-    columns: dict[str, pa.Array] = field(default_factory=dict)
-    n_fast: int = 0
-    kinds: dict[str, int] = field(default_factory=dict)
-    line_starts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # fast rows'
-    n_rejected: int = 0  # lines that cannot be scheduler lines: counted, never parsed
-    leftovers: list[tuple[int, str]] = field(default_factory=list)  # (offset in chunk, line)
 
 
 class _Bytes:
@@ -510,8 +497,3 @@ _COLUMN_TYPES: dict[str, type] = {
     "cached_token": np.int64, "num_token": np.int64, "token_usage": np.float64,
     "gen_throughput_tok_s": np.float64, "input_throughput_tok_s": np.float64, "cuda_graph": np.bool_,
 }
-
-
-def join_chunks(parts: list[dict[str, pa.Array]]) -> dict[str, pa.ChunkedArray]:
-    """Chunks' columns side by side as chunked arrays (no copy)."""
-    return {name: pa.chunked_array([part[name] for part in parts]) for name in parts[0]}

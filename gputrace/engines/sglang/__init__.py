@@ -1,0 +1,31 @@
+"""SGLang: its log grammar (every known version) and the fast path for its current batch lines,
+its knobs with K's default and the slot count, and its words. Registered in
+gputrace/engines/__init__.py."""
+
+from __future__ import annotations
+
+from gputrace.engines.common import Engine
+from gputrace.engines.sglang.fastpath import MAYBE_SGLANG, scan_chunk
+from gputrace.engines.sglang.grammar import ENGINE as KIND
+from gputrace.engines.sglang.grammar import LOG_FIELDS, RANK_FIELDS, RANK_TAG, batch_fields, parse_line
+from gputrace.engines.sglang.knobs import KNOBS, default_microbatch_cap, slot_count
+
+__all__ = ["ENGINE", "KIND", "RANK_FIELDS", "RANK_TAG", "batch_fields", "default_microbatch_cap",
+           "parse_line", "slot_count"]
+
+ENGINE = Engine(
+    kind=KIND, name="SGLang",
+    knobs=KNOBS,  # gputrace's setting names are SGLang's
+    log_fields=LOG_FIELDS,
+    placement_rule="SGLang formula",
+    placement_source="sglang-formula",
+    microbatch_slots=True,  # the PP loop's slots, each a micro-batch capped at K
+    parse_line=parse_line,
+    maybe_line=MAYBE_SGLANG,
+    fast_path=scan_chunk,
+    # K's flag before 2025-10; the KV pool's other flag; the metrics and the device timer
+    other_words=("--max-micro-batch-size", "--mem-fraction-static", "--enable-metrics",
+                 "SGLANG_ENABLE_METRICS_DEVICE_TIMER"),
+)
+# the words the engine had before it held its grammar (tests and outputs still say WORDS)
+WORDS = ENGINE
