@@ -15,7 +15,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
-from live_chain import free_port, http_ok, wait_until
+from fake_clock import until
+from live_chain import free_port, get_json, http_ok, wait_until
 
 from gputrace.analyse import analyse_run
 from gputrace.collect import CollectOptions, Collector
@@ -117,7 +118,14 @@ async def test_collect_stores_the_engine_metrics_of_a_live_engine(sim: SimServer
             async with s.get(f"http://127.0.0.1:{port}/v1/status") as r:
                 live_stages = (await r.json())["stages"]
             await s.post(f"http://127.0.0.1:{port}/v1/mark", json={"label": "end", "kind": "end"})
-        await asyncio.sleep(0.5)
+            async with s.get(f"http://127.0.0.1:{port}/v1/status") as r:
+                scraped = (await r.json())["counts"]["engine_metric_samples"]
+        status = f"http://127.0.0.1:{port}/v1/status"  # a scrape after the end mark is stored too
+
+        def scraped_again() -> bool:
+            counts = get_json(status)["counts"]
+            return isinstance(counts, dict) and counts["engine_metric_samples"] > scraped
+        await asyncio.to_thread(wait_until, scraped_again, 30.0, "a scrape after the end mark", proc)
     finally:
         proc.send_signal(signal.SIGINT)
         _, err = await asyncio.to_thread(proc.communicate, timeout=30)
@@ -175,7 +183,9 @@ async def test_metrics_that_disagree_with_the_log_are_reported(sim: SimServer, t
         collector.add_load_record(Marker("client", time.time_ns(), "C=32", target_concurrency=32))
         await _load(sim.url, 8.0, 32)
         collector.add_load_record(Marker("client", time.time_ns(), "end", kind="end"))
-        await asyncio.sleep(0.3)
+        scraped = collector.live.counts["engine_metric_samples"]
+        await until(lambda: collector.live.counts["engine_metric_samples"] > scraped,
+                    "a scrape after the end mark")
     finally:
         await collector.stop()
         await runner.cleanup()
