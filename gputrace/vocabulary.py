@@ -38,6 +38,7 @@ class Cause(StrEnum):
     THROTTLING = "throttling"
     LOG_SAMPLING_ALIASED = "log_sampling_aliased"
     PREFILL_BUDGET = "prefill_budget"
+    PREFILL_BURST = "prefill_burst"
     CANNOT_TELL = "cannot_tell"
 
 

@@ -58,7 +58,8 @@ def test_another_seed_gives_another_run():
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_parser_recognises_every_simulated_line(scenario, tmp_path):
     """Every line each scenario logs is recognised by gputrace's SGLang parser, also via `import`."""
-    overrides = SHORT_CAP if scenario.startswith("microbatch") else SHORT
+    # the burst's 32 prompts of 1,024 tokens prefill for about 10 s before its first decode
+    overrides = SHORT_CAP if scenario.startswith(("microbatch", "prefill-burst")) else SHORT
     result = run_scenario(scenario, 0, overrides)
     events, configs, unrecognised = parse_log(result)
     assert unrecognised == 0

@@ -62,11 +62,11 @@ class ClosedLoopClient:
 
     def _send(self, t_s: float) -> None:
         p = self.p
-        n_in = p.input_tokens
-        if p.input_tokens_jitter:
+        recorded_in, recorded_out = p.lengths_of(len(self.requests)) or (0, 0)
+        n_in, n_out = recorded_in or p.input_tokens, recorded_out or p.max_tokens
+        if p.input_tokens_jitter and not recorded_in:
             n_in = max(1, round(n_in * (1 + self.rng.uniform(-p.input_tokens_jitter, p.input_tokens_jitter))))
-        n_out = p.max_tokens
-        if p.output_tokens_jitter:
+        if p.output_tokens_jitter and not recorded_out:
             n_out = max(1, round(n_out * self.rng.uniform(1 - p.output_tokens_jitter, 1.0)))
         req = SimRequest(rid=len(self.requests), arrival_s=t_s + p.client_latency_s, input_tokens=n_in,
                          output_tokens=n_out, phase=self.label, client_start_s=t_s)

@@ -6,7 +6,10 @@ micro-batch slots in order (as SGLang's ``event_loop_pp`` does): a slot with run
 waits for its previous step's outputs to come back from the last stage; on its turn a slot runs
 a prefill of newly admitted requests when it may admit any, else one decode step of its
 requests. SGLang admits per slot: min(K - the slot's running, the request pool's free rows); the
-pool (max_running_requests) is the engine-wide bound. vLLM keeps pp_size batches in flight (its
+pool (max_running_requests) is the engine-wide bound. SGLang's prefill turn (PrefillAdder) spends
+one token budget: it continues the scheduler's one chunked request first, then admits waiting
+requests whole while the budget lasts, cutting the first that does not fit into the next chunked
+request; whichever slot runs next takes that request's next chunk. vLLM keeps pp_size batches in flight (its
 batch queue), admits engine-wide up to max_num_seqs and mixes new prefills into a decode step.
 Each stage runs micro-batches in the order they were issued, so a batch's times through all
 stages are known when it is issued (a flow shop).
@@ -136,7 +139,9 @@ class PipelineEngine:
         n_slots = p.slots
         self.slots: list[list[SimRequest]] = [[] for _ in range(n_slots)]
         self.slot_ready = [0.0] * n_slots
-        self.slot_chunk: list[SimRequest | None] = [None] * n_slots
+        self.slot_chunk: list[SimRequest | None] = [None] * n_slots  # vLLM: each slot's own
+        # SGLang: the scheduler's one chunked request (its next chunk goes to whichever slot runs next)
+        self.chunked: SimRequest | None = None
         self.next_slot = 0
         self.stage_free = [0.0] * p.pp_size
         # with shared_cores: each stage's forwards already placed that have not ended yet
@@ -150,7 +155,7 @@ class PipelineEngine:
         self.kv_used = 0
         self.kv_reserved = 0  # future tokens promised to running requests
         self.cap = p.micro_batch_cap
-        self.vllm = p.engine == "vllm"
+        self.vllm = not p.engine_spec.microbatch_slots  # vLLM's policy: engine-wide admission
         self.mults = [p.stage_multiplier(s) for s in range(p.pp_size)]
         # per-stage log counters
         self._decode_steps = [0] * p.pp_size
@@ -179,7 +184,7 @@ class PipelineEngine:
         idle_turns = 0
         while self.now < t_end:
             k = self.next_slot
-            if self.slots[k] and self.slot_ready[k] > t_end:
+            if self.slot_ready[k] > t_end:
                 # Stage 0 would block on this micro-batch past t_end: stop at t_end, so that
                 # what the driver adds before then (a phase's new requests) is there when the
                 # outputs come back and joins that batch, as the engines take requests in.
@@ -196,7 +201,7 @@ class PipelineEngine:
             idle_turns = 0
             nxt = min(self._arrivals[0][0] if self._arrivals else t_end,
                       self._completions[0][0] if self._completions else t_end,
-                      min((self.slot_ready[k] for k in range(n_slots) if self.slots[k]), default=t_end))
+                      min((r for r in self.slot_ready if r > self.now), default=t_end))
             if nxt <= self.now:
                 nxt = self.now + self.p.sched_overhead_s
             self.now = min(nxt, t_end)
@@ -209,10 +214,12 @@ class PipelineEngine:
         k = self.next_slot
         self.next_slot = (k + 1) % len(self.slots)
         t = self.now
-        slot = self.slots[k]
-        if slot and self.slot_ready[k] > t:
-            t = self.slot_ready[k]  # stage 0 blocks on this micro-batch's outputs
-        elif not slot and self.slot_chunk[k] is None and self._skip_empty(k, t):
+        if self.slot_ready[k] > t:
+            # stage 0 blocks on this slot's outputs (a batch of it is in flight: its running
+            # requests' step, or only a chunk of the chunked request)
+            t = self.slot_ready[k]
+        elif not self.slots[k] and self.slot_chunk[k] is None and self.chunked is None \
+                and self._skip_empty(k, t):
             return False
         self._process_until(t)
         self.now = t + p.sched_overhead_s
@@ -296,6 +303,75 @@ class PipelineEngine:
 
     def _prefill_chunk(self, k: int, t: float) -> list[tuple[SimRequest, int]]:
         """The (request, prompt tokens) of slot k's prefill this turn; [] when none."""
+        return self._vllm_prefill(k, t) if self.vllm else self._sglang_prefill(k, t)
+
+    def _sglang_prefill(self, k: int, t: float) -> list[tuple[SimRequest, int]]:
+        """SGLang 0.5.23's prefill turn (get_new_batch_prefill, PrefillAdder): the budget is
+        chunked_prefill_size tokens (rem_chunk_tokens, which cuts a prompt) and max_prefill_tokens
+        (rem_input_tokens, which only stops admission once spent). The chunked request's next
+        chunk comes first, whatever K; then waiting requests while the slot's room and both budgets
+        last, each whole if it fits what is left of the chunk budget, else cut there to become the
+        chunked request (one per scheduler). A request joins the slot that computes its last chunk."""
+        chunked = self.chunked
+        if chunked is None and not self.waiting:  # most turns of a loaded engine: decode only
+            return []
+        p = self.p
+        rem_chunk, rem_input = p.chunked_prefill_size, p.max_prefill_tokens
+        out: list[tuple[SimRequest, int]] = []
+        if chunked is not None:
+            need = chunked.prefill_target - chunked.prefilled
+            take = min(need, rem_chunk)
+            out.append((chunked, take))
+            rem_chunk -= take
+            rem_input -= take
+            if take < need:
+                return out  # the chunk spent the budget
+            self.chunked = None
+            self.slots[k].append(chunked)
+        # a request that ended its chunks here counts against K (SGLang: it is in the turn's
+        # can_run_list), and holds its pool row already
+        room = min(self.cap - len(self.slots[k]), p.max_running_requests - self.running)
+        self._admit(k, t, out, room, rem_chunk, rem_input)
+        return out
+
+    def _admit(self, k: int, t: float, out: list[tuple[SimRequest, int]], room: int,
+               rem_chunk: int, rem_input: int) -> None:
+        """SGLang's admission loop over the waiting queue into ``out`` (see _sglang_prefill)."""
+        waiting = self.waiting
+        while waiting and room > 0 and rem_chunk > 0 and rem_input > 0:
+            req = waiting[0]
+            need = req.prefill_target - req.prefilled
+            if not self._kv_fits(need + req.output_tokens - req.generated):
+                if not self.running and not out:
+                    self._reject(waiting.popleft(), t)
+                    continue
+                self.trace.kv_stall_t.append(t)
+                return
+            waiting.popleft()
+            take = min(need, rem_chunk)
+            rem_chunk -= take
+            rem_input -= take
+            room -= 1
+            self.running += 1
+            self.kv_reserved += req.output_tokens - req.generated
+            out.append((req, take))
+            if take < need:
+                self.chunked = req  # it joins a slot with its last chunk
+                return
+            self.slots[k].append(req)
+
+    def _reject(self, req: SimRequest, t: float) -> None:
+        """A request that can never fit the KV cache: SGLang rejects it; here it is dropped."""
+        req.finish_s = t
+        self.trace.work_t.append(t)
+        self.trace.work_delta.append(-1)
+        if req.listener is not None:
+            req.listener.finished(t)
+        if self.on_complete is not None:
+            self.on_complete(req, t)
+
+    def _vllm_prefill(self, k: int, t: float) -> list[tuple[SimRequest, int]]:
+        """vLLM's prefill share of slot k's step: each slot continues its own partial prefill."""
         chunked = self.slot_chunk[k]
         if chunked is None and not self.waiting:  # most turns of a loaded engine: decode only
             return []
@@ -312,15 +388,7 @@ class PipelineEngine:
             need = req.prefill_target - req.prefilled
             if not self._kv_fits(need + req.output_tokens - req.generated):
                 if not self.running and not out:
-                    # It can never fit: SGLang rejects such a request; here it is dropped.
-                    waiting.popleft()
-                    req.finish_s = t
-                    self.trace.work_t.append(t)
-                    self.trace.work_delta.append(-1)
-                    if req.listener is not None:
-                        req.listener.finished(t)
-                    if self.on_complete is not None:
-                        self.on_complete(req, t)
+                    self._reject(waiting.popleft(), t)
                     continue
                 self.trace.kv_stall_t.append(t)
                 break
@@ -528,10 +596,13 @@ class PipelineEngine:
         # SGLang's #new-seq is the prefill batch's len(can_run_list): a continued chunk counts
         # in every turn that computes one of its chunks, not only the first
         new_seq = sum(1 for r, _ in batch if r.prefilled < r.prefill_target)
+        in_batch = {id(r) for r, _ in batch}
         fields: dict[str, float | int | bool] = {
             "new_seq": new_seq, "new_token": tokens, "cached_token": 0,
             "token_usage": self.kv_used / self.p.max_total_num_tokens,
-            "running_req": max(len(self.slots[k]) - new_seq, 0), "queue_req": len(self.waiting),
+            # the slot's running batch before this turn's requests join it
+            "running_req": sum(1 for r in self.slots[k] if id(r) not in in_batch),
+            "queue_req": len(self.waiting),
             "pending_token": sum(r.prefill_target - r.prefilled for r in self.waiting),
             "input_throughput": self._in_tokens[s] / gap}
         self._in_tokens[s] = 0

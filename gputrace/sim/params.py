@@ -11,11 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gputrace.engines import engine_words
+from gputrace.engines import ENGINE_WORDS, Engine, engine_words
 from gputrace.engines.sglang import slot_count
 from gputrace.errors import ConfigError, UsageError
-
-ENGINES = ("sglang", "vllm")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +79,11 @@ class SimParams:
     input_tokens_jitter: float = 0.0  # +- fraction, uniform
     max_tokens: int = 2048
     output_tokens_jitter: float = 0.0  # fraction of requests end early, uniformly in [1-j, 1]
+    # A recorded load: the (prompt, output) tokens of each request in the order the client sends
+    # them (a what-if replays a captured run's own requests; a throughput under a small KV cache or
+    # a bunched schedule moves 10-15 % with which prompts are drawn); 0 where a length is not known
+    # and past the end, lengths are drawn as above
+    request_lengths: tuple[tuple[int, int], ...] = ()
     client_max_inflight: int | None = None  # a client that cannot keep up
     think_s: float = 0.0
     client_latency_s: float = 0.0005  # HTTP + tokenizer, each way
@@ -104,6 +107,11 @@ class SimParams:
     start: str = "2026-01-15T10:00:00Z"  # virtual start time (UTC)
 
     @property
+    def engine_spec(self) -> Engine:
+        """The simulated engine as gputrace/engines/ registers it: its scheduling policy and knobs."""
+        return engine_words(self.engine)
+
+    @property
     def micro_batch_cap(self) -> int:
         """SGLang's effective pp_max_micro_batch_size (vLLM has none: its max_num_seqs)."""
         return engine_words(self.engine).microbatch_cap(self.max_running_requests, self.pp_size,
@@ -121,6 +129,11 @@ class SimParams:
         engine and its client, so a run that draws none is the same at every seed."""
         return bool(self.input_tokens_jitter or self.output_tokens_jitter)
 
+    def lengths_of(self, index: int) -> tuple[int, int] | None:
+        """The recorded (prompt, output) tokens of the ``index``-th request sent, 0 where not
+        known; None past the recording."""
+        return self.request_lengths[index] if index < len(self.request_lengths) else None
+
     def stage_multiplier(self, stage: int) -> float:
         m = self.stage_cost_multipliers
         return float(m[stage]) if stage < len(m) else 1.0
@@ -135,6 +148,19 @@ class Scenario:
     overrides: Mapping[str, Any]
     causes: tuple[str, ...]
 
+
+# The motivating deployment's cost model, fitted to its measured figures (Kimi K2.6, PP8 on 8 PCIe
+# GPUs; `python bench/calibration.py --fit`): the step reads the stage's dense weights and the
+# routed experts its tokens touch (384 experts, top-8), a prompt token costs prefill_token_s per
+# stage. Two deployment facts the figures do not state were fitted with it: the prompt length (a
+# burst's prompts fill SGLang's 8,192-token prefill budget 8 at a time, so C=32 spreads over 4
+# micro-batches whatever K allows) and the KV-cache capacity (it keeps the 4,096-token bursts at
+# C=32 and C=48 from running all at once). Nothing about the scheduler is fitted.
+KIMI_K26_PCIE_COST: Mapping[str, Any] = {
+    "moe_experts": 384, "moe_top_k": 8, "launch_s": 0.0006, "decode_token_s": 1e-6,
+    "weight_read_s": 0.00123, "expert_read_s": 0.0572, "prefill_token_s": 2.14e-4,
+    "input_tokens": 1024, "max_total_num_tokens": 156_000,
+}
 
 # Where the pipeline stays full: SGLang's per-micro-batch cap of 8 (64 // 8) with 64 requests in
 # flight fills all 8 slots. The single-cause scenarios below change one thing from it.
@@ -190,23 +216,25 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("log-aliased", "the healthy pipeline logged with SGLang's default "
                  "--decode-log-interval 40: 8 slots divide it, so each stage keeps logging one slot",
                  {**_FULL_PIPELINE, "decode_log_interval": 40}, ("log_sampling_aliased",)),
+        Scenario("prefill-burst", "the motivating deployment as its figures were measured: bursts of 32 "
+                 "prompts of 1,024 tokens, K raised to 64; SGLang's 8,192-token prefill budget admits 8 "
+                 "a turn, so the 32 run as 4 micro-batches for 8 stages",
+                 {**KIMI_K26_PCIE_COST, "client_mode": "burst", "concurrency": (32,), "max_tokens": 512,
+                  "output_tokens_jitter": 0.1, "pp_max_micro_batch_size": 64, "phase_s": 600.0,
+                  "drain_s": 0.0}, ("prefill_burst",)),
+        Scenario("prefill-chunk", "prompts of 950-1,900 tokens cut into 256-token chunks where a forward "
+                 "costs about the same up to a few hundred tokens (a small model; SGLang on a CPU): one "
+                 "chunked request at a time, the others wait for its turns",
+                 {"pp_size": 2, "max_running_requests": 16, "chunked_prefill_size": 256,
+                  "max_prefill_tokens": 4096, "context_len": 2048, "input_tokens": 1425,
+                  "input_tokens_jitter": 0.333, "max_tokens": 32, "concurrency": (8, 12), "phase_s": 60.0,
+                  # the step's flat part 10x the default's, a token's cost as it is
+                  "drain_s": 5.0, "launch_s": 0.0062, "weight_read_s": 0.0269, "max_total_num_tokens": 65536},
+                 ("prefill_budget",)),
         Scenario("vllm-admission", "vLLM, PP8, --max-num-seqs 32 under a load of 64: the engine runs "
                  "32, its limit, and the rest wait",
                  {**_FULL_PIPELINE, "engine": "vllm", "max_running_requests": 32}, ("admission_bound",)),
     )
-}
-
-# The motivating deployment's cost model, fitted to its measured figures (Kimi K2.6, PP8 on 8 PCIe
-# GPUs; `python bench/calibration.py --fit`): the step reads the stage's dense weights and the
-# routed experts its tokens touch (384 experts, top-8), a prompt token costs prefill_token_s per
-# stage. Two deployment facts the figures do not state were fitted with it: the prompt length (a
-# burst's prompts fill SGLang's 8,192-token prefill budget 8 at a time, so C=32 spreads over 4
-# micro-batches whatever K allows) and the KV-cache capacity (it keeps the 4,096-token bursts at
-# C=32 and C=48 from running all at once). Nothing about the scheduler is fitted.
-KIMI_K26_PCIE_COST: Mapping[str, Any] = {
-    "moe_experts": 384, "moe_top_k": 8, "launch_s": 0.0006, "decode_token_s": 1e-6,
-    "weight_read_s": 0.00123, "expert_read_s": 0.0572, "prefill_token_s": 2.14e-4,
-    "input_tokens": 1024, "max_total_num_tokens": 156_000,
 }
 
 _FIELDS = {f.name: f for f in dataclasses.fields(SimParams)}
@@ -242,6 +270,11 @@ def _coerce(key: str, value: Any) -> Any:
             return None
         raise ConfigError(f"simulator parameter {key}: a value is required")
     try:
+        if key == "request_lengths":  # pairs, each (prompt, output) tokens
+            pairs = tuple((int(a), int(b)) for a, b in value)
+            if any(a < 0 or b < 0 for a, b in pairs):
+                raise ValueError(key)
+            return pairs
         if isinstance(default, tuple):
             items = value.split(",") if isinstance(value, str) else list(value)
             kind = int if key == "concurrency" else float
@@ -264,9 +297,10 @@ def _validate(p: SimParams) -> None:
         (p.pp_max_micro_batch_size is None or p.pp_max_micro_batch_size >= 1,
          "pp_max_micro_batch_size must be >= 1"),
         (p.pp_async_batch_depth >= 0, "pp_async_batch_depth must be >= 0"),
-        (p.engine in ENGINES, f"engine must be one of {', '.join(ENGINES)}"),
+        # the registered engines: the simulator runs each one's scheduling policy (Engine.policy)
+        (p.engine in ENGINE_WORDS, f"engine must be one of {', '.join(ENGINE_WORDS)}"),
         (p.client_mode in ("closed", "burst"), "client_mode must be closed or burst"),
-        (p.engine == "sglang" or (p.pp_max_micro_batch_size is None and not p.pp_async_batch_depth),
+        (p.engine_spec.microbatch_slots or (p.pp_max_micro_batch_size is None and not p.pp_async_batch_depth),
          "pp_max_micro_batch_size and pp_async_batch_depth are SGLang settings (engine = sglang)"),
         (p.decode_log_interval >= 1, "decode_log_interval must be >= 1"),
         (bool(p.concurrency) and min(p.concurrency) >= 1, "concurrency needs levels >= 1"),

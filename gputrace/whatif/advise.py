@@ -19,14 +19,24 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from gputrace.analysis.result import Analysis
 from gputrace.engines import ENGINE_WORDS, engine_words
 from gputrace.errors import GputraceError, UsageError
+from gputrace.sim.params import SimParams
 from gputrace.vocabulary import Change
 from gputrace.whatif.effects import fit_note
 from gputrace.whatif.fit import FittedModel, fit_model
 from gputrace.whatif.outcome import PhaseOutcome
-from gputrace.whatif.predict import PhasePrediction, decision_band, finding_change, predict, predicted_already
+from gputrace.whatif.predict import (
+    PhasePrediction,
+    decision_band,
+    finding_change,
+    predict,
+    predicted_already,
+    prefill_budget_change,
+)
 
 OBJECTIVES = ("throughput", "peak", "slo")
 SCREEN_SEEDS = (0,)  # a candidate's first replay; the best CONFIRM are replayed at every seed
@@ -214,7 +224,7 @@ def _neighbours(model: FittedModel) -> list[dict[str, Any]]:
     levels = sorted({m.concurrency for m in model.measured if m.concurrency > 0})
     top = levels[-1] if levels else p.max_running_requests
     out: list[dict[str, Any]] = []
-    if p.engine == "sglang":
+    if p.engine_spec.microbatch_slots:
         k0 = p.micro_batch_cap
         ks = {k0 // 2, k0 * 2, *(max(-(-c // p.slots), 1) for c in levels)}
         out += [{"pp_max_micro_batch_size": k} for k in sorted(ks)
@@ -222,13 +232,46 @@ def _neighbours(model: FittedModel) -> list[dict[str, Any]]:
         depth = p.pp_async_batch_depth
         out += [{"pp_async_batch_depth": d} for d in (depth + 1, depth + 2) if d != depth]
     pools = {p.max_running_requests * 2, top} - {p.max_running_requests}
-    if p.engine == "vllm":
+    if not p.engine_spec.microbatch_slots:
         pools |= {max(p.max_running_requests // 2, 1)}
     out += [{"max_running_requests": m} for m in sorted(pools) if m >= 1]
-    chunk = p.chunked_prefill_size
-    out += [{"chunked_prefill_size": c, "max_prefill_tokens": max(c, p.max_prefill_tokens)}
-            for c in (chunk // 2, chunk * 2) if c >= 64]
+    out += [prefill_budget_change(p, c) for c in prefill_budgets(p)]
     return out
+
+
+PREFILL_STEPS = 4  # budgets tried above the run's at most, log-spaced up to the context length
+
+
+def prefill_budgets(p: SimParams) -> list[int]:
+    """The prefill budgets the search tries: half the run's, and from the run's up to the context
+    length, log-spaced (SGLang's chunked_prefill_size, vLLM's max_num_batched_tokens): a chunk
+    smaller than the prompts makes them take turns one chunk at a time (issue 47: 256 -> 4096
+    measured x2.06 on SGLang), a larger one lets long prefills hold the other micro-batches."""
+    chunk = p.chunked_prefill_size
+    # powers of two above the run's, the last one holding the longest context
+    top = 1 << max(math.ceil(math.log2(max(p.context_len, 1))), 0)
+    ups = [1 << e for e in range(chunk.bit_length(), top.bit_length()) if 1 << e > chunk]
+    if len(ups) > PREFILL_STEPS:  # evenly in log, the largest kept
+        ups = [ups[int(i)] for i in np.round(np.linspace(0, len(ups) - 1, PREFILL_STEPS))]
+    return sorted({v for v in (chunk // 2, *ups) if v >= 64 and v != chunk})
+
+
+PREFILL_KNOBS = frozenset({"chunked_prefill_size", "max_prefill_tokens"})
+
+
+def prefill_pairs(singles: Sequence[tuple[Mapping[str, Any], Option]]) -> list[dict[str, Any]]:
+    """The best prefill budget beside the best K and the best pool, whether or not they were
+    among the best singles: the budget sets how many requests a turn admits, K and the pool how
+    many a micro-batch and the engine hold, so one may need the other."""
+    def best(knobs: frozenset[str]) -> Mapping[str, Any] | None:
+        fits = [(c, o) for c, o in singles if c and set(c) <= knobs]
+        return max(fits, key=lambda s: s[1].weighted_gain_tok_s)[0] if fits else None
+
+    budget = best(PREFILL_KNOBS)
+    if budget is None:
+        return []
+    others = (best(frozenset({"pp_max_micro_batch_size"})), best(frozenset({"max_running_requests"})))
+    return [{**budget, **other} for other in others if other is not None]
 
 
 def _key(change: Mapping[str, Any]) -> str:
@@ -238,8 +281,10 @@ def _key(change: Mapping[str, Any]) -> str:
 def changes_of(model: FittedModel, change: Mapping[str, Any]) -> tuple[AdvisedSetting, ...] | None:
     out = []
     for knob, value in change.items():
-        if knob == "max_prefill_tokens":  # rides with the chunk
-            continue
+        if knob == "max_prefill_tokens" and ("chunked_prefill_size" in change and (
+                engine_words(model.params.engine).knob_of_param(knob) is None
+                or value == model.params.max_prefill_tokens)):
+            continue  # rides with the chunk: the engine's one budget (vLLM's), or SGLang's left as it ran
         c = to_change(model, knob, value)
         if c is None:
             return None
@@ -267,7 +312,8 @@ def candidates(model: FittedModel, findings: Sequence[Mapping[str, Any]]) -> lis
         if change and changes_of(model, change) is not None:
             out.setdefault(_key(change), (change, f"finding: {f.get('cause')} at {f.get('phase')}"))
     for change in _neighbours(model):
-        out.setdefault(_key(change), (change, "around the run's settings"))
+        if changes_of(model, change) is not None:  # knobs the run's engine has
+            out.setdefault(_key(change), (change, "around the run's settings"))
     return list(out.values())[:MAX_CANDIDATES]
 
 
@@ -354,6 +400,14 @@ def search(model: FittedModel, findings: Sequence[Mapping[str, Any]], objective:
             assert changes is not None
             rows = _screen(model, pair)
             screened.append((pair, "pair", Option(changes, _phases(model, rows, weights), "pair")))
+    for pair in prefill_pairs([(c, o) for c, _, o in screened]):
+        if _key(pair) in seen:
+            continue
+        seen.add(_key(pair))
+        changes = changes_of(model, pair)
+        assert changes is not None
+        rows = _screen(model, pair)
+        screened.append((pair, "pair", Option(changes, _phases(model, rows, weights), "pair")))
 
     def rank(o: Option) -> float:
         s = score(o, objective, slo)
@@ -372,6 +426,19 @@ def search(model: FittedModel, findings: Sequence[Mapping[str, Any]], objective:
         changes = changes_of(model, change)
         assert changes is not None
         options.append(Option(changes, _phases(model, rows, weights), origin))
+    # the parts of the best pair, confirmed too: fewest_changes_within_band keeps a setting only
+    # where it adds beyond the band to the set without it, which it can tell only where that set
+    # was replayed as fully (kv-bound: two pairs screened above the KV size alone, which went
+    # unconfirmed, and the advice kept --chunked-prefill-size 4096 beside it for a predicted -1 %)
+    best_pair = max((o for o in options if score(o, objective, slo) is not None and len(o.changes) > 1),
+                    key=rank, default=None)
+    pair_settings = set(best_pair.changes) if best_pair is not None else set()
+    for change, origin, o in screened:
+        if _key(change) in confirmed or not set(o.changes) < pair_settings:
+            continue
+        rows = predict(model, change)
+        confirmed[_key(change)] = rows
+        options.append(Option(o.changes, _phases(model, rows, weights), origin))
     as_run = _phases(model, [PhasePrediction(m.label, m.concurrency, m, m, model.band_ratio(m.label),
                                              _unchanged(model, m.label), None, None, model.uncertainty_ratio)
                              for m in model.measured],
@@ -382,7 +449,7 @@ def search(model: FittedModel, findings: Sequence[Mapping[str, Any]], objective:
               if any(p.gains for p in o.phases)]
     n = len(screened)
     if eligible:
-        best = fewest_changes_within_band(eligible)
+        best = fewest_changes_within_band(eligible, objective)
         alternatives = tuple([o for o in eligible[1:] + trades if o is not best][:3])
         return Advice(best.changes, objective, best.phases, _unique(alternatives), _why(best, objective),
                       n, slo, fit_note(model)), confirmed
@@ -392,25 +459,36 @@ def search(model: FittedModel, findings: Sequence[Mapping[str, Any]], objective:
                   n, slo, fit_note(model)), confirmed
 
 
-def fewest_changes_within_band(ranked: Sequence[Option]) -> Option:
+def fewest_changes_within_band(ranked: Sequence[Option], objective: str = "throughput") -> Option:
     """The best of ``ranked`` (best first), or a part of its change set where the rest adds nothing
     the model can tell from its band: a setting is advised only where its own effect, on top of
-    the others, lies beyond the band in some phase (kv-bound seed 2 was advised
-    --chunked-prefill-size 4096 beside the KV size for +2 %, inside its 3 % band; the simulator
-    gave the pair 2 % less than the KV size alone)."""
+    the others, lies beyond the band on the objective's figure (the duration-weighted throughput;
+    the highest level's for ``peak``). One phase's gain is not enough: kv-bound seed 1 was advised
+    --chunked-prefill-size 4096 beside the KV size for +5.4 % at C=32 (band 3 %) and nothing at
+    C=64, +2.2 % on the weighted figure against its 4.4 % band; the simulator gave the pair +6 %
+    at C=32 and -5 % at C=64, 232 against the KV size's 236 tok/s (over seeds 0-4 the chunk adds
+    +1.8 % and -2.6 %)."""
     best = ranked[0]
     chosen = set(best.changes)
     for o in ranked[1:]:
-        if set(o.changes) < chosen and not _beyond_band(best, o):
-            return fewest_changes_within_band([o, *[r for r in ranked[1:] if r is not o]])
+        if set(o.changes) < chosen and not _beyond_band(best, o, objective):
+            return fewest_changes_within_band([o, *[r for r in ranked[1:] if r is not o]], objective)
     return best
 
 
-def _beyond_band(more: Option, fewer: Option) -> bool:
-    """Whether ``more`` is predicted above ``fewer`` beyond the band in any phase."""
+def _beyond_band(more: Option, fewer: Option, objective: str) -> bool:
+    """Whether ``more`` is predicted above ``fewer`` on the objective's figure by more than the
+    band of ``more``'s (each phase's band weighted as its throughput is)."""
     by_phase = {p.phase: p for p in fewer.phases}
-    return any(p.predicted_tok_s > by_phase[p.phase].predicted_tok_s * (1 + p.decision_band_ratio)
-               for p in more.phases if p.phase in by_phase)
+    shared = [p for p in more.phases if p.phase in by_phase]
+    if objective == "peak" and shared:
+        shared = [max(shared, key=lambda p: p.concurrency)]
+    total_s = sum(p.duration_s for p in shared)
+    if total_s <= 0:
+        return False
+    added = sum((p.predicted_tok_s - by_phase[p.phase].predicted_tok_s) * p.duration_s for p in shared)
+    band = sum(p.predicted_tok_s * p.decision_band_ratio * p.duration_s for p in shared)
+    return added > band
 
 
 def _screen(model: FittedModel, change: Mapping[str, Any]) -> list[PhasePrediction]:

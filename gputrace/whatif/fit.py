@@ -24,8 +24,10 @@ import numpy as np
 from gputrace.analysis.diagnose import engine_kind
 from gputrace.analysis.phase_figures import PhaseMetrics
 from gputrace.analysis.result import Analysis
+from gputrace.engines import engine_words
 from gputrace.run_tables import EngineSettings
 from gputrace.sim.params import SimParams, make_params
+from gputrace.whatif.lengths import fit_output_lengths, output_observations, recorded_lengths
 from gputrace.whatif.outcome import PhaseOutcome, measured_outcomes, phase_concurrency, trace_outcomes
 from gputrace.whatif.replay import Reached, counted, current_session, run_replay
 
@@ -151,9 +153,16 @@ def deployment_params(engine: EngineSettings, pp_size: int) -> dict[str, Any]:
             out[key] = engine[key]
     if fields.get("max_prefill_tokens"):
         out["max_prefill_tokens"] = fields["max_prefill_tokens"]
-    if out["engine"] == "vllm":
-        out.pop("pp_max_micro_batch_size", None)
-        out.pop("pp_async_batch_depth", None)
+    # the longest context (SGLang's context_len, vLLM's max_model_len): how far the search takes
+    # the prefill budget
+    context = next((fields[k] for k in ("context_len", "context_length", "max_model_len")
+                    if isinstance(fields.get(k), int | float) and fields[k] > 0), None)
+    if context is not None:
+        out["context_len"] = int(context)
+    words = engine_words(out["engine"])
+    for name in ("pp_max_micro_batch_size", "pp_async_batch_depth"):
+        if words.knob_named(name) is None:  # a setting the engine does not have (vLLM's K)
+            out.pop(name, None)
     return out
 
 
@@ -172,17 +181,56 @@ def _load_params(analysis: Analysis) -> dict[str, Any]:
         out["input_tokens"] = max(round(mean_in), 1)
         # uniform +- j x mean has a standard deviation of j x mean / sqrt(3)
         out["input_tokens_jitter"] = float(min(np.sqrt(3) * prompt.std() / mean_in, 0.95))
-    completion = rq["completion_tokens"][ok].astype(float) if len(rq["ok"]) else np.zeros(0)
-    if len(completion):
-        top = float(completion.max())
-        out["max_tokens"] = max(int(top), 1)
-        # uniform in [(1 - j) max, max] has a mean of (1 - j / 2) max
-        out["output_tokens_jitter"] = float(np.clip(2 * (1 - completion.mean() / top), 0.0, 1.0))
+    tokens, finished = output_observations(rq, recording_end_ns(analysis))
+    outputs = fit_output_lengths(tokens, finished)
+    if outputs is not None:
+        out["max_tokens"] = outputs.max_tokens
+        out["output_tokens_jitter"] = outputs.jitter
+    out["request_lengths"] = recorded_lengths(rq, tokens, finished, outputs)
+    if burst_load(analysis):
+        # each level sent its requests at once and ended with the last: replay it so (a closed
+        # loop would refill the slots turn by turn, where the burst's packing is the point)
+        out["client_mode"] = "burst"
+        out["phase_s"] = MAX_BURST_S
+        return out
     short = [pm.inflight_mean for pm in analysis.metrics if pm.target_concurrency and pm.inflight_mean
              and pm.inflight_mean < CLIENT_SHORTFALL * pm.target_concurrency]
     if short:
         out["client_max_inflight"] = max(round(max(short)), 1)
     return out
+
+
+def recording_end_ns(analysis: Analysis) -> float:
+    """When the recording ended: its grid's last cell, or the last request's end after it."""
+    grid = analysis.run.grid_ns
+    ends = analysis.run.requests["end_ns"].astype(float)
+    candidates = [float(grid[-1])] if len(grid) else []
+    candidates += [float(np.nanmax(ends))] if np.isfinite(ends).any() else []
+    return max(candidates, default=float("nan"))
+
+
+MAX_BURST_S = 600.0  # a replayed burst level ends with its last request, at the latest then
+BURST_SPAN = 0.05  # of a phase: its requests all started within it, and it ended with their last
+
+
+def burst_load(analysis: Analysis) -> bool:
+    """Whether every phase was a burst (the motivating figures' way of measuring): it started its
+    level's requests at once, none after (no more than the level), and ended with the last."""
+    rq = analysis.run.requests
+    if not len(rq["ok"]) or not analysis.metrics:
+        return False
+    start, end = rq["start_ns"].astype(float), rq["end_ns"].astype(float)
+    for pm in analysis.metrics:
+        span_ns = float(pm.end_ns - pm.start_ns)
+        sel = (start >= pm.start_ns) & (start < pm.end_ns)
+        level = pm.target_concurrency
+        if not level or span_ns <= 0 or not sel.any() or sel.sum() > level:
+            return False
+        ends = end[sel][np.isfinite(end[sel])]
+        if np.ptp(start[sel]) > BURST_SPAN * span_ns or not len(ends) or \
+                abs(float(ends.max()) - pm.end_ns) > BURST_SPAN * span_ns:
+            return False
+    return True
 
 
 def steady_phase_s(requests: Mapping[str, np.ndarray]) -> float:
@@ -242,7 +290,7 @@ def _phase_work(analysis: Analysis, pm: PhaseMetrics, p: SimParams, mults: np.nd
         new_tokens = ev.new_token[lo:hi][kinds == "prefill"]
         if len(new_tokens) and np.isfinite(new_tokens).all():
             prompt.append(float(new_tokens.sum()))
-    if p.engine == "sglang" and max(steps, default=0.0) > 0:
+    if p.engine_spec.steps_logged and max(steps, default=0.0) > 0:
         n_dec, n_pf = float(np.median(steps)), float(np.median(prefills))
         mb = tokens / n_dec
     else:  # vLLM logs engine-wide stats: pp_size batches share the running requests
@@ -292,7 +340,7 @@ def _design(w: PhaseWork, p: SimParams) -> tuple[float, float]:
     over = float(np.mean(np.maximum(0.0, p.decode_token_s * sizes - p.weight_read_s))) + \
         p.context_token_s * w.context_tokens
     prefill_over = max(0.0, p.prefill_token_s * w.prefill_tokens_per_step - p.weight_read_s)
-    if p.engine == "vllm":  # prompts ride in the decode steps
+    if p.engine_spec.policy.mixed_prefill:  # prompts ride in the decode steps (vLLM)
         over += p.prefill_token_s * w.prefill_tokens_per_step
     return flat, w.decode_steps * over + w.prefill_steps * prefill_over
 
@@ -352,7 +400,8 @@ def without_memory_floor(p: SimParams) -> SimParams:
 def on_cpu(p: SimParams) -> SimParams:
     """A CPU engine's step (no memory-bound floor) and, for SGLang, its forward run inside rank 0's
     scheduler loop (tests/test_sim_vs_engines.py: how the real engine spreads C=4 over slots)."""
-    return dataclasses.replace(without_memory_floor(p), synchronous_forward=p.engine == "sglang")
+    in_loop = p.engine_spec.policy.cpu_forward_in_loop
+    return dataclasses.replace(without_memory_floor(p), synchronous_forward=in_loop)
 
 
 def shared_core_candidates(pp_size: int) -> tuple[float, ...]:
@@ -605,7 +654,7 @@ def fit_model(analysis: Analysis) -> FittedModel:
     # throughput also moves with how the load bunches into micro-batches (a K of 64 under 32
     # requests), which a cost scale must not absorb where the phases disagree: there the
     # per-phase calibration below takes it.
-    counted = bool(works) and p.engine == "sglang"
+    counted = bool(works) and p.engine_spec.steps_logged
     correction = _scale_correction(measured, simulated) if not counted or _one_way(measured, simulated) \
         else 1.0
     if not works and levels >= 2:

@@ -34,6 +34,8 @@ SETTING_NAMES = frozenset(k.name for w in ENGINE_WORDS.values() for k in w.knobs
 # registry in gputrace/engines/): the cost model's layer split, the link, and the load.
 MODEL_AND_LOAD = tuple(k for k in CHANGEABLE if k not in SETTING_NAMES)
 LOAD_WORDS = "concurrency, input_tokens, max_tokens"
+# The load's lengths: a change of them replaces the run's recorded requests with drawn ones
+LENGTH_KEYS = frozenset({"input_tokens", "max_tokens", "input_tokens_jitter", "output_tokens_jitter"})
 # A healthy link between adjacent stages (what "use NVLink or a full PCIe link" buys): the
 # simulator's default, a PCIe gen4 x16 link's payload rate.
 HEALTHY_LINK = {"pcie_bandwidth_bytes_per_s": SimParams().pcie_bandwidth_bytes_per_s,
@@ -146,6 +148,8 @@ def changed_params(model: FittedModel, changes: Mapping[str, Any]) -> SimParams:
     base = model.params
     values = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
     values.update(changes)
+    if LENGTH_KEYS & set(changes):  # requests of other lengths: drawn, not the run's own
+        values["request_lengths"] = ()
     try:
         p = make_params(values)
     except ConfigError as exc:
@@ -265,12 +269,27 @@ def even_split(model: FittedModel) -> dict[str, Any]:
     return {"stage_cost_multipliers": (1.0,) * model.params.pp_size}
 
 
+def prefill_budget_change(p: SimParams, chunk: int) -> dict[str, Any]:
+    """A prefill budget of ``chunk`` tokens in the simulator's keys: SGLang's chunk, with its
+    turn budget (max_prefill_tokens) raised to it where below; vLLM's one step budget
+    (max_num_batched_tokens, held under both)."""
+    budget = p.engine_spec.knob_named("chunked_prefill_size")
+    if budget is not None and "max_prefill_tokens" in budget.sets_too:  # one budget for both (vLLM)
+        return {"chunked_prefill_size": chunk, "max_prefill_tokens": chunk}
+    return {"chunked_prefill_size": chunk, "max_prefill_tokens": max(chunk, p.max_prefill_tokens)}
+
+
 def finding_change(model: FittedModel, change: Change, phase: str) -> dict[str, Any] | None:
     """The simulator change that a finding's recommendation makes (its ``change``, at its
     ``phase``), None where the model cannot make it (cooling, a KV flag without a value)."""
     knob, value = change.knob, change.value
     if knob in SIMULATED_KNOBS:
         return {knob: value} if value is not None else None
+    if knob == "chunked_prefill_size" and value is not None:
+        return prefill_budget_change(model.params, int(value))
+    if knob == "max_prefill_tokens" and value is not None and \
+            model.params.engine_spec.knob_named("max_prefill_tokens") is not None:
+        return {knob: value}  # SGLang's turn budget alone: it stops admission, cuts no prompt
     if knob == "layer_partition":
         return even_split(model)
     if knob == "link":
