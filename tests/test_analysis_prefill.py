@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from gputrace.analysis.result import Analysis, analyse_store
+from gputrace.analyse import analyse_run
+from gputrace.analysis.result import Analysis
 from gputrace.imports.engine_log import ingest_log
 from gputrace.imports.nvidia_smi import import_nvidia_smi_csv
 from gputrace.sim.outputs import sample_columns, write_gpu_csv, write_log, write_store
@@ -27,7 +28,7 @@ LONG_PROMPTS: dict[str, Any] = {
 def _analysed(tmp_path: Path, values: dict[str, Any]) -> Analysis:
     result = run_params(make_params(values), "prefill")
     with Store.open(write_store(result, tmp_path / "run"), read_only=True) as store:
-        return analyse_store(store)
+        return analyse_run(store, effects=False)
 
 
 @pytest.mark.parametrize("interval", [1, 40])
@@ -67,7 +68,7 @@ def test_log_only_pp2_at_c1_with_nccl_spin_counts_the_request_once(tmp_path: Pat
     with Store.create(tmp_path / "imported") as store:
         ingest_log(store, tmp_path / "server.log", host="gpu-box", engine="sglang")
         import_nvidia_smi_csv(store, tmp_path / "gpu.csv", host="gpu-box")
-        a = analyse_store(store)
+        a = analyse_run(store, effects=False)
     assert a.summary()["work_source"] == "engine running + queued requests (log)"
     (pm,) = a.metrics
     (truth,) = result.ground_truth["phases"]

@@ -23,8 +23,8 @@ from conftest import require_binary
 from engine_fixtures import fixture_dir
 from helpers import gputrace_process
 
+from gputrace.analyse import analyse_run
 from gputrace.analysis.compare import compare_analyses
-from gputrace.analysis.result import analyse_store
 from gputrace.report.compare_render import write_compare
 from gputrace.report.figures import FIGURES
 from gputrace.report.render import write_report
@@ -137,7 +137,7 @@ async def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     chromium = require_binary("/usr/bin/chromium", "chromium", "chromium-browser")
     run = write_store(run_scenario("microbatch-cap", 0), tmp_path / "run")
     with Store.open(run, read_only=True) as store:
-        written = write_report(analyse_store(store), tmp_path / "out", ["html"])
+        written = write_report(analyse_run(store, effects=False), tmp_path / "out", ["html"])
     html_file = written[0]
     assert html_file.name == "report.html" and "src='http" not in html_file.read_text()
     ARTIFACTS.mkdir(exist_ok=True)
@@ -163,7 +163,7 @@ async def test_compare_renders_in_headless_chromium(tmp_path: Path) -> None:
     analyses = {}
     for name in ("microbatch-cap", "microbatch-fixed"):
         with Store.open(write_store(run_scenario(name, 0), tmp_path / name), read_only=True) as store:
-            analyses[name] = analyse_store(store)
+            analyses[name] = analyse_run(store, effects=False)
     doc = compare_analyses(analyses["microbatch-cap"], analyses["microbatch-fixed"])
     html_file = write_compare(doc, tmp_path / "cmp", ["html"])[0]
     ARTIFACTS.mkdir(exist_ok=True)

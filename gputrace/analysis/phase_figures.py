@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from gputrace.analysis.aligned import AlignedRun, StageEvents
+from gputrace.analysis.aligned_run import AlignedRun, StageEvents
 from gputrace.analysis.phases import Phase
 
 

@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from gputrace.analysis.aligned import AlignedRun, align
+from gputrace.analysis.aligned_run import AlignedRun, align
 from gputrace.analysis.diagnose import Finding, Thresholds, diagnose
 from gputrace.analysis.engine_metrics import (
     COMPARED,
@@ -267,9 +267,3 @@ def analyse_tables(tables: RunTables, th: Thresholds = DEFAULT_THRESHOLDS,
                      else [])
     analysis = analyse_aligned(align(tables), th, progress, engine_series)
     return with_notes(analysis, table_notes(tables.meta.extra, tables.engine_metrics, analysis))
-
-
-def analyse_store(store: RunSource, th: Thresholds = DEFAULT_THRESHOLDS,
-                  progress: Callable[[str], None] | None = None) -> Analysis:
-    """Read, align and diagnose a run store."""
-    return analyse_tables(store.read_run(engine_metric_names=COMPARED), th, progress)
