@@ -744,6 +744,13 @@ class Store:
                                   f"{_first_line(exc)}") from exc
         return int((moved[-1] or (0,))[0])
 
+    def target_concurrency_of(self, source: str) -> list[tuple[int, float]]:
+        """(ts_ns, target_concurrency) of the load samples of ``source`` that name a target (an
+        earlier Prometheus range's load, which a later one's markers are drawn beside)."""
+        return [(int(ts), float(c)) for ts, c in self.sql(
+            "SELECT ts_ns, target_concurrency FROM load_samples WHERE source = ? "
+            "AND target_concurrency IS NOT NULL", [source])]
+
     def log_and_receive_times(self) -> pa.Table:
         """host, source, log_ts_ns and recv_ts_ns of the scheduler events that have both (the
         lines a collector received), for the log clock check (gputrace.log_clock)."""

@@ -352,8 +352,7 @@ def _markers_of_both(store: Store, load_source: str, target: np.ndarray, grid_ns
                      step_ms: int) -> list[Marker]:
     """The markers of the load the run holds (an earlier range's) and this range's, on one grid."""
     step_ns = step_ms * 1_000_000
-    held = store.sql("SELECT ts_ns, target_concurrency FROM load_samples WHERE source = ? "
-                     "AND target_concurrency IS NOT NULL", [load_source])
+    held = store.target_concurrency_of(load_source)
     lo = min([int(grid_ns[0]), *(ts + step_ns // 2 for ts, _ in held)])
     hi = max([int(grid_ns[-1]), *(ts + step_ns // 2 for ts, _ in held)])
     grid = lo + step_ns * np.arange((hi - lo) // step_ns + 1, dtype=np.int64)
