@@ -386,6 +386,7 @@ def test_a_log_path_that_does_not_exist_is_said_at_start(tmp_path: Path) -> None
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=60)
     reader.join(timeout=10)
+    proc.stderr.close()
     assert proc.returncode == 0
 
 
@@ -711,7 +712,10 @@ def test_a_signal_during_the_readiness_wait_ends_collect_within_5_s(tmp_path: Pa
     finally:
         proc.kill()
     took_s = time.monotonic() - sent
-    assert proc.returncode == 0 and took_s < 5.0, (took_s, proc.stderr.read() if proc.stderr else b"")
+    err = proc.stderr.read() if proc.stderr else b""
+    if proc.stderr:
+        proc.stderr.close()
+    assert proc.returncode == 0 and took_s < 5.0, (took_s, err)
     assert (tmp_path / "run" / "meta.json").exists()
 
 
