@@ -174,6 +174,11 @@ class PipelineEngine:
         self._seq += 1
         heapq.heappush(self._arrivals, (req.arrival_s, self._seq, req))
 
+    def process_due(self, t: float) -> None:
+        """Take in the arrivals and completions due by ``t``, issuing nothing (a run that ends
+        without draining still counts the requests that finished before its end)."""
+        self._process_until(t)
+
     def busy(self) -> bool:
         """Requests waiting, running or still to arrive."""
         return bool(self.running or self.waiting or self._arrivals or self._completions)
