@@ -20,7 +20,7 @@ The simulator itself is untouched: this drives its engine and client phase by ph
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -102,7 +102,7 @@ class _TokenWindows:
     """Tokens out of the last stage per WINDOW_S window of a phase, from the trace's columns as
     they grow (each entry read once: its output time may lie ahead of the loop's clock)."""
 
-    def __init__(self, tok_t: list[float], tok_n: list[int], start_s: float):
+    def __init__(self, tok_t: Sequence[float], tok_n: Sequence[int], start_s: float):
         self.tok_t, self.tok_n, self.start_s = tok_t, tok_n, start_s
         self.read = len(tok_t)
         self.counts = np.zeros(0)
