@@ -10,7 +10,7 @@ LOCK := requirements-dev.lock
 UV_VERSION := 0.13.9
 LATEST_VENV := .venv-latest
 
-.PHONY: demo test test-latest lock check lint typecheck bench clean engines engine-fixtures
+.PHONY: demo test test-latest lock check lint typecheck bench clean engines engine-fixtures docs-knobs
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,6 +54,10 @@ engines:
 # Re-record tests/data/engines/ from real runs of both engines at both settings (about 10 min).
 engine-fixtures: $(STAMP) engines
 	$(PY) tests/engines/record_fixtures.py
+
+# The knob reference (docs/knobs-<engine>.md) from the engines' knob registry.
+docs-knobs: $(STAMP)
+	$(VENV)/bin/gputrace knobs --out docs
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check gputrace tests bench

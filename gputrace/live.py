@@ -162,7 +162,7 @@ class LiveState:
         over the same interval): not a reading of an idle engine while requests are in flight (the
         load's own count where this process runs it, else the tokens the interval generated). The
         rank keeps its last reading."""
-        if ev.engine != "vllm" or ev.running_req != 0 or (ev.queue_req or 0) != 0:
+        if engine_words(ev.engine).steps_logged or ev.running_req != 0 or (ev.queue_req or 0) != 0:
             return False
         inflight = self.inflight
         if inflight is not None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gputrace.engines import ENGINE_WORDS
+
 GPU_LABELS = ("host", "gpu", "uuid", "model", "pp_rank", "tp_rank")  # the ranks only with a topology
 RANK_LABELS = ("pp_rank", "tp_rank")
 ENGINE_LABELS = ("host", "pp_rank", "tp_rank", "dp_rank", "run")
@@ -210,8 +212,9 @@ STAGE_BUSY = _collector("gputrace_stage_busy_ratio", "ratio", ("pp_rank", "signa
 ENGINE_TOTAL_RUNNING = _collector("gputrace_engine_total_running_requests", "requests", RUN_LABELS,
                                   "Requests the engine runs in all its micro-batches (one stage's "
                                   "#running-req is one micro-batch)")
+_POOL_FLAGS = ", ".join(f"{e.flag_for('max_running_requests')} ({e.name})" for e in ENGINE_WORDS.values())
 ENGINE_POOL = _collector("gputrace_engine_max_running_requests", "requests", RUN_LABELS,
-                         "The engine's request pool: --max-running-requests (SGLang), --max-num-seqs (vLLM)")
+                         f"The engine's request pool: {_POOL_FLAGS}")
 ENGINE_MICROBATCHES = _collector("gputrace_engine_microbatches_in_flight", "", RUN_LABELS,
                                  "Micro-batches the engine has in flight (fewer than the stages: some idle)")
 ENGINE_STAGES = _collector("gputrace_engine_pipeline_stages", "", RUN_LABELS,

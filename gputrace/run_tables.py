@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from gputrace.engines import engine_kind, sglang
+from gputrace.engines import Engine, engine_kind, engine_words, sglang
 from gputrace.model import ClockProbe, DeviceInfo, EngineConfig, Marker, RunMeta
 
 GPU_METRICS = ("utilization_ratio", "power_w", "pcie_tx_bytes_per_s", "pcie_rx_bytes_per_s",
@@ -303,6 +303,11 @@ class EngineSettings(Mapping[str, Any]):
     def kind(self) -> str:
         """"sglang" or "vllm" (SGLang when the log named neither)."""
         return engine_kind(self.engine)
+
+    @property
+    def engine_spec(self) -> Engine:
+        """The run's engine as gputrace/engines/ registers it: its knobs, words and rules."""
+        return engine_words(self.kind)
 
     @property
     def runs_on_cpu(self) -> bool:

@@ -102,3 +102,14 @@ def run_readme_block(block: str, cwd: Path, timeout_s: float) -> tuple[int, str]
             proc.kill()
             proc.wait()
     return proc.returncode, out
+
+
+def json_strings(obj: object) -> list[str]:
+    """Every string value of a JSON document (its keys are the schema, the same for every engine)."""
+    if isinstance(obj, str):
+        return [obj]
+    if isinstance(obj, dict):
+        return [s for v in obj.values() for s in json_strings(v)]
+    if isinstance(obj, list):
+        return [s for v in obj for s in json_strings(v)]
+    return []

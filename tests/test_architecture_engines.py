@@ -1,11 +1,12 @@
 """The engine boundary: which engine a run has is asked of gputrace/engines/ (``engine_words`` and
 the engine modules), not compared by name elsewhere, and an engine's flags are written only there.
-The places that still do it are counted against a ceiling that may only fall (a ratchet)."""
+The files that still do it are listed, each with its reason and a count that may only fall."""
 
 from __future__ import annotations
 
 import ast
 import re
+from collections import Counter
 from pathlib import Path
 
 from gputrace.engines import ENGINE_WORDS
@@ -17,12 +18,20 @@ ENGINE_FLAGS = frozenset(w for words in ENGINE_WORDS.values()
                          for w in (*words.flags.values(), *words.other_words))
 _FLAG = re.compile("|".join(rf"(?<![\w-]){re.escape(f)}(?![\w-])" for f in sorted(ENGINE_FLAGS)))
 
-# Places outside gputrace/engines/ comparing an engine's name or writing an engine's flag, at most.
-# Lower it when you move one behind the engine modules; never raise it (76 comparisons in 24 files
-# when the issue was filed at dda5278; by this count 108 places in 27 files at 0008765; the engines
-# branch took it to 100 while the prefill and input-validation branches, written beside it, added
-# 13 (the prefill rules' flags in diagnose.py, aligned.py's prefill chunk rule): 113 when they met).
-CEILING = 113
+# The files outside gputrace/engines/ that may still name an engine or write its flags, each with
+# its reason and the most places it may hold; any other file that does fails the boundary test.
+# (76 comparisons in 24 files when the issue was filed at dda5278; 113 places in 27 files when the
+# engines branch started; 11 in 5 files after it.)
+ALLOWED: dict[str, tuple[int, str]] = {
+    "gputrace/sim/params.py": (6, "the scenarios' descriptions: SGLang (and one vLLM) deployments said "
+                                  "in their own flags"),
+    "gputrace/sim/simulate.py": (1, "the simulator writes each engine's own log format"),
+    "gputrace/sim/engine_exposition.py": (1, "the simulator writes each engine's own /metrics series"),
+    "gputrace/commands/sim.py": (1, "`sim serve` runs SGLang's model only (its real-time server)"),
+    "gputrace/commands/options/prometheus.py": (2, "gputrace's own options, named as SGLang names the "
+                                                   "settings Prometheus does not carry"),
+}
+CEILING = sum(n for n, _ in ALLOWED.values())
 
 
 def _is_engine_name(node: ast.expr) -> bool:
@@ -66,11 +75,18 @@ def engine_places(root: Path = PACKAGE) -> list[str]:
 
 
 def test_engine_names_and_flags_stay_behind_the_engine_modules() -> None:
-    """No more places outside gputrace/engines/ compare an engine name or write an engine flag
-    than the ceiling (lower it as they move; the places are printed)."""
+    """No file outside gputrace/engines/ compares an engine name or writes an engine flag, but the
+    listed ones, each within its count (lower it as they move; the places are printed)."""
     places = engine_places()
     print(f"{len(places)} places (ceiling {CEILING}):", *places, sep="\n")
-    assert len(places) <= CEILING, "\n".join(places)
+    assert beyond_allowed(places) == [], "\n".join(places)
+
+
+def beyond_allowed(places: list[str]) -> list[str]:
+    """The places of every file that holds more than ALLOWED lets it (none for a file not listed)."""
+    per_file = Counter(p.split(":", 1)[0] for p in places)
+    over = {f for f, n in per_file.items() if n > ALLOWED.get(f, (0, ""))[0]}
+    return [p for p in places if p.split(":", 1)[0] in over]
 
 
 def test_the_count_sees_comparisons_and_flags(tmp_path: Path) -> None:
@@ -91,3 +107,5 @@ def test_the_count_sees_comparisons_and_flags(tmp_path: Path) -> None:
     places = engine_places(pkg)
     lines = [p.split(": ", 1)[0] for p in places]
     assert lines == ["gputrace/m.py:4", "gputrace/m.py:5", "gputrace/m.py:6"], places
+    assert beyond_allowed(places) == places  # a file not listed may hold none
+    assert beyond_allowed(["gputrace/commands/sim.py:1: compares"]) == []

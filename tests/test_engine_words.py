@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from engine_fixtures import fixture_dir
+from helpers import json_strings
 from rich.console import Console
 
 from gputrace import dashboard
@@ -34,17 +35,6 @@ def _gputrace(*args: str) -> subprocess.CompletedProcess[str]:
 def _date(engine: str) -> str:
     args = json.loads((fixture_dir(engine, "default") / "args.json").read_text())
     return str(args["recorded_utc"])[:10]
-
-
-def _strings(obj: object) -> list[str]:
-    """Every string value of a JSON document (its keys are the schema, the same for every engine)."""
-    if isinstance(obj, str):
-        return [obj]
-    if isinstance(obj, dict):
-        return [s for v in obj.values() for s in _strings(v)]
-    if isinstance(obj, list):
-        return [s for v in obj for s in _strings(v)]
-    return []
 
 
 def _watch_screen(engine: str) -> str:
@@ -92,8 +82,8 @@ def outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, str
         out[engine] = {
             "report.md": (run / "report" / "report.md").read_text(),
             "report.html": (run / "report" / "report.html").read_text(),
-            "findings.json": "\n".join(_strings(findings)),
-            "advice": "\n".join(_strings(findings.get("advice"))),
+            "findings.json": "\n".join(json_strings(findings)),
+            "advice": "\n".join(json_strings(findings.get("advice"))),
             "whatif": whatif.stdout + whatif.stderr,
             "watch": _watch_screen(engine),
         }
@@ -130,7 +120,7 @@ def test_the_outputs_name_the_engines_own_admission_flag(outputs: dict[str, dict
 def test_the_dashboards_panels_name_no_engines_words() -> None:
     """One dashboard serves every engine: its titles, descriptions and legends are in neither's words."""
     panels = json.loads(Path(dashboard.DASHBOARD_PATH).read_text())["panels"]
-    text = "\n".join(_strings(panels))
+    text = "\n".join(json_strings(panels))
     every = frozenset(w for words in ENGINE_WORDS.values() for w in words.vocabulary())
     assert _found(every, text) == []
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import gzip
+import importlib.util
 import json
 import random
 import subprocess
@@ -22,10 +23,13 @@ from gputrace.engines.common import METRIC_FIELDS, LogClock
 from gputrace.engines.sglang import fastpath
 from gputrace.errors import SourceError
 from gputrace.imports import engine_log as ingest
+from gputrace.imports import log_files
 from gputrace.imports.engine_log import ingest_log
+from gputrace.imports.report import ImportReport
 from gputrace.model import EngineConfig
 from gputrace.store import Store
 
+REPO = Path(__file__).resolve().parents[1]
 SGLANG_LINES = shared_data("sglang/real-lines.txt")
 VLLM_LINES = SGLANG_LINES.parent.parent / "vllm" / "real-lines.txt"
 
@@ -265,7 +269,7 @@ def test_an_imported_log_is_closed_after_the_import(tmp_path: Path, compressed: 
     it is handed), with or without the ledger's hash reading beside it."""
     text, log = _decode_log(tmp_path, 100, compressed)
     hashed: list[int] = []
-    with ingest.open_log(log, (lambda block: hashed.append(len(block))) if ledger else None) as stream:
+    with log_files.open_log(log, (lambda block: hashed.append(len(block))) if ledger else None) as stream:
         assert stream.read().decode() == text
         assert str(log) in open_paths()
     assert str(log) not in open_paths()
@@ -295,24 +299,59 @@ def test_progress_reports_the_file_read_so_far(tmp_path: Path, compressed: bool)
 REAL_ENGINE_SGLANG_LOGS = sorted((Path(__file__).parent / "data" / "engines").glob("sglang-*/*/engine.log"))
 
 
+def _same_tables_both_ways(tmp_path: Path, log: Path, **options: object) -> dict[bool, ImportReport]:
+    """Ingest ``log`` with and without the fast path: the stored events and configuration records
+    are identical, column by column, and so are the counts. The two reports, by ``fast``."""
+    tables = {}
+    stats = {}
+    for fast in (True, False):
+        with Store.create(tmp_path / f"run-{fast}") as store:
+            stats[fast] = ingest_log(store, log, host="n0", fast=fast, **options)  # type: ignore[arg-type]
+            tables[fast] = store.arrow("scheduler_events", order_by="line_no")
+            tables[f"cfg-{fast}"] = store.arrow("engine_configs", order_by="line_no")
+    assert stats[True].as_dict() == stats[False].as_dict()
+    assert tables[True].num_rows == stats[True].events_written
+    for name in tables[False].column_names:
+        assert tables[True].column(name).equals(tables[False].column(name)), name
+    assert tables["cfg-True"].equals(tables["cfg-False"])
+    return stats
+
+
 @pytest.mark.parametrize("log", REAL_ENGINE_SGLANG_LOGS,
                          ids=lambda p: f"{p.parent.parent.name}-{p.parent.name}")
 def test_fast_path_equals_per_line_grammar_on_a_real_engine_log(tmp_path: Path, log: Path) -> None:
     """A real SGLang 0.5.23 log (tests/data/engines/) ingests to the same events and configuration
     records with and without the fast path, and its batch lines take the fast path."""
-    tables = {}
-    stats = {}
-    for fast in (True, False):
-        with Store.create(tmp_path / f"run-{fast}") as store:
-            stats[fast] = ingest_log(store, log, host="n0", fast=fast, chunk_bytes=65536)
-            tables[fast] = store.arrow("scheduler_events", order_by="line_no")
-            tables[f"cfg-{fast}"] = store.arrow("engine_configs", order_by="line_no")
-    assert stats[True].as_dict() == stats[False].as_dict()
+    stats = _same_tables_both_ways(tmp_path, log, chunk_bytes=65536)
     # interval2 was recorded on a saturated machine: 90 batch lines, the others thousands
     assert stats[True].fast_path_lines >= 0.9 * stats[True].events_written > 50
-    for name in tables[False].column_names:
-        assert tables[True].column(name).equals(tables[False].column(name)), name
-    assert tables["cfg-True"].equals(tables["cfg-False"]) and tables["cfg-True"].num_rows >= 1
+    assert stats[True].written["engine_configs"] >= 1
+
+
+def test_fast_path_equals_per_line_grammar_on_the_real_lines(tmp_path: Path) -> None:
+    """The real SGLang lines collected from many versions (shared data: sglang/real-lines.txt), as
+    one log and gzipped: the same tables both ways."""
+    stats = _same_tables_both_ways(tmp_path / "plain", SGLANG_LINES, chunk_bytes=4096)
+    assert stats[True].fast_path_lines > 10 and stats[True].events_written > stats[True].fast_path_lines
+    compressed = tmp_path / "real-lines.txt.gz"
+    compressed.write_bytes(gzip.compress(SGLANG_LINES.read_bytes()))
+    gzipped = _same_tables_both_ways(tmp_path / "gz", compressed)
+    assert gzipped[True].events_written == stats[True].events_written
+
+
+def test_fast_path_equals_per_line_grammar_on_the_bench_log(tmp_path: Path) -> None:
+    """bench/ingest.py's log (SGLang's current format at PP8: startup, per-stage decode and prefill
+    lines, HTTP access lines, KV-pool warnings), 30,000 lines across chunks and row groups: the same
+    tables both ways, its batch lines all on the fast path."""
+    spec = importlib.util.spec_from_file_location("bench_ingest", REPO / "bench" / "ingest.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    log = tmp_path / "pp8.log"
+    bench.write_pp8_log(log, 30_000, seed=3)
+    stats = _same_tables_both_ways(tmp_path, log, chunk_bytes=1 << 20, batch_rows=4096)
+    assert stats[True].fast_path_lines == stats[True].events_written > 25_000
+    assert stats[True].written["engine_configs"] == 9
 
 
 def test_a_line_past_the_cap_is_cut_and_memory_stays_bounded() -> None:
@@ -321,7 +360,7 @@ def test_a_line_past_the_cap_is_cut_and_memory_stays_bounded() -> None:
     a 2 GB file without newlines grew past 1.9 GB)."""
     import io
 
-    from gputrace.imports.engine_log import chunk_lines, read_chunks
+    from gputrace.imports.log_files import chunk_lines, read_chunks
 
     good = b"[2026-01-01 00:00:00 PP0] Decode batch, #running-req: 1, #queue-req: 0\n"
     data = good + b"x" * 50_000 + b"\n" + good + b"y" * 200_000 + good

@@ -204,6 +204,34 @@ def test_fast_path_gives_the_per_line_objects(tmp_path: Path, capsys: pytest.Cap
     assert out.returncode == 0 and out.stderr.strip() == summary
 
 
+def test_the_command_writes_what_the_per_line_grammar_gives(tmp_path: Path) -> None:
+    """`gputrace parse` as users run it writes the per-line grammar's NDJSON byte for byte, in file
+    order, where chunks of fast-path lines alone (written to stdout's binary stream) follow and
+    precede chunks with other lines (written as text)."""
+    import io
+
+    from gputrace.commands.parse import _parse_all
+
+    decode = ("[2026-06-24 15:38:{s:02d} PP{p}] Decode batch, #running-req: {r}, #token: {t}, token usage: "
+              "0.{u:02d}, cuda graph: True, gen throughput (token/s): {g}.25, #queue-req: 0")
+    other = [" INFO:     10.0.0.7:40000 - \"POST /generate HTTP/1.1\" 200 OK",  # no scheduler line
+             "[2026-06-24 15:38:05 TP0] max_total_num_tokens=201681, chunked_prefill_size=8192, "
+             "max_prefill_tokens=16384, max_running_requests=2049, context_len=163840",
+             "[2026-06-24 15:38:05] Decode batch, #running-req: 1 and more"]
+    lines = []
+    for i in range(40_000):  # about 1 MiB each 6,600 lines: most chunks hold fast lines only
+        lines.append(other[i // 10_000 % 3] if i % 10_000 == 17 else
+                     decode.format(s=i // 700 % 60, p=i % 8, r=i % 64, t=i * 7, u=i % 100, g=i % 999))
+    log = tmp_path / "pp8.log"
+    log.write_text("\n".join(lines) + "\n")
+    per_line = io.StringIO()
+    _parse_all((str(log),), "sglang", per_line, fast=False)
+    done = _parse("--engine", "sglang", str(log))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == per_line.getvalue()
+    assert len(done.stdout.splitlines()) == 40_000 - 2  # all but the two access lines
+
+
 def test_json_text_of_doubles_is_json_dumps() -> None:
     """The fast path's JSON text of a float column is json.dumps's for every magnitude: Arrow's
     shortest digits where both write positional ones, json.dumps's text elsewhere."""

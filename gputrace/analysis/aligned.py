@@ -732,7 +732,7 @@ def reconstruct_engine_running(stage_events: list[StageEvents], grid: np.ndarray
     ev = stage_events[0]
     gaps = np.diff(ev.t_ns)
     max_age = 3 * float(np.median(gaps)) + 1e9 if len(gaps) else 5e9
-    if (engine.engine or "sglang") != "sglang" or pp < 2:
+    if not engine.engine_spec.steps_logged or pp < 2:
         return hold_last(ev.t_ns, ev.running_req.astype(np.float64), grid, max_age), {"logged": len(ev.t_ns)}
     sel = np.isin(ev.kind, ("decode", "prefill"))
     t = ev.t_ns[sel]

@@ -12,15 +12,11 @@ from typing import Any
 import numpy as np
 
 from gputrace.analysis.phase_figures import PhaseMetrics, StageMetrics, throughput_aliased
-from gputrace.engines import ENGINE_WORDS, engine_words
+from gputrace.engines import engine_words
 from gputrace.vocabulary import Cause, Change, EngineSettings
 
 CAUSES = tuple(c.value for c in Cause)
 
-# The engine-wide admission limit's flag, and the flags that size the KV cache, per engine.
-ADMISSION_FLAG = {kind: words.flags["max_running_requests"] for kind, words in ENGINE_WORDS.items()}
-KV_FLAGS = {"sglang": "--mem-fraction-static or --max-total-tokens",
-            "vllm": "--gpu-memory-utilization (VLLM_CPU_KVCACHE_SPACE on the CPU build)"}
 
 
 @dataclass(frozen=True)
@@ -93,7 +89,7 @@ def default_microbatch_cap(engine: EngineSettings, pp_size: int) -> tuple[int | 
     """SGLang's cap (``EngineSettings.microbatch_cap_at``) and where it came from."""
     k = engine.microbatch_cap_at(pp_size)
     if engine.pp_max_micro_batch_size:
-        return k, "--pp-max-micro-batch-size"
+        return k, engine.engine_spec.flag_for("pp_max_micro_batch_size")
     if k is not None:
         return k, f"max_running_requests // pp_size = {engine.admission_limit} // {pp_size}"
     return None, "unknown (no engine configuration)"
@@ -138,7 +134,7 @@ def admission_bound(pm: PhaseMetrics, engine: EngineSettings, load: float | None
     usage_max = float(np.nanmax(usage)) if not np.isnan(usage).all() else None
     projected = usage_max * want / max(engine_running, 1.0) if usage_max is not None else None
     kv_short = projected is not None and projected >= th.kv_usage
-    flag = ADMISSION_FLAG[kind]
+    flag = engine.engine_spec.flag_for("max_running_requests")  # the engine-wide admission limit's
     setting = f"{flag} {want}"
     if not clients_level:
         # the load seen never exceeds what was offered, and a gauge read at a turnover reads low
@@ -146,7 +142,7 @@ def admission_bound(pm: PhaseMetrics, engine: EngineSettings, load: float | None
     if kv_short:
         recommendation = (f"{flag} {want} would not fit the KV cache (token usage {usage_max:.2f} at "
                           f"{engine_running:.0f} running, about {projected:.2f} at {want}): give the cache "
-                          f"more memory first ({KV_FLAGS[kind]}), then {setting}")
+                          f"more memory first ({engine.engine_spec.kv_advice}), then {setting}")
     else:
         recommendation = setting
         if usage_max is None:
@@ -186,6 +182,11 @@ class PhaseContext:
     @property
     def slots(self) -> int:
         return self.engine.slots_at(self.pp_size)
+
+    @property
+    def k_flag(self) -> str:
+        """The flag of the micro-batch cap K, in the run's engine's words."""
+        return self.engine.engine_spec.flag_for("pp_max_micro_batch_size")
 
     def spread_cap(self) -> int | None:
         """The K that spreads the load over every slot: ceil(load / slots), the load being the
@@ -254,7 +255,7 @@ def rule_microbatch_cap(c: PhaseContext) -> Finding | None:
     smaller of the two), so the pool rule speaks there instead."""
     pm, th = c.pm, c.th
     k, k_from = default_microbatch_cap(c.engine, c.pp_size)
-    if engine_kind(c.engine) != "sglang" or not k or c.load is None or c.pool_full:
+    if not c.engine.engine_spec.microbatch_slots or not k or c.load is None or c.pool_full:
         return None
     mb_max = _vals(pm.stages, "microbatch_size_max")
     at_k = np.abs(mb_max - k) <= th.cap_tolerance
@@ -281,11 +282,11 @@ def rule_microbatch_cap(c: PhaseContext) -> Finding | None:
          "allowed_busy_fraction": _r(pm.allowed_busy_fraction),
          "mean_busy_fraction": _r(c.mean_busy), "mean_bubble_fraction": _r(c.mean_bubble)},
         0.9 if c.engine.max_running_requests or c.engine.pp_max_micro_batch_size else 0.6,
-        f"--pp-max-micro-batch-size {want} (ceil({c.load:.0f} offered / {c.slots} micro-batch slots))",
+        f"{c.k_flag} {want} (ceil({c.load:.0f} offered / {c.slots} micro-batch slots))",
         f"every micro-batch holds K = {k} ({k_from}): the engine runs about "
         f"{c.engine_running or k * c.slots:.0f} of its {mrr or '?'} pool rows while {c.load:.0f} requests "
         f"are offered and {c.queue_mean or 0:.0f} wait in the queue",
-        impact=c.mean_bubble + 1.0, change=Change.of_flag("--pp-max-micro-batch-size", want))
+        impact=c.mean_bubble + 1.0, change=Change.of_flag(c.k_flag, want))
 
 
 def rule_stage_imbalance(c: PhaseContext) -> Finding | None:
@@ -298,15 +299,15 @@ def rule_stage_imbalance(c: PhaseContext) -> Finding | None:
     if not (busy[top] - med > th.imbalance_gap and busy[top] > th.imbalance_ratio * med):
         return None
     slow = [int(i) for i in np.flatnonzero(busy - med > th.imbalance_gap)]
+    split = c.engine.engine_spec.flag_for("layer_partition")
     return Finding(
         Cause.STAGE_IMBALANCE, c.pm.label, slow,
         {"busy_fraction_by_stage": [_r(b) for b in busy], "median_busy_fraction": _r(med),
          "busiest_stage": top, "busiest_busy_fraction": _r(float(busy[top]))},
         min(0.95, 0.5 + (busy[top] - med)),
-        "rebalance the layer split (SGLANG_PP_LAYER_PARTITION) to move layers off stage "
-        + ", ".join(map(str, slow)),
+        f"rebalance the layer split ({split}) to move layers off stage " + ", ".join(map(str, slow)),
         f"stage {top} is busy {busy[top]:.0%} against a median of {med:.0%}",
-        impact=float(busy[top] - med) + 0.3, change=Change.of_flag("SGLANG_PP_LAYER_PARTITION", None))
+        impact=float(busy[top] - med) + 0.3, change=Change.of_flag(split, None))
 
 
 def rule_kv_cache_bound(c: PhaseContext) -> Finding | None:
@@ -316,25 +317,26 @@ def rule_kv_cache_bound(c: PhaseContext) -> Finding | None:
     q_max = _vals(st, "queue_req_max")
     if np.isnan(usage).all() or np.nanmax(usage) < th.kv_usage or np.nanmax(np.nan_to_num(q_max)) <= 0:
         return None
-    kind = engine_kind(c.engine)
+    pool = c.engine.engine_spec.knob_named("max_total_num_tokens")
+    in_tokens = pool is not None and pool.value_flag is None  # its flag takes the pool in tokens
     usage_max = float(np.nanmax(usage))
     capacity = c.engine.max_total_num_tokens
     want = None
     if capacity and c.load and c.engine_running:
         # the tokens the running requests hold, scaled to the offered load
         want = int(np.ceil(int(capacity) * usage_max * c.load / max(c.engine_running, 1.0)))
-    flag = "--max-total-tokens" if kind == "sglang" else "--gpu-memory-utilization"
-    size = f" (about {want} tokens for {c.load:.0f} requests)" if want and kind == "sglang" else ""
+    flag = c.engine.engine_spec.flag_for("max_total_num_tokens")
+    size = f" (about {want} tokens for {c.load:.0f} requests)" if want and in_tokens else ""
     return Finding(
         Cause.KV_CACHE_BOUND, c.pm.label, c.stages,
         {"token_usage_max": _r(usage_max),
          "token_usage_mean": _r(float(np.nanmean(_vals(st, "token_usage_mean")))),
          "queue_req_mean": _r(c.queue_mean, 2), "queue_req_max": _r(float(np.nanmax(q_max)), 0),
          "kv_capacity_tokens": capacity, "kv_tokens_wanted": want},
-        0.8, f"more KV cache ({KV_FLAGS[kind]}){size} or shorter contexts; requests wait for cache, "
-             "not for the pipeline",
+        0.8, f"more KV cache ({c.engine.engine_spec.kv_advice}){size} or shorter contexts; requests wait "
+             "for cache, not for the pipeline",
         f"token usage reaches {usage_max:.2f} while requests queue", impact=c.mean_bubble + 0.3,
-        change=Change.of_flag(flag, want if kind == "sglang" else None))
+        change=Change.of_flag(flag, want if in_tokens else None))
 
 
 def rule_pcie_bound(c: PhaseContext) -> Finding | None:
@@ -384,7 +386,7 @@ def rule_pipeline_underfilled(c: PhaseContext) -> Finding | None:
         return None
     k, _ = default_microbatch_cap(c.engine, c.pp_size)
     spread = c.spread_cap()
-    bunched = engine_kind(c.engine) == "sglang" and k is not None and spread is not None and \
+    bunched = c.engine.engine_spec.microbatch_slots and k is not None and spread is not None and \
         c.load is not None and c.load >= c.pp_size - 0.5 and spread < k
     evidence = {"microbatches_in_flight": _r(pm.microbatches_in_flight, 2), "pp_size": c.pp_size,
                 "allowed_busy_fraction": _r(allowed), "mean_busy_fraction": _r(c.mean_busy),
@@ -395,12 +397,12 @@ def rule_pipeline_underfilled(c: PhaseContext) -> Finding | None:
         assert spread is not None and c.load is not None
         return Finding(
             Cause.PIPELINE_UNDERFILLED, pm.label, c.stages, evidence, 0.7,
-            f"--pp-max-micro-batch-size {spread} (ceil({c.load:.0f} offered / {c.slots} slots)) "
+            f"{c.k_flag} {spread} (ceil({c.load:.0f} offered / {c.slots} slots)) "
             f"spreads the load over every stage; K = {k} lets requests that arrive together share "
             "few micro-batches",
             f"{in_flight}: {c.load:.0f} requests bunched in micro-batches of up to K = {k}; the "
             f"schedule allows {allowed:.0%} busy",
-            impact=c.mean_bubble, change=Change.of_flag("--pp-max-micro-batch-size", spread))
+            impact=c.mean_bubble, change=Change.of_flag(c.k_flag, spread))
     # fewer requests than stages: no setting fills the pipeline at this load (a request is in one
     # stage at a time), so the bubble is what the depth costs, not what holds throughput back
     light = c.load is not None and c.load < c.pp_size - 0.5
@@ -428,7 +430,7 @@ def rule_bunched_at_the_bound(c: PhaseContext) -> Finding | None:
     left). K = ceil(running / slots) spreads them; this is separate from raising the pool."""
     pm = c.pm
     k, k_from = default_microbatch_cap(c.engine, c.pp_size)
-    if engine_kind(c.engine) != "sglang" or not k or not c.pool_full or c.engine_running is None \
+    if not c.engine.engine_spec.microbatch_slots or not k or not c.pool_full or c.engine_running is None \
             or c.queue_mean is None or c.queue_mean <= 0.5 or c.pp_size < 2:
         return None
     # at the bound the engine runs its limit (offered - queued only estimates it)
@@ -450,12 +452,12 @@ def rule_bunched_at_the_bound(c: PhaseContext) -> Finding | None:
          "microbatch_size_p10": _r(sizes_p10, 1), "even_split": fair,
          "microbatches_in_flight": _r(pm.microbatches_in_flight, 2)},
         0.7 if measured else 0.5,
-        f"--pp-max-micro-batch-size {fair} (ceil({running:.0f} running / {c.slots} slots)) "
+        f"{c.k_flag} {fair} (ceil({running:.0f} running / {c.slots} slots)) "
         f"spreads the running requests over every stage; K = {k} lets them bunch" + caveat,
         f"the {running:.0f} running requests share micro-batches of {sizes_max:.0f} down to "
         f"{sizes_p10:.0f} (K = {k}, {k_from}) where an even split over {c.slots} slots is {fair} each: "
         "the stages wait on the smaller ones",
-        impact=c.mean_bubble + 0.2, change=Change.of_flag("--pp-max-micro-batch-size", fair))
+        impact=c.mean_bubble + 0.2, change=Change.of_flag(c.k_flag, fair))
 
 
 PREFILL_FULL_SHARE = 0.5  # of a phase's prefill turns at their budget: the budget binds
@@ -480,7 +482,8 @@ def rule_prefill_budget(c: PhaseContext) -> Finding | None:
     context = (c.engine.fields or {}).get("context_len") or (c.engine.fields or {}).get("context_length")
     if isinstance(context, int | float) and context > pf.budget_tokens:
         want = min(want, int(context))
-    flag = "--max-num-batched-tokens" if engine_kind(c.engine) == "vllm" else "--chunked-prefill-size"
+    words = c.engine.engine_spec
+    flag, turn = words.flag_for("chunked_prefill_size"), words.flag("max_prefill_tokens")
     return Finding(
         Cause.PREFILL_BUDGET, c.pm.label, c.stages,
         {"prefill_budget_tokens": pf.budget_tokens, "full_turn_share": _r(pf.full_turn_share, 2),
@@ -489,7 +492,7 @@ def rule_prefill_budget(c: PhaseContext) -> Finding | None:
          "queue_req_mean": _r(c.queue_mean, 2), "engine_running_estimate": _r(c.engine_running, 1),
          "max_running_requests": c.engine.admission_limit, "mean_bubble_fraction": _r(c.mean_bubble)},
         0.8, f"{flag} {want} (a turn takes whole prompts: they average {prompt:.0f} tokens)"
-        + (" with --max-prefill-tokens at least as large" if flag == "--chunked-prefill-size" else ""),
+        + (f" with {turn} at least as large" if turn else ""),
         f"{pf.full_turn_share:.0%} of the prefill turns fill the {pf.budget_tokens}-token budget while "
         f"{c.queue_mean:.1f} requests wait and the pool has free rows (about {c.engine_running or 0:.0f} of "
         f"{c.engine.admission_limit or '?'} running): prompts of {prompt:.0f} tokens enter a chunk at a time",
@@ -510,7 +513,8 @@ def rule_prefill_burst(c: PhaseContext) -> Finding | None:
     pm, pf = c.pm, c.pm.prefill
     k, k_from = default_microbatch_cap(c.engine, c.pp_size)
     load = pm.target_concurrency or c.load
-    if engine_kind(c.engine) != "sglang" or c.pp_size < 2 or pf is None or not pf.budget_tokens \
+    words = c.engine.engine_spec
+    if not words.microbatch_slots or c.pp_size < 2 or pf is None or not pf.budget_tokens \
             or not pf.seqs_per_turn_mean or not k or load is None or pm.microbatches_in_flight is None:
         return None
     # the turns' own count (#new-seq), not prompt / budget: a burst's turns are what it admitted
@@ -524,6 +528,7 @@ def rule_prefill_burst(c: PhaseContext) -> Finding | None:
         return None
     spread = max(-(-round(load) // slots), 1)
     want = round((spread - 0.5) * prompt)  # spread prompts spend it, spread - 1 do not
+    turn = words.flag_for("max_prefill_tokens")  # the turn's budget
     mb = float(np.nanmax(_vals(pm.stages, "microbatch_size_max")))
     k_words = (f"K does not bind (K = {k}, {k_from})" if per_turn < k else
                f"K = {k} ({k_from}) caps each micro-batch, not the engine, and admits as many")
@@ -537,13 +542,13 @@ def rule_prefill_burst(c: PhaseContext) -> Finding | None:
          "microbatch_size_max": _r(mb, 1), "microbatch_slots": slots, "pp_size": c.pp_size,
          "mean_bubble_fraction": _r(c.mean_bubble)},
         0.8,
-        f"--max-prefill-tokens {want} (a turn then admits {spread} prompts of about {prompt:.0f} tokens: "
-        f"{load:.0f} requests over {-(-round(load) // spread)} micro-batches), or --pp-max-micro-batch-size "
-        f"{spread}; --pp-async-batch-depth adds slots the budget leaves empty",
+        f"{turn} {want} (a turn then admits {spread} prompts of about {prompt:.0f} tokens: "
+        f"{load:.0f} requests over {-(-round(load) // spread)} micro-batches), or {c.k_flag} "
+        f"{spread}; {words.flag_for('pp_async_batch_depth')} adds slots the budget leaves empty",
         f"`#running-req: {mb:.0f}` is one micro-batch; {k_words}: the prefill budget ({budget} tokens, "
         f"{pf.tokens_per_turn_mean:.0f} a turn) admits {per_turn} prompts per turn, so {load:.0f} requests "
         f"run as {packed} micro-batches for {c.pp_size} stages ({pm.microbatches_in_flight:.1f} in flight)",
-        impact=c.mean_bubble + 0.8, change=Change.of_flag("--max-prefill-tokens", want))
+        impact=c.mean_bubble + 0.8, change=Change.of_flag(turn, want))
 
 
 # The rules of a phase in the order they are tried; pipeline_underfilled runs last, only where
@@ -607,6 +612,7 @@ def diagnose_log_sampling(phases: Sequence[PhaseMetrics], engine: EngineSettings
         return None
     interval = int(interval)
     slots = engine.slots_at(pp_size)
+    flag = engine.engine_spec.flag_for("decode_log_interval")
     # only a full pipeline (every slot non-empty) holds its number in flight steady enough to tell
     # from the mean (a partly filled one varies, and the measured mean is not close enough)
     factor = aliased_cycle(interval, slots)
@@ -636,12 +642,11 @@ def diagnose_log_sampling(phases: Sequence[PhaseMetrics], engine: EngineSettings
          "interval_mod_slots": interval % slots, "aliased_phases": aliased,
          "phases_with_constant_running_req": frozen},
         0.9 if frozen else 0.6,
-        "--decode-log-interval 1 (or a value coprime with "
-        f"{slots}) for diagnosis runs",
-        f"--decode-log-interval {interval} shares a factor with the micro-batches in flight "
+        f"{flag} 1 (or a value coprime with {slots}) for diagnosis runs",
+        f"{flag} {interval} shares a factor with the micro-batches in flight "
         f"({', '.join(f'{k}: {v}' for k, v in in_flight.items())}): each stage "
         f"logs {worst} of them every time", impact=0.05,
-        change=Change.of_flag("--decode-log-interval", 1))
+        change=Change.of_flag(flag, 1))
 
 
 def note_k_trade_offs(found: Sequence[Finding], phases: Sequence[PhaseMetrics],
@@ -669,21 +674,20 @@ def note_k_trade_offs(found: Sequence[Finding], phases: Sequence[PhaseMetrics],
     return out
 
 
-ENGINE_TIMERS = ("scrape the engine's per-stage timers: start SGLang with --enable-metrics and add "
-                 "`[hosts.engine_metrics] url = \"http://HOST:PORT/metrics\"` to gputrace.toml (SGLang "
-                 "0.5.23+'s run_batch timers give each stage's busy and bubble)")
 AGENT = "run `gputrace agent` on each GPU host (or import nvidia-smi or DCGM data) with the capture"
 
 
 def busy_remedy(engine: EngineSettings) -> str:
-    """The source that would give a busy figure on this run's engine and hosts: SGLang's timers
-    where the engine runs on a CPU (no GPU for an agent to sample), the agent or the timers on
-    GPUs, the agent alone for vLLM (no per-stage timers); on vLLM on a CPU, nothing can."""
-    sglang = engine.kind == "sglang"
+    """The source that would give a busy figure on this run's engine and hosts: the engine's own
+    per-stage timers (SGLang's) where it runs on a CPU (no GPU for an agent to sample), the agent
+    or the timers on GPUs, the agent alone for an engine without timers (vLLM); on such an engine on
+    a CPU, nothing can."""
+    words = engine.engine_spec
+    timers = words.stage_timers
     if engine.runs_on_cpu:
-        return ENGINE_TIMERS if sglang else (
-            "none on this deployment: vLLM logs no per-stage timers and a CPU engine has no GPU to sample")
-    return f"{AGENT}, or {ENGINE_TIMERS}" if sglang else AGENT
+        return timers or (f"none on this deployment: {words.name} logs no per-stage timers and a CPU "
+                          "engine has no GPU to sample")
+    return f"{AGENT}, or {timers}" if timers else AGENT
 
 
 def cannot_tell(phases: Sequence[PhaseMetrics], pp_size: int,
@@ -701,11 +705,13 @@ def cannot_tell(phases: Sequence[PhaseMetrics], pp_size: int,
             "cannot tell how busy the stages were or how much they idled: the run has no GPU samples "
             + ("and no engine timers" if on_cpu else
                "(stage imbalance, PCIe and throttling need them too)"), impact=0.0))
+    words = (engine or EngineSettings()).engine_spec
+    follow = "follow the engine's log during the run" + (
+        f" ({words.name} with {words.log_advice})" if words.log_advice else "")
     for pm in phases:
         if all(s.log_lines == 0 for s in pm.stages):
             out.append(Finding(
-                Cause.CANNOT_TELL, pm.label, stages, {"missing": "scheduler_lines"}, 1.0,
-                "follow the engine's log during the run (SGLang with --decode-log-interval 1)",
+                Cause.CANNOT_TELL, pm.label, stages, {"missing": "scheduler_lines"}, 1.0, follow,
                 "cannot tell what the engine ran in this phase: no scheduler lines (admission, "
                 "micro-batch, KV-cache and pipeline-fill causes need them)", impact=0.0))
     return out

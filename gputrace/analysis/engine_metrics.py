@@ -107,9 +107,11 @@ def _log_queue(pm: PhaseMetrics) -> float | None:
     return means[0] if means else None
 
 
-def disagreement_notes(series: Sequence[MetricSeries], phases: Sequence[PhaseMetrics]) -> list[str]:
+def disagreement_notes(series: Sequence[MetricSeries], phases: Sequence[PhaseMetrics],
+                       log_flag: str | None = None) -> list[str]:
     """One note per phase where the engine's metrics and its log disagree on the queue or on
-    the generation throughput."""
+    the generation throughput; ``log_flag`` the engine's flag that samples its log, where it has one."""
+    sampling = f" ({log_flag})" if log_flag else ""
     queue = _one_rank(series, QUEUE_SERIES)
     tokens = _one_rank(series, TOKEN_SERIES)
     notes = []
@@ -128,9 +130,8 @@ def disagreement_notes(series: Sequence[MetricSeries], phases: Sequence[PhaseMet
             said.append(f"the engine's token counter gives {m_tput:.0f} tok/s, the log's throughput "
                         f"lines {l_tput:.0f} tok/s")
         if said:
-            notes.append(f"{pm.label}: {'; '.join(said)}: the log's sampling may be aliased "
-                         "(--decode-log-interval) or lines were lost; the engine's metrics are read at "
-                         "every scrape")
+            notes.append(f"{pm.label}: {'; '.join(said)}: the log's sampling may be aliased{sampling} "
+                         "or lines were lost; the engine's metrics are read at every scrape")
     return notes
 
 

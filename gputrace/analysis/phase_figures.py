@@ -381,14 +381,14 @@ def engine_throughput(run: AlignedRun, start_ns: int, stop_ns: int) -> float | N
     lo, hi = np.searchsorted(ev.t_ns, [start_ns, stop_ns])
     # Every step logged: count them. A sampled log (interval > 1) gives each line the throughput
     # over its interval, which integrates without the sampling's noise.
-    sglang = (run.engine.engine or "sglang") == "sglang"
-    if interval == 1 and sglang:
+    steps = run.engine.engine_spec.steps_logged  # SGLang's batch lines, one per micro-batch step
+    if interval == 1 and steps:
         tokens = counted_tokens(ev.kind[lo:hi], ev.running_req[lo:hi], ev.new_seq[lo:hi], ev.new_token[lo:hi],
                                 run.engine.chunked_prefill_size)
     else:
         tokens = engine_tokens(ev.t_ns, ev.gen_throughput_tok_s, np.isin(ev.kind, ("decode", "stats")),
                                start_ns, stop_ns, run.grid_ns, run.work_ratio)
-        if tokens is not None and sglang:
+        if tokens is not None and steps:
             # SGLang's gen throughput counts decode steps only (process_batch_result_decode); each
             # request's first token comes from its prefill, whose lines are never sampled
             prefill = ev.kind[lo:hi] == "prefill"
@@ -407,7 +407,7 @@ def input_throughput(run: AlignedRun, start_ns: int, stop_ns: int) -> float | No
     ev = _last_logging_stage(run)
     if duration_s <= 0 or ev is None:
         return None
-    if run.engine.kind == "sglang":
+    if run.engine.engine_spec.steps_logged:
         prefill = ev.kind == "prefill"
         if np.isnan(ev.new_token[prefill]).all():
             return None
@@ -533,7 +533,7 @@ def phase_metrics(run: AlignedRun, series: StageSeries, phase: Phase) -> PhaseMe
     # factor with the micro-batch slots (coprime, every micro-batch is logged in turn)
     interval = int(run.engine.get("decode_log_interval") or 1)
     slots = run.engine.slots_at(run.pp_size)
-    sampled = run.engine.get("engine", "sglang") == "sglang" and math.gcd(interval, slots) > 1
+    sampled = run.engine.engine_spec.steps_logged and math.gcd(interval, slots) > 1
     if sampled and gen is not None and client_tput is not None and abs(gen - client_tput) > \
             client_tput * (THROUGHPUT_ALIAS_RATIO + THROUGHPUT_EDGE_S / max(phase.duration_s, 1.0)):
         gen_taken = None  # a sampled log that hides micro-batches: its throughput is not the engine's
@@ -555,7 +555,8 @@ def phase_metrics(run: AlignedRun, series: StageSeries, phase: Phase) -> PhaseMe
         "client records" if client_tput is not None else None,
         input_tok_s=engine_in if engine_in is not None else client_in,
         client_input_tok_s=client_in, engine_input_tok_s=engine_in,
-        prefill=prefill_figures(run, phase.start_ns, phase.end_ns) if run.engine.kind == "sglang" else None,
+        prefill=prefill_figures(run, phase.start_ns, phase.end_ns) if run.engine.engine_spec.steps_logged
+        else None,
         unfinished_requests=unfinished,
         ttft_s_p50=_pct(ttft, 50), ttft_s_p90=_pct(ttft, 90),
         itl_s_mean=_f(np.nanmean(itl)) if len(itl) and not np.isnan(itl).all() else None,

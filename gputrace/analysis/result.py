@@ -193,9 +193,10 @@ def analyse_aligned(run: AlignedRun, th: Thresholds = DEFAULT_THRESHOLDS,
     notes.extend(schedule_notes(run))
     interval = run.engine.decode_log_interval
     if interval and int(interval) > 1 and not any(f.cause == "log_sampling_aliased" for f in findings):
-        notes.append(f"decode lines are logged every {int(interval)}th step (--decode-log-interval): "
-                     "micro-batch sizes are sampled; --decode-log-interval 1 (or a value coprime with "
-                     "the micro-batch slots) shows every step")
+        flag = run.engine.engine_spec.flag_for("decode_log_interval")
+        notes.append(f"decode lines are logged every {int(interval)}th step ({flag}): micro-batch sizes "
+                     f"are sampled; {flag} 1 (or a value coprime with the micro-batch slots) shows every "
+                     "step")
     return Analysis(run, series, tuple(phases), tuple(metrics), tuple(findings), tuple(notes), th)
 
 
@@ -238,7 +239,8 @@ def table_notes(extra: dict[str, Any], engine_metrics: EngineMetricColumns, anal
     against its log, the collector's capture problems, what a Prometheus import lacked."""
     notes = []
     if len(engine_metrics):
-        notes += disagreement_notes(series_from_columns(engine_metrics.as_mapping()), analysis.metrics)
+        notes += disagreement_notes(series_from_columns(engine_metrics.as_mapping()), analysis.metrics,
+                                    analysis.run.engine.engine_spec.flag("decode_log_interval"))
     return notes + capture_problem_notes(extra) + import_notes(extra)
 
 

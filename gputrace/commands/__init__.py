@@ -13,6 +13,7 @@ SUMMARIES: dict[str, str] = {
     "demo": "The whole chain on a simulated SGLang PP8, no GPU.",
     "export": "Export a run (Parquet, Perfetto).",
     "import": "Import engine logs, load results, nvidia-smi files.",
+    "knobs": "Each engine's knobs: flag, default, range, what it limits.",
     "load": "Keep C requests in flight per level; report each.",
     "mark": "Mark a load phase in the running capture (C=64).",
     "panels": "Render the Grafana dashboard's panels from a Prometheus (PNG).",

@@ -24,6 +24,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
+from gputrace.engines import ENGINE_WORDS, engine_words
 from gputrace.engines.common import MAX_LINE_BYTES
 from gputrace.errors import SourceError
 from gputrace.imports import ledger
@@ -56,11 +57,12 @@ def _import_engine_logs(
         size = os.path.getsize(path) if os.path.isfile(path) else 0
         show = progress if progress is not None else (size >= PROGRESS_MIN_BYTES and sys.stderr.isatty())
         year_until = None
-        if engine == "vllm" and date is None and os.path.isfile(path):
-            # vLLM stamps MM-DD: the year is the one in which the file was last written
+        words = engine_words(engine)
+        if not words.stamps_have_year and date is None and os.path.isfile(path):
+            # stamps without a year (vLLM's MM-DD): the year is the one in which the file was last written
             last_write = dt.datetime.fromtimestamp(os.path.getmtime(path), dt.UTC).date()
             year_until = lambda last_write=last_write: last_write  # noqa: E731
-            click.echo(f"{path}: vLLM's times have no year: dated up to the file's last change "
+            click.echo(f"{path}: {words.name}'s times have no year: dated up to the file's last change "
                        f"({last_write.isoformat()}); --date YYYY-MM-DD sets the year", err=True)
         with _bytes_progress(f"{engine} log {os.path.basename(path)}", size, show) as advance:
             stats = ingest_log(store, path, host=host, engine=engine, source=stream.source,
@@ -70,11 +72,11 @@ def _import_engine_logs(
             stats.continues = stream.earlier.path
         click.echo(stats.summary())
         if not any(stats.recognised.values()):
-            other = "vllm" if engine == "sglang" else "sglang"
+            other = ", ".join(f"a {k} log goes in with --{k}-log" for k in ENGINE_WORDS if k != engine)
             cut = (f", {stats.lines_cut} of them past {MAX_LINE_BYTES >> 20} MiB and cut"
                    if stats.lines_cut else "")
             raise SourceError(f"{path}: no {engine} line recognised in its {stats.lines} lines{cut}: is it "
-                              f"the engine's log (a {other} log goes in with --{other}-log)?")
+                              f"the engine's log ({other})?")
         if (entry := known.entry(content.finish(path))) is not None:
             store.record_import(entry)
 
@@ -128,16 +130,22 @@ def _import_load_and_smi_files(
 _FILE = click.Path(dir_okay=False, path_type=str)
 
 
+def _engine_log_options(command: Callable[..., None]) -> Callable[..., None]:
+    """A ``--<engine>-log`` option (repeatable) for each registered engine."""
+    for engine in reversed(ENGINE_WORDS.values()):
+        command = click.option(f"--{engine.kind}-log", f"{engine.kind}_logs", multiple=True,
+                               type=click.Path(dir_okay=False, path_type=str),
+                               help=f"{engine.name} server log (plain or .gz); repeatable.")(command)
+    return command
+
+
 @click.command("import")
 @click.option("--run", "run_dir", required=True, type=click.Path(file_okay=False, path_type=str),
               help="Run directory (created if absent).")
 @click.option("--host", default="localhost", show_default=True,
               help="Host the imported files came from (their timestamps are in its clock).")
-# -- engine logs ------------------------------------------------------------------------------
-@click.option("--sglang-log", "sglang_logs", multiple=True, type=click.Path(dir_okay=False, path_type=str),
-              help="SGLang server log (plain or .gz); repeatable.")
-@click.option("--vllm-log", "vllm_logs", multiple=True, type=click.Path(dir_okay=False, path_type=str),
-              help="vLLM server log (plain or .gz); repeatable.")
+# -- engine logs: --<engine>-log for each engine registered (gputrace/engines/) ---------------
+@_engine_log_options
 # -- load and GPU files --------------------------------------------------------------------
 @click.option("--aiperf", "aiperf_files", multiple=True, type=_FILE,
               help="AIPerf per-request profile_export.jsonl; repeatable.")
@@ -163,8 +171,6 @@ _FILE = click.Path(dir_okay=False, path_type=str)
 def command(
     run_dir: str,
     host: str,
-    sglang_logs: tuple[str, ...],
-    vllm_logs: tuple[str, ...],
     aiperf_files: tuple[str, ...],
     aiperf_phase: str | None,
     guidellm_files: tuple[str, ...],
@@ -175,20 +181,22 @@ def command(
     timezone: str,
     date: str | None,
     progress: bool | None,
+    **engine_logs: tuple[str, ...],
 ) -> None:
     """Import files made elsewhere (engine logs, load results, nvidia-smi captures) into a run store."""
     files = {"aiperf": aiperf_files, "guidellm": guidellm_files, "requests": requests_files,
              "smi_csv": smi_csv_files, "smi_dmon": smi_dmon_files}
-    if not (sglang_logs or vllm_logs or any(files.values())):
+    logs = {kind: engine_logs.get(f"{kind}_logs", ()) for kind in ENGINE_WORDS}
+    if not (any(logs.values()) or any(files.values())):
         raise click.UsageError(
-            "nothing to import: give --sglang-log, --vllm-log, --aiperf, --guidellm, --requests, "
-            "--nvidia-smi-csv or --nvidia-smi-dmon"
+            f"nothing to import: give {', '.join(f'--{kind}-log' for kind in ENGINE_WORDS)}, --aiperf, "
+            "--guidellm, --requests, --nvidia-smi-csv or --nvidia-smi-dmon"
         )
     host_given = click.get_current_context().get_parameter_source("host") is not (
         click.core.ParameterSource.DEFAULT
     )
     # a pipe (<(cat log)) is read into a temporary file: the import reads each input twice
-    with pipes_spooled({"sglang": sglang_logs, "vllm": vllm_logs, **files},
+    with pipes_spooled({**logs, **files},
                        lambda line: click.echo(line, err=True)) as readable:
         _import_into(run_dir, host, host_given, timezone, date, progress, readable, nvidia_smi_fields,
                      aiperf_phase)
@@ -197,12 +205,12 @@ def command(
 def _import_into(run_dir: str, host: str, host_given: bool, timezone: str, date: str | None,
                  progress: bool | None, paths: dict[str, tuple[str, ...]], nvidia_smi_fields: str | None,
                  aiperf_phase: str | None) -> None:
-    files = {kind: group for kind, group in paths.items() if kind not in ("sglang", "vllm")}
+    files = {kind: group for kind, group in paths.items() if kind not in ENGINE_WORDS}
     new_run = not (Path(run_dir) / "meta.json").exists()
     store = Store.create(run_dir, exist_ok=True)
     try:
-        _import_engine_logs(store, "sglang", paths["sglang"], host, timezone, date, progress)
-        _import_engine_logs(store, "vllm", paths["vllm"], host, timezone, date, progress)
+        for kind in ENGINE_WORDS:
+            _import_engine_logs(store, kind, paths[kind], host, timezone, date, progress)
         _import_load_and_smi_files(store, host, host_given, timezone, files, nvidia_smi_fields, aiperf_phase)
     except BaseException:
         # a failed import into a run it created leaves none behind, so the retry can use --run

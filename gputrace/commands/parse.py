@@ -14,8 +14,8 @@ import click
 from gputrace.arrow_columns import numbers
 from gputrace.engines import ENGINES, KINDS, LogParser, fast_path_engine, maybe_line, ndjson
 from gputrace.errors import SourceError
-from gputrace.imports.engine_log import GzipLog, chunk_lines, open_log, read_chunks
 from gputrace.imports.input_path import check_readable
+from gputrace.imports.log_files import GzipLog, chunk_lines, open_log, read_chunks
 
 
 def _chunks_of(path: str, cuts: list[str]) -> Iterator[bytes]:
@@ -57,10 +57,21 @@ def _parse_chunk(parser: LogParser, chunk: bytes, out: IO[str]) -> None:
             others.append((offset, json.dumps(parsed.to_json_obj(), default=str) + "\n"))
     if not others:
         if fast is not None:
-            out.write(ndjson.joined_text(fast))
+            _write_utf8(out, ndjson.joined_utf8(fast))
         return
     fast_lines = zip(result.columns["line_no"].to_pylist(), fast.to_pylist(), strict=True) if fast else ()
     out.writelines(text for _, text in heapq.merge(fast_lines, others, key=lambda item: item[0]))
+
+
+def _write_utf8(out: IO[str], text: memoryview) -> None:
+    """UTF-8 text to ``out``: straight to its binary stream when it has one (stdout), after what
+    was written as str; decoded otherwise."""
+    binary = getattr(out, "buffer", None)
+    if binary is None or (getattr(out, "encoding", "") or "").lower().replace("-", "") != "utf8":
+        out.write(bytes(text).decode())
+        return
+    out.flush()
+    binary.write(text)
 
 
 @click.command("parse")

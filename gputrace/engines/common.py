@@ -268,6 +268,20 @@ FastPath = Callable[[bytes, int, LogClock, "re.Pattern[bytes] | None"], ChunkRes
 
 
 @dataclass(frozen=True, slots=True)
+class SchedulingPolicy:
+    """How an engine schedules under pipeline parallelism, as the diagnosis, the simulator and the
+    what-if model it."""
+
+    # per-slot micro-batches, each capped at K (SGLang's PP loop), else admission engine-wide only
+    microbatch_slots: bool
+    # prefill chunks ride in the decode steps (vLLM V1's token budget), else a prefill turn runs alone
+    mixed_prefill: bool
+    # on a CPU the forward runs inside rank 0's scheduler loop (SGLang), so requests that arrive
+    # meanwhile join the next slot
+    cpu_forward_in_loop: bool
+
+
+@dataclass(frozen=True, slots=True)
 class Engine:
     """One serving engine, as every layer of gputrace asks it (each in its own package under
     gputrace/engines/, registered in gputrace/engines/__init__.py): its log grammar and fast path,
@@ -281,13 +295,26 @@ class Engine:
     log_fields: tuple[str, ...]  # the field names its scheduler lines carry ("#running-req")
     placement_rule: str  # how the report names the rule that put its ranks on GPUs
     placement_source: str  # the same in meta.json's topology.source ("sglang-formula")
-    # the scheduling policy: per-slot micro-batches with their own cap K (SGLang's PP scheduler),
-    # else engine-wide admission (vLLM)
-    microbatch_slots: bool
+    policy: SchedulingPolicy  # what the simulator and the what-if run for it
     parse_line: LineGrammar  # one line -> ParsedLine, None where it is not the engine's
     maybe_line: re.Pattern[bytes]  # every line parse_line reads holds a match
+    # its scheduler lines log each micro-batch step (SGLang's batch lines: steps and tokens are
+    # counted from them), else periodic windows of engine-wide figures (vLLM's stats lines)
+    steps_logged: bool = True
+    # its log's stamps carry the year (vLLM's ``MM-DD`` do not: the import dates them by the file)
+    stamps_have_year: bool = True
     fast_path: FastPath | None = None  # a vectorised reader of its commonest lines
     other_words: tuple[str, ...] = ()  # flags and variables it has beyond its knobs
+    kv_advice: str = ""  # how a user gives its KV cache more memory, in its flags
+    log_advice: str = ""  # how its log shows every step (a flag), "" where it cannot
+    # how a user gets its own per-stage busy timers, None where it has none
+    stage_timers: str | None = None
+
+    @property
+    def microbatch_slots(self) -> bool:
+        """Per-slot micro-batches with their own cap K (SGLang's PP scheduler); vLLM admits
+        engine-wide."""
+        return self.policy.microbatch_slots
 
     @property
     def flags(self) -> dict[str, str]:
@@ -304,6 +331,10 @@ class Engine:
     def knob_of_param(self, param: str) -> Knob | None:
         """The knob the simulator's parameter ``param`` models on this engine."""
         return next((k for k in self.knobs if k.sim_param == param), None)
+
+    def flag_for(self, knob: str) -> str:
+        """The engine's flag for a setting; the setting's name where the engine has no flag."""
+        return self.flag(knob) or knob
 
     def flag(self, knob: str) -> str | None:
         """The engine's flag for a setting, None where the engine has no such setting."""

@@ -91,11 +91,10 @@ def fast_rows_ndjson(columns: dict[str, pa.Array], ts_text: pa.Array, engine: st
     return lines
 
 
-def joined_text(lines: pa.Array) -> str:
-    """A string array's values one after the other (its data buffer, without a list of strings)."""
+def joined_utf8(lines: pa.Array) -> memoryview:
+    """A string array's values one after the other as UTF-8: a view of its data buffer (no copy,
+    for a binary stream: decoding to str and encoding it again cost a tenth of `gputrace parse`)."""
     if not len(lines):
-        return ""
+        return memoryview(b"")
     offsets = np.frombuffer(lines.buffers()[1], dtype=np.int32, count=len(lines) + 1, offset=4 * lines.offset)
-    data = lines.buffers()[2]
-    text: bytes = data[int(offsets[0]):int(offsets[-1])].to_pybytes()
-    return text.decode()
+    return memoryview(lines.buffers()[2])[int(offsets[0]):int(offsets[-1])]

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gputrace.errors import SourceError
-from gputrace.imports.engine_log import open_log
+from gputrace.imports.log_files import open_log
 from gputrace.imports.report import StoredLines
 from gputrace.store import ImportedFile, ImportedStream, Store
 

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from gputrace import metric_names as mn
+from gputrace.engines import ENGINE_WORDS, engine_words
 from gputrace.errors import SourceError, UsageError
 from gputrace.imports.report import ImportReport, write_rows
 from gputrace.model import ENGINE_LOAD_SOURCE, DeviceInfo, EngineConfig, Marker
@@ -446,7 +447,7 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
         if timer_series:
             write_rows(store, summary, "engine_metrics", engine_timer_rows(timer_series, client.base_url))
         load_source = "prometheus " + INFLIGHT_METRIC
-        if np.isnan(inflight).all() and engine in ("sglang", "vllm"):
+        if np.isnan(inflight).all() and engine in ENGINE_WORDS:
             in_system = requests_in_system(in_system_series, start_ms - margin * step_ms, step_ms,
                                            n + 2 * margin, margin)[margin:margin + n]
             pool = (engine_config or {}).get("max_running_requests")
@@ -605,7 +606,7 @@ def engine_load(ranks: dict[tuple[str, int, int, int], dict[str, np.ndarray]], n
             running += np.nan_to_num(fields["running_req"])
         if "queue_req" in fields and (pp == 0 or np.isnan(queue).all()):
             queue = fields["queue_req"]
-    if engine == "vllm":
+    if not engine_words(engine).microbatch_slots:  # the running gauge is engine-wide (vLLM)
         return np.asarray(vllm_load(np.minimum(running, pool) if pool else running, queue, in_system, half))
     if in_system is not None:
         # only where nothing waited across the law's whole window: a queue in it (a level that

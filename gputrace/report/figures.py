@@ -25,7 +25,7 @@ from matplotlib.lines import Line2D
 from matplotlib.transforms import blended_transform_factory
 
 from gputrace.analysis.busy_cells import busy_over_time
-from gputrace.analysis.diagnose import default_microbatch_cap, engine_kind
+from gputrace.analysis.diagnose import default_microbatch_cap
 from gputrace.analysis.result import Analysis
 from gputrace.report.throughput_chart import phase_throughput
 
@@ -223,7 +223,7 @@ def busy_heatmap(a: Analysis) -> Figure:
 def _reference_lines(ax: Axes, a: Analysis) -> None:
     """K (SGLang's micro-batch cap) and the pool (max_running_requests) as horizontal lines."""
     engine = a.run.engine
-    if engine_kind(engine) == "sglang":
+    if engine.engine_spec.microbatch_slots:
         k, k_from = default_microbatch_cap(engine, max(a.run.pp_size, 1))
         if k is not None:
             ax.axhline(k, color="#c33", lw=1.6, ls="-.",
@@ -231,9 +231,10 @@ def _reference_lines(ax: Axes, a: Analysis) -> None:
             ax.annotate(f"K = {k}", (0.005, k), xycoords=("axes fraction", "data"), va="bottom",
                         color="#c33", fontsize=10)
     pool = engine.admission_limit
+    pool_name = engine.engine_spec.setting("max_running_requests")  # vLLM's max_num_seqs
     if pool:
         ax.axhline(int(pool), color="#555", lw=1.6, ls=(0, (6, 3)),
-                   label=f"pool = {int(pool)}: request pool\n(max_running_requests)")
+                   label=f"pool = {int(pool)}: request pool\n({pool_name})")
         ax.annotate(f"pool = {int(pool)}", (0.005, int(pool)), xycoords=("axes fraction", "data"),
                     va="bottom", color="#555", fontsize=10)
 

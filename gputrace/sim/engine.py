@@ -159,7 +159,7 @@ class PipelineEngine:
         self.kv_used = 0
         self.kv_reserved = 0  # future tokens promised to running requests
         self.cap = p.micro_batch_cap
-        self.vllm = p.engine == "vllm"
+        self.vllm = not p.engine_spec.microbatch_slots  # vLLM's policy: engine-wide admission
         self.mults = [p.stage_multiplier(s) for s in range(p.pp_size)]
         # per-stage log counters
         self._decode_steps = [0] * p.pp_size

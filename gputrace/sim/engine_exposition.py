@@ -156,7 +156,7 @@ def virtual_metric_rows(p: SimParams, start_ns: int, end_s: float, trace: Any,
 def _stage_gauges(p: SimParams, events: Mapping[str, np.ndarray], at_ns: np.ndarray
                   ) -> list[dict[str, np.ndarray]]:
     """Per rank and field, the newest logged value at each scrape (gen throughput from decode lines)."""
-    if p.engine == "vllm" or not len(events.get("recv_ts_ns", ())):
+    if not p.engine_spec.steps_logged or not len(events.get("recv_ts_ns", ())):  # vLLM: no rank lines
         return [{} for _ in range(p.pp_size)]
     out = []
     for s in range(p.pp_size):

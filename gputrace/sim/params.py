@@ -11,11 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gputrace.engines import engine_words
+from gputrace.engines import ENGINE_WORDS, Engine, engine_words
 from gputrace.engines.sglang import slot_count
 from gputrace.errors import ConfigError, UsageError
-
-ENGINES = ("sglang", "vllm")
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +105,11 @@ class SimParams:
     # -- the run -------------------------------------------------------------------------------
     seed: int = 0
     start: str = "2026-01-15T10:00:00Z"  # virtual start time (UTC)
+
+    @property
+    def engine_spec(self) -> Engine:
+        """The simulated engine as gputrace/engines/ registers it: its scheduling policy and knobs."""
+        return engine_words(self.engine)
 
     @property
     def micro_batch_cap(self) -> int:
@@ -294,9 +297,10 @@ def _validate(p: SimParams) -> None:
         (p.pp_max_micro_batch_size is None or p.pp_max_micro_batch_size >= 1,
          "pp_max_micro_batch_size must be >= 1"),
         (p.pp_async_batch_depth >= 0, "pp_async_batch_depth must be >= 0"),
-        (p.engine in ENGINES, f"engine must be one of {', '.join(ENGINES)}"),
+        # the registered engines: the simulator runs each one's scheduling policy (Engine.policy)
+        (p.engine in ENGINE_WORDS, f"engine must be one of {', '.join(ENGINE_WORDS)}"),
         (p.client_mode in ("closed", "burst"), "client_mode must be closed or burst"),
-        (p.engine == "sglang" or (p.pp_max_micro_batch_size is None and not p.pp_async_batch_depth),
+        (p.engine_spec.microbatch_slots or (p.pp_max_micro_batch_size is None and not p.pp_async_batch_depth),
          "pp_max_micro_batch_size and pp_async_batch_depth are SGLang settings (engine = sglang)"),
         (p.decode_log_interval >= 1, "decode_log_interval must be >= 1"),
         (bool(p.concurrency) and min(p.concurrency) >= 1, "concurrency needs levels >= 1"),

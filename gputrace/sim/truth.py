@@ -155,9 +155,9 @@ def phase_causes(result: SimResult, ph: dict[str, Any]) -> list[str]:
         causes.append("admission_bound")
         if bunched_at_the_bound(p, stages):
             causes.append("pipeline_underfilled")
-    elif p.engine == "sglang" and queued and not held_elsewhere and p.input_tokens > budget:
+    elif p.engine_spec.microbatch_slots and queued and not held_elsewhere and p.input_tokens > budget:
         causes.append("prefill_budget")  # the prompts wait for turns, a chunk of one at a time
-    elif p.engine == "sglang" and queued and not pool_full and mb_max >= k and not held_elsewhere:
+    elif p.engine_spec.microbatch_slots and queued and not pool_full and mb_max >= k and not held_elsewhere:
         causes.append("microbatch_cap")
     if client_bound:
         causes.append("client_bound")
@@ -195,7 +195,7 @@ def burst_packed(p: SimParams, load: int) -> bool:
     not a larger K, sets the micro-batch size (budget // prompt <= K) and packs the load into
     ceil(load / per turn) < slots micro-batches while there are requests enough for every slot."""
     per_turn = prefill_budget(p) // p.input_tokens
-    return p.engine == "sglang" and p.pp_size >= 2 and 1 <= per_turn <= p.micro_batch_cap and \
+    return p.engine_spec.microbatch_slots and p.pp_size >= 2 and 1 <= per_turn <= p.micro_batch_cap and \
         per_turn < load and load >= p.slots and -(-load // per_turn) < p.slots
 
 
@@ -205,14 +205,14 @@ def bunched_at_the_bound(p: SimParams, stages: list[dict[str, Any]]) -> bool:
     fair = max(-(-p.max_running_requests // p.slots), 1)
     sizes_max = max((s["max_microbatch_size"] or 0) for s in stages)
     sizes_p10 = min((s["p10_microbatch_size"] or 0) for s in stages)
-    return p.engine == "sglang" and p.pp_size >= 2 and p.micro_batch_cap > fair and \
+    return p.engine_spec.microbatch_slots and p.pp_size >= 2 and p.micro_batch_cap > fair and \
         (sizes_max - sizes_p10 >= fair or sizes_max >= 2 * fair)
 
 
 def underfill_reason(p: SimParams, load: int) -> str:
     """Why a pipeline holds fewer micro-batches than stages: "bunched" when a smaller K would
     spread the load over every slot, else "light_load" (fewer requests than stages)."""
-    spreads = p.engine == "sglang" and load >= p.pp_size and spread_cap(p, load) < p.micro_batch_cap
+    spreads = p.engine_spec.microbatch_slots and load >= p.pp_size and spread_cap(p, load) < p.micro_batch_cap
     return "bunched" if spreads else "light_load"
 
 
@@ -220,44 +220,45 @@ def fix_for(p: SimParams, cause: str, ph: dict[str, Any]) -> dict[str, Any] | No
     """The change that removes ``cause`` in phase ``ph``: the engine setting (flag and value) and
     the simulator parameters that make it; None where no setting of the engine removes it."""
     load = _load(p, ph)
-    flag_pool = "--max-num-seqs" if p.engine == "vllm" else "--max-running-requests"
+    flag = p.engine_spec.flag_for  # the engine's flag for a setting
+    flag_pool = flag("max_running_requests")
     if cause == "admission_bound":
         return {"knob": flag_pool, "value": load, "params": {"max_running_requests": load}}
     if cause == "pipeline_underfilled" and "admission_bound" in ph["causes"]:
         want = max(-(-p.max_running_requests // p.slots), 1)  # spread what the pool holds
-        return {"knob": "--pp-max-micro-batch-size", "value": want,
+        return {"knob": flag("pp_max_micro_batch_size"), "value": want,
                 "params": {"pp_max_micro_batch_size": want}}
     bunched = cause == "pipeline_underfilled" and underfill_reason(p, load) == "bunched"
     if cause == "microbatch_cap" or bunched:
         want = spread_cap(p, load)  # K that spreads the load over every slot
-        return {"knob": "--pp-max-micro-batch-size", "value": want,
+        return {"knob": flag("pp_max_micro_batch_size"), "value": want,
                 "params": {"pp_max_micro_batch_size": want}}
     if cause == "prefill_budget":  # a turn takes whole prompts: a power of two at least one
         longest = round(p.input_tokens * (1 + p.input_tokens_jitter))
         want = 1 << max(math.ceil(math.log2(max(2 * prefill_budget(p), longest))), 0)
         want = min(want, max(p.context_len, prefill_budget(p)))
-        return {"knob": "--chunked-prefill-size", "value": want,
+        return {"knob": flag("chunked_prefill_size"), "value": want,
                 "params": {"chunked_prefill_size": want,
                            "max_prefill_tokens": max(want, p.max_prefill_tokens)}}
     if cause == "prefill_burst":  # a turn admits ceil(load / slots) prompts: every slot filled
         spread = spread_cap(p, load)
         want = round((spread - 0.5) * p.input_tokens)
-        return {"knob": "--max-prefill-tokens", "value": want, "params": {"max_prefill_tokens": want}}
+        return {"knob": flag("max_prefill_tokens"), "value": want, "params": {"max_prefill_tokens": want}}
     if cause == "stage_imbalance":
         mean = float(np.mean([p.stage_multiplier(s) for s in range(p.pp_size)]))
-        return {"knob": "SGLANG_PP_LAYER_PARTITION", "value": None,
+        return {"knob": flag("layer_partition"), "value": None,
                 "params": {"stage_cost_multipliers": (round(mean, 6),) * p.pp_size}}
     if cause == "client_bound":
         return {"knob": "client", "value": ph["target_concurrency"], "params": {"client_max_inflight": None}}
     if cause == "kv_cache_bound":
         per_request = round(p.input_tokens * (1 + p.input_tokens_jitter)) + p.max_tokens
         want = load * per_request
-        return {"knob": "--max-total-tokens", "value": want, "params": {"max_total_num_tokens": want}}
+        return {"knob": flag("max_total_num_tokens"), "value": want, "params": {"max_total_num_tokens": want}}
     if cause == "pcie_bound":
         return {"knob": "link", "value": None,
                 "params": {"pcie_bandwidth_bytes_per_s": 25e9, "pcie_latency_s": 0.00002}}
     if cause == "log_sampling_aliased":
-        return {"knob": "--decode-log-interval", "value": 1, "params": {"decode_log_interval": 1}}
+        return {"knob": flag("decode_log_interval"), "value": 1, "params": {"decode_log_interval": 1}}
     return None
 
 

@@ -224,7 +224,7 @@ def _neighbours(model: FittedModel) -> list[dict[str, Any]]:
     levels = sorted({m.concurrency for m in model.measured if m.concurrency > 0})
     top = levels[-1] if levels else p.max_running_requests
     out: list[dict[str, Any]] = []
-    if p.engine == "sglang":
+    if p.engine_spec.microbatch_slots:
         k0 = p.micro_batch_cap
         ks = {k0 // 2, k0 * 2, *(max(-(-c // p.slots), 1) for c in levels)}
         out += [{"pp_max_micro_batch_size": k} for k in sorted(ks)
@@ -232,7 +232,7 @@ def _neighbours(model: FittedModel) -> list[dict[str, Any]]:
         depth = p.pp_async_batch_depth
         out += [{"pp_async_batch_depth": d} for d in (depth + 1, depth + 2) if d != depth]
     pools = {p.max_running_requests * 2, top} - {p.max_running_requests}
-    if p.engine == "vllm":
+    if not p.engine_spec.microbatch_slots:
         pools |= {max(p.max_running_requests // 2, 1)}
     out += [{"max_running_requests": m} for m in sorted(pools) if m >= 1]
     out += [prefill_budget_change(p, c) for c in prefill_budgets(p)]
@@ -312,7 +312,8 @@ def candidates(model: FittedModel, findings: Sequence[Mapping[str, Any]]) -> lis
         if change and changes_of(model, change) is not None:
             out.setdefault(_key(change), (change, f"finding: {f.get('cause')} at {f.get('phase')}"))
     for change in _neighbours(model):
-        out.setdefault(_key(change), (change, "around the run's settings"))
+        if changes_of(model, change) is not None:  # knobs the run's engine has
+            out.setdefault(_key(change), (change, "around the run's settings"))
     return list(out.values())[:MAX_CANDIDATES]
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from gputrace.analysis.diagnose import engine_kind
 from gputrace.analysis.result import Analysis
+from gputrace.engines import engine_words
 from gputrace.errors import GputraceError
 from gputrace.whatif.fit import FittedModel, deployment_params, fit_model, relative_error
 from gputrace.whatif.outcome import measured_outcomes
@@ -22,7 +23,7 @@ def applied_changes(a: Analysis, b: Analysis) -> dict[str, tuple[Any, Any]]:
     B's value) under the simulator's names; a setting either log leaves unstated is not compared."""
     da = deployment_params(a.run.engine, a.run.pp_size)
     db = deployment_params(b.run.engine, b.run.pp_size)
-    if da["engine"] == "sglang":  # a log without K ran SGLang's default (max_running_requests // pp_size)
+    if engine_words(da["engine"]).microbatch_slots:  # a log without K ran the engine's default K
         da.setdefault("pp_max_micro_batch_size", None)
         db.setdefault("pp_max_micro_batch_size", None)
     return {k: (da[k], db[k]) for k in CHANGEABLE if k in da and k in db and da[k] != db[k]}

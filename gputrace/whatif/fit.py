@@ -24,6 +24,7 @@ import numpy as np
 from gputrace.analysis.diagnose import engine_kind
 from gputrace.analysis.phase_figures import PhaseMetrics
 from gputrace.analysis.result import Analysis
+from gputrace.engines import engine_words
 from gputrace.run_tables import EngineSettings
 from gputrace.sim.params import SimParams, make_params
 from gputrace.whatif.lengths import fit_output_lengths, output_observations, recorded_lengths
@@ -158,9 +159,10 @@ def deployment_params(engine: EngineSettings, pp_size: int) -> dict[str, Any]:
                     if isinstance(fields.get(k), int | float) and fields[k] > 0), None)
     if context is not None:
         out["context_len"] = int(context)
-    if out["engine"] == "vllm":
-        out.pop("pp_max_micro_batch_size", None)
-        out.pop("pp_async_batch_depth", None)
+    words = engine_words(out["engine"])
+    for name in ("pp_max_micro_batch_size", "pp_async_batch_depth"):
+        if words.knob_named(name) is None:  # a setting the engine does not have (vLLM's K)
+            out.pop(name, None)
     return out
 
 
@@ -288,7 +290,7 @@ def _phase_work(analysis: Analysis, pm: PhaseMetrics, p: SimParams, mults: np.nd
         new_tokens = ev.new_token[lo:hi][kinds == "prefill"]
         if len(new_tokens) and np.isfinite(new_tokens).all():
             prompt.append(float(new_tokens.sum()))
-    if p.engine == "sglang" and max(steps, default=0.0) > 0:
+    if p.engine_spec.steps_logged and max(steps, default=0.0) > 0:
         n_dec, n_pf = float(np.median(steps)), float(np.median(prefills))
         mb = tokens / n_dec
     else:  # vLLM logs engine-wide stats: pp_size batches share the running requests
@@ -338,7 +340,7 @@ def _design(w: PhaseWork, p: SimParams) -> tuple[float, float]:
     over = float(np.mean(np.maximum(0.0, p.decode_token_s * sizes - p.weight_read_s))) + \
         p.context_token_s * w.context_tokens
     prefill_over = max(0.0, p.prefill_token_s * w.prefill_tokens_per_step - p.weight_read_s)
-    if p.engine == "vllm":  # prompts ride in the decode steps
+    if p.engine_spec.policy.mixed_prefill:  # prompts ride in the decode steps (vLLM)
         over += p.prefill_token_s * w.prefill_tokens_per_step
     return flat, w.decode_steps * over + w.prefill_steps * prefill_over
 
@@ -398,7 +400,8 @@ def without_memory_floor(p: SimParams) -> SimParams:
 def on_cpu(p: SimParams) -> SimParams:
     """A CPU engine's step (no memory-bound floor) and, for SGLang, its forward run inside rank 0's
     scheduler loop (tests/test_sim_vs_engines.py: how the real engine spreads C=4 over slots)."""
-    return dataclasses.replace(without_memory_floor(p), synchronous_forward=p.engine == "sglang")
+    in_loop = p.engine_spec.policy.cpu_forward_in_loop
+    return dataclasses.replace(without_memory_floor(p), synchronous_forward=in_loop)
 
 
 def shared_core_candidates(pp_size: int) -> tuple[float, ...]:
@@ -651,7 +654,7 @@ def fit_model(analysis: Analysis) -> FittedModel:
     # throughput also moves with how the load bunches into micro-batches (a K of 64 under 32
     # requests), which a cost scale must not absorb where the phases disagree: there the
     # per-phase calibration below takes it.
-    counted = bool(works) and p.engine == "sglang"
+    counted = bool(works) and p.engine_spec.steps_logged
     correction = _scale_correction(measured, simulated) if not counted or _one_way(measured, simulated) \
         else 1.0
     if not works and levels >= 2:

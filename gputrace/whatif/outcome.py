@@ -9,7 +9,6 @@ from typing import Any
 
 import numpy as np
 
-from gputrace.analysis.diagnose import engine_kind
 from gputrace.analysis.phase_figures import PhaseMetrics
 from gputrace.analysis.result import Analysis
 from gputrace.sim.samples import cumulative
@@ -125,7 +124,7 @@ def _logged_microbatch_sizes(analysis: Analysis, start_ns: int, end_ns: int) -> 
         running = ev.running_req[lo:hi][ev.kind[lo:hi] != "prefill"]
         parts.append(running[np.isfinite(running) & (running > 0)])
     sizes = np.concatenate(parts) if parts else np.zeros(0)
-    if engine_kind(run.engine) == "vllm" and run.pp_size > 1:
+    if not run.engine.engine_spec.steps_logged and run.pp_size > 1:  # vLLM's engine-wide running
         sizes = np.maximum(sizes / run.pp_size, 1.0)
     return sizes
 

@@ -279,7 +279,8 @@ def prefill_budget_change(p: SimParams, chunk: int) -> dict[str, Any]:
     """A prefill budget of ``chunk`` tokens in the simulator's keys: SGLang's chunk, with its
     turn budget (max_prefill_tokens) raised to it where below; vLLM's one step budget
     (max_num_batched_tokens, held under both)."""
-    if p.engine == "vllm":
+    budget = p.engine_spec.knob_named("chunked_prefill_size")
+    if budget is not None and "max_prefill_tokens" in budget.sets_too:  # one budget for both (vLLM)
         return {"chunked_prefill_size": chunk, "max_prefill_tokens": chunk}
     return {"chunked_prefill_size": chunk, "max_prefill_tokens": max(chunk, p.max_prefill_tokens)}
 
@@ -292,7 +293,8 @@ def finding_change(model: FittedModel, change: Change, phase: str) -> dict[str, 
         return {knob: value} if value is not None else None
     if knob == "chunked_prefill_size" and value is not None:
         return prefill_budget_change(model.params, int(value))
-    if knob == "max_prefill_tokens" and value is not None and model.params.engine != "vllm":
+    if knob == "max_prefill_tokens" and value is not None and \
+            model.params.engine_spec.knob_named("max_prefill_tokens") is not None:
         return {knob: value}  # SGLang's turn budget alone: it stops admission, cuts no prompt
     if knob == "layer_partition":
         return even_split(model)

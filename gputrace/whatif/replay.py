@@ -224,7 +224,7 @@ def same_replay(ran: SimParams, reached: Reached, other: SimParams) -> bool:
         return False
     pool = min(ran.max_running_requests, other.max_running_requests)
     if "max_running_requests" in differ and (
-            ran.engine != "sglang" or pool < reached.running_max + ran.micro_batch_cap):
+            not ran.engine_spec.microbatch_slots or pool < reached.running_max + ran.micro_batch_cap):
         return False
     budget = min(ran.chunked_prefill_size, ran.max_prefill_tokens, other.chunked_prefill_size,
                  other.max_prefill_tokens)

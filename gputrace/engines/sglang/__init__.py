@@ -4,7 +4,7 @@ gputrace/engines/__init__.py."""
 
 from __future__ import annotations
 
-from gputrace.engines.common import Engine
+from gputrace.engines.common import Engine, SchedulingPolicy
 from gputrace.engines.sglang.fastpath import MAYBE_SGLANG, scan_chunk
 from gputrace.engines.sglang.grammar import ENGINE as KIND
 from gputrace.engines.sglang.grammar import LOG_FIELDS, RANK_FIELDS, RANK_TAG, batch_fields, parse_line
@@ -19,11 +19,17 @@ ENGINE = Engine(
     log_fields=LOG_FIELDS,
     placement_rule="SGLang formula",
     placement_source="sglang-formula",
-    microbatch_slots=True,  # the PP loop's slots, each a micro-batch capped at K
+    # the PP loop's slots, each a micro-batch capped at K; a prefill turn runs alone
+    policy=SchedulingPolicy(microbatch_slots=True, mixed_prefill=False, cpu_forward_in_loop=True),
     parse_line=parse_line,
     maybe_line=MAYBE_SGLANG,
     fast_path=scan_chunk,
     # K's flag before 2025-10; the KV pool's other flag; the metrics and the device timer
+    kv_advice="--mem-fraction-static or --max-total-tokens",
+    log_advice="--decode-log-interval 1",
+    stage_timers=("scrape the engine's per-stage timers: start SGLang with --enable-metrics and add "
+                  "`[hosts.engine_metrics] url = \"http://HOST:PORT/metrics\"` to gputrace.toml (SGLang "
+                  "0.5.23+'s run_batch timers give each stage's busy and bubble)"),
     other_words=("--max-micro-batch-size", "--mem-fraction-static", "--enable-metrics",
                  "SGLANG_ENABLE_METRICS_DEVICE_TIMER"),
 )

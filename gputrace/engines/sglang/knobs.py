@@ -42,7 +42,7 @@ KNOBS = (
          "chosen from the GPU's memory when not set", low=1, simulated=True, causes=("prefill_budget",)),
     Knob("max_prefill_tokens", "--max-prefill-tokens", int,
          "prompt tokens a prefill turn admits (the turn's budget)", "16384",
-         default=lambda s: 16384, low=1, simulated=True),
+         default=lambda s: 16384, low=1, simulated=True, causes=("prefill_burst",)),
     Knob("max_total_num_tokens", "--max-total-tokens", int,
          "KV-cache tokens (the pool every running request's context shares)",
          "from --mem-fraction-static and the GPU's memory", low=1, simulated=True,

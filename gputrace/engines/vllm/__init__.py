@@ -3,7 +3,7 @@ gputrace/engines/__init__.py."""
 
 from __future__ import annotations
 
-from gputrace.engines.common import Engine
+from gputrace.engines.common import Engine, SchedulingPolicy
 from gputrace.engines.vllm.grammar import ENGINE as KIND
 from gputrace.engines.vllm.grammar import LOG_FIELDS, MAYBE_VLLM, parse_line
 from gputrace.engines.vllm.knobs import KNOBS
@@ -16,9 +16,13 @@ ENGINE = Engine(
     log_fields=LOG_FIELDS,
     placement_rule="vLLM rank order",  # rank = pp_rank * tp_size + tp_rank, as SGLang's
     placement_source="vllm-rank-order",
-    microbatch_slots=False,  # admission is engine-wide (max_num_seqs), no per-micro-batch cap
+    # admission is engine-wide (max_num_seqs), no per-micro-batch cap; prompts ride in the steps
+    policy=SchedulingPolicy(microbatch_slots=False, mixed_prefill=True, cpu_forward_in_loop=False),
     parse_line=parse_line,
     maybe_line=MAYBE_VLLM,
+    stamps_have_year=False,  # MM-DD HH:MM:SS
+    steps_logged=False,  # a stats line every VLLM_LOG_STATS_INTERVAL, averaged over it
+    kv_advice="--gpu-memory-utilization (VLLM_CPU_KVCACHE_SPACE on the CPU build)",
     other_words=("VLLM_LOG_STATS_INTERVAL",),
 )
 WORDS = ENGINE
