@@ -56,13 +56,13 @@ def timed(args: list[str], timeout_s: float | None = None) -> tuple[float, float
 def analysis_only(run: str, out: str) -> None:
     """The report without the what-if, in this process: read, align, analyse, write HTML,
     Markdown and JSON (what `gputrace report` runs, less add_predicted_effects)."""
-    from gputrace.analysis.result import analyse_store
+    from gputrace.analyse import analyse_run
     from gputrace.report.render import write_report
     from gputrace.store import Store
 
     t0 = time.perf_counter()
     with Store.open(run, read_only=True) as store:
-        write_report(analyse_store(store), out, ["html", "md", "json"])
+        write_report(analyse_run(store, effects=False), out, ["html", "md", "json"])
     usage = resource.getrusage(resource.RUSAGE_SELF)
     print(time.perf_counter() - t0, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024)
 

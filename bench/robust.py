@@ -7,7 +7,11 @@ Target: 0 lost, or what is lost recorded; 0 doubled.
 
   1. two copytruncates in one outage; three bursts each followed by a copytruncate, follower behind
   2. a command source (`tail -n +1 -f`) whose log is truncated and rewritten during an outage
-  3. a new inode during an outage: renamed and gzipped, replaced by a copy, rotated and removed
+  1. also: 100 lines written between copytruncate's copy and its truncation (really lost: the gap
+     is to carry their bytes)
+  3. a new inode during an outage: renamed and gzipped, replaced by a copy, rotated and removed;
+     removed, or truncated with no copy, while the follower is behind on a burst (the gap is to
+     carry the bytes it held past the offset)
   4. `gputrace collect` stopped (SIGINT) while its disk is full (tests/test_collect.py's scenario;
      needs a tmpfs mount): lines written, stored, recorded in meta.json as not written
   5. copytruncate while the follower is mid-read of a 15 MB burst
@@ -32,7 +36,7 @@ Then `gputrace collect` as users run it, through the four failures of issue #25 
     python bench/robust.py [--quick] [--marks-per-s 1000] [--marks-s 3]
 
 --quick: one case per loss class, bursts a tenth as long (class 5's mid-read may then not hold:
-the line says so).
+the line says so), without the 12 MB bursts of classes 1 and 3 with the follower behind.
 """
 
 from __future__ import annotations
@@ -333,6 +337,9 @@ def loss_classes_over_ssh(root: Path, quick: bool) -> None:
         (1, f"3 bursts of {40_000 // scale:,} lines, each then copytruncated",
          lambda server, d: loss_classes.copytruncate_after_each_burst(server, d, 40_000 // scale)),
     ]
+    if not quick:  # a 12 MB burst: the follower must be behind by more than is under way in the pipes
+        scenarios.append((1, "100 lines written between the copy and the truncation, the follower behind",
+                          loss_classes.written_between_copy_and_truncation))
     for case in ("truncated", "restarted", "shorter")[:1 if quick else 3]:
         scenarios.append((2, f"command source, its log {case} in an outage",
                           lambda server, d, c=case: loss_classes.command_log_rewritten_in_an_outage(
@@ -340,6 +347,9 @@ def loss_classes_over_ssh(root: Path, quick: bool) -> None:
     for rotation in ("removed", "create-compress", "replaced")[:1 if quick else 3]:
         scenarios.append((3, f"new inode in an outage: {rotation}",
                           lambda server, d, r=rotation: loss_classes.new_inode_in_an_outage(server, d, r)))
+    for how in ("removed", "truncated")[:0 if quick else 2]:
+        scenarios.append((3, f"{how} in an outage, the follower behind on a 12 MB burst",
+                          lambda server, d, h=how: loss_classes.gone_in_an_outage_while_behind(server, d, h)))
     scenarios += [
         (5, f"copytruncate mid-read of a {121_000 // scale:,}-line burst",
          lambda server, d: loss_classes.copytruncate_mid_read(server, d, 121_000 // scale)),

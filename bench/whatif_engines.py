@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from engine_servers import EngineSetting, engines_available, running_engine
 
-from gputrace.analysis.result import Analysis, analyse_store
+from gputrace.analyse import analyse_run
+from gputrace.analysis.result import Analysis
 from gputrace.engines import engine_words
 from gputrace.store import Store
 from gputrace.whatif.advise import (
@@ -85,7 +86,7 @@ def _load_and_import(setting: EngineSetting, work: Path) -> Path:
 
 def _analysis(run: Path) -> Analysis:
     with Store.open(run, read_only=True) as store:
-        return analyse_store(store)
+        return analyse_run(store, effects=False)
 
 
 def advice_of(analysis: Analysis) -> tuple[Advice, FittedModel]:

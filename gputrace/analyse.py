@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Protocol
 
-from gputrace.analysis.aligned import AlignedRun, align_store
+from gputrace.analysis.aligned_run import AlignedRun, align_store
 from gputrace.analysis.diagnose import Thresholds
 from gputrace.analysis.engine_metrics import COMPARED, series_from_columns
 from gputrace.analysis.result import (

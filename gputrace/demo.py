@@ -1,11 +1,16 @@
 """`gputrace demo`: the whole chain on loopback with no GPU: the simulator's real-time SGLang PP8
 server, an agent with the simulated backend, and `gputrace run` (collector + load generator), as
 real processes; each run is then analysed here (``analyse_run``) and its report written from that
-analysis, which the demo reads its decisions from. Three runs of the motivating deployment: its
-defaults; gputrace's advice from the defaults' analysis (``Analysis.advice``), applied, unless it
-is to keep the settings (then the demo says why); and the change people try first
-(--pp-max-micro-batch-size 64); then the comparisons. Each run's throughput per phase is shown
-beside what the model fitted to the defaults predicted for it.
+analysis, which the demo reads its decisions from.
+
+It runs the motivating deployment (gputrace/sim/calibration.py) on its calibrated cost
+(KIMI_K26_PCIE_COST) in the regime its figures were measured in: each level a burst of C requests
+with 1,024-token prompts, max_tokens as measured; the simulated engine runs SPEED times faster
+than the wall clock (a 4,096-token burst at C=48 took the deployment 10 minutes), and every
+figure is shown in the deployment's time. The runs: its defaults; gputrace's advice from the
+defaults' analysis (``Analysis.advice``), applied, unless it is to keep the settings (then the
+demo says why); and the change the deployment's engineer tried first (--pp-max-micro-batch-size
+64) at the levels and lengths it was measured at; then the comparisons.
 """
 
 from __future__ import annotations
@@ -32,7 +37,10 @@ from gputrace.analysis.result import Analysis
 from gputrace.engines import engine_words
 from gputrace.errors import GputraceError, SourceError, UsageError
 from gputrace.report.render import write_report
-from gputrace.sim.params import SimParams
+from gputrace.sim.calibration import FIGURES, Figure
+from gputrace.sim.outputs import write_store
+from gputrace.sim.params import KIMI_K26_PCIE_COST, SimParams, scenario_params
+from gputrace.sim.virtual import run_params
 from gputrace.store import Store
 from gputrace.whatif.advise import Advice, advisor
 from gputrace.whatif.fit import FittedModel, fit_model
@@ -43,28 +51,67 @@ SIM_HOST = "sim-node0"
 
 @dataclass(frozen=True, slots=True)
 class DemoPlan:
-    """What one demo run does; `quick` shortens every level."""
+    """What one demo run's load does: closed-loop levels of ``level_s`` each, or (``burst``) each
+    level C requests at once, ending with the last; ``prompt_tokens`` None: the load generator's
+    own prompts."""
 
     concurrency: tuple[int, ...] = (1, 8, 32, 64)
     level_s: float = 9.0
     max_tokens: int = 256
     speed: float = 1.0
     nodes: int = 1  # the PP8 engine over this many simulated nodes (SGLang's --nnodes)
-
-    @classmethod
-    def for_mode(cls, quick: bool, nodes: int = 1) -> DemoPlan:
-        return cls(level_s=4.0, nodes=nodes) if quick else cls(nodes=nodes)
+    burst: bool = False
+    prompt_tokens: int | None = None
 
 
 SCENARIO = "motivating"
+# The deployment's cost as fitted to its figures; the prompts' length is the load's, sent as text
+DEPLOYMENT = {k: v for k, v in KIMI_K26_PCIE_COST.items() if k != "input_tokens"}
+PROMPT_TOKENS = int(KIMI_K26_PCIE_COST["input_tokens"])
+# The simulated engine against the wall clock for the live runs (80 s of the deployment's time
+# each): faster, a burst's requests land further apart in the engine's time (the client sends
+# them over 10-50 ms) and more of its first turns take one prompt alone
+SPEED = 4.0
+# The 2,048-token runs ended at about 1,900-1,940 tokens per request (calibration.Figure)
+EARLY_END = {"output_tokens_jitter": 0.1}
+
+
+@dataclass(frozen=True, slots=True)
+class Sweep:
+    """One run of the demo: a deployment (engine settings beside the defaults) under burst levels
+    at one max_tokens, and the measured figures it reproduces."""
+
+    label: str
+    concurrency: tuple[int, ...]
+    max_tokens: int
+    overrides: tuple[tuple[str, Any], ...] = ()
+    load: tuple[tuple[str, Any], ...] = ()  # the load's settings the simulated server applies
+
+    def plan(self, speed: float, nodes: int) -> DemoPlan:
+        return DemoPlan(self.concurrency, 0.0, self.max_tokens, speed, nodes, burst=True,
+                        prompt_tokens=PROMPT_TOKENS)
+
+    def figures(self) -> list[Figure]:
+        """The measured figures this run is the demo's of."""
+        k = dict(self.overrides).get("pp_max_micro_batch_size")
+        return [f for f in FIGURES if f.k == k and f.max_tokens == self.max_tokens
+                and f.concurrency in self.concurrency]
+
+
+FIRST_TRY = {"pp_max_micro_batch_size": 64}  # what the engineer set first when the log said 8 running
+DEFAULTS = Sweep("defaults", (1, 32), 512)
+# The first try where it was measured: C=32 and 48 with 4,096 tokens, C=32 and 64 with 2,048
+FIRST_TRIES = (Sweep("k64", (32, 48), 4096, tuple(FIRST_TRY.items())),
+               Sweep("k64-2048", (32, 64), 2048, tuple(FIRST_TRY.items()), tuple(EARLY_END.items())))
+QUICK_FIRST_TRIES = (Sweep("k64", (32,), 4096, tuple(FIRST_TRY.items())),)
 # The knobs of the simulated engine a demo applies when a finding names them: K, the pool, the
-# async depth and the log interval (the demo shows these; the advice searches the rest)
+# async depth, the log interval and the prefill budget (the demo shows these; the advice searches
+# the rest)
 DEMO_KNOBS = ("pp_max_micro_batch_size", "max_running_requests", "decode_log_interval",
-              "pp_async_batch_depth")
+              "pp_async_batch_depth", "max_prefill_tokens", "chunked_prefill_size")
 # their flags (as a finding names them) -> the simulator's parameters that make them
 FLAG_PARAMS = {knob.flag: knob.sim_param or knob.name for knob in engine_words(SimParams().engine).knobs
                if knob.name in DEMO_KNOBS}
-FIRST_TRY = {"pp_max_micro_batch_size": 64}  # what people set first when the log says 8 running
 # Every simulated engine logs as the README asks of a real one: every decode step. With the
 # simulator's own default (every 9th) the first report a user saw carried a sampling caveat.
 LOGGED_AS_ADVISED = {"decode_log_interval": 1}
@@ -79,6 +126,7 @@ class DemoRun:
     analysis: Analysis  # what its report renders
     overrides: tuple[tuple[str, Any], ...] = ()
     model: FittedModel | None = None  # the what-if model its effects fitted (None: none was)
+    speed: float = 1.0  # its engine against the wall clock: its tok/s over this are the deployment's
 
     @property
     def advice(self) -> Advice | None:
@@ -176,13 +224,21 @@ _REPORTING = threading.Lock()
 
 
 def run_one(out: Path, label: str, scenario: str, plan: DemoPlan,
-            say: Callable[[str], None], overrides: dict[str, Any] | None = None) -> DemoRun:
-    """Serve the scenario (with ``overrides``), capture a sweep against it with `gputrace run`,
-    analyse the run and write its report."""
+            say: Callable[[str], None], overrides: dict[str, Any] | None = None,
+            deployment: dict[str, Any] | None = None) -> DemoRun:
+    """Serve the scenario (with the ``deployment``'s cost and ``overrides``), capture a sweep
+    against it with `gputrace run`, analyse the run and write its report."""
     sets = [f"--set={key}={','.join(map(str, value)) if isinstance(value, (list, tuple)) else value}"
-            for key, value in {**LOGGED_AS_ADVISED, **(overrides or {})}.items()]
+            for key, value in {**LOGGED_AS_ADVISED, **(deployment or {}), **(overrides or {})}.items()]
     work = out / "work" / label
     work.mkdir(parents=True, exist_ok=True)
+    load_flags = ["--burst"] if plan.burst else [
+        "--duration-per-level", str(plan.level_s), "--warmup", "0"]
+    if plan.prompt_tokens is not None:
+        # the simulated server counts a token per four characters of the prompt
+        prompts = work / "prompts.jsonl"
+        prompts.write_text(json.dumps({"prompt": "word " * (plan.prompt_tokens * 4 // 5)}) + "\n")
+        load_flags += ["--prompts", str(prompts), "--no-stream"]
     nodes = range(plan.nodes)
     logs, feeds = [work / f"sglang-{r}.log" for r in nodes], [work / f"gpu-feed-{r}.ndjson" for r in nodes]
     sim_port, collector_port, dist_port = free_port(), free_port(), free_port()
@@ -192,7 +248,8 @@ def run_one(out: Path, label: str, scenario: str, plan: DemoPlan,
     run_dir = out / label
     changed = ", ".join(f"{k}={v}" for k, v in (overrides or {}).items()) or "defaults"
     where = f" over {plan.nodes} nodes" if plan.nodes > 1 else ""
-    say(f"[{label}] simulated SGLang PP8{where} ({scenario}, {changed}) on :{sim_port}, "
+    speed = f", {plan.speed:g}x the wall clock" if plan.speed != 1 else ""
+    say(f"[{label}] simulated SGLang PP8{where} ({scenario}, {changed}{speed}) on :{sim_port}, "
         f"agents on :{', :'.join(map(str, agent_ports))}")
     multi = (["--nnodes", str(plan.nodes), "--dist-init-addr", f"127.0.0.1:{dist_port}"]
              if plan.nodes > 1 else [])
@@ -213,15 +270,15 @@ def run_one(out: Path, label: str, scenario: str, plan: DemoPlan,
         _wait_http(f"http://127.0.0.1:{sim_port}/v1/models", sims[0], "simulator")
         for rank in nodes:
             _wait_http(f"http://127.0.0.1:{agent_ports[rank]}/healthz", agents[rank], "agent")
-        say(f"[{label}] sweeping C={','.join(map(str, plan.concurrency))}, "
-            f"{plan.level_s:.0f} s per level")
+        each = (f"bursts of C, {plan.max_tokens} tokens each" if plan.burst
+                else f"{plan.level_s:.0f} s per level")
+        say(f"[{label}] sweeping C={','.join(map(str, plan.concurrency))}, {each}")
         run_argv = _gputrace(
             "run", "--config", str(config), "--out", str(run_dir),
             "--listen", f"127.0.0.1:{collector_port}",
             "--url", f"http://127.0.0.1:{sim_port}", "--model", "default",
-            "--concurrency", ",".join(map(str, plan.concurrency)),
-            "--duration-per-level", str(plan.level_s), "--max-tokens", str(plan.max_tokens),
-            "--warmup", "0", "--drain", "0.5", "--no-report")
+            "--concurrency", ",".join(map(str, plan.concurrency)), "--max-tokens", str(plan.max_tokens),
+            *load_flags, "--drain", "0.5", "--no-report")
         with open(work / "run.out", "wb") as run_log:
             status = subprocess.run(run_argv, stdout=run_log, stderr=subprocess.STDOUT,
                                     check=False).returncode
@@ -245,7 +302,25 @@ def run_one(out: Path, label: str, scenario: str, plan: DemoPlan,
         analysis = analyse_run(store, advise=advise)
         write_report(analysis, report_dir)
     return DemoRun(label, scenario, run_dir, report_dir, analysis, tuple((overrides or {}).items()),
-                   models[0] if models else None)
+                   models[0] if models else None, plan.speed)
+
+
+def simulate_one(out: Path, sweep: Sweep, say: Callable[[str], None]) -> DemoRun:
+    """The sweep on the simulator's own clock and client (no wall clock to wait for): its log,
+    GPU feed and request records written as a capture, analysed and reported as any run (no
+    advice: it is a measured figure's run, not the story's)."""
+    k = dict(sweep.overrides).get("pp_max_micro_batch_size")
+    say(f"[{sweep.label}] the simulator's own clock and client: K={k or 'default'}, bursts of "
+        f"C={','.join(map(str, sweep.concurrency))}, {sweep.max_tokens} tokens each")
+    params = scenario_params(SCENARIO, {
+        **KIMI_K26_PCIE_COST, **LOGGED_AS_ADVISED, "client_mode": "burst", "concurrency": sweep.concurrency,
+        "max_tokens": sweep.max_tokens, "phase_s": 600.0, "drain_s": 0.0, "seed": 0,
+        **dict(sweep.overrides), **dict(sweep.load)})
+    run_dir = write_store(run_params(params, sweep.label), out / sweep.label, sweep.label)
+    with _REPORTING, Store.open(run_dir, read_only=True) as store:
+        analysis = analyse_run(store, effects=False)
+        write_report(analysis, run_dir / "report")
+    return DemoRun(sweep.label, SCENARIO, run_dir, run_dir / "report", analysis, sweep.overrides)
 
 
 def compare(out: Path, a: DemoRun, b: DemoRun) -> Path:
@@ -258,22 +333,48 @@ def compare(out: Path, a: DemoRun, b: DemoRun) -> Path:
 
 
 @dataclass(frozen=True, slots=True)
+class FigureRow:
+    """One measured figure of the motivating deployment beside the demo's (in the deployment's
+    time: the run's tok/s over the speed)."""
+
+    figure: Figure
+    run: str
+    demo_tok_s: float | None
+
+    @property
+    def ratio(self) -> float | None:
+        return None if self.demo_tok_s is None else self.demo_tok_s / self.figure.measured_tok_s
+
+
+@dataclass(frozen=True, slots=True)
 class DemoResult:
     defaults: DemoRun
     advised: DemoRun | None  # None when the advice is to keep the settings (or there is none)
-    first_try: DemoRun
+    first_tries: tuple[DemoRun, ...]
     comparisons: tuple[Path, ...]
     # per run label, per phase: the throughput the model fitted to the defaults predicted for it
     # (for the defaults, the model's replay of them as they ran)
     predicted: dict[str, dict[str, float | None]]
+    speed: float = 1.0  # the simulated engine against the wall clock: tok/s over it are the deployment's
+    figures: tuple[FigureRow, ...] = ()
 
     @property
     def advice(self) -> Advice | None:
         return self.defaults.advice
 
     @property
+    def first_try(self) -> DemoRun:
+        return self.first_tries[0]
+
+    @property
     def runs(self) -> list[DemoRun]:
-        return [r for r in (self.defaults, self.advised, self.first_try) if r is not None]
+        return [r for r in (self.defaults, self.advised, *self.first_tries) if r is not None]
+
+    def cause(self) -> str | None:
+        """The defaults' first finding that names a setting: the cause in the engine's words."""
+        f = next((f for f in self.defaults.analysis.findings if f.change is not None
+                  and f.change.flag in FLAG_PARAMS), None)
+        return None if f is None else f"{f.summary} [{f.cause}, {f.phase}]"
 
 
 def predicted_by(run: DemoRun, overrides: dict[str, Any]) -> dict[str, float | None]:
@@ -283,6 +384,45 @@ def predicted_by(run: DemoRun, overrides: dict[str, Any]) -> dict[str, float | N
     return {r.label: r.predicted.throughput_tok_s for r in predict(run.model, overrides)}
 
 
+def phase_tok_s(run: DemoRun) -> dict[str, float | None]:
+    return {pm.label: pm.throughput_tok_s for pm in run.analysis.metrics}
+
+
+def figure_rows(sweeps: dict[str, Sweep], runs: list[DemoRun]) -> tuple[FigureRow, ...]:
+    """Each measured figure a run reproduces, with the run's phase at its level."""
+    out = []
+    for run in runs:
+        sweep = sweeps.get(run.label)
+        if sweep is None:
+            continue
+        measured = phase_tok_s(run)
+        for fig in sweep.figures():
+            tok_s = measured.get(f"C={fig.concurrency}")
+            out.append(FigureRow(fig, run.label, None if tok_s is None else tok_s / run.speed))
+    return tuple(out)
+
+
+def summary(result: DemoResult) -> dict[str, Any]:
+    """What the demo showed, as ``demo-summary.json`` holds it: each measured figure beside the
+    demo's, the cause, the first try's prediction and the advice predicted and measured."""
+    advised = phase_tok_s(result.advised) if result.advised is not None else {}
+    defaults = phase_tok_s(result.defaults)
+    advice = result.advice
+    return {
+        "speed": result.speed,
+        "cause": result.cause(),
+        "figures": [{"figure": r.figure.label, "run": r.run, "measured_tok_s": r.figure.measured_tok_s,
+                     "demo_tok_s": r.demo_tok_s, "ratio": r.ratio} for r in result.figures],
+        "first_try_predicted_tok_s": {k: None if v is None else v / result.speed
+                                      for k, v in result.predicted.get("k64", {}).items()},
+        "defaults_tok_s": {k: None if v is None else v / result.speed for k, v in defaults.items()},
+        "advice": None if advice is None else advice.sentence(),
+        "advice_predicted_tok_s": {k: None if v is None else v / result.speed
+                                   for k, v in result.predicted.get("advised", {}).items()},
+        "advice_measured_tok_s": {k: None if v is None else v / result.speed for k, v in advised.items()},
+    }
+
+
 def run_demo(out: Path, quick: bool, say: Callable[[str], None], nodes: int = 1) -> DemoResult:
     if out.exists() and any(out.iterdir()):
         raise UsageError(f"--out {out}: not empty; choose another directory or remove it")
@@ -290,13 +430,22 @@ def run_demo(out: Path, quick: bool, say: Callable[[str], None], nodes: int = 1)
     os.environ.setdefault("GPUTRACE_DEMO", "1")
     if nodes < 1 or 8 % nodes:
         raise UsageError(f"--nodes {nodes}: PP8 splits over 1, 2, 4 or 8 nodes")
-    plan = DemoPlan.for_mode(quick, nodes)
-    # The deployments are independent processes on loopback: the defaults and the first try run
-    # side by side; gputrace's advice needs the defaults' analysis first.
+    speed = SPEED
+    tries = QUICK_FIRST_TRIES if quick else FIRST_TRIES
+    sweeps = {s.label: s for s in (DEFAULTS, *tries)}
+
+    def run(sweep: Sweep, overrides: dict[str, Any] | None = None, label: str | None = None) -> DemoRun:
+        return run_one(out, label or sweep.label, SCENARIO, sweep.plan(speed, nodes), say,
+                       {**dict(sweep.overrides), **(overrides or {})},
+                       {**DEPLOYMENT, **dict(sweep.load)})
+
+    # The deployments are independent processes on loopback: two run side by side; gputrace's
+    # advice needs the defaults' analysis first. The longest first try starts at once.
+    # The long first tries (940 s of the deployment's time at 4,096 tokens) run on the simulator's
+    # own clock meanwhile.
     with ThreadPoolExecutor(max_workers=2) as pool:
-        defaults_future = pool.submit(run_one, out, "defaults", SCENARIO, plan, say)
-        first_future = pool.submit(run_one, out, "k64", SCENARIO, plan, say, FIRST_TRY)
-        defaults = defaults_future.result()
+        first_futures = [pool.submit(simulate_one, out, sweep, say) for sweep in tries]
+        defaults = run(DEFAULTS)
         advice = defaults.advice
         advised = None
         predicted: dict[str, dict[str, float | None]] = {}
@@ -307,9 +456,13 @@ def run_demo(out: Path, quick: bool, say: Callable[[str], None], nodes: int = 1)
             predicted["defaults"] = {p.phase: p.unchanged_tok_s for p in advice.phases}
             if not advice.keep:
                 predicted["advised"] = {p.phase: p.predicted_tok_s for p in advice.phases}
-                advised = run_one(out, "advised", SCENARIO, plan, say,
-                                  {c.knob: c.value for c in advice.changes})
+                advised = run(DEFAULTS, {c.knob: c.value for c in advice.changes}, "advised")
+        # what the defaults' model says of the first try at the defaults' own levels and lengths
         predicted["k64"] = predicted_by(defaults, FIRST_TRY)
-        first_try = first_future.result()
-    comparisons = [compare(out, defaults, run) for run in (advised, first_try) if run is not None]
-    return DemoResult(defaults, advised, first_try, tuple(comparisons), predicted)
+        first_tries = tuple(f.result() for f in first_futures)
+    comparisons = [compare(out, defaults, r) for r in (advised, first_tries[0]) if r is not None]
+    runs = [defaults, *first_tries]
+    result = DemoResult(defaults, advised, first_tries, tuple(comparisons), predicted, speed,
+                        figure_rows(sweeps, runs))
+    (out / "demo-summary.json").write_text(json.dumps(summary(result), indent=1) + "\n")
+    return result

@@ -14,6 +14,10 @@ below it and above utilization.gpu (``engine_metrics.engine_busy``, over the sam
 What a stage's log line says is one micro-batch; the engine's running total and the micro-batches
 in flight come from the first stage's recent lines, read as the report reads them
 (``schedule.engine_totals``): a stage showing "running 8" at a load of 32 is one of 4 micro-batches.
+
+The finding shown now is the report's diagnosis (``diagnose.diagnose_phase``, the same rules and
+``Thresholds``) over the last ``window_s`` read as one phase (``window_phase``): the live view
+has no rules of its own.
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ from typing import Any
 import numpy as np
 
 from gputrace import metric_names as mn
+from gputrace.analysis.diagnose import Finding, Thresholds, diagnose_phase
 from gputrace.analysis.engine_metrics import LOOP_SERIES, EngineBusy, MetricSeries, engine_busy
-from gputrace.analysis.phase_figures import BUSY_SIGNALS, busy_and_bubble
+from gputrace.analysis.phase_figures import BUSY_SIGNALS, PhaseMetrics, StageMetrics, busy_and_bubble
+from gputrace.analysis.result import DEFAULT_THRESHOLDS  # the report's thresholds, the same object
 from gputrace.analysis.schedule import engine_totals, line_sizes
 from gputrace.engines import engine_words, sglang
 from gputrace.exposition import Collector, Metric, family
@@ -42,6 +48,7 @@ from gputrace.model import (
     RequestRecord,
     SchedulerEvent,
 )
+from gputrace.run_tables import EngineSettings
 from gputrace.topology import Placement
 from gputrace.vocabulary import LiveStatus
 
@@ -124,6 +131,10 @@ class LiveState:
         # the engine's own timer counters (LOOP_SERIES, tp_rank 0) per (name, labels JSON): their
         # labels and (scrape ns, seconds)
         self.engine_timers: dict[tuple[str, str], tuple[dict[str, str], deque[tuple[int, float]]]] = {}
+        self.configs: list[EngineConfig] = []  # every configuration line, merged as the report merges them
+        # per stage its recent lines: (ns on the collector's clock, micro-batch size, #queue-req,
+        # token usage), NaN where the line has none; the window's figures for the diagnosis
+        self.stage_lines: dict[int, deque[tuple[int, float, float, float]]] = {}
 
     # -- updates --------------------------------------------------------------------------------
 
@@ -144,12 +155,15 @@ class LiveState:
         self._arrived(rank.seen_ns)
         self.counts["scheduler_events"] += 1
         self.engine_kind = ev.engine
+        size = None
         if ev.kind in ("prefill", "decode"):
             size = (ev.running_req or 0) + ((ev.new_seq or 0) if ev.kind == "prefill" else 0)
             rank.microbatch_size = size
             if pp == 0 and (ev.tp_rank or 0) == 0:
                 self.rank0_lines.setdefault((ev.host, ev.dp_rank or 0), deque(maxlen=RANK0_LINES)).append(
                     (ev.kind, float(ev.running_req or 0), float(ev.new_seq or 0), float(ev.queue_req or 0)))
+        self.stage_lines.setdefault(pp, deque(maxlen=4096)).append(
+            (rank.seen_ns, _nan(size), _nan(ev.queue_req), _nan(ev.token_usage)))
         has_work = any((r.running_req or 0) + (r.queue_req or 0) > 0
                        for (_h, p, _t, _d), r in self.engine.items() if p == pp)
         changes = self.stage_work.setdefault(pp, deque(maxlen=4096))
@@ -172,6 +186,7 @@ class LiveState:
     def on_config(self, config: EngineConfig) -> None:
         """SGLang logs its settings over several lines (server_args, then each rank's limits):
         each adds what it states."""
+        self.configs.append(config)
         for name in LIVE_SETTINGS:
             value = getattr(config, name)
             if value is not None:
@@ -407,14 +422,32 @@ class LiveState:
         return EngineNow(running, queued, in_flight, slots, k, pool, "/".join(sorted(set(sources))),
                          self.engine_kind)
 
+    def engine_settings(self) -> EngineSettings:
+        """The engine's configuration lines merged as the report merges them (``from_records``)."""
+        return EngineSettings.from_records(self.configs, engine_of_lines=self.engine_kind)
+
+    def finding(self, engine: EngineNow | None = None, stages: list[dict[str, Any]] | None = None,
+                th: Thresholds = DEFAULT_THRESHOLDS) -> str:
+        """The report's diagnosis of the last ``window_s`` in one line (see ``current_finding``)."""
+        if engine is None:
+            engine = self.engine_now(self._recent_busy(0, ENGINE_BUSY_WINDOW_S))
+        stages = self.stages() if stages is None else stages
+        cutoff = self.clock_ns() - int(self.window_s * 1e9)
+        lines = {pp: [row for row in rows if row[0] >= cutoff] for pp, rows in self.stage_lines.items()}
+        return current_finding(engine, stages, self.pp_size, self.engine_settings(), lines,
+                               self.target_concurrency, self.inflight, self.phase, self.window_s, th)
+
     def status(self) -> LiveStatus:
         """What `watch` shows (the collector's /v1/status adds the store and the problems)."""
         stages = self.stages()
         engine = self.engine_now(self._recent_busy(0, ENGINE_BUSY_WINDOW_S))
         return LiveStatus(self.run, self.phase, self.target_concurrency, self.inflight, dict(self.counts),
                           tuple(stages), pp_size=self.pp_size, engine=asdict(engine),
-                          finding=current_finding(engine, stages, self.pp_size),
+                          finding=self.finding(engine, stages),
                           now_ns=self.clock_ns(), newest_data_ns=self.newest_ns)
+
+
+StageLines = dict[int, list[tuple[int, float, float, float]]]  # LiveState.stage_lines in the window
 
 
 def finding_cause(finding: str) -> str:
@@ -423,39 +456,80 @@ def finding_cause(finding: str) -> str:
     return finding.split(":", 1)[0]
 
 
-def current_finding(engine: EngineNow, stages: list[dict[str, Any]], pp_size: int | None) -> str:
-    """What the live figures say now, in one line (the report's rules decide over whole phases;
-    this is the same reading over the last seconds)."""
+def current_finding(engine: EngineNow, stages: list[dict[str, Any]], pp_size: int | None,
+                    settings: EngineSettings, lines: StageLines, target: int | None = None,
+                    inflight: int | None = None, phase: str | None = None, window_s: float = 10.0,
+                    th: Thresholds = DEFAULT_THRESHOLDS) -> str:
+    """What the live figures say now, in one line: the report's first finding (its order: confidence
+    times impact) of the window read as one phase, "cause: summary"; or why there is none."""
     pp = pp_size or len(stages)
     running, queued, mbs = engine.running, engine.queued or 0, engine.microbatches_in_flight
     if running is None:
         return "no engine lines yet"
     if running < 0.5 and queued < 0.5:
         return "idle: the engine runs no request"
-    if queued >= 0.5 and engine.pool is not None and running >= engine.pool - 0.5:
-        flag = engine_words(engine.engine_kind).flag("max_running_requests")
-        return (f"admission_bound: {queued:.0f} waiting while the engine runs {running:.0f}, its pool "
-                f"({flag} {engine.pool})")
-    slots = engine.slots or pp
-    if queued >= 0.5 and engine.k and mbs is not None and mbs >= slots - 0.5 and (
-            engine.pool is None or running < engine.pool - 0.5):
-        # every slot holds a micro-batch and requests wait below the pool: K caps what runs (a
-        # sweep's C=32 and C=64 read "no finding" here while the report found microbatch_cap)
-        pool = f", under its pool of {engine.pool}" if engine.pool is not None else ""
-        return (f"microbatch_cap: {queued:.0f} waiting while the engine runs {running:.0f} in "
-                f"{mbs:.0f} micro-batches of at most K = {engine.k} "
-                f"({engine_words(engine.engine_kind).flag('pp_max_micro_batch_size')}){pool}")
-    if mbs is not None and pp >= 2 and mbs < pp - 0.5:
-        k = f" (K = {engine.k})" if engine.k else ""
-        return (f"pipeline_underfilled: {mbs:.0f} micro-batches in flight for {pp} stages{k}: "
-                f"the schedule allows {min(1.0, mbs / pp):.0%} busy")
-    worst = max((s for s in stages if s.get("bubble_ratio") is not None),
-                key=lambda s: s["bubble_ratio"], default=None)
-    if worst is not None and worst["bubble_ratio"] > 0.3:
-        return (f"bubble: stage {worst['pp_rank']} idles {worst['bubble_ratio']:.0%} of the time "
-                f"while the engine has work")
+    pm = window_phase(engine, stages, pp, lines, target, inflight, phase, window_s)
+    found = sorted(diagnose_phase(pm, settings, pp, th), key=_rank)
+    if found:
+        return f"{found[0].cause}: {found[0].summary}"
     fill = f"{mbs:.0f} micro-batches fill the {pp} stages" if mbs is not None else "the stages are busy"
     return f"no finding now: {fill}"
+
+
+def _rank(finding: Finding) -> float:
+    return -(finding.confidence * finding.impact)  # diagnose's order: most important first
+
+
+def window_phase(engine: EngineNow, stages: list[dict[str, Any]], pp_size: int, lines: StageLines,
+                 target: int | None, inflight: int | None, phase: str | None,
+                 window_s: float) -> PhaseMetrics:
+    """The last ``window_s`` as the report's phase figures: the load is the in-process load's
+    requests in flight where it runs here, else the engine's running + waiting (the report's
+    fallback, ENGINE_IN_FLIGHT); each stage's busy and bubble are the live estimate's, its
+    micro-batch sizes, queue and token usage its lines' in the window."""
+    load = float(inflight) if inflight is not None else (engine.running or 0.0) + (engine.queued or 0.0)
+    mbs = engine.microbatches_in_flight
+    rows = {int(row["pp_rank"]): row for row in stages}
+    return PhaseMetrics(
+        label=phase or "now", start_ns=0, end_ns=int(window_s * 1e9), duration_s=window_s,
+        source="live window", target_concurrency=target, inflight_mean=load, work_share=1.0,
+        requests_completed=0, requests_failed=0, throughput_tok_s=None, client_throughput_tok_s=None,
+        engine_gen_throughput_tok_s=None, unfinished_requests=0, ttft_s_p50=None, ttft_s_p90=None,
+        itl_s_mean=None, itl_s_p90=None, microbatches_in_flight=mbs,
+        allowed_busy_fraction=None if mbs is None or pp_size < 1 else min(1.0, mbs / pp_size),
+        stages=[_window_stage(pp, rows.get(pp, {}), lines.get(pp, [])) for pp in range(pp_size)])
+
+
+def _window_stage(pp: int, row: dict[str, Any], lines: list[tuple[int, float, float, float]]) -> StageMetrics:
+    table = np.array([row[1:] for row in lines], dtype=np.float64).reshape(-1, 3)
+    sizes, queue, usage = table[:, 0], table[:, 1], table[:, 2]
+    return StageMetrics(
+        pp_rank=pp, busy_fraction=row.get("busy_ratio"), bubble_fraction=row.get("bubble_ratio"),
+        utilization_mean=row.get("utilization_ratio"), utilization_p50=None, utilization_p90=None,
+        utilization_p99=None, microbatch_size_mean=_stat(np.mean, sizes),
+        microbatch_size_max=_stat(np.max, sizes), microbatch_size_p10=_stat(_p10, sizes),
+        queue_req_mean=_stat(np.mean, queue), queue_req_max=_stat(np.max, queue),
+        token_usage_mean=_stat(np.mean, usage), token_usage_max=_stat(np.max, usage),
+        power_w_mean=row.get("power_w"), power_limit_share_mean=None, power_limit_share_p95=None,
+        pcie_tx_bytes_per_s_mean=row.get("pcie_tx_bytes_per_s"),
+        pcie_rx_bytes_per_s_mean=row.get("pcie_rx_bytes_per_s"), pcie_link_share_p95=None,
+        pcie_link_share_mean=None, pcie_transfer_per_busy=None, sm_clock_hz_mean=None,
+        throttled_fraction=None, log_lines=len(lines),
+        distinct_microbatch_sizes=len(set(sizes[~np.isnan(sizes)].tolist())))
+
+
+def _stat(fn: Callable[[np.ndarray], Any], values: np.ndarray) -> float | None:
+    """``fn`` over the values present; None where there are none."""
+    present = values[~np.isnan(values)]
+    return float(fn(present)) if len(present) else None
+
+
+def _p10(values: np.ndarray) -> float:
+    return float(np.percentile(values, 10))
+
+
+def _nan(value: float | int | None) -> float:
+    return float("nan") if value is None else float(value)
 
 
 def _mean(values: list[float]) -> float | None:
@@ -517,7 +591,7 @@ class LiveCollector(Collector):
     def _finding(s: LiveState, stages: list[dict[str, Any]]) -> Metric:
         """The live finding as an info series, for the dashboard's one-line panel (an instant query
         shows the current line: a line no longer exported goes stale at the next scrape)."""
-        text = current_finding(s.engine_now(s._recent_busy(0, ENGINE_BUSY_WINDOW_S)), stages, s.pp_size)
+        text = s.finding(stages=stages)
         fam = family(mn.LIVE_FINDING, mn.LIVE_FINDING.labels)
         fam.add_metric([finding_cause(text), text, s.run], 1.0)
         return fam

@@ -114,6 +114,12 @@ RECORD_IDENTITY: dict[str, tuple[str, ...]] = {
     "requests": ("host", "request_id", "start_ns"),
     "markers": ("host", "ts_ns", "label", "kind"),
     "gpu_samples": ("host", "gpu_index", "ts_ns"),
+    # a Prometheus import's rows (one a series and step): a range imported again adds nothing
+    "scheduler_events": ("host", "source", "kind", "pp_rank", "tp_rank", "dp_rank", "log_ts_ns"),
+    "load_samples": ("source", "ts_ns"),
+    "engine_metrics": ("host", "source", "name", "labels_json", "ts_ns"),
+    "devices": ("host", "gpu_index"),
+    "engine_configs": ("host", "source", "line_no"),
 }
 
 # What DuckDB raises when a write fails for a reason outside the data (measured on a full tmpfs:
@@ -707,6 +713,43 @@ class Store:
                 self._con.unregister("_gputrace_recv")
         except duckdb.Error as exc:
             raise StoreError(f"{self.path}: setting receive times failed: {exc}") from exc
+
+    def replace_markers(self, host: str, markers: Sequence[Marker]) -> int:
+        """Put ``markers`` in place of the markers of ``host`` (one commit): markers derived anew
+        from more of the same data (a Prometheus range grown by another import)."""
+        try:
+            self._con.execute("BEGIN TRANSACTION")
+            try:
+                self._con.execute("DELETE FROM markers WHERE host = ?", [host])
+                written = self.append(list(markers)) if markers else 0
+            except BaseException:
+                self._con.execute("ROLLBACK")
+                raise
+            self._con.execute("COMMIT")
+        except duckdb.Error as exc:
+            raise StoreWriteError(f"{self.path}: replacing the markers failed: {_first_line(exc)}") from exc
+        return written
+
+    def shift_log_times(self, host: str, source: str, by_ns: int) -> int:
+        """Move the logged stamps of one log's lines (scheduler events, engine configs) back by
+        ``by_ns``: a log written in a zone it was not read in (gputrace.log_clock). Returns the
+        scheduler events moved."""
+        try:
+            moved = [self._con.execute(f"UPDATE {table} SET log_ts_ns = log_ts_ns - ? "
+                                       "WHERE host = ? AND source = ? AND log_ts_ns IS NOT NULL",
+                                       [by_ns, host, source]).fetchone()
+                     for table in ("engine_configs", "scheduler_events")]
+        except duckdb.Error as exc:
+            raise StoreWriteError(f"{self.path}: correcting the log's stamps failed: "
+                                  f"{_first_line(exc)}") from exc
+        return int((moved[-1] or (0,))[0])
+
+    def target_concurrency_of(self, source: str) -> list[tuple[int, float]]:
+        """(ts_ns, target_concurrency) of the load samples of ``source`` that name a target (an
+        earlier Prometheus range's load, which a later one's markers are drawn beside)."""
+        return [(int(ts), float(c)) for ts, c in self.sql(
+            "SELECT ts_ns, target_concurrency FROM load_samples WHERE source = ? "
+            "AND target_concurrency IS NOT NULL", [source])]
 
     def log_and_receive_times(self) -> pa.Table:
         """host, source, log_ts_ns and recv_ts_ns of the scheduler events that have both (the

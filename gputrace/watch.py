@@ -20,6 +20,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from gputrace.analysis.result import DEFAULT_THRESHOLDS
 from gputrace.live import STALE_AFTER_S
 from gputrace.vocabulary import LiveStatus
 
@@ -99,10 +100,12 @@ def render_status(status: LiveStatus, error: str | None = None, age_s: float | N
         bubble = row.get("bubble_ratio")
         if row.get("busy_signal") and row["busy_signal"] not in signals:
             signals.append(row["busy_signal"])
+        # red where the report's diagnosis counts a bubble (its threshold: watch has none of its own)
+        counted = (bubble or 0) > DEFAULT_THRESHOLDS.bubble_material
         table.add_row(
             f"PP{row['pp_rank']}", ",".join(row.get("gpus", [])) or "-", _bar(busy),
             _num(busy, "{:.0%}"),
-            Text(_num(bubble, "{:.0%}"), style="red" if (bubble or 0) > 0.3 else ""),
+            Text(_num(bubble, "{:.0%}"), style="red" if counted else ""),
             _num(row.get("microbatch_size", row.get("running_req"))), _num(row.get("power_w")),
             _num(_mb(row.get("pcie_tx_bytes_per_s")), "{:.1f}"),
             _num(_mb(row.get("pcie_rx_bytes_per_s")), "{:.1f}"),

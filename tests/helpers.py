@@ -15,7 +15,8 @@ from pathlib import Path
 
 from click.testing import CliRunner, Result
 
-from gputrace.analysis.result import Analysis, analyse_store
+from gputrace.analyse import analyse_run
+from gputrace.analysis.result import Analysis
 from gputrace.cli import cli as gputrace_cli
 from gputrace.store import Store
 
@@ -55,7 +56,7 @@ def gputrace_process(*args: str, timeout_s: float = 120, env: dict[str, str] | N
 def analyse(run: Path | str) -> Analysis:
     """The run store at ``run`` read and analysed (no what-if effects: ``analyse_run`` adds them)."""
     with Store.open(run, read_only=True) as store:
-        return analyse_store(store)
+        return analyse_run(store, effects=False)
 
 
 REPO = Path(__file__).resolve().parents[1]

@@ -102,6 +102,7 @@ class Outcome:
     gaps: list[FollowGap]
     expected: list[str]
     tested: bool = True
+    gone_bytes: int | None = None  # the bytes of the lines lost, where the scenario knows them
 
     @property
     def lost(self) -> int:
@@ -115,9 +116,10 @@ class Outcome:
         """written, delivered, lost, recorded as lost, doubled: one line."""
         recorded = "; ".join(
             (f"after line {g.after_line}" if g.after_line is not None else f"after byte {g.after_byte}")
-            + (f" ({g.lost_bytes} bytes)" if g.lost_bytes is not None else " (size unknown)")
+            + (f" (at least {g.lost_bytes:,} bytes)" if g.lost_bytes is not None else " (size unknown)")
             for g in self.gaps)
-        return (f"written {len(self.written):,}, stored {len(set(self.got)):,}, lost {self.lost:,}, "
+        return (f"written {len(self.written):,}, stored {len(set(self.got)):,}, lost {self.lost:,}"
+                + (f" ({self.gone_bytes:,} bytes)" if self.gone_bytes is not None else "") + ", "
                 f"recorded as lost: {len(self.gaps)} gap{'s' * (len(self.gaps) != 1)}"
                 f"{' ' + recorded if recorded else ''}, doubled {self.doubled:,}"
                 + ("" if self.tested else " (the scenario's condition did not hold: not tested)"))
@@ -238,6 +240,74 @@ async def new_inode_in_an_outage(sshd: SshServer, root: Path, rotation: str) -> 
                                                and not (root / "server.log.1").exists())
     return Outcome(engine.written, collector.texts, gaps,
                    [text for text in engine.written if text not in set(gone)], tested)
+
+
+async def gone_in_an_outage_while_behind(sshd: SshServer, root: Path, how: str,
+                                         burst: int = 100_000) -> Outcome:
+    """Class 3 with the follower behind: a burst (12 MB at 100,000 lines) it is still reading when
+    sshd goes down; in the outage the file is rotated and the rotated file ``removed``, or
+    ``truncated`` in place with no copy; ten new lines; sshd back. The unread rest of the burst is
+    gone: ``gone_bytes``, the bytes it held, is what the gap is to record."""
+    path = root / "server.log"
+    engine = Engine(path)
+    transport = await connect_ssh(sshd.options())
+    gaps: list[FollowGap] = []
+    collector = Collector(transport, LogSource("file", str(path)), on_gap=gaps.append)
+    engine.burst(1)
+    await until(lambda: len(collector.lines) == 1)
+    engine.burst(burst)
+    # a reader may see a write under way (the file's size grows as its pages are copied): the
+    # follower has seen the burst's whole size once lines read after the write arrive, past the 3 MB
+    # (25,000 lines) that may be under way in pipes and the SSH channel's window
+    read_by_then = len(collector.lines)
+    await until(lambda: len(collector.lines) > read_by_then + 25_000)
+    sshd.kill()
+    await asyncio.sleep(0.5)  # what was under way arrives
+    read_before = len(collector.lines)
+    with engine.lock:
+        if how == "removed":
+            logrotate(root, path, "create")
+            (root / "server.log.1").unlink()
+            engine.reopen()
+        else:
+            os.truncate(path, 0)
+    engine.burst(10)
+    sshd.restart()
+    await collect_all(collector, engine.written)
+    await transport.close()
+    gone = engine.written[read_before:burst + 1]
+    kept = engine.written[:read_before] + engine.written[burst + 1:]
+    return Outcome(engine.written, collector.texts, gaps, kept, read_before < burst * 0.8,
+                   sum(len(t) + 1 for t in gone))
+
+
+async def written_between_copy_and_truncation(sshd: SshServer, root: Path,
+                                              burst: int = 100_000) -> Outcome:
+    """Class 1, where copytruncate does lose lines: the follower is mid-read of a 12 MB burst; the
+    log is copied (as logrotate's copytruncate), 100 lines are written, the follower reads on (it
+    sees the file's new size), then the log is truncated: those 100 lines are in no file
+    (``gone_bytes``)."""
+    path = root / "server.log"
+    engine = Engine(path)
+    transport = await connect_ssh(sshd.options())
+    gaps: list[FollowGap] = []
+    collector = Collector(transport, LogSource("file", str(path)), on_gap=gaps.append)
+    engine.burst(1)
+    await until(lambda: len(collector.lines) == 1)
+    engine.burst(burst)
+    await until(lambda: len(collector.lines) > 1_000)
+    shutil.copyfile(path, root / "server.log.1")
+    engine.burst(100)
+    read_by_then = len(collector.lines)  # the follower stats the file at every 64 KiB it reads
+    await until(lambda: len(collector.lines) > read_by_then + 25_000)
+    os.truncate(path, 0)
+    behind = len(collector.lines) < burst * 0.8
+    engine.burst(10)
+    await collect_all(collector, engine.written, timeout_s=120)
+    await transport.close()
+    gone = engine.written[burst + 1:burst + 101]
+    kept = engine.written[:burst + 1] + engine.written[burst + 101:]
+    return Outcome(engine.written, collector.texts, gaps, kept, behind, sum(len(t) + 1 for t in gone))
 
 
 async def renamed_while_python_logging_writes(sshd: SshServer, root: Path) -> Outcome:

@@ -11,8 +11,10 @@ from analysis_synth import Level, SynthRun, build, synth_tables
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gputrace.analysis import aligned
-from gputrace.analysis.align import (
+from gputrace.analyse import analyse_run
+from gputrace.analysis import aligned_run as aligned
+from gputrace.analysis.aligned_run import align, align_store
+from gputrace.analysis.clocks_and_grid import (
     clock_model,
     count_in_flight,
     coverage_ratio,
@@ -23,8 +25,7 @@ from gputrace.analysis.align import (
     sample_period_ns,
     stage_mapping,
 )
-from gputrace.analysis.aligned import align, align_store
-from gputrace.analysis.result import analyse_store, analyse_tables
+from gputrace.analysis.result import analyse_tables
 from gputrace.model import EngineConfig
 from gputrace.run_tables import ClockProbeColumns, EngineSettings, GpuExtents, GpuSampleColumns, GpuSamples
 from gputrace.store import Store
@@ -115,12 +116,12 @@ def test_clock_offset_moves_gpu_samples_into_phases(tmp_path: Path) -> None:
     levels = [Level("low", 1, 1, [0.1, 0.1], 1, 10), Level("high", 8, 8, [0.9, 0.9], 4, 10)]
     truth = build(tmp_path / "r", SynthRun(levels, pp=2, gpu_offset_ns=3_000_000_000))
     with Store.open(tmp_path / "r") as store:
-        a = analyse_store(store)
+        a = analyse_run(store, effects=False)
         for pm in a.metrics:
             for stage in pm.stages:
                 assert abs((stage.busy_fraction or 0) - truth[pm.label][stage.pp_rank]) < 0.01
         store.sql("DELETE FROM clock_probes")
-        blurred = analyse_store(store)
+        blurred = analyse_run(store, effects=False)
     assert abs((blurred.metrics[1].stages[0].busy_fraction or 0) - truth["high"][0]) > 0.1
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 from analysis_synth import Level, SynthRun, requests_to_gauge, synth_tables
 
-from gputrace.analysis.aligned import ENGINE_IN_FLIGHT
+from gputrace.analysis.aligned_run import ENGINE_IN_FLIGHT
 from gputrace.analysis.diagnose import CAUSES, Finding
 from gputrace.analysis.phase_figures import PhaseMetrics
 from gputrace.analysis.result import Analysis, analyse_tables

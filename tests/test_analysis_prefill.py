@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from gputrace.analysis.result import Analysis, analyse_store
+from gputrace.analyse import analyse_run
+from gputrace.analysis.result import Analysis
 from gputrace.imports.engine_log import ingest_log
 from gputrace.imports.nvidia_smi import import_nvidia_smi_csv
 from gputrace.sim.outputs import sample_columns, write_gpu_csv, write_log, write_store
@@ -27,7 +28,7 @@ LONG_PROMPTS: dict[str, Any] = {
 def _analysed(tmp_path: Path, values: dict[str, Any]) -> Analysis:
     result = run_params(make_params(values), "prefill")
     with Store.open(write_store(result, tmp_path / "run"), read_only=True) as store:
-        return analyse_store(store)
+        return analyse_run(store, effects=False)
 
 
 @pytest.mark.parametrize("interval", [1, 40])
@@ -67,7 +68,7 @@ def test_log_only_pp2_at_c1_with_nccl_spin_counts_the_request_once(tmp_path: Pat
     with Store.create(tmp_path / "imported") as store:
         ingest_log(store, tmp_path / "server.log", host="gpu-box", engine="sglang")
         import_nvidia_smi_csv(store, tmp_path / "gpu.csv", host="gpu-box")
-        a = analyse_store(store)
+        a = analyse_run(store, effects=False)
     assert a.summary()["work_source"] == "engine running + queued requests (log)"
     (pm,) = a.metrics
     (truth,) = result.ground_truth["phases"]
@@ -106,6 +107,24 @@ def _motivating_burst(k: int | None, **overrides: Any) -> dict[str, Any]:
     return {**SCENARIOS["motivating"].overrides, **KIMI_K26_PCIE_COST, "client_mode": "burst",
             "concurrency": (32,), "max_tokens": 512, "pp_max_micro_batch_size": k, "phase_s": 600.0,
             "drain_s": 0.0, **overrides}
+
+
+def test_a_burst_whose_first_request_lands_alone_is_read_by_the_turns_the_budget_ended(
+        tmp_path: Path) -> None:
+    """A burst sent one request after another: the first lands alone and takes a turn of its own
+    (the demo's live C=32: turns of 1, 1, 7, 8, 8, 7), the rest wait for the budget. The finding
+    reads what the turns the budget ended admitted, 8 prompts a turn, not the mean turn (6.4)."""
+    late = (0.0, *([0.1] * 31))  # the first prompt's turn takes 0.22 s on stage 0
+    a = _analysed(tmp_path, _motivating_burst(None, burst_offsets_s=late))
+    (found,) = [f for f in a.findings if f.cause == "prefill_burst"]
+    (pm,) = a.metrics
+    assert pm.prefill is not None and pm.prefill.seqs_per_turn_mean == pytest.approx(6.4)
+    # the turns of 8, and the 7 that took the rest
+    assert pm.prefill.seqs_per_full_turn is not None and 7.5 <= pm.prefill.seqs_per_full_turn <= 8
+    assert pm.prefill.seqs_in_full_turns >= 24
+    assert found.evidence["prompts_per_turn"] == 8 and found.evidence["microbatches_packed"] == 4
+    assert "admits 8 prompts per turn, so 32 requests run as 4 micro-batches for 8 stages" in found.summary
+    assert found.change is not None and found.change.value == 3584
 
 
 @pytest.mark.parametrize("k", [None, 64])

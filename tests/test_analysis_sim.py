@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gputrace.analyse import analyse_run
 from gputrace.analysis.compare import compare_analyses
-from gputrace.analysis.result import Analysis, analyse_store
+from gputrace.analysis.result import Analysis
 from gputrace.imports.engine_log import ingest_log
 from gputrace.imports.jsonl import write_jsonl
 from gputrace.imports.nvidia_smi import import_nvidia_smi_csv
@@ -53,7 +54,7 @@ def simulated_stores(sim_dir: Path, scenario: str, seed: int) -> tuple[Path, Pat
 
 def _analysed_store(path: Path) -> tuple[Analysis, dict]:  # type: ignore[type-arg]
     with Store.open(path, read_only=True) as store:
-        return analyse_store(store), dict(store.meta.extra["ground_truth"])  # type: ignore[arg-type]
+        return analyse_run(store, effects=False), dict(store.meta.extra["ground_truth"])  # type: ignore[arg-type]
 
 
 def analysed(sim_dir: Path, scenario: str, seed: int) -> tuple[Analysis, dict]:  # type: ignore[type-arg]
@@ -143,7 +144,7 @@ def test_diagnosis_from_imported_files_alone(tmp_path: Path) -> None:
         ingest_log(store, tmp_path / "server.log", host="gpu-box", engine=result.params.engine)
         import_nvidia_smi_csv(store, tmp_path / "gpu.csv", host="gpu-box")
         import_requests_jsonl(store, tmp_path / "requests.jsonl", host="client")
-        a = analyse_store(store)
+        a = analyse_run(store, effects=False)
     s = a.summary()
     assert s["mapping_source"] == "engine config + SGLang formula" and s["pp_size"] == 8
     assert s["log_placement"].startswith("spread by order") and s["phase_source"] == "request labels"
@@ -160,7 +161,7 @@ def test_log_sampling_aliased_run_wide(tmp_path: Path) -> None:
     "*") recommending --decode-log-interval 1; the phase findings and bubbles still hold."""
     result = run_scenario("healthy", 0, {"decode_log_interval": 40})
     with Store.open(write_store(result, tmp_path / "run"), read_only=True) as store:
-        a = analyse_store(store)
+        a = analyse_run(store, effects=False)
     aliased = [f for f in a.findings if f.cause == "log_sampling_aliased"]
     assert len(aliased) == 1 and aliased[0].phase == "*"
     assert aliased[0].evidence["decode_log_interval"] == 40 and aliased[0].evidence["microbatch_slots"] == 8
@@ -182,7 +183,7 @@ def test_log_sampling_aliased_where_the_interval_shares_a_factor(tmp_path: Path,
     The simulator's truth and the diagnosis say the same."""
     result = run_scenario("healthy", 0, {"decode_log_interval": interval, "phase_s": 40.0})
     with Store.open(write_store(result, tmp_path / "run"), read_only=True) as store:
-        a = analyse_store(store)
+        a = analyse_run(store, effects=False)
     truth_aliased = ["log_sampling_aliased" in p["causes"] for p in result.ground_truth["phases"]]
     aliased = [f for f in a.findings if f.cause == "log_sampling_aliased"]
     if logged is None:
@@ -219,7 +220,7 @@ def test_phases_detected_from_the_engine_log_alone(tmp_path: Path) -> None:
     with Store.open(write_store(result, tmp_path / "run")) as store:
         store.sql("DELETE FROM requests")
         store.sql("DELETE FROM markers")
-        a = analyse_store(store)
+        a = analyse_run(store, effects=False)
     assert [p.target_concurrency for p in a.phases] == [1, 8, 32, 64]
     assert a.phases[0].source == "detected from engine running + queued requests"
     assert a.summary()["work_source"] == "engine running + queued requests (log)"
@@ -255,7 +256,7 @@ def test_the_report_says_which_signal_and_warns_about_the_spin(sim_dir: Path) ->
     NCCL's waiting kernels; each stage's row says its busy figure is SM activity."""
     result = run_scenario("bunched", 0, {"nccl_spin": True, "phase_s": 40.0})
     with Store.open(write_store(result, sim_dir / "bunched-spin-report"), read_only=True) as store:
-        spun = analyse_store(store)
+        spun = analyse_run(store, effects=False)
     note = next(n for n in spun.notes if "utilization.gpu" in n)
     assert "NCCL's waiting kernels" in note and "SM activity" in note and "100%" in note
     doc = build_document(spun)
@@ -320,7 +321,7 @@ def analysed_from_smi_csv(tmp_path: Path, scenario: str, seed: int) -> tuple[Ana
         ingest_log(store, tmp_path / "server.log", host="gpu-box", engine=result.params.engine, date=day)
         import_nvidia_smi_csv(store, tmp_path / "gpu.csv", host="gpu-box")
         import_requests_jsonl(store, tmp_path / "requests.jsonl", host="client")
-        return analyse_store(store), dict(result.ground_truth)
+        return analyse_run(store, effects=False), dict(result.ground_truth)
 
 
 # bunched: SGLang's prefill budget cuts the 32nd prompt, which joins the next slot, so the 32 run as
@@ -372,7 +373,7 @@ def test_the_engines_device_timer_ranks_first(tmp_path: Path) -> None:
     filling utilization.gpu the bubbles still match the truth within 2 points."""
     result = run_scenario("bunched", 0, {"nccl_spin": True, "device_timer": True, "phase_s": 40.0})
     with Store.open(write_store(result, tmp_path / "run"), read_only=True) as store:
-        a = analyse_store(store)
+        a = analyse_run(store, effects=False)
     for pm, gt in zip(a.metrics, result.ground_truth["phases"], strict=True):
         for stage, gs in zip(pm.stages, gt["stages"], strict=True):
             assert stage.busy_signal == "the engine's device timer (forward_execution_seconds)"

@@ -192,3 +192,24 @@ def test_no_module_is_named_metrics_or_run() -> None:
     scraper; the analysis result, the run command, the virtual-time run)."""
     vague = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if p.stem in ("metrics", "run"))
     assert vague == []
+
+
+def test_analyse_run_is_the_one_way_to_analyse_a_run_and_the_benches_time_it() -> None:
+    """A run is analysed through gputrace.analyse.analyse_run only (analyse_store was a second public
+    way, and the benchmarks timed it instead of the path users run): no other public function of
+    the package takes a run source to analyse, and every bench that analyses a run calls analyse_run."""
+    defined = sorted(f"{path.relative_to(PACKAGE.parent)}:{node.name}" for path in PACKAGE.rglob("*.py")
+                     for node in ast.walk(ast.parse(path.read_text()))
+                     if isinstance(node, ast.FunctionDef) and node.name.startswith("analyse_")
+                     and node.name not in ("analyse_run", "analyse_tables", "analyse_aligned"))
+    assert defined == []
+    bench = PACKAGE.parent / "bench"
+    def called(node: ast.AST) -> str:
+        func = node.func if isinstance(node, ast.Call) else None
+        return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+
+    analysing = {path.name: {called(node) for node in ast.walk(ast.parse(path.read_text()))
+                             if called(node).startswith("analyse_")}
+                 for path in sorted(bench.glob("*.py"))}
+    assert {name: calls for name, calls in analysing.items() if calls and calls != {"analyse_run"}} == {}
+    assert sum(1 for calls in analysing.values() if calls) >= 3

@@ -20,17 +20,19 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import local_time_log
 import pytest
 from conftest import SmallDisk
 from live_chain import free_port, http_ok, wait_until
 from slow_clients import fd_limit_of, get_within, half_sent_requests, raise_own_fd_limit
 from sshd import SshServer, processes_matching, sshd_server_fixture  # noqa: F401  (the sshd_server fixture)
 
+from gputrace.model import Marker
 from gputrace.store import Store
 
 
-def decode_line(i: int, pp: int, ahead_s: float = 0.0) -> str:
-    ts = datetime.fromtimestamp(time.time() + ahead_s, UTC).strftime("%Y-%m-%d %H:%M:%S")
+def decode_line(i: int, pp: int) -> str:
+    ts = datetime.fromtimestamp(time.time(), UTC).strftime("%Y-%m-%d %H:%M:%S")
     return (f"[{ts} PP{pp}] Decode batch, #running-req: 8, #token: {i}, token usage: 0.05, "
             f"cuda graph: True, gen throughput (token/s): 250.00, #queue-req: 24\n")
 
@@ -38,9 +40,9 @@ def decode_line(i: int, pp: int, ahead_s: float = 0.0) -> str:
 class LogWriter(threading.Thread):
     """Appends one scheduler line every ``period_s``, remembering when each was written."""
 
-    def __init__(self, path: Path, period_s: float = 0.005, ahead_s: float = 0.0):
+    def __init__(self, path: Path, period_s: float = 0.005):
         super().__init__(daemon=True)
-        self.path, self.period_s, self.ahead_s = path, period_s, ahead_s
+        self.path, self.period_s = path, period_s
         self.written: list[tuple[int, float]] = []  # (index, time.time())
         self.stop_event = threading.Event()
 
@@ -48,10 +50,10 @@ class LogWriter(threading.Thread):
         i = 0
         with open(self.path, "a", buffering=1) as f:
             while not self.stop_event.is_set():
-                f.write(decode_line(i, i % 8, self.ahead_s))
+                f.write(decode_line(i, i % 8))
                 self.written.append((i, time.time()))
                 i += 1
-                time.sleep(self.period_s)
+                self.stop_event.wait(self.period_s)  # the writer's pace; a stop ends it at once
 
 
 @contextlib.contextmanager
@@ -111,8 +113,12 @@ def collecting(tmp_path: Path, agent_port: int) -> Iterator[tuple[LogWriter, sub
 
 def test_sigkill_keeps_all_but_the_last_second(tmp_path: Path, agent_port: int) -> None:
     """Killed with SIGKILL mid-run, the store opens and holds every line written up to 1 s before."""
-    with collecting(tmp_path, agent_port) as (writer, proc, _port):
-        time.sleep(3.0)
+    with collecting(tmp_path, agent_port) as (writer, proc, port):
+        def stored_lines_older_than_1_s() -> bool:  # the kill then has lines to lose or keep
+            _, status = http_answer(f"http://127.0.0.1:{port}/v1/status")
+            return bool(writer.written and time.time() - writer.written[0][1] > 1.2
+                        and status.get("store", {}).get("rows_written", 0) > 0)
+        wait_until(stored_lines_older_than_1_s, timeout_s=30, proc=proc)
         killed_at = time.time()
         proc.send_signal(signal.SIGKILL)
         proc.communicate(timeout=10)
@@ -144,7 +150,8 @@ def test_sigint_flushes_everything_and_serves_live(tmp_path: Path, agent_port: i
         assert status["phase"] == "C=32"
         assert [row["pp_rank"] for row in status["stages"]] == list(range(8))
         assert all(row["running_req"] == 8 for row in status["stages"])
-    time.sleep(1.0)  # let the follower read the last lines
+    wait_until(lambda: http_answer(f"http://127.0.0.1:{port}/v1/status")[1]["counts"]["scheduler_events"]
+               == len(writer.written), timeout_s=30, what="every line written read")
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err.decode()
@@ -161,7 +168,7 @@ def test_run_wraps_a_command_that_marks_phases(tmp_path: Path, agent_port: int) 
     CMD's exit status is run's."""
     log = tmp_path / "sglang.log"
     log.write_text(decode_line(0, 0))
-    script = (f"{sys.executable} -m gputrace mark C=4 --concurrency 4 && sleep 1 && "
+    script = (f"{sys.executable} -m gputrace mark C=4 --concurrency 4 && "
               f"{sys.executable} -m gputrace mark end --kind end && exit 3")
     done = subprocess.run(
         [sys.executable, "-m", "gputrace", "run", "--config", str(write_config(tmp_path, log, agent_port)),
@@ -191,8 +198,10 @@ def test_a_bad_mark_is_refused_where_it_enters(body: dict[str, object], reason: 
     from gputrace.collect import marker_from_json
 
     with pytest.raises(ValueError, match=reason):
-        marker_from_json(body, default_host="client")
-    assert marker_from_json({"label": "C=8", "target_concurrency": 8}, "client").target_concurrency == 8
+        marker_from_json(body, default_host="client", now_ns=1)
+    assert marker_from_json({"label": "C=8", "target_concurrency": 8}, "client", 1).target_concurrency == 8
+    # a mark without a time or a host takes the collector's clock and hostname
+    assert marker_from_json({"label": "C=8"}, "client", now_ns=42) == Marker("client", 42, "C=8")
 
 
 def test_bad_marks_and_values_are_refused_and_the_capture_goes_on(tmp_path: Path) -> None:
@@ -312,42 +321,42 @@ def test_a_directory_as_log_path_is_one_line_in_check_config_and_healthz(tmp_pat
     assert "Traceback" not in err.decode()
 
 
-def test_a_log_in_local_time_is_named_in_meta_and_in_the_report(tmp_path: Path, agent_port: int) -> None:
-    """An engine logging UTC+2 read with the default timezone (UTC): its stamps run 7,200 s ahead of
-    when the collector received them; meta.json and the report name the offset and the timezone
-    to set (it gave a healthy report with every line 2 h off and no word), and every line is kept."""
+def test_a_log_in_local_time_is_corrected_and_said_in_meta_and_in_the_report(tmp_path: Path,
+                                                                          agent_port: int) -> None:
+    """An engine logging in local time, UTC+2 (Python logging in a process with TZ=Etc/GMT-2, as
+    SGLang logs), read with the default timezone (UTC): its stamps run 7,200 s ahead of when the
+    collector received its lines, a zone's offset, every line alike. The collector moves the stored
+    stamps back by 7,200 s (each line's stamp then its true second), keeps the offset in meta.json
+    and the report says so in one line (before: a healthy report with every line 2 h off and no
+    word; then a note only, the stamps left 2 h off)."""
     log = tmp_path / "sglang.log"
     log.touch()
-    writer = LogWriter(log, period_s=0.05, ahead_s=7200)
     port = free_port()
     proc = start_collector(write_config(tmp_path, log, agent_port), tmp_path / "run", port)
     try:
         wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/healthz"), timeout_s=30)
-        writer.start()
+        true_s = local_time_log.true_times_s(local_time_log.start(log, 60, 0.05, "Etc/GMT-2"))
         wait_until(lambda: http_answer(f"http://127.0.0.1:{port}/v1/status")[1]["counts"]["scheduler_events"]
-                   >= 40, timeout_s=60)
-        writer.stop_event.set()
-        writer.join(5)
-        written = len(writer.written)
-        wait_until(lambda: http_answer(f"http://127.0.0.1:{port}/v1/status")[1]["counts"]["scheduler_events"]
-                   == written, timeout_s=30)
+                   == len(true_s), timeout_s=30)
     finally:
-        writer.stop_event.set()
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err.decode()[-2000:]
     with Store.open(tmp_path / "run", read_only=True) as store:
-        assert store.count("scheduler_events") == written
+        stamps = store.sql("SELECT log_ts_ns, recv_ts_ns FROM scheduler_events ORDER BY line_no")
         (found,) = store.meta.extra["collector"]["log_clock"]
+    assert [log_ns for log_ns, _ in stamps] == [int(t) * 10**9 for t in true_s]
+    assert all(0 <= recv_ns - log_ns < 5e9 for log_ns, recv_ns in stamps)
     assert found["source"] == f"node0 file:{log}" and found["suggested_timezone"] == "Etc/GMT-2"
-    assert 7190 <= found["offset_s"] <= 7201 and found["lines"] >= 35
+    assert found["corrected_s"] == 7200 and 7190 <= found["offset_s"] <= 7201 and found["lines"] >= 55
     report = subprocess.run([sys.executable, "-m", "gputrace", "report", str(tmp_path / "run"), "--format",
                              "json", "--out", str(tmp_path / "report")], capture_output=True, text=True,
                             timeout=120)
     assert report.returncode == 0, report.stderr
     notes = json.loads((tmp_path / "report" / "findings.json").read_text())["notes"]
     (note,) = [n for n in notes if n.startswith("log clock:")]
-    assert f"node0 file:{log}: its stamps run 7" in note and 'set timezone = "Etc/GMT-2"' in note
+    assert note.startswith(f"log clock: node0 file:{log}: its stamps ran 7,200 s ahead of")
+    assert "corrected at capture, every stamp moved back by 7,200 s" in note and "\n" not in note
 
 
 def test_a_log_path_that_does_not_exist_is_said_at_start(tmp_path: Path) -> None:
@@ -438,7 +447,7 @@ def test_samples_of_an_agent_named_otherwise_are_filed_under_the_configured_host
     hostname) has its samples filed under the configured host, which its devices and the stage
     mapping use: every stage gets its busy figure ([robust] #4: every sample was dropped and the
     report said 'healthy')."""
-    from gputrace.analysis.result import analyse_store
+    from gputrace.analyse import analyse_run
 
     with sim_agent("gpu-box-17") as agent_port:
         log = tmp_path / "sglang.log"
@@ -446,14 +455,18 @@ def test_samples_of_an_agent_named_otherwise_are_filed_under_the_configured_host
         port = free_port()
         proc = start_collector(write_config(tmp_path, log, agent_port), tmp_path / "run", port)
         wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/healthz"))
-        time.sleep(3.0)
+
+        def read() -> bool:  # every line, and a second of every GPU's samples (10 Hz)
+            counts = http_answer(f"http://127.0.0.1:{port}/v1/status")[1]["counts"]
+            return bool(counts["scheduler_events"] == 64 and counts["gpu_samples"] >= 8 * 10)
+        wait_until(read, timeout_s=30, proc=proc)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
         assert proc.returncode == 0, err.decode()
     assert b"agent names its host differently" in err
     with Store.open(tmp_path / "run", read_only=True) as store:
         assert store.sql("SELECT DISTINCT host FROM gpu_samples") == [("node0",)]
-        analysis = analyse_store(store)
+        analysis = analyse_run(store, effects=False)
     assert all(s.busy_fraction is not None for pm in analysis.metrics for s in pm.stages)
 
 
@@ -535,7 +548,10 @@ def test_a_full_disk_is_reported_and_the_backlog_written_when_space_returns(
         assert status["problems"][0]["source"] == "store"
         small_disk.free()
         wait_until(lambda: http_ok(f"{base}/healthz"), timeout_s=30)
-        time.sleep(1.0)  # samples written after the recovery too
+        recovered = http_answer(f"{base}/v1/status")[1]["counts"]["gpu_samples"]
+        # samples that came after the recovery are written too
+        wait_until(lambda: http_answer(f"{base}/v1/status")[1]["counts"]["gpu_samples"] > recovered + 8,
+                   timeout_s=30)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err.decode()[-2000:]
     with Store.open(small_disk.root / "run", read_only=True) as store:
@@ -606,7 +622,7 @@ def test_a_missing_log_shows_as_failing_in_health_status_watch_and_report(
     names the source and the reason, `watch` draws it, and the report notes it (all said ok)."""
     from rich.console import Console
 
-    from gputrace.analysis.result import analyse_store
+    from gputrace.analyse import analyse_run
     from gputrace.report.render import write_report
     from gputrace.vocabulary import LiveStatus
     from gputrace.watch import render_status
@@ -624,7 +640,6 @@ def test_a_missing_log_shows_as_failing_in_health_status_watch_and_report(
         wait_until(lambda: http_answer(f"{base}/v1/status")[1]["counts"]["gpu_samples"] > 0, timeout_s=30)
         _, status = http_answer(f"{base}/v1/status")
         assert status["problems"] == health["problems"]
-        time.sleep(1.0)
     finally:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
@@ -635,7 +650,7 @@ def test_a_missing_log_shows_as_failing_in_health_status_watch_and_report(
     with Store.open(tmp_path / "run", read_only=True) as store:
         problems = store.meta.extra["collector"]["source_problems"]
         assert [(p["source"], p["until_ns"]) for p in problems] == [("log node0", None)]
-        write_report(analyse_store(store), tmp_path / "report", formats=["md", "json"])
+        write_report(analyse_run(store, effects=False), tmp_path / "report", formats=["md", "json"])
     note = f"capture problem: log node0: {missing}: no such file"
     assert note in (tmp_path / "report" / "report.md").read_text()
     notes = json.loads((tmp_path / "report" / "findings.json").read_text())["notes"]
@@ -683,7 +698,11 @@ def test_a_signal_during_the_readiness_wait_ends_collect_within_5_s(tmp_path: Pa
     port = free_port()
     proc = start_collector(write_config(tmp_path, log, free_port()), tmp_path / "run", port)
     wait_until(lambda: answers(f"http://127.0.0.1:{port}/healthz"), timeout_s=30, proc=proc)
-    time.sleep(0.5)  # in the readiness wait: the agent is refused, retried, never ready
+
+    def agent_refused() -> bool:  # in the readiness wait: the agent is refused, retried, never ready
+        problems = http_answer(f"http://127.0.0.1:{port}/v1/status")[1].get("problems", [])
+        return any(p["source"] == "agent node0" for p in problems)
+    wait_until(agent_refused, timeout_s=30, proc=proc)
     assert proc.poll() is None
     sent = time.monotonic()
     proc.send_signal(sig)
@@ -700,15 +719,17 @@ def test_an_agent_killed_during_collect_is_a_503_and_a_noted_gap(tmp_path: Path)
     """[robust] 7: SIGKILL of the agent while `collect` runs: /healthz is 503 naming the agent within
     15 s, 200 again once it is back, and the GPU gap is in meta.json and the report (it said 200
     with no problem, and the 20 s without samples went unnoted)."""
-    from gputrace.analysis.result import analyse_store
+    from gputrace.analyse import analyse_run
     from gputrace.report.render import write_report
 
     agent_port = free_port()
     with sim_agent("node0", agent_port) as port_a, collecting(tmp_path, port_a) as (_writer, proc, port):
         base = f"http://127.0.0.1:{port}"
         wait_until(lambda: http_answer(f"{base}/v1/status")[1]["counts"]["gpu_samples"] > 0, timeout_s=30)
+        # the agent's own command line (the worktree's path may hold "collect" too)
         agent_pid = next(pid for pid, cmd in processes_matching(f"127.0.0.1:{agent_port}")
-                         if "agent" in cmd and "collect" not in cmd)
+                         if "agent" in cmd.split() and "collect" not in cmd.split())
+        killed_ns = time.time_ns()
         os.kill(agent_pid, signal.SIGKILL)
         killed = time.monotonic()
         wait_until(lambda: http_answer(f"{base}/healthz")[0] == 503, timeout_s=15)
@@ -716,7 +737,7 @@ def test_an_agent_killed_during_collect_is_a_503_and_a_noted_gap(tmp_path: Path)
         health = http_answer(f"{base}/healthz")[1]
         assert [p["source"] for p in health["problems"]] == ["agent node0"], health
         assert "the agent does not answer" in health["problems"][0]["reason"]
-        time.sleep(1.0)
+        restarted_ns = time.time_ns()
         with sim_agent("node0", agent_port):
             wait_until(lambda: http_answer(f"{base}/healthz")[0] == 200, timeout_s=30)
             proc.send_signal(signal.SIGINT)
@@ -727,8 +748,9 @@ def test_an_agent_killed_during_collect_is_a_503_and_a_noted_gap(tmp_path: Path)
         problems = store.meta.extra["collector"]["source_problems"]
         gaps = [p for p in problems if p["source"] == "agent node0"]
         assert len(gaps) == 1 and gaps[0]["until_ns"] is not None
-        assert (gaps[0]["until_ns"] - gaps[0]["since_ns"]) / 1e9 >= 1.0
-        write_report(analyse_store(store), tmp_path / "report", formats=["md"])
+        # the gap runs from the kill (once noticed) to the agent answering again
+        assert killed_ns <= gaps[0]["since_ns"] <= restarted_ns <= gaps[0]["until_ns"]
+        write_report(analyse_run(store, effects=False), tmp_path / "report", formats=["md"])
     assert "capture problem: agent node0: the agent does not answer" in (
         tmp_path / "report" / "report.md").read_text()
 
@@ -755,13 +777,19 @@ async def post_marks(url: str, count: int, per_s: float,
             except (TimeoutError, aiohttp.ClientError, OSError):
                 unanswered.add(label)
 
-        start = time.monotonic()
-        tasks = []
+        # each sent at its time on the loop's clock (no sleep between them: the loop answers meanwhile)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        tasks: list[asyncio.Future[None]] = []
+        sent = asyncio.Event()
+
+        def send(i: int) -> None:
+            tasks.append(asyncio.ensure_future(one(f"m{i}")))
+            if len(tasks) == count:
+                sent.set()
         for i in range(count):
-            delay_s = start + i / per_s - time.monotonic()
-            if delay_s > 0:
-                await asyncio.sleep(delay_s)
-            tasks.append(asyncio.create_task(one(f"m{i}")))
+            loop.call_at(start + i / per_s, send, i)
+        await sent.wait()
         await asyncio.gather(*tasks)
     return acked, refused, unanswered
 

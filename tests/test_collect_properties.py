@@ -28,6 +28,7 @@ from gputrace.model import RECORD_TABLES, EngineConfig, GpuSample, SchedulerEven
 from gputrace.store import Store
 
 sys.path.insert(0, str(Path(__file__).parent))
+from fake_clock import until
 from openai_server import ServerBehaviour, start_server
 
 EXAMPLES = 30  # about 15 s on the shared machine: a bounded run, not a fuzzing campaign
@@ -170,11 +171,10 @@ async def _session() -> aiohttp.ClientSession:
 
 
 async def _until(h: Harness, condition: Any, what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
+    def met() -> bool:
         assert h.collector.problems() == [], f"waiting for {what}"  # a source that stopped says why
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.005)
+        return bool(condition())
+    await until(met, what, timeout_s)
 
 
 def _rejected(h: Harness, *record_types: type) -> int:

@@ -16,9 +16,11 @@ from typing import Any
 
 import aiohttp
 import pytest
+from fake_clock import FakeClock, until
 
 from gputrace.agent.server import Agent, AgentSettings
 from gputrace.collect import CollectOptions, Collector
+from gputrace.collect.collector import DRAIN_QUIET_S
 from gputrace.config import Config, HostConfig, parse_config
 from gputrace.gpu.simulated import SimulatedSampler
 from gputrace.remote.local import LocalTransport
@@ -106,7 +108,8 @@ async def test_drain_waits_for_the_agent_to_be_read_to_the_end(
         log = tmp_path / "n0.log"
         log.write_text(decode_lines(0, 3))
         collector = await start_collector(config(tmp_path, {"n0": log}, f"http://127.0.0.1:{agent.port}"))
-        await asyncio.sleep(0.5)  # the agent samples 400 a second meanwhile
+        # the agent samples 400 a second (its ring files them in batches)
+        await until(lambda: agent.ring.newest_seq >= 200, "the agent to hold 200 samples")
         held = agent.ring.newest_seq
         assert await collector.drain(timeout_s=20.0)
         assert collector.store.count("gpu_samples") >= held > 0
@@ -116,30 +119,31 @@ async def test_drain_waits_for_the_agent_to_be_read_to_the_end(
 
 async def test_drain_gives_up_after_its_timeout_while_a_log_keeps_growing(
         tmp_path: Path, start_collector: Start) -> None:
-    """A log written to without pause never falls quiet: drain() says so by its timeout."""
+    """A log written to without pause never falls quiet: drain() says so by its timeout, both read
+    on the collector's clock (here the test's, a line every 0.1 s of it); once the log pauses for
+    the quiet time, drain() returns True."""
     log = tmp_path / "n0.log"
     log.write_text(decode_lines(0, 1))
-    collector = await start_collector(config(tmp_path, {"n0": log}))
-    stop = asyncio.Event()
-
-    async def keep_writing() -> None:
-        i = 1
-        while not stop.is_set():
-            with log.open("a") as fh:
-                fh.write(decode_lines(i, 1))
-            i += 1
-            await asyncio.sleep(0.05)
-
-    writer = asyncio.create_task(keep_writing())
-    started = time.monotonic()
-    try:
-        drained = await collector.drain(timeout_s=1.0)
-    finally:
-        stop.set()
-        await writer
-    assert drained is False
-    assert time.monotonic() - started < 5.0
+    clock = FakeClock()
+    collector = await start_collector(config(tmp_path, {"n0": log}), clock_ns=clock)
+    drained = asyncio.create_task(collector.drain(timeout_s=1.0))
+    lines = 1
+    while not drained.done():
+        assert lines <= 40, "drain did not time out after 1 s of its clock"
+        with log.open("a") as fh:
+            fh.write(decode_lines(lines, 1))
+        lines += 1
+        await until(lambda n=lines: collector.live.counts["log_lines"] == n, f"line {lines}")  # type: ignore[misc]
+        clock.advance(0.1)
+    assert drained.result() is False
+    assert lines >= 11  # the timeout came after 1 s of the clock (10 steps of 0.1 s), not before
     assert collector.store.count("scheduler_events") > 1  # what arrived was written all the same
+    asked = clock.reads
+    quiet = asyncio.create_task(collector.drain(timeout_s=1.0))
+    await until(lambda: clock.reads > asked, "drain to take its start time")
+    clock.advance(DRAIN_QUIET_S)
+    assert await asyncio.wait_for(quiet, 10) is True
+    assert collector.store.count("scheduler_events") == lines
 
 
 class CountingLoad:
@@ -200,15 +204,11 @@ async def test_the_collector_healthz_without_the_token_says_only_whether(
     collector = await start_collector(config(tmp_path, {"n0": tmp_path / "missing.log"}),
                                       options={"listen": "127.0.0.1:0", "http_token": "s3cret",
                                                "ready_timeout_s": 0.5})
+    # the follower reports the missing file shortly after start
+    await until(lambda: collector.problems(), "the missing log among the problems")
     async with aiohttp.ClientSession() as session:
-        for _ in range(100):  # the follower reports the missing file shortly after start
-            async with session.get(f"{collector.url}/healthz") as resp:
-                if resp.status == 503:
-                    assert await resp.json() == {"ok": False}
-                    break
-            await asyncio.sleep(0.05)
-        else:
-            pytest.fail("the missing log never showed in /healthz")
+        async with session.get(f"{collector.url}/healthz") as resp:
+            assert resp.status == 503 and await resp.json() == {"ok": False}
         with_token = {"Authorization": "Bearer s3cret"}
         async with session.get(f"{collector.url}/healthz", headers=with_token) as resp:
             body = await resp.json()
@@ -232,14 +232,18 @@ async def test_a_capture_takes_agent_samples_from_its_start_not_the_agents_histo
     margin_s = getattr(client, "HISTORY_MARGIN_S", 2.0)  # the stated margin
     sampler = SimulatedSampler("n0", 4)
     agent = Agent(sampler, AgentSettings(port=0, interval_s=0.01, buffer_s=3.0), host="n0")
+    # the agent up for a while: its ring filled as its sampling loop fills it, 4.5 s of ticks
+    # (older history than the margin, and a ring full)
+    now_ns = time.time_ns()
+    for tick_ns in range(now_ns - int((margin_s + 2.5) * 1e9), now_ns, int(0.01e9)):
+        agent.ring.extend(sampler.sample_rows(tick_ns), tick_ns)
     await agent.start()
     try:
-        await asyncio.sleep(margin_s + 2.5)  # older history than the margin, and a ring full
         log = tmp_path / "n0.log"
         log.write_text(decode_lines(0, 3))
         started_ns = time.time_ns()
         collector = await start_collector(config(tmp_path, {"n0": log}, f"http://127.0.0.1:{agent.port}"))
-        await asyncio.sleep(0.5)
+        await until(lambda: collector.live.counts["gpu_samples"] > 100, "100 samples read")
         assert await collector.drain(timeout_s=20.0)
         first_ns, count = collector.store.sql("SELECT min(ts_ns), count(*) FROM gpu_samples")[0]
         agent_client = collector._hosts[0].agent
@@ -292,3 +296,29 @@ async def test_a_non_utf8_token_or_a_deeply_nested_mark_is_a_4xx_without_a_trace
     assert good.startswith(b"HTTP/1.1 200 "), good[:300]
     assert [r.getMessage() for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")] == []
     assert collector.store.sql("SELECT label FROM markers") == [("C=8",)]
+
+
+async def test_marks_and_problems_are_dated_and_named_by_the_injected_clock_and_hostname(
+        tmp_path: Path, start_collector: Start) -> None:
+    """A mark posted without a time or host is stored at the collector's clock under its hostname,
+    a source's problem opens and closes at that clock's times, and the stop is stamped on it: a
+    test reads them exactly (they were time.time_ns() and socket.gethostname())."""
+    log = tmp_path / "later.log"
+    clock = FakeClock(1_800_000_000 * 10**9)
+    collector = await start_collector(config(tmp_path, {"n0": log}), clock_ns=clock, hostname="client-7",
+                                      options={"listen": "127.0.0.1:0", "ready_timeout_s": 0.5})
+    await until(lambda: collector.problems(), "the missing log among the problems")
+    opened_ns = clock()
+    clock.advance(5.0)
+    log.write_text(decode_lines(0, 1))
+    await until(lambda: not collector.problems(), "the log found")
+    async with aiohttp.ClientSession() as session, \
+            session.post(f"{collector.url}/v1/mark", json={"label": "C=4"}) as resp:
+        assert resp.status == 200 and (await resp.json())["ts_ns"] == clock()
+    assert collector.store.sql("SELECT host, ts_ns, label FROM markers") == [("client-7", clock(), "C=4")]
+    (problem,) = collector.source_problems.seen
+    assert (problem.source, problem.since_ns) == ("log n0", opened_ns)
+    assert problem.until_ns == opened_ns + 5 * 10**9
+    clock.advance(1.0)
+    await collector.stop()
+    assert collector.store.meta.extra["collector"]["stopped_ns"] == clock()

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from live_chain import HOST, free_port, gputrace_argv, http_ok, process, prometheus, sim_chain, wait_until
 
+from gputrace.analysis.diagnose import CAUSES
 from gputrace.dashboard import PanelResult, dashboard_queries, variable_queries
 from gputrace.prometheus.client import PrometheusClient
 from gputrace.prometheus.panels import query_panels, query_phase_marks
@@ -130,8 +131,7 @@ def check_rendered_panels(prom: str, began_s: float, out: Path) -> None:
     finding = results["Finding now"]
     assert len(finding.series) == 1 and len(finding.series[0].ts_s) == 1  # the line at the range's end
     line = finding.series[0].legend
-    assert line.split(":")[0] in ("pipeline_underfilled", "microbatch_cap", "bubble", "no finding now",
-                                  "admission_bound"), line
+    assert line.split(":")[0] in (*CAUSES, "no finding now", "idle"), line  # the report's causes
     assert line in [t.get_text().replace("\n", " ") for t in drawn(finding).texts]
     agents = results["Agents up"]
     assert [stat_value(s) for s in agents.series] == [1.0]

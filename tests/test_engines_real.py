@@ -228,7 +228,7 @@ def test_sglang_capture_has_a_busy_and_bubble_per_stage_from_its_stage_timers(sg
     and the log schedule's figure beside it, agreeing within 10 points or saying why not."""
     import shutil
 
-    from gputrace.analysis.result import analyse_store
+    from gputrace.analyse import analyse_run
 
     run = tmp_path / "run"
     shutil.copytree(sglang_run.run_dir, run)
@@ -245,7 +245,7 @@ def test_sglang_capture_has_a_busy_and_bubble_per_stage_from_its_stage_timers(sg
         store.sql("DELETE FROM gpu_samples")
         store.sql("DELETE FROM engine_metrics")
         store.append_columns("engine_metrics", cols)
-        analysis = analyse_store(store)
+        analysis = analyse_run(store, effects=False)
     phases = [pm for pm in analysis.metrics if pm.label.startswith("C=")]
     assert [pm.label for pm in phases] == [f"C={c}" for c in CONCURRENCY]
     for pm in phases:
@@ -367,11 +367,11 @@ def test_vllm_capture_parses_as_the_fixture_does(vllm_run: Capture) -> None:
 
 
 def _store_findings(capture: Capture) -> dict[str, set[tuple[str, object, object]]]:
-    from gputrace.analysis.result import analyse_store
+    from gputrace.analyse import analyse_run
 
     with Store.open(capture.run_dir, read_only=True) as store:
         gpus = store.sql("SELECT count(DISTINCT gpu_index), count(*) FROM gpu_samples")[0]
-        findings = analyse_store(store).findings
+        findings = analyse_run(store, effects=False).findings
     assert gpus[0] == 2 and gpus[1] > 0, gpus  # the agent's samples were captured beside the log
     out: dict[str, set[tuple[str, object, object]]] = {}
     for f in findings:
@@ -501,12 +501,12 @@ def test_phase_throughput_is_the_generated_tokens(engine_name: str, request: pyt
     """[prefill] Must show 3: in every phase of the capture the report's tok/s is within 5 % of
     the client's completion tokens (prefill lines' tokens are input, never counted as output),
     it says which source it took, and the prompt tokens are their own figure (input tok/s)."""
+    from gputrace.analyse import analyse_run
     from gputrace.analysis.phase_figures import stats_window_s
-    from gputrace.analysis.result import analyse_store
 
     capture: Capture = request.getfixturevalue(f"{engine_name}_run")
     with Store.open(capture.run_dir, read_only=True) as store:
-        analysis = analyse_store(store)
+        analysis = analyse_run(store, effects=False)
     phases = [pm for pm in analysis.metrics if pm.label.startswith("C=")]
     assert [pm.label for pm in phases] == [f"C={c}" for c in CONCURRENCY]
     window_s = stats_window_s(analysis.run)  # vLLM's stats lines average over 10 s windows
@@ -644,10 +644,10 @@ def _client_tok_s(requests_jsonl: Path, label: str) -> float:
 def _apply_recommendation(capture: Capture, tmp: Path, queue_metric: str, **labels: str) -> None:
     """gputrace's finding at C=16 names the admission limit; the engine restarted with that flag
     runs C=16 with nothing waiting. Prints throughput before and after (same C, same machine)."""
-    from gputrace.analysis.result import analyse_store
+    from gputrace.analyse import analyse_run
 
     with Store.open(capture.run_dir, read_only=True) as store:
-        findings = [f for f in analyse_store(store).findings if f.phase == "C=16"]
+        findings = [f for f in analyse_run(store, effects=False).findings if f.phase == "C=16"]
     bound = [f for f in findings if f.cause == "admission_bound"]
     assert bound, [f.cause for f in findings]
     assert bound[0].change is not None
@@ -668,7 +668,7 @@ def _apply_recommendation(capture: Capture, tmp: Path, queue_metric: str, **labe
     settled = queued[len(queued) // 3:]
     assert settled and statistics.median(settled) == 0, queued
     with Store.open(capture.run_dir, read_only=True) as store:
-        before = analyse_store(store).metrics
+        before = analyse_run(store, effects=False).metrics
     before_tok_s = next(pm.client_throughput_tok_s for pm in before if pm.label == "C=16")
     after_tok_s = _client_tok_s(out, "C=16")
     print(f"\n{engine} C=16: {flag} {value} applied: waiting median 0 (was about 8); "

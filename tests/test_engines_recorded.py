@@ -25,7 +25,7 @@ from engine_servers import ADMISSION_LIMIT, SETTINGS
 from helpers import analyse
 from live_chain import free_port, wait_until
 
-from gputrace.analysis.aligned import align_store
+from gputrace.analysis.aligned_run import align_store
 from gputrace.analysis.phase_figures import PhaseMetrics
 from gputrace.analysis.result import Analysis
 from gputrace.engines import LogParser

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from gputrace.live import LiveCollector, LiveState
-from gputrace.model import ClockProbe, EngineMetricSample, GpuSample, SchedulerEvent
+from gputrace.model import ClockProbe, EngineConfig, EngineMetricSample, GpuSample, SchedulerEvent
 from gputrace.topology import Placement
 
 S = 1_000_000_000
@@ -108,19 +108,29 @@ def test_the_live_finding_is_exported_as_the_line_watch_shows() -> None:
 
 def test_the_live_finding_names_the_cap_when_every_slot_is_full_below_the_pool() -> None:
     """A sweep at C=64 on PP8 at K=2: 16 run in 8 full micro-batches, 48 wait, the pool (64) is not
-    reached: microbatch_cap, as the report finds (it read 'no finding now: 8 micro-batches fill
-    the 8 stages'); at the pool it is admission_bound; few micro-batches without a queue, underfilled."""
+    reached: microbatch_cap, in the report's own words (the live view read 'no finding now: 8
+    micro-batches fill the 8 stages'); at the pool it is admission_bound; few micro-batches while
+    the stages idle, underfilled; a full pipeline, no finding."""
     from gputrace.live import EngineNow, current_finding
+    from gputrace.run_tables import EngineSettings
 
-    def engine(running: float, queued: float, mbs: float) -> EngineNow:
-        return EngineNow(running, queued, mbs, slots=8, k=2, pool=64, source="period")
+    settings = EngineSettings(engine="sglang", pp_size=8, max_running_requests=64, pp_max_micro_batch_size=2)
 
-    capped = current_finding(engine(16, 48, 8), [], 8)
-    assert capped == ("microbatch_cap: 48 waiting while the engine runs 16 in 8 micro-batches of at most "
-                      "K = 2 (--pp-max-micro-batch-size), under its pool of 64")
-    assert current_finding(engine(64, 10, 8), [], 8).startswith("admission_bound: 10 waiting")
-    assert current_finding(engine(6, 0, 3), [], 8).startswith("pipeline_underfilled: 3 micro-batches")
-    assert current_finding(engine(16, 0, 8), [], 8) == "no finding now: 8 micro-batches fill the 8 stages"
+    def finding(running: float, queued: float, mbs: float, bubble: float | None = None) -> str:
+        engine = EngineNow(running, queued, mbs, slots=8, k=2, pool=64, source="period", engine_kind="sglang")
+        size = running / mbs
+        lines = {pp: [(T0, size, queued, 0.3)] * 4 for pp in range(8)}
+        stages = [{"pp_rank": pp, "busy_ratio": None if bubble is None else 1 - bubble,
+                   "bubble_ratio": bubble} for pp in range(8)]
+        return current_finding(engine, stages, 8, settings, lines)
+
+    assert finding(16, 48, 8) == (
+        "microbatch_cap: every micro-batch holds K = 2 (--pp-max-micro-batch-size): the engine runs about "
+        "16 of its 64 pool rows while 64 requests are offered and 48 wait in the queue")
+    assert finding(64, 10, 8).startswith("admission_bound: the engine runs 64 requests, its limit "
+                                         "(max_running_requests = 64), while 74 are offered and 10 wait")
+    assert finding(6, 0, 3, bubble=0.6).startswith("pipeline_underfilled: 3.0 micro-batches in flight for 8")
+    assert finding(16, 0, 8, bubble=0.05) == "no finding now: 8 micro-batches fill the 8 stages"
 
 
 def _vllm_stats(running: int, waiting: int, gen_tok_s: float, recv_s: float) -> SchedulerEvent:
@@ -173,14 +183,14 @@ def test_the_live_admission_finding_names_the_engines_own_flag() -> None:
     """vLLM's pool is --max-num-seqs: its live finding named SGLang's --max-running-requests (seen
     in the 'Finding now' panel of the real vLLM capture)."""
     live = state()
-    live.settings["max_running_requests"] = 8
+    live.on_config(EngineConfig("node0", "file:log", "vllm", 1, max_running_requests=8))
     live.on_event(_vllm_stats(8, 8, 500.0, 1.0))
-    assert live.status().finding == ("admission_bound: 8 waiting while the engine runs 8, its pool "
-                                     "(--max-num-seqs 8)")
+    assert live.status().finding == ("admission_bound: the engine runs 8 requests, its limit "
+                                     "(max_num_seqs = 8), while 16 are offered and 8 wait")
     sglang = state()
-    sglang.settings["max_running_requests"] = 8
+    sglang.on_config(EngineConfig("node0", "file:log", "sglang", 1, max_running_requests=8))
     sglang.on_event(event(0, 8, 8, 1.0))
-    assert (sglang.status().finding or "").endswith("its pool (--max-running-requests 8)")
+    assert "its limit (max_running_requests = 8)" in (sglang.status().finding or "")
 
 
 def test_a_stage_without_lines_of_its_own_has_the_engines_work() -> None:

@@ -368,7 +368,7 @@ async def test_requests_abandoned_at_the_drain_are_counted_apart(server: Server,
 
     from rich.console import Console
 
-    from gputrace.analysis.result import analyse_store
+    from gputrace.analyse import analyse_run
     from gputrace.commands.load import no_request_completed
     from gputrace.load.console import failure_reasons, print_summary
     from gputrace.report.render import write_report
@@ -390,7 +390,7 @@ async def test_requests_abandoned_at_the_drain_are_counted_apart(server: Server,
     with Store.create(tmp_path / "run") as store:
         store.append(result.requests)
         store.append(result.markers)
-        analysis = analyse_store(store)
+        analysis = analyse_run(store, effects=False)
         (phase,) = analysis.metrics
     assert (phase.requests_failed, phase.unfinished_requests, phase.requests_completed) == (0, 4, 0)
     write_report(analysis, tmp_path / "report", formats=["json"])

@@ -15,9 +15,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
-from live_chain import free_port, http_ok, wait_until
+from fake_clock import until
+from live_chain import free_port, get_json, http_ok, wait_until
 
-from gputrace.analysis.result import analyse_store
+from gputrace.analyse import analyse_run
 from gputrace.collect import CollectOptions, Collector
 from gputrace.config import parse_config
 from gputrace.errors import ConfigError
@@ -117,14 +118,21 @@ async def test_collect_stores_the_engine_metrics_of_a_live_engine(sim: SimServer
             async with s.get(f"http://127.0.0.1:{port}/v1/status") as r:
                 live_stages = (await r.json())["stages"]
             await s.post(f"http://127.0.0.1:{port}/v1/mark", json={"label": "end", "kind": "end"})
-        await asyncio.sleep(0.5)
+            async with s.get(f"http://127.0.0.1:{port}/v1/status") as r:
+                scraped = (await r.json())["counts"]["engine_metric_samples"]
+        status = f"http://127.0.0.1:{port}/v1/status"  # a scrape after the end mark is stored too
+
+        def scraped_again() -> bool:
+            counts = get_json(status)["counts"]
+            return isinstance(counts, dict) and counts["engine_metric_samples"] > scraped
+        await asyncio.to_thread(wait_until, scraped_again, 30.0, "a scrape after the end mark", proc)
     finally:
         proc.send_signal(signal.SIGINT)
         _, err = await asyncio.to_thread(proc.communicate, timeout=30)
     assert proc.returncode == 0, err.decode()
     with Store.open(tmp_path / "run", read_only=True) as store:
         rows = store.sql("SELECT name, labels_json, count(*), max(value) FROM engine_metrics GROUP BY ALL")
-        analysis = analyse_store(store)
+        analysis = analyse_run(store, effects=False)
     ranks = {json.loads(labels)["pp_rank"] for name, labels, _, _ in rows
              if name == "sglang:num_running_reqs"}
     assert ranks == {str(s) for s in range(8)}
@@ -175,11 +183,13 @@ async def test_metrics_that_disagree_with_the_log_are_reported(sim: SimServer, t
         collector.add_load_record(Marker("client", time.time_ns(), "C=32", target_concurrency=32))
         await _load(sim.url, 8.0, 32)
         collector.add_load_record(Marker("client", time.time_ns(), "end", kind="end"))
-        await asyncio.sleep(0.3)
+        scraped = collector.live.counts["engine_metric_samples"]
+        await until(lambda: collector.live.counts["engine_metric_samples"] > scraped,
+                    "a scrape after the end mark")
     finally:
         await collector.stop()
         await runner.cleanup()
-    analysis = analyse_store(store)
+    analysis = analyse_run(store, effects=False)
     store.close()
     note = next(n for n in analysis.notes if n.startswith("C=32: engine metrics say"))
     assert "0.0 requests waiting on average, the log says" in note

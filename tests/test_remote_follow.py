@@ -283,16 +283,17 @@ async def _copytruncate_during_an_outage(
 async def test_copytruncate_during_an_ssh_outage_resumes_at_the_new_content(
         sshd_server: SshServer, tmp_path: Path) -> None:
     """[robust] 1: sshd killed, the log copied and truncated, written past the old offset, sshd back:
-    the old content is read on from the copy, the new from its start, nothing twice, the
-    truncation recorded (it resumed at the old offset in the new content and lost 945 of 5,650)."""
+    the old content is read on from the copy, the new from its start, nothing twice (it resumed at
+    the old offset in the new content and lost 945 of 5,650); no gap told: the follower had read
+    all it had seen of the file, and the copy holds it (what the engine wrote between the copy and
+    the truncation, if anything, is in no file and known to no follower)."""
     writer, collector, problems, unknowable = await _copytruncate_during_an_outage(
         sshd_server, tmp_path, keep_copy=True)
     order, missing = _received(writer, collector, cut=unknowable)
     assert order == sorted(set(order)), "a line arrived twice or out of order"
     assert missing <= set(unknowable), f"lost {sorted(missing - set(unknowable))}"
     assert len(writer.written) - unknowable.stop > 100
-    told = [p for p in problems if p and "truncated in place" in p]
-    assert told and "read from its copy" in told[0] and str(tmp_path / "server.log.1") in told[0]
+    assert not [p for p in problems if p and "truncated in place" in p]
 
 
 async def test_truncation_during_an_outage_without_a_copy_records_the_gap(

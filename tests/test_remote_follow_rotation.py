@@ -13,16 +13,18 @@ import time
 from pathlib import Path
 
 import pytest
-from live_chain import free_port, http_ok, wait_until
+from live_chain import free_port, get_json, http_ok, wait_until
 from loss_classes import (
     Engine,
     command_log_rewritten_in_an_outage,
     copytruncate_after_each_burst,
     copytruncate_mid_read,
+    gone_in_an_outage_while_behind,
     logrotate,
     new_inode_in_an_outage,
     renamed_while_python_logging_writes,
     two_copytruncates_in_one_outage,
+    written_between_copy_and_truncation,
 )
 from sshd import SshServer, sshd_server_fixture  # noqa: F401
 
@@ -35,11 +37,15 @@ async def test_two_copytruncates_during_one_outage_lose_nothing(sshd_server: Ssh
                                                                 tmp_path: Path) -> None:
     """Class 1: sshd down; logrotate copytruncate twice (the first copy becomes server.log.2, the
     second server.log.1); sshd back: both copies are read on, in order, then the live file
-    (before: the lines only in server.log.1 were lost, 245 of 2,688)."""
+    (before: the lines only in server.log.1 were lost, 245 of 2,688), and no gap is recorded: the
+    engine writes nothing between logrotate's copy and its truncation (before: a 'lines between the
+    copy and the truncation, if any, are lost' gap of unknown size; one is recorded now only where
+    the copy is shorter than the file was seen, with the bytes it lacks)."""
     outcome = await two_copytruncates_in_one_outage(sshd_server, tmp_path)
     assert outcome.tested, "no server.log.2: the test did not test what it says"
     assert (outcome.lost, outcome.doubled) == (0, 0)
     assert outcome.got == outcome.written
+    assert outcome.gaps == [], outcome.summary()
 
 
 async def test_copytruncate_after_each_burst_with_the_follower_behind(sshd_server: SshServer,
@@ -50,6 +56,19 @@ async def test_copytruncate_after_each_burst_with_the_follower_behind(sshd_serve
     assert outcome.tested, "the follower kept up: the test did not test what it says"
     assert (outcome.lost, outcome.doubled) == (0, 0)
     assert outcome.got == outcome.written
+
+
+async def test_lines_written_between_the_copy_and_the_truncation_are_recorded_with_their_size(
+        sshd_server: SshServer, tmp_path: Path) -> None:
+    """Class 1, a real loss: the follower mid-read of a 12 MB burst; the log copied, 100 lines
+    written (the follower sees the file grow), the log truncated: those 100 lines are in no file.
+    The copy is read to its end, then the new content; one gap is recorded, at the copy's end, with
+    the 100 lines' bytes (before: 'if any, are lost', size unknown)."""
+    outcome = await written_between_copy_and_truncation(sshd_server, tmp_path)
+    assert outcome.tested, "the follower had read the burst already: the test did not test what it says"
+    assert outcome.got == outcome.expected and (outcome.lost, outcome.doubled) == (100, 0)
+    assert [g.lost_bytes for g in outcome.gaps] == [outcome.gone_bytes], outcome.summary()
+    assert outcome.gaps[0].after_byte == (tmp_path / "server.log.1").stat().st_size
 
 
 @pytest.mark.parametrize("case", ["truncated", "restarted", "shorter"])
@@ -91,15 +110,33 @@ async def test_a_new_inode_during_an_outage(sshd_server: SshServer, tmp_path: Pa
     assert "rotated away" in gaps[0].reason
 
 
+@pytest.mark.parametrize("how", ["removed", "truncated"])
+async def test_a_file_gone_in_an_outage_records_the_size_it_was_seen_at(
+        sshd_server: SshServer, tmp_path: Path, how: str) -> None:
+    """Class 3, the follower behind: it is mid-read of a 12 MB burst when sshd goes down; in the
+    outage the rotated file is removed, or the file truncated in place with no copy. The gap is
+    recorded with its size: the bytes the file held past the offset when the follower last looked
+    (here all of the burst's unread rest: nothing was written after), and the lines after it are
+    read (before: 'size unknown')."""
+    outcome = await gone_in_an_outage_while_behind(sshd_server, tmp_path, how)
+    assert outcome.tested, "the follower had read the burst already: the test did not test what it says"
+    assert outcome.got == outcome.expected and outcome.lost > 1_000
+    assert [(g.after_byte is not None, g.lost_bytes) for g in outcome.gaps] == [
+        (True, outcome.gone_bytes)], outcome.summary()
+
+
 async def test_renamed_while_python_logging_keeps_writing_to_it(sshd_server: SshServer,
                                                                tmp_path: Path) -> None:
     """Class 6: Python's logging.FileHandler keeps its file open; logrotate (create, no
     copytruncate) renames it twice: every line is still written to the renamed file and read
-    from it (before: 4,833 of 5,758 lost)."""
+    from it (before: 4,833 of 5,758 lost), and no gap is recorded (before the fix of the empty
+    file created by the first rotation, renamed by the second, the reconnect recorded a gap at its
+    byte 0: nothing was lost)."""
     outcome = await renamed_while_python_logging_writes(sshd_server, tmp_path)
     assert outcome.tested, "server.log not renamed twice: the test did not test what it says"
     assert (outcome.lost, outcome.doubled) == (0, 0)
     assert outcome.got == outcome.written
+    assert outcome.gaps == [], outcome.summary()
 
 
 async def test_copytruncate_while_the_follower_is_mid_read(sshd_server: SshServer, tmp_path: Path) -> None:
@@ -111,6 +148,13 @@ async def test_copytruncate_while_the_follower_is_mid_read(sshd_server: SshServe
     assert outcome.tested, "the follower had read the burst already: the test did not test what it says"
     assert (outcome.lost, outcome.doubled) == (0, 0)
     assert outcome.got == outcome.written
+
+
+def log_lines(port: int) -> int:
+    """The log lines `gputrace collect` listening on ``port`` has received."""
+    counts = get_json(f"http://127.0.0.1:{port}/v1/status")["counts"]
+    assert isinstance(counts, dict)
+    return int(counts["log_lines"])
 
 
 def test_collect_records_a_removed_rotated_file_in_meta_json(sshd_server: SshServer, tmp_path: Path) -> None:
@@ -132,7 +176,9 @@ def test_collect_records_a_removed_rotated_file_in_meta_json(sshd_server: SshSer
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/healthz"), timeout_s=60)
-        time.sleep(1.0)
+        # the follower has read the file (a loaded machine took over a second to start it: with
+        # nothing read, the collector knew no file to miss)
+        wait_until(lambda: log_lines(port) > 50, timeout_s=60)
         sshd_server.kill()
         time.sleep(0.5)
         with engine.lock:
@@ -140,9 +186,10 @@ def test_collect_records_a_removed_rotated_file_in_meta_json(sshd_server: SshSer
             (tmp_path / "server.log.1").unlink()
             engine.reopen()
         time.sleep(0.5)
+        read_by_then = log_lines(port)
         sshd_server.restart()
-        wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/healthz"), timeout_s=60)
-        time.sleep(1.0)
+        # reconnected (its back-off may be seconds after the outage): lines written since arrive
+        wait_until(lambda: log_lines(port) > read_by_then + 20, timeout_s=60)
     finally:
         engine.stop_event.set()
         engine.join()

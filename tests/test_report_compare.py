@@ -88,16 +88,16 @@ def test_the_top_finding_is_the_one_the_report_leads_with(tmp_path: Path) -> Non
     """compare's 'top finding' is the finding the run's report opens its verdict with: a light
     level's 'offer more requests' ranked first gives way to the deployment change (the demo's
     compare named run A's C=1 load finding where its report led with K at C=32)."""
+    from gputrace.analyse import analyse_run
     from gputrace.analysis.compare import top_finding
     from gputrace.analysis.diagnose import Finding
-    from gputrace.analysis.result import analyse_store
     from gputrace.report.document import build_document
     from gputrace.report.render import verdict
     from gputrace.store import Store
     from gputrace.vocabulary import Change
 
     with Store.open(_capped(tmp_path / "a"), read_only=True) as store:
-        analysis = analyse_store(store)
+        analysis = analyse_run(store, effects=False)
     load = Finding("pipeline_underfilled", "C=1", [0, 1, 2, 3], {}, 0.7, "offer at least 4 requests",
                    "1 micro-batch for 4 stages", change=Change.of_flag("concurrency", 4))
     analysis = dataclasses.replace(analysis, findings=(load, *analysis.findings))

@@ -15,8 +15,9 @@ from analysis_synth import T0, Level, SynthRun, build
 from helpers import analyse, cli
 from matplotlib.lines import Line2D
 
-from gputrace.analysis.aligned import gpu_metrics_on_grid
-from gputrace.analysis.result import Analysis, analyse_store
+from gputrace.analyse import analyse_run
+from gputrace.analysis.aligned_run import gpu_metrics_on_grid
+from gputrace.analysis.result import Analysis
 from gputrace.report.document import STAGE_COLUMNS, phase_stage_table, shown_columns, stage_columns
 from gputrace.report.figures import (
     DPI,
@@ -232,5 +233,5 @@ def test_a_stage_without_a_busy_figure_names_no_busy_signal(tmp_path: Path) -> N
     build(run, SynthRun([Level("C=4", 4, 4, [0.5] * 2, 2, 4)], pp=2))
     with Store.open(run) as store:
         store.sql("DELETE FROM gpu_samples")
-        table = phase_stage_table(analyse_store(store))
+        table = phase_stage_table(analyse_run(store, effects=False))
     assert table and all(row["busy_fraction"] is None and row["busy_signal"] is None for row in table)

@@ -23,8 +23,8 @@ from conftest import require_binary
 from engine_fixtures import fixture_dir
 from helpers import gputrace_process
 
+from gputrace.analyse import analyse_run
 from gputrace.analysis.compare import compare_analyses
-from gputrace.analysis.result import analyse_store
 from gputrace.report.compare_render import write_compare
 from gputrace.report.figures import FIGURES
 from gputrace.report.render import write_report
@@ -95,7 +95,11 @@ async def _inspect(port: int, url: str, shot: Path) -> tuple[list[str], dict[str
                 "JSON.stringify({title: document.title, imgs: Array.from(document.images).map("
                 "i => ({id: i.id, complete: i.complete, w: i.naturalWidth, h: i.naturalHeight})),"
                 "h2: Array.from(document.querySelectorAll('h2')).map(h => h.textContent),"
-                "scroll_w: document.documentElement.scrollWidth, view_w: window.innerWidth})"))
+                "scroll_w: document.documentElement.scrollWidth, view_w: window.innerWidth,"
+                # what sticks out, named in a failure's message
+                "wide: Array.from(document.querySelectorAll('body *')).filter(e =>"
+                " e.getBoundingClientRect().right > window.innerWidth + 0.5).slice(-4).map(e =>"
+                " e.tagName + '.' + e.className + ': ' + (e.textContent || '').slice(0, 120))})"))
             page = json.loads(res["result"]["value"])
             png = await cdp.call("Page.captureScreenshot", format="png", captureBeyondViewport=True)
             shot.write_bytes(base64.b64decode(png["data"]))
@@ -133,7 +137,7 @@ async def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     chromium = require_binary("/usr/bin/chromium", "chromium", "chromium-browser")
     run = write_store(run_scenario("microbatch-cap", 0), tmp_path / "run")
     with Store.open(run, read_only=True) as store:
-        written = write_report(analyse_store(store), tmp_path / "out", ["html"])
+        written = write_report(analyse_run(store, effects=False), tmp_path / "out", ["html"])
     html_file = written[0]
     assert html_file.name == "report.html" and "src='http" not in html_file.read_text()
     ARTIFACTS.mkdir(exist_ok=True)
@@ -159,7 +163,7 @@ async def test_compare_renders_in_headless_chromium(tmp_path: Path) -> None:
     analyses = {}
     for name in ("microbatch-cap", "microbatch-fixed"):
         with Store.open(write_store(run_scenario(name, 0), tmp_path / name), read_only=True) as store:
-            analyses[name] = analyse_store(store)
+            analyses[name] = analyse_run(store, effects=False)
     doc = compare_analyses(analyses["microbatch-cap"], analyses["microbatch-fixed"])
     html_file = write_compare(doc, tmp_path / "cmp", ["html"])[0]
     ARTIFACTS.mkdir(exist_ok=True)
@@ -203,7 +207,8 @@ async def test_a_real_engine_capture_renders_in_headless_chromium(tmp_path: Path
             _inspect(port, compare.as_uri(), ARTIFACTS / "engine_compare_html.png"), 90)
     assert errors == [] and cmp_errors == []
     assert len(page["imgs"]) == len(FIGURES) and all(i["complete"] and i["w"] >= 1200 for i in page["imgs"])
-    assert page["scroll_w"] <= page["view_w"] and cmp_page["scroll_w"] <= cmp_page["view_w"], (page, cmp_page)
+    assert page["scroll_w"] <= page["view_w"] and cmp_page["scroll_w"] <= cmp_page["view_w"], \
+        (page["wide"], cmp_page["wide"])
     text = report.read_text()
     assert "class='answer'>Advice: " in text and "Next step" not in text  # [ux] one answer first
     assert "admission_bound (phase C=16, " in text

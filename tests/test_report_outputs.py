@@ -50,8 +50,8 @@ def test_the_report_prints_the_rules_and_their_thresholds(tmp_path: Path) -> Non
     findings were computed with, so a changed threshold is what the report prints."""
     from dataclasses import asdict, fields
 
+    from gputrace.analyse import analyse_run
     from gputrace.analysis.diagnose import RULES, Thresholds
-    from gputrace.analysis.result import analyse_store
     from gputrace.report.document import build_document
     from gputrace.report.render import write_report
 
@@ -77,7 +77,7 @@ def test_the_report_prints_the_rules_and_their_thresholds(tmp_path: Path) -> Non
     # the thresholds the findings came from are the ones printed
     strict = Thresholds(bubble_material=1.0)
     with Store.open(run, read_only=True) as store:
-        a = analyse_store(store, strict)
+        a = analyse_run(store, effects=False, thresholds=strict)
     assert build_document(a)["thresholds"]["bubble_material"] == 1.0
     write_report(a, tmp_path / "strict", ["md"])
     assert "| bubble_material | 1.0 |" in (tmp_path / "strict" / "report.md").read_text()

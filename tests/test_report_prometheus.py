@@ -25,7 +25,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from live_chain import free_port, gputrace_argv, process, prometheus, sim_chain, wait_until
 
-from gputrace.analysis.result import analyse_store
+from gputrace.analyse import analyse_run
 from gputrace.backoff import Backoff
 from gputrace.errors import SourceError, UsageError
 from gputrace.imports.prometheus import (
@@ -362,7 +362,7 @@ def test_job_matcher_selects_the_collector_alone(capture: Capture, tmp_path: Pat
     assert (summary.gpus, summary.ranks, summary.runs) == (0, 8, ["live"])
     with Store.open(tmp_path / "run", read_only=True) as store:
         assert store.meta.topology == {}
-        analysis = analyse_store(store)
+        analysis = analyse_run(store, effects=False)
     assert analysis.run.pp_size == 8 and analysis.run.engine["pp_size"] == 8
     assert [p.label for p in analysis.phases] == [f"C={c}" for c in LEVELS]
     assert all(s.busy_fraction is None for m in analysis.metrics for s in m.stages)

@@ -193,3 +193,79 @@ def test_both_dcgm_exporter_schemas_give_the_same_findings(tmp_path: Path) -> No
         assert np.nanmax(g["utilization_ratio"]) <= 1.0 and np.nanmin(g["sm_clock_hz"]) > 1e8  # SI units
     assert findings["4.8"] == findings["4.10"] and findings["4.8"]
     assert busy["4.8"] == busy["4.10"]
+
+
+def _load_lines(start_s: int, phases: list[tuple[int, int]]) -> list[str]:
+    """gputrace's client gauges as the collector exports them, one value a second: the target
+    concurrency of each (seconds, level) phase in turn from ``start_s``, the requests in flight at it."""
+    out = [f"# TYPE {name} gauge" for name in ("gputrace_load_target_concurrency",
+                                                "gputrace_load_inflight_requests")]
+    t = start_s
+    for seconds, level in phases:
+        for s in range(t, t + seconds):
+            out += [f'gputrace_load_target_concurrency{{run="r"}} {level} {s}',
+                    f'gputrace_load_inflight_requests{{run="r"}} {level} {s}']
+        t += seconds
+    return out
+
+
+def _import_range(prom: str, run: Path, start_s: int, end_s: int) -> tuple[str, dict[str, Any]]:
+    """`report --prometheus` over [start, end] into ``run``: its output, and what the run then holds
+    (rows per table, the markers)."""
+    done = subprocess.run(gputrace_argv(
+        "report", "--prometheus", prom, "--start", str(start_s), "--end", str(end_s), "--step", "1s",
+        "--max-running-requests", "32", "--run-out", str(run), "--out",
+        str(run.parent / f"{run.name}-report"), "--format", "json"),
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with Store.open(run, read_only=True) as store:
+        held: dict[str, Any] = {t: store.count(t) for t in (
+            "gpu_samples", "scheduler_events", "load_samples", "devices", "engine_configs")}
+        held["markers"] = store.sql("SELECT ts_ns, label, kind FROM markers ORDER BY ts_ns, kind")
+        held["steps"] = store.sql("SELECT count(DISTINCT ts_ns) FROM gpu_samples")[0][0]
+    return done.stdout, held
+
+
+@pytest.mark.system
+def test_a_range_imported_again_adds_nothing_and_an_overlap_only_its_new_steps(tmp_path: Path) -> None:
+    """[robust] #45, Prometheus: the same range imported twice into one --run-out adds nothing (the
+    second import says what it found there already); a range overlapping it adds only its new
+    steps, and the run then holds what one import of both ranges holds, the phase markers derived
+    anew over both (a C=16 phase imported from its middle first, its start later); a range at
+    another step is refused in one line. Before: the second import into the run was refused ('a
+    run already exists there; choose another --out', naming a flag `report` does not have)."""
+    result = run_scenario("pool-bound", 0)
+    write_store(result, tmp_path / "sim")
+    start_s, end_s = result.start_ns // 10**9, result.start_ns // 10**9 + int(result.end_s)
+    with Store.open(tmp_path / "sim", read_only=True) as store:
+        lines = _dcgm_lines(store) + _engine_lines(store) + _load_lines(start_s, [(60, 16), (60, 64)])
+    later = (start_s + 30, end_s)  # from the middle of the C=16 phase on
+    earlier = (start_s, start_s + 90)  # overlaps it by 60 s
+    with backfilled_prometheus(tmp_path, lines) as prom:
+        _, once = _import_range(prom, tmp_path / "run", *later)
+        again_out, again = _import_range(prom, tmp_path / "run", *later)
+        _, grown = _import_range(prom, tmp_path / "run", *earlier)
+        _, both = _import_range(prom, tmp_path / "both", start_s, end_s)
+        other_step = subprocess.run(gputrace_argv(
+            "report", "--prometheus", prom, "--start", str(start_s), "--end", str(end_s), "--step", "2s",
+            "--run-out", str(tmp_path / "run"), "--out", str(tmp_path / "step-report")),
+            capture_output=True, text=True, timeout=300)
+    # another step's rows would be other rows of the same times: refused in one line, nothing added
+    assert (other_step.returncode, other_step.stderr.splitlines()) == (2, [
+        f"gputrace: error: {tmp_path / 'run'} holds an import from {prom} at a 1000 ms step: a Prometheus "
+        "range is added only to an import of the same server, step and --match; choose another --run-out"])
+    assert once["gpu_samples"] > 0 and once["load_samples"] > 0 and once["scheduler_events"] > 0
+    assert again == once, again_out
+    (held,) = [line for line in again_out.splitlines() if "(not added again)" in line]
+    assert (f"8 devices, 1 engine_configs, {once['gpu_samples']} gpu_samples, {once['load_samples']} "
+            f"load_samples, {once['scheduler_events']} scheduler_events") in held, held
+    # the 30 s before the later range, less the range's first second (the exporter's first value
+    # is stamped at its end)
+    assert both["steps"] - once["steps"] == later[0] - start_s - 1
+    with Store.open(tmp_path / "run", read_only=True) as store:
+        assert store.count("gpu_samples") == grown["gpu_samples"]
+    assert grown == both
+    # (the C=64 phase runs on to the range's end: Prometheus holds a gauge's last value 5 minutes)
+    assert [(label, kind) for _, label, kind in grown["markers"]] == [
+        ("C=16", "phase"), ("end", "end"), ("C=64", "phase")]
+    assert grown["markers"][0][0] == start_s * 10**9

@@ -17,7 +17,7 @@ import pytest
 from live_chain import free_port, http_ok, wait_until
 from sshd import SshServer, sshd_server_fixture  # noqa: F401  (registers the sshd_server fixture)
 
-from gputrace.analysis.aligned import align_store
+from gputrace.analysis.aligned_run import align_store
 from gputrace.store import Store
 
 STEP_TOLERANCE_NS = 50_000_000

@@ -13,10 +13,10 @@ from helpers import analyse, gputrace_process
 from gputrace.demo import top_recommendation
 from gputrace.sim.outputs import write_store
 from gputrace.sim.virtual import run_scenario
-from gputrace.whatif import fit
 from gputrace.whatif.effects import with_predicted_effects
 from gputrace.whatif.fit import fit_model, initial_params
 from gputrace.whatif.groundtruth import format_table, score_change
+from gputrace.whatif.replay import run_replay
 
 WITHIN = 0.10  # Must show 1: predicted throughput within 10 % of the simulator's
 
@@ -65,16 +65,25 @@ def test_fit_reads_prefill_tokens_from_the_prefill_lines(tmp_path: Path) -> None
 
 def test_the_replay_sends_the_runs_own_requests(tmp_path: Path) -> None:
     """The fit records each request's (prompt, output) tokens in the order the client sent them
-    (a request that did not finish with its output unknown, 0) and the replay sends them so: where
-    the throughput follows which prompts land where (kv-bound at seed 1, C=64: 400 tok/s run, a
-    fresh draw replayed 359-377) the replay of the run as it ran is the run within 2 %."""
+    (a request still running when the recording ended with a draw above what it had generated,
+    no longer than the longest output; one that had not started with 0, drawn by the replay) and
+    the replay sends them so: where the throughput follows which prompts land where (kv-bound at
+    seed 1, C=64: 400 tok/s run, a fresh draw replayed 359-377) the replay of the run as it ran is
+    the run within 2 %."""
     result = run_scenario("kv-bound", 1)
     write_store(result, tmp_path / "run")
     analysis = analyse(tmp_path / "run")
     p = initial_params(analysis)[0]
-    sent = [(r.input_tokens, r.output_tokens if r.finish_s is not None else 0) for r in result.requests]
-    assert list(p.request_lengths) == sent
-    replayed = fit.replay(p, seed=2).requests
+    recorded = list(p.request_lengths)
+    assert [prompt for prompt, _ in recorded] == [r.input_tokens for r in result.requests]
+    for (_, output), r in zip(recorded, result.requests, strict=True):
+        if r.finish_s is not None:
+            assert output == r.output_tokens
+        elif r.first_token_s is not None:  # generated some: at least about that (the records give
+            # its time since its first token, at its phase's median decode rate)
+            assert 0.9 * r.generated <= output <= p.max_tokens, (output, r)
+    sent = recorded
+    replayed = run_replay(p, seed=2).result.requests
     assert len(replayed) >= len(sent)
     for (prompt, output), r in zip(sent, replayed, strict=False):
         assert r.input_tokens == prompt and (output == 0 or r.output_tokens == output), (prompt, output, r)

@@ -19,7 +19,7 @@ import pytest
 from engine_fixtures import fixture_dir
 from helpers import analyse
 
-from gputrace.analysis.result import analyse_store
+from gputrace.analyse import analyse_run
 from gputrace.store import Store
 from gputrace.whatif.fit import fit_model, relative_error
 from gputrace.whatif.outcome import measured_outcomes
@@ -170,7 +170,7 @@ def test_a_cpu_engine_is_fitted_without_a_memory_floor(tmp_path_factory: pytest.
     sim = tmp_path_factory.mktemp("gpu") / "run"
     write_store(run_scenario("microbatch-cap", 0), sim)
     with Store.open(sim, read_only=True) as store:
-        assert not runs_on_cpu(analyse_store(store).run.engine)
+        assert not runs_on_cpu(analyse_run(store, effects=False).run.engine)
     # under the floor a step of 4 tokens costs what one of 1 does; without it, 3 slopes more
     gpu = make_params({"decode_token_s": 1e-4, "weight_read_s": 1e-2, "launch_s": 1e-3,
                        "context_token_s": 0.0})

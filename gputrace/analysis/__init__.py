@@ -1,11 +1,11 @@
-"""The bubble diagnosis: pure functions over the run store's columns (no I/O to hosts).
+"""The bubble diagnosis: pure functions over a run's columns (no I/O to hosts, no store).
 
-Commands analyse a run with ``gputrace.analyse.analyse_run`` (which adds the what-if's predicted
-effects and the advice); ``analyse_store(store)`` here runs alignment, phases, metrics and
-diagnosis in one call; the pieces (``align``, ``phases``, ``metrics``, ``diagnose``, ``compare``)
-are usable on their own.
+A run is analysed with ``gputrace.analyse.analyse_run``, the one entry every command, the demo and
+the benchmarks take (alignment, phases, metrics, diagnosis, then the what-if's predicted effects
+and the advice); the pieces (``aligned_run``, ``phases``, ``phase_figures``, ``diagnose``,
+``compare``) are usable on their own, ``result.analyse_tables`` on tables built in memory.
 """
 
-from gputrace.analysis.result import Analysis, analyse_store
+from gputrace.analysis.result import Analysis
 
-__all__ = ["Analysis", "analyse_store"]
+__all__ = ["Analysis"]

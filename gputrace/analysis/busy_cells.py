@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gputrace.analysis.aligned import AlignedRun
+from gputrace.analysis.aligned_run import AlignedRun
 from gputrace.analysis.phase_figures import (
     BUSY_SIGNALS,
     PhaseMetrics,

@@ -500,6 +500,10 @@ def rule_prefill_budget(c: PhaseContext) -> Finding | None:
 
 
 PREFILL_BURST_FILL = 0.75  # of the budget, a phase's prefill turns' mean: the budget, not K, ends them
+# or of the phase's admissions, by turns the budget ended: a burst's (the demo's live C=32: 30 of 32;
+# a burst whose first request lands alone: 31 of 32), not a closed loop's, whose replacements
+# trickle in one or two a turn (bunched and bunched-at-pool: 32 of 66, their first turn)
+BURST_FULL_TURNS_SHARE = 0.75
 
 
 def rule_prefill_burst(c: PhaseContext) -> Finding | None:
@@ -517,14 +521,18 @@ def rule_prefill_burst(c: PhaseContext) -> Finding | None:
     if not words.microbatch_slots or c.pp_size < 2 or pf is None or not pf.budget_tokens \
             or not pf.seqs_per_turn_mean or not k or load is None or pm.microbatches_in_flight is None:
         return None
-    # the turns' own count (#new-seq), not prompt / budget: a burst's turns are what it admitted
-    per_turn = round(pf.seqs_per_turn_mean)
+    # the turns' own count (#new-seq), not prompt / budget: a burst's turns are what it admitted;
+    # where the turns the budget ended admitted most of the load, theirs (a burst's first arrivals
+    # start a turn alone before the rest land)
     prompt, budget = pf.tokens_per_turn_mean / pf.seqs_per_turn_mean, pf.budget_tokens
+    full = pf.seqs_per_full_turn
+    budget_bound = full is not None and pf.seqs_in_full_turns >= BURST_FULL_TURNS_SHARE * pf.seqs_in_turns
+    per_turn = round(full if budget_bound and full else pf.seqs_per_turn_mean)
     slots = c.slots
     packed = -(-round(load) // per_turn) if per_turn else 0
     if not (1 <= per_turn <= k and per_turn < load - 0.5 and load >= slots - 0.5 and packed < slots
             and pm.microbatches_in_flight < slots - 0.5 and c.mean_bubble > c.th.bubble_material
-            and pf.tokens_per_turn_mean >= PREFILL_BURST_FILL * budget):
+            and (budget_bound or pf.tokens_per_turn_mean >= PREFILL_BURST_FILL * budget)):
         return None
     spread = max(-(-round(load) // slots), 1)
     want = round((spread - 0.5) * prompt)  # spread prompts spend it, spread - 1 do not

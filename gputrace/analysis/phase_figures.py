@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from gputrace.analysis.aligned import AlignedRun, StageEvents
+from gputrace.analysis.aligned_run import AlignedRun, StageEvents
 from gputrace.analysis.phases import Phase
 
 
@@ -144,6 +144,13 @@ class PrefillFigures:
     prompt_tokens_mean: float | None  # per request whose prefill ended in the phase
     # #new-seq: requests per turn (a continued chunk counted in each turn it runs in)
     seqs_per_turn_mean: float | None = None
+    # the turns the budget ended (the next prompt of the mean length would not have fitted): their
+    # mean #new-seq and the requests they admitted together. A burst sent over the network lands
+    # over a few ms and its first request starts a turn alone (the demo's C=32: turns of 1, 1, 7,
+    # 8, 8, 7), so the mean turn understates what the budget admits
+    seqs_per_full_turn: float | None = None
+    seqs_in_full_turns: float = 0.0
+    seqs_in_turns: float = 0.0  # #new-seq over all the phase's turns
 
 
 def prefill_budget(engine: Any) -> int | None:
@@ -174,7 +181,19 @@ def prefill_figures(run: AlignedRun, start_ns: int, stop_ns: int) -> PrefillFigu
         tokens_per_turn_mean=float(np.nanmean(tokens)), budget_tokens=budget,
         full_turn_share=float(np.mean(np.nan_to_num(tokens) >= budget)) if budget else None,
         prompt_tokens_mean=prompts / firsts if firsts > 0 else None,
-        seqs_per_turn_mean=float(np.nanmean(seqs)) if not np.isnan(seqs).all() else None)
+        seqs_per_turn_mean=float(np.nanmean(seqs)) if not np.isnan(seqs).all() else None,
+        **_full_turns(tokens, seqs, budget, prompts / firsts if firsts > 0 else None))
+
+
+def _full_turns(tokens: np.ndarray, seqs: np.ndarray, budget: int | None,
+                prompt_tokens: float | None) -> dict[str, Any]:
+    if not budget or not prompt_tokens:
+        return {}
+    full = (np.nan_to_num(tokens) > budget - prompt_tokens) & np.isfinite(seqs)
+    if not full.any():
+        return {}
+    return {"seqs_per_full_turn": float(np.mean(seqs[full])), "seqs_in_full_turns": float(np.sum(seqs[full])),
+            "seqs_in_turns": float(np.nansum(seqs))}
 
 
 @dataclass

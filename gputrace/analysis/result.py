@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from gputrace.analysis.aligned import AlignedRun, align
+from gputrace.analysis.aligned_run import AlignedRun, align
 from gputrace.analysis.diagnose import Finding, Thresholds, diagnose
 from gputrace.analysis.engine_metrics import (
     COMPARED,
@@ -33,6 +33,7 @@ from gputrace.analysis.phases import (
     phases_from_request_labels,
 )
 from gputrace.analysis.predicted import PredictedEffect
+from gputrace.log_clock import corrected_note
 from gputrace.run_tables import EngineMetricColumns, RunSource, RunTables
 from gputrace.vocabulary import CaptureProblem
 
@@ -215,6 +216,9 @@ def capture_problem_notes(extra: dict[str, Any]) -> list[str]:
         if isinstance(o, dict):
             lost = f"; {o['lost_rows']} records lost at the end" if o.get("lost_rows") else ""
             notes.append(f"capture problem: the store could not be written ({o.get('error')}){lost}")
+    for entry in collector.get("log_clock") or []:  # those left as logged: the analysis names them
+        if isinstance(entry, dict) and (note := corrected_note(entry)) is not None:
+            notes.append(note)
     dropped = collector.get("dropped_records") or {}
     if isinstance(dropped, dict) and dropped:
         notes.append("capture problem: records dropped while the store could not be written: "
@@ -263,9 +267,3 @@ def analyse_tables(tables: RunTables, th: Thresholds = DEFAULT_THRESHOLDS,
                      else [])
     analysis = analyse_aligned(align(tables), th, progress, engine_series)
     return with_notes(analysis, table_notes(tables.meta.extra, tables.engine_metrics, analysis))
-
-
-def analyse_store(store: RunSource, th: Thresholds = DEFAULT_THRESHOLDS,
-                  progress: Callable[[str], None] | None = None) -> Analysis:
-    """Read, align and diagnose a run store."""
-    return analyse_tables(store.read_run(engine_metric_names=COMPARED), th, progress)

@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from gputrace.analyse import analyse_run
-from gputrace.analysis.aligned import align_store
+from gputrace.analysis.aligned_run import align_store
 from gputrace.commands.options.prometheus import prometheus_flags, prometheus_run, window_ns
 from gputrace.errors import GputraceError, UsageError
 from gputrace.report.figures import FIGURES

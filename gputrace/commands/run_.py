@@ -44,7 +44,7 @@ def load_spec_from(cfg: Config, url: str | None, model: str | None, concurrency:
     if prompts:
         overrides["prompts"] = load_prompts(prompts)
     spec = spec_from_config(base, **overrides)
-    if spec.requests_per_level is None and spec.duration_per_level_s is None:
+    if spec.requests_per_level is None and spec.duration_per_level_s is None and not spec.burst:
         spec = dataclasses.replace(spec, duration_per_level_s=60.0)
     return spec
 

@@ -3,6 +3,11 @@ already run: dcgm-exporter's ``DCGM_FI_*`` series and the engine's own ``sglang:
 metrics. GPU samples, one engine line per rank and step, phase markers where the target
 concurrency changes, the topology from the agents' rank labels. Every time is Prometheus'
 evaluation time (one clock for all hosts).
+
+A range imported into a run that an import of the same server, step and matchers made adds only
+the rows it lacks (each row is known by its series and step: store.RECORD_IDENTITY), so the same
+range twice adds nothing and an overlapping one only its new steps; the markers are derived anew
+from the load of both.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from gputrace.errors import SourceError, UsageError
 from gputrace.imports.report import ImportReport, write_rows
 from gputrace.model import ENGINE_LOAD_SOURCE, DeviceInfo, EngineConfig, Marker
 from gputrace.prometheus.client import MAX_POINTS_PER_SERIES, PrometheusClient, Series, chunk_windows
-from gputrace.store import Store
+from gputrace.store import META_FILE, Store
 from gputrace.topology import Placement, topology_to_meta
 
 # The one metric-name table: each series' name -> (GpuSample field, the exporter's units per SI
@@ -313,10 +318,57 @@ def coarse_step_reason(step_ms: int, interval_ms: int | None) -> str | None:
             "from a store that holds the raw samples")
 
 
+# what must agree for a range to be added to a run an import made: the same series at the same steps
+_SAME_IMPORT = ("source", "prometheus_url", "step_ms", "match")
+
+
+def _run_store(out: str | Path, name: str, topology: dict[str, Any], extra: dict[str, Any]) -> Store:
+    """A new run store at ``out``, or the one there that an import of the same server, step and
+    matchers made (its meta.json's range grown to hold both); any other run there is refused."""
+    if not (Path(out) / META_FILE).exists():
+        return Store.create(out, name=name, topology=topology, extra={**extra, "ranges": [
+            [extra["start_ms"], extra["end_ms"]]]})
+    store = Store.open(out)
+    held: dict[str, Any] = dict(store.meta.extra)
+    if [held.get(k) for k in _SAME_IMPORT] != [extra[k] for k in _SAME_IMPORT]:
+        store.close()
+        what = (f"an import from {held.get('prometheus_url')} at a {held.get('step_ms')} ms step"
+                + (f" matching {', '.join(held['match'])}" if held.get("match") else "")
+                if held.get("source") == "prometheus" else "a run that is no Prometheus import")
+        raise UsageError(f"{out} holds {what}: a Prometheus range is added only to an import of the same "
+                         "server, step and --match; choose another --run-out")
+    found = sorted(set(held.get("series_found") or []) | set(extra["series_found"]))
+    ranges = [*(held.get("ranges") or [[held["start_ms"], held["end_ms"]]]),
+              [extra["start_ms"], extra["end_ms"]]]
+    store.update_meta(topology=store.meta.topology or topology, extra={
+        **extra, "start_ms": min(r[0] for r in ranges), "end_ms": max(r[1] for r in ranges), "ranges": ranges,
+        "series_found": found,
+        "series_lacking": [role for role, names in SERIES_ROLES.items() if not set(names) & set(found)],
+        "runs": sorted(set(held.get("runs") or []) | set(extra["runs"]))})
+    return store
+
+
+def _markers_of_both(store: Store, load_source: str, target: np.ndarray, grid_ns: np.ndarray,
+                     step_ms: int) -> list[Marker]:
+    """The markers of the load the run holds (an earlier range's) and this range's, on one grid."""
+    step_ns = step_ms * 1_000_000
+    held = store.target_concurrency_of(load_source)
+    lo = min([int(grid_ns[0]), *(ts + step_ns // 2 for ts, _ in held)])
+    hi = max([int(grid_ns[-1]), *(ts + step_ns // 2 for ts, _ in held)])
+    grid = lo + step_ns * np.arange((hi - lo) // step_ns + 1, dtype=np.int64)
+    both = np.full(len(grid), np.nan)
+    for ts, value in held:
+        both[(ts + step_ns // 2 - lo) // step_ns] = value
+    mine = (grid_ns - lo) // step_ns
+    both[mine] = np.where(np.isnan(target), both[mine], target)
+    return target_markers(both, grid)
+
+
 def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, end_ms: int, step_ms: int,
                       matchers: Sequence[Matcher] = (), engine_config: dict[str, int] | None = None,
                       max_points: int = MAX_POINTS_PER_SERIES, name: str | None = None) -> ImportReport:
-    """Query [start, end] at ``step_ms`` and write a new run store at ``out``."""
+    """Query [start, end] at ``step_ms`` and write a new run store at ``out``, or add to the one an
+    import of the same server, step and matchers made there (only the rows it lacks)."""
     windows = chunk_windows(start_ms, end_ms, step_ms, max_points)
     n = (end_ms - start_ms) // step_ms + 1
     if n > MAX_STEPS:
@@ -438,14 +490,15 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
             for name in BUSY_FIELDS:
                 fields.pop(name, None)
     engine = next(iter(engines)) if len(engines) == 1 else "unknown"
-    with Store.create(out, name=name or f"prometheus-{start_ms // 1000}", topology=topology,
-                      extra=extra) as store:
+    adding = (Path(out) / META_FILE).exists()
+    with _run_store(out, name or f"prometheus-{start_ms // 1000}", topology, extra) as store:
         summary.gpus, summary.ranks = len(gpus), len(ranks)
         _write_gpus(store, summary, gpus, grid_ns)
         _write_engine(store, summary, ranks, grid_ns, step_ms, client.base_url, engine)
-        write_rows(store, summary, "devices", list(devices.values()))
+        write_rows(store, summary, "devices", list(devices.values()), unique=True)
         if timer_series:
-            write_rows(store, summary, "engine_metrics", engine_timer_rows(timer_series, client.base_url))
+            write_rows(store, summary, "engine_metrics", engine_timer_rows(timer_series, client.base_url),
+                       unique=True)
         load_source = "prometheus " + INFLIGHT_METRIC
         if np.isnan(inflight).all() and engine in ENGINE_WORDS:
             in_system = requests_in_system(in_system_series, start_ms - margin * step_ms, step_ms,
@@ -453,14 +506,18 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
             pool = (engine_config or {}).get("max_running_requests")
             inflight, load_source = engine_load(ranks, n, in_system, pool, margin, engine), ENGINE_LOAD_SOURCE
         _write_load(store, summary, inflight, target, grid_ns, step_ms, load_source)
-        write_rows(store, summary, "markers", target_markers(target, grid_ns))
+        if adding:
+            markers = _markers_of_both(store, load_source, target, grid_ns, step_ms)
+            store.replace_markers("prometheus", markers)
+        else:
+            write_rows(store, summary, "markers", target_markers(target, grid_ns))
         if engine_config:
             host = next(iter(sorted(ranks)), ("",))[0] or next(iter(sorted(gpus)), ("prometheus",))[0]
             config = EngineConfig(host, "command line", engine, 0, pp_size=pp_size or None,
                                   tp_size=tp_size or None, dp_size=dp_size,
                                   max_running_requests=engine_config.get("max_running_requests"),
                                   pp_max_micro_batch_size=engine_config.get("pp_max_micro_batch_size"))
-            write_rows(store, summary, "engine_configs", [config])
+            write_rows(store, summary, "engine_configs", [config], unique=True)
     return summary
 
 
@@ -525,7 +582,7 @@ def _write_gpus(store: Store, report: ImportReport, gpus: dict[tuple[str, int], 
                 cols[attr] = _int_column(v[present])
         if "lost" in fields:
             cols["lost"] = np.nan_to_num(fields["lost"][present]) > 0.5
-        total += write_rows(store, report, "gpu_samples", cols)
+        total += write_rows(store, report, "gpu_samples", cols, unique=True)
     return total
 
 
@@ -541,7 +598,10 @@ def gpu_host(labels: dict[str, str]) -> str:
 def _write_engine(store: Store, report: ImportReport,
                   ranks: dict[tuple[str, int, int, int], dict[str, np.ndarray]],
                   grid_ns: np.ndarray, step_ms: int, url: str, engine: str = "unknown") -> int:
-    total = 0
+    total = numbered = 0
+    source = f"prometheus {url}"
+    # numbered on from the lines an earlier range brought (a line's number orders its source's lines)
+    first_line = int(max(store.stored_line_numbers(source), default=-1)) + 1
     for (host, pp, tp, dp), fields in sorted(ranks.items()):
         present = np.zeros(len(grid_ns), dtype=bool)
         for v in fields.values():
@@ -552,10 +612,10 @@ def _write_engine(store: Store, report: ImportReport,
         t = grid_ns[present]
         step_ns = step_ms * 1_000_000
         cols: dict[str, Any] = {
-            "host": host, "source": f"prometheus {url}", "engine": engine, "kind": "decode",
+            "host": host, "source": source, "engine": engine, "kind": "decode",
             # The value at step t is the newest line at a scrape in (t - step, t]: the line goes
             # in the middle of that step, as the GPU cell (t - step, t] it sits beside.
-            "line_no": total + np.arange(rows, dtype=np.int64), "log_ts_ns": t - step_ns,
+            "line_no": first_line + numbered + np.arange(rows, dtype=np.int64), "log_ts_ns": t - step_ns,
             "ts_resolution_ns": step_ns, "recv_ts_ns": t - step_ns // 2,
             "pp_rank": pp, "tp_rank": tp, "dp_rank": dp,
         }
@@ -563,7 +623,8 @@ def _write_engine(store: Store, report: ImportReport,
             cols[attr] = v[present]
             if attr in ("running_req", "queue_req"):
                 cols[attr] = _int_column(v[present])
-        total += write_rows(store, report, "scheduler_events", cols)
+        total += write_rows(store, report, "scheduler_events", cols, unique=True)
+        numbered += rows
     return total
 
 
@@ -701,7 +762,8 @@ def _write_load(store: Store, report: ImportReport, inflight: np.ndarray, target
         return 0
     return write_rows(store, report, "load_samples", {
         "source": source, "ts_ns": grid_ns[present] - step_ms * 500_000,
-        "inflight_requests": inflight[present], "target_concurrency": _int_column(target[present])})
+        "inflight_requests": inflight[present], "target_concurrency": _int_column(target[present])},
+        unique=True)
 
 
 def target_markers(target: np.ndarray, grid_ns: np.ndarray) -> list[Marker]:

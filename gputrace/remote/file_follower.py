@@ -17,10 +17,14 @@ On every read and every reconnect:
   does under logrotate's ``create``) and dropped once idle ROTATE_WAIT seconds (X).
 
 Frames: O reading KEY goes on at OFFSET (payload: JSON with ino, dev, path, head as hex, via);
-D data of KEY at OFFSET (MTIME_NS: the file's mtime when read); X KEY read to its end, dropped;
-G KEY's content past OFFSET is lost (payload: JSON with why and lost_bytes, null when unknown);
-K KEY was continued from a copy after a truncation: lines written between the copy and the
-truncation, if any, are in no file (payload: the copy's path); W no file at the path yet.
+D data of KEY at OFFSET (MTIME_NS: the file's mtime when read); S KEY's file was seen OFFSET bytes
+long, past what was read (the follower is behind: the collector hands it back on reconnect, so what
+a file gone since held past its offset is known); X KEY read to its end, dropped;
+G KEY's content past OFFSET is lost (payload: JSON with why and lost_bytes: what the file held past
+OFFSET when last seen, more may have been written after; null when nothing was seen past it);
+K KEY, continued from a copy after a truncation, ends at OFFSET in the copy, short of what the file
+was seen to hold before it was truncated: those bytes, written between the copy and the truncation,
+are in no file (payload: the copy's path and lost_bytes); W no file at the path yet.
 Kept to Python 3.6 syntax: hosts run whatever python3 their distribution ships.
 """
 
@@ -121,6 +125,9 @@ class Gen:
         self.seen_size = pos
         self.opened_ns = int(time.time() * 1e9)
         self.unseen = False
+        # read from a copy after the file was truncated: the size the file was seen at before (what
+        # the copy lacks of it is lost); None: not a copy, or nothing seen
+        self.before_cut = None  # type: Optional[int]
 
     def changed(self) -> bool:
         """Whether the file no longer holds this generation's content (truncated in place)."""
@@ -187,7 +194,7 @@ class Follower:
                 "via": via}
         self.frame(b"O", gen.key, gen.pos, json.dumps(info).encode())
 
-    def copied(self, key: str, off: int, path: str, lost_bytes: Optional[int]) -> None:
+    def copied(self, key: str, off: int, path: str, lost_bytes: int) -> None:
         self.frame(b"K", key, off, json.dumps({"copy": path, "lost_bytes": lost_bytes}).encode())
 
     def lost(self, key: str, off: int, why: str, lost_bytes: Optional[int] = None) -> None:
@@ -210,7 +217,9 @@ class Follower:
                 st = entry.stat(follow_symlinks=False)
             except OSError:
                 continue
-            if stat.S_ISREG(st.st_mode) and st.st_size and (st.st_dev, st.st_ino) not in skip_inodes:
+            # empty ones too: a generation renamed while still empty is found by its inode (an
+            # empty file is never read from its start: queue_later skips it)
+            if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) not in skip_inodes:
                 found.append((os.path.join(self.folder, entry.name), st))
                 names.append(entry.name[len(self.base):])
         # oldest first by mtime (a rotated file is not written after the next one begins); files
@@ -298,15 +307,18 @@ class Follower:
         for known in gens:
             src, same_inode = self.locate(known, here + candidates)
             in_place = at_path is not None and at_path.st_ino == known["ino"]
+            seen = known.get("seen", 0)
             if src is None:
                 self.lost(known["key"], known["off"], (
                     "%s was truncated in place before it was read to its end and no copy of the old "
                     "content was found beside it" if in_place else "%s was rotated away, and no file "
-                    "beside it holds its content any more (removed, or replaced)") % self.path)
+                    "beside it holds its content any more (removed, or replaced)") % self.path,
+                    seen - known["off"] if seen > known["off"] else None)
                 continue
             head, off = src.read(0, known["head_len"]), known["off"]
             gen = Gen(known["key"], src, off, head, src.read(off - known["tail_len"], known["tail_len"]),
                       keep=same_inode and src.opener is None)
+            gen.seen_size = max(off, seen)
             if src.path == self.path and self.live is None:
                 self.live = gen
             else:
@@ -315,9 +327,10 @@ class Follower:
                 newest = max(newest, paths.index(src.path) if src.path in paths else -1)
             self.opened(gen, None if same_inode else src.path)
             if in_place and not same_inode:
-                # truncated in place after a copy (copytruncate): what was written between the
-                # copy and the truncation is in neither file
-                self.copied(gen.key, off, src.path, None)
+                # truncated in place after a copy (copytruncate): what the file was seen to hold
+                # past the copy's end (written between the copy and the truncation) is in neither
+                # file; known once the copy is read to its end
+                gen.before_cut = gen.seen_size
         # then the generations rotated after them that were never read, oldest first
         heads = self.known_heads() + self.live_heads()
         if newest >= 0:
@@ -363,12 +376,19 @@ class Follower:
                 if size is not None:
                     gen.seen_size = max(gen.seen_size, size)
                 return True
-            mtime_ns = os.fstat(gen.src.fd).st_mtime_ns
-            self.frame(b"D", gen.key, gen.pos, data, mtime_ns)
+            st = os.fstat(gen.src.fd)
+            self.frame(b"D", gen.key, gen.pos, data, st.st_mtime_ns)
             gen.took(data)
+            if gen.src.opener is None and st.st_size > gen.seen_size:
+                # behind: the collector keeps the size, so a reconnect that finds the file gone
+                # knows what it held past the offset
+                gen.seen_size = st.st_size
+                self.frame(b"S", gen.key, st.st_size)
 
     def drop(self, gen: Gen) -> None:
         self.old.remove(gen)
+        if gen.before_cut is not None and gen.pos < gen.before_cut:
+            self.copied(gen.key, gen.pos, gen.src.path, gen.before_cut - gen.pos)
         gen.src.close()
         if gen.head:
             self.done.append((len(gen.head), sha(gen.head)))
@@ -392,11 +412,9 @@ class Follower:
         self.live = None
         if src is not None:
             old = Gen(gen.key, src, gen.pos, gen.head, gen.tail, keep=False)
+            old.before_cut = gen.seen_size  # what the copy lacks of it is told once it is read
             self.old.append(old)
             self.opened(old, src.path)
-            size = src.size()
-            if size is None or size < gen.seen_size:
-                self.copied(gen.key, gen.pos, src.path, None if size is None else gen.seen_size - size)
         else:
             lost = gen.seen_size - gen.pos
             self.lost(gen.key, gen.pos, "%s was truncated in place before it was read to its end and no "

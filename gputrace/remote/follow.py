@@ -95,7 +95,9 @@ class FollowGap:
     reason: str  # in words, for the capture's notes
     after_byte: int | None  # in the file's generation: content past this byte is lost
     after_line: int | None  # in a command's output: lines past this one may be lost
-    lost_bytes: int | None  # None: unknown
+    # what the file held past after_byte when the follower last looked (more may have been written
+    # after); None: it had seen nothing past it
+    lost_bytes: int | None
     since_ns: int | None  # the receive time of the last line read before the gap (None: none read)
     found_ns: int  # when it was found (collector clock)
 
@@ -157,13 +159,14 @@ class _Generation:
     pending: bytes = b""  # a partial line, from byte offset
     dropped: int = 0  # bytes of that line past MAX_LINE_BYTES, not kept
     mtime_ns: int = 0  # the file's mtime when it was last read (host clock)
+    seen: int = 0  # the size the file was last seen at, past offset when the follower is behind
     last_recv_ns: int | None = None  # when its last line arrived
 
     def checkpoint(self) -> dict[str, object]:
         return {"key": self.key, "ino": self.inode, "dev": self.dev, "off": self.offset,
                 "head_len": len(self.head), "head_sha": hashlib.sha256(self.head).hexdigest(),
                 "tail_len": len(self.tail), "tail_sha": hashlib.sha256(self.tail).hexdigest(),
-                "mtime_ns": self.mtime_ns}
+                "mtime_ns": self.mtime_ns, "seen": max(self.seen, self.offset)}
 
 
 class _FileDecoder:
@@ -275,16 +278,22 @@ class _FileDecoder:
             elif kind == b"G":
                 gen = self._ended(key, out, recv_ts_ns)
                 info = json.loads(payload)
-                self._gap(gen, off, f"{gen.path if gen else self.path}: what it held past byte {off} is "
-                          f"lost: {info['why']}", info.get("lost_bytes"), recv_ts_ns)
+                lost = info.get("lost_bytes")
+                size = (f" (at least {lost:,} bytes: what it held when last seen)" if lost is not None
+                        else " (its size unknown: written after the follower last looked)")
+                self._gap(gen, off, f"{gen.path if gen else self.path}: what it held past byte {off}{size} "
+                          f"is lost: {info['why']}", lost, recv_ts_ns)
             elif kind == b"K":
                 gen = self.gens.get(key)
                 info = json.loads(payload)
-                lost = info.get("lost_bytes")
-                self._gap(gen, off, f"{self.path} was truncated in place at byte {off} before it was read "
-                          f"to its end: the rest was read from its copy {info['copy']}; lines written "
-                          "between the copy and the truncation, "
-                          + (f"{lost} bytes, are lost" if lost else "if any, are lost"), lost, recv_ts_ns)
+                lost = int(info["lost_bytes"])
+                self._gap(gen, off, f"{self.path} was truncated in place before it was read to its end; "
+                          f"the rest was read from its copy {info['copy']}, which ends at byte {off}, "
+                          f"{lost:,} bytes short of what the file held when last seen: those bytes, "
+                          "written between the copy and the truncation, are lost", lost, recv_ts_ns)
+            elif kind == b"S":
+                if (gen := self.gens.get(key)) is not None:
+                    gen.seen = max(gen.seen, off)
             elif kind == b"W":
                 self.problem = f"{self.path}: no such file on the host (followed once it appears)"
                 log.warning("log_file_missing", path=self.path,

@@ -21,7 +21,7 @@ from gputrace.report.figures import FIGURES, FIRST_SCREEN
 FORMATS = ("html", "md", "json")
 
 CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px;color:#222}
-table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ccc;padding:3px 6px;text-align:right}
+table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ccc;padding:3px 4px;text-align:right}
 th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}
 tr.phase-start td{border-top:2px solid #888}.note{color:#555;font-size:.9em}
 .finding{border-left:4px solid #c33;padding:4px 10px;margin:8px 0;background:#fff6f6}

@@ -54,7 +54,7 @@ class ClosedLoopClient:
         self.label = label
         self.issuing = False
         for _ in range(concurrency):
-            self._send(t_s)
+            self._send(t_s + self.p.burst_offset_s(len(self.requests)))
 
     def stop(self) -> None:
         """The end of the last phase: requests in flight finish, no new ones go out."""

@@ -84,6 +84,10 @@ class SimParams:
     # a bunched schedule moves 10-15 % with which prompts are drawn); 0 where a length is not known
     # and past the end, lengths are drawn as above
     request_lengths: tuple[tuple[int, int], ...] = ()
+    # When each request of a burst goes out after its level's start, in the order sent (0 past the
+    # end): a client sends a burst one request after another, and the engine starts a turn on the
+    # first to land (the demo's live C=32 bursts went out over 10-50 ms: turns of 1, 1, 7, 8, 8, 7)
+    burst_offsets_s: tuple[float, ...] = ()
     client_max_inflight: int | None = None  # a client that cannot keep up
     think_s: float = 0.0
     client_latency_s: float = 0.0005  # HTTP + tokenizer, each way
@@ -133,6 +137,9 @@ class SimParams:
         """The recorded (prompt, output) tokens of the ``index``-th request sent, 0 where not
         known; None past the recording."""
         return self.request_lengths[index] if index < len(self.request_lengths) else None
+
+    def burst_offset_s(self, index: int) -> float:
+        return self.burst_offsets_s[index] if index < len(self.burst_offsets_s) else 0.0
 
     def stage_multiplier(self, stage: int) -> float:
         m = self.stage_cost_multipliers

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gputrace.analysis.result import analyse_store
+from gputrace.analysis.engine_metrics import COMPARED
+from gputrace.analysis.result import Analysis, analyse_tables
 from gputrace.sim.outputs import write_store
 from gputrace.sim.truth import scenario_fixes
 from gputrace.sim.virtual import SimResult, run_params, run_scenario
@@ -47,11 +48,17 @@ class Score:
 
 def fitted(result: SimResult) -> FittedModel:
     """The model fitted to a virtual run through its store, as a captured run would be."""
+    return fit_model(analysed_as_captured(result))
+
+
+def analysed_as_captured(result: SimResult) -> Analysis:
+    """A virtual run written to a store and analysed from it, as a captured run is (less the
+    effects and advice ``gputrace.analyse.analyse_run`` adds, which are what is scored here: the
+    what-if cannot call that pipeline, which calls it)."""
     with tempfile.TemporaryDirectory(prefix="gputrace-whatif-") as tmp:
         write_store(result, Path(tmp) / "run")
         with Store.open(Path(tmp) / "run", read_only=True) as store:
-            analysis = analyse_store(store)
-    return fit_model(analysis)
+            return analyse_tables(store.read_run(engine_metric_names=COMPARED))
 
 
 @functools.lru_cache(maxsize=2)  # a run holds up to ~100 MB of trace
@@ -155,10 +162,7 @@ def score_advice(name: str, seed: int) -> AdviceScore:
     from gputrace.whatif.predict import finding_change
 
     result = run_scenario(name, seed)
-    with tempfile.TemporaryDirectory(prefix="gputrace-advice-") as tmp:
-        write_store(result, Path(tmp) / "run")
-        with Store.open(Path(tmp) / "run", read_only=True) as store:
-            analysis = analyse_store(store)
+    analysis = analysed_as_captured(result)
     model = fit_model(analysis)  # as the advise hook does where the effects fitted none
     advice, _ = search(model, [f.to_dict() for f in analysis.findings],
                        durations={pm.label: pm.duration_s for pm in analysis.metrics})

@@ -115,6 +115,9 @@ def prometheus_run(prometheus_url: str | None, prom_start: str | None, prom_end:
                f"at a {step_ms / 1000:g} s step in {summary.queries} range queries "
                f"({summary.windows} window(s) of at most {MAX_POINTS_PER_SERIES} steps per metric)"
                + (f"; {client.retries} call(s) asked again after a 'later' answer" if client.retries else ""))
+    if held := {table: n for table, n in summary.present.items() if n}:
+        click.echo(f"already in {run_dir} (not added again): "
+                   + ", ".join(f"{n} {table}" for table, n in sorted(held.items())))
     click.echo(f"series found: {', '.join(summary.found)}")
     if summary.dcgm_schema:
         words = DCGM_SCHEMA_WORDS.get(summary.dcgm_schema, "names of several releases, each converted")

@@ -1,6 +1,10 @@
 """The collector: for one run, per host one transport (SSH or local) that follows the engine log,
 pulls the agent's samples and probes the clock; everything goes to the run store in batches at
 least once a second, and a small HTTP server serves live metrics, phase marks and status.
+
+The collector reads the time and its host's name from what it is given (``clock_ns``,
+``hostname``), as the agent client, the live view and the load generator do: a test drives it on
+a clock of its own instead of sleeping.
 """
 
 from __future__ import annotations
@@ -9,41 +13,34 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime as dt
-import json
-import signal
 import socket
 import time
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
-import numpy as np
-
 from gputrace.agent.client import HISTORY_MARGIN_S, AgentClient
+from gputrace.collect.http_api import CollectorApi
+from gputrace.collect.marks import MarkWriter
+from gputrace.collect.problems import SourceProblems
+from gputrace.collect.run_store import log_clocks, lost_on_stop
 from gputrace.config import Config, HostConfig
 from gputrace.engines import LogParser
-from gputrace.errors import ConfigError, GputraceError, SourceError, StoreError, StoreWriteError, UsageError
-from gputrace.exposition import metrics_handler
+from gputrace.errors import ConfigError, GputraceError, SourceError, StoreWriteError, UsageError
 from gputrace.httpserver import (
     HttpLimits,
     HttpListener,
-    bearer_auth,
-    has_token,
     is_loopback,
     parse_listen,
-    require_token_beyond_loopback,
-    web,
 )
-from gputrace.live import LiveCollector, LiveState
-from gputrace.log_clock import LogClockOffset, log_clock_offset
+from gputrace.live import LiveState
 from gputrace.logsetup import get_logger
 from gputrace.model import DeviceInfo, EngineConfig, Marker, RequestRecord, SchedulerEvent
 from gputrace.remote.clock import probe_clock
 from gputrace.remote.connect import TransportFactory, connect_host
 from gputrace.remote.engine_scrape import MetricsEndpoint, ScrapeStats, follow_metrics
-from gputrace.remote.follow import FollowGap, follow_log_batches
+from gputrace.remote.follow import follow_log_batches
 from gputrace.remote.ssh import HostKeyPolicy
 from gputrace.remote.transport import Transport
 from gputrace.store import REJECTS_FILE, BatchingWriter, Store, warm_up
@@ -52,8 +49,6 @@ from gputrace.topology import topology_to_meta
 from gputrace.vocabulary import CaptureProblem, LiveStatus
 
 log = get_logger("collect")
-MAX_CONCURRENCY = 1 << 31  # a phase's target: far above any real load, well inside int64
-
 DEFAULT_LISTEN = "127.0.0.1:9401"
 # The file follower polls every 20 ms and an SSH hop adds milliseconds: a log silent this long after
 # a drain began has delivered every line written before it.
@@ -61,11 +56,6 @@ DRAIN_QUIET_S = 0.3
 # each step of stop() (sources ending, connections closing) is bounded by this: SIGTERM must end
 # the process within 5 s
 STOP_STEP_S = 1.0
-# Marks posted together are written as one batch after this pause (a mark written alone flushed
-# the store on the event loop: 1,000 marks/s timed out 5,493 of 10,000 clients, /healthz p50 633 ms).
-# An append costs ~30 ms whatever its size (busy 2-core machine); at 10 ms the appends took most
-# of the loop from the requests; a mark waits about this long for its answer.
-MARK_BATCH_S = 0.05
 
 
 @dataclass
@@ -83,9 +73,6 @@ class CollectOptions:
     log_from_start: bool = True  # read the log from its beginning (startup config lines included)
     ready_timeout_s: float = 15.0  # how long start() waits for every source to be live
     http_limits: HttpLimits = field(default_factory=HttpLimits)
-
-
-_PendingMark = tuple[Marker, "asyncio.Future[str | None]", web.Request]  # its request waits on the future
 
 
 @dataclass
@@ -106,33 +93,31 @@ class LoadInFlight(Protocol):
 class Collector:
     """Collects one run into ``store``; ``start``, ``drain`` once the workload is over, then ``stop``
     (or ``run_until``). ``connect`` reaches each configured host (default: SSH or local, as its
-    ``ssh`` says, under the options' host-key policy)."""
+    ``ssh`` says, under the options' host-key policy). ``clock_ns`` (epoch ns) stamps what the
+    collector dates itself (receipts, problems, marks without a time, the stop) and measures
+    ``drain``'s quiet and timeout; ``hostname`` is the host a mark without one is filed under."""
 
     def __init__(self, cfg: Config, store: Store, options: CollectOptions | None = None,
-                 connect: TransportFactory | None = None):
+                 connect: TransportFactory | None = None, *, clock_ns: Callable[[], int] = time.time_ns,
+                 hostname: str | None = None):
         self.cfg = cfg
         self.store = store
         self.options = options or CollectOptions()
         self._connect = connect or self._connect_configured
         self.placements = cfg.placements()
-        self.live = LiveState(store.meta.name, self.placements)
+        self.clock_ns = clock_ns
+        self.live = LiveState(store.meta.name, self.placements, clock_ns=clock_ns)
         self.writer = BatchingWriter(store, flush_s=self.options.flush_s, on_reject=self._rejected)
         self._hosts = [_HostTasks(h) for h in cfg.hosts]
         self._tasks: list[asyncio.Task[None]] = []
         self._listener: HttpListener | None = None
         self.url: str | None = None
-        self.client_host = socket.gethostname()
+        self.client_host = hostname if hostname is not None else socket.gethostname()
         self._failures: list[str] = []
         self._ready: dict[str, asyncio.Event] = {}
-        # per source, what keeps it from delivering (a log file not there, a lost connection, a
-        # task that ended); the open ones (until_ns None) are current
-        self._problems: list[CaptureProblem] = []
+        self.source_problems = SourceProblems(clock_ns)
         self._last_log_batch_ns: dict[str, int] = {}  # per log source, when its newest lines came
-        self._log_gaps: list[dict[str, object]] = []  # log content that could not be read (meta.json)
-        # marks posted and not yet written, each with the future its request waits on (None: stored,
-        # else why not)
-        self._marks_pending: list[_PendingMark] = []
-        self._marks_posted = asyncio.Event()
+        self.marks = MarkWriter(store, self.live, self.client_host, clock_ns)
         # set by ``stop`` when records could not be written: the one line the command ends with
         self.lost_on_stop: str | None = None
 
@@ -144,11 +129,14 @@ class Collector:
         self.store.update_meta(topology=topology_to_meta(
             topo.pp_size, topo.tp_size, topo.dp_size, self.placements, self.cfg.placement_source))
         if self.options.listen:
-            await self._start_http(self.options.listen)
+            api = CollectorApi(self.live, self.marks, self.status, self.problems, self._failures,
+                               token=self.options.http_token, insecure=self.options.insecure,
+                               limits=self.options.http_limits)
+            self._listener, self.url = await api.start(self.options.listen)
         # The writer flushes from the first record: the first hosts deliver while the others connect
         # (32 hosts connected one after another on a busy 2-core box held 67,000 rows unwritten).
         self._tasks.append(self._spawn(self._flush_loop(), "flush"))
-        self._tasks.append(self._spawn(self._write_marks(), "marks"))
+        self._tasks.append(self._spawn(self.marks.run(), "marks"))
         # Hosts connect side by side; the first host (in config order) that fails is the error.
         starts = (self._start_host(index, ht) for index, ht in enumerate(self._hosts))
         results = await asyncio.gather(*starts, return_exceptions=True)
@@ -167,7 +155,7 @@ class Collector:
             with _naming(f"hosts[{index}].agent"):
                 url = await self._agent_url(ht)
             ht.agent = AgentClient(url, token=self.options.agent_token, on_bad_line=self._bad_sample_line,
-                                   history_margin_s=HISTORY_MARGIN_S)
+                                   history_margin_s=HISTORY_MARGIN_S, clock_ns=self.clock_ns)
             self._ready[f"agent {ht.host.name}"] = asyncio.Event()
             ht.tasks.append(self._spawn(self._pull_agent(ht), f"agent {ht.host.name}"))
         if ht.host.engine_metrics is not None:
@@ -198,10 +186,10 @@ class Collector:
         writer flushed. Engine /metrics scrapes come at their interval and are not waited for;
         failed sources and sources with a problem open are not either. False when the timeout
         came first or the store could not be written (then what is buffered stays in the backlog)."""
-        asked_ns = time.time_ns()
-        deadline = time.monotonic() + timeout_s
+        asked_ns = self.clock_ns()
+        deadline_ns = asked_ns + int(timeout_s * 1e9)
         while waiting := self._not_drained(asked_ns):
-            if time.monotonic() >= deadline:
+            if self.clock_ns() >= deadline_ns:
                 log.warning("drain timed out; stopping with what arrived", waiting_for=waiting,
                             timeout_s=timeout_s)
                 self.writer.flush()
@@ -211,8 +199,8 @@ class Collector:
 
     def _not_drained(self, asked_ns: int) -> list[str]:
         """The sources still delivering what they held at ``asked_ns``."""
-        now_ns = time.time_ns()
-        open_problems = {p.source for p in self._problems if p.until_ns is None}
+        now_ns = self.clock_ns()
+        open_problems = self.source_problems.open_sources()
         running = {t.get_name() for ht in self._hosts for t in ht.tasks if not t.done()}
         waiting = []
         for ht in self._hosts:
@@ -252,7 +240,7 @@ class Collector:
         if self._listener is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._listener.stop(), STOP_STEP_S)
-        stopped_ns = time.time_ns()
+        stopped_ns = self.clock_ns()
         writer = self.writer
         outages = [*writer.outages]
         if writer.write_error is not None:
@@ -263,41 +251,17 @@ class Collector:
         try:
             self.store.update_meta(extra={"collector": {
                 "counts": dict(self.live.counts), "failures": self._failures,
-                "source_problems": [p.to_dict() for p in self._problems], "store_outages": outages,
-                "log_gaps": self._log_gaps,
+                "source_problems": [p.to_dict() for p in self.source_problems.seen],
+                "store_outages": outages, "log_gaps": self.source_problems.log_gaps,
                 "dropped_records": dict(writer.dropped), "unwritten_records": unwritten,
                 "stopped_ns": stopped_ns,
-                "log_clock": [found.to_dict() for found in self._log_clock_offsets()]}})
+                "log_clock": log_clocks(self.store)}})
         except StoreWriteError as exc:
             meta_error = str(exc)
             log.error("meta_not_updated", error=meta_error)
         if unwritten:
-            self.lost_on_stop = _lost_on_stop(self.store.path, unwritten, writer.write_error, meta_error)
+            self.lost_on_stop = lost_on_stop(self.store.path, unwritten, writer.write_error, meta_error)
         log.info("collector_stopped", run=str(self.store.path), **self.live.counts)
-
-    def _log_clock_offsets(self) -> list[LogClockOffset]:
-        """Each followed log whose stamps run more than a minute from when its lines arrived (an
-        engine logging local time read as UTC put every line hours off, and nothing said so)."""
-        try:
-            table = self.store.log_and_receive_times()
-        except StoreError as exc:
-            log.warning("log_clock_not_checked", error=str(exc))
-            return []
-        if not table.num_rows:
-            return []
-        hosts = table.column("host").to_numpy(zero_copy_only=False)
-        sources = table.column("source").to_numpy(zero_copy_only=False)
-        log_ts = table.column("log_ts_ns").to_numpy().astype(np.float64)
-        recv = table.column("recv_ts_ns").to_numpy().astype(np.float64)
-        found = []
-        for host, source in sorted(set(zip(hosts.tolist(), sources.tolist(), strict=True))):
-            sel = (hosts == host) & (sources == source)
-            offset = log_clock_offset(f"{host} {source}", log_ts[sel], recv[sel])
-            if offset is not None:
-                log.warning("log_clock_disagrees", source=offset.source, offset_s=round(offset.offset_s),
-                            suggested_timezone=offset.suggested_timezone())
-                found.append(offset)
-        return found
 
     async def start_unless(self, stop: asyncio.Event) -> bool:
         """``start``, ended early when ``stop`` is set (the readiness wait included): False then.
@@ -333,11 +297,11 @@ class Collector:
                 raise
             except GputraceError as exc:
                 self._failures.append(f"{name}: {exc}")
-                self._source_problem(name, f"stopped: {exc}")
+                self.source_problems.note(name, f"stopped: {exc}")
                 log.error("source_failed", source=name, error=str(exc))
             except Exception as exc:  # a bug in one source must not stop the others
                 self._failures.append(f"{name}: {type(exc).__name__}: {exc}")
-                self._source_problem(name, f"stopped: {type(exc).__name__}: {exc}")
+                self.source_problems.note(name, f"stopped: {type(exc).__name__}: {exc}")
                 log.exception("source_crashed", source=name)
         return asyncio.create_task(guarded(), name=name)
 
@@ -367,14 +331,14 @@ class Collector:
         src = ht.host.log
         # a line followed live was written by now: that dates vLLM's stamps, which have no year
         parser = LogParser(host=ht.host.name, source=f"{src.kind}:{src.target}", engine=src.engine,
-                           tz=src.timezone, year_until=lambda: dt.datetime.now(dt.UTC).date())
+                           tz=src.timezone, year_until=self._today)
         name = f"log {ht.host.name}"
         ready = self._ready.setdefault(name, asyncio.Event())
         async for batch in follow_log_batches(ht.transport, src, from_start=self.options.log_from_start,
                                               on_caught_up=ready.set,
-                                              on_problem=lambda why: self._source_problem(name, why),
-                                              on_gap=lambda gap: self._log_gap(name, gap)):
-            self._last_log_batch_ns[name] = time.time_ns()
+                                              on_problem=lambda why: self.source_problems.note(name, why),
+                                              on_gap=lambda gap: self.source_problems.log_gap(name, gap)):
+            self._last_log_batch_ns[name] = self.clock_ns()
             self.live.counts["log_lines"] += len(batch)
             for line in batch:
                 record = parser.feed(line.text, recv_ts_ns=line.recv_ts_ns)
@@ -387,6 +351,10 @@ class Collector:
                 elif isinstance(record, EngineConfig):
                     self.live.on_config(record)  # K and the pool, for the live engine figures
 
+    def _today(self) -> dt.date:
+        """The collector's date (UTC): a line followed live was written by then."""
+        return dt.datetime.fromtimestamp(self.clock_ns() / 1e9, dt.UTC).date()
+
     async def _pull_agent(self, ht: _HostTasks) -> None:
         assert ht.agent is not None
         try:
@@ -398,7 +366,7 @@ class Collector:
         ready = self._ready.setdefault(name, asyncio.Event())
         told = False
         async for batch in ht.agent.follow(poll_s=self.options.agent_poll_s,
-                                           on_problem=lambda why: self._source_problem(name, why)):
+                                           on_problem=lambda why: self.source_problems.note(name, why)):
             ready.set()
             if ht.host.gpus is not None:
                 batch = [s for s in batch if s.gpu_index in ht.host.gpus]
@@ -436,7 +404,7 @@ class Collector:
         ready = self._ready.setdefault(name, asyncio.Event())
         stats = ScrapeStats()
         async for batch in follow_metrics(endpoint, ht.host.name, src.url, stats,
-                                          on_problem=lambda why: self._source_problem(name, why)):
+                                          on_problem=lambda why: self.source_problems.note(name, why)):
             ready.set()
             self.live.counts["engine_metric_samples"] += len(batch)
             self.live.on_engine_metrics(batch)
@@ -457,73 +425,14 @@ class Collector:
                 self.live.counts["bad_clock_probes"] += ht.agent.stats.bad_probes - refused
             await asyncio.sleep(self.options.probe_interval_s)
 
-    async def _write_marks(self) -> None:
-        """Write the marks posted, a batch at a time, and tell each request whether its mark is
-        stored: a mark answered 200 is on disk, one answered with an error is not."""
-        try:
-            while True:
-                await self._marks_posted.wait()
-                await asyncio.sleep(MARK_BATCH_S)
-                self._marks_posted.clear()
-                batch, self._marks_pending = self._marks_pending, []
-                self._store_marks(batch)
-        finally:
-            for _, future, _ in self._marks_pending:
-                future.cancel()
-            self._marks_pending = []
-
-    def _store_marks(self, batch: list[_PendingMark]) -> None:
-        live = []
-        for marker, future, request in batch:
-            if future.done():
-                continue
-            if request.transport is None or request.transport.is_closing():
-                future.set_result("the client went away before it was stored")  # it saw no 200
-            else:
-                live.append((marker, future))
-        if not live:
-            return
-        try:
-            _, rejected = self.store.append_valid([m for m, _ in live])
-        except StoreWriteError as exc:
-            log.warning("marks_not_stored", marks=len(live), error=str(exc))
-            for _, future in live:
-                future.set_result(f"the store cannot be written ({exc})")
-            return
-        refused = {id(record): reason for record, reason in rejected}
-        for marker, future in live:
-            reason = refused.get(id(marker))
-            if reason is None:
-                self.live.on_marker(marker)
-            else:
-                self.live.counts["bad_marks"] += 1
-            future.set_result(None if reason is None else f"bad marker: {reason}")
-
     async def _flush_loop(self) -> None:
         while True:
             await asyncio.sleep(min(self.options.flush_s, 0.25))
             self.writer.maybe_flush()
 
-    def _source_problem(self, source: str, reason: str | None) -> None:
-        """``source`` has a problem from now on (``reason``), or none any more (None)."""
-        now = time.time_ns()
-        for i, problem in enumerate(self._problems):
-            if problem.source == source and problem.until_ns is None:
-                if problem.reason == reason:
-                    return
-                self._problems[i] = dataclasses.replace(problem, until_ns=now)
-        if reason is not None:
-            self._problems.append(CaptureProblem(source, reason, now))
-
-    def _log_gap(self, source: str, gap: FollowGap) -> None:
-        """Log content ``source`` could not read: kept in meta.json with its position and size, and
-        as a problem over at once spanning the time it covers (the report's notes say it)."""
-        self._log_gaps.append({"source": source, **gap.to_dict()})
-        self._problems.append(CaptureProblem(source, gap.reason, gap.since_ns or gap.found_ns, gap.found_ns))
-
     def problems(self) -> list[CaptureProblem]:
         """What keeps the capture from being complete right now: failing sources, the store."""
-        current = [p for p in self._problems if p.until_ns is None]
+        current = self.source_problems.current()
         if self.writer.write_error is not None:
             dropped = sum(self.writer.dropped.values())
             current.append(CaptureProblem(
@@ -561,71 +470,6 @@ class Collector:
         else:
             self.live.on_request(record)
 
-    # -- HTTP: /metrics, /v1/mark, /v1/status ---------------------------------------------------
-
-    async def _start_http(self, listen: str) -> None:
-        host, port = parse_listen(listen, example_port=9401)
-        token = self.options.http_token or None
-        require_token_beyond_loopback(
-            host, token, self.options.insecure,
-            refusal=f"--listen {listen}: listening beyond loopback needs a token (--token-file) or "
-                    "--insecure",
-            warning="collector endpoints open to the network without authentication (--insecure): "
-                    "anyone who reaches the port can post marks", listen=listen)
-        app = web.Application(middlewares=[bearer_auth(token, "gputrace-collector")] if token else [])
-        app.router.add_get("/metrics", metrics_handler(LiveCollector(self.live), auto_describe=True))
-        app.router.add_post("/v1/mark", self._mark)
-        app.router.add_get("/v1/status", self._status)
-        app.router.add_get("/healthz", self._healthz)
-        listener = HttpListener(app, "collector", self.options.http_limits)
-        try:
-            bound = await listener.start(host, port)
-        except OSError as exc:
-            raise UsageError(f"--listen {listen}: cannot listen: {exc.strerror}") from exc
-        self._listener = listener
-        self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{bound}"
-        log.info("collector_listening", url=self.url)
-
-    async def _mark(self, request: web.Request) -> web.Response:
-        try:
-            body = await request.json()
-            marker = marker_from_json(body, default_host=self.client_host)
-        except (ValueError, TypeError, KeyError, RecursionError) as exc:
-            self.live.counts["bad_marks"] += 1
-            why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-            return web.json_response({"error": f"bad marker: {why}"}, status=400)
-        # queued and written with the marks posted with it; answered once it is on disk
-        future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
-        entry = (marker, future, request)
-        self._marks_pending.append(entry)
-        self._marks_posted.set()
-        try:
-            why_not = await future
-        except asyncio.CancelledError:
-            # the request timed out or the collector stops: not stored, as its answer will say
-            with contextlib.suppress(ValueError):
-                self._marks_pending.remove(entry)
-            raise
-        if why_not is not None:
-            status = 400 if why_not.startswith("bad marker") else 503
-            return web.json_response({"error": why_not, "stored": False}, status=status)
-        return web.json_response({"ok": True, "ts_ns": marker.ts_ns, "stored": True})
-
-    async def _status(self, request: web.Request) -> web.Response:
-        return web.json_response(self.status().to_dict())
-
-    async def _healthz(self, request: web.Request) -> web.Response:
-        """200 while every source delivers and the store takes what they send; 503 with the
-        problems otherwise (a full disk said ok while every sample was kept in memory only). Open
-        without the token, as the agent's is; then it says only whether."""
-        problems = self.problems()
-        status = 503 if problems else 200
-        if not has_token(request, self.options.http_token or None):
-            return web.json_response({"ok": not problems}, status=status)
-        return web.json_response({"ok": not problems, "problems": [p.to_dict() for p in problems],
-                                  "failures": self._failures},
-                                 status=status)
-
 
 @contextlib.contextmanager
 def _naming(key: str) -> Iterator[None]:
@@ -638,35 +482,6 @@ def _naming(key: str) -> Iterator[None]:
         raise type(exc)(f"{key}: {exc}") from exc
 
 
-def marker_from_json(body: Any, default_host: str) -> Marker:
-    """A Marker from the JSON body `gputrace mark` and the load generator post."""
-    if not isinstance(body, dict):
-        raise TypeError("body must be a JSON object")
-    label = body["label"]
-    if not isinstance(label, str) or not label:
-        raise ValueError("label must be a non-empty string")
-    kind = body.get("kind", "phase")
-    if kind not in ("phase", "end", "note"):
-        raise ValueError("kind must be phase, end or note")
-    target = body.get("target_concurrency")
-    # bool is an int in Python: true as a concurrency reached the store and stopped its writer
-    if target is not None and (isinstance(target, bool) or not isinstance(target, int)
-                               or not 0 <= target <= MAX_CONCURRENCY):
-        raise ValueError(f"target_concurrency must be an integer from 0 to {MAX_CONCURRENCY}")
-    ts_ns = body.get("ts_ns") or time.time_ns()
-    if isinstance(ts_ns, bool) or not isinstance(ts_ns, int) or not 0 < ts_ns < 2**63:
-        raise ValueError("ts_ns must be an integer of nanoseconds since the epoch")
-    host = str(body.get("host") or default_host)
-    for name, text in (("label", label), ("host", host)):
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError(f"{name} is not valid Unicode (a lone surrogate)") from None
-        if not text.isprintable() or len(text) > 200:
-            raise ValueError(f"{name} must be printable text of at most 200 characters")
-    return Marker(host=host, ts_ns=ts_ns, label=label, kind=kind, target_concurrency=target)
-
-
 def _devices_from_info(host: str, info: dict[str, Any]) -> list[DeviceInfo]:
     known = {f for f in DeviceInfo.__dataclass_fields__}
     out = []
@@ -674,48 +489,3 @@ def _devices_from_info(host: str, info: dict[str, Any]) -> list[DeviceInfo]:
         if isinstance(dev, dict) and "gpu_index" in dev:
             out.append(DeviceInfo(**{**{k: v for k, v in dev.items() if k in known}, "host": host}))
     return out
-
-
-def _lost_on_stop(run: Path, unwritten: dict[str, dict[str, Any]], error: str | None,
-                  meta_error: str | None) -> str:
-    """'stopped with N records not written (...)': the line a capture that lost its backlog ends with."""
-    rows = sum(entry["rows"] for entry in unwritten.values())
-    kinds = ", ".join(f"{entry['rows']} {name}" for name, entry in unwritten.items())
-    spans = [(e["first_ns"], e["last_ns"]) for e in unwritten.values() if "first_ns" in e]
-    span = ""
-    if spans:
-        first_s, last_s = min(a for a, _ in spans) / 1e9, max(b for _, b in spans) / 1e9
-        span = (f", from {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(first_s))} to "
-                f"{time.strftime('%H:%M:%S', time.gmtime(last_s))} UTC")
-    where = (f"counted in {run / 'meta.json'} (collector.unwritten_records)" if meta_error is None
-             else f"meta.json could not record them either ({meta_error.rsplit(': ', 1)[-1]})")
-    # the reason, without the database's wording around it ("No space left on device")
-    reason = (error or "unknown").rsplit(": ", 1)[-1]
-    return (f"stopped with {rows} records not written ({kinds}{span}): the store cannot be written "
-            f"({reason}); {where}")
-
-
-def install_stop_signals(stop: asyncio.Event) -> None:
-    """SIGINT and SIGTERM set ``stop`` so the collector flushes and exits cleanly."""
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-
-
-@contextlib.contextmanager
-def open_run_store(out: Path, cfg: Config) -> Iterator[Store]:
-    """A new run directory for a capture (refuses to overwrite an existing run). A capture that
-    fails before anything was stored (a refused listen, a host key, an unreachable host) leaves no
-    run behind, so the retry can use the same --out."""
-    store = Store.create(out, name=cfg.run_name or out.name,
-                         config=json.loads(json.dumps(dict(cfg.raw), default=str)))
-    try:
-        store.reserve_meta_space()  # so a stop on a full disk still records what it lost
-        yield store
-    except BaseException:
-        if store.is_empty():
-            store.discard()
-        else:
-            store.close()
-        raise
-    store.close()

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from gputrace.analysis.align import (
+from gputrace.analysis.clocks_and_grid import (
     ClockModel,
     StageMapping,
     clock_model,
