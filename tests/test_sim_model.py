@@ -331,3 +331,31 @@ def test_a_run_without_its_log_text_has_the_same_ground_truth(scenario: str) -> 
     logged, unlogged = run_params(p, scenario), run_params(p, scenario, log=False)
     assert logged.log_lines and not unlogged.log_lines
     assert unlogged.ground_truth == logged.ground_truth
+
+
+@pytest.mark.parametrize("scenario", ["microbatch-cap", "kv-bound", "stage-imbalance", "prefill-chunk"])
+def test_the_engines_unlogged_stage_walk_gives_the_logged_walks_trace(scenario: str) -> None:
+    """A replay (no log) takes the engine's fast walk through the stages, a run with its log the
+    walk that writes the lines: the same arithmetic, so the same trace, bit for bit."""
+    from gputrace.sim.engine import PipelineEngine
+    from gputrace.sim.virtual import run_params
+
+    p = scenario_params(scenario, {"phase_s": 15.0, "seed": 2, "queued_request_s": 2e-4,
+                                   "context_token_s": 1e-7})
+    walked = 0
+    original = PipelineEngine._run_stages_logged
+
+    def counting(self: PipelineEngine, *args: object) -> float:
+        nonlocal walked
+        walked += 1
+        return original(self, *args)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(PipelineEngine, "_run_stages_logged", counting)
+        unlogged = run_params(p, scenario, log=False)
+        assert walked == 0
+        logged = run_params(p, scenario)
+    a, b = logged.engine.trace, unlogged.engine.trace
+    assert logged.log_lines and walked == len(a.step_reqs) > 500
+    for column in ("iv_start", "iv_end", "step_reqs", "tok_t", "tok_n", "st_t", "st_running", "work_t"):
+        assert getattr(a, column) == getattr(b, column), column

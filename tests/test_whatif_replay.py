@@ -9,7 +9,7 @@ import dataclasses
 from gputrace.sim.params import make_params
 from gputrace.sim.simulate import simulate
 from gputrace.whatif.fit import replay_outcomes
-from gputrace.whatif.outcome import trace_outcomes
+from gputrace.whatif.outcome import PhaseOutcome, trace_outcomes
 from gputrace.whatif.replay import SETTLE_TOLERANCE, replay_session, run_replay
 
 
@@ -53,3 +53,25 @@ def test_replays_are_shared_in_a_session_where_the_change_cannot_bind() -> None:
         assert stats.steps > 0 and "2 replays (2 shared)" in stats.text()
     assert shared == replay_outcomes(raised, None)  # outside the session: its own replay
     assert replay_outcomes(bound, None) != as_run
+
+
+def _without_latencies(outcomes: list[PhaseOutcome]) -> list[PhaseOutcome]:
+    return [dataclasses.replace(o, ttft_s_p50=None, ttft_s_p90=None, itl_s_p50=None, itl_s_p90=None)
+            for o in outcomes]
+
+
+def test_an_undrained_replay_states_the_drained_replays_throughput_bubbles_and_batches() -> None:
+    """A screening replay that states no latency ends with its last phase (drain_s 0): each phase's
+    throughput, bubble per stage and micro-batch sizes are the drained replay's exactly, for far
+    fewer steps (a small KV cache and a bound pool both hold requests waiting when the last
+    phase ends, which only the drain would serve)."""
+    for overrides in ({"max_total_num_tokens": 6000, "max_tokens": 900, "input_tokens_jitter": 0.3},
+                      {"max_running_requests": 12, "max_tokens": 600}):
+        p = make_params({"concurrency": (4, 16), "phase_s": 20.0, "drain_s": 30.0, **overrides})
+        drained, undrained = run_replay(p, 1), run_replay(dataclasses.replace(p, drain_s=0.0), 1)
+        assert undrained.result.engine.waiting or undrained.result.engine.running
+        outcomes = [_without_latencies(trace_outcomes(r.result, None, [(ph.rest_s, ph.rest_tok_s)
+                                                                       for ph in r.phases]))
+                    for r in (drained, undrained)]
+        assert outcomes[0] == outcomes[1]
+        assert len(undrained.result.engine.trace.step_reqs) < 0.8 * len(drained.result.engine.trace.step_reqs)

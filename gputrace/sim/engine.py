@@ -18,6 +18,7 @@ stages are known when it is issued (a flow shop).
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -67,15 +68,18 @@ class EngineTrace:
 
     pp_size: int
     # kernel-busy intervals, one per (step, stage): every step runs through all pp_size stages,
-    # so interval i is step i // pp_size on stage i % pp_size
-    iv_start: list[float] = field(default_factory=list)
-    iv_end: list[float] = field(default_factory=list)
+    # so interval i is step i // pp_size on stage i % pp_size. The float columns a replay reads
+    # back as numpy are C doubles (array 'd'): numpy takes them without a copy, where a list of
+    # a million Python floats took 20 ms to convert, each replay (the same values: a float is a
+    # double)
+    iv_start: array[float] = field(default_factory=lambda: array("d"))
+    iv_end: array[float] = field(default_factory=lambda: array("d"))
     # per step: requests in it, whether it decodes only, activation bytes each stage hands on
     step_reqs: list[int] = field(default_factory=list)
     step_decode: list[bool] = field(default_factory=list)
     step_act_bytes: list[int] = field(default_factory=list)
     # tokens handed to clients (time they come out of the last stage, count)
-    tok_t: list[float] = field(default_factory=list)
+    tok_t: array[float] = field(default_factory=lambda: array("d"))
     tok_n: list[int] = field(default_factory=list)
     # engine state at each issued batch (stage 0's view)
     st_t: list[float] = field(default_factory=list)
@@ -174,6 +178,11 @@ class PipelineEngine:
         self._seq += 1
         heapq.heappush(self._arrivals, (req.arrival_s, self._seq, req))
 
+    def process_due(self, t: float) -> None:
+        """Take in the arrivals and completions due by ``t``, issuing nothing (a run that ends
+        without draining still counts the requests that finished before its end)."""
+        self._process_until(t)
+
     def busy(self) -> bool:
         """Requests waiting, running or still to arrive."""
         return bool(self.running or self.waiting or self._arrivals or self._completions)
@@ -221,9 +230,14 @@ class PipelineEngine:
         elif not self.slots[k] and self.slot_chunk[k] is None and self.chunked is None \
                 and self._skip_empty(k, t):
             return False
-        self._process_until(t)
+        arrivals, completions = self._arrivals, self._completions
+        if (arrivals and arrivals[0][0] <= t) or (completions and completions[0][0] <= t):
+            self._process_until(t)
         self.now = t + p.sched_overhead_s
-        chunk = self._prefill_chunk(k, t)
+        if self.waiting or self.chunked is not None or self.slot_chunk[k] is not None:
+            chunk = self._prefill_chunk(k, t)
+        else:  # most turns of a loaded engine: nothing to prefill, a decode step
+            chunk = []
         if chunk and not self.vllm:
             self._issue(k, t, chunk)  # SGLang: a prefill turn decodes nothing of this slot
             return True
@@ -433,7 +447,8 @@ class PipelineEngine:
             tr.pf_t.append(t)
             tr.pf_n.append(prompt)
         tr.st_t.append(t)
-        tr.st_slots_busy.append(len(self.slots) - self.slots.count([]))
+        slots = self.slots
+        tr.st_slots_busy.append(len(slots) - slots.count([]))
         tr.st_running.append(self.running)
         tr.st_waiting.append(len(self.waiting))
         tr.st_kv_used.append(self.kv_used)
@@ -444,6 +459,48 @@ class PipelineEngine:
         compute = p.decode_token_s * (tokens - prompt) + p.prefill_token_s * prompt
         memory = p.weight_read_s + (self._expert_share(tokens) * p.expert_read_s if p.moe_experts else 0.0)
         base = p.launch_s + max(memory, compute) + p.context_token_s * ctx_tokens
+        queue_s = p.queued_request_s * len(self.waiting)  # rank 0's, before its forward
+        log = self.on_log is not None and not self.vllm  # vLLM logs engine-wide stats instead
+        if log or p.shared_cores > 0:
+            end = self._run_stages_logged(k, t, batch, tokens, n_reqs, decode, base, queue_s, xfer, lat)
+        else:
+            # the hottest loop of every replay: locals only, bound methods, one branch a stage
+            # (the same arithmetic as _run_stages_logged, in the same order: the same trace)
+            add_start, add_end = tr.iv_start.append, tr.iv_end.append
+            mults = self.mults
+            arrive = t
+            end = t
+            for s in range(last + 1):
+                free = stage_free[s]
+                start = arrive if arrive > free else free
+                end = start + (mults[s] * base + queue_s if s == 0 else mults[s] * base)
+                stage_free[s] = end
+                add_start(start)
+                add_end(end)
+                if s < last:
+                    free = link_free[s]
+                    sent = (end if end > free else free) + xfer
+                    link_free[s] = sent
+                    arrive = sent + lat
+        if p.synchronous_forward:
+            # stage 0's forward runs on the scheduler's own thread: its loop goes on (and takes in
+            # new requests, for the next slot) only once that forward is done
+            self.now = max(self.now, stage_free[0])
+        tr.step_reqs.append(n_reqs)
+        tr.step_decode.append(decode)
+        tr.step_act_bytes.append(act_bytes)
+        done = end + p.pcie_latency_s
+        self.slot_ready[k] = done
+        self._advance_requests(k, batch, done)
+
+    def _run_stages_logged(self, k: int, t: float, batch: list[tuple[SimRequest, int]], tokens: int,
+                           n_reqs: int, decode: bool, base: float, queue_s: float, xfer: float,
+                           lat: float) -> float:
+        """_issue's walk through the stages where it writes log lines or the stages share cores;
+        the last stage's end."""
+        p = self.p
+        tr = self.trace
+        stage_free, link_free, last = self.stage_free, self.link_free, p.pp_size - 1
         starts, ends = tr.iv_start, tr.iv_end
         log = self.on_log is not None and not self.vllm  # vLLM logs engine-wide stats instead
         gen_tokens, steps, interval = self._gen_tokens, self._decode_steps, p.decode_log_interval
@@ -451,8 +508,6 @@ class PipelineEngine:
         shared = p.shared_cores > 0
         arrive = t
         end = t
-        queue_s = p.queued_request_s * len(self.waiting)  # rank 0's, before its forward
-        # the hottest loop of every replay: locals only, the log's bookkeeping apart
         for s in range(last + 1):
             free = stage_free[s]
             start = arrive if arrive > free else free
@@ -478,16 +533,7 @@ class PipelineEngine:
                 sent = (end if end > free else free) + xfer
                 link_free[s] = sent
                 arrive = sent + lat
-        if p.synchronous_forward:
-            # stage 0's forward runs on the scheduler's own thread: its loop goes on (and takes in
-            # new requests, for the next slot) only once that forward is done
-            self.now = max(self.now, stage_free[0])
-        tr.step_reqs.append(n_reqs)
-        tr.step_decode.append(decode)
-        tr.step_act_bytes.append(act_bytes)
-        done = end + p.pcie_latency_s
-        self.slot_ready[k] = done
-        self._advance_requests(k, batch, done)
+        return end
 
     def _shared_end(self, s: int, now: float, start: float, work_s: float) -> float:
         """When stage s's forward of ``work_s`` (at full speed) begun at ``start`` ends on cores
@@ -530,6 +576,7 @@ class PipelineEngine:
 
     def _advance_requests(self, k: int, batch: list[tuple[SimRequest, int]], done: float) -> None:
         emitted = 0
+        released = 0  # future tokens no longer promised (ints: summed in any order, the same)
         for req, n in batch:
             req.kv_tokens += n
             if req.prefilled < req.prefill_target:
@@ -538,22 +585,23 @@ class PipelineEngine:
                     continue
                 if self.slot_chunk[k] is req:
                     self.slot_chunk[k] = None
-            req.generated += 1
-            self.kv_reserved -= 1
+            generated = req.generated = req.generated + 1
             emitted += 1
             if req.first_token_s is None:
                 req.first_token_s = done
             req.last_token_s = done
-            if req.listener is not None:
-                req.listener.tokens(done, req.generated)
-            if req.generated >= req.output_tokens or req.aborted:
+            listener = req.listener
+            if listener is not None:
+                listener.tokens(done, generated)
+            if generated >= req.output_tokens or req.aborted:
                 req.finish_s = done
-                self.kv_reserved -= max(req.output_tokens - req.generated, 0)
-                if req.listener is not None:
-                    req.listener.finished(done)
+                released += max(req.output_tokens - generated, 0)
+                if listener is not None:
+                    listener.finished(done)
                 self._seq += 1
                 heapq.heappush(self._completions, (done, self._seq, req))
         if emitted:
+            self.kv_reserved -= emitted + released
             self.trace.tok_t.append(done)
             self.trace.tok_n.append(emitted)
 

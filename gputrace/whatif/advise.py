@@ -383,7 +383,7 @@ def search(model: FittedModel, findings: Sequence[Mapping[str, Any]], objective:
     for change, origin in pool:
         changes = changes_of(model, change)
         assert changes is not None
-        rows = _screen(model, change)
+        rows = _screen(model, change, objective)
         screened.append((change, origin, Option(changes, _phases(model, rows, weights), origin)))
     # pairs of the best single changes on different knobs
     singles = sorted(screened, key=lambda s: -s[2].weighted_gain_tok_s)[:PAIR_FROM]
@@ -398,7 +398,7 @@ def search(model: FittedModel, findings: Sequence[Mapping[str, Any]], objective:
             seen.add(_key(pair))
             changes = changes_of(model, pair)
             assert changes is not None
-            rows = _screen(model, pair)
+            rows = _screen(model, pair, objective)
             screened.append((pair, "pair", Option(changes, _phases(model, rows, weights), "pair")))
     for pair in prefill_pairs([(c, o) for c, _, o in screened]):
         if _key(pair) in seen:
@@ -406,7 +406,7 @@ def search(model: FittedModel, findings: Sequence[Mapping[str, Any]], objective:
         seen.add(_key(pair))
         changes = changes_of(model, pair)
         assert changes is not None
-        rows = _screen(model, pair)
+        rows = _screen(model, pair, objective)
         screened.append((pair, "pair", Option(changes, _phases(model, rows, weights), "pair")))
 
     def rank(o: Option) -> float:
@@ -491,10 +491,12 @@ def _beyond_band(more: Option, fewer: Option, objective: str) -> bool:
     return added > band
 
 
-def _screen(model: FittedModel, change: Mapping[str, Any]) -> list[PhasePrediction]:
+def _screen(model: FittedModel, change: Mapping[str, Any], objective: str) -> list[PhasePrediction]:
     """A candidate's screening: its full prediction where one was made (a finding's change,
-    predicted for its effect: no replay), else a short replay at SCREEN_SEEDS."""
-    return predicted_already(model, change) or predict(model, change, SCREEN_SEEDS, SCREEN_PHASE_S)
+    predicted for its effect: no replay), else a short replay at SCREEN_SEEDS, undrained unless
+    the objective reads latencies (the SLO's): score() reads only throughput otherwise."""
+    return predicted_already(model, change) or predict(model, change, SCREEN_SEEDS, SCREEN_PHASE_S,
+                                                       latencies=objective == "slo")
 
 
 def _unchanged(model: FittedModel, label: str) -> PhaseOutcome:

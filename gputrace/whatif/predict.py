@@ -213,26 +213,32 @@ def predicted_already(model: FittedModel, changes: Mapping[str, Any]) -> list[Ph
 
 
 def predict(model: FittedModel, changes: Mapping[str, Any],
-            seeds: tuple[int, ...] | None = None, phase_s: float | None = None) -> list[PhasePrediction]:
+            seeds: tuple[int, ...] | None = None, phase_s: float | None = None,
+            latencies: bool = True) -> list[PhasePrediction]:
     """Run the fitted model under ``changes`` (at ``seeds``, default the fit's replay seeds);
     pair each level with the captured phase at it and calibrate it against the model's replay of
     that phase as it ran at the same seeds. ``phase_s``: replay each phase this long at most (a
-    search's screening), the run as it ran replayed as long for the ratio."""
+    search's screening), the run as it ran replayed as long for the ratio; with ``latencies``
+    False such a short replay and its ratio's are not drained after their last phase (a quarter
+    of a screening's steps): throughput, bubbles and batch sizes are the drained replay's, the
+    TTFT and ITL of the requests still in flight at its end are not."""
     p = changed_params(model, changes)
     all_seeds = _fit_seeds(model)
     use = seeds if seeds is not None else all_seeds
     short = phase_s is not None and phase_s < p.phase_s
-    key = _key(changes, use) + (f" for {phase_s} s" if short else "")
+    undrained = short and not latencies
+    key = _key(changes, use) + (f" for {phase_s} s" if short else "") + (" undrained" if undrained else "")
     if key in model.predictions:
         cached: list[PhasePrediction] = model.predictions[key]
         return cached
     if short:
         assert phase_s is not None
-        p = dataclasses.replace(p, phase_s=phase_s)
-        base_key = f"as run at {use!r} for {phase_s} s"
+        p = dataclasses.replace(p, phase_s=phase_s, drain_s=0.0 if undrained else p.drain_s)
+        base_key = f"as run at {use!r} for {phase_s} s" + (" undrained" if undrained else "")
         if base_key not in model.predictions:
-            model.predictions[base_key] = replay_seeds(dataclasses.replace(model.params, phase_s=phase_s),
-                                                       model.labels, use)
+            model.predictions[base_key] = replay_seeds(
+                dataclasses.replace(model.params, phase_s=phase_s,
+                                    drain_s=0.0 if undrained else model.params.drain_s), model.labels, use)
         short_runs: list[list[PhaseOutcome]] = model.predictions[base_key]
     by_level = {m.concurrency: i for i, m in enumerate(model.measured)}
     # as many levels as captured: each phase keeps its place (a finding's level raised stays its
