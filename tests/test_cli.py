@@ -131,16 +131,16 @@ def test_mark_help_is_not_cut_at_its_example() -> None:
     assert "Mark the start of a load phase (e.g. `gputrace mark C=64`) in the running capture." in own
 
 
-def test_demo_quick_duration_is_the_same_in_help_and_readme() -> None:
-    """`demo --help` and the reference (docs/capture.md) give `--quick` the same duration (they said
-    45 s where it took 50)."""
+def test_demo_quick_is_the_same_in_help_and_reference() -> None:
+    """`demo --help` and the reference (docs/capture.md) give `--quick` the same runs (they once
+    said 45 s where it took 50): the first try's C=32 K=64 level with 4,096-token bursts only."""
     import re
 
     helped = " ".join(gputrace_process("demo", "--help").stdout.split())
-    readme = " ".join((Path(__file__).resolve().parents[1] / "docs" / "capture.md").read_text().split())
-    said_help = re.search(r"--quick\s+Shorter load levels: 4 s each, about ([^.]+) in all\.", helped)
+    reference = " ".join((Path(__file__).resolve().parents[1] / "docs" / "capture.md").read_text().split())
+    said_help = re.search(r"--quick Of the first try's figures, C=(\d+) K=64 alone \(([\d,]+) tokens\)", helped)
     assert said_help, helped
-    section = readme[readme.index("## `gputrace demo"):]
-    said_readme = re.search(r"\(`--quick`: 4 s per level, about ([^)]+)\)", section)
-    assert said_readme, section[:2000]
-    assert said_help.group(1) == said_readme.group(1)
+    section = reference[reference.index("## `gputrace demo"):]
+    said_reference = re.search(r"`--quick`: C = (\d+) with ([\d,]+) only", section)
+    assert said_reference, section[:2000]
+    assert said_help.groups() == said_reference.groups() == ("32", "4,096")

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from gputrace.analysis.result import Analysis
 from gputrace.demo import FIRST_TRY, DemoResult, run_demo
+from gputrace.engines import engine_words
 from gputrace.report.text_heatmap import text_heatmap
 from gputrace.sim.calibration import CONFLICTING, TOLERANCE
 
@@ -101,7 +102,8 @@ def first_try_line(result: DemoResult) -> str | None:
     before, after = _scaled(replayed[top], result.speed), _scaled(predicted[top], result.speed)
     assert before is not None and after is not None
     k = FIRST_TRY["pp_max_micro_batch_size"]
-    return (f"--pp-max-micro-batch-size {k} (what the engineer tried first), predicted from the defaults' "
+    flag = engine_words(None).flag("pp_max_micro_batch_size")  # the demo's engine: SGLang
+    return (f"{flag} {k} (what the engineer tried first), predicted from the defaults' "
             f"run: {top} {before:.0f} -> {after:.0f} tok/s ({after / before - 1:+.0%}): K does not bind "
             f"where the prefill budget sets the micro-batches (the deployment measured 248 -> 250.9)")
 
