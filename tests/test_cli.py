@@ -138,7 +138,8 @@ def test_demo_quick_is_the_same_in_help_and_reference() -> None:
 
     helped = " ".join(gputrace_process("demo", "--help").stdout.split())
     reference = " ".join((Path(__file__).resolve().parents[1] / "docs" / "capture.md").read_text().split())
-    said_help = re.search(r"--quick Of the first try's figures, C=(\d+) K=64 alone \(([\d,]+) tokens\)", helped)
+    said_help = re.search(r"--quick Of the first try's figures, C=(\d+) K=64 alone \(([\d,]+) tokens\)",
+                          helped)
     assert said_help, helped
     section = reference[reference.index("## `gputrace demo"):]
     said_reference = re.search(r"`--quick`: C = (\d+) with ([\d,]+) only", section)
