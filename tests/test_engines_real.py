@@ -577,13 +577,14 @@ def test_dashboard_panels_render_a_real_engine_capture(engine_name: str, request
     assert set(stage_line[np.isfinite(stage_line)]) == {2.0}, stages.keys()
     busy = results["Busy per stage (heatmap)"]
     assert sorted(s.legend for s in busy.series) == ["stage 0", "stage 1"]
-    # an admission line names the engine's own flag (vLLM's read SGLang's); whether the live view
-    # reaches one at C=16 varies from run to run on this CPU (3 distinct lines over a vLLM run,
-    # none of them admission_bound in one of 3): tests/test_live.py holds the flag itself
-    flag = {"sglang": "--max-running-requests", "vllm": "--max-num-seqs"}[engine_name]
+    # an admission line names the limit in the engine's own words (vLLM's read SGLang's); the live
+    # line is the report's finding, cause and summary ("its limit (max_num_seqs = 8)"). Whether the
+    # live view reaches one at C=16 varies from run to run on this CPU (3 distinct lines over a
+    # vLLM run, none of them admission_bound in one of 3): tests/test_live.py holds the words itself
+    setting = {"sglang": "max_running_requests", "vllm": "max_num_seqs"}[engine_name]
     found = [series.labels["finding"] for series in lines]
     admission = [line for line in found if line.startswith("admission_bound")]
-    assert all(f"({flag} {ADMISSION_LIMIT})" in line for line in admission), found
+    assert all(f"({setting} = {ADMISSION_LIMIT})" in line for line in admission), found
     # Seen in these panels (session 13): SGLang's total read 2 running in 2 micro-batches at C=1,
     # vLLM's 0 running (a stats line at batch turnover) while 1 and 4 were in flight
     totals = {s.legend: dict(zip(s.ts_s.tolist(), s.values.tolist(), strict=True))
