@@ -388,26 +388,23 @@ def search(model: FittedModel, findings: Sequence[Mapping[str, Any]], objective:
     # pairs of the best single changes on different knobs
     singles = sorted(screened, key=lambda s: -s[2].weighted_gain_tok_s)[:PAIR_FROM]
     seen = {_key(c) for c, _, _ in screened}
-    for i, (a, _, _) in enumerate(singles):
-        for b, _, _ in singles[i + 1:]:
-            if set(a) & set(b) or len(screened) >= MAX_CANDIDATES + PAIR_FROM * 2:
-                continue
-            pair = {**a, **b}
-            if _key(pair) in seen:
-                continue
-            seen.add(_key(pair))
-            changes = changes_of(model, pair)
-            assert changes is not None
-            rows = _screen(model, pair, objective)
-            screened.append((pair, "pair", Option(changes, _phases(model, rows, weights), "pair")))
-    for pair in prefill_pairs([(c, o) for c, _, o in screened]):
+
+    def screen_pair(pair: dict[str, Any]) -> None:
+        """Screen a pair not screened yet."""
         if _key(pair) in seen:
-            continue
+            return
         seen.add(_key(pair))
         changes = changes_of(model, pair)
         assert changes is not None
         rows = _screen(model, pair, objective)
         screened.append((pair, "pair", Option(changes, _phases(model, rows, weights), "pair")))
+
+    for i, (a, _, _) in enumerate(singles):
+        for b, _, _ in singles[i + 1:]:
+            if not set(a) & set(b) and len(screened) < MAX_CANDIDATES + PAIR_FROM * 2:
+                screen_pair({**a, **b})
+    for pair in prefill_pairs([(c, o) for c, _, o in screened]):
+        screen_pair(pair)
 
     def rank(o: Option) -> float:
         s = score(o, objective, slo)
