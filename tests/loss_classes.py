@@ -21,7 +21,7 @@ from test_remote_follow import Collector, log_line
 
 from gputrace.config import LogSource
 from gputrace.remote.follow import FollowGap
-from gputrace.remote.ssh import connect_ssh
+from gputrace.remote.ssh import SshTransport, connect_ssh
 
 
 def logrotate(root: Path, log: Path, *directives: str) -> None:
@@ -70,6 +70,13 @@ class Engine(threading.Thread):
     async def finish(self) -> None:
         self.stop_event.set()
         await asyncio.to_thread(self.join)
+
+
+async def follow(sshd: SshServer, source: LogSource) -> tuple[SshTransport, list[FollowGap], Collector]:
+    """An SSH connection to ``sshd`` and a Collector following ``source`` over it, its gaps kept."""
+    transport = await connect_ssh(sshd.options())
+    gaps: list[FollowGap] = []
+    return transport, gaps, Collector(transport, source, on_gap=gaps.append)
 
 
 async def until(predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
@@ -131,9 +138,7 @@ async def two_copytruncates_in_one_outage(sshd: SshServer, root: Path) -> Outcom
     path = root / "server.log"
     engine = Engine(path)
     engine.start()
-    transport = await connect_ssh(sshd.options())
-    gaps: list[FollowGap] = []
-    collector = Collector(transport, LogSource("file", str(path)), on_gap=gaps.append)
+    transport, gaps, collector = await follow(sshd, LogSource("file", str(path)))
     await until(lambda: len(collector.lines) > 100)
     sshd.kill()
     for _ in range(2):
@@ -155,9 +160,7 @@ async def copytruncate_after_each_burst(sshd: SshServer, root: Path, burst: int 
     copytruncate while the follower is still reading the first."""
     path = root / "server.log"
     engine = Engine(path)
-    transport = await connect_ssh(sshd.options())
-    gaps: list[FollowGap] = []
-    collector = Collector(transport, LogSource("file", str(path)), on_gap=gaps.append)
+    transport, gaps, collector = await follow(sshd, LogSource("file", str(path)))
     engine.burst(1)
     await until(lambda: len(collector.lines) == 1)
     for _ in range(3):
@@ -179,9 +182,7 @@ async def command_log_rewritten_in_an_outage(sshd: SshServer, root: Path, case: 
     path = root / "server.log"
     old = [log_line(i) for i in range(300)]
     write_lines(path, old, "w")
-    transport = await connect_ssh(sshd.options())
-    gaps: list[FollowGap] = []
-    collector = Collector(transport, LogSource("command", f"tail -n +1 -f {path}"), on_gap=gaps.append)
+    transport, gaps, collector = await follow(sshd, LogSource("command", f"tail -n +1 -f {path}"))
     await until(lambda: len(collector.lines) == len(old))
     sshd.kill()
     unread = [log_line(1000 + i) for i in range(50)]
@@ -210,9 +211,7 @@ async def new_inode_in_an_outage(sshd: SshServer, root: Path, rotation: str) -> 
     path = root / "server.log"
     engine = Engine(path)
     engine.start()
-    transport = await connect_ssh(sshd.options())
-    gaps: list[FollowGap] = []
-    collector = Collector(transport, LogSource("file", str(path)), on_gap=gaps.append)
+    transport, gaps, collector = await follow(sshd, LogSource("file", str(path)))
     await until(lambda: len(collector.lines) > 100)
     sshd.kill()
     await asyncio.sleep(0.6)  # written while the collector is away
@@ -250,9 +249,7 @@ async def gone_in_an_outage_while_behind(sshd: SshServer, root: Path, how: str,
     gone: ``gone_bytes``, the bytes it held, is what the gap is to record."""
     path = root / "server.log"
     engine = Engine(path)
-    transport = await connect_ssh(sshd.options())
-    gaps: list[FollowGap] = []
-    collector = Collector(transport, LogSource("file", str(path)), on_gap=gaps.append)
+    transport, gaps, collector = await follow(sshd, LogSource("file", str(path)))
     engine.burst(1)
     await until(lambda: len(collector.lines) == 1)
     engine.burst(burst)
@@ -289,9 +286,7 @@ async def written_between_copy_and_truncation(sshd: SshServer, root: Path,
     (``gone_bytes``)."""
     path = root / "server.log"
     engine = Engine(path)
-    transport = await connect_ssh(sshd.options())
-    gaps: list[FollowGap] = []
-    collector = Collector(transport, LogSource("file", str(path)), on_gap=gaps.append)
+    transport, gaps, collector = await follow(sshd, LogSource("file", str(path)))
     engine.burst(1)
     await until(lambda: len(collector.lines) == 1)
     engine.burst(burst)
@@ -330,9 +325,7 @@ async def renamed_while_python_logging_writes(sshd: SshServer, root: Path) -> Ou
             time.sleep(0.001)
 
     writer = threading.Thread(target=engine, daemon=True)
-    transport = await connect_ssh(sshd.options())
-    gaps: list[FollowGap] = []
-    collector = Collector(transport, LogSource("file", str(path)), on_gap=gaps.append)
+    transport, gaps, collector = await follow(sshd, LogSource("file", str(path)))
     writer.start()
     await until(lambda: len(collector.lines) > 100)
     for _ in range(2):
@@ -356,9 +349,7 @@ async def copytruncate_mid_read(sshd: SshServer, root: Path, burst: int = 121_00
     still reading it; a second burst half as long regrows the file past the follower's offset."""
     path = root / "server.log"
     engine = Engine(path)
-    transport = await connect_ssh(sshd.options())
-    gaps: list[FollowGap] = []
-    collector = Collector(transport, LogSource("file", str(path)), on_gap=gaps.append)
+    transport, gaps, collector = await follow(sshd, LogSource("file", str(path)))
     engine.burst(1)
     await until(lambda: len(collector.lines) == 1)
     engine.burst(burst)
