@@ -22,15 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
+from gputrace.engines import ENGINE_WORDS
+from gputrace.engines.simulated import StepLineWriter
 from gputrace.errors import SourceError, UsageError
 from gputrace.logsetup import get_logger
-from gputrace.sim.logfmt import (
-    LinePrefix,
-    decode_message,
-    prefill_message,
-    server_args_message,
-    startup_message,
-)
 from gputrace.sim.params import SimParams
 from gputrace.topology import sglang_node_placements
 
@@ -66,6 +61,19 @@ class NodeLayout:
         return len({g for n, g in self.gpu_of.values() if n == node})
 
 
+def real_time_lines(p: SimParams) -> StepLineWriter:
+    """The simulated engine's log lines as its ranks write them while it runs; a one-line error
+    where its package gives none (the simulator serves it in virtual time only)."""
+    simulated = p.engine_spec.simulated
+    if simulated is None or simulated.step_lines is None:
+        served = " and ".join(e.name for e in ENGINE_WORDS.values()
+                              if e.simulated is not None and e.simulated.step_lines is not None)
+        raise UsageError(f"sim serve: only the {served} model serves in real time; the "
+                         f"{p.engine_spec.name} model runs in virtual time (gputrace sim --scenario ... "
+                         f"--set engine={p.engine})")
+    return simulated.step_lines(p)
+
+
 def parse_dist_init_addr(text: str) -> tuple[str, int]:
     host, _, port = text.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -82,16 +90,13 @@ class NodeFiles:
         self.node_rank = node_rank
         self.wall0_ns = wall0_ns
         self.speed = speed
-        self.prefix = LinePrefix(p.pp_size, p.tp_size)
+        self.lines = real_time_lines(p)
         try:
             self.log: IO[str] = open(log_path, "a", encoding="utf-8")  # noqa: SIM115  # closed in close()
             self.feed: IO[bytes] | None = open(feed_path, "ab") if feed_path else None  # noqa: SIM115
         except OSError as exc:
             raise SourceError(f"simulator node {node_rank}: cannot open its output file: {exc}") from exc
-        lines = [f"{self.prefix.rank(wall0_ns, None)} {server_args_message(p)}"]
-        lines += [f"{self.prefix.rank(wall0_ns, pp, tp)} {startup_message(p)}"
-                  for pp, tp in layout.ranks_on(node_rank)]
-        self.log.write("\n".join(lines) + "\n")
+        self.log.write("\n".join(self.lines.startup(wall0_ns, layout.ranks_on(node_rank))) + "\n")
         self.log.flush()
         if self.feed is not None:
             header = {"feed": FEED_KIND, "version": 1, "host": f"sim-node{node_rank}",
@@ -111,8 +116,7 @@ class NodeFiles:
             return
         out = []
         for t_s, stage, kind, fields in records:
-            message = decode_message(fields) if kind == "decode" else prefill_message(fields)
-            out.append(f"{self.prefix.rank(self.wall_ns(t_s), stage)} {message}\n")
+            out.append(self.lines.step(self.wall_ns(t_s), stage, kind, fields) + "\n")
         self.log.write("".join(out))
         self.log.flush()
 

@@ -5,6 +5,7 @@ or a TOML file). Every field of SimParams can be overridden by name.
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -146,14 +147,40 @@ class SimParams:
         return float(m[stage]) if stage < len(m) else 1.0
 
 
+def parse_start_ns(text: str) -> int:
+    """``2026-01-15T10:00:00Z`` (SimParams.start) -> ns since the epoch (UTC when no zone is given)."""
+    stamp = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    if stamp.tzinfo is None:
+        stamp = stamp.replace(tzinfo=dt.UTC)
+    return int(stamp.timestamp()) * 1_000_000_000 + stamp.microsecond * 1000
+
+
+class _EngineText(dict[str, str]):
+    """A scenario text's ``{setting}`` in its engine's flag (``{pp_max_micro_batch_size}`` ->
+    ``--pp-max-micro-batch-size`` on SGLang) and ``{engine}`` in its name, from its knobs."""
+
+    def __init__(self, engine: Engine):
+        super().__init__(engine=engine.name)
+        self.engine = engine
+
+    def __missing__(self, setting: str) -> str:
+        return self.engine.flag_for(setting)
+
+
 @dataclass(frozen=True, slots=True)
 class Scenario:
     """A preset: parameter overrides and the causes it is built to show."""
 
     name: str
-    summary: str
+    # what it shows, the engine's flags and name written ``{setting}`` and ``{engine}``
+    text: str
     overrides: Mapping[str, Any]
     causes: tuple[str, ...]
+
+    @property
+    def summary(self) -> str:
+        """What it shows, in its engine's flags."""
+        return self.text.format_map(_EngineText(engine_words(self.overrides.get("engine"))))
 
 
 # The motivating deployment's cost model, fitted to its measured figures (Kimi K2.6, PP8 on 8 PCIe
@@ -182,7 +209,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("motivating", "the deployment that started gputrace, with its defaults: PP8 TP1, "
                  "max_running_requests 64 (K = 64 // 8 = 8 per micro-batch); below 64 requests the "
                  "load fills fewer micro-batches than stages", {}, ("pipeline_underfilled",)),
-        Scenario("microbatch-cap", "--pp-max-micro-batch-size 2 below a pool of 64: every micro-batch "
+        Scenario("microbatch-cap", "{pp_max_micro_batch_size} 2 below a pool of 64: every micro-batch "
                  "at K = 2, 16 running, the pool's other rows free while requests wait",
                  {"pp_max_micro_batch_size": 2}, ("microbatch_cap",)),
         Scenario("microbatch-fixed", "the same deployment with K back at its default of 8",
@@ -190,11 +217,11 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("pool-bound", "max_running_requests 32 under a load of 64: every slot full at its "
                  "default K of 4, the pool is the bound and requests wait",
                  {**_FULL_PIPELINE, "max_running_requests": 32}, ("admission_bound",)),
-        Scenario("bunched", "--pp-max-micro-batch-size 64 at a load of 32: requests that arrive together "
+        Scenario("bunched", "{pp_max_micro_batch_size} 64 at a load of 32: requests that arrive together "
                  "share one or two micro-batches, most stages idle",
                  {**_FULL_PIPELINE, "pp_max_micro_batch_size": 64, "concurrency": (32,)},
                  ("pipeline_underfilled",)),
-        Scenario("bunched-at-pool", "--pp-max-micro-batch-size 64 with max_running_requests 32 under a "
+        Scenario("bunched-at-pool", "{pp_max_micro_batch_size} 64 with max_running_requests 32 under a "
                  "load of 64: the pool binds, and the 32 it runs share one micro-batch",
                  {**_FULL_PIPELINE, "max_running_requests": 32, "pp_max_micro_batch_size": 64},
                  ("admission_bound", "pipeline_underfilled")),
@@ -211,7 +238,7 @@ SCENARIOS: dict[str, Scenario] = {
                   "input_tokens_jitter": 0.2, "max_tokens": 1024, "max_total_num_tokens": 90_000},
                  ("kv_cache_bound",)),
         Scenario("pcie-bound", "stages hand activations over a degraded PCIe link (gen1 x1); 12 slots "
-                 "(--pp-async-batch-depth 4) keep the links busy",
+                 "({pp_async_batch_depth} 4) keep the links busy",
                  {**_FULL_PIPELINE, "pp_async_batch_depth": 4, "max_running_requests": 96,
                   "pp_max_micro_batch_size": 8, "concurrency": (96,), "input_tokens": 64,
                   "activation_bytes_per_token": 131072,
@@ -220,8 +247,8 @@ SCENARIOS: dict[str, Scenario] = {
                   # coprime with its 12 slots (9 shares 3: each rank would log 4 of the 12)
                   "decode_log_interval": 13},
                  ("pcie_bound",)),
-        Scenario("log-aliased", "the healthy pipeline logged with SGLang's default "
-                 "--decode-log-interval 40: 8 slots divide it, so each stage keeps logging one slot",
+        Scenario("log-aliased", "the healthy pipeline logged with {engine}'s default "
+                 "{decode_log_interval} 40: 8 slots divide it, so each stage keeps logging one slot",
                  {**_FULL_PIPELINE, "decode_log_interval": 40}, ("log_sampling_aliased",)),
         Scenario("prefill-burst", "the motivating deployment as its figures were measured: bursts of 32 "
                  "prompts of 1,024 tokens, K raised to 64; SGLang's 8,192-token prefill budget admits 8 "
@@ -238,8 +265,8 @@ SCENARIOS: dict[str, Scenario] = {
                   # the step's flat part 10x the default's, a token's cost as it is
                   "drain_s": 5.0, "launch_s": 0.0062, "weight_read_s": 0.0269, "max_total_num_tokens": 65536},
                  ("prefill_budget",)),
-        Scenario("vllm-admission", "vLLM, PP8, --max-num-seqs 32 under a load of 64: the engine runs "
-                 "32, its limit, and the rest wait",
+        Scenario("vllm-admission", "{engine}, PP8, {max_running_requests} 32 under a load of 64: the "
+                 "engine runs 32, its limit, and the rest wait",
                  {**_FULL_PIPELINE, "engine": "vllm", "max_running_requests": 32}, ("admission_bound",)),
     )
 }

@@ -21,12 +21,13 @@ from typing import Any
 
 import numpy as np
 
+from gputrace.engines.simulated import MetricSnapshot
 from gputrace.errors import SourceError
 from gputrace.exposition import metrics_handler
 from gputrace.httpserver import web
 from gputrace.logsetup import get_logger
 from gputrace.sim.engine import EngineTrace, PipelineEngine, SimRequest
-from gputrace.sim.engine_exposition import SGLANG_GAUGES, MetricSnapshot, SnapshotCollector
+from gputrace.sim.engine_exposition import SnapshotCollector
 from gputrace.sim.nodes import FEED_KIND, NodeFiles, NodeLayout, NodeRelay
 from gputrace.sim.params import SimParams
 
@@ -79,6 +80,8 @@ class RealtimeSim:
         self._loop: asyncio.AbstractEventLoop | None = None
         # what the engine's /metrics says: per rank the newest logged values, the counters
         self._stage_fields: list[dict[str, float]] = [{} for _ in range(params.pp_size)]
+        simulated = params.engine_spec.simulated
+        self._rank_gauges = frozenset() if simulated is None else simulated.rank_gauges
         self._tokens_total = 0.0
         self.e2e_latency_sum_s = 0.0  # finished requests: end-to-end latencies summed, and counted
         self.e2e_count = 0
@@ -147,7 +150,7 @@ class RealtimeSim:
         self._tok_done = i
 
     def metric_snapshot(self) -> MetricSnapshot:
-        """The engine's metrics now (SGLang's gauges hold each rank's newest logged values)."""
+        """The engine's metrics now (its rank gauges hold each rank's newest logged values)."""
         e = self.engine
         return MetricSnapshot(stage_fields=[dict(f) for f in self._stage_fields],
                               tokens_total=self._tokens_total, forward_s=list(self._forward_s),
@@ -169,7 +172,7 @@ class RealtimeSim:
                 break
             cut += 1
             self._stage_fields[stage].update(
-                {f: float(v) for f, v in fields.items() if f in SGLANG_GAUGES})
+                {f: float(v) for f, v in fields.items() if f in self._rank_gauges})
             by_node[self.layout.node_of_stage(stage)].append((t_s, stage, kind, fields))
         if cut:
             del self._lines[:cut]

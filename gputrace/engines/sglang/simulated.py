@@ -1,20 +1,21 @@
-"""SGLang's scheduler log lines in their current form (see shared ENGINES.md), for the simulator:
-the ``[YYYY-mm-dd HH:MM:SS PPp TPt]`` prefix, batch lines and the startup configuration lines.
+"""SGLang as the simulator writes it (see shared ENGINES.md): its scheduler log lines in their
+current form (the ``[YYYY-mm-dd HH:MM:SS PPp TPt]`` prefix, batch lines and the startup
+configuration lines) and its ``sglang:*`` /metrics series per ``pp_rank``.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Iterable
 
-from gputrace.sim.params import SimParams
-
-
-def parse_start_ns(text: str) -> int:
-    """``2026-01-15T10:00:00Z`` -> ns since the epoch (UTC when no zone is given)."""
-    stamp = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
-    if stamp.tzinfo is None:
-        stamp = stamp.replace(tzinfo=dt.UTC)
-    return int(stamp.timestamp()) * 1_000_000_000 + stamp.microsecond * 1000
+from gputrace.engines.simulated import (
+    MetricSample,
+    MetricSnapshot,
+    SimDeployment,
+    SimulatedEngine,
+    SimulatedRun,
+    StepFields,
+)
 
 
 class LinePrefix:
@@ -43,14 +44,14 @@ class LinePrefix:
         return f"[{self.stamp(ts_ns)}{ranks}]"
 
 
-def decode_message(f: dict[str, float | int | bool]) -> str:
+def decode_message(f: StepFields) -> str:
     return (f"Decode batch, #running-req: {f['running_req']}, #token: {f['num_token']}, "
             f"token usage: {f['token_usage']:.2f}, cuda graph: {bool(f['cuda_graph'])}, "
             f"gen throughput (token/s): {f['gen_throughput']:.2f}, #queue-req: {f['queue_req']}"
             + _occupancy_tail(f))
 
 
-def prefill_message(f: dict[str, float | int | bool]) -> str:
+def prefill_message(f: StepFields) -> str:
     return (f"Prefill batch, #new-seq: {f['new_seq']}, #new-token: {f['new_token']}, "
             f"#cached-token: {f['cached_token']}, token usage: {f['token_usage']:.2f}, "
             f"#running-req: {f['running_req']}, #queue-req: {f['queue_req']}, "
@@ -58,7 +59,7 @@ def prefill_message(f: dict[str, float | int | bool]) -> str:
             f"input throughput (token/s): {f['input_throughput']:.2f}" + _occupancy_tail(f))
 
 
-def _occupancy_tail(f: dict[str, float | int | bool]) -> str:
+def _occupancy_tail(f: StepFields) -> str:
     """SGLang 0.5.23's device-timer suffix (metrics_reporter's _ForwardOccupancyLogWindow)."""
     if "fwd_occupancy" not in f:
         return ""
@@ -66,7 +67,7 @@ def _occupancy_tail(f: dict[str, float | int | bool]) -> str:
             f"fwd+idle occupancy: {f['fwd_idle_occupancy'] * 100:.2f}%")
 
 
-def server_args_message(p: SimParams) -> str:
+def server_args_message(p: SimDeployment) -> str:
     """The ``server_args=ServerArgs(...)`` line (a subset of the fields, in SGLang's order)."""
     fields: list[tuple[str, object]] = [
         ("model_path", p.model_path), ("tokenizer_path", p.model_path), ("tokenizer_mode", "auto"),
@@ -89,7 +90,7 @@ def server_args_message(p: SimParams) -> str:
     return f"server_args=ServerArgs({body})"
 
 
-def startup_message(p: SimParams) -> str:
+def startup_message(p: SimDeployment) -> str:
     """The per-rank capacity line every scheduler logs at startup."""
     free_gb = (p.memory_total_bytes - p.weights_bytes_per_gpu) / 1e9 * 0.12
     return (f"max_total_num_tokens={p.max_total_num_tokens}, chunked_prefill_size={p.chunked_prefill_size}, "
@@ -97,45 +98,65 @@ def startup_message(p: SimParams) -> str:
             f"context_len={p.context_len}, available_gpu_mem={free_gb:.2f} GB")
 
 
-def startup_lines(p: SimParams, ts_ns: int, prefix: LinePrefix) -> list[str]:
-    """The configuration lines logged before serving: server_args, then one per rank."""
-    lines = [f"{prefix.rank(ts_ns, None)} {server_args_message(p)}"]
-    for pp in range(p.pp_size):
-        for tp in range(p.tp_size):
-            lines.append(f"{prefix.rank(ts_ns, pp, tp)} {startup_message(p)}")
-    return lines
+class SGLangLines:
+    """SGLang's log lines for one deployment, as its ranks write them (a StepLineWriter)."""
+
+    def __init__(self, p: SimDeployment):
+        self.p = p
+        self.prefix = LinePrefix(p.pp_size, p.tp_size)
+
+    def startup(self, ts_ns: int, ranks: Iterable[tuple[int, int]]) -> list[str]:
+        """The configuration lines logged before serving: server_args, then one per rank."""
+        lines = [f"{self.prefix.rank(ts_ns, None)} {server_args_message(self.p)}"]
+        lines += [f"{self.prefix.rank(ts_ns, pp, tp)} {startup_message(self.p)}" for pp, tp in ranks]
+        return lines
+
+    def step(self, ts_ns: int, stage: int, kind: str, fields: StepFields) -> str:
+        message = decode_message(fields) if kind == "decode" else prefill_message(fields)
+        return f"{self.prefix.rank(ts_ns, stage)} {message}"
 
 
-# -- vLLM (V1): the stats line every VLLM_LOG_STATS_INTERVAL and the two configuration lines --------
-
-VLLM_VERSION = "0.32.0"
-VLLM_STATS_INTERVAL_S = 10.0
-
-
-def vllm_prefix(ts_ns: int, process: str) -> str:
-    """``(APIServer pid=1000) INFO 01-15 10:00:13``: vLLM's stamp has no year and no sub-second."""
-    when = dt.datetime.fromtimestamp(ts_ns // 1_000_000_000, dt.UTC)
-    pid = 1000 if process == "APIServer" else 1014
-    return f"({process} pid={pid}) INFO {when:%m-%d %H:%M:%S}"
-
-
-def vllm_stats_message(prompt_tok_s: float, gen_tok_s: float, running: int, waiting: int,
-                       kv_usage: float) -> str:
-    return (f"[loggers.py:335] Engine 000: Avg prompt throughput: {prompt_tok_s:.1f} tokens/s, "
-            f"Avg generation throughput: {gen_tok_s:.1f} tokens/s, Running: {running} reqs, "
-            f"Waiting: {waiting} reqs, GPU KV cache usage: {kv_usage * 100:.1f}%, "
-            f"Prefix cache hit rate: 0.0%")
+def write_log(run: SimulatedRun) -> list[tuple[int, str]]:
+    """A virtual run's log: the configuration lines of every rank, then each logged step in time
+    order, up to the run's end."""
+    p = run.params
+    lines = SGLangLines(p)
+    t0 = run.ns(-run.lead_s)
+    out = [(t0, line) for line in lines.startup(t0, ((pp, tp) for pp in range(p.pp_size)
+                                                      for tp in range(p.tp_size)))]
+    end_ns = run.ns(run.end_s)
+    for t_s, _, stage, kind, fields in sorted(run.records):
+        ts_ns = run.ns(t_s)
+        if ts_ns > end_ns:
+            break
+        out.append((ts_ns, lines.step(ts_ns, stage, kind, fields)))
+    return out
 
 
-def vllm_startup_lines(p: SimParams, ts_ns: int) -> list[str]:
-    """``non-default args: {...}`` from the API server, then the engine core's configuration."""
-    args = {"model": p.model_path, "pipeline_parallel_size": p.pp_size,
-            "max_num_seqs": p.max_running_requests}
-    if p.tp_size > 1:
-        args["tensor_parallel_size"] = p.tp_size
-    config = (f"model={p.model_path!r}, tokenizer={p.model_path!r}, dtype=torch.bfloat16, "
-              f"max_seq_len={p.context_len}, tensor_parallel_size={p.tp_size}, "
-              f"pipeline_parallel_size={p.pp_size}, data_parallel_size=1, seed={p.seed}")
-    return [f"{vllm_prefix(ts_ns, 'APIServer')} [api_utils.py:286] non-default args: {args!r}",
-            f"{vllm_prefix(ts_ns, 'EngineCore')} [core.py:133] Initializing a V1 LLM engine "
-            f"(v{VLLM_VERSION}) with config: {config}"]
+# -- its /metrics: gauges per pp_rank (set when a rank logs a batch, as SGLang's metrics collector
+# is), its token and forward-time counters and its end-to-end latency histogram -----------------
+
+# The step fields whose newest value each rank's gauge holds.
+RANK_GAUGES = {"running_req": "sglang:num_running_reqs", "queue_req": "sglang:num_queue_reqs",
+               "token_usage": "sglang:token_usage", "gen_throughput": "sglang:gen_throughput"}
+E2E = "sglang:e2e_request_latency_seconds"  # its histogram (its _sum and _count; no buckets here)
+
+
+def metric_samples(p: SimDeployment, snap: MetricSnapshot) -> list[MetricSample]:
+    """The samples a scrape of SGLang's /metrics would read."""
+    model = {"model_name": p.model_path}
+    out = [MetricSample(E2E + "_sum", model, snap.e2e_latency_sum_s, "histogram"),
+           MetricSample(E2E + "_count", model, float(snap.e2e_count), "histogram")]
+    for s, fields in enumerate(snap.stage_fields):
+        labels = {"model_name": p.model_path, "engine_type": "unified", "tp_rank": "0", "pp_rank": str(s)}
+        out += [MetricSample(name, labels, float(fields[f]), "gauge")
+                for f, name in RANK_GAUGES.items() if f in fields]
+        out.append(MetricSample("sglang:realtime_tokens_total", labels, snap.tokens_total, "counter"))
+        if p.device_timer and s < len(snap.forward_s):  # SGLANG_ENABLE_METRICS_DEVICE_TIMER=1 only
+            out.append(MetricSample("sglang:forward_execution_seconds_total", labels, snap.forward_s[s],
+                                    "counter"))
+    return out
+
+
+SIMULATED = SimulatedEngine(write_log=write_log, metric_samples=metric_samples,
+                            rank_gauges=frozenset(RANK_GAUGES), step_lines=SGLangLines)
