@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import click
 
@@ -14,8 +13,8 @@ from gputrace.sim.params import SCENARIOS, load_params_file, parse_set_options
 _SET_HELP = "Override a parameter (repeatable): --set pp_max_micro_batch_size=64."
 
 
-def _overrides(params_file: str | None, sets: tuple[str, ...]) -> dict[str, Any]:
-    values: dict[str, Any] = load_params_file(params_file) if params_file else {}
+def _overrides(params_file: str | None, sets: tuple[str, ...]) -> dict[str, object]:
+    values: dict[str, object] = load_params_file(params_file) if params_file else {}
     values.update(parse_set_options(sets))
     return values
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
 
 import numpy as np
 
@@ -20,6 +19,7 @@ from gputrace.exposition import (
     HistogramMetricFamily,
     Metric,
 )
+from gputrace.sim.engine import EngineTrace
 from gputrace.sim.params import SimParams
 
 SCRAPE_S = 1.0
@@ -80,11 +80,12 @@ def _cumulative(t: np.ndarray, amounts: np.ndarray, at: np.ndarray) -> np.ndarra
     return np.asarray(total[np.searchsorted(t[order], at, side="right")], dtype=np.float64)
 
 
-def virtual_metric_rows(p: SimParams, start_ns: int, end_s: float, trace: Any,
+def virtual_metric_rows(p: SimParams, start_ns: int, end_s: float, trace: EngineTrace,
                         events: Mapping[str, np.ndarray], host: str, source: str,
                         latencies: tuple[np.ndarray, np.ndarray] = (np.zeros(0), np.zeros(0)),
-                        ) -> dict[str, Any]:
-    """The ``engine_metrics`` columns a collector scraping every second would have stored.
+                        ) -> dict[str, str | np.ndarray]:
+    """The ``engine_metrics`` columns a collector scraping every second would have stored (host
+    and source constant).
 
     ``events`` are the run's parsed scheduler lines (columns with ``recv_ts_ns`` the emission time);
     ``latencies`` the finished requests' (finish times, end-to-end latencies) in seconds.
@@ -100,7 +101,10 @@ def virtual_metric_rows(p: SimParams, start_ns: int, end_s: float, trace: Any,
     finish_s, latency_s = latencies
     e2e_sum = _cumulative(finish_s, latency_s, at_s)
     e2e_count = _cumulative(finish_s, np.ones_like(finish_s), at_s)
-    columns: dict[str, list[Any]] = {"ts_ns": [], "name": [], "labels_json": [], "value": []}
+    ts_ns: list[int] = []
+    names: list[str] = []
+    labels_json: list[str] = []
+    values: list[float] = []
     per_stage = _stage_gauges(p, events, at_ns)
     st_t = np.asarray(trace.st_t, dtype=np.float64)
     for k, t_ns in enumerate(at_ns.tolist()):
@@ -114,11 +118,12 @@ def virtual_metric_rows(p: SimParams, start_ns: int, end_s: float, trace: Any,
             kv_usage_ratio=trace.st_kv_used[last] / p.max_total_num_tokens if last >= 0 else 0.0,
             e2e_latency_sum_s=float(e2e_sum[k]), e2e_count=int(e2e_count[k]))
         for name, labels, value, _kind in snapshot_samples(p, snap):
-            columns["ts_ns"].append(t_ns)
-            columns["name"].append(name)
-            columns["labels_json"].append(json.dumps(labels, sort_keys=True))
-            columns["value"].append(value)
-    return {"host": host, "source": source, **{k: np.asarray(v) for k, v in columns.items()}}
+            ts_ns.append(t_ns)
+            names.append(name)
+            labels_json.append(json.dumps(labels, sort_keys=True))
+            values.append(value)
+    return {"host": host, "source": source, "ts_ns": np.asarray(ts_ns), "name": np.asarray(names),
+            "labels_json": np.asarray(labels_json), "value": np.asarray(values)}
 
 
 def _stage_gauges(p: SimParams, events: Mapping[str, np.ndarray], at_ns: np.ndarray

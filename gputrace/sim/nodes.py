@@ -20,10 +20,10 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO
 
 from gputrace.engines import ENGINE_WORDS
-from gputrace.engines.simulated import StepLineWriter
+from gputrace.engines.simulated import StepFields, StepLineWriter
 from gputrace.errors import SourceError, UsageError
 from gputrace.logsetup import get_logger
 from gputrace.sim.params import SimParams
@@ -32,6 +32,8 @@ from gputrace.topology import sglang_node_placements
 log = get_logger("sim.nodes")
 
 FEED_KIND = "gputrace-sim-gpu"
+# one logged step sent to the node whose rank writes it: (seconds into the run, stage, kind, values)
+NodeRecord = tuple[float, int, str, StepFields]
 CONNECT_TIMEOUT_S = 60.0  # how long node 0 waits for the others, and they retry reaching it
 
 
@@ -110,7 +112,7 @@ class NodeFiles:
     def wall_ns(self, t_s: float) -> int:
         return self.wall0_ns + round(t_s / self.speed * 1e9)
 
-    def write_log(self, records: list[tuple[float, int, str, dict[str, Any]]]) -> None:
+    def write_log(self, records: list[NodeRecord]) -> None:
         """(t_s, stage, kind, fields) in time order -> the stage's scheduler log lines."""
         if not records:
             return
@@ -183,7 +185,7 @@ class NodeRelay:
         for writer in self.writers.values():
             writer.write((json.dumps({"t_s": t_s, "speed": speed}) + "\n").encode())
 
-    def send(self, node: int, log_records: list[tuple[float, int, str, dict[str, Any]]],
+    def send(self, node: int, log_records: list[NodeRecord],
              intervals: list[tuple[float, float, int, int, int]]) -> None:
         writer = self.writers.get(node)
         if writer is None or writer.is_closing() or not (log_records or intervals):

@@ -16,6 +16,13 @@ from gputrace.engines import ENGINE_WORDS, Engine, engine_words
 from gputrace.engines.sglang import slot_count
 from gputrace.errors import ConfigError, UsageError
 
+# A SimParams field's value (what the overrides, the scenarios and the fixes set)
+ParamValue = (int | float | str | bool | None | tuple[int, ...] | tuple[float, ...]
+              | tuple[tuple[int, int], ...])
+# Field values by name as they come in (a scenario, --set, a TOML file): checked and coerced to each
+# field's type by make_params
+Overrides = Mapping[str, object]
+
 
 @dataclass(frozen=True, slots=True)
 class SimParams:
@@ -142,6 +149,10 @@ class SimParams:
     def burst_offset_s(self, index: int) -> float:
         return self.burst_offsets_s[index] if index < len(self.burst_offsets_s) else 0.0
 
+    def replaced(self, values: Mapping[str, ParamValue]) -> SimParams:
+        """These parameters with ``values`` (by field name, each of its field's type: a fix's)."""
+        return dataclasses.replace(self, **values)  # type: ignore[arg-type]  # typed per field by the caller
+
     def stage_multiplier(self, stage: int) -> float:
         m = self.stage_cost_multipliers
         return float(m[stage]) if stage < len(m) else 1.0
@@ -174,13 +185,14 @@ class Scenario:
     name: str
     # what it shows, the engine's flags and name written ``{setting}`` and ``{engine}``
     text: str
-    overrides: Mapping[str, Any]
+    overrides: Overrides
     causes: tuple[str, ...]
 
     @property
     def summary(self) -> str:
         """What it shows, in its engine's flags."""
-        return self.text.format_map(_EngineText(engine_words(self.overrides.get("engine"))))
+        engine = self.overrides.get("engine")
+        return self.text.format_map(_EngineText(engine_words(engine if isinstance(engine, str) else None)))
 
 
 # The motivating deployment's cost model, fitted to its measured figures (Kimi K2.6, PP8 on 8 PCIe
@@ -190,7 +202,7 @@ class Scenario:
 # burst's prompts fill SGLang's 8,192-token prefill budget 8 at a time, so C=32 spreads over 4
 # micro-batches whatever K allows) and the KV-cache capacity (it keeps the 4,096-token bursts at
 # C=32 and C=48 from running all at once). Nothing about the scheduler is fitted.
-KIMI_K26_PCIE_COST: Mapping[str, Any] = {
+KIMI_K26_PCIE_COST: Mapping[str, int | float] = {
     "moe_experts": 384, "moe_top_k": 8, "launch_s": 0.0006, "decode_token_s": 1e-6,
     "weight_read_s": 0.00123, "expert_read_s": 0.0572, "prefill_token_s": 2.14e-4,
     "input_tokens": 1024, "max_total_num_tokens": 156_000,
@@ -198,7 +210,7 @@ KIMI_K26_PCIE_COST: Mapping[str, Any] = {
 
 # Where the pipeline stays full: SGLang's per-micro-batch cap of 8 (64 // 8) with 64 requests in
 # flight fills all 8 slots. The single-cause scenarios below change one thing from it.
-_FULL_PIPELINE: dict[str, Any] = {
+_FULL_PIPELINE: Overrides = {
     "input_tokens": 256, "input_tokens_jitter": 0.3,
     "max_tokens": 1024, "output_tokens_jitter": 0.5, "concurrency": (64,), "phase_s": 120.0,
 }
@@ -274,7 +286,7 @@ SCENARIOS: dict[str, Scenario] = {
 _FIELDS = {f.name: f for f in dataclasses.fields(SimParams)}
 
 
-def scenario_params(name: str, overrides: Mapping[str, Any] | None = None) -> SimParams:
+def scenario_params(name: str, overrides: Overrides | None = None) -> SimParams:
     """A scenario's parameters with ``overrides`` (by field name) applied on top."""
     try:
         scenario = SCENARIOS[name]
@@ -284,19 +296,19 @@ def scenario_params(name: str, overrides: Mapping[str, Any] | None = None) -> Si
     return make_params(merged)
 
 
-def make_params(values: Mapping[str, Any]) -> SimParams:
+def make_params(values: Overrides) -> SimParams:
     """SimParams from field values, each checked and coerced to the field's type."""
-    coerced: dict[str, Any] = {}
+    coerced: dict[str, ParamValue] = {}
     for key, value in values.items():
         if key not in _FIELDS:
             raise ConfigError(f"unknown simulator parameter {key!r}; known: {', '.join(sorted(_FIELDS))}")
         coerced[key] = _coerce(key, value)
-    params = SimParams(**coerced)
+    params = SimParams(**coerced)  # type: ignore[arg-type]  # each value coerced to its field's type
     _validate(params)
     return params
 
 
-def _coerce(key: str, value: Any) -> Any:
+def _coerce(key: str, value: Any) -> ParamValue:  # Any: whatever a file or --set gave
     default = _FIELDS[key].default
     optional_int = key in ("pp_max_micro_batch_size", "client_max_inflight")
     if value is None or (isinstance(value, str) and value.lower() in ("none", "")):
@@ -365,7 +377,7 @@ def parse_set_options(items: tuple[str, ...] | list[str]) -> dict[str, str]:
     return out
 
 
-def load_params_file(path: str | Path) -> dict[str, Any]:
+def load_params_file(path: str | Path) -> dict[str, object]:
     """Overrides from a TOML file: top-level keys, or a ``[sim]`` table."""
     try:
         data = tomllib.loads(Path(path).read_text())

@@ -17,18 +17,18 @@ import signal
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
-from gputrace.engines.simulated import MetricSnapshot
+from gputrace.engines.simulated import MetricSnapshot, StepFields, StepRecord
 from gputrace.errors import SourceError
 from gputrace.exposition import metrics_handler
 from gputrace.httpserver import web
+from gputrace.json_types import JsonObject
 from gputrace.logsetup import get_logger
 from gputrace.sim.engine import EngineTrace, PipelineEngine, SimRequest
 from gputrace.sim.engine_exposition import SnapshotCollector
-from gputrace.sim.nodes import FEED_KIND, NodeFiles, NodeLayout, NodeRelay
+from gputrace.sim.nodes import FEED_KIND, NodeFiles, NodeLayout, NodeRecord, NodeRelay
 from gputrace.sim.params import SimParams
 
 log = get_logger("sim.server")
@@ -72,7 +72,7 @@ class RealtimeSim:
         self.speed = speed
         self.wall0_ns = time.time_ns()
         self.mono0 = time.monotonic()
-        self._lines: list[tuple[float, int, int, str, dict[str, Any]]] = []
+        self._lines: list[StepRecord] = []
         self.engine = PipelineEngine(params, on_log=self._on_log)
         self._rng = np.random.default_rng(params.seed)
         self._next_rid = 0
@@ -158,15 +158,15 @@ class RealtimeSim:
                               kv_usage_ratio=e.kv_used / self.p.max_total_num_tokens,
                               e2e_latency_sum_s=self.e2e_latency_sum_s, e2e_count=self.e2e_count)
 
-    def _on_log(self, t_s: float, stage: int, kind: str, fields: dict[str, Any]) -> None:
-        self._lines.append((t_s, len(self._lines), stage, kind, fields))
+    def _on_log(self, t_s: float, stage: int, kind: str, fields: StepFields) -> None:
+        self._lines.append(StepRecord(t_s, len(self._lines), stage, kind, fields))
 
     def _flush_log(self, upto_s: float) -> None:
         if not self._lines:
             return
         self._lines.sort(key=lambda r: (r[0], r[1]))
         cut = 0
-        by_node: list[list[tuple[float, int, str, dict[str, Any]]]] = [[] for _ in range(self.layout.nnodes)]
+        by_node: list[list[NodeRecord]] = [[] for _ in range(self.layout.nnodes)]
         for t_s, _, stage, kind, fields in self._lines:
             if t_s > upto_s:
                 break
@@ -214,10 +214,11 @@ class RealtimeSim:
 # -- HTTP --------------------------------------------------------------------------------------
 
 
-def _prompt_text(body: dict[str, Any]) -> str:
+def _prompt_text(body: JsonObject) -> str:
     if "messages" in body:
         parts = []
-        for m in body.get("messages") or []:
+        messages = body.get("messages")
+        for m in messages if isinstance(messages, list) else []:
             content = m.get("content") if isinstance(m, dict) else None
             if isinstance(content, list):
                 content = " ".join(str(c.get("text", "")) for c in content if isinstance(c, dict))
@@ -298,7 +299,7 @@ def build_app(sim: RealtimeSim) -> web.Application:
             while (item := await stream.queue.get()) is not None:
                 words.append(_WORDS[item % len(_WORDS)])
             text = " ".join(words)
-            choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
+            choice: JsonObject = {"index": 0, "finish_reason": "length", "logprobs": None}
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
@@ -315,13 +316,13 @@ def build_app(sim: RealtimeSim) -> web.Application:
 
         def chunk(delta_text: str | None, finish: str | None) -> bytes:
             if chat:
-                delta = {} if delta_text is None else {"content": delta_text}
+                delta: JsonObject = {} if delta_text is None else {"content": delta_text}
                 if sent == 0 and delta_text is not None:
                     delta["role"] = "assistant"
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+                choice: JsonObject = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
             else:
                 choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
-            obj: dict[str, Any] = {"id": rid, "object": kind, "created": created, "model": model,
+            obj: JsonObject = {"id": rid, "object": kind, "created": created, "model": model,
                                    "choices": [choice]}
             if include_usage:
                 obj["usage"] = None

@@ -5,7 +5,6 @@ the log lines and the busy intervals. Its ground truth is sim.truth's; sim.virtu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -14,6 +13,7 @@ from gputrace.errors import UsageError
 from gputrace.sim.client import ClosedLoopClient, Phase, plan_phases
 from gputrace.sim.engine import PipelineEngine, SimRequest
 from gputrace.sim.params import SimParams, parse_start_ns
+from gputrace.sim.truth_records import GroundTruth
 
 STARTUP_LEAD_S = 5.0  # the configuration lines come this long before the first phase
 
@@ -31,8 +31,19 @@ class SimResult:
     engine: PipelineEngine
     log_lines: list[str] = field(default_factory=list)
     log_ts_ns: list[int] = field(default_factory=list)  # exact emission time of each line
-    ground_truth: dict[str, Any] = field(default_factory=dict)  # sim.truth's, filled in by sim.virtual
+    _ground_truth: GroundTruth | None = field(default=None, repr=False)
     _intervals: dict[str, np.ndarray] | None = field(default=None, repr=False)
+
+    @property
+    def ground_truth(self) -> GroundTruth:
+        """sim.truth's ground truth of the run, filled in by sim.virtual (a what-if replay has none)."""
+        if self._ground_truth is None:
+            raise ValueError(f"the {self.scenario} run was simulated without its ground truth")
+        return self._ground_truth
+
+    @ground_truth.setter
+    def ground_truth(self, truth: GroundTruth) -> None:
+        self._ground_truth = truth
 
     def ns(self, t_s: float) -> int:
         return self.start_ns + round(t_s * 1e9)
