@@ -27,7 +27,6 @@ from gputrace.engines.simulated import StepFields, StepLineWriter
 from gputrace.errors import SourceError, UsageError
 from gputrace.logsetup import get_logger
 from gputrace.sim.params import SimParams
-from gputrace.topology import sglang_node_placements
 
 log = get_logger("sim.nodes")
 
@@ -39,17 +38,18 @@ CONNECT_TIMEOUT_S = 60.0  # how long node 0 waits for the others, and they retry
 
 @dataclass(frozen=True, slots=True)
 class NodeLayout:
-    """Where SGLang places each rank: (pp_rank, tp_rank) -> (node_rank, gpu_id on that node)."""
+    """Where the engine places each rank: (pp_rank, tp_rank) -> (node_rank, gpu_id on that node)."""
 
     nnodes: int
     gpu_of: dict[tuple[int, int], tuple[int, int]]
 
     @classmethod
-    def sglang(cls, p: SimParams, nnodes: int) -> NodeLayout:
-        gpu_of = {(pp, tp): (node, gpu)
+    def of(cls, p: SimParams, nnodes: int) -> NodeLayout:
+        """The simulated engine's ranks over ``nnodes`` nodes, by its placement rule."""
+        gpu_of = {(at.pp_rank, at.tp_rank): (node, at.gpu_index)
                   for node in range(nnodes)
-                  for gpu, pp, tp in sglang_node_placements(pp_size=p.pp_size, tp_size=p.tp_size,
-                                                            nnodes=nnodes, node_rank=node)}
+                  for at in p.engine_spec.placements(f"sim-node{node}", pp_size=p.pp_size, tp_size=p.tp_size,
+                                                     nnodes=nnodes, node_rank=node)}
         return cls(nnodes, gpu_of)
 
     def node_of_stage(self, stage: int) -> int:
@@ -247,7 +247,7 @@ async def run_node(p: SimParams, layout: NodeLayout, node_rank: int, addr: tuple
 def serve_node_forever(p: SimParams, nnodes: int, node_rank: int, dist_init_addr: str, log_path: str,
                        feed_path: str | None) -> None:
     """``gputrace sim serve --nnodes N --node-rank r`` for r > 0, until node 0 ends or SIGINT/SIGTERM."""
-    layout = NodeLayout.sglang(p, nnodes)
+    layout = NodeLayout.of(p, nnodes)
     addr = parse_dist_init_addr(dist_init_addr)
 
     async def main() -> None:

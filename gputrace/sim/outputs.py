@@ -1,5 +1,6 @@
 """A virtual run's outputs in the forms real sources give: the scheduler log file, nvidia-smi CSV,
-and a complete run store (the log lines parsed by gputrace's own SGLang parser, as an import would).
+and a complete run store (the log lines parsed by gputrace's own parser of the engine, as an import
+would).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ METRICS_SOURCE = "http://127.0.0.1:30000/metrics"  # where the collector would h
 
 
 def write_log(result: SimResult, path: str | os.PathLike[str]) -> int:
-    """The scheduler log as SGLang writes it; returns the number of lines."""
+    """The scheduler log as the engine writes it; returns the number of lines."""
     Path(path).write_text("\n".join(result.log_lines) + "\n")
     return len(result.log_lines)
 
@@ -62,7 +63,7 @@ def run_date(result: SimResult) -> dt.date:
 
 
 def parse_log(result: SimResult) -> tuple[list[SchedulerEvent], list[EngineConfig], int]:
-    """The log lines through gputrace's SGLang parser, stamped with their exact emission time
+    """The log lines through gputrace's parser of the engine, stamped with their exact emission time
     (as if followed live on the same host); also the count of lines it did not recognise."""
     p = result.params
     parser = LogParser(host=SIM_HOST, source=LOG_SOURCE, engine=p.engine, date=run_date(result))

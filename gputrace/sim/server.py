@@ -89,7 +89,7 @@ class RealtimeSim:
         self._forward_s = [0.0] * params.pp_size
         # this process is node 0; the ranks SGLang places on other nodes go to them through relay
         self.relay = relay
-        self.layout = NodeLayout.sglang(params, 1 + (len(relay.writers) if relay else 0))
+        self.layout = NodeLayout.of(params, 1 + (len(relay.writers) if relay else 0))
         self._files = NodeFiles(params, self.layout, 0, log_path, feed_path, self.wall0_ns, speed)
         if relay is not None:
             relay.start(self.now_s(), speed)
