@@ -312,6 +312,9 @@ class Engine:
     stage_timers: str | None = None
     # what the simulator writes for it (its log, its /metrics), None where it is not simulated
     simulated: SimulatedEngine | None = None
+    # micro-batches in flight at most under PP, from pp_size and pp_async_batch_depth (None where
+    # not set); by default pp_size (vLLM's batch queue)
+    slot_count: Callable[[int, int | None], int] = lambda pp_size, _depth: pp_size
 
     @property
     def microbatch_slots(self) -> bool:

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from gputrace.engines import ENGINE_WORDS, Engine, engine_words
-from gputrace.engines.sglang import slot_count
 from gputrace.errors import ConfigError, UsageError
 
 # A SimParams field's value (what the overrides, the scenarios and the fixes set)
@@ -131,9 +130,9 @@ class SimParams:
 
     @property
     def slots(self) -> int:
-        """Micro-batches in flight at most: SGLang's PP loop slots (pp_size + pp_async_batch_depth),
-        vLLM's batch queue (pp_size)."""
-        return slot_count(self.pp_size, self.pp_async_batch_depth)
+        """Micro-batches in flight at most, by the engine's rule: SGLang's PP loop slots (pp_size +
+        pp_async_batch_depth), vLLM's batch queue (pp_size)."""
+        return self.engine_spec.slot_count(self.pp_size, self.pp_async_batch_depth)
 
     @property
     def draws_lengths(self) -> bool:

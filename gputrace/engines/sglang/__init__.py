@@ -24,6 +24,7 @@ ENGINE = Engine(
     policy=SchedulingPolicy(microbatch_slots=True, mixed_prefill=False, cpu_forward_in_loop=True),
     parse_line=parse_line,
     simulated=SIMULATED,
+    slot_count=slot_count,  # its PP loop's slots: pp_size + pp_async_batch_depth
     maybe_line=MAYBE_SGLANG,
     fast_path=scan_chunk,
     # K's flag before 2025-10; the KV pool's other flag; the metrics and the device timer
