@@ -29,7 +29,15 @@ from gputrace.backoff import Backoff
 from gputrace.errors import RecordError, SchemaVersionError, StoreError, StoreWriteError
 from gputrace.json_types import JsonObject
 from gputrace.logsetup import get_logger
-from gputrace.model import ABANDONED_PREFIX, RECORD_TABLES, ClockProbe, DeviceInfo, Marker, RunMeta
+from gputrace.model import (
+    ABANDONED_PREFIX,
+    RECORD_TABLES,
+    ClockProbe,
+    DeviceInfo,
+    EngineConfig,
+    Marker,
+    RunMeta,
+)
 from gputrace.run_tables import (
     DEFAULT_MARGINS,
     EVENT_KINDS,
@@ -700,13 +708,13 @@ class Store:
 
     def read_engine_settings(self) -> EngineSettings:
         """Every engine configuration line merged; without one, the engine whose lines the run holds."""
-        rows = self.sql_arrow("SELECT * FROM engine_configs ORDER BY line_no").to_pylist()
+        configs = self.records(EngineConfig)
         engine_of_lines = None
-        if not any(row.get("engine") for row in rows):
+        if not any(config.engine for config in configs):
             kinds = self.sql("SELECT engine, count(*) FROM scheduler_events "
                              "GROUP BY 1 ORDER BY 2 DESC LIMIT 1")
             engine_of_lines = kinds[0][0] if kinds else None
-        return EngineSettings.from_rows(rows, engine_of_lines)
+        return EngineSettings.from_records(configs, engine_of_lines)
 
     def read_engine_metrics(self, names: Sequence[str]) -> EngineMetricColumns:
         """The engine metric samples of these names (every host, every time)."""

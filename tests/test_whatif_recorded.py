@@ -162,7 +162,7 @@ def test_a_cpu_engine_is_fitted_without_a_memory_floor(tmp_path_factory: pytest.
 
     for engine in ("sglang", "vllm"):
         analysis = analyse(_imported(tmp_path_factory, engine, "default"))
-        assert runs_on_cpu(analysis.run.engine), analysis.run.engine.get("fields")
+        assert runs_on_cpu(analysis.run.engine), analysis.run.engine.fields
         model = fit_model(analysis)
         p = model.params
         assert p.weight_read_s == 0.0 and p.launch_s > 0 and p.decode_token_s > 0, p

@@ -159,7 +159,7 @@ def align(tables: RunTables) -> AlignedRun:
     gpu_span = _gpu_span(samples, clocks)
     events = _place_events(tables.scheduler_events, clocks, notes)
     engine = tables.engine
-    mapping = stage_mapping(tables.meta.topology, engine.get("pp_size"), engine.get("tp_size"),
+    mapping = stage_mapping(tables.meta.topology, engine.pp_size, engine.tp_size,
                             samples.keys, events.log_pp, engine.kind)
     gpu_stage = np.array([s if (s := mapping.stage_of(h, g)) is not None else -1 for h, g in samples.keys],
                          dtype=np.int64)

@@ -550,7 +550,7 @@ def phase_metrics(run: AlignedRun, series: StageSeries, phase: Phase) -> PhaseMe
         if phase.duration_s > 0 and len(rq["start_ns"]) and not np.isnan(rq["prompt_tokens"]).all() else None
     # a log that can hide micro-batches: SGLang's, every interval-th step, the interval sharing a
     # factor with the micro-batch slots (coprime, every micro-batch is logged in turn)
-    interval = int(run.engine.get("decode_log_interval") or 1)
+    interval = int(run.engine.decode_log_interval or 1)
     slots = run.engine.slots_at(run.pp_size)
     sampled = run.engine.engine_spec.steps_logged and math.gcd(interval, slots) > 1
     if sampled and gen is not None and client_tput is not None and abs(gen - client_tput) > \

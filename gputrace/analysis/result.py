@@ -91,7 +91,7 @@ class Analysis:
             "work_source": r.work_source, "engine_running_from": dict(r.engine_running_sources),
             "phase_source": self.phases[0].source if self.phases else None,
             "clock_offsets": r.clocks.summary(),
-            "engine": {k: v for k, v in r.engine.items() if k != "fields"},
+            "engine": r.engine.settings(),
         }
 
 

@@ -149,14 +149,14 @@ def deployment_params(engine: EngineSettings, pp_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {"engine": engine_kind(engine), "pp_size": pp_size}
     for key in ("tp_size", "max_running_requests", "pp_max_micro_batch_size", "pp_async_batch_depth",
                 "chunked_prefill_size", "max_total_num_tokens", "decode_log_interval"):
-        if engine.get(key) is not None:
-            out[key] = engine[key]
-    if fields.get("max_prefill_tokens"):
-        out["max_prefill_tokens"] = fields["max_prefill_tokens"]
+        if (value := getattr(engine, key)) is not None:
+            out[key] = value
+    if isinstance(turn := fields.get("max_prefill_tokens"), int | float) and turn:
+        out["max_prefill_tokens"] = turn
     # the longest context (SGLang's context_len, vLLM's max_model_len): how far the search takes
     # the prefill budget
-    context = next((fields[k] for k in ("context_len", "context_length", "max_model_len")
-                    if isinstance(fields.get(k), int | float) and fields[k] > 0), None)
+    context = next((v for k in ("context_len", "context_length", "max_model_len")
+                    if isinstance(v := fields.get(k), int | float) and v > 0), None)
     if context is not None:
         out["context_len"] = int(context)
     words = engine_words(out["engine"])
