@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
 from gputrace.analysis.aligned_run import AlignedRun, StageEvents
 from gputrace.analysis.phases import Phase
+from gputrace.json_types import JsonObject
 
 
 @dataclass
@@ -185,8 +186,16 @@ def prefill_figures(run: AlignedRun, start_ns: int, stop_ns: int) -> PrefillFigu
         **_full_turns(tokens, seqs, budget, prompts / firsts if firsts > 0 else None))
 
 
+class _FullTurns(TypedDict, total=False):
+    """PrefillFigures' figures of the turns the budget ended (none where it cannot tell)."""
+
+    seqs_per_full_turn: float
+    seqs_in_full_turns: float
+    seqs_in_turns: float
+
+
 def _full_turns(tokens: np.ndarray, seqs: np.ndarray, budget: int | None,
-                prompt_tokens: float | None) -> dict[str, Any]:
+                prompt_tokens: float | None) -> _FullTurns:
     if not budget or not prompt_tokens:
         return {}
     full = (np.nan_to_num(tokens) > budget - prompt_tokens) & np.isfinite(seqs)
@@ -233,7 +242,8 @@ class PhaseMetrics:
     engine_input_tok_s: float | None = None  # from the engine's log (input_throughput)
     prefill: PrefillFigures | None = None  # SGLang's prefill lines in the phase (None: none logged)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
+        """As findings.json's ``phases`` hold it (the report leaves out the stages: its table holds them)."""
         return asdict(self)
 
 
