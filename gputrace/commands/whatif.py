@@ -13,6 +13,7 @@ from gputrace.sim.params import parse_set_options
 from gputrace.store import Store
 from gputrace.whatif.advise import OBJECTIVES, advisor, parse_slo
 from gputrace.whatif.fit import fit_model
+from gputrace.whatif.param_change import ParamValue
 from gputrace.whatif.predict import CHANGEABLE, check_changes, predict
 from gputrace.whatif.render import render_advice_markdown, render_markdown, whatif_document
 
@@ -54,7 +55,7 @@ def command(run: str, sets: tuple[str, ...], concurrency: str | None, search: bo
     if search:
         _search(run, objective or ("slo" if slo else "throughput"), parse_slo(slo), fmts, out_dir)
         return
-    changes: dict[str, object] = dict(parse_set_options(sets))
+    changes: dict[str, ParamValue] = dict(parse_set_options(sets))
     if concurrency is not None:
         changes["concurrency"] = concurrency
     with Store.open(run, read_only=True) as store:

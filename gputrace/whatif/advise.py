@@ -21,14 +21,16 @@ from typing import Any
 
 import numpy as np
 
+from gputrace.analysis.diagnose import Finding
 from gputrace.analysis.result import Analysis
 from gputrace.engines import ENGINE_WORDS, engine_words
 from gputrace.errors import GputraceError, UsageError
 from gputrace.sim.params import SimParams
-from gputrace.vocabulary import Change
+from gputrace.vocabulary import Cause
 from gputrace.whatif.effects import fit_note
 from gputrace.whatif.fit import FittedModel, fit_model
 from gputrace.whatif.outcome import PhaseOutcome
+from gputrace.whatif.param_change import ParamChange, ParamValue
 from gputrace.whatif.predict import (
     PhasePrediction,
     decision_band,
@@ -56,7 +58,7 @@ class AdvisedSetting:
 
     knob: str
     flag: str
-    value: Any
+    value: ParamValue
     setting: str | None = None  # the engine's own name for the knob (vLLM's max_num_seqs)
 
     def to_dict(self) -> dict[str, Any]:
@@ -207,7 +209,7 @@ def parse_slo(text: str | None) -> dict[str, float]:
     return out
 
 
-def to_change(model: FittedModel, knob: str, value: Any) -> AdvisedSetting | None:
+def to_change(model: FittedModel, knob: str, value: ParamValue) -> AdvisedSetting | None:
     """The advice's setting for the simulator's parameter ``knob``, in the run's engine's flag;
     None where the engine has no knob the simulator models by it (or one that changes only what
     the log shows)."""
@@ -218,12 +220,12 @@ def to_change(model: FittedModel, knob: str, value: Any) -> AdvisedSetting | Non
     return AdvisedSetting(knob, made.value_flag or made.flag, value, words.setting(knob))
 
 
-def _neighbours(model: FittedModel) -> list[dict[str, Any]]:
+def _neighbours(model: FittedModel) -> list[ParamChange]:
     """Single changes around the run's settings on the knobs the simulator models."""
     p = model.params
     levels = sorted({m.concurrency for m in model.measured if m.concurrency > 0})
     top = levels[-1] if levels else p.max_running_requests
-    out: list[dict[str, Any]] = []
+    out: list[ParamChange] = []
     if p.engine_spec.microbatch_slots:
         k0 = p.micro_batch_cap
         ks = {k0 // 2, k0 * 2, *(max(-(-c // p.slots), 1) for c in levels)}
@@ -259,11 +261,11 @@ def prefill_budgets(p: SimParams) -> list[int]:
 PREFILL_KNOBS = frozenset({"chunked_prefill_size", "max_prefill_tokens"})
 
 
-def prefill_pairs(singles: Sequence[tuple[Mapping[str, Any], Option]]) -> list[dict[str, Any]]:
+def prefill_pairs(singles: Sequence[tuple[ParamChange, Option]]) -> list[ParamChange]:
     """The best prefill budget beside the best K and the best pool, whether or not they were
     among the best singles: the budget sets how many requests a turn admits, K and the pool how
     many a micro-batch and the engine hold, so one may need the other."""
-    def best(knobs: frozenset[str]) -> Mapping[str, Any] | None:
+    def best(knobs: frozenset[str]) -> ParamChange | None:
         fits = [(c, o) for c, o in singles if c and set(c) <= knobs]
         return max(fits, key=lambda s: s[1].weighted_gain_tok_s)[0] if fits else None
 
@@ -274,11 +276,11 @@ def prefill_pairs(singles: Sequence[tuple[Mapping[str, Any], Option]]) -> list[d
     return [{**budget, **other} for other in others if other is not None]
 
 
-def _key(change: Mapping[str, Any]) -> str:
+def _key(change: ParamChange) -> str:
     return repr(sorted(change.items()))
 
 
-def changes_of(model: FittedModel, change: Mapping[str, Any]) -> tuple[AdvisedSetting, ...] | None:
+def changes_of(model: FittedModel, change: ParamChange) -> tuple[AdvisedSetting, ...] | None:
     out = []
     for knob, value in change.items():
         if knob == "max_prefill_tokens" and ("chunked_prefill_size" in change and (
@@ -292,25 +294,16 @@ def changes_of(model: FittedModel, change: Mapping[str, Any]) -> tuple[AdvisedSe
     return tuple(out)
 
 
-def _change_of(finding: Mapping[str, Any]) -> Change | None:
-    """The change a finding (as findings.json gives it) recommends, None where it names none."""
-    c = finding.get("change")
-    if not isinstance(c, Mapping) or not c.get("flag"):
-        return None
-    value = c.get("value")
-    return Change.of_flag(str(c["flag"]), None if value is None else int(value))
-
-
-def candidates(model: FittedModel, findings: Sequence[Mapping[str, Any]]) -> list[tuple[dict[str, Any], str]]:
+def candidates(model: FittedModel, findings: Sequence[Finding]) -> list[tuple[ParamChange, str]]:
     """(change, origin): each finding's configuration change, then the neighbours; deduplicated."""
-    out: dict[str, tuple[dict[str, Any], str]] = {}
+    out: dict[str, tuple[ParamChange, str]] = {}
     for f in findings:
-        made = _change_of(f)
-        if f.get("cause") == "cannot_tell" or made is None or made.flag in NOT_CONFIGURATION:
+        made = f.change
+        if f.cause is Cause.CANNOT_TELL or made is None or not made.flag or made.flag in NOT_CONFIGURATION:
             continue
-        change = finding_change(model, made, str(f.get("phase")))
+        change = finding_change(model, made, f.phase)
         if change and changes_of(model, change) is not None:
-            out.setdefault(_key(change), (change, f"finding: {f.get('cause')} at {f.get('phase')}"))
+            out.setdefault(_key(change), (change, f"finding: {f.cause} at {f.phase}"))
     for change in _neighbours(model):
         if changes_of(model, change) is not None:  # knobs the run's engine has
             out.setdefault(_key(change), (change, "around the run's settings"))
@@ -331,7 +324,7 @@ def _phases(model: FittedModel, rows: list[PhasePrediction], durations: Mapping[
     return tuple(out)
 
 
-def phases_of(model: FittedModel, change: Mapping[str, Any], durations: Mapping[str, float]
+def phases_of(model: FittedModel, change: ParamChange, durations: Mapping[str, float]
               ) -> tuple[PhaseAdvice, ...]:
     """Per phase, what the advice states of one change set: measured, the model as run, the
     confirmed prediction and its band (as the search confirms its best options)."""
@@ -367,7 +360,7 @@ def _durations(model: FittedModel, durations: Mapping[str, float] | None) -> dic
     return {m.label: float((durations or {}).get(m.label) or 1.0) for m in model.measured}
 
 
-def search(model: FittedModel, findings: Sequence[Mapping[str, Any]], objective: str = "throughput",
+def search(model: FittedModel, findings: Sequence[Finding], objective: str = "throughput",
            slo: Mapping[str, float] | None = None, durations: Mapping[str, float] | None = None
            ) -> tuple[Advice, dict[str, list[PhasePrediction]]]:
     """The advice for the fitted run, and every confirmed prediction (change key -> rows) for
@@ -379,7 +372,7 @@ def search(model: FittedModel, findings: Sequence[Mapping[str, Any]], objective:
         raise UsageError("the slo objective needs --slo ttft_p90=2s,itl_p90=80ms (one or both)")
     weights = _durations(model, durations)
     pool = candidates(model, findings)
-    screened: list[tuple[dict[str, Any], str, Option]] = []
+    screened: list[tuple[ParamChange, str, Option]] = []
     for change, origin in pool:
         changes = changes_of(model, change)
         assert changes is not None
@@ -389,7 +382,7 @@ def search(model: FittedModel, findings: Sequence[Mapping[str, Any]], objective:
     singles = sorted(screened, key=lambda s: -s[2].weighted_gain_tok_s)[:PAIR_FROM]
     seen = {_key(c) for c, _, _ in screened}
 
-    def screen_pair(pair: dict[str, Any]) -> None:
+    def screen_pair(pair: ParamChange) -> None:
         """Screen a pair not screened yet."""
         if _key(pair) in seen:
             return
@@ -488,7 +481,7 @@ def _beyond_band(more: Option, fewer: Option, objective: str) -> bool:
     return added > band
 
 
-def _screen(model: FittedModel, change: Mapping[str, Any], objective: str) -> list[PhasePrediction]:
+def _screen(model: FittedModel, change: ParamChange, objective: str) -> list[PhasePrediction]:
     """A candidate's screening: its full prediction where one was made (a finding's change,
     predicted for its effect: no replay), else a short replay at SCREEN_SEEDS, undrained unless
     the objective reads latencies (the SLO's): score() reads only throughput otherwise."""
@@ -578,7 +571,7 @@ def advisor(objective: str = "throughput", slo: Mapping[str, float] | None = Non
                 model = fit_model(analysis)
             except GputraceError:
                 return None
-        advice, _ = search(model, [f.to_dict() for f in analysis.findings], objective, slo,
+        advice, _ = search(model, analysis.findings, objective, slo,
                            {pm.label: pm.duration_s for pm in analysis.metrics})
         return advice
 

@@ -23,7 +23,7 @@ def applied_changes(a: Analysis, b: Analysis) -> dict[str, tuple[Any, Any]]:
     B's value) under the simulator's names; a setting either log leaves unstated is not compared."""
     da = deployment_params(a.run.engine, a.run.pp_size)
     db = deployment_params(b.run.engine, b.run.pp_size)
-    if engine_words(da["engine"]).microbatch_slots:  # a log without K ran the engine's default K
+    if engine_words(engine_kind(a.run.engine)).microbatch_slots:  # a log without K ran the engine's default K
         da.setdefault("pp_max_micro_batch_size", None)
         db.setdefault("pp_max_micro_batch_size", None)
     return {k: (da[k], db[k]) for k in CHANGEABLE if k in da and k in db and da[k] != db[k]}
