@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict
 
 import numpy as np
 
@@ -30,7 +30,7 @@ from gputrace.vocabulary import Cause
 from gputrace.whatif.effects import fit_note
 from gputrace.whatif.fit import FittedModel, fit_model
 from gputrace.whatif.outcome import PhaseOutcome
-from gputrace.whatif.param_change import ParamChange, ParamValue
+from gputrace.whatif.param_change import ParamChange, ParamJson, ParamValue, param_json
 from gputrace.whatif.predict import (
     PhasePrediction,
     decision_band,
@@ -51,6 +51,55 @@ NOT_CONFIGURATION = frozenset({"concurrency", "client", "link", "cooling/power",
                                *(k.flag for w in ENGINE_WORDS.values() for k in w.knobs if not k.serving)})
 
 
+class AdvisedSettingRow(TypedDict):
+    """An ``AdvisedSetting`` as the advice's JSON gives it: the engine's name for the knob."""
+
+    knob: str
+    flag: str
+    value: ParamJson
+
+
+class PhaseAdviceRow(TypedDict):
+    """A ``PhaseAdvice`` as the advice's JSON gives it, rounded, with its gain."""
+
+    phase: str
+    concurrency: int
+    duration_s: float
+    measured_tok_s: float
+    unchanged_tok_s: float | None
+    predicted_tok_s: float
+    gain_ratio: float
+    band_ratio: float
+    model_band_ratio: float | None
+    ttft_s_p90: float | None
+    itl_s_p90: float | None
+    extrapolation: str | None
+
+
+class OptionRow(TypedDict):
+    """An ``Option`` as the advice's JSON gives it, with its sentence."""
+
+    changes: list[AdvisedSettingRow]
+    origin: str
+    weighted_gain_tok_s: float
+    phases: list[PhaseAdviceRow]
+    text: str
+
+
+class AdviceRow(TypedDict):
+    """The ``Advice`` as findings.json's ``advice`` and ``whatif --search`` give it."""
+
+    changes: list[AdvisedSettingRow]
+    objective: str
+    slo: dict[str, float]
+    phases: list[PhaseAdviceRow]
+    alternatives: list[OptionRow]
+    reason: str
+    candidates: int
+    fit: str
+    sentence: str
+
+
 @dataclass(frozen=True, slots=True)
 class AdvisedSetting:
     """One setting of the advice: the simulator's knob, the engine's flag, the value (a tuple for
@@ -61,9 +110,8 @@ class AdvisedSetting:
     value: ParamValue
     setting: str | None = None  # the engine's own name for the knob (vLLM's max_num_seqs)
 
-    def to_dict(self) -> dict[str, Any]:
-        value = list(self.value) if isinstance(self.value, tuple) else self.value
-        return {"knob": self.setting or self.knob, "flag": self.flag, "value": value}
+    def to_dict(self) -> AdvisedSettingRow:
+        return {"knob": self.setting or self.knob, "flag": self.flag, "value": param_json(self.value)}
 
     def text(self) -> str:
         if self.knob == "stage_cost_multipliers":
@@ -110,7 +158,7 @@ class PhaseAdvice:
             return f"±{self.band_ratio:.0%}"
         return f"±{self.decision_band_ratio:.0%}; ±{self.band_ratio:.0%} with this phase's run-to-run spread"
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> PhaseAdviceRow:
         def r(x: float | None, n: int) -> float | None:
             return None if x is None else round(x, n)
 
@@ -147,7 +195,7 @@ class Option:
         moves = "; ".join(ups + downs) or "no phase moves beyond its band"
         return f"{name}: {moves}"
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> OptionRow:
         return {"changes": [c.to_dict() for c in self.changes], "origin": self.origin,
                 "weighted_gain_tok_s": round(self.weighted_gain_tok_s, 1),
                 "phases": [p.to_dict() for p in self.phases], "text": self.describe()}
@@ -181,7 +229,7 @@ class Advice:
                           f"({p.gain_ratio:+.0%} {p.band_text()})" for p in ups)
         return f"Set {what}: predicted {moved or 'no phase beyond its band'}; {self.reason}."
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> AdviceRow:
         return {"changes": [c.to_dict() for c in self.changes], "objective": self.objective,
                 "slo": dict(self.slo), "phases": [p.to_dict() for p in self.phases],
                 "alternatives": [a.to_dict() for a in self.alternatives], "reason": self.reason,

@@ -131,16 +131,29 @@ class FittedModel:
                 return s.throughput_tok_s * self.correction.get(label, 1.0)
         return None
 
-    def quality_rows(self) -> list[dict[str, Any]]:
+    def quality_rows(self) -> list[PhaseFit]:
         """Per phase: measured against simulated throughput, TTFT p50 and ITL p50."""
-        rows = []
-        for m, s in zip(self.measured, self.simulated, strict=True):
-            rows.append({"phase": m.label, "concurrency": m.concurrency,
-                         "throughput_tok_s": (m.throughput_tok_s, s.throughput_tok_s),
-                         "ttft_s_p50": (m.ttft_s_p50, s.ttft_s_p50), "itl_s_p50": (m.itl_s_p50, s.itl_s_p50),
-                         "throughput_error": relative_error(s.throughput_tok_s, m.throughput_tok_s),
-                         "correction": self.correction.get(m.label, 1.0)})
-        return rows
+        return [PhaseFit(m.label, m.concurrency, (m.throughput_tok_s, s.throughput_tok_s),
+                         (m.ttft_s_p50, s.ttft_s_p50), (m.itl_s_p50, s.itl_s_p50),
+                         relative_error(s.throughput_tok_s, m.throughput_tok_s),
+                         self.correction.get(m.label, 1.0))
+                for m, s in zip(self.measured, self.simulated, strict=True)]
+
+
+Figures = tuple[float | None, float | None]  # (measured, simulated)
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseFit:
+    """One captured phase against the fitted model's replay of it as it ran."""
+
+    phase: str
+    concurrency: int
+    throughput_tok_s: Figures
+    ttft_s_p50: Figures
+    itl_s_p50: Figures
+    throughput_error: float | None  # simulated / measured - 1
+    correction: float  # the phase's calibration factor (1: within CALIBRATION_TOLERANCE)
 
 
 def relative_error(predicted: float | None, measured: float | None) -> float | None:

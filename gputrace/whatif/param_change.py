@@ -16,6 +16,16 @@ recorded requests' lengths), a string (the engine; a ``--set`` value as typed, w
 ParamChange = Mapping[str, ParamValue]
 """SimParams' field names -> their new values (``make_params`` rejects any other name)."""
 
+ParamJson = int | float | str | list[float | tuple[int, int]] | None
+"""A ParamValue as the what-if's and the advice's JSON give it: a tuple as a list."""
+
+
+def param_json(value: ParamValue) -> ParamJson:
+    if isinstance(value, tuple):
+        items: list[float | tuple[int, int]] = list(value)
+        return items
+    return value
+
 
 def with_changes(p: SimParams, change: ParamChange) -> SimParams:
     """``p`` with ``change`` applied, each value checked and coerced to its field's type."""

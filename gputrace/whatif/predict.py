@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
 import numpy as np
 
@@ -17,7 +17,7 @@ from gputrace.errors import ConfigError, UsageError
 from gputrace.sim.params import SimParams, make_params
 from gputrace.vocabulary import Change, EngineSettings
 from gputrace.whatif.fit import REPLAY_SEEDS, FittedModel, median_outcomes, relative_error, replay_seeds
-from gputrace.whatif.outcome import PhaseOutcome
+from gputrace.whatif.outcome import PhaseOutcome, PhaseOutcomeRow
 from gputrace.whatif.param_change import ParamChange, ParamValue
 
 # What a what-if may change: the deployment's settings and the load. The cost model is the fit's.
@@ -55,6 +55,20 @@ def decision_band(band_ratio: float, model_band_ratio: float | None) -> float:
     return band_ratio if model_band_ratio is None else model_band_ratio
 
 
+class PhasePredictionRow(TypedDict):
+    """A ``PhasePrediction`` as whatif.json gives it: the outcomes as rows, the ratios rounded."""
+
+    label: str
+    concurrency: int
+    measured: PhaseOutcomeRow | None
+    predicted: PhaseOutcomeRow
+    unchanged: PhaseOutcomeRow | None
+    band_ratio: float
+    model_band_ratio: float | None
+    gain_ratio: float | None
+    extrapolation: str | None
+
+
 @dataclass(frozen=True, slots=True)
 class PhasePrediction:
     """One level: measured (None where the capture had no such level) against predicted.
@@ -86,7 +100,7 @@ class PhasePrediction:
         m = self.measured
         return relative_error(self.predicted.throughput_tok_s, m.throughput_tok_s if m else None)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> PhasePredictionRow:
         return {"label": self.label, "concurrency": self.concurrency,
                 "measured": self.measured.to_dict() if self.measured else None,
                 "predicted": self.predicted.to_dict(),
