@@ -91,7 +91,7 @@ def test_the_fit_without_gpu_samples_says_how_it_was_made(tmp_path_factory: pyte
     RMS residual."""
     model = fit_model(analyse(_imported(tmp_path_factory, "vllm", "default")))
     assert any("fitted by replaying the phases" in n for n in model.notes), model.notes
-    errors = [row["throughput_error"] for row in model.quality_rows()]
+    errors = [row.throughput_error for row in model.quality_rows()]
     assert len(errors) == 3 and all(abs(e) <= TARGET for e in errors), errors
     rms = sum(e * e for e in errors) / len(errors)
     assert model.uncertainty_ratio == pytest.approx(max(rms ** 0.5, 0.03))

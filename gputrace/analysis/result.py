@@ -43,7 +43,7 @@ class Advice(Protocol):
     advisor, ``gputrace.analyse.Advise``, produces it); findings.json carries ``to_dict()`` as
     ``advice``."""
 
-    def to_dict(self) -> dict[str, Any]: ...
+    def to_dict(self) -> Mapping[str, Any]: ...
 
 
 @dataclass(frozen=True)
