@@ -12,12 +12,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gputrace.config import TomlTable
 from gputrace.engines import ENGINE_WORDS, Engine, engine_words
 from gputrace.errors import ConfigError, UsageError
 
-# A SimParams field's value (what the overrides, the scenarios and the fixes set)
-ParamValue = (int | float | str | bool | None | tuple[int, ...] | tuple[float, ...]
-              | tuple[tuple[int, int], ...])
+# The value of one of SimParams' fields (what the overrides, the scenarios, the fixes and the
+# what-if's changes set): a number (a bool is one), a tuple (the load's levels, a layer split, the
+# recorded requests' lengths), a string (the engine; a ``--set`` value as typed, which make_params
+# coerces), None (the engine's default, or no limit)
+ParamValue = int | float | str | tuple[int, ...] | tuple[float, ...] | tuple[tuple[int, int], ...] | None
 # Field values by name as they come in (a scenario, --set, a TOML file): checked and coerced to each
 # field's type by make_params
 Overrides = Mapping[str, object]
@@ -376,7 +379,7 @@ def parse_set_options(items: tuple[str, ...] | list[str]) -> dict[str, str]:
     return out
 
 
-def load_params_file(path: str | Path) -> dict[str, object]:
+def load_params_file(path: str | Path) -> TomlTable:
     """Overrides from a TOML file: top-level keys, or a ``[sim]`` table."""
     try:
         data = tomllib.loads(Path(path).read_text())

@@ -9,8 +9,7 @@ import math
 
 import numpy as np
 
-from gputrace.json_types import JsonValue
-from gputrace.sim.params import SCENARIOS, ParamValue, SimParams
+from gputrace.sim.params import SCENARIOS, SimParams
 from gputrace.sim.samples import cumulative
 from gputrace.sim.simulate import SimResult, simulate
 from gputrace.sim.truth_records import Fix, FixOutcome, FixResult, GroundTruth, PhaseTruth, StageTruth
@@ -271,11 +270,6 @@ def scenario_ground_truth(result: SimResult) -> GroundTruth:
     return ground_truth(result, SCENARIOS[result.scenario].causes if result.scenario in SCENARIOS else ())
 
 
-def _json_value(value: ParamValue) -> JsonValue:
-    """A parameter's value as JSON holds it (a tuple as a list)."""
-    return [_json_value(v) for v in value] if isinstance(value, tuple) else value
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Plan:
     """One fix and the causes and phases it is run for."""
@@ -307,7 +301,7 @@ def scenario_fixes(result: SimResult) -> list[FixResult]:
         after = {ph["label"]: ph for ph in scenario_ground_truth(fixed)["phases"]}
         out.append(FixResult(
             causes=sorted(plan.causes), knob=plan.fix["knob"], value=plan.fix["value"],
-            params={k: _json_value(v) for k, v in plan.fix["params"].items()},
+            params=plan.fix["params"],
             phases={label: FixOutcome(throughput_tok_s=before[label]["throughput_tok_s"],
                                       fixed_throughput_tok_s=after[label]["throughput_tok_s"],
                                       causes_after=after[label]["causes"])

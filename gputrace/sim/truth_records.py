@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import TypedDict
 
-from gputrace.json_types import JsonValue
 from gputrace.sim.params import ParamValue
 
 
@@ -75,5 +74,5 @@ class FixResult(TypedDict):
     causes: list[str]
     knob: str
     value: int | None
-    params: dict[str, JsonValue]  # as JSON holds them: tuples as lists
+    params: dict[str, ParamValue]
     phases: dict[str, FixOutcome]
