@@ -70,7 +70,7 @@ def finding_entry(f: Finding, effect: PredictedEffect | None = None) -> dict[str
     the value None where it is not one number), for tools that apply or compare it; ``predicted``
     the what-if model's effect of that change (``Analysis.effects``), also said in the
     recommendation."""
-    entry: dict[str, Any] = {k: v for k, v in f.to_dict().items() if k not in ("impact", "details", "change")}
+    entry = {k: v for k, v in f.to_dict().items() if k not in ("impact", "details", "change")}
     if effect is not None:
         entry["recommendation"] = f"{f.recommendation}; {effect.text()}"
     if f.change is not None:
