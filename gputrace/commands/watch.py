@@ -6,7 +6,6 @@ import asyncio
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import click
@@ -46,10 +45,12 @@ async def _watch_url(url: str, refresh: float) -> None:
             try:
                 async with session.get(f"{url}/v1/status") as resp:
                     resp.raise_for_status()
-                    body: dict[str, Any] = await resp.json()
-                    return LiveStatus.from_dict(body)
+                    body = await resp.json()
             except aiohttp.ClientError as exc:
                 raise SourceError(f"{url}: {exc}") from exc
+            if not isinstance(body, dict):  # a status is one object: anything else is not a collector
+                raise SourceError(f"{url}/v1/status: not a collector's status (a JSON object)")
+            return LiveStatus.from_dict(body)
         await watch(status, refresh)
 
 
