@@ -15,7 +15,15 @@ from pathlib import Path
 import numpy as np
 
 from gputrace import metric_names as mn
-from gputrace.json_types import JsonObject, JsonReadObject, JsonReadValue, JsonValue
+from gputrace.json_types import (
+    JsonObject,
+    JsonReadObject,
+    JsonReadValue,
+    JsonValue,
+    as_objects,
+    as_text,
+    section,
+)
 
 DATASOURCE_UID = "gputrace-prometheus"  # fixed: grafana/provisioning/datasources/prometheus.yaml
 DATASOURCE: JsonObject = {"type": "prometheus", "uid": DATASOURCE_UID}
@@ -330,32 +338,16 @@ def substitute(expr: str, variables: Mapping[str, str] | None = None,
     return _VAR_RE.sub(repl, expr)
 
 
-def section(obj: JsonReadObject, *keys: str) -> JsonReadObject:
-    """The object at ``keys`` inside ``obj`` (``panel, "fieldConfig", "defaults"``); empty where a
-    key is absent or holds no object, as Grafana takes a missing setting for its default."""
-    for key in keys:
-        value = obj.get(key)
-        obj = value if isinstance(value, Mapping) else {}
-    return obj
-
-
-def objects(value: JsonReadValue | None) -> list[JsonReadObject]:
-    """The objects in a JSON array (none where ``value`` is not an array)."""
-    if isinstance(value, str) or not isinstance(value, Sequence):
-        return []
-    return [item for item in value if isinstance(item, Mapping)]
-
-
-def text_of(value: JsonReadValue | None, default: str = "") -> str:
-    """A JSON string, ``default`` where ``value`` is not one."""
-    return value if isinstance(value, str) else default
+def text_of(value: JsonReadValue | None) -> str:
+    """A string of the dashboard's model, empty where it has none."""
+    return as_text(value) or ""
 
 
 def _all_panels(dashboard: JsonReadObject) -> list[JsonReadObject]:
     out: list[JsonReadObject] = []
-    for panel in objects(dashboard.get("panels")):
+    for panel in as_objects(dashboard.get("panels")):
         out.append(panel)
-        out.extend(objects(panel.get("panels")))  # panels inside a collapsed row
+        out.extend(as_objects(panel.get("panels")))  # panels inside a collapsed row
     return out
 
 
@@ -365,7 +357,7 @@ def panel_queries(panel: JsonReadObject, variables: Mapping[str, str] | None = N
     return [PanelQuery(text_of(panel.get("title")), text_of(target.get("refId")),
                        substitute(expr, variables, macros), text_of(target.get("legendFormat")),
                        bool(target.get("instant")) and not target.get("range", False))
-            for target in objects(panel.get("targets")) if isinstance(expr := target.get("expr"), str)]
+            for target in as_objects(panel.get("targets")) if isinstance(expr := target.get("expr"), str)]
 
 
 def annotation_queries(dashboard: JsonReadObject, variables: Mapping[str, str] | None = None,
@@ -373,7 +365,7 @@ def annotation_queries(dashboard: JsonReadObject, variables: Mapping[str, str] |
     """The dashboard's annotations that run PromQL (the load phases' markers)."""
     return [PanelQuery(f"annotation: {text_of(a.get('name'))}", "annotation",
                        substitute(expr, variables, macros), text_of(a.get("titleFormat")))
-            for a in objects(section(dashboard, "annotations").get("list"))
+            for a in as_objects(section(dashboard, "annotations").get("list"))
             if isinstance(expr := a.get("expr"), str)]
 
 
@@ -437,7 +429,7 @@ def variable_queries(dashboard: JsonReadObject | None = None) -> list[VariableQu
     """The dashboard's label_values() variables as (label, series selector) for /api/v1/label."""
     board = dashboard if dashboard is not None else load_dashboard()
     out = []
-    for var in objects(section(board, "templating").get("list")):
+    for var in as_objects(section(board, "templating").get("list")):
         query = var.get("query")
         promql = str(query.get("query", "")) if isinstance(query, Mapping) else str(query)
         m = _LABEL_VALUES_RE.match(promql.strip())

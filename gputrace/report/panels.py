@@ -20,8 +20,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import PercentFormatter
 
-from gputrace.dashboard import PanelResult, PanelSeries, PhaseMark, section, text_of
-from gputrace.json_types import JsonReadObject, JsonReadValue
+from gputrace.dashboard import PanelResult, PanelSeries, PhaseMark, text_of
+from gputrace.json_types import JsonReadObject, JsonReadValue, as_number, as_text, section
 from gputrace.report.figures import WIDTH_IN, figure_png, report_style
 
 GRID_COLUMNS = 24  # Grafana's dashboard width in grid units
@@ -55,13 +55,9 @@ def _unit(unit: str, peak: float) -> tuple[str, float]:
     return _UNITS.get(unit, (unit, 1.0))
 
 
-def _number(value: JsonReadValue | None) -> float | None:
-    """A number of the panel's model, None where it has none (Grafana's default then)."""
-    return value if isinstance(value, int | float) else None
-
-
 def _number_or(value: JsonReadValue | None, default: float) -> float:
-    number = _number(value)
+    """A number of the panel's model, ``default`` (Grafana's) where it has none."""
+    number = as_number(value)
     return default if number is None else number
 
 
@@ -108,7 +104,7 @@ def _timeseries(fig: Figure, panel: JsonReadObject, series: Sequence[PanelSeries
     legend_in = 2.3 if width_in > 6 else 1.9  # the legend's column, right of the axes
     ax = fig.add_axes((0.8 / width_in, 0.17, 1 - (0.8 + legend_in) / width_in, 0.65))
     defaults = section(panel, "fieldConfig", "defaults")
-    unit = text_of(defaults.get("unit"), "short")
+    unit = as_text(defaults.get("unit")) or "short"
     label, div = _unit(unit, _peak(series))
     for s in series:
         # step-after, as the dashboard draws them (a gauge holds its value until the next scrape)
@@ -118,7 +114,7 @@ def _timeseries(fig: Figure, panel: JsonReadObject, series: Sequence[PanelSeries
     else:
         ax.set_ylabel(label)
     if series:
-        lo, hi = _number(defaults.get("min")), _number(defaults.get("max"))
+        lo, hi = as_number(defaults.get("min")), as_number(defaults.get("max"))
         ax.set_ylim(bottom=lo / div if lo is not None else None,
                     top=hi / div if hi is not None and _peak(series) <= hi else None)
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, frameon=False,
@@ -158,7 +154,7 @@ def _heatmap(fig: Figure, panel: JsonReadObject, series: Sequence[PanelSeries],
     color = section(panel, "options", "color")
     if series:
         names, rows = heatmap_rows(series, start_s, step_s, end_s)
-        cmap = _cmap(text_of(color.get("scheme"), "viridis"))
+        cmap = _cmap(as_text(color.get("scheme")) or "viridis")
         im = ax.imshow(np.ma.masked_invalid(rows), aspect="auto", cmap=cmap, interpolation="nearest",
                        vmin=_number_or(color.get("min"), 0), vmax=_number_or(color.get("max"), 1),
                        extent=(-step_s / 2, end_s - start_s + step_s / 2, len(names) - 0.5, -0.5))
@@ -199,7 +195,7 @@ def stat_value(s: PanelSeries) -> float | None:
 
 
 def _stat(fig: Figure, panel: JsonReadObject, series: Sequence[PanelSeries], start_s: float) -> None:
-    unit = text_of(section(panel, "fieldConfig", "defaults").get("unit"), "short")
+    unit = as_text(section(panel, "fieldConfig", "defaults").get("unit")) or "short"
     if not series:
         _no_data(fig.add_subplot())
         return
