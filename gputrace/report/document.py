@@ -90,7 +90,8 @@ def finding_entry(f: Finding, effect: PredictedEffect | None = None) -> JsonObje
     if effect is not None:
         entry["recommendation"] = f"{f.recommendation}; {effect.text()}"
     if f.change is not None:
-        entry["change"] = f.change.to_finding_dict()
+        change = f.change.to_finding_dict()
+        entry["change"] = {"knob": change["knob"], "value": change["value"]}
     if effect is not None:
         entry["predicted"] = effect.to_dict()
     return entry
@@ -112,7 +113,7 @@ def build_document(a: Analysis) -> JsonObject:
         "thresholds": asdict(a.thresholds),
     }
     if a.advice is not None:
-        doc["advice"] = a.advice.to_dict()
+        doc["advice"] = {**a.advice.to_dict()}
     return doc
 
 
