@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gputrace.config import TomlTable
+from gputrace.config import TomlValue
 from gputrace.engines import ENGINE_WORDS, Engine, engine_words
 from gputrace.errors import ConfigError, UsageError
 
@@ -379,7 +379,7 @@ def parse_set_options(items: tuple[str, ...] | list[str]) -> dict[str, str]:
     return out
 
 
-def load_params_file(path: str | Path) -> TomlTable:
+def load_params_file(path: str | Path) -> dict[str, TomlValue]:
     """Overrides from a TOML file: top-level keys, or a ``[sim]`` table."""
     try:
         data = tomllib.loads(Path(path).read_text())

@@ -301,7 +301,7 @@ def scenario_fixes(result: SimResult) -> list[FixResult]:
         after = {ph["label"]: ph for ph in scenario_ground_truth(fixed)["phases"]}
         out.append(FixResult(
             causes=sorted(plan.causes), knob=plan.fix["knob"], value=plan.fix["value"],
-            params=plan.fix["params"],
+            params=dict(plan.fix["params"]),
             phases={label: FixOutcome(throughput_tok_s=before[label]["throughput_tok_s"],
                                       fixed_throughput_tok_s=after[label]["throughput_tok_s"],
                                       causes_after=after[label]["causes"])
