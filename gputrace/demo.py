@@ -47,6 +47,7 @@ from gputrace.sim.virtual import run_params
 from gputrace.store import Store
 from gputrace.whatif.advise import Advice, advisor
 from gputrace.whatif.fit import FittedModel, fit_model
+from gputrace.whatif.param_change import ParamChange
 from gputrace.whatif.predict import predict
 
 SIM_HOST = "sim-node0"
@@ -386,10 +387,10 @@ class DemoResult:
 # The deployment's figures were taken, and the first tries run here (the simulator's own client),
 # with each burst sent at once; the live runs' client sends one over 2-50 ms, and the engine's
 # first prefill turn takes what has landed: its first request alone
-AT_ONCE = {"burst_offsets_s": ()}
+AT_ONCE: ParamChange = {"burst_offsets_s": ()}
 
 
-def predicted_by(run: DemoRun, overrides: dict[str, Any], on: dict[str, Any] | None = None
+def predicted_by(run: DemoRun, overrides: ParamChange, on: ParamChange | None = None
                  ) -> dict[str, float | None]:
     """Per phase, the run's measured tok/s (the demo's measure, phase_tok_s) times the effect the
     model fitted to ``run`` predicts of ``overrides`` on its load, or with ``on`` changed on both
