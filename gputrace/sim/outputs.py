@@ -9,6 +9,7 @@ import dataclasses
 import datetime as dt
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -139,7 +140,8 @@ def write_store(result: SimResult, out_dir: str | os.PathLike[str], name: str | 
     p = result.params
     placements = single_node_placements(SIM_HOST, p.pp_size, p.tp_size)
     topology = topology_to_meta(p.pp_size, p.tp_size, 1, placements, source="simulator")
-    extra = {"ground_truth": result.ground_truth,
+    truth: Mapping[str, object] = result.ground_truth_if_known or {}  # {}: a run simulated without it
+    extra = {"ground_truth": truth,
              "simulator": {"scenario": result.scenario, "seed": p.seed, "params": params_dict(result),
                            "virtual_time": True}}
     store = Store.create(out_dir, name=name or f"sim-{result.scenario}-{p.seed}",

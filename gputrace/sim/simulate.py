@@ -45,6 +45,11 @@ class SimResult:
     def ground_truth(self, truth: GroundTruth) -> None:
         self._ground_truth = truth
 
+    @property
+    def ground_truth_if_known(self) -> GroundTruth | None:
+        """The ground truth where sim.virtual filled it in (a run simulated on its own has none)."""
+        return self._ground_truth
+
     def ns(self, t_s: float) -> int:
         return self.start_ns + round(t_s * 1e9)
 
