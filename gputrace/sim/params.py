@@ -242,8 +242,8 @@ SCENARIOS: dict[str, Scenario] = {
                   # the step's flat part 10x the default's, a token's cost as it is
                   "drain_s": 5.0, "launch_s": 0.0062, "weight_read_s": 0.0269, "max_total_num_tokens": 65536},
                  ("prefill_budget",)),
-        Scenario("prefill-mixed", "a mixed load: 1 request in 10 sends a 16,384-token prompt among prompts of "
-                 "about 256, cut into SGLang's 8,192-token chunks; a long chunk holds each stage about 50 "
+        Scenario("prefill-mixed", "a mixed load: 1 request in 10 sends a 16,384-token prompt among prompts "
+                 "of about 256, cut into SGLang's 8,192-token chunks; a long chunk holds each stage about 50 "
                  "decode steps long, and the other micro-batches' decodes wait behind it at every stage",
                  {**_FULL_PIPELINE, "long_prompt_share": 0.1, "long_input_tokens": 16384, "max_tokens": 256,
                   "concurrency": (48,)},

@@ -359,7 +359,8 @@ def _design_parts(w: PhaseWork, p: SimParams) -> tuple[float, float, float]:
     return flat, w.decode_steps * over, prefill
 
 
-def fit_scales(works: list[PhaseWork], p: SimParams, hold_prefill: bool = False) -> tuple[float, float] | None:
+def fit_scales(works: list[PhaseWork], p: SimParams,
+               hold_prefill: bool = False) -> tuple[float, float] | None:
     """Least squares for (a, b) on relative residuals of busy time, with a tie towards a = b.
     ``hold_prefill``: the prompt tokens' part stays as ``p`` costs it and b scales the decode
     tokens' alone (None where that part alone is more than a phase's busy time)."""
@@ -691,9 +692,10 @@ def fit_prefill_scale(p: SimParams, works: list[PhaseWork], measured: list[Phase
     error, fitted, log2_scale = golden_minimum(at, PREFILL_SCALE_LOG2_RANGE, PREFILL_SCALE_STEPS)
     if error >= before - REPLAY_TOLERANCE:
         return dataclasses.replace(p, phase_s=steady_s), None
-    return dataclasses.replace(fitted, phase_s=steady_s), (f"a prompt token's cost is fitted apart from a decode token's, by the requests' time "
-                    f"to first token (replayed {misfit:.0%} off in log ratio with one cost for both): "
-                    f"x{2.0 ** log2_scale:.2f} the decode token's scale")
+    note = (f"a prompt token's cost is fitted apart from a decode token's, by the requests' time to "
+            f"first token (replayed {misfit:.0%} off in log ratio with one cost for both): "
+            f"x{2.0 ** log2_scale:.2f} the decode token's scale")
+    return dataclasses.replace(fitted, phase_s=steady_s), note
 
 
 def sharing_note(p: SimParams) -> str:
