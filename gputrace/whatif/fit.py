@@ -664,14 +664,19 @@ def fit_prefill_scale(p: SimParams, works: list[PhaseWork], measured: list[Phase
                       labels: list[str], measured_phase_s: float) -> tuple[SimParams, str | None]:
     """A prompt token's cost apart from a decode token's, where the busy time cannot tell them
     apart (one phase; prefill turns under the memory floor) and the requests' time to first token
-    can: a burst's prompts wait for the turns before theirs, a long prompt for its chunks. Searched
+    can: a burst's prompts wait for the turns before theirs, a long prompt for its chunks. Only
+    where the prompts are at least as many tokens as the outputs (a prefill-heavy load). Searched
     by replay (golden section on log2 of the scale), the flat and decode parts refitted to the
     busy time at each scale, where the replay's TTFT is off by TTFT_MISFIT; kept where it replays
     TTFT and throughput together better by REPLAY_TOLERANCE. The replays here run the phases as
     long as they were measured: a phase's first requests arrive together and wait behind each
     other's prompts, and a shorter phase gives them more weight in its median TTFT (prefill-mixed:
     0.06 s measured over 120 s, 1.05 s replayed over 28). Returns the parameters and a note."""
-    if not any(w.prefill_steps for w in works):
+    mean_out = p.max_tokens * (1 - p.output_tokens_jitter / 2)
+    if not any(w.prefill_steps for w in works) or p.input_tokens < mean_out:
+        # where decode tokens are most of the work, a replay's TTFT off the measured is the
+        # schedule's (bunched at K 64: 2.2 in log ratio, and a prompt token fitted at x14 broke
+        # the K change's prediction, 782 tok/s for 1118), not a prompt's cost
         return p, None
     steady_s = p.phase_s
     p = dataclasses.replace(p, phase_s=max(p.phase_s, measured_phase_s))
