@@ -32,13 +32,12 @@ from gputrace.whatif.fit import FittedModel, fit_model
 from gputrace.whatif.outcome import PhaseOutcome
 from gputrace.whatif.param_change import ParamChange, ParamJson, ParamValue, param_json
 from gputrace.whatif.predict import (
-    PhasePrediction,
-    decision_band,
     finding_change,
     predict,
     predicted_already,
     prefill_budget_change,
 )
+from gputrace.whatif.prediction import PhasePrediction, decision_band
 
 OBJECTIVES = ("throughput", "peak", "slo")
 SCREEN_SEEDS = (0,)  # a candidate's first replay; the best CONFIRM are replayed at every seed

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -28,12 +28,16 @@ from gputrace.engines import engine_words
 from gputrace.run_tables import EngineSettings
 from gputrace.sim.params import SimParams, make_params
 from gputrace.whatif.lengths import fit_output_lengths, output_observations, recorded_lengths
-from gputrace.whatif.outcome import PhaseOutcome, measured_outcomes, phase_concurrency, trace_outcomes
+from gputrace.whatif.outcome import (
+    PhaseOutcome,
+    measured_outcomes,
+    phase_concurrency,
+    relative_error,
+    trace_outcomes,
+)
 from gputrace.whatif.param_change import ParamValue, with_changes
+from gputrace.whatif.prediction import PhasePrediction
 from gputrace.whatif.replay import Reached, counted, current_session, run_replay
-
-if TYPE_CHECKING:  # predict reads the model: its rows are cached here, typed only
-    from gputrace.whatif.predict import PhasePrediction
 
 _Scored = TypeVar("_Scored", bound=tuple[Any, ...])  # (error, ...) of one point of a search
 COST_FIELDS = ("launch_s", "weight_read_s", "decode_token_s", "prefill_token_s", "context_token_s")
@@ -160,12 +164,6 @@ class PhaseFit:
     itl_s_p50: Figures
     throughput_error: float | None  # simulated / measured - 1
     correction: float  # the phase's calibration factor (1: within CALIBRATION_TOLERANCE)
-
-
-def relative_error(predicted: float | None, measured: float | None) -> float | None:
-    if predicted is None or measured is None or measured <= 0:
-        return None
-    return predicted / measured - 1.0
 
 
 def deployment_params(engine: EngineSettings, pp_size: int) -> dict[str, ParamValue]:
