@@ -308,7 +308,8 @@ def print_pairs(results: list[PairsResult]) -> None:
         prompts = "prompts of 950-1,900 tokens" if c.long_prompts else "the load's default prompts"
         print(f"\n## {c.name}: {c.flag} {c.default_value} -> {changed} ({r.chosen.source}); "
               f"flags {' '.join(c.base_flags) or 'the tier defaults'}; closed loop C={c.concurrency}, "
-              f"{prompts}, max_tokens {c.max_tokens}, {c.level_s:.0f} s a run\n")
+              f"{prompts}, max_tokens {c.max_tokens}, {c.level_s:.0f} s a run after "
+              f"{c.warmup_s:.0f} s of warm-up\n")
         named = "; ".join(r.chosen.prefill_cause) or "none"
         print(f"default run's advice: {r.chosen.advice}\nprefill cause named: {named} "
               f"(names {c.flag}: {'yes' if r.chosen.names_the_flag else 'no'})\n")
@@ -373,7 +374,7 @@ def main() -> None:
     ap.add_argument("--pairs", default=None,
                     help=f"interleaved pairs of these SGLang cases ({','.join(CASES)}) instead of the advice")
     ap.add_argument("--pair-count", type=int, default=3)
-    ap.add_argument("--sweep", default="512,1024,4096",
+    ap.add_argument("--sweep", default="4096,1024,512",
                     help="with --pairs chunk: the other chunks run once each, for the best chunk measured")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

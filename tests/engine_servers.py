@@ -251,12 +251,14 @@ def long_prompts_file(path: Path, seed: int = 0) -> Path:
 
 
 def capture_level(engine: RunningEngine, run_dir: Path, *, concurrency: int, level_s: float,
-                  max_tokens: int, prompts: Path | None = None, report: bool = False,
-                  ) -> subprocess.CompletedProcess[str]:
+                  max_tokens: int, prompts: Path | None = None, warmup_s: float = 0.0,
+                  report: bool = False) -> subprocess.CompletedProcess[str]:
     """`gputrace run` over one closed-loop level, as a user captures a running engine: its log
     file and its /metrics (the stage timers), the built-in load; the report where ``report``. The
     requests in flight when the level ends run to their end (no --drain): an abandoned request's
-    tokens are unknown, so the phase's client tok/s would miss what it emitted in the level."""
+    tokens are unknown, so the phase's client tok/s would miss what it emitted in the level.
+    ``warmup_s`` runs the level's load before its phase begins (a closed loop of long prompts
+    starts as a burst: its first outputs come tens of seconds in)."""
     import sys
 
     cfg = run_dir.parent / f"{run_dir.name}.toml"
@@ -269,7 +271,7 @@ def capture_level(engine: RunningEngine, run_dir: Path, *, concurrency: int, lev
     argv = [sys.executable, "-m", "gputrace", "run", "--config", str(cfg), "--out", str(run_dir),
             "--listen", "", "--url", engine.url, "--model", engine.model,
             "--concurrency", str(concurrency), "--duration-per-level", str(level_s),
-            "--max-tokens", str(max_tokens), "--ignore-eos", "--warmup", "0",
+            "--max-tokens", str(max_tokens), "--ignore-eos", "--warmup", str(warmup_s),
             "--report" if report else "--no-report"]
     if prompts is not None:
         argv += ["--prompts", str(prompts)]
