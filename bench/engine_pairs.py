@@ -55,11 +55,11 @@ class PairCase:
 # max_running_requests 8, 16,384 KV tokens, K = 8 // 2): K 2 holds 4 of 8 (2 slots of 2); a pool
 # of 4 rows holds 4 of 16 (K 8 set so that only the pool binds); 320 KV tokens hold about 4
 # requests of 25 prompt and 64 output tokens; a 256-token chunk takes a long prompt 4-8 turns
-# (at ~1.6 s a turn on the shared cores the closed loop's first outputs come 40-60 s in: the
-# warm-up runs that start before the phase).
+# (at 1.6-3 s a turn on the shared cores the closed loop's first outputs come 30-60 s in, and a
+# request of 32 tokens took 100 s: 16 tokens, and a warm-up that runs that start before the phase).
 CASES = {c.name: c for c in (
     PairCase("chunk", LONG_PROMPT_FLAGS, "--chunked-prefill-size", "chunked_prefill_size", 256, None,
-             8, 32, 45.0, warmup_s=60.0, long_prompts=True),
+             8, 16, 60.0, warmup_s=45.0, long_prompts=True),
     PairCase("k", (), "--pp-max-micro-batch-size", "pp_max_micro_batch_size", 2, 6, 8, 32, 30.0),
     PairCase("pool", ("--pp-max-micro-batch-size", "8"), "--max-running-requests", "max_running_requests",
              4, 16, 16, 32, 30.0),
@@ -116,7 +116,8 @@ def run_one(case: PairCase, value: int, work: Path, prompts: Path | None) -> Run
 
 def figures_of(case: PairCase, value: int, work: Path) -> RunFigures:
     """The kept run's level: the client's tok/s and the scheduler CPU-seconds over its window."""
-    (pm,) = analysis_of(work).metrics
+    # the case's level (a warm-up before it is a phase of its own)
+    (pm,) = [pm for pm in analysis_of(work).metrics if pm.label == f"C={case.concurrency}"]
     series = json.loads((work / "cpu.json").read_text())
     tok_s = pm.client_throughput_tok_s if pm.client_throughput_tok_s is not None else pm.throughput_tok_s
     return RunFigures(case.flag, value, float(tok_s or 0.0),

@@ -238,7 +238,8 @@ def chosen_change(case: PairCase, analysis: Analysis) -> ChosenChange:
 
 
 def measure_pairs(case: PairCase, work: Path, count: int, sweep: tuple[int, ...]) -> None:
-    """A0, then the change taken from it, then B0 A1 B1 ... back to back; then the sweep."""
+    """A0, then the change taken from it, then B0 A1 B1 ... back to back; the sweep's first value
+    after the first pair, the rest after the last."""
     prompts = long_prompts_file(work.parent / "long-prompts.jsonl") if case.long_prompts else None
     t0 = time.monotonic()
     run_one(case, case.default_value, work / "A0", prompts)
@@ -246,16 +247,20 @@ def measure_pairs(case: PairCase, work: Path, count: int, sweep: tuple[int, ...]
     (work / "case.json").write_text(json.dumps(dataclasses.asdict(chosen), indent=2) + "\n")
     print(f"{case.name}: A0 done ({time.monotonic() - t0:.0f} s); running {case.flag} {chosen.changed} "
           f"from {chosen.source}", file=sys.stderr)
+    # the sweep runs after the first pair, so that a bench cut short on a slow machine has the
+    # best chunk measured beside one pair at least
+    sweep_runs = [v for v in sweep if v != chosen.changed] if case.long_prompts else []
     for i in range(count):
         if i:
             run_one(case, case.default_value, work / f"A{i}", prompts)
         run_one(case, chosen.changed, work / f"B{i}", prompts)
         print(f"{case.name}: pair {i} done ({time.monotonic() - t0:.0f} s)", file=sys.stderr)
-    if case.long_prompts:
-        for value in sweep:
-            if value != chosen.changed:
-                run_one(case, value, work / f"S{value}", prompts)
-                print(f"{case.name}: sweep {value} done ({time.monotonic() - t0:.0f} s)", file=sys.stderr)
+        while sweep_runs and (i == 0 or i == count - 1):
+            value = sweep_runs.pop(0)
+            run_one(case, value, work / f"S{value}", prompts)
+            print(f"{case.name}: sweep {value} done ({time.monotonic() - t0:.0f} s)", file=sys.stderr)
+            if i == 0:
+                break
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -286,7 +291,8 @@ def pairs_result(case: PairCase, work: Path) -> PairsResult:
     before = _analysis(runs["A0"] / "run")
     predictions = {}
     for value in sorted({changed, *(f.value for f in sweep)}):
-        (p,), _ = predicted_phases(before, [{"knob": case.knob, "value": value}])
+        phases, _ = predicted_phases(before, [{"knob": case.knob, "value": value}])
+        (p,) = [p for p in phases if p.phase == f"C={case.concurrency}"]
         predictions[value] = Prediction(1.0 + p.gain_ratio, p.band_ratio)
     return PairsResult(case, chosen, pairs, sorted(sweep, key=lambda f: f.value), predictions)
 
