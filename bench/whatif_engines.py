@@ -16,14 +16,20 @@ measured below the defaults by more than that spread).
 
     python bench/whatif_engines.py [--engines sglang,vllm] [--repeats 5] [--keep DIR] [--quick]
     python bench/whatif_engines.py --refit DIR     # the kept runs fitted again, no engine started
-    python bench/whatif_engines.py --pairs chunk,k,pool,kv [--pair-count 3] [--sweep 512,1024,4096]
+    python bench/whatif_engines.py --pairs chunk,k,pool,kv [--pair-count 3] [--sweep 4096,1024,512]
                                    [--keep DIR | --refit DIR]
 
 `--pairs` (issue 47, [prefill] Must-show 1 and 5; bench/engine_pairs.py): per case, SGLang's default
 and one change with a large effect run back to back in interleaved pairs (A B A B A B), the ratio
 per pair per wall second and per scheduler CPU-second, the median, and the what-if's prediction
 fitted to the first default run with its band; the chunk case (long prompts, chunk 256) takes the
-chunk the report advises and sweeps others for the best chunk measured.
+chunk the report advises (its finding's where the advice keeps) and sweeps others for the best
+chunk measured (the sweep's first value after the first pair, the rest after the last). Each run
+is a fresh engine captured by `gputrace run` (its log and /metrics): 3-4 minutes on 2 idle cores,
+5-7 on the 2 cores shared at load 20-58 (the chunk case's 3 pairs and 2 sweep runs: 55 minutes).
+`--keep DIR` keeps DIR/pairs-CASE/{A0,B0,...,S4096}/ (run, engine.log, cpu.json: the scheduler's
+CPU counter as scraped) and case.json; a run kept there is not run again (an interrupted bench
+goes on where it stopped), and `--refit DIR` prints the table from them with the fit as it is now.
 
 Needs `make engines` (.venv-engines and the model); about 2 minutes per engine run, two runs per
 engine and repeat. `--keep` keeps each repeat's two runs (DIR/ENGINE-REPEAT/{default,applied}/run
