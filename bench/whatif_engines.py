@@ -322,9 +322,11 @@ def print_pairs(results: list[PairsResult]) -> None:
               f"flags {' '.join(c.base_flags) or 'the tier defaults'}; closed loop C={c.concurrency}, "
               f"{prompts}, max_tokens {c.max_tokens}, {c.level_s:.0f} s a run after "
               f"{c.warmup_s:.0f} s of warm-up\n")
-        named = "; ".join(r.chosen.prefill_cause) or "none"
-        print(f"default run's advice: {r.chosen.advice}\nprefill cause named: {named} "
-              f"(names {c.flag}: {'yes' if r.chosen.names_the_flag else 'no'})\n")
+        print(f"default run's advice: {r.chosen.advice}")
+        if c.long_prompts:  # Must-show 1: the report names the prefill cause with the case's flag
+            print(f"prefill cause named: {'; '.join(r.chosen.prefill_cause) or 'none'} "
+                  f"(names {c.flag}: {'yes' if r.chosen.names_the_flag else 'no'})")
+        print()
         print("| pair | default tok/s | changed tok/s | ratio | default CPU-s | changed CPU-s | "
               "default tok/CPU-s | changed tok/CPU-s | ratio per CPU-s |")
         print("|---|---|---|---|---|---|---|---|---|")
