@@ -98,7 +98,8 @@ class SimParams:
     request_lengths: tuple[tuple[int, int], ...] = ()
     # When each request of a burst goes out after its level's start, in the order sent (0 past the
     # end): a client sends a burst one request after another, and the engine starts a turn on the
-    # first to land (the demo's live C=32 bursts went out over 10-50 ms: turns of 1, 1, 7, 8, 8, 7)
+    # first to land (the demo's live C=32 bursts went out over 10-50 ms: turns of 1, 7, 8, 8, 8;
+    # a what-if replays a burst load's own, whatif.fit.burst_offsets)
     burst_offsets_s: tuple[float, ...] = ()
     client_max_inflight: int | None = None  # a client that cannot keep up
     think_s: float = 0.0

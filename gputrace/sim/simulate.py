@@ -110,7 +110,12 @@ def _run_bursts(params: SimParams, engine: PipelineEngine, client: ClosedLoopCli
         done = [r.finish_s for r in client.requests[first:] if r.finish_s is not None]
         end = min(max(done, default=deadline) + params.client_latency_s, deadline)
         phases.append(Phase(label, c, t, max(end, t + BURST_STEP_S)))
-        t = phases[-1].end_s
+        # The next burst goes out no earlier than the engine's clock, which the loop above left
+        # up to BURST_STEP_S past the level's end (idle, every request done): sent before it,
+        # a burst whose requests go out over a few ms (burst_offsets_s) would land all at once
+        # in the engine's past and fill its first prefill turn, where the live engine's first
+        # turn takes the first request alone (the demo's C=32: turns of 1, 7, 8, 8, 8)
+        t = max(phases[-1].end_s, engine.now)
     return phases
 
 

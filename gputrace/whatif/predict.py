@@ -44,6 +44,9 @@ HEALTHY_LINK = {"pcie_bandwidth_bytes_per_s": SimParams().pcie_bandwidth_bytes_p
 # A band widens this much per doubling of the largest micro-batch a change runs past the largest
 # the run ran (the step cost there is extrapolated, not measured)
 EXTRAPOLATION_PER_DOUBLING = 0.15
+# ... and widens by the gap between two step costs that both hold the sizes it ran, where the change
+# runs a size between them (predict.interpolation_gap), where that gap is at least this
+INTERPOLATION_FLOOR = 0.01
 
 
 def engine_keys(words: EngineWords) -> dict[str, Knob]:
@@ -133,17 +136,53 @@ def calibrated(measured: PhaseOutcome, change: PhaseOutcome, as_run: PhaseOutcom
         ttft_s_p90=f("ttft_s_p90"), itl_s_p50=f("itl_s_p50"), itl_s_p90=f("itl_s_p90"))
 
 
+def decode_step_s(p: SimParams, size: float) -> float:
+    """The model's cost of one stage's decode step of ``size`` requests (sim.engine's step, no
+    context, multiplier 1)."""
+    memory = p.weight_read_s
+    if p.moe_experts:
+        memory += (1.0 - (1.0 - p.moe_top_k / p.moe_experts) ** size) * p.expert_read_s
+    return p.launch_s + max(memory, p.decode_token_s * size)
+
+
+def interpolation_gap(p: SimParams, size: float, below: float, above: float) -> float:
+    """How far apart two step costs that both hold the run's steps of ``below`` and ``above``
+    requests are at ``size`` between them, against the model's: the model's knee (a memory floor,
+    then a cost per request) and the straight line between the two measured steps. The run cannot
+    tell them apart: a dense model's step has the knee, a MoE's (the experts a step's requests
+    read) lies near the line (the motivating deployment's at 4 requests 2 % below the line through
+    its steps of 1 and 8); the knee fitted to the demo's live defaults (steps of 1 and 8) is 11 %
+    below that line at 4 requests, 7 % at 5."""
+    lo, hi = decode_step_s(p, below), decode_step_s(p, above)
+    line = lo + (size - below) * (hi - lo) / (above - below)
+    return abs(line / decode_step_s(p, size) - 1.0)
+
+
 def extrapolation_band(model: FittedModel, o: PhaseOutcome, changes: ParamChange
                        ) -> tuple[float, str | None]:
-    """The band's widening where the change runs micro-batches past those the run ran (and why)."""
+    """The band's widening where the change runs micro-batches of sizes the run did not run (and
+    why): past the largest, by EXTRAPOLATION_PER_DOUBLING per doubling; between two it ran, by
+    the gap between the step costs that both hold the run's (interpolation_gap)."""
     seen = model.largest_microbatch
     size = o.microbatch_size_p90
-    if not seen or not size or size <= seen * 1.05:
+    if not seen or not size:
         return 0.0, None
     k = changes.get("pp_max_micro_batch_size")
     what = f"K={k} runs" if k is not None else "the change runs"
-    return (EXTRAPOLATION_PER_DOUBLING * float(np.log2(size / seen)),
-            f"{what} micro-batches of {size:.0f}; this run never ran more than {seen:.0f}: wide band")
+    if size > seen * 1.05:
+        return (EXTRAPOLATION_PER_DOUBLING * float(np.log2(size / seen)),
+                f"{what} micro-batches of {size:.0f}; this run never ran more than {seen:.0f}: wide band")
+    ran = sorted({s for m in model.measured for s in (m.microbatch_size_p90, m.microbatch_size_max) if s})
+    below = max((s for s in ran if s <= size), default=None)
+    above = min((s for s in ran if s >= size), default=None)
+    if below is None or above is None or min(size / below, above / size) <= 1.05:
+        return 0.0, None
+    gap = interpolation_gap(model.params, size, below, above)
+    if gap < INTERPOLATION_FLOOR:
+        return 0.0, None
+    return (gap, f"{what} micro-batches of {size:.0f}, between the {below:.0f} and {above:.0f} this run "
+            f"ran: a step cost with a memory floor and one straight between those two differ by "
+            f"{gap:.0%} there, and the run cannot tell which holds: band +{gap:.0%}")
 
 
 def _key(changes: ParamChange, seeds: tuple[int, ...]) -> str:
