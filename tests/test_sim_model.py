@@ -280,6 +280,8 @@ def test_a_burst_level_ends_when_its_last_request_finishes():
     """client_mode "burst" (how the motivating figures were measured): each level sends its C
     requests at once; it ends when the last one is back, the next level starts then, and the
     throughput is all the level's tokens over that wall time."""
+    from gputrace.sim.simulate import BURST_STEP_S
+
     result = run_scenario("motivating", 0, {"client_mode": "burst", "concurrency": (1, 8), "max_tokens": 64,
                                             "drain_s": 0.0})
     p = result.params
@@ -291,7 +293,9 @@ def test_a_burst_level_ends_when_its_last_request_finishes():
         assert phase.end_s == pytest.approx(last + p.client_latency_s)
         tokens = sum(r.generated for r in mine)
         assert truth["throughput_tok_s"] == pytest.approx(tokens / (phase.end_s - phase.start_s), rel=0.01)
-    assert result.phases[1].start_s == result.phases[0].end_s
+    # the next level goes out then, or at the engine's clock where its loop ran past the end (at
+    # most one BURST_STEP_S: a burst sent in the engine's past would land all at once)
+    assert result.phases[0].end_s <= result.phases[1].start_s <= result.phases[0].end_s + BURST_STEP_S
 
 
 def _tokens_per_batch(result, label: str) -> float:  # type: ignore[no-untyped-def]
