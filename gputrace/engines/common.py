@@ -309,6 +309,9 @@ class Engine:
     log_advice: str = ""  # how its log shows every step (a flag), "" where it cannot
     # how a user gets its own per-stage busy timers, None where it has none
     stage_timers: str | None = None
+    # its /metrics counter of generated (output) tokens, read for a phase's throughput where its
+    # log resolves tokens only to its stats windows (vLLM's 10 s averages); None: the log's
+    generated_tokens_counter: str | None = None
 
     @property
     def microbatch_slots(self) -> bool:
