@@ -212,6 +212,26 @@ def running_engine(setting: EngineSetting, log_path: Path,
         stop_process_group(proc)
 
 
+def group_cpu_seconds(pgid: int) -> dict[str, float]:
+    """User plus system CPU seconds so far of each live process in the engine's process group (its
+    ranks are children started in its session), keyed "PID NAME" by /proc/PID/comm: vLLM names its
+    processes (VLLM::EngineCore, VLLM::Worker_PP0, ...), so a reader can tell the engine core and
+    its ranks from the API server. A process that exits between the listing and the read is left out."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with suppress(OSError, ValueError, IndexError):
+            stat = (entry / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+            if int(fields[2]) != pgid:  # field 5, the process group
+                continue
+            name = (entry / "comm").read_text().strip()
+            out[f"{entry.name} {name}"] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
+
+
 # The series kept from each /metrics scrape (the gauges that say what the scheduler holds).
 WATCHED_METRICS = (
     "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:gen_throughput", "sglang:token_usage",

@@ -127,7 +127,8 @@ def _capture(setting: EngineSetting, tmp: Path) -> Iterator[Capture]:
         cfg = tmp / "gputrace.toml"
         # vLLM's /metrics beside its log: its token counter is the phases' tok/s (its stats lines
         # average over 10 s windows); SGLang's capture stays log-only (its lines count every step)
-        metrics = f'[hosts.engine_metrics]\nurl = "{engine.url}/metrics"\n\n' if setting.engine == "vllm" else ""
+        metrics = f'[hosts.engine_metrics]\nurl = "{engine.url}/metrics"\n\n' \
+            if setting.engine == "vllm" else ""
         cfg.write_text(
             f'[run]\nname = "{setting.engine}-tier"\n\n[[hosts]]\nname = "engine-host"\n'
             f'agent = "127.0.0.1:{agent_port}"\n\n'

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from gputrace.analysis.phase_figures import BUSY_SIGNALS, PhaseMetrics, engine_tokens
+from gputrace.analysis.phase_figures import BUSY_SIGNALS, PhaseMetrics, PrefillFigures, engine_tokens
 
 # Per engine: the queue gauge and the generated-tokens counter.
 QUEUE_SERIES = ("sglang:num_queue_reqs", "vllm:num_requests_waiting")
@@ -26,7 +26,12 @@ TOKEN_SERIES = ("sglang:realtime_tokens_total", "vllm:generation_tokens_total")
 STAGE_SECONDS = "sglang:scheduler_stage_seconds_total"
 DEVICE_SECONDS = "sglang:forward_execution_seconds_total"
 LOOP_SERIES = (STAGE_SECONDS, DEVICE_SECONDS)
-COMPARED = QUEUE_SERIES + TOKEN_SERIES + LOOP_SERIES
+# vLLM's steps (vllm:iteration_tokens_total: each step's prompt and decode tokens, which share its
+# max_num_batched_tokens budget) and its requests' prompts, each histogram as its sum and count
+STEP_TOKENS = "vllm:iteration_tokens_total"
+PROMPT_TOKENS = "vllm:request_prompt_tokens"
+STEP_SERIES = tuple(f"{name}_{part}" for name in (STEP_TOKENS, PROMPT_TOKENS) for part in ("sum", "count"))
+COMPARED = QUEUE_SERIES + TOKEN_SERIES + LOOP_SERIES + STEP_SERIES
 LOOP_AGREEMENT = 0.10  # the loop timers' busy and the log schedule's agree within this
 MIN_SAMPLES = 3  # scrapes a phase needs before its figures are compared
 QUEUE_TOLERANCE_REQS = 2.0  # a queue read at other moments differs by a few requests
@@ -131,6 +136,43 @@ def with_engine_counter(pm: PhaseMetrics, series: Sequence[MetricSeries], counte
         return pm
     rate = sum(r for r in rises if r is not None) / pm.duration_s
     return replace(pm, throughput_tok_s=rate, throughput_source=f"engine counter ({counter})")
+
+
+def _summed_increase(series: Sequence[MetricSeries], name: str, start_ns: int, end_ns: int) -> float | None:
+    rises = [_increase(s, start_ns, end_ns) for s in series if s.name == name]
+    if not rises or any(r is None for r in rises):
+        return None
+    return sum(r[0] for r in rises if r is not None)
+
+
+def with_engine_steps(pm: PhaseMetrics, series: Sequence[MetricSeries], budget_tokens: int | None,
+                      pp_size: int = 1) -> PhaseMetrics:
+    """The phase's prefill figures from the engine's own step histogram where its log has no step
+    lines (vLLM: vllm:iteration_tokens_total, each step's prompt and decode tokens, which share the
+    max_num_batched_tokens budget), with its requests' mean prompt (vllm:request_prompt_tokens):
+    steps per second, tokens per step and the mean step's fill of the budget. Under PP vLLM keeps
+    pp_size batches in flight, each within the budget, and the histogram counts them together (a
+    PP=2 run at a budget of 32 read 65 tokens a step): the fill is over pp_size budgets. Unchanged
+    where the log gave them (SGLang's prefill lines) or the histogram was not scraped through the
+    phase."""
+    if pm.prefill is not None or not budget_tokens or pm.duration_s <= 0:
+        return pm
+    steps = _summed_increase(series, f"{STEP_TOKENS}_count", pm.start_ns, pm.end_ns)
+    tokens = _summed_increase(series, f"{STEP_TOKENS}_sum", pm.start_ns, pm.end_ns)
+    if not steps or tokens is None:
+        return pm
+    prompts = _summed_increase(series, f"{PROMPT_TOKENS}_count", pm.start_ns, pm.end_ns)
+    prompt_tokens = _summed_increase(series, f"{PROMPT_TOKENS}_sum", pm.start_ns, pm.end_ns)
+    # the steps' rate over the scrapes' span, not the phase's (the increase is read between them)
+    span = [s for s in series if s.name == f"{STEP_TOKENS}_count"]
+    inside = [s.ts_ns[(s.ts_ns >= pm.start_ns) & (s.ts_ns < pm.end_ns)] for s in span]
+    seconds = max(float(t[-1] - t[0]) / 1e9 for t in inside)
+    per_step = tokens / steps
+    return replace(pm, prefill=PrefillFigures(
+        turns_per_s=steps / seconds if seconds > 0 else steps / pm.duration_s,
+        tokens_per_turn_mean=per_step, budget_tokens=budget_tokens, full_turn_share=None,
+        prompt_tokens_mean=prompt_tokens / prompts if prompts and prompt_tokens is not None else None,
+        budget_fill=min(per_step / (budget_tokens * max(pp_size, 1)), 1.0)))
 
 
 def _log_queue(pm: PhaseMetrics) -> float | None:

@@ -151,6 +151,9 @@ class PrefillFigures:
     seqs_per_full_turn: float | None = None
     seqs_in_full_turns: float = 0.0
     seqs_in_turns: float = 0.0  # #new-seq over all the phase's turns
+    # the mean step's tokens over the budget, where only the engine's step histogram (its sum and
+    # count: vLLM's vllm:iteration_tokens_total) says what the steps carried, not each step
+    budget_fill: float | None = None
 
 
 def prefill_budget(engine: Any) -> int | None:
