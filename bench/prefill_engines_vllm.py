@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import subprocess
 import sys
@@ -37,37 +36,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from engine_servers import EngineSetting, engines_available, group_cpu_seconds, running_engine
+from engine_servers import (
+    engines_available,
+    group_cpu_seconds,
+    prefill_budget_setting,
+    running_engine,
+    write_long_prompts,
+)
 
 CONCURRENCY = 8
 MAX_TOKENS = 8
-MAX_NUM_SEQS = 16  # rows to spare at C=8: what waits, waits for the budget
-PROMPT_WORDS = (140, 180)  # about 270-350 tokens with the chat template (1.85 a word), under 512
 WITHIN = 0.25  # the advice's gain within this of the best value's
 # vLLM's own processes (comm, set by its process titles): the engine core and its PP ranks
 ENGINE_PROCESSES = ("EngineCore", "Worker")
-WORDS = ("time", "year", "people", "way", "day", "man", "thing", "woman", "life", "child", "world",
-         "school", "state", "family", "student", "group", "country", "problem", "hand", "part",
-         "place", "case", "week", "company", "system", "program", "question", "work", "government",
-         "number", "night", "point", "home", "water", "room", "mother", "area", "money", "story",
-         "fact", "month", "lot", "right", "study", "book", "eye", "job", "word", "business", "issue",
-         "side", "kind", "head", "house", "service", "friend", "father", "power", "hour", "game",
-         "line", "end", "member", "law", "car", "city", "community", "name", "president", "team")
-
-
-def write_prompts(path: Path, n: int, seed: int = 47) -> None:
-    """``n`` different prompts of random words, each opening with its own number: no two share a
-    prefix block, so vLLM's prefix cache saves none of their prefill."""
-    rng = random.Random(seed)
-    with path.open("w") as f:
-        for i in range(n):
-            words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(*PROMPT_WORDS)))
-            f.write(json.dumps({"prompt": f"{i} {rng.random():.6f} {words}"}) + "\n")
-
-
-def setting(budget: int) -> EngineSetting:
-    return EngineSetting("vllm", f"mnbt{budget}", ("--max-num-batched-tokens", str(budget),
-                                                   "--max-num-seqs", str(MAX_NUM_SEQS)))
 
 
 def engine_cpu_s(pgid: int) -> float:
@@ -106,7 +87,7 @@ def _level(requests_jsonl: Path) -> tuple[float, int, float]:
 def measure(budget: int, prompts: Path, work: Path, level_s: float) -> Measured:
     """A fresh engine at ``budget``, the load C=8 for ``level_s``, the engine core's CPU over it."""
     work.mkdir(parents=True)
-    with running_engine(setting(budget), work / "engine.log") as engine:
+    with running_engine(prefill_budget_setting(budget), work / "engine.log") as engine:
         before = engine_cpu_s(engine.proc.pid)
         load = subprocess.run(
             [sys.executable, "-m", "gputrace", "load", "--url", engine.url, "--model", engine.model,
@@ -127,7 +108,7 @@ def capture(budget: int, prompts: Path, work: Path, level_s: float) -> dict[str,
     """`gputrace run` of the small budget with the log and /metrics, then `gputrace report`'s JSON."""
     work.mkdir(parents=True)
     log = work / "engine.log"
-    with running_engine(setting(budget), log) as engine:
+    with running_engine(prefill_budget_setting(budget), log) as engine:
         cfg = work / "gputrace.toml"
         cfg.write_text(
             f'[run]\nname = "vllm-prefill"\n\n[[hosts]]\nname = "engine-host"\n\n'
@@ -176,7 +157,7 @@ def main() -> None:
     base = args.keep or Path(tempfile.mkdtemp(prefix="prefill-vllm-"))
     base.mkdir(parents=True, exist_ok=True)
     prompts = base / "prompts.jsonl"
-    write_prompts(prompts, 4000)
+    write_long_prompts(prompts)
     started = time.monotonic()
 
     print(f"capture: --max-num-batched-tokens {args.small}, C={CONCURRENCY}, {args.level_s:.0f} s",

@@ -52,7 +52,39 @@ SETTINGS: tuple[EngineSetting, ...] = (
 )
 # Recorded as fixtures only (tests/engines/record_fixtures.py), not run by the engine tier: the
 # log sampled every 2nd step at loads whose micro-batches are unequal (C=6: 4 and 2).
-FIXTURE_ONLY_SETTINGS = (EngineSetting("sglang", "interval2", ("--decode-log-interval", "2")),)
+PREFILL_MAX_NUM_SEQS = 16  # [prefill] rows to spare at C=8: what waits, waits for the step budget
+
+
+def prefill_budget_setting(budget: int) -> EngineSetting:
+    """[prefill] vLLM with a step budget of ``budget`` tokens (it logs "Chunked prefill is enabled
+    with max_num_batched_tokens=N") and rows to spare, for long prompts (write_long_prompts)."""
+    return EngineSetting("vllm", f"mnbt{budget}", ("--max-num-batched-tokens", str(budget),
+                                                   "--max-num-seqs", str(PREFILL_MAX_NUM_SEQS)))
+
+
+FIXTURE_ONLY_SETTINGS = (EngineSetting("sglang", "interval2", ("--decode-log-interval", "2")),
+                         prefill_budget_setting(32))
+LONG_PROMPT_WORDS = (140, 180)  # about 270-350 tokens of the tiny model's (1.85 a word), under 512
+_WORDS = ("time", "year", "people", "way", "day", "man", "thing", "woman", "life", "child", "world",
+          "school", "state", "family", "student", "group", "country", "problem", "hand", "part",
+          "place", "case", "week", "company", "system", "program", "question", "work", "government",
+          "number", "night", "point", "home", "water", "room", "mother", "area", "money", "story",
+          "fact", "month", "lot", "right", "study", "book", "eye", "job", "word", "business", "issue",
+          "side", "kind", "head", "house", "service", "friend", "father", "power", "hour", "game",
+          "line", "end", "member", "law", "car", "city", "community", "name", "president", "team")
+
+
+def write_long_prompts(path: Path, n: int = 1000, seed: int = 47) -> Path:
+    """``n`` different prompts of random words (`gputrace load --prompts`), each opening with its
+    own number: no two share a prefix block, so vLLM's prefix cache saves none of their prefill."""
+    import random
+
+    rng = random.Random(seed)
+    with path.open("w") as f:
+        for i in range(n):
+            words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(*LONG_PROMPT_WORDS)))
+            f.write(json.dumps({"prompt": f"{i} {rng.random():.6f} {words}"}) + "\n")
+    return path
 
 
 def engines_available() -> str | None:
@@ -245,6 +277,9 @@ WATCHED_METRICS = (
     # vLLM's per-request timers, summed: what its requests waited for admission and spent in all
     "vllm:request_queue_time_seconds_sum", "vllm:request_queue_time_seconds_count",
     "vllm:e2e_request_latency_seconds_sum",
+    # its steps' tokens (prompt chunks and decode share max_num_batched_tokens) and its prompts
+    "vllm:iteration_tokens_total_sum", "vllm:iteration_tokens_total_count",
+    "vllm:request_prompt_tokens_sum", "vllm:request_prompt_tokens_count",
 )
 
 

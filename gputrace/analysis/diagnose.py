@@ -469,20 +469,22 @@ def rule_prefill_budget(c: PhaseContext) -> Finding | None:
     (The budget: SGLang's chunked_prefill_size / max_prefill_tokens, vLLM's max_num_batched_tokens;
     the report's rule table shows the first sentence with the run's own flag.) The change: a
     budget that takes a whole prompt per turn at least, twice the run's, up to the context length.
-    SGLang's prefill lines give each turn's tokens; vLLM's step histogram (vllm:iteration_tokens_total,
-    from /metrics) only their mean, whose fill of the budget stands for the share of full steps:
-    its steps share the budget between decode tokens and prompt chunks, so a mean step at half the
-    budget or more while prompts longer than it wait is the budget, not the rows, holding them."""
+    SGLang's prefill lines show each turn full. vLLM logs no step's tokens, but its scheduler
+    (v1/core/sched/scheduler.py) admits a waiting request in every step that has budget, a row
+    (max_num_seqs) and KV blocks left: requests that wait while rows and the KV cache have room wait
+    for the budget, which each step spent."""
     pf = c.pm.prefill
     if pf is None or pf.budget_tokens is None or c.pool_full:
         return None
-    full = pf.full_turn_share if pf.full_turn_share is not None else pf.budget_fill
-    if full is None:
-        return None
     prompt = pf.prompt_tokens_mean or 0.0
+    usage = _vals(c.pm.stages, "token_usage_max")
+    kv_room = not np.isnan(usage).all() and float(np.nanmax(usage)) < c.th.kv_usage
+    if pf.full_turn_share is not None:
+        bound = pf.full_turn_share >= PREFILL_FULL_SHARE
+    else:
+        bound = pf.steps_with_output_only and kv_room
     # too small for the prompts: a prompt takes more than one turn, and the turns are full
-    if not (c.queue_mean is not None and c.queue_mean > 0.5 and full >= PREFILL_FULL_SHARE
-            and prompt > pf.budget_tokens):
+    if not (c.queue_mean is not None and c.queue_mean > 0.5 and bound and prompt > pf.budget_tokens):
         return None
     want = 1 << max(math.ceil(math.log2(max(2 * pf.budget_tokens, prompt, 1))), 0)
     fields = c.engine.fields or {}
@@ -493,27 +495,25 @@ def rule_prefill_budget(c: PhaseContext) -> Finding | None:
     flag, turn = words.flag_for("chunked_prefill_size"), words.flag("max_prefill_tokens")
     running = f"about {c.engine_running or 0:.0f} of {c.engine.admission_limit or '?'} running"
     if pf.full_turn_share is not None:
-        filled = f"{pf.full_turn_share:.0%} of the prefill turns fill the {pf.budget_tokens}-token budget"
-        rows = f"the pool has free rows ({running})"
+        said = (f"{pf.full_turn_share:.0%} of the prefill turns fill the {pf.budget_tokens}-token budget "
+                f"while {c.queue_mean:.1f} requests wait and the pool has free rows ({running})")
         unit = "turn"
-    else:  # the engine's steps, as its step histogram gives them (vLLM's words)
-        batches = f" for each of the {c.pp_size} batches in flight" if c.pp_size > 1 else ""
-        filled = (f"its steps carry {pf.tokens_per_turn_mean:.0f} tokens on average, {full:.0%} of the "
-                  f"{words.setting('chunked_prefill_size')} = {pf.budget_tokens} budget{batches}")
-        rows = f"{words.setting('max_running_requests')} leaves room ({running})"
+    else:  # vLLM's words: its scheduler admits a waiting request in any step with budget left
+        said = (f"{c.queue_mean:.1f} requests wait while {words.setting('max_running_requests')} leaves "
+                f"room ({running}) and the KV cache has room (at most {float(np.nanmax(usage)):.0%} used): "
+                f"each step spent its {words.setting('chunked_prefill_size')} = {pf.budget_tokens} tokens")
         unit = "step"
     return Finding(
         Cause.PREFILL_BUDGET, c.pm.label, c.stages,
         {"prefill_budget_tokens": pf.budget_tokens, "full_turn_share": _r(pf.full_turn_share, 2),
-         "budget_fill": _r(pf.budget_fill, 2),
          "prefill_tokens_per_turn_mean": _r(pf.tokens_per_turn_mean, 1),
          "prefill_turns_per_s": _r(pf.turns_per_s, 2), "prompt_tokens_mean": _r(pf.prompt_tokens_mean, 0),
          "queue_req_mean": _r(c.queue_mean, 2), "engine_running_estimate": _r(c.engine_running, 1),
-         "max_running_requests": c.engine.admission_limit, "mean_bubble_fraction": _r(c.mean_bubble)},
+         "max_running_requests": c.engine.admission_limit, "mean_bubble_fraction": _r(c.mean_bubble),
+         "token_usage_max": _r(float(np.nanmax(usage))) if kv_room else None},
         0.8, f"{flag} {want} (a {unit} takes whole prompts: they average {prompt:.0f} tokens)"
         + (f" with {turn} at least as large" if turn and turn != flag else ""),
-        f"{filled} while {c.queue_mean:.1f} requests wait and {rows}: prompts of {prompt:.0f} tokens "
-        "enter a chunk at a time",
+        f"{said}: prompts of {prompt:.0f} tokens enter a chunk at a time",
         impact=c.mean_bubble + 0.9, change=Change.of_flag(flag, want))
 
 

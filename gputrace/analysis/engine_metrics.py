@@ -145,16 +145,16 @@ def _summed_increase(series: Sequence[MetricSeries], name: str, start_ns: int, e
     return sum(r[0] for r in rises if r is not None)
 
 
-def with_engine_steps(pm: PhaseMetrics, series: Sequence[MetricSeries], budget_tokens: int | None,
-                      pp_size: int = 1) -> PhaseMetrics:
-    """The phase's prefill figures from the engine's own step histogram where its log has no step
-    lines (vLLM: vllm:iteration_tokens_total, each step's prompt and decode tokens, which share the
-    max_num_batched_tokens budget), with its requests' mean prompt (vllm:request_prompt_tokens):
-    steps per second, tokens per step and the mean step's fill of the budget. Under PP vLLM keeps
-    pp_size batches in flight, each within the budget, and the histogram counts them together (a
-    PP=2 run at a budget of 32 read 65 tokens a step): the fill is over pp_size budgets. Unchanged
-    where the log gave them (SGLang's prefill lines) or the histogram was not scraped through the
-    phase."""
+def with_engine_steps(pm: PhaseMetrics, series: Sequence[MetricSeries], budget_tokens: int | None
+                      ) -> PhaseMetrics:
+    """The phase's prefill figures from the engine's own metrics where its log has no step lines
+    (vLLM): its requests' mean prompt (vllm:request_prompt_tokens) against the budget, and its step
+    histogram (vllm:iteration_tokens_total). vLLM's API server observes that histogram only for
+    steps that returned a token (async_llm's output handler makes no IterationStats otherwise), and
+    counts a prompt's tokens at its first token, so its mean is tokens per step with output, not
+    per step: a PP=2 run at a budget of 32 read 65. It is kept as that, never held against the
+    budget. Unchanged where the log gave the figures (SGLang's prefill lines) or the histograms were
+    not scraped through the phase."""
     if pm.prefill is not None or not budget_tokens or pm.duration_s <= 0:
         return pm
     steps = _summed_increase(series, f"{STEP_TOKENS}_count", pm.start_ns, pm.end_ns)
@@ -172,7 +172,7 @@ def with_engine_steps(pm: PhaseMetrics, series: Sequence[MetricSeries], budget_t
         turns_per_s=steps / seconds if seconds > 0 else steps / pm.duration_s,
         tokens_per_turn_mean=per_step, budget_tokens=budget_tokens, full_turn_share=None,
         prompt_tokens_mean=prompt_tokens / prompts if prompts and prompt_tokens is not None else None,
-        budget_fill=min(per_step / (budget_tokens * max(pp_size, 1)), 1.0)))
+        steps_with_output_only=True))
 
 
 def _log_queue(pm: PhaseMetrics) -> float | None:

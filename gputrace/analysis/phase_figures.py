@@ -151,9 +151,10 @@ class PrefillFigures:
     seqs_per_full_turn: float | None = None
     seqs_in_full_turns: float = 0.0
     seqs_in_turns: float = 0.0  # #new-seq over all the phase's turns
-    # the mean step's tokens over the budget, where only the engine's step histogram (its sum and
-    # count: vLLM's vllm:iteration_tokens_total) says what the steps carried, not each step
-    budget_fill: float | None = None
+    # where no line per turn exists (vLLM): turns_per_s and tokens_per_turn_mean are of the steps
+    # that returned a token, as its step histogram counts them (vllm:iteration_tokens_total
+    # observes no step that only ran prompt chunks), so they are not held against the budget
+    steps_with_output_only: bool = False
 
 
 def prefill_budget(engine: Any) -> int | None:
