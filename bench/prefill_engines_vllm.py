@@ -105,7 +105,10 @@ def measure(budget: int, prompts: Path, work: Path, level_s: float) -> Measured:
 
 
 def capture(budget: int, prompts: Path, work: Path, level_s: float) -> dict[str, object]:
-    """`gputrace run` of the small budget with the log and /metrics, then `gputrace report`'s JSON."""
+    """`gputrace run` of the small budget with the log and /metrics, then `gputrace report`'s JSON
+    (a capture kept in ``work`` from an earlier call is reported again, not run again)."""
+    if (work / "run" / "meta.json").exists():
+        return _report(work)
     work.mkdir(parents=True)
     log = work / "engine.log"
     with running_engine(prefill_budget_setting(budget), log) as engine:
@@ -122,11 +125,15 @@ def capture(budget: int, prompts: Path, work: Path, level_s: float) -> dict[str,
              "--no-report"], capture_output=True, text=True, timeout=900)
     if run.returncode != 0:
         raise SystemExit(f"capture failed: {run.stderr[-2000:]}")
+    return _report(work)
+
+
+def _report(work: Path) -> dict[str, object]:
     report = subprocess.run([sys.executable, "-m", "gputrace", "report", str(work / "run"), "--format",
                              "json,md", "--no-progress"], capture_output=True, text=True, timeout=900)
     if report.returncode != 0:
         raise SystemExit(f"report failed: {report.stderr[-2000:]}")
-    doc: dict[str, object] = json.loads((work / "run" / "report" / "report.json").read_text())
+    doc: dict[str, object] = json.loads((work / "run" / "report" / "findings.json").read_text())
     return doc
 
 
