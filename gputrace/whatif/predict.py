@@ -194,8 +194,10 @@ def extrapolation_band(model: FittedModel, o: PhaseOutcome, changes: Mapping[str
         return 0.0, None
     k = changes.get("pp_max_micro_batch_size")
     what = f"K={k} runs" if k is not None else "the change runs"
+    # in the engine's words: SGLang's PP slots run micro-batches, vLLM's scheduler batches
+    unit = "micro-batches" if model.params.engine_spec.microbatch_slots else "batches"
     return (EXTRAPOLATION_PER_DOUBLING * float(np.log2(size / seen)),
-            f"{what} micro-batches of {size:.0f}; this run never ran more than {seen:.0f}: wide band")
+            f"{what} {unit} of {size:.0f}; this run never ran more than {seen:.0f}: wide band")
 
 
 def _key(changes: Mapping[str, Any], seeds: tuple[int, ...]) -> str:
