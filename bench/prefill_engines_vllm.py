@@ -59,17 +59,18 @@ def engine_cpu_s(pgid: int) -> float:
 class Measured:
     budget: int
     tok_s: float  # the client's completion tokens of the level over its duration
+    tokens: int  # those completion tokens
     requests: int
     engine_cpu_s: float  # VLLM::EngineCore and VLLM::Worker_* over the level
     prompt_tokens_mean: float
 
     @property
     def tok_per_cpu_s(self) -> float:
-        return self.tok_s * 1.0 / self.engine_cpu_s if self.engine_cpu_s > 0 else float("nan")
+        return self.tokens / self.engine_cpu_s if self.engine_cpu_s > 0 else float("nan")
 
 
-def _level(requests_jsonl: Path) -> tuple[float, int, float]:
-    """(completion tokens per second of the level, requests, mean prompt tokens) from the load's
+def _level(requests_jsonl: Path) -> tuple[float, int, int, float]:
+    """(completion tokens per second of the level, those tokens, requests, mean prompt tokens) from the load's
     records: the tokens of requests that ended inside the level over the level's span."""
     markers, rows = [], []
     for line in requests_jsonl.read_text().splitlines():
@@ -81,7 +82,8 @@ def _level(requests_jsonl: Path) -> tuple[float, int, float]:
     done = [r for r in rows if r["ok"] and r["end_ns"] and start <= r["end_ns"] < end]
     tokens = sum(r["completion_tokens"] or 0 for r in done)
     prompts = [r["prompt_tokens"] for r in done if r.get("prompt_tokens")]
-    return tokens / ((end - start) / 1e9), len(done), statistics.fmean(prompts) if prompts else float("nan")
+    mean_prompt = statistics.fmean(prompts) if prompts else float("nan")
+    return tokens / ((end - start) / 1e9), tokens, len(done), mean_prompt
 
 
 def measure(budget: int, prompts: Path, work: Path, level_s: float) -> Measured:
@@ -97,8 +99,8 @@ def measure(budget: int, prompts: Path, work: Path, level_s: float) -> Measured:
         cpu = engine_cpu_s(engine.proc.pid) - before
     if load.returncode != 0:
         raise SystemExit(f"budget {budget}: load failed: {load.stderr[-1500:]}")
-    tok_s, n, prompt = _level(work / "requests.jsonl")
-    m = Measured(budget, tok_s, n, cpu, prompt)
+    tok_s, tokens, n, prompt = _level(work / "requests.jsonl")
+    m = Measured(budget, tok_s, tokens, n, cpu, prompt)
     print(f"  --max-num-batched-tokens {budget:5d}: {tok_s:7.1f} tok/s, {n} requests, prompts "
           f"{prompt:.0f} tokens, engine CPU {cpu:.1f} s ({m.tok_per_cpu_s:.2f} tok per CPU-s)", flush=True)
     return m

@@ -26,8 +26,8 @@ TOKEN_SERIES = ("sglang:realtime_tokens_total", "vllm:generation_tokens_total")
 STAGE_SECONDS = "sglang:scheduler_stage_seconds_total"
 DEVICE_SECONDS = "sglang:forward_execution_seconds_total"
 LOOP_SERIES = (STAGE_SECONDS, DEVICE_SECONDS)
-# vLLM's steps (vllm:iteration_tokens_total: each step's prompt and decode tokens, which share its
-# max_num_batched_tokens budget) and its requests' prompts, each histogram as its sum and count
+# vLLM's steps that returned a token (vllm:iteration_tokens_total: their prompt and decode tokens)
+# and its requests' prompts (with_engine_steps), each histogram as its sum and count
 STEP_TOKENS = "vllm:iteration_tokens_total"
 PROMPT_TOKENS = "vllm:request_prompt_tokens"
 STEP_SERIES = tuple(f"{name}_{part}" for name in (STEP_TOKENS, PROMPT_TOKENS) for part in ("sum", "count"))
