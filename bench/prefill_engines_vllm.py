@@ -70,8 +70,8 @@ class Measured:
 
 
 def _level(requests_jsonl: Path) -> tuple[float, int, int, float]:
-    """(completion tokens per second of the level, those tokens, requests, mean prompt tokens) from the load's
-    records: the tokens of requests that ended inside the level over the level's span."""
+    """(completion tokens per second of the level, those tokens, requests, mean prompt tokens) from
+    the load's records: the tokens of requests that ended inside the level over the level's span."""
     markers, rows = [], []
     for line in requests_jsonl.read_text().splitlines():
         obj = json.loads(line)
