@@ -93,7 +93,7 @@ def advice_of(analysis: Analysis) -> tuple[Advice, FittedModel]:
     """gputrace's advice for the run, as `gputrace report` computes it (the default objective),
     and the model it was searched on."""
     model = fit_model(analysis)
-    advice, _ = search(model, [f.to_dict() for f in analysis.findings],
+    advice, _ = search(model, analysis.findings,
                        durations={pm.label: pm.duration_s for pm in analysis.metrics})
     return advice, model
 
@@ -109,7 +109,7 @@ def plan_of(analysis: Analysis) -> dict[str, object]:
     if advice.alternatives:
         tried = advice.alternatives[0].changes
     else:
-        findings = [change for change, origin in candidates(model, [f.to_dict() for f in analysis.findings])
+        findings = [change for change, origin in candidates(model, analysis.findings)
                     if origin.startswith("finding: ")]
         tried = (changes_of(model, findings[0]) or ()) if findings else ()
     return {"role": "tried beside keep" if tried else "keep", "changes": [c.to_dict() for c in tried],

@@ -36,14 +36,14 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import ipaddress
 import math
 import resource
 import tomllib
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 from urllib.parse import urlsplit
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -51,6 +51,11 @@ from gputrace.engines import ENGINE_WORDS, engine_words
 from gputrace.engines.common import EngineWords
 from gputrace.errors import ConfigError
 from gputrace.topology import MAX_GPU_INDEX, MAX_GPUS, MAX_PARALLEL_SIZE, Placement
+
+TomlValue: TypeAlias = (str | int | float | bool | dt.datetime | dt.date | dt.time | list["TomlValue"]
+                        | dict[str, "TomlValue"])
+TomlTable: TypeAlias = dict[str, TomlValue]
+"""A TOML table as tomllib reads it: the config file as written, before ``_Section`` checks each key."""
 
 LOG_KINDS = ("file", "journald", "docker", "command")
 # A request in flight holds one connection to the server (gputrace load opens one per request),
@@ -131,7 +136,7 @@ class Config:
     hosts: tuple[HostConfig, ...]
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     load: LoadConfig | None = None
-    raw: Mapping[str, Any] = field(default_factory=dict)
+    raw: TomlTable = field(default_factory=dict)  # the file as read (meta.json's ``config``)
 
     @property
     def engine(self) -> EngineWords:
@@ -164,7 +169,7 @@ class _Section:
         self.prefix = prefix
         if not isinstance(table, dict):
             self.fail(prefix, f"must be a table, not {_type_name(table)}")
-        self.table: dict[str, Any] = table
+        self.table: TomlTable = table
         self.seen: set[str] = set()
 
     def fail(self, key: str, what: str) -> None:

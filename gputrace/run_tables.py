@@ -8,13 +8,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from gputrace.engines import Engine, engine_kind, engine_words, sglang
+from gputrace.json_types import JsonObject
 from gputrace.model import ClockProbe, DeviceInfo, EngineConfig, Marker, RunMeta
 
 GPU_METRICS = ("utilization_ratio", "power_w", "pcie_tx_bytes_per_s", "pcie_rx_bytes_per_s",
@@ -249,15 +250,15 @@ class EngineMetricColumns:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
+_T = TypeVar("_T")
 _SETTING_NAMES = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "fields_json")
 
 
 @dataclass(frozen=True)
-class EngineSettings(Mapping[str, Any]):
+class EngineSettings:
     """The engine's configuration as its log gave it: every config line merged (later lines win,
-    a missing value never overrides one). As a mapping it holds the values known (and ``fields``,
-    every logged field by its engine name, once any line was read), so ``engine.get(name)``
-    reads as the merged dict did."""
+    a missing value never overrides one), and ``fields``, every logged field by its engine name,
+    once any line was read."""
 
     host: str | None = None
     source: str | None = None
@@ -273,31 +274,41 @@ class EngineSettings(Mapping[str, Any]):
     chunked_prefill_size: int | None = None
     max_total_num_tokens: int | None = None
     decode_log_interval: int | None = None
-    fields: Mapping[str, Any] | None = None  # None: no configuration line
-
-    @classmethod
-    def from_rows(cls, rows: Sequence[Mapping[str, Any]], engine_of_lines: str | None = None
-                  ) -> EngineSettings:
-        """Merge ``engine_configs`` rows in line order; ``engine_of_lines`` (the engine whose
-        scheduler lines the run holds most of) names the engine when no line did."""
-        merged: dict[str, Any] = {}
-        fields: dict[str, Any] | None = None
-        for row in rows:
-            merged.update({k: v for k, v in row.items() if v is not None and k in _SETTING_NAMES})
-            fields = {} if fields is None else fields
-            with contextlib.suppress(ValueError):
-                logged = json.loads(row.get("fields_json") or "{}")
-                if isinstance(logged, dict):
-                    fields.update(logged)
-        if merged.get("engine") is None and engine_of_lines is not None:
-            merged["engine"] = engine_of_lines
-        return cls(**merged, fields=fields)
+    fields: JsonObject | None = None  # as logged (EngineConfig.fields_json); None: no configuration line
 
     @classmethod
     def from_records(cls, configs: Sequence[EngineConfig], engine_of_lines: str | None = None
                      ) -> EngineSettings:
+        """Merge configuration lines in line order; ``engine_of_lines`` (the engine whose scheduler
+        lines the run holds most of) names the engine when no line did."""
         ordered = sorted(configs, key=lambda c: c.line_no)
-        return cls.from_rows([dataclasses.asdict(c) for c in ordered], engine_of_lines)
+
+        def latest(value: Callable[[EngineConfig], _T | None]) -> _T | None:
+            return next((v for c in reversed(ordered) if (v := value(c)) is not None), None)
+
+        fields: JsonObject | None = None
+        for config in ordered:
+            fields = {} if fields is None else fields
+            with contextlib.suppress(ValueError):
+                logged = json.loads(config.fields_json or "{}")
+                if isinstance(logged, dict):
+                    fields.update(logged)
+        engine = latest(lambda c: c.engine)
+        return cls(
+            host=latest(lambda c: c.host), source=latest(lambda c: c.source),
+            engine=engine_of_lines if engine is None else engine, line_no=latest(lambda c: c.line_no),
+            log_ts_ns=latest(lambda c: c.log_ts_ns), pp_size=latest(lambda c: c.pp_size),
+            tp_size=latest(lambda c: c.tp_size), dp_size=latest(lambda c: c.dp_size),
+            max_running_requests=latest(lambda c: c.max_running_requests),
+            pp_max_micro_batch_size=latest(lambda c: c.pp_max_micro_batch_size),
+            pp_async_batch_depth=latest(lambda c: c.pp_async_batch_depth),
+            chunked_prefill_size=latest(lambda c: c.chunked_prefill_size),
+            max_total_num_tokens=latest(lambda c: c.max_total_num_tokens),
+            decode_log_interval=latest(lambda c: c.decode_log_interval), fields=fields)
+
+    def settings(self) -> dict[str, str | int]:
+        """The settings the log gave (not the logged fields), by name: what a report's summary lists."""
+        return {name: value for name in _SETTING_NAMES if (value := getattr(self, name)) is not None}
 
     @property
     def kind(self) -> str:
@@ -338,22 +349,6 @@ class EngineSettings(Mapping[str, Any]):
             return int(self.pp_max_micro_batch_size)
         limit = self.admission_limit
         return None if limit is None else sglang.default_microbatch_cap(limit, pp_size)
-
-    def _known(self) -> Iterator[str]:
-        for name in (*_SETTING_NAMES, "fields"):
-            if getattr(self, name) is not None:
-                yield name
-
-    def __getitem__(self, key: str) -> Any:
-        if key not in (*_SETTING_NAMES, "fields") or getattr(self, key) is None:
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def __iter__(self) -> Iterator[str]:
-        return self._known()
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self._known())
 
 
 @dataclass(frozen=True)

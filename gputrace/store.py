@@ -17,7 +17,7 @@ import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NotRequired, TypeAlias, TypedDict, TypeVar
 
 import duckdb
 import numpy as np
@@ -27,8 +27,17 @@ from gputrace import __version__
 from gputrace.arrow_columns import from_numpy, from_values
 from gputrace.backoff import Backoff
 from gputrace.errors import RecordError, SchemaVersionError, StoreError, StoreWriteError
+from gputrace.json_types import JsonObject
 from gputrace.logsetup import get_logger
-from gputrace.model import ABANDONED_PREFIX, RECORD_TABLES, ClockProbe, DeviceInfo, Marker, RunMeta
+from gputrace.model import (
+    ABANDONED_PREFIX,
+    RECORD_TABLES,
+    ClockProbe,
+    DeviceInfo,
+    EngineConfig,
+    Marker,
+    RunMeta,
+)
 from gputrace.run_tables import (
     DEFAULT_MARGINS,
     EVENT_KINDS,
@@ -197,24 +206,34 @@ def _to_arrow_column(values: Any, dtype: pa.DataType) -> pa.Array:
     return from_values(list(values), dtype)
 
 
-def _meta_from_json(raw: dict[str, Any], meta_path: Path) -> RunMeta:
+def _meta_from_json(raw: JsonObject, meta_path: Path) -> RunMeta:
     """RunMeta from meta.json's object; a missing or mistyped field is a StoreError naming it."""
-    fields = {f.name: f for f in dataclasses.fields(RunMeta)}
-    values = {k: v for k, v in raw.items() if k in fields}
-    missing = [name for name, f in fields.items() if name not in values
+    missing = [f.name for f in dataclasses.fields(RunMeta) if f.name not in raw
                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if missing:
         raise StoreError(f"{meta_path}: {', '.join(missing)} missing")
-    for name in ("config", "topology", "extra"):
-        if name in values and not isinstance(values[name], dict):
-            raise StoreError(f"{meta_path}: {name} must be a JSON object")
-    if not isinstance(values.get("name"), str):
+    sections: dict[str, dict[str, object]] = {}
+    for section in ("config", "topology", "extra"):
+        value = raw.get(section, {})
+        if not isinstance(value, dict):
+            raise StoreError(f"{meta_path}: {section} must be a JSON object")
+        sections[section] = dict(value)
+    name, version = raw["name"], raw["gputrace_version"]
+    created_ns, schema_version = raw["created_ns"], raw["schema_version"]
+    if not isinstance(name, str):
         raise StoreError(f"{meta_path}: name must be a string")
+    if not isinstance(version, str):
+        raise StoreError(f"{meta_path}: gputrace_version must be a string")
+    for field_name, number in (("created_ns", created_ns), ("schema_version", schema_version)):
+        if not isinstance(number, int) or isinstance(number, bool):
+            raise StoreError(f"{meta_path}: {field_name} must be an integer")
+    assert isinstance(created_ns, int) and isinstance(schema_version, int)
     try:  # a size from input is bounded where it enters
-        check_meta_topology(values.get("topology") or {})
+        check_meta_topology(sections["topology"])
     except StoreError as exc:
         raise StoreError(f"{meta_path.parent}: {exc}") from None
-    return RunMeta(**values)
+    return RunMeta(name=name, created_ns=created_ns, gputrace_version=version,
+                   schema_version=schema_version, **sections)
 
 
 # What converting a bad Python value to its Arrow column raises.
@@ -280,7 +299,12 @@ def _objects(tbl: pa.Table, name: str) -> np.ndarray:
     return np.asarray(tbl.column(name).to_pylist(), dtype=object)
 
 
-_DEFAULTS: dict[str, dict[str, Any]] = {
+ColumnValue: TypeAlias = str | int | float | bool | None
+"""One value of a stored column, as a record's field holds it."""
+Column: TypeAlias = "np.ndarray | pa.Array | pa.ChunkedArray | Sequence[ColumnValue] | str | int"
+"""A column given to ``append_columns``: numpy, Arrow, a list, or a str/int constant for every row."""
+
+_DEFAULTS: dict[str, dict[str, ColumnValue]] = {
     table: {
         f.name: f.default
         for f in dataclasses.fields(rt)
@@ -484,7 +508,7 @@ class Store:
                 rejected.append((record, reason))
         return (self.append(good, unique=unique) if good else 0), rejected
 
-    def append_columns(self, table: str, columns: Mapping[str, Any], *, unique: bool = False) -> int:
+    def append_columns(self, table: str, columns: Mapping[str, Column], *, unique: bool = False) -> int:
         """Append a batch given as columns (numpy arrays, Arrow arrays or lists); returns the rows
         written.
 
@@ -684,13 +708,13 @@ class Store:
 
     def read_engine_settings(self) -> EngineSettings:
         """Every engine configuration line merged; without one, the engine whose lines the run holds."""
-        rows = self.sql_arrow("SELECT * FROM engine_configs ORDER BY line_no").to_pylist()
+        configs = self.records(EngineConfig)
         engine_of_lines = None
-        if not any(row.get("engine") for row in rows):
+        if not any(config.engine for config in configs):
             kinds = self.sql("SELECT engine, count(*) FROM scheduler_events "
                              "GROUP BY 1 ORDER BY 2 DESC LIMIT 1")
             engine_of_lines = kinds[0][0] if kinds else None
-        return EngineSettings.from_rows(rows, engine_of_lines)
+        return EngineSettings.from_records(configs, engine_of_lines)
 
     def read_engine_metrics(self, names: Sequence[str]) -> EngineMetricColumns:
         """The engine metric samples of these names (every host, every time)."""
@@ -912,6 +936,42 @@ _WRITE_RETRY = Backoff(initial_s=0.25, max_s=5.0)  # a disk freed is written to 
 _RECORD_TIME_FIELDS = ("recv_ts_ns", "ts_ns", "start_ns", "local_send_ns", "log_ts_ns")
 
 
+class StoreOutage(TypedDict):
+    """A spell of failed writes, as meta.json's ``collector.store_outages`` holds it: a recovered
+    one with its attempts and the records dropped, one still failing at the stop (``until_ns``
+    None) with the rows its backlog lost."""
+
+    error: str | None
+    since_ns: int | None
+    until_ns: int | None
+    attempts: NotRequired[int]
+    dropped: NotRequired[dict[str, int]]
+    lost_rows: NotRequired[int]
+
+
+class UnwrittenRows(TypedDict):
+    """One record type's rows left in the backlog (meta.json's ``collector.unwritten_records``):
+    how many, and the span of their own times where they carry one."""
+
+    rows: int
+    time_field: NotRequired[str]
+    first_ns: NotRequired[int]
+    last_ns: NotRequired[int]
+
+
+class WriterHealth(TypedDict):
+    """The writer's state, as /healthz and /v1/status give it."""
+
+    writing: bool
+    error: str | None
+    failing_since_ns: int | None
+    backlog_rows: int
+    max_backlog_rows: int
+    dropped: dict[str, int]
+    rows_written: int
+    rejected: dict[str, int]
+
+
 class BatchingWriter:
     """Buffers records per type and appends them to the store at most every ``flush_s``.
 
@@ -938,7 +998,7 @@ class BatchingWriter:
         self.dropped: dict[str, int] = {}  # per record type: past the backlog while writes failed
         self.write_error: str | None = None  # why writing fails, while it does
         self.failing_since_ns: int | None = None
-        self.outages: list[dict[str, Any]] = []  # every spell of failed writes, for meta.json
+        self.outages: list[StoreOutage] = []  # every spell of failed writes, for meta.json
         self._failed_attempts = 0
         self._retry_at = 0.0  # monotonic time of the next attempt while failing
         self._dropping: set[str] = set()  # record types dropped in this spell (logged once each)
@@ -1000,23 +1060,24 @@ class BatchingWriter:
             self._write_recovered()
         return True
 
-    def unwritten(self) -> dict[str, dict[str, Any]]:
+    def unwritten(self) -> dict[str, UnwrittenRows]:
         """What the backlog holds, per record type: its rows and the span of their own times
         (``first_ns``/``last_ns`` of ``time_field``, in the clock of the host that made them), for
         meta.json when a capture stops before it could write them."""
-        out: dict[str, dict[str, Any]] = {}
+        out: dict[str, UnwrittenRows] = {}
         for record_type, buf in self._buffers.items():
             if not buf:
                 continue
-            entry: dict[str, Any] = {"rows": len(buf)}
+            entry: UnwrittenRows = {"rows": len(buf)}
             field_name = next((f for f in _RECORD_TIME_FIELDS if hasattr(buf[0], f)), None)
-            times = [t for r in buf if (t := getattr(r, field_name)) is not None] if field_name else []
-            if times:
-                entry.update(time_field=field_name, first_ns=min(times), last_ns=max(times))
+            times: list[int] = [t for r in buf if (t := getattr(r, field_name)) is not None] \
+                if field_name else []
+            if field_name and times:
+                entry.update({"time_field": field_name, "first_ns": min(times), "last_ns": max(times)})
             out[record_type.__name__] = entry
         return out
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> WriterHealth:
         """The writer's state for /healthz and /v1/status."""
         return {"writing": self.write_error is None, "error": self.write_error,
                 "failing_since_ns": self.failing_since_ns, "backlog_rows": self.backlog_rows,
@@ -1035,8 +1096,8 @@ class BatchingWriter:
 
     def _write_recovered(self) -> None:
         since = self.failing_since_ns or time.time_ns()
-        outage = {"error": self.write_error, "since_ns": since, "until_ns": time.time_ns(),
-                  "attempts": self._failed_attempts, "dropped": dict(self.dropped)}
+        outage: StoreOutage = {"error": self.write_error, "since_ns": since, "until_ns": time.time_ns(),
+                               "attempts": self._failed_attempts, "dropped": dict(self.dropped)}
         self.outages.append(outage)
         log.info("store writable again: backlog written", failed_s=round((time.time_ns() - since) / 1e9, 1),
                  attempts=self._failed_attempts, dropped=sum(self.dropped.values()))

@@ -7,9 +7,9 @@ mapping is stored in the run's meta so the report can show the one it used.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any, TypeGuard
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TypedDict, TypeGuard
 
 from gputrace.errors import ConfigError, StoreError
 
@@ -85,19 +85,40 @@ def single_node_placements(host: str, pp_size: int, tp_size: int = 1) -> list[Pl
     return sglang_placements(host, pp_size=pp_size, tp_size=tp_size)
 
 
+class MetaPlacement(TypedDict):
+    """A :class:`Placement` as meta.json's ``topology.placements`` holds it."""
+
+    host: str
+    gpu_index: int
+    pp_rank: int
+    tp_rank: int
+    dp_rank: int
+
+
+class MetaTopology(TypedDict):
+    """meta.json's ``topology``: the sizes, where the mapping came from, and every GPU's place."""
+
+    pp_size: int
+    tp_size: int
+    dp_size: int
+    source: str
+    placements: list[MetaPlacement]
+
+
 def topology_to_meta(pp_size: int, tp_size: int, dp_size: int,
-                     placements: Iterable[Placement], source: str) -> dict[str, Any]:
+                     placements: Iterable[Placement], source: str) -> MetaTopology:
     """The form stored in meta.json's ``topology``; ``source`` says where the mapping came from."""
     return {
         "pp_size": pp_size,
         "tp_size": tp_size,
         "dp_size": dp_size,
         "source": source,  # e.g. "sglang-formula", "explicit", "simulator"
-        "placements": [asdict(p) for p in placements],
+        "placements": [MetaPlacement(host=p.host, gpu_index=p.gpu_index, pp_rank=p.pp_rank,
+                                     tp_rank=p.tp_rank, dp_rank=p.dp_rank) for p in placements],
     }
 
 
-def check_meta_topology(topology: Mapping[str, Any]) -> None:
+def check_meta_topology(topology: Mapping[str, object]) -> None:
     """StoreError naming the field when meta.json's topology holds a size gputrace does not take
     (negative, zero, past MAX_PARALLEL_SIZE, not an integer) or a placement outside them."""
     for name in ("pp_size", "tp_size", "dp_size"):
@@ -108,14 +129,16 @@ def check_meta_topology(topology: Mapping[str, Any]) -> None:
     placements_from_meta(topology)
 
 
-def placements_from_meta(topology: Mapping[str, Any]) -> list[Placement]:
-    """Inverse of :func:`topology_to_meta`; StoreError for a row that is no placement or whose
-    ranks fall outside the sizes (a rank from 0 to size - 1)."""
-    rows: Sequence[Mapping[str, Any]] = topology.get("placements", [])
+def placements_from_meta(topology: Mapping[str, object]) -> list[Placement]:
+    """Inverse of :func:`topology_to_meta`, on meta.json's ``topology`` as read; StoreError for a row
+    that is no placement or whose ranks fall outside the sizes (a rank from 0 to size - 1)."""
+    rows = topology.get("placements", [])
     sizes = {name: topology.get(f"{name[:2]}_size") for name in ("pp_rank", "tp_rank", "dp_rank")}
     out = []
     for i, row in enumerate(rows if isinstance(rows, list) else [rows]):
         try:
+            if not isinstance(row, dict):
+                raise TypeError(f"a {type(row).__name__}, not an object")
             placement = Placement(**row)
         except TypeError as exc:  # not a mapping, or keys that are not a placement's
             raise StoreError(f"meta.json topology.placements[{i}]: not a placement ({row!a}): "

@@ -14,12 +14,13 @@ every layer may import it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypedDict
 
 from gputrace.engines import ENGINE_WORDS
+from gputrace.json_types import JsonObject, JsonReadObject, JsonReadValue
 from gputrace.run_tables import EngineSettings
 
 __all__ = ["FLAG_KNOBS", "LOAD_KNOBS", "CaptureProblem", "Cause", "Change", "EngineSettings", "LiveStatus"]
@@ -56,6 +57,13 @@ LOAD_KNOBS = frozenset({"client", "concurrency"})
 """Settings of the offered load, not of the deployment."""
 
 
+class FindingChangeRow(TypedDict):
+    """A ``Change`` as findings.json's ``change`` gives it: the flag (under ``knob``) and the value."""
+
+    knob: str
+    value: int | None
+
+
 @dataclass(frozen=True, slots=True)
 class Change:
     """A setting to change: ``knob`` its name (``FLAG_KNOBS``), ``flag`` how a user sets it, and
@@ -74,9 +82,14 @@ class Change:
         """An engine flag, an environment variable or the hardware, rather than the load."""
         return self.knob not in LOAD_KNOBS
 
-    def to_finding_dict(self) -> dict[str, Any]:
+    def to_finding_dict(self) -> FindingChangeRow:
         """As findings.json's ``change`` gives it: the flag (under ``knob``) and the value."""
         return {"knob": self.flag, "value": self.value}
+
+
+def _ns(value: JsonReadValue) -> int | None:
+    """A time in ns read from JSON (None: absent or not a number)."""
+    return int(value) if isinstance(value, int | float | str) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,12 +103,12 @@ class CaptureProblem:
     until_ns: int | None = None
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> CaptureProblem:
-        until, since = d.get("until_ns"), d.get("since_ns")
-        return cls(str(d.get("source")), str(d.get("reason")), None if since is None else int(since),
-                   None if until is None else int(until))
+    def from_dict(cls, d: JsonReadObject) -> CaptureProblem:
+        """From meta.json or /v1/status (read whole)."""
+        return cls(str(d.get("source")), str(d.get("reason")), _ns(d.get("since_ns")), _ns(d.get("until_ns")))
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
+        """As meta.json, /healthz and /v1/status give it."""
         return {"source": self.source, "reason": self.reason, "since_ns": self.since_ns,
                 "until_ns": self.until_ns}
 
@@ -128,7 +141,8 @@ class LiveStatus:
     now_ns: int | None = None  # the collector's clock when it answered
     newest_data_ns: int | None = None  # its newest line or sample (watch's staleness)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
+        """The /v1/status body."""
         return {"run": self.run, "phase": self.phase, "target_concurrency": self.target_concurrency,
                 "inflight": self.inflight, "counts": dict(self.counts),
                 "stages": [dict(row) for row in self.stages],
@@ -138,12 +152,36 @@ class LiveStatus:
                 "finding": self.finding, "now_ns": self.now_ns, "newest_data_ns": self.newest_data_ns}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> LiveStatus:
-        """From the JSON (what is missing stays unknown)."""
+    def from_dict(cls, d: JsonReadObject) -> LiveStatus:
+        """From the /v1/status body (what is missing, or not of its type, stays unknown)."""
         store, engine = d.get("store"), d.get("engine")
-        return cls(d.get("run"), d.get("phase"), d.get("target_concurrency"), d.get("inflight"),
-                   dict(d.get("counts") or {}), tuple(d.get("stages") or ()),
+        return cls(_str(d.get("run")), _str(d.get("phase")), _int(d.get("target_concurrency")),
+                   _number(d.get("inflight")),
+                   _counts(d.get("counts")),
+                   tuple(row for row in _list(d.get("stages")) if isinstance(row, Mapping)),
                    store if isinstance(store, Mapping) else None,
-                   tuple(CaptureProblem.from_dict(p) for p in d.get("problems") or () if isinstance(p, dict)),
-                   d.get("pp_size"), engine if isinstance(engine, Mapping) else None, d.get("finding"),
-                   d.get("now_ns"), d.get("newest_data_ns"))
+                   tuple(CaptureProblem.from_dict(p) for p in _list(d.get("problems"))
+                         if isinstance(p, Mapping)),
+                   _int(d.get("pp_size")), engine if isinstance(engine, Mapping) else None,
+                   _str(d.get("finding")), _int(d.get("now_ns")), _int(d.get("newest_data_ns")))
+
+
+def _str(value: JsonReadValue) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _int(value: JsonReadValue) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _number(value: JsonReadValue) -> float | None:
+    return value if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _counts(value: JsonReadValue) -> dict[str, int]:
+    counts = value if isinstance(value, Mapping) else {}
+    return {k: n for k, v in counts.items() if (n := _int(v)) is not None}
+
+
+def _list(value: JsonReadValue) -> Sequence[JsonReadValue]:
+    return value if isinstance(value, list) else ()

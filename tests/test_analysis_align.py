@@ -150,10 +150,10 @@ def test_in_memory_tables_align_as_the_store_reads_them(tmp_path: Path) -> None:
     for name in ("stage_running", "stage_queue", "stage_token_usage", "work_ratio", "inflight",
                  "power_limit_w", "pcie_capacity_bytes_per_s", "engine_running"):
         assert np.array_equal(getattr(stored, name), getattr(memory, name), equal_nan=True), name
-    assert stored.markers == memory.markers and dict(stored.engine) == dict(memory.engine)
+    assert stored.markers == memory.markers and stored.engine == memory.engine
     assert (stored.notes, stored.log_placement, stored.work_source) == \
         (memory.notes, memory.log_placement, memory.work_source)
-    assert stored.engine["pp_size"] == 2 and stored.engine.get("pp_max_micro_batch_size") is None
+    assert stored.engine.pp_size == 2 and stored.engine.pp_max_micro_batch_size is None
 
 
 def test_clock_probes_correct_an_in_memory_run() -> None:
@@ -178,11 +178,11 @@ def test_engine_settings_merge_config_lines() -> None:
     later = EngineConfig("n", "log", "sglang", 7, pp_size=None, max_running_requests=32,
                          fields_json='{"page_size": 16}')
     merged = EngineSettings.from_records([later, first])
-    assert (merged.pp_size, merged["max_running_requests"], merged.line_no) == (4, 32, 7)
-    assert merged["fields"] == {"schedule_policy": "lpm", "page_size": 16}
-    assert "tp_size" not in merged and merged.get("tp_size") is None
-    unconfigured = EngineSettings.from_rows([], engine_of_lines="vllm")
-    assert dict(unconfigured) == {"engine": "vllm"} and unconfigured.fields is None
+    assert (merged.pp_size, merged.max_running_requests, merged.line_no) == (4, 32, 7)
+    assert merged.fields == {"schedule_policy": "lpm", "page_size": 16}
+    assert merged.tp_size is None and "tp_size" not in merged.settings()
+    unconfigured = EngineSettings.from_records([], engine_of_lines="vllm")
+    assert unconfigured.settings() == {"engine": "vllm"} and unconfigured.fields is None
 
 
 def test_gpu_samples_read_a_range_at_a_time_align_as_read_whole(tmp_path: Path,

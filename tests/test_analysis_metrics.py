@@ -10,14 +10,13 @@ from analysis_synth import Level, SynthRun, synth_tables
 
 from gputrace.analysis.phases import Phase, detect_phases, phases_from_markers, phases_from_request_labels
 from gputrace.analysis.result import analyse_tables
+from gputrace.model import Marker
 
 
 def test_phases_from_markers_end_at_next_phase_or_end() -> None:
     """A phase marker lasts to the next phase/end marker; notes end nothing."""
-    marks = [{"ts_ns": 0, "label": "C=1", "kind": "phase", "target_concurrency": 1},
-             {"ts_ns": 5, "label": "note", "kind": "note"},
-             {"ts_ns": 10, "label": "C=8", "kind": "phase", "target_concurrency": 8},
-             {"ts_ns": 20, "label": "end", "kind": "end"}]
+    marks = [Marker("h", 0, "C=1", "phase", 1), Marker("h", 5, "note", "note"),
+             Marker("h", 10, "C=8", "phase", 8), Marker("h", 20, "end", "end")]
     got = phases_from_markers(marks, 99)
     assert [(p.label, p.start_ns, p.end_ns, p.target_concurrency) for p in got] == \
         [("C=1", 0, 10, 1), ("C=8", 10, 20, 8)]

@@ -138,6 +138,19 @@ def test_feed_without_header_is_a_clear_error(tmp_path: Path) -> None:
     assert refused.traceback and str(feed) not in open_paths()
 
 
+@pytest.mark.parametrize(("name", "value", "message"), [
+    ("power_limit_w", "lots", "'power_limit_w' is not a number: 'lots'"),
+    ("pcie_gen", 4.5, "'pcie_gen' is not a whole number: 4.5"),
+])
+def test_a_feed_header_with_a_bad_gpu_constant_is_one_clear_error(
+        tmp_path: Path, name: str, value: object, message: str) -> None:
+    """A GPU constant in the header that is no number is refused where it enters, naming it."""
+    feed = tmp_path / "bad.feed"
+    _write(feed, {**HEADER, name: value})
+    with pytest.raises(SourceError, match=f"bad\\.feed: feed header's {message}"):
+        SimulatedSampler(feed_path=str(feed), feed_wait_s=0.1)
+
+
 def test_constant_pattern_sets_utilization_and_power() -> None:
     """constant:0.25 gives utilization 0.25 per period and power a quarter of the way to the limit."""
     sampler = SimulatedSampler("h", 3, pattern="constant:0.25")

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import bz2
 import contextlib
+import gzip
 import json
+import lzma
 import os
 import random
 import shlex
@@ -21,6 +24,7 @@ from sshd import SshServer, processes_matching, sshd_server_fixture, wait_no_pro
 
 from gputrace.config import LogSource
 from gputrace.errors import SourceError
+from gputrace.remote.file_follower import Source
 from gputrace.remote.follow import (
     Backoff,
     CommandPosition,
@@ -639,3 +643,20 @@ async def test_a_docker_source_backs_off_while_the_daemon_is_down(
     # 0.05 + 0.1 + 0.2 + 0.4 + 0.8 + 0.8 ... : at most 8 runs in 3 s (60 at a delay reset each time)
     assert 3 <= runs <= 8, runs
     assert any(p and "exited with status 1" in p for p in problems)
+
+
+@pytest.mark.parametrize(("suffix", "compress"), [(".gz", gzip.compress), (".bz2", bz2.compress),
+                                                  (".xz", lzma.compress)])
+def test_a_compressed_copy_is_read_on_whatever_compressed_it(tmp_path: Path, suffix: str,
+                                                             compress: Callable[[bytes], bytes]) -> None:
+    """A rotated copy compressed by gzip, bzip2 or xz (logrotate's compresscmd) is read on from an
+    offset (before: a .bz2 or .xz copy raised TypeError, its reader given GzipFile's fileobj=)."""
+    path = tmp_path / f"server.log.1{suffix}"
+    path.write_bytes(compress(b"first\nsecond\n"))
+    source = Source.open(str(path))
+    assert source is not None
+    try:
+        assert source.read(6, 100) == b"second\n" and source.size() is None
+    finally:
+        source.close_stream()
+        os.close(source.fd)

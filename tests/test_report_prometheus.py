@@ -363,7 +363,7 @@ def test_job_matcher_selects_the_collector_alone(capture: Capture, tmp_path: Pat
     with Store.open(tmp_path / "run", read_only=True) as store:
         assert store.meta.topology == {}
         analysis = analyse_run(store, effects=False)
-    assert analysis.run.pp_size == 8 and analysis.run.engine["pp_size"] == 8
+    assert analysis.run.pp_size == 8 and analysis.run.engine.pp_size == 8
     assert [p.label for p in analysis.phases] == [f"C={c}" for c in LEVELS]
     assert all(s.busy_fraction is None for m in analysis.metrics for s in m.stages)
 

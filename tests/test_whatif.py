@@ -29,9 +29,9 @@ def test_fit_replays_the_captured_run(motivating_run: Path) -> None:
     assert model.params.max_running_requests == 64 and model.params.pp_size == 8
     assert model.params.concurrency == (1, 8, 32, 64)
     for row in model.quality_rows():
-        assert abs(row["throughput_error"]) < 0.05, row
+        assert row.throughput_error is not None and abs(row.throughput_error) < 0.05, row
         for key in ("ttft_s_p50", "itl_s_p50"):
-            measured, simulated = row[key]
+            measured, simulated = getattr(row, key)
             assert abs(simulated / measured - 1) < 0.15, (key, row)
     assert 0.03 <= model.uncertainty_ratio < 0.05
 
@@ -90,7 +90,7 @@ def test_the_replay_sends_the_runs_own_requests(tmp_path: Path) -> None:
     model = fit_model(analysis)
     assert not model.correction
     for row in model.quality_rows():
-        assert abs(row["throughput_error"]) < 0.02, row
+        assert row.throughput_error is not None and abs(row.throughput_error) < 0.02, row
 
 
 def test_findings_carry_predicted_effects_and_demo_second_run(motivating_run: Path) -> None:

@@ -4,17 +4,17 @@ on simulator ground truth (Must show 2: every scenario x 3 seeds, as bench/advis
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 from helpers import cli
 
+from gputrace.analysis.diagnose import Finding
 from gputrace.errors import UsageError
 from gputrace.sim.outputs import write_store
 from gputrace.sim.params import SCENARIOS, SimParams
 from gputrace.sim.virtual import run_scenario
-from gputrace.vocabulary import Change
+from gputrace.vocabulary import Cause, Change
 from gputrace.whatif.advise import (
     MAX_CANDIDATES,
     AdvisedSetting,
@@ -35,6 +35,11 @@ def _model(levels: tuple[int, ...] = (1, 8, 32, 64)) -> FittedModel:
     return FittedModel(SimParams(concurrency=levels), measured, measured, 0.03)
 
 
+def _finding(cause: Cause, phase: str, change: Change) -> Finding:
+    """A finding as the rules make it, with the change it recommends (the rest does not matter here)."""
+    return Finding(cause, phase, [], {}, 1.0, "", "", change=change)
+
+
 def test_parse_slo() -> None:
     assert parse_slo("ttft_p90=2s,itl_p90=80ms") == {"ttft_p90": 2.0, "itl_p90": pytest.approx(0.08)}
     assert parse_slo(None) == {}
@@ -47,10 +52,9 @@ def test_candidates_are_configuration_changes_around_the_run_bounded() -> None:
     """A finding about the offered load is never a configuration candidate; K, the pool, the
     prefill chunk and the async depth are searched around the run's settings."""
     findings = [
-        {"cause": "pipeline_underfilled", "phase": "C=1", "change": asdict(Change.of_flag("concurrency", 8))},
-        {"cause": "client_bound", "phase": "C=64", "change": asdict(Change.of_flag("client", 64))},
-        {"cause": "pipeline_underfilled", "phase": "C=32",
-         "change": asdict(Change.of_flag("--pp-max-micro-batch-size", 4))},
+        _finding(Cause.PIPELINE_UNDERFILLED, "C=1", Change.of_flag("concurrency", 8)),
+        _finding(Cause.CLIENT_BOUND, "C=64", Change.of_flag("client", 64)),
+        _finding(Cause.PIPELINE_UNDERFILLED, "C=32", Change.of_flag("--pp-max-micro-batch-size", 4)),
     ]
     pool = candidates(_model(), findings)
     changes = [c for c, _ in pool]
@@ -172,8 +176,7 @@ def test_the_prefill_budget_is_searched_up_to_the_context_length_and_beside_k_an
     from gputrace.whatif.advise import changes_of, prefill_pairs
     sglang = FittedModel(SimParams(concurrency=(8,), chunked_prefill_size=256, max_prefill_tokens=4096,
                                    context_len=2048), _model((8,)).measured, _model((8,)).measured, 0.03)
-    burst = {"cause": "prefill_burst", "phase": "C=8",
-             "change": asdict(Change.of_flag("--max-prefill-tokens", 3584))}
+    burst = _finding(Cause.PREFILL_BURST, "C=8", Change.of_flag("--max-prefill-tokens", 3584))
     pool = [c for c, _ in candidates(sglang, [burst])]
     assert pool[0] == {"max_prefill_tokens": 3584}
     assert [a.text() for a in changes_of(sglang, pool[0]) or ()] == ["--max-prefill-tokens 3584"]

@@ -91,7 +91,7 @@ def test_the_fit_without_gpu_samples_says_how_it_was_made(tmp_path_factory: pyte
     RMS residual."""
     model = fit_model(analyse(_imported(tmp_path_factory, "vllm", "default")))
     assert any("fitted by replaying the phases" in n for n in model.notes), model.notes
-    errors = [row["throughput_error"] for row in model.quality_rows()]
+    errors = [row.throughput_error for row in model.quality_rows()]
     assert len(errors) == 3 and all(abs(e) <= TARGET for e in errors), errors
     rms = sum(e * e for e in errors) / len(errors)
     assert model.uncertainty_ratio == pytest.approx(max(rms ** 0.5, 0.03))
@@ -162,7 +162,7 @@ def test_a_cpu_engine_is_fitted_without_a_memory_floor(tmp_path_factory: pytest.
 
     for engine in ("sglang", "vllm"):
         analysis = analyse(_imported(tmp_path_factory, engine, "default"))
-        assert runs_on_cpu(analysis.run.engine), analysis.run.engine.get("fields")
+        assert runs_on_cpu(analysis.run.engine), analysis.run.engine.fields
         model = fit_model(analysis)
         p = model.params
         assert p.weight_read_s == 0.0 and p.launch_s > 0 and p.decode_token_s > 0, p

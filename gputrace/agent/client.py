@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp
 
 from gputrace.errors import CursorKeptMoving, SourceError, TransportError
+from gputrace.json_types import JsonObject
 from gputrace.logsetup import get_logger
 from gputrace.model import ClockProbe, GpuSample
 
@@ -356,12 +357,17 @@ class AgentClient:
         return ClockProbe(host=host or remote_host, local_send_ns=send_ns,
                           remote_ns=remote_ns, local_recv_ns=recv_ns, via="agent")
 
-    async def info(self) -> dict[str, Any]:
-        """The agent's /v1/info: host, backend, versions, devices."""
+    async def info(self) -> JsonObject:
+        """The agent's /v1/info as sent: host, backend, versions, devices."""
         status, _, body = await self._get("/v1/info")
         if status != 200:
             raise SourceError(f"agent {self.base_url}: /v1/info answered {status}")
-        info: dict[str, Any] = json.loads(body)
+        try:
+            info = json.loads(body)
+        except (ValueError, RecursionError):
+            info = None
+        if not isinstance(info, dict):
+            raise SourceError(f"agent {self.base_url}: /v1/info is not a JSON object")
         return info
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -30,7 +29,7 @@ from gputrace.analysis.clocks_and_grid import (
 from gputrace.analysis.schedule import engine_totals, line_sizes
 from gputrace.errors import AnalysisError
 from gputrace.log_clock import log_clock_offset
-from gputrace.model import ENGINE_LOAD_SOURCE, DeviceInfo
+from gputrace.model import ENGINE_LOAD_SOURCE, DeviceInfo, Marker
 from gputrace.run_tables import (
     DEFAULT_MARGINS,
     EVENT_KINDS,
@@ -111,7 +110,7 @@ class AlignedRun:
     work_source: str
     inflight: np.ndarray | None
     requests: dict[str, np.ndarray]
-    markers: list[dict[str, Any]]
+    markers: list[Marker]  # in the reference clock, within the window
     engine: EngineSettings
     log_placement: str
     clocks: ClockModel
@@ -160,14 +159,14 @@ def align(tables: RunTables) -> AlignedRun:
     gpu_span = _gpu_span(samples, clocks)
     events = _place_events(tables.scheduler_events, clocks, notes)
     engine = tables.engine
-    mapping = stage_mapping(tables.meta.topology, engine.get("pp_size"), engine.get("tp_size"),
+    mapping = stage_mapping(tables.meta.topology, engine.pp_size, engine.tp_size,
                             samples.keys, events.log_pp, engine.kind)
     gpu_stage = np.array([s if (s := mapping.stage_of(h, g)) is not None else -1 for h, g in samples.keys],
                          dtype=np.int64)
     requests = _requests_in_reference(tables.requests, clocks)
     markers = _markers_within(sorted(
-        ({**dataclasses.asdict(m), "ts_ns": int(clocks.to_reference(m.host, np.array([m.ts_ns]))[0])}
-         for m in tables.markers), key=lambda m: m["ts_ns"]), lo, hi)
+        (dataclasses.replace(m, ts_ns=int(clocks.to_reference(m.host, np.array([m.ts_ns]))[0]))
+         for m in tables.markers), key=lambda m: m.ts_ns), lo, hi)
     first, whole = _first_read(samples)
     first_ts = _gpu_rows(first, clocks).ts_by_gpu
     period = sample_period_ns(first_ts) if any(len(t) > 1 for t in first_ts) else DEFAULT_PERIOD_NS
@@ -326,14 +325,13 @@ def _requests_in_reference(rq: RequestColumns, clocks: ClockModel) -> dict[str, 
     }
 
 
-def _markers_within(markers: list[dict[str, Any]], lo: int | None, hi: int | None) -> list[dict[str, Any]]:
+def _markers_within(markers: list[Marker], lo: int | None, hi: int | None) -> list[Marker]:
     """The markers inside the window; a phase still running at its start begins at the start."""
-    inside = [m for m in markers if (lo is None or m["ts_ns"] >= lo) and (hi is None or m["ts_ns"] <= hi)]
-    bounds_before = [m for m in markers if lo is not None and m["ts_ns"] < lo
-                     and m.get("kind") in ("phase", "end")]
-    if bounds_before and bounds_before[-1]["kind"] == "phase":
+    inside = [m for m in markers if (lo is None or m.ts_ns >= lo) and (hi is None or m.ts_ns <= hi)]
+    bounds_before = [m for m in markers if lo is not None and m.ts_ns < lo and m.kind in ("phase", "end")]
+    if bounds_before and bounds_before[-1].kind == "phase":
         assert lo is not None
-        inside.insert(0, {**bounds_before[-1], "ts_ns": lo})
+        inside.insert(0, dataclasses.replace(bounds_before[-1], ts_ns=lo))
     return inside
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -241,15 +240,17 @@ class StageMapping:
         return None
 
 
-def stage_mapping(topology: Mapping[str, Any], engine_pp_size: int | None,
+def stage_mapping(topology: Mapping[str, object], engine_pp_size: int | None,
                   engine_tp_size: int | None, gpu_keys: Sequence[tuple[str, int]],
                   log_pp_ranks: int | None = None, engine: str | None = None) -> StageMapping:
     """From meta.topology, else the engine's placement rule on its pp/tp sizes (hosts as
-    nodes in name order), else one stage per rank the log shows (or one stage for all GPUs)."""
+    nodes in name order), else one stage per rank the log shows (or one stage for all GPUs).
+    ``topology`` is meta.json's as read (its sizes checked where the store opened it)."""
     placements = placements_from_meta(topology) if topology else []
     if placements:
-        pp = int(topology.get("pp_size") or max(p.pp_rank for p in placements) + 1)
-        tp = int(topology.get("tp_size") or max(p.tp_rank for p in placements) + 1)
+        meta_pp, meta_tp = topology.get("pp_size"), topology.get("tp_size")
+        pp = meta_pp if is_parallel_size(meta_pp) else max(p.pp_rank for p in placements) + 1
+        tp = meta_tp if is_parallel_size(meta_tp) else max(p.tp_rank for p in placements) + 1
         return StageMapping(pp, tp, tuple(placements), f"meta.topology ({topology.get('source', '?')})")
     hosts = sorted({h for h, _ in gpu_keys})
     n_gpu = max(len(gpu_keys), 1)

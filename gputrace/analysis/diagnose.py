@@ -7,12 +7,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import NotRequired, TypeAlias, TypedDict
 
 import numpy as np
 
 from gputrace.analysis.phase_figures import PhaseMetrics, StageMetrics, throughput_aliased
 from gputrace.engines import engine_words
+from gputrace.json_types import JsonObject
 from gputrace.vocabulary import Cause, Change, EngineSettings
 
 CAUSES = tuple(c.value for c in Cause)
@@ -51,6 +52,158 @@ def changes_the_deployment(flag: object) -> bool:
     return isinstance(flag, str) and Change.of_flag(flag).changes_the_deployment
 
 
+Figure: TypeAlias = float | None  # a measured figure, rounded for findings.json (None: not measured)
+
+
+class AdmissionEvidence(TypedDict):
+    engine: str
+    admission_limit: int
+    limit_flag: str
+    offered_load: Figure
+    engine_running_estimate: Figure
+    queue_req_mean: Figure
+    token_usage_max: Figure
+    token_usage_projected: Figure
+    limit_is_lower_bound: bool  # without the client's own level, the load seen only bounds it
+
+
+class ClientEvidence(TypedDict):
+    target_concurrency: int
+    inflight_mean: Figure
+    mean_bubble_fraction: Figure
+
+
+class MicrobatchCapEvidence(TypedDict):
+    K: int
+    K_from: str
+    max_running_requests: int | None
+    pp_size: int
+    microbatch_slots: int
+    microbatch_size_max: Figure
+    microbatch_size_mean: Figure
+    offered_load: Figure
+    queue_req_mean: Figure
+    engine_running_estimate: Figure
+    microbatches_in_flight: Figure
+    allowed_busy_fraction: Figure
+    mean_busy_fraction: Figure
+    mean_bubble_fraction: Figure
+
+
+class ImbalanceEvidence(TypedDict):
+    busy_fraction_by_stage: list[Figure]
+    median_busy_fraction: Figure
+    busiest_stage: int
+    busiest_busy_fraction: Figure
+
+
+class KvCacheEvidence(TypedDict):
+    token_usage_max: Figure
+    token_usage_mean: Figure
+    queue_req_mean: Figure
+    queue_req_max: Figure
+    kv_capacity_tokens: int | None
+    kv_tokens_wanted: int | None
+
+
+class PcieEvidence(TypedDict):
+    pcie_transfer_per_busy_by_stage: list[Figure]
+    pcie_link_share_mean_by_stage: list[Figure]
+    pcie_link_share_p95_max: Figure
+
+
+class ThrottlingEvidence(TypedDict):
+    throttled_fraction_by_stage: list[Figure]
+    power_limit_share_p95_by_stage: list[Figure]
+    sm_clock_mhz_by_stage: list[Figure]
+
+
+class UnderfilledEvidence(TypedDict):
+    microbatches_in_flight: Figure
+    pp_size: int
+    allowed_busy_fraction: Figure
+    mean_busy_fraction: Figure
+    mean_bubble_fraction: Figure
+    offered_load: Figure
+    K: int | None
+    reason: str  # "bunched" | "light_load"
+    bubble_is_the_bottleneck: NotRequired[bool]  # light load: False, fewer requests than stages
+
+
+class BunchedEvidence(TypedDict):
+    reason: str  # "bunched"
+    K: int
+    K_from: str
+    engine_running: Figure
+    microbatch_slots: int
+    microbatch_size_max: Figure
+    microbatch_size_p10: Figure
+    even_split: int
+    microbatches_in_flight: Figure
+
+
+class PrefillBudgetEvidence(TypedDict):
+    prefill_budget_tokens: int
+    full_turn_share: Figure
+    prefill_tokens_per_turn_mean: Figure
+    prefill_turns_per_s: Figure
+    prompt_tokens_mean: Figure
+    queue_req_mean: Figure
+    engine_running_estimate: Figure
+    max_running_requests: int | None
+    mean_bubble_fraction: Figure
+
+
+class PrefillBurstEvidence(TypedDict):
+    prefill_budget_tokens: int
+    prefill_tokens_per_turn_mean: Figure
+    full_turn_share: Figure
+    prompt_tokens_mean: Figure
+    prompts_per_turn: int
+    K: int
+    K_from: str
+    offered_load: Figure
+    microbatches_packed: int
+    microbatches_in_flight: Figure
+    microbatch_size_max: Figure
+    microbatch_slots: int
+    pp_size: int
+    mean_bubble_fraction: Figure
+
+
+class AliasedPhase(TypedDict):
+    """One phase whose log hides micro-batches: those in flight, the interval's common factor
+    with them, those each stage logs, and what shows it below a full pipeline."""
+
+    microbatches_in_flight: int
+    common_factor: int
+    microbatches_logged: int
+    evidence: NotRequired[str]
+
+
+class LogSamplingEvidence(TypedDict):
+    decode_log_interval: int
+    microbatch_slots: int
+    interval_mod_slots: int
+    aliased_phases: dict[str, AliasedPhase]
+    phases_with_constant_running_req: list[str]
+
+
+class MissingEvidence(TypedDict):
+    missing: str  # "gpu_samples" | "scheduler_lines"
+
+
+Evidence: TypeAlias = (AdmissionEvidence | ClientEvidence | MicrobatchCapEvidence | ImbalanceEvidence
+                       | KvCacheEvidence | PcieEvidence | ThrottlingEvidence | UnderfilledEvidence
+                       | BunchedEvidence | PrefillBudgetEvidence | PrefillBurstEvidence
+                       | LogSamplingEvidence | MissingEvidence)
+"""The numbers that show a finding, by its cause (findings.json's ``evidence``)."""
+
+
+class FindingDetails(TypedDict, total=False):
+    caps_phases: int  # other phases of the run that offered more than this K admits
+
+
 @dataclass(frozen=True)
 class Finding:
     """One diagnosed cause in one phase ("*" for the whole run). Built once by the rules; what is
@@ -59,18 +212,19 @@ class Finding:
     cause: Cause
     phase: str
     stages: list[int]
-    evidence: dict[str, Any]
+    evidence: Evidence
     confidence: float
     recommendation: str
     summary: str
     impact: float = 0.0  # share of stage-time lost to it, for ordering
-    details: dict[str, Any] = field(default_factory=dict)
+    details: FindingDetails = field(default_factory=FindingDetails)
     change: Change | None = None  # the setting the recommendation changes, where it names one
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cause", Cause(self.cause))  # a plain string names its Cause
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
+        """As findings.json's ``findings`` hold it (before the report drops what it leaves out)."""
         return asdict(self)
 
     @property
@@ -388,10 +542,11 @@ def rule_pipeline_underfilled(c: PhaseContext) -> Finding | None:
     spread = c.spread_cap()
     bunched = c.engine.engine_spec.microbatch_slots and k is not None and spread is not None and \
         c.load is not None and c.load >= c.pp_size - 0.5 and spread < k
-    evidence = {"microbatches_in_flight": _r(pm.microbatches_in_flight, 2), "pp_size": c.pp_size,
-                "allowed_busy_fraction": _r(allowed), "mean_busy_fraction": _r(c.mean_busy),
-                "mean_bubble_fraction": _r(c.mean_bubble), "offered_load": _r(c.load, 1),
-                "K": k, "reason": "bunched" if bunched else "light_load"}
+    evidence: UnderfilledEvidence = {
+        "microbatches_in_flight": _r(pm.microbatches_in_flight, 2), "pp_size": c.pp_size,
+        "allowed_busy_fraction": _r(allowed), "mean_busy_fraction": _r(c.mean_busy),
+        "mean_bubble_fraction": _r(c.mean_bubble), "offered_load": _r(c.load, 1),
+        "K": k, "reason": "bunched" if bunched else "light_load"}
     in_flight = f"{pm.microbatches_in_flight or 0:.1f} micro-batches in flight for {c.pp_size} stages"
     if bunched:
         assert spread is not None and c.load is not None
@@ -642,7 +797,7 @@ def diagnose_log_sampling(phases: Sequence[PhaseMetrics], engine: EngineSettings
     # only a full pipeline (every slot non-empty) holds its number in flight steady enough to tell
     # from the mean (a partly filled one varies, and the measured mean is not close enough)
     factor = aliased_cycle(interval, slots)
-    aliased: dict[str, dict[str, Any]] = {}
+    aliased: dict[str, AliasedPhase] = {}
     for p in phases:
         mean = p.microbatches_in_flight
         if factor <= 1:

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
 from gputrace.analysis.aligned_run import AlignedRun, StageEvents
 from gputrace.analysis.phases import Phase
+from gputrace.json_types import JsonObject
 
 
 @dataclass
@@ -189,8 +190,16 @@ def prefill_figures(run: AlignedRun, start_ns: int, stop_ns: int) -> PrefillFigu
         **_full_turns(tokens, seqs, budget, prompts / firsts if firsts > 0 else None))
 
 
+class _FullTurns(TypedDict, total=False):
+    """PrefillFigures' figures of the turns the budget ended (none where it cannot tell)."""
+
+    seqs_per_full_turn: float
+    seqs_in_full_turns: float
+    seqs_in_turns: float
+
+
 def _full_turns(tokens: np.ndarray, seqs: np.ndarray, budget: int | None,
-                prompt_tokens: float | None) -> dict[str, Any]:
+                prompt_tokens: float | None) -> _FullTurns:
     if not budget or not prompt_tokens:
         return {}
     full = (np.nan_to_num(tokens) > budget - prompt_tokens) & np.isfinite(seqs)
@@ -237,7 +246,8 @@ class PhaseMetrics:
     engine_input_tok_s: float | None = None  # from the engine's log (input_throughput)
     prefill: PrefillFigures | None = None  # SGLang's prefill lines in the phase (None: none logged)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
+        """As findings.json's ``phases`` hold it (the report leaves out the stages: its table holds them)."""
         return asdict(self)
 
 
@@ -554,7 +564,7 @@ def phase_metrics(run: AlignedRun, series: StageSeries, phase: Phase) -> PhaseMe
         if phase.duration_s > 0 and len(rq["start_ns"]) and not np.isnan(rq["prompt_tokens"]).all() else None
     # a log that can hide micro-batches: SGLang's, every interval-th step, the interval sharing a
     # factor with the micro-batch slots (coprime, every micro-batch is logged in turn)
-    interval = int(run.engine.get("decode_log_interval") or 1)
+    interval = int(run.engine.decode_log_interval or 1)
     slots = run.engine.slots_at(run.pp_size)
     sampled = run.engine.engine_spec.steps_logged and math.gcd(interval, slots) > 1
     if sampled and gen is not None and client_tput is not None and abs(gen - client_tput) > \

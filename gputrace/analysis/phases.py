@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
+
+from gputrace.model import Marker
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,18 +27,17 @@ class Phase:
         return (self.end_ns - self.start_ns) / 1e9
 
 
-def phases_from_markers(markers: Sequence[dict[str, Any]], data_end_ns: int) -> list[Phase]:
+def phases_from_markers(markers: Sequence[Marker], data_end_ns: int) -> list[Phase]:
     """A "phase" marker starts a phase that lasts until the next phase or "end" marker (or the
     end of the data); other marker kinds are notes and end nothing."""
-    bounds = [m for m in markers if m.get("kind") in ("phase", "end")]
+    bounds = [m for m in markers if m.kind in ("phase", "end")]
     out = []
     for i, m in enumerate(bounds):
-        if m["kind"] != "phase":
+        if m.kind != "phase":
             continue
-        end = bounds[i + 1]["ts_ns"] if i + 1 < len(bounds) else data_end_ns
-        if end > m["ts_ns"]:
-            out.append(Phase(str(m["label"]), int(m["ts_ns"]), int(end),
-                             m.get("target_concurrency"), "markers"))
+        end = bounds[i + 1].ts_ns if i + 1 < len(bounds) else data_end_ns
+        if end > m.ts_ns:
+            out.append(Phase(str(m.label), int(m.ts_ns), int(end), m.target_concurrency, "markers"))
     return out
 
 

@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+from gputrace.json_types import JsonObject
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,7 +19,7 @@ class PhaseEffect:
     predicted_tok_s: float
     unchanged_tok_s: float | None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {"phase": self.phase, "concurrency": self.concurrency,
                 "measured_tok_s": self.measured_tok_s, "predicted_tok_s": self.predicted_tok_s,
                 "unchanged_tok_s": self.unchanged_tok_s}
@@ -40,7 +41,7 @@ class PredictedEffect:
     net_gain_tok_s: float
     other_phases: tuple[PhaseEffect, ...] = ()
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """As findings.json gives it (a finding's ``predicted``)."""
         return {"phase": self.phase, "concurrency": self.concurrency,
                 "measured_tok_s": self.measured_tok_s, "predicted_tok_s": self.predicted_tok_s,

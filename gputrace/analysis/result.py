@@ -46,7 +46,7 @@ class Advice(Protocol):
     advisor, ``gputrace.analyse.Advise``, produces it); findings.json carries ``to_dict()`` as
     ``advice``."""
 
-    def to_dict(self) -> dict[str, Any]: ...
+    def to_dict(self) -> Mapping[str, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ class Analysis:
             "work_source": r.work_source, "engine_running_from": dict(r.engine_running_sources),
             "phase_source": self.phases[0].source if self.phases else None,
             "clock_offsets": r.clocks.summary(),
-            "engine": {k: v for k, v in r.engine.items() if k != "fields"},
+            "engine": r.engine.settings(),
         }
 
 
@@ -207,10 +207,11 @@ def analyse_aligned(run: AlignedRun, th: Thresholds = DEFAULT_THRESHOLDS,
     return Analysis(run, series, tuple(phases), tuple(metrics), tuple(findings), tuple(notes), th)
 
 
-def capture_problem_notes(extra: dict[str, Any]) -> list[str]:
-    """One note per problem the collector had while capturing (``meta.extra["collector"]``): a
-    source that delivered nothing for a while, a store that could not be written. A run with a
-    gap must say so: a log path that did not exist gave a report with no word of it."""
+def capture_problem_notes(extra: Mapping[str, object]) -> list[str]:
+    """One note per problem the collector had while capturing (``meta.extra["collector"]`` as
+    meta.json holds it, each part narrowed before it is read): a source that delivered nothing
+    for a while, a store that could not be written. A run with a gap must say so: a log path that
+    did not exist gave a report with no word of it."""
     collector = extra.get("collector")
     if not isinstance(collector, dict):
         return []
@@ -232,7 +233,7 @@ def capture_problem_notes(extra: dict[str, Any]) -> list[str]:
     return notes
 
 
-def import_notes(extra: dict[str, Any]) -> list[str]:
+def import_notes(extra: Mapping[str, object]) -> list[str]:
     """What a Prometheus import lacked (the series each missing figure could come from)."""
     if extra.get("source") != "prometheus":
         return []
@@ -240,11 +241,13 @@ def import_notes(extra: dict[str, Any]) -> list[str]:
     lacking = extra.get("series_lacking")
     if not isinstance(lacking, list) or not lacking:
         return refused
+    found = extra.get("series_found")
     return [f"Prometheus had no series for: {', '.join(map(str, lacking))} (series found: "
-            f"{', '.join(map(str, extra.get('series_found') or []))})", *refused]
+            f"{', '.join(map(str, found if isinstance(found, list) else []))})", *refused]
 
 
-def table_notes(extra: dict[str, Any], engine_metrics: EngineMetricColumns, analysis: Analysis) -> list[str]:
+def table_notes(extra: Mapping[str, object], engine_metrics: EngineMetricColumns,
+                analysis: Analysis) -> list[str]:
     """Notes from what the run holds beside the aligned streams: the engine's metrics checked
     against its log, the collector's capture problems, what a Prometheus import lacked."""
     notes = []

@@ -34,6 +34,7 @@ from gputrace.httpserver import (
     is_loopback,
     parse_listen,
 )
+from gputrace.json_types import JsonObject
 from gputrace.live import LiveState
 from gputrace.logsetup import get_logger
 from gputrace.model import DeviceInfo, EngineConfig, Marker, RequestRecord, SchedulerEvent
@@ -482,10 +483,32 @@ def _naming(key: str) -> Iterator[None]:
         raise type(exc)(f"{key}: {exc}") from exc
 
 
-def _devices_from_info(host: str, info: dict[str, Any]) -> list[DeviceInfo]:
-    known = {f for f in DeviceInfo.__dataclass_fields__}
-    out = []
-    for dev in info.get("devices", []):
-        if isinstance(dev, dict) and "gpu_index" in dev:
-            out.append(DeviceInfo(**{**{k: v for k, v in dev.items() if k in known}, "host": host}))
-    return out
+def _devices_from_info(host: str, info: JsonObject) -> list[DeviceInfo]:
+    """The devices of an agent's /v1/info (those with a GPU index); a field of the wrong type is
+    taken as not reported."""
+    devices = info.get("devices")
+    if not isinstance(devices, list):
+        return []
+    return [d for dev in devices if isinstance(dev, dict) and (d := _device(host, dev)) is not None]
+
+
+def _count(obj: JsonObject, name: str) -> int | None:
+    value = obj.get(name)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _device(host: str, dev: JsonObject) -> DeviceInfo | None:
+    """One /v1/info device, None without an integer ``gpu_index``."""
+    def text(name: str) -> str | None:
+        value = dev.get(name)
+        return value if isinstance(value, str) else None
+
+    index, limit_w = _count(dev, "gpu_index"), dev.get("power_limit_w")
+    if index is None:
+        return None
+    return DeviceInfo(
+        host, index, uuid=text("uuid"), name=text("name"), pci_bus_id=text("pci_bus_id"),
+        pcie_max_gen=_count(dev, "pcie_max_gen"), pcie_max_width=_count(dev, "pcie_max_width"),
+        power_limit_w=float(limit_w) if isinstance(limit_w, int | float) and not isinstance(limit_w, bool)
+        else None,
+        memory_total_bytes=_count(dev, "memory_total_bytes"))

@@ -8,9 +8,8 @@ import contextlib
 import json
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -18,17 +17,17 @@ from gputrace.config import Config
 from gputrace.errors import StoreError
 from gputrace.log_clock import LogClockOffset, log_clock_offset
 from gputrace.logsetup import get_logger
-from gputrace.store import Store
+from gputrace.store import Store, UnwrittenRows
 
 log = get_logger("collect")
 
 
-def lost_on_stop(run: Path, unwritten: dict[str, dict[str, Any]], error: str | None,
+def lost_on_stop(run: Path, unwritten: Mapping[str, UnwrittenRows], error: str | None,
                   meta_error: str | None) -> str:
     """'stopped with N records not written (...)': the line a capture that lost its backlog ends with."""
     rows = sum(entry["rows"] for entry in unwritten.values())
     kinds = ", ".join(f"{entry['rows']} {name}" for name, entry in unwritten.items())
-    spans = [(e["first_ns"], e["last_ns"]) for e in unwritten.values() if "first_ns" in e]
+    spans = [(e["first_ns"], e["last_ns"]) for e in unwritten.values() if "first_ns" in e and "last_ns" in e]
     span = ""
     if spans:
         first_s, last_s = min(a for a, _ in spans) / 1e9, max(b for _, b in spans) / 1e9

@@ -7,7 +7,6 @@ import dataclasses
 import os
 import signal
 from pathlib import Path
-from typing import Any
 
 import click
 
@@ -15,7 +14,7 @@ from gputrace.collect import Collector, install_stop_signals, open_run_store
 from gputrace.commands.collect import collect_flags, collect_options
 from gputrace.config import Config, LoadConfig, load_config
 from gputrace.errors import SourceError, StoreWriteError, UsageError
-from gputrace.load.generator import LoadGenerator, LoadSpec, load_prompts, spec_from_config
+from gputrace.load.generator import LoadGenerator, LoadSpec, LoadSpecFields, load_prompts, spec_from_config
 from gputrace.logsetup import get_logger
 
 log = get_logger("run")
@@ -31,11 +30,27 @@ def load_spec_from(cfg: Config, url: str | None, model: str | None, concurrency:
         raise UsageError("nothing to run: give a command after `--`, a [load] table in the config, "
                          "or --url for the built-in load")
     base = cfg.load or LoadConfig(url=url or "")
-    overrides: dict[str, Any] = {k: v for k, v in {
-        "url": url, "model": model, "max_tokens": max_tokens, "requests_per_level": requests_per_level,
-        "duration_per_level_s": duration_per_level, "warmup_s": warmup, "stream": stream,
-        "drain_s": drain, "ignore_eos": ignore_eos, "burst": burst,
-    }.items() if v is not None}
+    overrides: LoadSpecFields = {}  # a flag given wins over the table
+    if url is not None:
+        overrides["url"] = url
+    if model is not None:
+        overrides["model"] = model
+    if max_tokens is not None:
+        overrides["max_tokens"] = max_tokens
+    if requests_per_level is not None:
+        overrides["requests_per_level"] = requests_per_level
+    if duration_per_level is not None:
+        overrides["duration_per_level_s"] = duration_per_level
+    if warmup is not None:
+        overrides["warmup_s"] = warmup
+    if stream is not None:
+        overrides["stream"] = stream
+    if drain is not None:
+        overrides["drain_s"] = drain
+    if ignore_eos is not None:
+        overrides["ignore_eos"] = ignore_eos
+    if burst is not None:
+        overrides["burst"] = burst
     if concurrency:
         try:
             overrides["concurrency"] = tuple(int(c) for c in concurrency.split(","))

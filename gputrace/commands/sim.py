@@ -4,18 +4,19 @@
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import click
 
+from gputrace.config import TomlValue
 from gputrace.errors import UsageError
 from gputrace.sim.params import SCENARIOS, load_params_file, parse_set_options
 
 _SET_HELP = "Override a parameter (repeatable): --set pp_max_micro_batch_size=64."
 
 
-def _overrides(params_file: str | None, sets: tuple[str, ...]) -> dict[str, Any]:
-    values: dict[str, Any] = load_params_file(params_file) if params_file else {}
+def _overrides(params_file: str | None, sets: tuple[str, ...]) -> dict[str, TomlValue]:
+    """Parameter overrides as written: the --params file's TOML values, then --set's strings."""
+    values: dict[str, TomlValue] = load_params_file(params_file) if params_file else {}
     values.update(parse_set_options(sets))
     return values
 

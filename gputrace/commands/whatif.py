@@ -11,8 +11,9 @@ from gputrace.analyse import analyse_run
 from gputrace.errors import UsageError
 from gputrace.sim.params import parse_set_options
 from gputrace.store import Store
-from gputrace.whatif.advise import OBJECTIVES, advisor, parse_slo
+from gputrace.whatif.advise import OBJECTIVES, Advice, advisor, parse_slo
 from gputrace.whatif.fit import fit_model
+from gputrace.whatif.param_change import ParamValue
 from gputrace.whatif.predict import CHANGEABLE, check_changes, predict
 from gputrace.whatif.render import render_advice_markdown, render_markdown, whatif_document
 
@@ -54,7 +55,7 @@ def command(run: str, sets: tuple[str, ...], concurrency: str | None, search: bo
     if search:
         _search(run, objective or ("slo" if slo else "throughput"), parse_slo(slo), fmts, out_dir)
         return
-    changes: dict[str, object] = dict(parse_set_options(sets))
+    changes: dict[str, ParamValue] = dict(parse_set_options(sets))
     if concurrency is not None:
         changes["concurrency"] = concurrency
     with Store.open(run, read_only=True) as store:
@@ -84,9 +85,10 @@ def _search(run: str, objective: str, slo: dict[str, float], fmts: list[str], ou
     click.echo(f"fitting the simulator to {run} and searching its settings ...", err=True)
     with Store.open(run, read_only=True) as store:
         analysis = analyse_run(store, effects=False, advise=hook)
-    if analysis.advice is None:
+    if not isinstance(analysis.advice, Advice):  # None: the advisor had nothing to fit
         raise UsageError(f"{run}: no phase with a throughput the what-if model can be fitted to: "
                          "nothing to advise")
-    doc = {"schema": "gputrace.advice/1", "run": run, **analysis.advice.to_dict()}
-    texts = {"md": render_advice_markdown(doc), "json": json.dumps(doc, indent=2, default=str) + "\n"}
+    advice = analysis.advice.to_dict()
+    doc = {"schema": "gputrace.advice/1", "run": run, **advice}
+    texts = {"md": render_advice_markdown(run, advice), "json": json.dumps(doc, indent=2, default=str) + "\n"}
     _write(texts, fmts, out_dir, "advice")

@@ -71,6 +71,27 @@ DRIVER_SAMPLES_PERIOD_NS = 1_000_000_000
 _PCIE_COUNT_FIELDS = ("pcie_tx_count", "pcie_rx_count")
 
 
+@dataclass(frozen=True, slots=True)
+class _SlowMetrics:
+    """The metrics read once a second (``_slow_metrics``), repeated in each tick's record."""
+
+    energy_j: float | None = None
+    sm_clock_hz: float | None = None
+    memory_clock_hz: float | None = None
+    clock_event_reasons: int | None = None
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    temperature_c: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _FieldReading:
+    """One nvmlFieldValue_t that succeeded: its number (in NVML's unit) and the driver's stamp."""
+
+    value: float
+    ts_us: int
+
+
 class _GpuLost(Exception):
     """Internal: NVML_ERROR_GPU_IS_LOST from any call on a device."""
 
@@ -91,7 +112,7 @@ class _Device:
     gpm_prev: Any = None
     gpm_cur: Any = None
     slow_read_ns: int | None = None  # when the slow metrics were last read
-    slow_values: dict[str, Any] = field(default_factory=dict)
+    slow_values: _SlowMetrics = field(default_factory=_SlowMetrics)
 
 
 def _decode(value: Any) -> str:
@@ -226,17 +247,16 @@ class NvmlSampler:
         return [sample_row(s) for s in self.sample(now_ns)]
 
     def _sample_device(self, dev: _Device, now_ns: int, out: list[GpuSample]) -> GpuSample:
-        values: dict[str, Any] = {}
         if dev.samples_read_ns is None or now_ns - dev.samples_read_ns >= DRIVER_SAMPLES_PERIOD_NS:
             dev.samples_read_ns = now_ns
             if self._driver_samples(dev, out):
                 dev.last_driver_sample_ns = now_ns
         stale = dev.last_driver_sample_ns is None or now_ns - dev.last_driver_sample_ns > _STALE_SAMPLES_NS
+        utilization = memory_utilization = None
         if "gpu_samples" in dev.unsupported or stale:
             rates = self._call(dev, "utilization", "nvmlDeviceGetUtilizationRates")
             if rates is not None:
-                values["utilization_ratio"] = rates.gpu / 100.0
-                values["memory_utilization_ratio"] = rates.memory / 100.0
+                utilization, memory_utilization = rates.gpu / 100.0, rates.memory / 100.0
         slow_due = dev.slow_read_ns is None or now_ns - dev.slow_read_ns >= SLOW_METRICS_PERIOD_NS
         gpm = self._gpm(dev)
         tick_fields: tuple[tuple[str, int], ...] = _FIELDS
@@ -245,36 +265,45 @@ class NvmlSampler:
             # would cost 0.2-0.3 ms more a tick there
             tick_fields = tuple(f for f in _FIELDS if f[0] not in _PCIE_COUNT_FIELDS)
         fields = self._fields(dev, tick_fields + _SLOW_FIELDS if slow_due else tick_fields)  # one call
-        power_mw = fields.get("power_instant")
-        if power_mw is None:
-            power_mw = self._call(dev, "power", "nvmlDeviceGetPowerUsage")
-        values["power_w"] = power_mw / 1000.0 if power_mw is not None else None
+        power = fields.get("power_instant")
+        power_mw = power.value if power is not None else self._call(dev, "power", "nvmlDeviceGetPowerUsage")
         if slow_due:
-            dev.slow_values = self._slow_metrics(dev, fields.get("energy_count"))
+            energy = fields.get("energy_count")
+            dev.slow_values = self._slow_metrics(dev, energy.value if energy is not None else None)
             dev.slow_read_ns = now_ns
-        values.update(dev.slow_values)
-        values.update(gpm)
-        self._pcie(dev, fields, values, now_ns)
-        return GpuSample(self.host, dev.index, now_ns, **values)
+        slow = dev.slow_values
+        pcie_tx, pcie_rx = self._pcie(dev, fields, gpm.get("pcie_tx_bytes_per_s"),
+                                      gpm.get("pcie_rx_bytes_per_s"), now_ns)
+        return GpuSample(
+            self.host, dev.index, now_ns, utilization_ratio=utilization,
+            memory_utilization_ratio=memory_utilization,
+            power_w=power_mw / 1000.0 if power_mw is not None else None, energy_j=slow.energy_j,
+            pcie_tx_bytes_per_s=pcie_tx, pcie_rx_bytes_per_s=pcie_rx, sm_clock_hz=slow.sm_clock_hz,
+            memory_clock_hz=slow.memory_clock_hz, memory_used_bytes=slow.memory_used_bytes,
+            memory_total_bytes=slow.memory_total_bytes, temperature_c=slow.temperature_c,
+            clock_event_reasons=slow.clock_event_reasons, sm_active_ratio=gpm.get("sm_active_ratio"),
+            sm_occupancy_ratio=gpm.get("sm_occupancy_ratio"),
+            tensor_active_ratio=gpm.get("tensor_active_ratio"),
+            nvlink_tx_bytes_per_s=gpm.get("nvlink_tx_bytes_per_s"),
+            nvlink_rx_bytes_per_s=gpm.get("nvlink_rx_bytes_per_s"))
 
-    def _slow_metrics(self, dev: _Device, energy_mj: int | None) -> dict[str, Any]:
+    def _slow_metrics(self, dev: _Device, energy_mj: float | None) -> _SlowMetrics:
         """Energy, clocks, clock event reasons, memory use and temperature (they move slowly)."""
-        values: dict[str, Any] = {}
         if energy_mj is None:  # no energy field on this driver
             energy_mj = self._call(dev, "energy", "nvmlDeviceGetTotalEnergyConsumption")
-        values["energy_j"] = energy_mj / 1000.0 if energy_mj is not None else None
         sm_mhz = self._call(dev, "sm_clock", "nvmlDeviceGetClockInfo", pynvml.NVML_CLOCK_SM)
-        values["sm_clock_hz"] = sm_mhz * 1e6 if sm_mhz is not None else None
         mem_mhz = self._call(dev, "memory_clock", "nvmlDeviceGetClockInfo", pynvml.NVML_CLOCK_MEM)
-        values["memory_clock_hz"] = mem_mhz * 1e6 if mem_mhz is not None else None
-        values["clock_event_reasons"] = self._call(dev, "clock_event_reasons", _CLOCK_EVENTS_FN)
+        reasons = self._call(dev, "clock_event_reasons", _CLOCK_EVENTS_FN)
         memory = self._call(dev, "memory", "nvmlDeviceGetMemoryInfo")
-        if memory is not None:
-            values["memory_used_bytes"] = int(memory.used)
-            values["memory_total_bytes"] = int(memory.total)
-        values["temperature_c"] = self._call(dev, "temperature", "nvmlDeviceGetTemperature",
-                                             pynvml.NVML_TEMPERATURE_GPU)
-        return values
+        temperature = self._call(dev, "temperature", "nvmlDeviceGetTemperature", pynvml.NVML_TEMPERATURE_GPU)
+        return _SlowMetrics(
+            energy_j=energy_mj / 1000.0 if energy_mj is not None else None,
+            sm_clock_hz=sm_mhz * 1e6 if sm_mhz is not None else None,
+            memory_clock_hz=mem_mhz * 1e6 if mem_mhz is not None else None,
+            clock_event_reasons=reasons,
+            memory_used_bytes=int(memory.used) if memory is not None else None,
+            memory_total_bytes=int(memory.total) if memory is not None else None,
+            temperature_c=temperature)
 
     def _driver_samples(self, dev: _Device, out: list[GpuSample]) -> bool:
         """Append one record per new driver sample (own timestamp); True if any GPU sample came."""
@@ -302,42 +331,40 @@ class NvmlSampler:
                                  memory_utilization_ratio=mem_util))
         return any(v[0] is not None for v in merged.values())
 
-    def _fields(self, dev: _Device, which: tuple[tuple[str, int], ...]) -> dict[str, Any]:
+    def _fields(self, dev: _Device, which: tuple[tuple[str, int], ...]) -> dict[str, _FieldReading]:
+        """The field values that succeeded, by their name in ``which``."""
         wanted = [(name, fid) for name, fid in which if name not in dev.unsupported]
         if not wanted:
             return {}
         raw = self._call(dev, "field_values", "nvmlDeviceGetFieldValues", [fid for _, fid in wanted])
         if raw is None:
             return {}
-        got: dict[str, Any] = {}
+        got: dict[str, _FieldReading] = {}
         for (name, _), fv in zip(wanted, raw, strict=False):
             if fv.nvmlReturn != pynvml.NVML_SUCCESS:
                 self._failed(dev, name, int(fv.nvmlReturn))
                 continue
-            got[name] = _union_value(fv.value, int(fv.valueType))
-            got[name + "_ts_us"] = int(fv.timestamp)
+            got[name] = _FieldReading(_union_value(fv.value, int(fv.valueType)), int(fv.timestamp))
         return got
 
-    def _pcie(self, dev: _Device, fields: dict[str, Any], values: dict[str, Any], now_ns: int) -> None:
-        """PCIe rates: GPM's (already in values; then no counters were read), else the byte
-        counters, else the 20 ms throughput call."""
-        if "pcie_tx_count" in fields and "pcie_rx_count" in fields:
-            cur = (fields["pcie_tx_count_ts_us"], int(fields["pcie_tx_count"]), int(fields["pcie_rx_count"]))
+    def _pcie(self, dev: _Device, fields: dict[str, _FieldReading], gpm_tx: float | None,
+              gpm_rx: float | None, now_ns: int) -> tuple[float | None, float | None]:
+        """PCIe (tx, rx) rates: GPM's (then no counters were read), else the byte counters, else the
+        20 ms throughput call."""
+        tx, rx = fields.get("pcie_tx_count"), fields.get("pcie_rx_count")
+        if tx is not None and rx is not None:
+            cur = (tx.ts_us, int(tx.value), int(rx.value))
             prev, dev.pcie_prev = dev.pcie_prev, cur
             if prev is not None and cur[0] > prev[0]:
                 dt_s = (cur[0] - prev[0]) / 1e6
-                values["pcie_tx_bytes_per_s"] = (cur[1] - prev[1]) / dt_s
-                values["pcie_rx_bytes_per_s"] = (cur[2] - prev[2]) / dt_s
-            return
-        if values.get("pcie_tx_bytes_per_s") is not None:
-            return
-        if now_ns - dev.pcie_throughput_at_ns < _PCIE_THROUGHPUT_MIN_PERIOD_NS:
-            return
+                return (cur[1] - prev[1]) / dt_s, (cur[2] - prev[2]) / dt_s
+            return gpm_tx, gpm_rx
+        if gpm_tx is not None or now_ns - dev.pcie_throughput_at_ns < _PCIE_THROUGHPUT_MIN_PERIOD_NS:
+            return gpm_tx, gpm_rx
         dev.pcie_throughput_at_ns = now_ns
-        for key, counter in (("pcie_tx_bytes_per_s", pynvml.NVML_PCIE_UTIL_TX_BYTES),
-                             ("pcie_rx_bytes_per_s", pynvml.NVML_PCIE_UTIL_RX_BYTES)):
-            kb_s = self._call(dev, "pcie_throughput", "nvmlDeviceGetPcieThroughput", counter)
-            values[key] = kb_s * 1024.0 if kb_s is not None else None
+        kb_tx, kb_rx = (self._call(dev, "pcie_throughput", "nvmlDeviceGetPcieThroughput", counter)
+                        for counter in (pynvml.NVML_PCIE_UTIL_TX_BYTES, pynvml.NVML_PCIE_UTIL_RX_BYTES))
+        return (kb_tx * 1024.0 if kb_tx is not None else None, kb_rx * 1024.0 if kb_rx is not None else None)
 
     def _gpm(self, dev: _Device) -> dict[str, float]:
         """GPM metrics (Hopper and newer) between the previous tick's GPM sample and this one."""

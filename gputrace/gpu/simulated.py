@@ -16,10 +16,11 @@ from collections import deque
 from dataclasses import dataclass
 from itertools import pairwise
 from operator import sub
-from typing import Any, Protocol
+from typing import Protocol
 
 from gputrace.errors import SourceError, UsageError
 from gputrace.gpu.sampler import SampleRow
+from gputrace.json_types import JsonObject
 from gputrace.logsetup import get_logger
 from gputrace.model import DeviceInfo, GpuSample
 
@@ -51,6 +52,34 @@ class SimGpuModel:
     sm_clock_idle_hz: float = 345e6
     memory_clock_hz: float = 2.619e9
     pattern_pcie_bytes_per_s: float = 2.0e9  # PCIe traffic at full activity for pattern mode
+
+
+@dataclass(frozen=True, slots=True)
+class FeedHeader:
+    """The feed's header line: its GPUs, their host, and what they are (None: the model's own)."""
+
+    gpus: int
+    host: str | None = None
+    gpu_name: str | None = None
+    power_limit_w: float | None = None
+    idle_power_w: float | None = None
+    pcie_gen: int | None = None
+    pcie_width: int | None = None
+    memory_total_bytes: int | None = None
+
+    def model(self, base: SimGpuModel) -> SimGpuModel:
+        """The simulated GPU this header describes, ``base``'s constants where it names none."""
+        def given(value: float | None, default: float) -> float:
+            return default if value is None else value
+
+        return SimGpuModel(
+            name=base.name if self.gpu_name is None else self.gpu_name,
+            power_limit_w=given(self.power_limit_w, base.power_limit_w),
+            idle_power_w=given(self.idle_power_w, base.idle_power_w),
+            pcie_gen=base.pcie_gen if self.pcie_gen is None else self.pcie_gen,
+            pcie_width=base.pcie_width if self.pcie_width is None else self.pcie_width,
+            memory_total_bytes=base.memory_total_bytes if self.memory_total_bytes is None
+            else self.memory_total_bytes)
 
 
 # A tick's activity: per driver period, each GPU's busy seconds; and each GPU's busy seconds, tx
@@ -161,7 +190,7 @@ class FeedActivity:
         except SourceError:
             self._file.close()  # a feed refused is not tailed: its file is not left open
             raise
-        self.gpu_count: int = self.header["gpus"]
+        self.gpu_count: int = self.header.gpus
         self.intervals: list[deque[tuple[int, int, int, int]]] = [deque() for _ in range(self.gpu_count)]
 
     def _first_line(self) -> bytes | None:
@@ -176,7 +205,7 @@ class FeedActivity:
             return None
         return first
 
-    def _checked_header(self, first: bytes) -> dict[str, Any]:
+    def _checked_header(self, first: bytes) -> FeedHeader:
         """The header line as this simulator's feed header (with a positive integer 'gpus')."""
         try:
             header = json.loads(first)
@@ -189,7 +218,29 @@ class FeedActivity:
         gpus = header.get("gpus")
         if not isinstance(gpus, int) or gpus < 1:
             raise SourceError(f"{self.path}: feed header needs a positive integer 'gpus'")
-        return header
+
+        host, name = header.get("host"), header.get("gpu_name")
+        return FeedHeader(
+            gpus, host=str(host) if host else None, gpu_name=None if name is None else str(name),
+            power_limit_w=self._header_number(header, "power_limit_w"),
+            idle_power_w=self._header_number(header, "idle_power_w"),
+            pcie_gen=self._header_count(header, "pcie_gen"),
+            pcie_width=self._header_count(header, "pcie_width"),
+            memory_total_bytes=self._header_count(header, "memory_total_bytes"))
+
+    def _header_number(self, header: JsonObject, name: str) -> float | None:
+        value = header.get(name)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise SourceError(f"{self.path}: feed header's {name!r} is not a number: {value!a}")
+        return float(value)
+
+    def _header_count(self, header: JsonObject, name: str) -> int | None:
+        value = self._header_number(header, name)
+        if value is not None and not value.is_integer():
+            raise SourceError(f"{self.path}: feed header's {name!r} is not a whole number: {value!a}")
+        return None if value is None else int(value)
 
     def poll(self) -> None:
         """Read every whole line appended since the last poll."""
@@ -274,17 +325,9 @@ class SimulatedSampler:
         self.lag_ns = feed_lag_ns if self.feed is not None else 0
         base = model or SimGpuModel()
         if self.feed is not None:
-            hdr = self.feed.header
             gpu_count = self.feed.gpu_count
-            base = SimGpuModel(
-                name=str(hdr.get("gpu_name", base.name)),
-                power_limit_w=float(hdr.get("power_limit_w", base.power_limit_w)),
-                idle_power_w=float(hdr.get("idle_power_w", base.idle_power_w)),
-                pcie_gen=int(hdr.get("pcie_gen", base.pcie_gen)),
-                pcie_width=int(hdr.get("pcie_width", base.pcie_width)),
-                memory_total_bytes=int(hdr.get("memory_total_bytes", base.memory_total_bytes)),
-            )
-            host = host or str(hdr.get("host") or "") or None
+            base = self.feed.header.model(base)
+            host = host or self.feed.header.host
         if gpu_count < 1:
             raise UsageError("--sim-gpus must be at least 1")
         self.model = base

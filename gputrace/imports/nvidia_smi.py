@@ -12,8 +12,7 @@ import datetime as dt
 import io
 import os
 import zoneinfo
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 from gputrace.errors import ConfigError
 from gputrace.imports.report import ImportReport, read_text, write_parsed
@@ -81,6 +80,24 @@ _DMON_COLUMNS: dict[str, tuple[str, Convert]] = {
     "rxpci": ("pcie_rx_bytes_per_s", lambda v: v * 1e6),  # MB/s
     "txpci": ("pcie_tx_bytes_per_s", lambda v: v * 1e6),
 }
+
+
+def _sample(host: str, gpu: int, ts_ns: int, values: Mapping[str, float | None],
+            clock_event_reasons: int | None = None) -> GpuSample:
+    """One row's GpuSample from its values by GpuSample field name (the fields ``_UNITS`` and
+    ``_DMON_COLUMNS`` fill; None or absent: not reported)."""
+    def count(name: str) -> int | None:
+        value = values.get(name)
+        return None if value is None else int(value)
+
+    return GpuSample(
+        host, gpu, ts_ns, utilization_ratio=values.get("utilization_ratio"),
+        memory_utilization_ratio=values.get("memory_utilization_ratio"), power_w=values.get("power_w"),
+        pcie_tx_bytes_per_s=values.get("pcie_tx_bytes_per_s"),
+        pcie_rx_bytes_per_s=values.get("pcie_rx_bytes_per_s"), sm_clock_hz=values.get("sm_clock_hz"),
+        memory_clock_hz=values.get("memory_clock_hz"), memory_used_bytes=count("memory_used_bytes"),
+        memory_total_bytes=count("memory_total_bytes"), temperature_c=values.get("temperature_c"),
+        clock_event_reasons=clock_event_reasons)
 
 
 def parse_tz(spec: str | None) -> dt.tzinfo:
@@ -227,15 +244,14 @@ def parse_query_csv(
                 gpu = ids.setdefault(row[alt_id].strip(), len(ids))
             else:
                 gpu = 0
-            values: dict[str, Any] = {}
-            for target, (i, unit) in mapped.items():
-                values[target] = _converted(row[i], target, unit)
+            values = {target: _converted(row[i], target, unit) for target, (i, unit) in mapped.items()}
+            reasons = None
             if reason_col is not None and row[reason_col].strip().lower() not in _NA:
-                values["clock_event_reasons"] = int(row[reason_col].strip(), 16)
+                reasons = int(row[reason_col].strip(), 16)
         except ValueError as exc:
             out.skip(f"row {no}", str(exc))
             continue
-        out.records.append(GpuSample(host=host, gpu_index=gpu, ts_ns=ts, **values))
+        out.records.append(_sample(host, gpu, ts, values, reasons))
     if rows and not out.records and out.bad == len(rows):
         raise ConfigError(f"{path}: no row parses as nvidia-smi --query-gpu CSV (first: {out.problems[0]})")
     return out
@@ -276,7 +292,7 @@ def parse_dmon(path: str | os.PathLike[str], host: str, tz: dt.tzinfo = dt.UTC) 
             clock = clocks["%Y/%m/%d" if "/" in date else "%Y%m%d"]
             ts = clock.ns(f"{date} {row['time']}")
             gpu = int(row.get("gpu") or row.get("idx") or "")
-            values: dict[str, Any] = {}
+            values: dict[str, float | None] = {}
             for column, (target, convert) in _DMON_COLUMNS.items():
                 if column in row:
                     v = _value(row[column])
@@ -284,7 +300,7 @@ def parse_dmon(path: str | os.PathLike[str], host: str, tz: dt.tzinfo = dt.UTC) 
         except (ValueError, KeyError) as exc:
             out.skip(f"line {no}", f"{type(exc).__name__}: {exc}")
             continue
-        out.records.append(GpuSample(host=host, gpu_index=gpu, ts_ns=ts, **values))
+        out.records.append(_sample(host, gpu, ts, values))
     if not saw_header:
         raise ConfigError(f"{path}: not nvidia-smi dmon output (no '#Date Time gpu ...' header line)")
     return out

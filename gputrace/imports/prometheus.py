@@ -16,11 +16,11 @@ import contextlib
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, NotRequired, TypedDict
 
 import numpy as np
 
@@ -30,8 +30,8 @@ from gputrace.errors import SourceError, UsageError
 from gputrace.imports.report import ImportReport, write_rows
 from gputrace.model import ENGINE_LOAD_SOURCE, DeviceInfo, EngineConfig, Marker
 from gputrace.prometheus.client import MAX_POINTS_PER_SERIES, PrometheusClient, Series, chunk_windows
-from gputrace.store import META_FILE, Store
-from gputrace.topology import Placement, topology_to_meta
+from gputrace.store import META_FILE, Column, Store
+from gputrace.topology import MetaTopology, Placement, topology_to_meta
 
 # The one metric-name table: each series' name -> (GpuSample field, the exporter's units per SI
 # unit). gputrace's own first, then dcgm-exporter's, both schemas: before 4.9 GPU_UTIL in %, clocks
@@ -319,32 +319,68 @@ def coarse_step_reason(step_ms: int, interval_ms: int | None) -> str | None:
 
 
 # what must agree for a range to be added to a run an import made: the same series at the same steps
-_SAME_IMPORT = ("source", "prometheus_url", "step_ms", "match")
+_SAME_IMPORT = ("source", "prometheus_url", "step_ms", "match")  # PrometheusImportMeta keys
 
 
-def _run_store(out: str | Path, name: str, topology: dict[str, Any], extra: dict[str, Any]) -> Store:
+class PrometheusImportMeta(TypedDict):
+    """meta.json's ``extra`` of a Prometheus import: where and how it queried, what it found."""
+
+    source: Literal["prometheus"]
+    prometheus_url: str
+    start_ms: int
+    end_ms: int
+    step_ms: int
+    match: list[str]
+    runs: list[str]
+    note: str
+    series_found: list[str]
+    series_lacking: list[str]
+    data_interval_ms: int | None
+    bubble_refused: str | None
+    utilization_from: str
+    dcgm_schema: NotRequired[str]
+    ranges: NotRequired[list[list[int]]]  # every range imported into the run, [start_ms, end_ms]
+
+
+def _names(held: object) -> list[str]:
+    """A list of names as meta.json holds it (anything else: none)."""
+    return [str(v) for v in held] if isinstance(held, list) else []
+
+
+def _held_ranges(held: Mapping[str, object]) -> list[list[int]]:
+    """The ranges an earlier import wrote to meta.json (one written before ``ranges``: its own)."""
+    ranges = held.get("ranges")
+    if not isinstance(ranges, list):
+        ranges = [[held.get("start_ms"), held.get("end_ms")]]
+    return [[r[0], r[1]] for r in ranges
+            if isinstance(r, list) and len(r) == 2 and isinstance(r[0], int) and isinstance(r[1], int)]
+
+
+def _run_store(out: str | Path, name: str, topology: MetaTopology | None,
+               extra: PrometheusImportMeta) -> Store:
     """A new run store at ``out``, or the one there that an import of the same server, step and
     matchers made (its meta.json's range grown to hold both); any other run there is refused."""
     if not (Path(out) / META_FILE).exists():
-        return Store.create(out, name=name, topology=topology, extra={**extra, "ranges": [
-            [extra["start_ms"], extra["end_ms"]]]})
+        return Store.create(out, name=name, topology=topology,
+                            extra={**extra, "ranges": [[extra["start_ms"], extra["end_ms"]]]})
     store = Store.open(out)
-    held: dict[str, Any] = dict(store.meta.extra)
-    if [held.get(k) for k in _SAME_IMPORT] != [extra[k] for k in _SAME_IMPORT]:
+    held = store.meta.extra  # as meta.json holds it
+    same = [extra["source"], extra["prometheus_url"], extra["step_ms"], extra["match"]]
+    if [held.get(k) for k in _SAME_IMPORT] != same:
         store.close()
         what = (f"an import from {held.get('prometheus_url')} at a {held.get('step_ms')} ms step"
-                + (f" matching {', '.join(held['match'])}" if held.get("match") else "")
+                + (f" matching {', '.join(_names(held['match']))}" if held.get("match") else "")
                 if held.get("source") == "prometheus" else "a run that is no Prometheus import")
         raise UsageError(f"{out} holds {what}: a Prometheus range is added only to an import of the same "
                          "server, step and --match; choose another --run-out")
-    found = sorted(set(held.get("series_found") or []) | set(extra["series_found"]))
-    ranges = [*(held.get("ranges") or [[held["start_ms"], held["end_ms"]]]),
-              [extra["start_ms"], extra["end_ms"]]]
-    store.update_meta(topology=store.meta.topology or topology, extra={
+    found = sorted(set(_names(held.get("series_found"))) | set(extra["series_found"]))
+    ranges = [*_held_ranges(held), [extra["start_ms"], extra["end_ms"]]]
+    grown: PrometheusImportMeta = {
         **extra, "start_ms": min(r[0] for r in ranges), "end_ms": max(r[1] for r in ranges), "ranges": ranges,
         "series_found": found,
         "series_lacking": [role for role, names in SERIES_ROLES.items() if not set(names) & set(found)],
-        "runs": sorted(set(held.get("runs") or []) | set(extra["runs"]))})
+        "runs": sorted(set(_names(held.get("runs"))) | set(extra["runs"]))}
+    store.update_meta(topology=store.meta.topology or topology or {}, extra=grown)
     return store
 
 
@@ -470,9 +506,10 @@ def import_prometheus(client: PrometheusClient, out: str | Path, start_ms: int, 
         max((k[2] for k in ranks), default=-1) + 1
     dp_size = max((k[3] for k in ranks), default=0) + 1
     ordered = sorted(placements.values(), key=lambda p: (p.host, p.gpu_index))
-    topology = topology_to_meta(pp_size, tp_size, dp_size, ordered, "prometheus labels") if placements else {}
+    topology = topology_to_meta(pp_size, tp_size, dp_size, ordered, "prometheus labels") \
+        if placements else None
     summary.runs = sorted(r for r in runs if r)
-    extra: dict[str, Any] = {
+    extra: PrometheusImportMeta = {
         "source": "prometheus", "prometheus_url": client.base_url, "start_ms": start_ms, "end_ms": end_ms,
         "step_ms": step_ms, "match": [str(m) for m in matchers], "runs": summary.runs,
         "note": "times are Prometheus evaluation times at the step; engine values are the collector's "
@@ -575,7 +612,7 @@ def _write_gpus(store: Store, report: ImportReport, gpus: dict[tuple[str, int], 
             present |= ~np.isnan(v)
         if not present.any():
             continue
-        cols: dict[str, Any] = {"host": host, "gpu_index": gpu, "ts_ns": grid_ns[present]}
+        cols: dict[str, Column] = {"host": host, "gpu_index": gpu, "ts_ns": grid_ns[present]}
         for attr, v in values.items():
             cols[attr] = v[present]
             if attr in GPU_INT_FIELDS:
@@ -611,7 +648,7 @@ def _write_engine(store: Store, report: ImportReport,
             continue
         t = grid_ns[present]
         step_ns = step_ms * 1_000_000
-        cols: dict[str, Any] = {
+        cols: dict[str, Column] = {
             "host": host, "source": source, "engine": engine, "kind": "decode",
             # The value at step t is the newest line at a scrape in (t - step, t]: the line goes
             # in the middle of that step, as the GPU cell (t - step, t] it sits beside.

@@ -16,7 +16,7 @@ from gputrace.engines.common import MAX_LINE_BYTES
 from gputrace.errors import ConfigError
 from gputrace.logsetup import get_logger
 from gputrace.model import RECORD_TABLES, GpuSample, Marker, RequestRecord
-from gputrace.store import Store
+from gputrace.store import Column, Store
 
 log = get_logger("import")
 
@@ -148,7 +148,7 @@ class StoredLines:
 
 
 def write_rows(store: Store, report: ImportReport, table: str,
-               rows: Sequence[Any] | Mapping[str, Any], *, unique: bool = False,
+               rows: Sequence[Any] | Mapping[str, Column], *, unique: bool = False,
                stored_lines: StoredLines | None = None) -> int:
     """Append rows to ``table`` as one committed batch and count them in ``report``: records of the
     table's type (a record no column can hold is one bad row, not the whole file's loss) or columns
@@ -178,12 +178,12 @@ def write_rows(store: Store, report: ImportReport, table: str,
     return n
 
 
-def _column_length(columns: Mapping[str, Any]) -> int:
+def _column_length(columns: Mapping[str, Column]) -> int:
     return next((len(v) for v in columns.values() if not isinstance(v, str | int)), 0)
 
 
-def _only_new_lines(rows: Sequence[Any] | Mapping[str, Any], stored: StoredLines
-                    ) -> Sequence[Any] | Mapping[str, Any]:
+def _only_new_lines(rows: Sequence[Any] | Mapping[str, Column], stored: StoredLines
+                    ) -> Sequence[Any] | Mapping[str, Column]:
     """``rows`` (records or columns, each with a ``line_no``) less the lines the run holds."""
     if not isinstance(rows, Mapping):
         keep = stored.new(np.asarray([r.line_no for r in rows], dtype=np.int64))
@@ -194,7 +194,7 @@ def _only_new_lines(rows: Sequence[Any] | Mapping[str, Any], stored: StoredLines
     if keep.all():
         return rows
     mask = pa.array(keep)
-    out: dict[str, Any] = {}
+    out: dict[str, Column] = {}
     for name, column in rows.items():
         if isinstance(column, str | int):
             out[name] = column
@@ -207,10 +207,10 @@ def _only_new_lines(rows: Sequence[Any] | Mapping[str, Any], stored: StoredLines
     return out
 
 
-def _count_untimed(report: ImportReport, columns: Mapping[str, Any]) -> None:
+def _count_untimed(report: ImportReport, columns: Mapping[str, Column]) -> None:
     """Count the rows whose log time is null (the clock found no real time in the stamp)."""
     times = columns.get("log_ts_ns")
-    if times is None:
+    if times is None or isinstance(times, str | int):  # a constant time is no missing one
         return
     if isinstance(times, pa.Array):
         if not times.null_count:  # the usual case, read off the array without pyarrow.compute
@@ -225,8 +225,10 @@ def _count_untimed(report: ImportReport, columns: Mapping[str, Any]) -> None:
     if report.first_untimed_line is None:
         line_no = columns["line_no"]
         first = int(np.argmax(missing))
-        report.first_untimed_line = int(line_no[first].as_py() if isinstance(line_no, pa.Array)
-                                        else line_no[first])
+        if isinstance(line_no, pa.Array):
+            report.first_untimed_line = int(line_no[first].as_py())
+        else:
+            report.first_untimed_line = int(np.asarray(line_no)[first])
 
 
 def write_parsed(store: Store, report: ImportReport) -> ImportReport:

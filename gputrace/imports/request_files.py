@@ -19,6 +19,7 @@ from typing import Any
 from gputrace.errors import ConfigError
 from gputrace.imports.jsonl import record_from_obj
 from gputrace.imports.report import ImportReport, read_text, write_parsed
+from gputrace.json_types import JsonObject
 from gputrace.model import Marker, RequestRecord
 from gputrace.store import Store
 
@@ -84,20 +85,26 @@ def _phase_markers(requests: Sequence[RequestRecord], label: str | None, host: s
 _TIME_UNITS_NS = {"ns": 1.0, "us": 1e3, "µs": 1e3, "ms": 1e6, "s": 1e9, "sec": 1e9}
 
 
-def _aiperf_metric_ns(metrics: dict[str, Any], name: str) -> float | None:
+def _section(obj: JsonObject, key: str) -> JsonObject | None:
+    """``obj[key]`` where it is a JSON object, else None."""
+    value = obj.get(key)
+    return value if isinstance(value, dict) else None
+
+
+def _aiperf_metric_ns(metrics: JsonObject, name: str) -> float | None:
     """A time metric ({"value": 255.9, "unit": "ms"}) in ns."""
-    m = metrics.get(name)
-    value = _number(m.get("value")) if isinstance(m, dict) else None
-    if value is None:
+    m = _section(metrics, name)
+    value = _number(m.get("value")) if m is not None else None
+    if m is None or value is None:
         return None
-    scale = _TIME_UNITS_NS.get(str(m.get("unit", "ms"))) if isinstance(m, dict) else None
+    scale = _TIME_UNITS_NS.get(str(m.get("unit", "ms")))
     return None if scale is None else float(value) * scale
 
 
-def _aiperf_metric(metrics: dict[str, Any], *names: str) -> int | None:
+def _aiperf_metric(metrics: JsonObject, *names: str) -> int | None:
     for name in names:
-        m = metrics.get(name)
-        value = _int(m.get("value")) if isinstance(m, dict) else None
+        m = _section(metrics, name)
+        value = _int(m.get("value")) if m is not None else None
         if value is not None:
             return value
     return None
@@ -185,19 +192,20 @@ def import_aiperf(
 # -- guidellm -------------------------------------------------------------------------------------
 
 
-def _guidellm_label(bench: dict[str, Any], index: int) -> tuple[str, int | None]:
+def _guidellm_label(bench: JsonObject, index: int) -> tuple[str, int | None]:
     """The phase label of one benchmark from its scheduling strategy ("C=8" for concurrent)."""
-    strategy: Any = None
+    strategy = None
     for key in ("config", "scheduler", "args", "settings"):
-        section = bench.get(key)
-        if isinstance(section, dict) and isinstance(section.get("strategy"), dict):
-            strategy = section["strategy"]
+        section = _section(bench, key)
+        strategy = _section(section, "strategy") if section is not None else None
+        if strategy is not None:
             break
-    if not isinstance(strategy, dict):
+    if strategy is None:
         return f"benchmark {index}", None
     kind = strategy.get("type_") or strategy.get("type")
-    if kind == "concurrent" and isinstance(strategy.get("streams"), int):
-        return f"C={strategy['streams']}", int(strategy["streams"])
+    streams = strategy.get("streams")
+    if kind == "concurrent" and isinstance(streams, int):
+        return f"C={streams}", int(streams)
     if kind == "synchronous":
         return "C=1", 1
     rate = strategy.get("rate")
@@ -207,21 +215,18 @@ def _guidellm_label(bench: dict[str, Any], index: int) -> tuple[str, int | None]
 
 
 def _guidellm_request(
-    obj: dict[str, Any], status: str, host: str, label: str, fallback_id: str
+    obj: JsonObject, status: str, host: str, label: str, fallback_id: str
 ) -> RequestRecord | None:
     """One GenerativeRequestStats in any of guidellm's three layouts, or None when it has no start."""
-    info = obj.get("info") if isinstance(obj.get("info"), dict) else None
-    sched = obj.get("scheduler_info") if isinstance(obj.get("scheduler_info"), dict) else None
-    if info is not None and isinstance(info.get("timings"), dict):  # 0.4+: info.timings
-        t = info["timings"]
+    info, sched = _section(obj, "info"), _section(obj, "scheduler_info")
+    if info is not None and (t := _section(info, "timings")) is not None:  # 0.4+: info.timings
         start = _ns(t.get("request_start", t.get("resolve_start")))
         first = _ns(t.get("first_token_iteration", t.get("first_request_iteration")))
         end = _ns(t.get("request_end", t.get("resolve_end")))
-        prompt = _int(obj.get("prompt_tokens", (obj.get("input_metrics") or {}).get("total_tokens")))
-        output = _int(obj.get("output_tokens", (obj.get("output_metrics") or {}).get("total_tokens")))
+        prompt = _int(obj.get("prompt_tokens", (_section(obj, "input_metrics") or {}).get("total_tokens")))
+        output = _int(obj.get("output_tokens", (_section(obj, "output_metrics") or {}).get("total_tokens")))
         error = info.get("error")
-    elif sched is not None and isinstance(sched.get("request_timings"), dict):  # 0.3: scheduler_info
-        t = sched["request_timings"]
+    elif sched is not None and (t := _section(sched, "request_timings")) is not None:  # 0.3: scheduler_info
         start, first = _ns(t.get("request_start")), _ns(t.get("first_iteration"))
         end = _ns(t.get("request_end"))
         prompt, output = _int(obj.get("prompt_tokens")), _int(obj.get("output_tokens"))

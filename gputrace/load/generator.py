@@ -13,13 +13,14 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import aiohttp
 import numpy as np
 
 from gputrace.config import LoadConfig, concurrency_problem
 from gputrace.errors import ConfigError, SourceError, UsageError
+from gputrace.json_types import JsonObject, JsonValue
 from gputrace.load.stats import LevelStats, level_stats
 from gputrace.logsetup import get_logger
 from gputrace.model import ABANDONED_PREFIX, Marker, RequestRecord, is_abandoned
@@ -135,9 +136,30 @@ def load_prompts(path: str | os.PathLike[str]) -> tuple[Any, ...]:
     return tuple(prompts)
 
 
-def spec_from_config(load: LoadConfig, **overrides: Any) -> LoadSpec:
+class LoadSpecFields(TypedDict, total=False):
+    """Fields of a LoadSpec by name: what ``spec_from_config`` sets over the ``[load]`` table."""
+
+    url: str
+    model: str
+    concurrency: tuple[int, ...]
+    max_tokens: int
+    requests_per_level: int | None
+    duration_per_level_s: float | None
+    warmup_s: float
+    prompts: tuple[Any, ...]
+    temperature: float
+    stream: bool
+    ignore_eos: bool
+    burst: bool
+    mark_url: str | None
+    host: str
+    request_timeout_s: float
+    drain_s: float | None
+
+
+def spec_from_config(load: LoadConfig, **overrides: Unpack[LoadSpecFields]) -> LoadSpec:
     """A LoadSpec from gputrace.toml's ``[load]`` table; ``overrides`` (e.g. mark_url) win."""
-    fields: dict[str, Any] = {
+    fields: LoadSpecFields = {
         "url": load.url,
         "model": load.model,
         "concurrency": tuple(load.concurrency),
@@ -159,8 +181,9 @@ def _payloads(spec: LoadSpec) -> list[bytes]:
     """Request bodies encoded once, so the hot loop sends bytes."""
     out = []
     for prompt in spec.prompts:
-        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
-        body: dict[str, Any] = {
+        messages: JsonValue = prompt if isinstance(prompt, list) else \
+            [{"role": "user", "content": str(prompt)}]
+        body: JsonObject = {
             "model": spec.model,
             "messages": messages,
             "max_tokens": spec.max_tokens,
@@ -656,7 +679,7 @@ def _parse_completion(body: bytes, malformed: Counter[str] | None = None
     return _usage_count(usage, "prompt_tokens", malformed), completion, None
 
 
-def _usage_count(usage: dict[str, Any], key: str, malformed: Counter[str] | None) -> int | None:
+def _usage_count(usage: JsonObject, key: str, malformed: Counter[str] | None) -> int | None:
     value = usage.get(key)
     count = token_count(value)
     if count is None and value is not None:

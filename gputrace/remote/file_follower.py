@@ -31,6 +31,7 @@ Kept to Python 3.6 syntax: hosts run whatever python3 their distribution ships.
 import contextlib
 import gzip
 import hashlib
+import io
 import json
 import os
 import re
@@ -38,13 +39,16 @@ import select
 import stat
 import sys
 import time
-from typing import Any, Dict, List, Optional, Set, Tuple  # Python 3.6: no X | None
+from typing import IO, Any, Callable, Dict, List, Optional, Set, Tuple  # Python 3.6: no X | None
 
 CHUNK_BYTES = 1 << 16
 SYNC = b"\n:gputrace-follow-v2:\n"
 HEAD_BYTES = 256  # the identity of a generation: its first line or two (a timestamp and more)
 TAIL_BYTES = 4096  # the content before the offset: a line of an engine log is 100-300 bytes
-OPENERS = {".gz": gzip.GzipFile}  # type: dict[str, Any]
+# each compressed copy's reader over the copy's open file (BZ2File and LZMAFile take the file as
+# their first argument: a fileobj= keyword, GzipFile's, was a TypeError on every .bz2 and .xz copy)
+Opener = Callable[[IO[bytes]], io.BufferedIOBase]
+OPENERS = {".gz": lambda raw: gzip.GzipFile(fileobj=raw)}  # type: Dict[str, Opener]
 BROKEN = (EOFError, OSError, ValueError)  # type: tuple[type[Exception], ...]  # a copy cut short
 with contextlib.suppress(ImportError):  # a Python built without them reads .gz copies only
     import bz2
@@ -92,7 +96,7 @@ class Source:
                 self.close_stream()
                 self.raw = os.fdopen(os.dup(self.fd), "rb")
                 self.raw.seek(0)  # a dup shares the offset the last stream left
-                self.stream = self.opener(fileobj=self.raw)
+                self.stream = self.opener(self.raw)
             self.stream.seek(off)
             data = self.stream.read(length)  # type: bytes
             return data

@@ -143,6 +143,19 @@ def _text(raw: bytes) -> str:
     return raw.decode("utf-8", "replace").removesuffix("\r")
 
 
+
+@dataclass(frozen=True, slots=True)
+class _Opened:
+    """An O frame's payload: the generation read on (its inode, device, path and head) and the
+    copy it was found in (``via``), if any."""
+
+    ino: int
+    dev: int
+    path: str
+    head: bytes
+    via: str | None = None
+
+
 @dataclass(slots=True)
 class _Generation:
     """What the collector knows of one generation of a followed file (see file_follower.py): its
@@ -272,7 +285,7 @@ class _FileDecoder:
             if kind == b"D":
                 self._data(key, off, payload, mtime_ns, recv_ts_ns, out)
             elif kind == b"O":
-                self._opened(key, off, json.loads(payload), out, recv_ts_ns)
+                self._opened(key, off, self._opened_frame(payload), out, recv_ts_ns)
             elif kind == b"X":
                 self._ended(key, out, recv_ts_ns)
             elif kind == b"G":
@@ -302,18 +315,29 @@ class _FileDecoder:
         del frames[:start]
         return out
 
-    def _opened(self, key: str, off: int, info: dict[str, Any], out: list[FollowedLine],
-                recv_ts_ns: int) -> None:
+    def _opened_frame(self, payload: bytes) -> _Opened:
+        """An O frame's payload; TransportError (reconnect, as for a garbled frame) when it is none."""
+        try:
+            info = json.loads(payload)
+            ino, dev, path, head, via = info["ino"], info["dev"], info["path"], info["head"], info.get("via")
+            if not (isinstance(ino, int) and isinstance(dev, int) and isinstance(path, str)
+                    and isinstance(head, str) and (via is None or isinstance(via, str))):
+                raise ValueError("ino, dev, path, head or via of the wrong type")
+            return _Opened(ino, dev, path, bytes.fromhex(head), via)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise TransportError(f"{self.path}: garbled follower output {payload[:60]!r}: {exc}") from exc
+
+    def _opened(self, key: str, off: int, info: _Opened, out: list[FollowedLine], recv_ts_ns: int) -> None:
         self.problem = None
         gen = self.gens.get(key)
         if gen is None:
-            head = bytes.fromhex(info["head"])
-            self.gens[key] = _Generation(key, int(info["ino"]), int(info["dev"]), str(info["path"]), off, off,
+            head = info.head
+            self.gens[key] = _Generation(key, info.ino, info.dev, info.path, off, off,
                                          head, head[:off] if off <= len(head) else b"")
             return
-        gen.dev, gen.path = gen.dev or int(info["dev"]), str(info["path"])
-        if info.get("via"):
-            log.info("log_generation_found", path=self.path, read_on_from=info["via"], at_offset=off)
+        gen.dev, gen.path = gen.dev or info.dev, info.path
+        if info.via:
+            log.info("log_generation_found", path=self.path, read_on_from=info.via, at_offset=off)
         if off != gen.next:
             log.warning("log_frame_out_of_order", path=self.path, offset=off, expected_offset=gen.next)
             self._flush_pending(gen, out, recv_ts_ns)

@@ -17,18 +17,20 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict
 
 import numpy as np
 
+from gputrace.analysis.diagnose import Finding
 from gputrace.analysis.result import Analysis
 from gputrace.engines import ENGINE_WORDS, engine_words
 from gputrace.errors import GputraceError, UsageError
 from gputrace.sim.params import SimParams
-from gputrace.vocabulary import Change
+from gputrace.vocabulary import Cause
 from gputrace.whatif.effects import fit_note
 from gputrace.whatif.fit import FittedModel, fit_model
 from gputrace.whatif.outcome import PhaseOutcome
+from gputrace.whatif.param_change import ParamChange, ParamJson, ParamValue, param_json
 from gputrace.whatif.predict import (
     PhasePrediction,
     decision_band,
@@ -49,6 +51,55 @@ NOT_CONFIGURATION = frozenset({"concurrency", "client", "link", "cooling/power",
                                *(k.flag for w in ENGINE_WORDS.values() for k in w.knobs if not k.serving)})
 
 
+class AdvisedSettingRow(TypedDict):
+    """An ``AdvisedSetting`` as the advice's JSON gives it: the engine's name for the knob."""
+
+    knob: str
+    flag: str
+    value: ParamJson
+
+
+class PhaseAdviceRow(TypedDict):
+    """A ``PhaseAdvice`` as the advice's JSON gives it, rounded, with its gain."""
+
+    phase: str
+    concurrency: int
+    duration_s: float
+    measured_tok_s: float
+    unchanged_tok_s: float | None
+    predicted_tok_s: float
+    gain_ratio: float
+    band_ratio: float
+    model_band_ratio: float | None
+    ttft_s_p90: float | None
+    itl_s_p90: float | None
+    extrapolation: str | None
+
+
+class OptionRow(TypedDict):
+    """An ``Option`` as the advice's JSON gives it, with its sentence."""
+
+    changes: list[AdvisedSettingRow]
+    origin: str
+    weighted_gain_tok_s: float
+    phases: list[PhaseAdviceRow]
+    text: str
+
+
+class AdviceRow(TypedDict):
+    """The ``Advice`` as findings.json's ``advice`` and ``whatif --search`` give it."""
+
+    changes: list[AdvisedSettingRow]
+    objective: str
+    slo: dict[str, float]
+    phases: list[PhaseAdviceRow]
+    alternatives: list[OptionRow]
+    reason: str
+    candidates: int
+    fit: str
+    sentence: str
+
+
 @dataclass(frozen=True, slots=True)
 class AdvisedSetting:
     """One setting of the advice: the simulator's knob, the engine's flag, the value (a tuple for
@@ -56,12 +107,11 @@ class AdvisedSetting:
 
     knob: str
     flag: str
-    value: Any
+    value: ParamValue
     setting: str | None = None  # the engine's own name for the knob (vLLM's max_num_seqs)
 
-    def to_dict(self) -> dict[str, Any]:
-        value = list(self.value) if isinstance(self.value, tuple) else self.value
-        return {"knob": self.setting or self.knob, "flag": self.flag, "value": value}
+    def to_dict(self) -> AdvisedSettingRow:
+        return {"knob": self.setting or self.knob, "flag": self.flag, "value": param_json(self.value)}
 
     def text(self) -> str:
         if self.knob == "stage_cost_multipliers":
@@ -108,7 +158,7 @@ class PhaseAdvice:
             return f"±{self.band_ratio:.0%}"
         return f"±{self.decision_band_ratio:.0%}; ±{self.band_ratio:.0%} with this phase's run-to-run spread"
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> PhaseAdviceRow:
         def r(x: float | None, n: int) -> float | None:
             return None if x is None else round(x, n)
 
@@ -145,7 +195,7 @@ class Option:
         moves = "; ".join(ups + downs) or "no phase moves beyond its band"
         return f"{name}: {moves}"
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> OptionRow:
         return {"changes": [c.to_dict() for c in self.changes], "origin": self.origin,
                 "weighted_gain_tok_s": round(self.weighted_gain_tok_s, 1),
                 "phases": [p.to_dict() for p in self.phases], "text": self.describe()}
@@ -179,7 +229,7 @@ class Advice:
                           f"({p.gain_ratio:+.0%} {p.band_text()})" for p in ups)
         return f"Set {what}: predicted {moved or 'no phase beyond its band'}; {self.reason}."
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> AdviceRow:
         return {"changes": [c.to_dict() for c in self.changes], "objective": self.objective,
                 "slo": dict(self.slo), "phases": [p.to_dict() for p in self.phases],
                 "alternatives": [a.to_dict() for a in self.alternatives], "reason": self.reason,
@@ -207,7 +257,7 @@ def parse_slo(text: str | None) -> dict[str, float]:
     return out
 
 
-def to_change(model: FittedModel, knob: str, value: Any) -> AdvisedSetting | None:
+def to_change(model: FittedModel, knob: str, value: ParamValue) -> AdvisedSetting | None:
     """The advice's setting for the simulator's parameter ``knob``, in the run's engine's flag;
     None where the engine has no knob the simulator models by it (or one that changes only what
     the log shows)."""
@@ -218,12 +268,12 @@ def to_change(model: FittedModel, knob: str, value: Any) -> AdvisedSetting | Non
     return AdvisedSetting(knob, made.value_flag or made.flag, value, words.setting(knob))
 
 
-def _neighbours(model: FittedModel) -> list[dict[str, Any]]:
+def _neighbours(model: FittedModel) -> list[ParamChange]:
     """Single changes around the run's settings on the knobs the simulator models."""
     p = model.params
     levels = sorted({m.concurrency for m in model.measured if m.concurrency > 0})
     top = levels[-1] if levels else p.max_running_requests
-    out: list[dict[str, Any]] = []
+    out: list[ParamChange] = []
     if p.engine_spec.microbatch_slots:
         k0 = p.micro_batch_cap
         ks = {k0 // 2, k0 * 2, *(max(-(-c // p.slots), 1) for c in levels)}
@@ -259,11 +309,11 @@ def prefill_budgets(p: SimParams) -> list[int]:
 PREFILL_KNOBS = frozenset({"chunked_prefill_size", "max_prefill_tokens"})
 
 
-def prefill_pairs(singles: Sequence[tuple[Mapping[str, Any], Option]]) -> list[dict[str, Any]]:
+def prefill_pairs(singles: Sequence[tuple[ParamChange, Option]]) -> list[ParamChange]:
     """The best prefill budget beside the best K and the best pool, whether or not they were
     among the best singles: the budget sets how many requests a turn admits, K and the pool how
     many a micro-batch and the engine hold, so one may need the other."""
-    def best(knobs: frozenset[str]) -> Mapping[str, Any] | None:
+    def best(knobs: frozenset[str]) -> ParamChange | None:
         fits = [(c, o) for c, o in singles if c and set(c) <= knobs]
         return max(fits, key=lambda s: s[1].weighted_gain_tok_s)[0] if fits else None
 
@@ -274,11 +324,11 @@ def prefill_pairs(singles: Sequence[tuple[Mapping[str, Any], Option]]) -> list[d
     return [{**budget, **other} for other in others if other is not None]
 
 
-def _key(change: Mapping[str, Any]) -> str:
+def _key(change: ParamChange) -> str:
     return repr(sorted(change.items()))
 
 
-def changes_of(model: FittedModel, change: Mapping[str, Any]) -> tuple[AdvisedSetting, ...] | None:
+def changes_of(model: FittedModel, change: ParamChange) -> tuple[AdvisedSetting, ...] | None:
     out = []
     for knob, value in change.items():
         if knob == "max_prefill_tokens" and ("chunked_prefill_size" in change and (
@@ -292,25 +342,16 @@ def changes_of(model: FittedModel, change: Mapping[str, Any]) -> tuple[AdvisedSe
     return tuple(out)
 
 
-def _change_of(finding: Mapping[str, Any]) -> Change | None:
-    """The change a finding (as findings.json gives it) recommends, None where it names none."""
-    c = finding.get("change")
-    if not isinstance(c, Mapping) or not c.get("flag"):
-        return None
-    value = c.get("value")
-    return Change.of_flag(str(c["flag"]), None if value is None else int(value))
-
-
-def candidates(model: FittedModel, findings: Sequence[Mapping[str, Any]]) -> list[tuple[dict[str, Any], str]]:
+def candidates(model: FittedModel, findings: Sequence[Finding]) -> list[tuple[ParamChange, str]]:
     """(change, origin): each finding's configuration change, then the neighbours; deduplicated."""
-    out: dict[str, tuple[dict[str, Any], str]] = {}
+    out: dict[str, tuple[ParamChange, str]] = {}
     for f in findings:
-        made = _change_of(f)
-        if f.get("cause") == "cannot_tell" or made is None or made.flag in NOT_CONFIGURATION:
+        made = f.change
+        if f.cause is Cause.CANNOT_TELL or made is None or not made.flag or made.flag in NOT_CONFIGURATION:
             continue
-        change = finding_change(model, made, str(f.get("phase")))
+        change = finding_change(model, made, f.phase)
         if change and changes_of(model, change) is not None:
-            out.setdefault(_key(change), (change, f"finding: {f.get('cause')} at {f.get('phase')}"))
+            out.setdefault(_key(change), (change, f"finding: {f.cause} at {f.phase}"))
     for change in _neighbours(model):
         if changes_of(model, change) is not None:  # knobs the run's engine has
             out.setdefault(_key(change), (change, "around the run's settings"))
@@ -331,7 +372,7 @@ def _phases(model: FittedModel, rows: list[PhasePrediction], durations: Mapping[
     return tuple(out)
 
 
-def phases_of(model: FittedModel, change: Mapping[str, Any], durations: Mapping[str, float]
+def phases_of(model: FittedModel, change: ParamChange, durations: Mapping[str, float]
               ) -> tuple[PhaseAdvice, ...]:
     """Per phase, what the advice states of one change set: measured, the model as run, the
     confirmed prediction and its band (as the search confirms its best options)."""
@@ -367,7 +408,7 @@ def _durations(model: FittedModel, durations: Mapping[str, float] | None) -> dic
     return {m.label: float((durations or {}).get(m.label) or 1.0) for m in model.measured}
 
 
-def search(model: FittedModel, findings: Sequence[Mapping[str, Any]], objective: str = "throughput",
+def search(model: FittedModel, findings: Sequence[Finding], objective: str = "throughput",
            slo: Mapping[str, float] | None = None, durations: Mapping[str, float] | None = None
            ) -> tuple[Advice, dict[str, list[PhasePrediction]]]:
     """The advice for the fitted run, and every confirmed prediction (change key -> rows) for
@@ -379,7 +420,7 @@ def search(model: FittedModel, findings: Sequence[Mapping[str, Any]], objective:
         raise UsageError("the slo objective needs --slo ttft_p90=2s,itl_p90=80ms (one or both)")
     weights = _durations(model, durations)
     pool = candidates(model, findings)
-    screened: list[tuple[dict[str, Any], str, Option]] = []
+    screened: list[tuple[ParamChange, str, Option]] = []
     for change, origin in pool:
         changes = changes_of(model, change)
         assert changes is not None
@@ -389,7 +430,7 @@ def search(model: FittedModel, findings: Sequence[Mapping[str, Any]], objective:
     singles = sorted(screened, key=lambda s: -s[2].weighted_gain_tok_s)[:PAIR_FROM]
     seen = {_key(c) for c, _, _ in screened}
 
-    def screen_pair(pair: dict[str, Any]) -> None:
+    def screen_pair(pair: ParamChange) -> None:
         """Screen a pair not screened yet."""
         if _key(pair) in seen:
             return
@@ -488,7 +529,7 @@ def _beyond_band(more: Option, fewer: Option, objective: str) -> bool:
     return added > band
 
 
-def _screen(model: FittedModel, change: Mapping[str, Any], objective: str) -> list[PhasePrediction]:
+def _screen(model: FittedModel, change: ParamChange, objective: str) -> list[PhasePrediction]:
     """A candidate's screening: its full prediction where one was made (a finding's change,
     predicted for its effect: no replay), else a short replay at SCREEN_SEEDS, undrained unless
     the objective reads latencies (the SLO's): score() reads only throughput otherwise."""
@@ -578,7 +619,7 @@ def advisor(objective: str = "throughput", slo: Mapping[str, float] | None = Non
                 model = fit_model(analysis)
             except GputraceError:
                 return None
-        advice, _ = search(model, [f.to_dict() for f in analysis.findings], objective, slo,
+        advice, _ = search(model, analysis.findings, objective, slo,
                            {pm.label: pm.duration_s for pm in analysis.metrics})
         return advice
 

@@ -102,9 +102,9 @@ def fit_note(model: FittedModel) -> str:
     """One line: the what-if model's throughput against the measured one, per phase."""
     parts = []
     for row in model.quality_rows():
-        measured, simulated = row["throughput_tok_s"]
+        measured, simulated = row.throughput_tok_s
         if measured is not None and simulated is not None:
-            parts.append(f"{row['phase']} {measured:.0f}/{simulated:.0f}")
+            parts.append(f"{row.phase} {measured:.0f}/{simulated:.0f}")
     text = ("what-if model (the simulator fitted to this run) replays it at measured/simulated tok/s "
             f"{', '.join(parts)}; predictions carry ±{model.uncertainty_ratio:.0%} (wider where a change "
             "runs micro-batches past those the run ran), as measured x model(change) / model(as run)")

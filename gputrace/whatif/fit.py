@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -29,7 +29,11 @@ from gputrace.run_tables import EngineSettings
 from gputrace.sim.params import SimParams, make_params
 from gputrace.whatif.lengths import fit_output_lengths, output_observations, recorded_lengths
 from gputrace.whatif.outcome import PhaseOutcome, measured_outcomes, phase_concurrency, trace_outcomes
+from gputrace.whatif.param_change import ParamValue, with_changes
 from gputrace.whatif.replay import Reached, counted, current_session, run_replay
+
+if TYPE_CHECKING:  # predict reads the model: its rows are cached here, typed only
+    from gputrace.whatif.predict import PhasePrediction
 
 _Scored = TypeVar("_Scored", bound=tuple[Any, ...])  # (error, ...) of one point of a search
 COST_FIELDS = ("launch_s", "weight_read_s", "decode_token_s", "prefill_token_s", "context_token_s")
@@ -100,7 +104,9 @@ class FittedModel:
     correction: dict[str, float] = field(default_factory=dict)  # phase label -> factor
     # predictions already replayed (whatif.predict), by change and seeds: the findings' effects
     # and the advice's search share them
-    predictions: dict[str, Any] = field(default_factory=dict, repr=False)
+    predictions: dict[str, list[PhasePrediction]] = field(default_factory=dict, repr=False)
+    # the run as it ran, replayed short for a screening (whatif.predict), by seeds and length
+    short_replays: dict[str, list[list[PhaseOutcome]]] = field(default_factory=dict, repr=False)
 
     @property
     def labels(self) -> list[str]:
@@ -125,16 +131,29 @@ class FittedModel:
                 return s.throughput_tok_s * self.correction.get(label, 1.0)
         return None
 
-    def quality_rows(self) -> list[dict[str, Any]]:
+    def quality_rows(self) -> list[PhaseFit]:
         """Per phase: measured against simulated throughput, TTFT p50 and ITL p50."""
-        rows = []
-        for m, s in zip(self.measured, self.simulated, strict=True):
-            rows.append({"phase": m.label, "concurrency": m.concurrency,
-                         "throughput_tok_s": (m.throughput_tok_s, s.throughput_tok_s),
-                         "ttft_s_p50": (m.ttft_s_p50, s.ttft_s_p50), "itl_s_p50": (m.itl_s_p50, s.itl_s_p50),
-                         "throughput_error": relative_error(s.throughput_tok_s, m.throughput_tok_s),
-                         "correction": self.correction.get(m.label, 1.0)})
-        return rows
+        return [PhaseFit(m.label, m.concurrency, (m.throughput_tok_s, s.throughput_tok_s),
+                         (m.ttft_s_p50, s.ttft_s_p50), (m.itl_s_p50, s.itl_s_p50),
+                         relative_error(s.throughput_tok_s, m.throughput_tok_s),
+                         self.correction.get(m.label, 1.0))
+                for m, s in zip(self.measured, self.simulated, strict=True)]
+
+
+Figures = tuple[float | None, float | None]  # (measured, simulated)
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseFit:
+    """One captured phase against the fitted model's replay of it as it ran."""
+
+    phase: str
+    concurrency: int
+    throughput_tok_s: Figures
+    ttft_s_p50: Figures
+    itl_s_p50: Figures
+    throughput_error: float | None  # simulated / measured - 1
+    correction: float  # the phase's calibration factor (1: within CALIBRATION_TOLERANCE)
 
 
 def relative_error(predicted: float | None, measured: float | None) -> float | None:
@@ -143,33 +162,34 @@ def relative_error(predicted: float | None, measured: float | None) -> float | N
     return predicted / measured - 1.0
 
 
-def deployment_params(engine: EngineSettings, pp_size: int) -> dict[str, Any]:
+def deployment_params(engine: EngineSettings, pp_size: int) -> dict[str, ParamValue]:
     """The deployment as the log states it; what it does not state keeps the simulator's default."""
     fields = engine.fields or {}
-    out: dict[str, Any] = {"engine": engine_kind(engine), "pp_size": pp_size}
+    kind = engine_kind(engine)
+    out: dict[str, ParamValue] = {"engine": kind, "pp_size": pp_size}
     for key in ("tp_size", "max_running_requests", "pp_max_micro_batch_size", "pp_async_batch_depth",
                 "chunked_prefill_size", "max_total_num_tokens", "decode_log_interval"):
-        if engine.get(key) is not None:
-            out[key] = engine[key]
-    if fields.get("max_prefill_tokens"):
-        out["max_prefill_tokens"] = fields["max_prefill_tokens"]
+        if (value := getattr(engine, key)) is not None:
+            out[key] = value
+    if isinstance(turn := fields.get("max_prefill_tokens"), int | float) and turn:
+        out["max_prefill_tokens"] = turn
     # the longest context (SGLang's context_len, vLLM's max_model_len): how far the search takes
     # the prefill budget
-    context = next((fields[k] for k in ("context_len", "context_length", "max_model_len")
-                    if isinstance(fields.get(k), int | float) and fields[k] > 0), None)
+    context = next((v for k in ("context_len", "context_length", "max_model_len")
+                    if isinstance(v := fields.get(k), int | float) and v > 0), None)
     if context is not None:
         out["context_len"] = int(context)
-    words = engine_words(out["engine"])
+    words = engine_words(kind)
     for name in ("pp_max_micro_batch_size", "pp_async_batch_depth"):
         if words.knob_named(name) is None:  # a setting the engine does not have (vLLM's K)
             out.pop(name, None)
     return out
 
 
-def _load_params(analysis: Analysis) -> dict[str, Any]:
+def _load_params(analysis: Analysis) -> dict[str, ParamValue]:
     """The load: each phase's level, its length, the requests' token lengths, a client's own cap."""
     rq = analysis.run.requests
-    out: dict[str, Any] = {"concurrency": tuple(phase_concurrency(pm) for pm in analysis.metrics)}
+    out: dict[str, ParamValue] = {"concurrency": tuple(phase_concurrency(pm) for pm in analysis.metrics)}
     durations = [pm.duration_s for pm in analysis.metrics if pm.duration_s > 0]
     if durations:
         out["phase_s"] = min(float(np.median(durations)), steady_phase_s(rq))
@@ -246,7 +266,7 @@ def steady_phase_s(requests: Mapping[str, np.ndarray]) -> float:
     return float(np.clip(STEADY_LIFETIMES * float(np.median(life_s)), STEADY_MIN_S, MAX_PHASE_S))
 
 
-def _link_params(analysis: Analysis, works: list[PhaseWork], pp_size: int) -> dict[str, Any]:
+def _link_params(analysis: Analysis, works: list[PhaseWork], pp_size: int) -> dict[str, ParamValue]:
     """Hand-off: bytes per token from stage 0's PCIe transmit rate, the link's rate from its
     generation and width."""
     run = analysis.run
@@ -254,7 +274,7 @@ def _link_params(analysis: Analysis, works: list[PhaseWork], pp_size: int) -> di
         return {}
     rows = run.stage_gpu_rows(0)
     capacity = float(np.nanmin(run.pcie_capacity_bytes_per_s[rows])) if len(rows) else float("nan")
-    out: dict[str, Any] = {}
+    out: dict[str, ParamValue] = {}
     if np.isfinite(capacity) and capacity > 0:
         out["pcie_bandwidth_bytes_per_s"] = LINK_EFFICIENCY * capacity
     per_token = []
@@ -432,7 +452,7 @@ def initial_params(analysis: Analysis) -> tuple[SimParams, list[PhaseWork]]:
     split = tuple(round(float(m), 4) for m in mults) if uneven else ()
     p = dataclasses.replace(p, stage_cost_multipliers=split)
     link = _link_params(analysis, works, pp)
-    return dataclasses.replace(p, **link), works
+    return with_changes(p, link), works
 
 
 def _outcomes(p: SimParams, labels: list[str] | None, seed: int) -> list[PhaseOutcome]:

@@ -3,13 +3,11 @@ what a capture holds), predict a change, and run the simulator itself with the c
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from gputrace.analysis.engine_metrics import COMPARED
 from gputrace.analysis.result import Analysis, analyse_tables
@@ -18,10 +16,11 @@ from gputrace.sim.truth import scenario_fixes
 from gputrace.sim.virtual import SimResult, run_params, run_scenario
 from gputrace.store import Store
 from gputrace.whatif.fit import FittedModel, fit_model
+from gputrace.whatif.param_change import ParamChange, with_changes
 from gputrace.whatif.predict import even_split, predict
 
 # Changes beside the scenarios' own fixes (Must show 1): K, the request pool, the load.
-OTHER_CHANGES: tuple[tuple[str, dict[str, Any]], ...] = (
+OTHER_CHANGES: tuple[tuple[str, ParamChange], ...] = (
     ("motivating", {"pp_max_micro_batch_size": 4}),
     ("motivating", {"max_running_requests": 128}),
     ("motivating", {"concurrency": (16, 48, 96)}),
@@ -69,7 +68,7 @@ def fitted_scenario(name: str, seed: int) -> tuple[SimResult, FittedModel]:
     return result, fitted(result)
 
 
-def model_change(model: FittedModel, fix_params: Mapping[str, Any]) -> dict[str, Any]:
+def model_change(model: FittedModel, fix_params: ParamChange) -> ParamChange:
     """A fix's simulator parameters as a change of the fitted model: a rebalanced layer split is
     an even split of the fitted work."""
     change = {k: tuple(v) if isinstance(v, list) else v for k, v in fix_params.items()}
@@ -78,7 +77,7 @@ def model_change(model: FittedModel, fix_params: Mapping[str, Any]) -> dict[str,
     return change
 
 
-def _describe(change: Mapping[str, Any]) -> str:
+def _describe(change: ParamChange) -> str:
     return ", ".join(f"{k}={','.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in change.items())
 
 
@@ -96,10 +95,10 @@ def score_fixes(name: str, seed: int) -> list[Score]:
     return out
 
 
-def score_change(name: str, seed: int, change: Mapping[str, Any]) -> list[Score]:
+def score_change(name: str, seed: int, change: ParamChange) -> list[Score]:
     """A change beside the fixes, at every phase of the changed run."""
     result, model = fitted_scenario(name, seed)
-    truth = run_params(dataclasses.replace(result.params, **change), name, log=False)
+    truth = run_params(with_changes(result.params, change), name, log=False)
     predicted = predict(model, change)
     out = []
     for row, ph in zip(predicted, truth.ground_truth["phases"], strict=True):
@@ -164,7 +163,7 @@ def score_advice(name: str, seed: int) -> AdviceScore:
     result = run_scenario(name, seed)
     analysis = analysed_as_captured(result)
     model = fit_model(analysis)  # as the advise hook does where the effects fitted none
-    advice, _ = search(model, [f.to_dict() for f in analysis.findings],
+    advice, _ = search(model, analysis.findings,
                        durations={pm.label: pm.duration_s for pm in analysis.metrics})
     weights = {pm.label: pm.duration_s for pm in analysis.metrics}
     bands = {p.phase: p.band_ratio for p in advice.phases}
@@ -172,10 +171,10 @@ def score_advice(name: str, seed: int) -> AdviceScore:
     ratios: tuple[tuple[str, float, float], ...] = ()
     advice_gain, loses = 0.0, False
     if not advice.keep:
-        change = {c.knob: c.value for c in advice.changes}
+        change: ParamChange = {c.knob: c.value for c in advice.changes}
         if "stage_cost_multipliers" in change:
             change = model_change(model, change)
-        after = _truth_tok_s(run_params(dataclasses.replace(result.params, **change), name, log=False))
+        after = _truth_tok_s(run_params(with_changes(result.params, change), name, log=False))
         gain, loses = _weighted(before, after, weights, bands)
         advice_gain = gain if gain is not None else min(0.0, sum(after.values()) - sum(before.values()))
         ratios = tuple((k, after[k] / before[k] - 1 if before[k] else 0.0, bands.get(k, 0.0)) for k in before)
@@ -188,7 +187,7 @@ def score_advice(name: str, seed: int) -> AdviceScore:
         if not fix or repr(sorted(fix.items())) in tried:
             continue
         tried.add(repr(sorted(fix.items())))
-        fixed = dataclasses.replace(result.params, **model_change(model, fix))
+        fixed = with_changes(result.params, model_change(model, fix))
         after = _truth_tok_s(run_params(fixed, name, log=False))
         gain, _ = _weighted(before, after, weights, bands)
         if gain is not None and gain > best_gain:

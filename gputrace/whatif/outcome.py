@@ -4,8 +4,8 @@ ITL percentiles, bubble per stage. The same latency definitions as gputrace.anal
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
+from typing import TypedDict
 
 import numpy as np
 
@@ -17,6 +17,22 @@ from gputrace.sim.virtual import SimResult
 
 NOISE_WINDOWS = 4  # a captured phase's throughput is taken in this many windows for its spread
 MIN_NOISE_TOKENS = 100  # fewer tokens in a phase tell no spread
+
+class PhaseOutcomeRow(TypedDict):
+    """A ``PhaseOutcome`` as whatif.json gives it (the same fields)."""
+
+    label: str
+    concurrency: int
+    throughput_tok_s: float | None
+    ttft_s_p50: float | None
+    ttft_s_p90: float | None
+    itl_s_p50: float | None
+    itl_s_p90: float | None
+    bubble_fraction_by_stage: tuple[float | None, ...]
+    microbatch_size_p90: float | None
+    microbatch_size_max: float | None
+    throughput_spread_ratio: float | None
+
 
 @dataclass(frozen=True, slots=True)
 class PhaseOutcome:
@@ -37,8 +53,14 @@ class PhaseOutcome:
     # what the same setting rerun can move by (None: simulated, or too few tokens to tell)
     throughput_spread_ratio: float | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    def to_dict(self) -> PhaseOutcomeRow:
+        return {"label": self.label, "concurrency": self.concurrency,
+                "throughput_tok_s": self.throughput_tok_s, "ttft_s_p50": self.ttft_s_p50,
+                "ttft_s_p90": self.ttft_s_p90, "itl_s_p50": self.itl_s_p50, "itl_s_p90": self.itl_s_p90,
+                "bubble_fraction_by_stage": self.bubble_fraction_by_stage,
+                "microbatch_size_p90": self.microbatch_size_p90,
+                "microbatch_size_max": self.microbatch_size_max,
+                "throughput_spread_ratio": self.throughput_spread_ratio}
 
 
 def _pct(values: np.ndarray, q: float) -> float | None:

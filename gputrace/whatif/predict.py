@@ -5,9 +5,8 @@ as the simulator's parameters that make them."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
 import numpy as np
 
@@ -18,7 +17,8 @@ from gputrace.errors import ConfigError, UsageError
 from gputrace.sim.params import SimParams, make_params
 from gputrace.vocabulary import Change, EngineSettings
 from gputrace.whatif.fit import REPLAY_SEEDS, FittedModel, median_outcomes, relative_error, replay_seeds
-from gputrace.whatif.outcome import PhaseOutcome
+from gputrace.whatif.outcome import PhaseOutcome, PhaseOutcomeRow
+from gputrace.whatif.param_change import ParamChange, ParamValue
 
 # What a what-if may change: the deployment's settings and the load. The cost model is the fit's.
 CHANGEABLE = ("pp_max_micro_batch_size", "max_running_requests", "pp_async_batch_depth",
@@ -55,6 +55,20 @@ def decision_band(band_ratio: float, model_band_ratio: float | None) -> float:
     return band_ratio if model_band_ratio is None else model_band_ratio
 
 
+class PhasePredictionRow(TypedDict):
+    """A ``PhasePrediction`` as whatif.json gives it: the outcomes as rows, the ratios rounded."""
+
+    label: str
+    concurrency: int
+    measured: PhaseOutcomeRow | None
+    predicted: PhaseOutcomeRow
+    unchanged: PhaseOutcomeRow | None
+    band_ratio: float
+    model_band_ratio: float | None
+    gain_ratio: float | None
+    extrapolation: str | None
+
+
 @dataclass(frozen=True, slots=True)
 class PhasePrediction:
     """One level: measured (None where the capture had no such level) against predicted.
@@ -86,7 +100,7 @@ class PhasePrediction:
         m = self.measured
         return relative_error(self.predicted.throughput_tok_s, m.throughput_tok_s if m else None)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> PhasePredictionRow:
         return {"label": self.label, "concurrency": self.concurrency,
                 "measured": self.measured.to_dict() if self.measured else None,
                 "predicted": self.predicted.to_dict(),
@@ -112,14 +126,14 @@ def _knob_owner(key: str, words: EngineWords) -> EngineWords | None:
                  and any(k.own_name == key for k in w.knobs)), None)
 
 
-def check_changes(engine: EngineSettings, pp_size: int, changes: Mapping[str, Any]) -> dict[str, Any]:
+def check_changes(engine: EngineSettings, pp_size: int, changes: ParamChange) -> dict[str, ParamValue]:
     """The changes under the simulator's names; a knob the run's engine does not have, unknown
     keys and impossible values as one-line errors naming the knobs it has, before any fitting."""
     words = engine_words(engine.kind)
     keys = engine_keys(words)
     has = f"this run is {words.name}'s: its knobs are {', '.join(keys_named(words))}"
     valid = f"valid keys: {', '.join((*keys_named(words), *MODEL_AND_LOAD))}"
-    named: dict[str, Any] = {}
+    named: dict[str, ParamValue] = {}
     for key, value in changes.items():
         knob = keys.get(key)
         if knob is not None:
@@ -142,7 +156,7 @@ def keys_named(words: EngineWords) -> tuple[str, ...]:
     return tuple(dict.fromkeys(k.own_name for k in engine_keys(words).values()))
 
 
-def changed_params(model: FittedModel, changes: Mapping[str, Any]) -> SimParams:
+def changed_params(model: FittedModel, changes: ParamChange) -> SimParams:
     """The fitted parameters with ``changes`` applied and checked (one-line errors). A new layer
     split keeps the total: its shares are scaled to the fitted multipliers' sum."""
     base = model.params
@@ -185,7 +199,7 @@ def calibrated(measured: PhaseOutcome, change: PhaseOutcome, as_run: PhaseOutcom
         ttft_s_p90=f("ttft_s_p90"), itl_s_p50=f("itl_s_p50"), itl_s_p90=f("itl_s_p90"))
 
 
-def extrapolation_band(model: FittedModel, o: PhaseOutcome, changes: Mapping[str, Any]
+def extrapolation_band(model: FittedModel, o: PhaseOutcome, changes: ParamChange
                        ) -> tuple[float, str | None]:
     """The band's widening where the change runs micro-batches past those the run ran (and why)."""
     seen = model.largest_microbatch
@@ -200,7 +214,7 @@ def extrapolation_band(model: FittedModel, o: PhaseOutcome, changes: Mapping[str
             f"{what} {unit} of {size:.0f}; this run never ran more than {seen:.0f}: wide band")
 
 
-def _key(changes: Mapping[str, Any], seeds: tuple[int, ...]) -> str:
+def _key(changes: ParamChange, seeds: tuple[int, ...]) -> str:
     return f"{sorted(changes.items())!r} at {seeds!r}"
 
 
@@ -208,13 +222,12 @@ def _fit_seeds(model: FittedModel) -> tuple[int, ...]:
     return tuple(REPLAY_SEEDS[:len(model.replays)]) if model.replays else REPLAY_SEEDS
 
 
-def predicted_already(model: FittedModel, changes: Mapping[str, Any]) -> list[PhasePrediction] | None:
+def predicted_already(model: FittedModel, changes: ParamChange) -> list[PhasePrediction] | None:
     """The full prediction of ``changes`` (every seed, whole phases) where one was made."""
-    found: list[PhasePrediction] | None = model.predictions.get(_key(changes, _fit_seeds(model)))
-    return found
+    return model.predictions.get(_key(changes, _fit_seeds(model)))
 
 
-def predict(model: FittedModel, changes: Mapping[str, Any],
+def predict(model: FittedModel, changes: ParamChange,
             seeds: tuple[int, ...] | None = None, phase_s: float | None = None,
             latencies: bool = True) -> list[PhasePrediction]:
     """Run the fitted model under ``changes`` (at ``seeds``, default the fit's replay seeds);
@@ -231,17 +244,16 @@ def predict(model: FittedModel, changes: Mapping[str, Any],
     undrained = short and not latencies
     key = _key(changes, use) + (f" for {phase_s} s" if short else "") + (" undrained" if undrained else "")
     if key in model.predictions:
-        cached: list[PhasePrediction] = model.predictions[key]
-        return cached
+        return model.predictions[key]
     if short:
         assert phase_s is not None
         p = dataclasses.replace(p, phase_s=phase_s, drain_s=0.0 if undrained else p.drain_s)
         base_key = f"as run at {use!r} for {phase_s} s" + (" undrained" if undrained else "")
-        if base_key not in model.predictions:
-            model.predictions[base_key] = replay_seeds(
+        if base_key not in model.short_replays:
+            model.short_replays[base_key] = replay_seeds(
                 dataclasses.replace(model.params, phase_s=phase_s,
                                     drain_s=0.0 if undrained else model.params.drain_s), model.labels, use)
-        short_runs: list[list[PhaseOutcome]] = model.predictions[base_key]
+        short_runs = model.short_replays[base_key]
     by_level = {m.concurrency: i for i, m in enumerate(model.measured)}
     # as many levels as captured: each phase keeps its place (a finding's level raised stays its
     # phase); other levels pair with the captured phase at the same level, if any
@@ -272,12 +284,12 @@ def predict(model: FittedModel, changes: Mapping[str, Any],
     return out
 
 
-def even_split(model: FittedModel) -> dict[str, Any]:
+def even_split(model: FittedModel) -> ParamChange:
     """The layer split that gives every stage the same work (the fitted total kept)."""
     return {"stage_cost_multipliers": (1.0,) * model.params.pp_size}
 
 
-def prefill_budget_change(p: SimParams, chunk: int) -> dict[str, Any]:
+def prefill_budget_change(p: SimParams, chunk: int) -> ParamChange:
     """A prefill budget of ``chunk`` tokens in the simulator's keys: SGLang's chunk, with its
     turn budget (max_prefill_tokens) raised to it where below; vLLM's one step budget
     (max_num_batched_tokens, held under both)."""
@@ -287,7 +299,7 @@ def prefill_budget_change(p: SimParams, chunk: int) -> dict[str, Any]:
     return {"chunked_prefill_size": chunk, "max_prefill_tokens": max(chunk, p.max_prefill_tokens)}
 
 
-def finding_change(model: FittedModel, change: Change, phase: str) -> dict[str, Any] | None:
+def finding_change(model: FittedModel, change: Change, phase: str) -> ParamChange | None:
     """The simulator change that a finding's recommendation makes (its ``change``, at its
     ``phase``), None where the model cannot make it (cooling, a KV flag without a value)."""
     knob, value = change.knob, change.value
