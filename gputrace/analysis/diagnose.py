@@ -152,6 +152,7 @@ class PrefillBudgetEvidence(TypedDict):
     engine_running_estimate: Figure
     max_running_requests: int | None
     mean_bubble_fraction: Figure
+    token_usage_max: Figure  # vLLM: the KV cache's use, which had room (None on SGLang's turn lines)
 
 
 class PrefillBurstEvidence(TypedDict):
