@@ -391,17 +391,6 @@ def _last_logging_stage(run: AlignedRun) -> StageEvents | None:
     return logging[-1] if logging else None
 
 
-def stats_window_s(run: AlignedRun) -> float | None:
-    """The window an engine's periodic stats lines average over (vLLM: VLLM_LOG_STATS_INTERVAL,
-    10 s by default), as the median gap between them; None where the log has no stats lines. A
-    phase a few windows long is resolved only to about a window at each edge."""
-    ev = _last_logging_stage(run)
-    if ev is None:
-        return None
-    t = ev.t_ns[ev.kind == "stats"]
-    return float(np.median(np.diff(t))) / 1e9 if len(t) > 1 else None
-
-
 def engine_throughput(run: AlignedRun, start_ns: int, stop_ns: int) -> float | None:
     """The engine's generated tokens per second in [start, stop) from its log: SGLang's last stage's
     lines counted (each micro-batch passes it once), vLLM's engine-wide stats lines (filed under
