@@ -11,14 +11,22 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from gputrace import metric_names as mn
+from gputrace.json_types import (
+    JsonObject,
+    JsonReadObject,
+    JsonReadValue,
+    JsonValue,
+    as_objects,
+    as_text,
+    section,
+)
 
 DATASOURCE_UID = "gputrace-prometheus"  # fixed: grafana/provisioning/datasources/prometheus.yaml
-DATASOURCE: dict[str, str] = {"type": "prometheus", "uid": DATASOURCE_UID}
+DATASOURCE: JsonObject = {"type": "prometheus", "uid": DATASOURCE_UID}
 DASHBOARD_UID = "gputrace-pp-bubbles"
 DASHBOARD_PATH = Path(__file__).resolve().parent.parent / "grafana" / "dashboard.json"
 
@@ -42,20 +50,20 @@ _RUN = 'run=~"$run"'
 _ENGINE = f"{_HOST}, {_RUN}"
 
 
-def _target(ref: str, expr: str, legend: str, instant: bool = False) -> dict[str, Any]:
-    target = {"datasource": DATASOURCE, "editorMode": "code", "expr": expr, "legendFormat": legend,
-              "range": not instant, "refId": ref}
+def _target(ref: str, expr: str, legend: str, instant: bool = False) -> JsonObject:
+    target: JsonObject = {"datasource": DATASOURCE, "editorMode": "code", "expr": expr,
+                          "legendFormat": legend, "range": not instant, "refId": ref}
     return {**target, "instant": True} if instant else target
 
 
-def _targets(*queries: tuple[str, str]) -> list[dict[str, Any]]:
+def _targets(*queries: tuple[str, str]) -> list[JsonValue]:
     return [_target(chr(ord("A") + i), expr, legend) for i, (expr, legend) in enumerate(queries)]
 
 
 def _timeseries(title: str, description: str, unit: str, queries: Sequence[tuple[str, str]],
                 *, minimum: float | None = None, maximum: float | None = None,
-                draw: str = "line") -> dict[str, Any]:
-    defaults: dict[str, Any] = {
+                draw: str = "line") -> JsonObject:
+    defaults: JsonObject = {
         "unit": unit,
         "custom": {"drawStyle": draw, "lineWidth": 1, "fillOpacity": 10, "showPoints": "never",
                    "spanNulls": False, "lineInterpolation": "stepAfter" if draw == "line" else "linear"},
@@ -74,7 +82,7 @@ def _timeseries(title: str, description: str, unit: str, queries: Sequence[tuple
     }
 
 
-def _heatmap(title: str, description: str, expr: str, legend: str) -> dict[str, Any]:
+def _heatmap(title: str, description: str, expr: str, legend: str) -> JsonObject:
     # Each series (one per stage) becomes a row; the cell colour is the value, 0..1.
     return {
         "type": "heatmap", "title": title, "description": description, "datasource": DATASOURCE,
@@ -97,7 +105,7 @@ def _heatmap(title: str, description: str, expr: str, legend: str) -> dict[str, 
     }
 
 
-def _stat(title: str, description: str, unit: str, expr: str, legend: str) -> dict[str, Any]:
+def _stat(title: str, description: str, unit: str, expr: str, legend: str) -> JsonObject:
     return {
         "type": "stat", "title": title, "description": description, "datasource": DATASOURCE,
         "targets": _targets((expr, legend)),
@@ -109,7 +117,7 @@ def _stat(title: str, description: str, unit: str, expr: str, legend: str) -> di
     }
 
 
-def _text_stat(title: str, description: str, expr: str, legend: str) -> dict[str, Any]:
+def _text_stat(title: str, description: str, expr: str, legend: str) -> JsonObject:
     """A line of text from an info series' labels: the series' name (its legend) is the panel's text."""
     return {
         "type": "stat", "title": title, "description": description, "datasource": DATASOURCE,
@@ -123,7 +131,7 @@ def _text_stat(title: str, description: str, expr: str, legend: str) -> dict[str
     }
 
 
-def _row(title: str) -> dict[str, Any]:
+def _row(title: str) -> JsonObject:
     return {"type": "row", "title": title, "collapsed": False, "panels": []}
 
 
@@ -133,7 +141,7 @@ def _per_stage(fn: str, metric: str, selector: str) -> str:
     return f"sum by (pp_rank) ({fn} by (pp_rank, dp_rank) ({metric}{{{selector}}}))"
 
 
-def _panels() -> list[tuple[dict[str, Any], int, int]]:
+def _panels() -> list[tuple[JsonObject, int, int]]:
     """(panel, width, height) in reading order; positions are filled in by layout()."""
     util = f"avg by (pp_rank) ({mn.GPU_UTILIZATION.name}{{{_HOST}}})"
     busy = f"max by (pp_rank, signal) ({mn.STAGE_BUSY.name}{{{_RUN}}})"
@@ -235,9 +243,9 @@ def _panels() -> list[tuple[dict[str, Any], int, int]]:
     ]
 
 
-def layout(panels: Sequence[tuple[dict[str, Any], int, int]]) -> list[dict[str, Any]]:
+def layout(panels: Sequence[tuple[JsonObject, int, int]]) -> list[JsonValue]:
     """Place panels left to right, wrapping at Grafana's 24 columns; number them from 1."""
-    placed: list[dict[str, Any]] = []
+    placed: list[JsonValue] = []
     x = y = row_h = 0
     for panel_id, (panel, width, height) in enumerate(panels, start=1):
         if x + width > 24:
@@ -247,7 +255,7 @@ def layout(panels: Sequence[tuple[dict[str, Any], int, int]]) -> list[dict[str, 
     return placed
 
 
-def _variable(name: str, label: str, query: str) -> dict[str, Any]:
+def _variable(name: str, label: str, query: str) -> JsonObject:
     return {
         "type": "query", "name": name, "label": label, "datasource": DATASOURCE,
         "query": query, "definition": query, "refresh": 2, "sort": 1,
@@ -256,7 +264,7 @@ def _variable(name: str, label: str, query: str) -> dict[str, Any]:
     }
 
 
-def build_dashboard() -> dict[str, Any]:
+def build_dashboard() -> JsonObject:
     """The dashboard as Grafana's JSON model (schemaVersion 42)."""
     return {
         "uid": DASHBOARD_UID,
@@ -292,7 +300,7 @@ def build_dashboard() -> dict[str, Any]:
     }
 
 
-def render(dashboard: Mapping[str, Any]) -> str:
+def render(dashboard: JsonReadObject) -> str:
     """The committed form: sorted keys, two-space indent, trailing newline (stable diffs)."""
     return json.dumps(dashboard, indent=2, sort_keys=True) + "\n"
 
@@ -330,32 +338,38 @@ def substitute(expr: str, variables: Mapping[str, str] | None = None,
     return _VAR_RE.sub(repl, expr)
 
 
-def _all_panels(dashboard: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-    out: list[Mapping[str, Any]] = []
-    for panel in dashboard.get("panels", []):
+def text_of(value: JsonReadValue | None) -> str:
+    """A string of the dashboard's model, empty where it has none."""
+    return as_text(value) or ""
+
+
+def _all_panels(dashboard: JsonReadObject) -> list[JsonReadObject]:
+    out: list[JsonReadObject] = []
+    for panel in as_objects(dashboard.get("panels")):
         out.append(panel)
-        out.extend(panel.get("panels", []))  # panels inside a collapsed row
+        out.extend(as_objects(panel.get("panels")))  # panels inside a collapsed row
     return out
 
 
-def panel_queries(panel: Mapping[str, Any], variables: Mapping[str, str] | None = None,
+def panel_queries(panel: JsonReadObject, variables: Mapping[str, str] | None = None,
                   macros: Mapping[str, str] | None = None) -> list[PanelQuery]:
     """One panel's PromQL expressions, ready for /api/v1/query (none for a row)."""
-    return [PanelQuery(panel.get("title", ""), target.get("refId", ""),
-                       substitute(target["expr"], variables, macros), target.get("legendFormat", ""),
+    return [PanelQuery(text_of(panel.get("title")), text_of(target.get("refId")),
+                       substitute(expr, variables, macros), text_of(target.get("legendFormat")),
                        bool(target.get("instant")) and not target.get("range", False))
-            for target in panel.get("targets", []) if "expr" in target]
+            for target in as_objects(panel.get("targets")) if isinstance(expr := target.get("expr"), str)]
 
 
-def annotation_queries(dashboard: Mapping[str, Any], variables: Mapping[str, str] | None = None,
+def annotation_queries(dashboard: JsonReadObject, variables: Mapping[str, str] | None = None,
                        macros: Mapping[str, str] | None = None) -> list[PanelQuery]:
     """The dashboard's annotations that run PromQL (the load phases' markers)."""
-    return [PanelQuery(f"annotation: {a['name']}", "annotation",
-                       substitute(a["expr"], variables, macros), a.get("titleFormat", ""))
-            for a in dashboard.get("annotations", {}).get("list", []) if "expr" in a]
+    return [PanelQuery(f"annotation: {text_of(a.get('name'))}", "annotation",
+                       substitute(expr, variables, macros), text_of(a.get("titleFormat")))
+            for a in as_objects(section(dashboard, "annotations").get("list"))
+            if isinstance(expr := a.get("expr"), str)]
 
 
-def dashboard_queries(dashboard: Mapping[str, Any] | None = None,
+def dashboard_queries(dashboard: JsonReadObject | None = None,
                       variables: Mapping[str, str] | None = None,
                       macros: Mapping[str, str] | None = None) -> list[PanelQuery]:
     """Every PromQL expression in the dashboard's panels and annotations, ready for /api/v1/query."""
@@ -364,7 +378,7 @@ def dashboard_queries(dashboard: Mapping[str, Any] | None = None,
     return panels + annotation_queries(board, variables, macros)
 
 
-def panels_in_order(dashboard: Mapping[str, Any] | None = None) -> list[Mapping[str, Any]]:
+def panels_in_order(dashboard: JsonReadObject | None = None) -> list[JsonReadObject]:
     """The dashboard's panels (rows included, a collapsed row's panels after it) in reading order."""
     return _all_panels(dashboard if dashboard is not None else load_dashboard())
 
@@ -396,7 +410,7 @@ class PanelSeries:
 class PanelResult:
     """A panel (its JSON model) and what its queries returned over one time range."""
 
-    panel: Mapping[str, Any]
+    panel: JsonReadObject
     series: tuple[PanelSeries, ...]
 
 
@@ -411,25 +425,25 @@ class PhaseMark:
 _LABEL_VALUES_RE = re.compile(r"^label_values\(\s*(?:(?P<metric>[^,]+?)\s*,\s*)?(?P<label>\w+)\s*\)$")
 
 
-def variable_queries(dashboard: Mapping[str, Any] | None = None) -> list[VariableQuery]:
+def variable_queries(dashboard: JsonReadObject | None = None) -> list[VariableQuery]:
     """The dashboard's label_values() variables as (label, series selector) for /api/v1/label."""
     board = dashboard if dashboard is not None else load_dashboard()
     out = []
-    for var in board.get("templating", {}).get("list", []):
+    for var in as_objects(section(board, "templating").get("list")):
         query = var.get("query")
-        text = query.get("query", "") if isinstance(query, Mapping) else str(query)
-        m = _LABEL_VALUES_RE.match(text.strip())
+        promql = str(query.get("query", "")) if isinstance(query, Mapping) else str(query)
+        m = _LABEL_VALUES_RE.match(promql.strip())
         if var.get("type") != "query" or m is None:
-            raise ValueError(f"variable {var.get('name')!r}: not a label_values() query: {text!r}")
+            raise ValueError(f"variable {var.get('name')!r}: not a label_values() query: {promql!r}")
         label = m.group("label")
-        out.append(VariableQuery(var["name"], label, m.group("metric") or f'{{{label}!=""}}'))
+        out.append(VariableQuery(text_of(var.get("name")), label, m.group("metric") or f'{{{label}!=""}}'))
     return out
 
 
 _NAME_RE = re.compile(r"\bgputrace_\w+")
 
 
-def metrics_used(dashboard: Mapping[str, Any] | None = None) -> set[str]:
+def metrics_used(dashboard: JsonReadObject | None = None) -> set[str]:
     """The gputrace metric names the dashboard's panels and variables read."""
     board = dashboard if dashboard is not None else load_dashboard()
     names = {n for q in dashboard_queries(board) for n in _NAME_RE.findall(q.expr)}
@@ -437,8 +451,10 @@ def metrics_used(dashboard: Mapping[str, Any] | None = None) -> set[str]:
     return names
 
 
-def load_dashboard(path: Path = DASHBOARD_PATH) -> dict[str, Any]:
-    loaded: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+def load_dashboard(path: Path = DASHBOARD_PATH) -> JsonObject:
+    loaded = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{path}: not a dashboard (a JSON object)")
     return loaded
 
 

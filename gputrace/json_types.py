@@ -19,3 +19,40 @@ JsonObject: TypeAlias = dict[str, JsonValue]
 # What a function only reads: covariant, so a `dict[str, float]` or a list of them passes.
 JsonReadValue: TypeAlias = JsonScalar | Sequence["JsonReadValue"] | Mapping[str, "JsonReadValue"]
 JsonReadObject: TypeAlias = Mapping[str, JsonReadValue]
+
+
+# Narrowing what a reader takes out of a document: a value of another type than expected reads as
+# absent (None, empty), as a missing setting does.
+
+
+def as_text(value: JsonReadValue | None) -> str | None:
+    """A JSON string, else None."""
+    return value if isinstance(value, str) else None
+
+
+def as_number(value: JsonReadValue | None) -> float | None:
+    """A JSON number (not a boolean), else None."""
+    return None if isinstance(value, bool) or not isinstance(value, int | float) else value
+
+
+def as_list(value: JsonReadValue | None) -> Sequence[JsonReadValue]:
+    """A JSON array, else empty."""
+    return value if isinstance(value, Sequence) and not isinstance(value, str) else ()
+
+
+def as_object(value: JsonReadValue | None) -> JsonReadObject | None:
+    """A JSON object, else None."""
+    return value if isinstance(value, Mapping) else None
+
+
+def as_objects(value: JsonReadValue | None) -> list[JsonReadObject]:
+    """The objects in a JSON array (none where ``value`` is not an array)."""
+    return [item for item in as_list(value) if isinstance(item, Mapping)]
+
+
+def section(obj: JsonReadObject, *keys: str) -> JsonReadObject:
+    """The object at ``keys`` inside ``obj`` (``panel, "fieldConfig", "defaults"``); empty where a
+    key is absent or holds no object."""
+    for key in keys:
+        obj = as_object(obj.get(key)) or {}
+    return obj

@@ -39,6 +39,7 @@ from gputrace.analysis.result import DEFAULT_THRESHOLDS  # the report's threshol
 from gputrace.analysis.schedule import engine_totals, line_sizes
 from gputrace.engines import engine_words, sglang
 from gputrace.exposition import Collector, Metric, family
+from gputrace.json_types import JsonObject
 from gputrace.model import (
     ClockProbe,
     EngineConfig,
@@ -90,6 +91,32 @@ class EngineNow:
     pool: int | None  # the request pool (--max-running-requests, --max-num-seqs)
     source: str  # how `running` was read: "logged" (vLLM), or engine_totals' source for SGLang
     engine_kind: str | None = None  # "sglang", "vllm": which flag sets the pool
+
+
+@dataclass(frozen=True, slots=True)
+class LiveStage:
+    """One pipeline stage over the window: its GPUs' means, its ranks' newest engine values
+    (summed over data-parallel ranks), and the busy and bubble estimate with the signal it is from
+    (None: no sample and no timer in the window)."""
+
+    pp_rank: int
+    gpus: tuple[str, ...] = ()  # "host:index"
+    utilization_ratio: float | None = None
+    power_w: float | None = None
+    pcie_tx_bytes_per_s: float | None = None
+    pcie_rx_bytes_per_s: float | None = None
+    running_req: int | None = None
+    queue_req: int | None = None
+    gen_throughput_tok_s: float | None = None
+    token_usage: float | None = None
+    microbatch_size: int | None = None
+    busy_ratio: float | None = None
+    bubble_ratio: float | None = None
+    busy_signal: str | None = None  # BUSY_SIGNALS' words
+
+    def to_json(self) -> JsonObject:
+        """The row of /v1/status' ``stages``, as `watch` reads it."""
+        return {**asdict(self), "gpus": list(self.gpus)}
 
 
 @dataclass(slots=True)
@@ -272,7 +299,7 @@ class LiveState:
 
     # -- reads ----------------------------------------------------------------------------------
 
-    def stages(self) -> list[dict[str, Any]]:
+    def stages(self) -> list[LiveStage]:
         """One row per pipeline stage: GPU means over the window, engine values, bubble estimate."""
         cutoff = self.clock_ns() - int(self.window_s * 1e9)
         by_stage: dict[int, list[Placement]] = {}
@@ -318,24 +345,23 @@ class LiveState:
                 signal = "device_timer" if timer.signal == "device timer" else "loop_timers"
                 busy_ratio = timer.busy_fraction
                 bubble_ratio = max(self._work_share(pp, timers_from_ns, now_ns) - busy_ratio, 0.0)
-            rows.append({
-                "pp_rank": pp,
-                "gpus": [f"{p.host}:{p.gpu_index}" for p in by_stage[pp]],
-                "utilization_ratio": util_mean,
-                "power_w": _mean(power),
-                "pcie_tx_bytes_per_s": _mean(tx),
-                "pcie_rx_bytes_per_s": _mean(rx),
-                "running_req": running,
-                "queue_req": queued,
-                "gen_throughput_tok_s": _sum(r.gen_throughput_tok_s for r in ranks),
-                "token_usage": max((r.token_usage for r in ranks if r.token_usage is not None),
-                                   default=None),
-                "microbatch_size": max((r.microbatch_size for r in ranks if r.microbatch_size is not None),
-                                       default=None),
-                "busy_ratio": busy_ratio,
-                "bubble_ratio": bubble_ratio,
-                "busy_signal": BUSY_SIGNALS[signal] if busy_ratio is not None else None,
-            })
+            rows.append(LiveStage(
+                pp_rank=pp,
+                gpus=tuple(f"{p.host}:{p.gpu_index}" for p in by_stage[pp]),
+                utilization_ratio=util_mean,
+                power_w=_mean(power),
+                pcie_tx_bytes_per_s=_mean(tx),
+                pcie_rx_bytes_per_s=_mean(rx),
+                running_req=running,
+                queue_req=queued,
+                gen_throughput_tok_s=_sum(r.gen_throughput_tok_s for r in ranks),
+                token_usage=max((r.token_usage for r in ranks if r.token_usage is not None), default=None),
+                microbatch_size=max((r.microbatch_size for r in ranks if r.microbatch_size is not None),
+                                    default=None),
+                busy_ratio=busy_ratio,
+                bubble_ratio=bubble_ratio,
+                busy_signal=BUSY_SIGNALS[signal] if busy_ratio is not None else None,
+            ))
         return rows
 
     def _busy_bubble(self, pp: int, times_ns: list[int],
@@ -426,7 +452,7 @@ class LiveState:
         """The engine's configuration lines merged as the report merges them (``from_records``)."""
         return EngineSettings.from_records(self.configs, engine_of_lines=self.engine_kind)
 
-    def finding(self, engine: EngineNow | None = None, stages: list[dict[str, Any]] | None = None,
+    def finding(self, engine: EngineNow | None = None, stages: list[LiveStage] | None = None,
                 th: Thresholds = DEFAULT_THRESHOLDS) -> str:
         """The report's diagnosis of the last ``window_s`` in one line (see ``current_finding``)."""
         if engine is None:
@@ -442,7 +468,7 @@ class LiveState:
         stages = self.stages()
         engine = self.engine_now(self._recent_busy(0, ENGINE_BUSY_WINDOW_S))
         return LiveStatus(self.run, self.phase, self.target_concurrency, self.inflight, dict(self.counts),
-                          tuple(stages), pp_size=self.pp_size, engine=asdict(engine),
+                          tuple(st.to_json() for st in stages), pp_size=self.pp_size, engine=asdict(engine),
                           finding=self.finding(engine, stages),
                           now_ns=self.clock_ns(), newest_data_ns=self.newest_ns)
 
@@ -456,7 +482,7 @@ def finding_cause(finding: str) -> str:
     return finding.split(":", 1)[0]
 
 
-def current_finding(engine: EngineNow, stages: list[dict[str, Any]], pp_size: int | None,
+def current_finding(engine: EngineNow, stages: list[LiveStage], pp_size: int | None,
                     settings: EngineSettings, lines: StageLines, target: int | None = None,
                     inflight: int | None = None, phase: str | None = None, window_s: float = 10.0,
                     th: Thresholds = DEFAULT_THRESHOLDS) -> str:
@@ -480,7 +506,7 @@ def _rank(finding: Finding) -> float:
     return -(finding.confidence * finding.impact)  # diagnose's order: most important first
 
 
-def window_phase(engine: EngineNow, stages: list[dict[str, Any]], pp_size: int, lines: StageLines,
+def window_phase(engine: EngineNow, stages: list[LiveStage], pp_size: int, lines: StageLines,
                  target: int | None, inflight: int | None, phase: str | None,
                  window_s: float) -> PhaseMetrics:
     """The last ``window_s`` as the report's phase figures: the load is the in-process load's
@@ -489,7 +515,7 @@ def window_phase(engine: EngineNow, stages: list[dict[str, Any]], pp_size: int, 
     micro-batch sizes, queue and token usage its lines' in the window."""
     load = float(inflight) if inflight is not None else (engine.running or 0.0) + (engine.queued or 0.0)
     mbs = engine.microbatches_in_flight
-    rows = {int(row["pp_rank"]): row for row in stages}
+    rows = {row.pp_rank: row for row in stages}
     return PhaseMetrics(
         label=phase or "now", start_ns=0, end_ns=int(window_s * 1e9), duration_s=window_s,
         source="live window", target_concurrency=target, inflight_mean=load, work_share=1.0,
@@ -497,22 +523,22 @@ def window_phase(engine: EngineNow, stages: list[dict[str, Any]], pp_size: int, 
         engine_gen_throughput_tok_s=None, unfinished_requests=0, ttft_s_p50=None, ttft_s_p90=None,
         itl_s_mean=None, itl_s_p90=None, microbatches_in_flight=mbs,
         allowed_busy_fraction=None if mbs is None or pp_size < 1 else min(1.0, mbs / pp_size),
-        stages=[_window_stage(pp, rows.get(pp, {}), lines.get(pp, [])) for pp in range(pp_size)])
+        stages=[_window_stage(rows.get(pp, LiveStage(pp)), lines.get(pp, [])) for pp in range(pp_size)])
 
 
-def _window_stage(pp: int, row: dict[str, Any], lines: list[tuple[int, float, float, float]]) -> StageMetrics:
+def _window_stage(row: LiveStage, lines: list[tuple[int, float, float, float]]) -> StageMetrics:
     table = np.array([row[1:] for row in lines], dtype=np.float64).reshape(-1, 3)
     sizes, queue, usage = table[:, 0], table[:, 1], table[:, 2]
     return StageMetrics(
-        pp_rank=pp, busy_fraction=row.get("busy_ratio"), bubble_fraction=row.get("bubble_ratio"),
-        utilization_mean=row.get("utilization_ratio"), utilization_p50=None, utilization_p90=None,
+        pp_rank=row.pp_rank, busy_fraction=row.busy_ratio, bubble_fraction=row.bubble_ratio,
+        utilization_mean=row.utilization_ratio, utilization_p50=None, utilization_p90=None,
         utilization_p99=None, microbatch_size_mean=_stat(np.mean, sizes),
         microbatch_size_max=_stat(np.max, sizes), microbatch_size_p10=_stat(_p10, sizes),
         queue_req_mean=_stat(np.mean, queue), queue_req_max=_stat(np.max, queue),
         token_usage_mean=_stat(np.mean, usage), token_usage_max=_stat(np.max, usage),
-        power_w_mean=row.get("power_w"), power_limit_share_mean=None, power_limit_share_p95=None,
-        pcie_tx_bytes_per_s_mean=row.get("pcie_tx_bytes_per_s"),
-        pcie_rx_bytes_per_s_mean=row.get("pcie_rx_bytes_per_s"), pcie_link_share_p95=None,
+        power_w_mean=row.power_w, power_limit_share_mean=None, power_limit_share_p95=None,
+        pcie_tx_bytes_per_s_mean=row.pcie_tx_bytes_per_s,
+        pcie_rx_bytes_per_s_mean=row.pcie_rx_bytes_per_s, pcie_link_share_p95=None,
         pcie_link_share_mean=None, pcie_transfer_per_busy=None, sm_clock_hz_mean=None,
         throttled_fraction=None, log_lines=len(lines),
         distinct_microbatch_sizes=len(set(sizes[~np.isnan(sizes)].tolist())))
@@ -570,12 +596,12 @@ class LiveCollector(Collector):
         busy = family(mn.STAGE_BUSY, mn.STAGE_BUSY.labels)
         stages = s.stages()
         for row in stages:
-            if row["busy_ratio"] is not None:
-                busy.add_metric([str(row["pp_rank"]), row["busy_signal"], s.run], float(row["busy_ratio"]))
-            if row["bubble_ratio"] is not None:
-                bubble.add_metric([str(row["pp_rank"]), s.run], float(row["bubble_ratio"]))
-            if row["utilization_ratio"] is not None:
-                util.add_metric([str(row["pp_rank"]), s.run], float(row["utilization_ratio"]))
+            if row.busy_ratio is not None:
+                busy.add_metric([str(row.pp_rank), str(row.busy_signal), s.run], float(row.busy_ratio))
+            if row.bubble_ratio is not None:
+                bubble.add_metric([str(row.pp_rank), s.run], float(row.bubble_ratio))
+            if row.utilization_ratio is not None:
+                util.add_metric([str(row.pp_rank), s.run], float(row.utilization_ratio))
         yield bubble
         yield util
         yield busy
@@ -588,7 +614,7 @@ class LiveCollector(Collector):
             yield counter
 
     @staticmethod
-    def _finding(s: LiveState, stages: list[dict[str, Any]]) -> Metric:
+    def _finding(s: LiveState, stages: list[LiveStage]) -> Metric:
         """The live finding as an info series, for the dashboard's one-line panel (an instant query
         shows the current line: a line no longer exported goes stale at the next scrape)."""
         text = s.finding(stages=stages)

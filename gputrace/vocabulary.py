@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, TypedDict
+from typing import Any
 
 from gputrace.engines import ENGINE_WORDS
 from gputrace.json_types import JsonObject, JsonReadObject, JsonReadValue
@@ -57,13 +57,6 @@ LOAD_KNOBS = frozenset({"client", "concurrency"})
 """Settings of the offered load, not of the deployment."""
 
 
-class FindingChangeRow(TypedDict):
-    """A ``Change`` as findings.json's ``change`` gives it: the flag (under ``knob``) and the value."""
-
-    knob: str
-    value: int | None
-
-
 @dataclass(frozen=True, slots=True)
 class Change:
     """A setting to change: ``knob`` its name (``FLAG_KNOBS``), ``flag`` how a user sets it, and
@@ -82,7 +75,7 @@ class Change:
         """An engine flag, an environment variable or the hardware, rather than the load."""
         return self.knob not in LOAD_KNOBS
 
-    def to_finding_dict(self) -> FindingChangeRow:
+    def to_finding_dict(self) -> JsonObject:
         """As findings.json's ``change`` gives it: the flag (under ``knob``) and the value."""
         return {"knob": self.flag, "value": self.value}
 

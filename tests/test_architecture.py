@@ -81,7 +81,7 @@ LAYER_OF = {
     # shared vocabulary and plumbing, importable from every layer
     **dict.fromkeys(("gputrace", "errors", "model", "backoff", "logsetup", "run_tables", "vocabulary",
                      "topology", "metric_names", "token_file", "config", "httpserver", "exposition",
-                     "log_clock", "dashboard", "arrow_columns"), "base"),
+                     "log_clock", "dashboard", "arrow_columns", "json_types"), "base"),
     # the engines (their log grammars, settings and words): every layer asks the run's engine
     "engines": "base",
     # what produces the records: NVML and its agent, engine logs and metrics, SSH, the load

@@ -127,3 +127,22 @@ def test_the_demo_tells_the_motivating_story(tmp_path: Path) -> None:
     assert all(measured[k] >= 0.93 * v for k, v in summary["defaults_tok_s"].items()), measured
     assert summary["advice_predicted_tok_s"]["C=32"] > before
     assert "applied, measured vs defaults: " in done.stdout and "time scaled" in done.stdout
+    # the advice's figures in the deployment's time, as the measured ones beside them: its sentence's
+    # "C=32 240 -> 440 tok/s" is the defaults' measured figure and the prediction the summary holds
+    stated = re.search(r"C=32 (\d+) -> (\d+) tok/s", summary["advice"])
+    assert stated is not None, summary["advice"]
+    assert float(stated[1]) == pytest.approx(before, rel=0.12), (stated[0], before)  # 4x would be 300 %
+    assert abs(float(stated[2]) - summary["advice_predicted_tok_s"]["C=32"]) <= 1, stated[0]
+    assert stated[0] in done.stdout
+    # and the advice, applied, measured inside the band it stated where it stated a gain (C=32); at
+    # the others it holds (no loss beyond 7 %, above: a lone request's level moved 19 % between
+    # runs at a load of 50 on this machine's two cores)
+    phases = {p["phase"]: p for p in summary["advice_phases"]}
+    assert set(phases) == set(summary["defaults_tok_s"]), phases
+    for label, p in phases.items():
+        assert p["measured_before_tok_s"] == pytest.approx(summary["defaults_tok_s"][label], rel=0.01)
+        assert p["measured_after_tok_s"] == pytest.approx(measured[label])
+        assert p["band_ratio"] <= 0.25, p  # wider is "cannot predict" (issue 47, Build)
+    assert phases["C=32"]["stated"], phases
+    for p in phases.values():
+        assert not p["stated"] or p["within_band"], p

@@ -82,3 +82,20 @@ def test_a_third_engine_goes_through_the_same_path(tmp_path: Path, toy: None) ->
                     if re.search(rf"(?<![\w#-]){re.escape(w)}(?![\w-])", text))
     assert leaked == [], leaked
 
+
+
+def test_the_simulator_runs_a_third_engines_policy_and_asks_it_for_its_log(toy: None) -> None:
+    """The simulator takes ToyServe's scheduling policy, slots and knobs from its package (engine-wide
+    admission at max_batch, no per-slot K); ToyServe's package gives no simulated log, so a run that
+    writes one is a one-line error naming it, where a what-if's run without a log goes on."""
+    from gputrace.errors import UsageError
+    from gputrace.sim.virtual import run_scenario
+
+    load = {"engine": "toy", "max_running_requests": 4, "concurrency": (16,), "phase_s": 10.0,
+            "drain_s": 1.0}
+    result = run_scenario("healthy", overrides=load, log=False)
+    assert result.params.slots == result.params.pp_size and result.params.micro_batch_cap == 4
+    [phase] = result.ground_truth["phases"]
+    assert phase["running_max"] == 4 and "admission_bound" in phase["causes"]
+    with pytest.raises(UsageError, match=r"^the simulator does not write ToyServe's log$"):
+        run_scenario("healthy", overrides=load)

@@ -42,10 +42,10 @@ def test_idle_before_the_load_is_not_a_bubble() -> None:
     live.on_event(event(1, 8, 0, 0.0))
     live.on_samples(samples(0, [0.0] * 5 + [0.5] * 5))
     live.on_samples(samples(1, [1.0] * 10))
-    rows = {r["pp_rank"]: r for r in live.stages()}
-    assert rows[0]["bubble_ratio"] == 0.25
-    assert rows[1]["bubble_ratio"] == 0.0
-    assert rows[0]["running_req"] == 8 and rows[0]["queue_req"] == 24
+    rows = {r.pp_rank: r for r in live.stages()}
+    assert rows[0].bubble_ratio == 0.25
+    assert rows[1].bubble_ratio == 0.0
+    assert rows[0].running_req == 8 and rows[0].queue_req == 24
 
 
 def test_work_ending_ends_the_bubble() -> None:
@@ -55,7 +55,7 @@ def test_work_ending_ends_the_bubble() -> None:
     live.on_event(event(0, 0, 0, 2.5))
     live.on_samples(samples(0, [0.5] * 10))
     (row, *_) = live.stages()
-    assert row["bubble_ratio"] == 0.5 * 3 / 10
+    assert row.bubble_ratio == 0.5 * 3 / 10
 
 
 def test_sample_times_are_corrected_by_the_hosts_clock_probe() -> None:
@@ -69,7 +69,7 @@ def test_sample_times_are_corrected_by_the_hosts_clock_probe() -> None:
             live.on_clock_probe(ClockProbe("node0", T0, T0 + 1_000_000 + 2 * S, T0 + 2_000_000, via="agent"))
         live.on_samples(samples(0, [0.0] * 5 + [0.5] * 5, host_ahead_s=2.0), clock_host="node0")
         (row, *_) = live.stages()
-        value = row["bubble_ratio"]
+        value = row.bubble_ratio
         assert value is not None
         return float(value)
     assert estimate(probe=True) == 0.25
@@ -111,7 +111,7 @@ def test_the_live_finding_names_the_cap_when_every_slot_is_full_below_the_pool()
     reached: microbatch_cap, in the report's own words (the live view read 'no finding now: 8
     micro-batches fill the 8 stages'); at the pool it is admission_bound; few micro-batches while
     the stages idle, underfilled; a full pipeline, no finding."""
-    from gputrace.live import EngineNow, current_finding
+    from gputrace.live import EngineNow, LiveStage, current_finding
     from gputrace.run_tables import EngineSettings
 
     settings = EngineSettings(engine="sglang", pp_size=8, max_running_requests=64, pp_max_micro_batch_size=2)
@@ -120,8 +120,8 @@ def test_the_live_finding_names_the_cap_when_every_slot_is_full_below_the_pool()
         engine = EngineNow(running, queued, mbs, slots=8, k=2, pool=64, source="period", engine_kind="sglang")
         size = running / mbs
         lines = {pp: [(T0, size, queued, 0.3)] * 4 for pp in range(8)}
-        stages = [{"pp_rank": pp, "busy_ratio": None if bubble is None else 1 - bubble,
-                   "bubble_ratio": bubble} for pp in range(8)]
+        stages = [LiveStage(pp, busy_ratio=None if bubble is None else 1 - bubble, bubble_ratio=bubble)
+                  for pp in range(8)]
         return current_finding(engine, stages, 8, settings, lines)
 
     assert finding(16, 48, 8) == (
@@ -201,8 +201,8 @@ def test_a_stage_without_lines_of_its_own_has_the_engines_work() -> None:
     live.on_event(_vllm_stats(8, 8, 500.0, 0.0))
     live.on_samples(samples(0, [0.5] * 10))
     live.on_samples(samples(1, [0.5] * 10))
-    rows = {r["pp_rank"]: r for r in live.stages()}
-    assert rows[0]["bubble_ratio"] == rows[1]["bubble_ratio"] == 0.5
+    rows = {r.pp_rank: r for r in live.stages()}
+    assert rows[0].bubble_ratio == rows[1].bubble_ratio == 0.5
 
 
 def _timer(name: str, pp: int, category: str, per_s: float) -> list[EngineMetricSample]:
@@ -233,12 +233,12 @@ def test_without_sm_activity_the_engines_loop_timers_give_the_busy_share() -> No
     live.on_samples(samples(1, [1.0] * 10))
     for pp in (0, 1):
         live.on_engine_metrics(_stage_seconds(pp, "run_batch", 0.4) + _stage_seconds(pp, "other", 0.6))
-    rows = {r["pp_rank"]: r for r in live.stages()}
+    rows = {r.pp_rank: r for r in live.stages()}
     for pp in (0, 1):
-        assert rows[pp]["busy_signal"] == "the engine's loop timers (run_batch)"
-        assert rows[pp]["busy_ratio"] == pytest.approx(0.4)
-        assert rows[pp]["bubble_ratio"] == pytest.approx(0.6)
-        assert rows[pp]["utilization_ratio"] == 1.0  # still shown beside it
+        assert rows[pp].busy_signal == "the engine's loop timers (run_batch)"
+        assert rows[pp].busy_ratio == pytest.approx(0.4)
+        assert rows[pp].bubble_ratio == pytest.approx(0.6)
+        assert rows[pp].utilization_ratio == 1.0  # still shown beside it
     registry = CollectorRegistry()
     registry.register(LiveCollector(live))
     text = generate_latest(registry).decode()
@@ -251,11 +251,11 @@ def test_without_sm_activity_the_engines_loop_timers_give_the_busy_share() -> No
                                   sm_active_ratio=0.5) for i in range(10)])
     with_sm.on_engine_metrics(_stage_seconds(0, "run_batch", 0.4))
     (row, *_) = with_sm.stages()
-    assert row["busy_signal"] == "SM activity (GPM)" and row["busy_ratio"] == 0.5
+    assert row.busy_signal == "SM activity (GPM)" and row.busy_ratio == 0.5
     with_sm.on_engine_metrics(_device_seconds(0, 0.3))
     (row, *_) = with_sm.stages()
-    assert row["busy_signal"] == "the engine's device timer (forward_execution_seconds)"
-    assert row["busy_ratio"] == pytest.approx(0.3) and row["bubble_ratio"] == pytest.approx(0.7)
+    assert row.busy_signal == "the engine's device timer (forward_execution_seconds)"
+    assert row.busy_ratio == pytest.approx(0.3) and row.bubble_ratio == pytest.approx(0.7)
 
 
 def test_timers_without_work_give_no_bubble() -> None:
@@ -265,5 +265,5 @@ def test_timers_without_work_give_no_bubble() -> None:
     live.on_event(event(0, 0, 0, -10.0))
     live.on_engine_metrics(_stage_seconds(0, "run_batch", 0.0) + _stage_seconds(0, "idle", 1.0))
     (row, *_) = live.stages()
-    assert row["busy_signal"] == "the engine's loop timers (run_batch)"
-    assert row["busy_ratio"] == 0.0 and row["bubble_ratio"] == 0.0
+    assert row.busy_signal == "the engine's loop timers (run_batch)"
+    assert row.busy_ratio == 0.0 and row.bubble_ratio == 0.0

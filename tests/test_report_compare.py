@@ -91,7 +91,6 @@ def test_the_top_finding_is_the_one_the_report_leads_with(tmp_path: Path) -> Non
     from gputrace.analyse import analyse_run
     from gputrace.analysis.compare import top_finding
     from gputrace.analysis.diagnose import Finding
-    from gputrace.report.document import build_document
     from gputrace.report.render import verdict
     from gputrace.store import Store
     from gputrace.vocabulary import Change
@@ -103,7 +102,7 @@ def test_the_top_finding_is_the_one_the_report_leads_with(tmp_path: Path) -> Non
     analysis = dataclasses.replace(analysis, findings=(load, *analysis.findings))
     top = top_finding(analysis)
     assert top is not None and top["cause"] == "microbatch_cap" and top["phase"] == "C=32"
-    opening = verdict(build_document(analysis))
+    opening = verdict(analysis)
     assert opening.startswith("No advice (the what-if model could not be fitted to this run); the top "
                               f"finding, microbatch_cap in phase C=32: {top['summary']};")
 

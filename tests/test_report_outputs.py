@@ -341,24 +341,31 @@ def test_a_report_on_a_read_only_run_says_where_it_cannot_write(
         subprocess.run(["umount", "-l", str(view)], capture_output=True)
 
 
-def test_the_verdict_names_a_deployment_change_before_a_load_to_offer() -> None:
+def test_the_verdict_names_a_deployment_change_before_a_load_to_offer(tmp_path: Path) -> None:
     """Without advice (no what-if fit), the one sentence is the findings': a light level's 'offer
     more requests' is not what a sweep that chose that level should do: it names the first finding
     whose change is to the deployment (as `gputrace demo` applies it)."""
-    from gputrace.report.render import answer
+    import dataclasses
 
-    def finding(phase: str, knob: str, value: int, rec: str) -> dict[str, object]:
-        return {"cause": "pipeline_underfilled", "phase": phase, "stages": [0, 1], "confidence": 0.7,
-                "summary": f"underfilled at {phase}", "recommendation": rec, "evidence": {},
-                "change": {"knob": knob, "value": value}}
-    doc = {"findings": [finding("C=1", "concurrency", 8, "offer at least 8 requests"),
-                        finding("C=32", "--pp-max-micro-batch-size", 4, "--pp-max-micro-batch-size 4")]}
-    assert answer(doc) == ("No advice (the what-if model could not be fitted to this run); the top finding, "
-                           "pipeline_underfilled in phase C=32: underfilled at C=32; its change: "
-                           "--pp-max-micro-batch-size 4.")
-    doc["findings"] = doc["findings"][:1]  # no engine setting to change: the top finding it is
-    assert answer(doc).endswith("pipeline_underfilled in phase C=1: underfilled at C=1; its change: "
-                                "offer at least 8 requests.")
+    from gputrace.analyse import analyse_run
+    from gputrace.analysis.diagnose import Finding
+    from gputrace.report.render import answer
+    from gputrace.vocabulary import Change
+
+    def finding(phase: str, change: Change, rec: str) -> Finding:
+        return Finding("pipeline_underfilled", phase, [0, 1], {}, 0.7, rec, f"underfilled at {phase}",
+                       change=change)
+    with Store.open(_capped(tmp_path / "run"), read_only=True) as store:
+        analysis = analyse_run(store, effects=False)
+    load = finding("C=1", Change.of_flag("concurrency", 8), "offer at least 8 requests")
+    knob = finding("C=32", Change.of_flag("--pp-max-micro-batch-size", 4), "--pp-max-micro-batch-size 4")
+    both = dataclasses.replace(analysis, findings=(load, knob))
+    assert answer(both) == ("No advice (the what-if model could not be fitted to this run); the top finding, "
+                            "pipeline_underfilled in phase C=32: underfilled at C=32; its change: "
+                            "--pp-max-micro-batch-size 4.")
+    # no engine setting to change: the top finding it is
+    assert answer(dataclasses.replace(analysis, findings=(load,))).endswith(
+        "pipeline_underfilled in phase C=1: underfilled at C=1; its change: offer at least 8 requests.")
 
 
 def test_a_report_to_a_full_disk_says_where_in_one_line(

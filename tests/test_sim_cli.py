@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from helpers import cli
+from helpers import cli, gputrace_process
 
 
 def test_sim_writes_store_log_and_csv(tmp_path):
@@ -34,3 +34,22 @@ def test_sim_lists_scenarios_and_refuses_bad_use(tmp_path):
     assert bad.exit_code != 0 and "bogus" in str(bad.exception or bad.output)
     serve_help = cli(["sim", "serve", "--help"])
     assert serve_help.exit_code == 0 and "--gpu-feed" in serve_help.output
+
+
+def test_scenarios_are_told_in_their_engines_flags_and_only_a_served_engine_serves(tmp_path):
+    """The scenario texts take each flag from their engine's knobs (vLLM's --max-num-seqs, SGLang's
+    --pp-max-micro-batch-size); `sim serve` asks the engine whether it is served in real time: vLLM's
+    model is not, a one-line error (exit 2) before anything is started."""
+    listed = {line.split()[0]: line for line in cli(["sim", "--list"]).output.splitlines()}
+    assert "vLLM, PP8, --max-num-seqs 32" in listed["vllm-admission"]
+    assert "--pp-max-micro-batch-size 2 below a pool" in listed["microbatch-cap"]
+    assert "SGLang's default --decode-log-interval 40" in listed["log-aliased"]
+    assert not any("{" in line for line in listed.values())
+    refused = gputrace_process("sim", "serve", "--scenario", "vllm-admission", "--port", "0",
+                               "--log", str(tmp_path / "s.log"), timeout_s=60)
+    assert refused.returncode == 2, refused.stderr
+    [line] = refused.stderr.strip().splitlines()  # one line
+    assert line.endswith(
+        "sim serve: only the SGLang model serves in real time; the vLLM model runs in virtual time "
+        "(gputrace sim --scenario ... --set engine=vllm)")
+    assert not (tmp_path / "s.log").exists()

@@ -148,7 +148,7 @@ async def test_two_nodes_write_their_own_ranks_in_their_own_clock(tmp_path):
     dist_port = free_port()
     stop = asyncio.Event()
     node1 = asyncio.create_task(run_node(
-        params, NodeLayout.sglang(params, 2), 1, ("127.0.0.1", dist_port), str(tmp_path / "n1.log"),
+        params, NodeLayout.of(params, 2), 1, ("127.0.0.1", dist_port), str(tmp_path / "n1.log"),
         str(tmp_path / "n1.feed"), stop, clock_ns=lambda: time.time_ns() + 3_700_000_000))
     srv = await start_sim_server(params, log_path=tmp_path / "n0.log", feed_path=tmp_path / "n0.feed",
                                  speed=SPEED, nnodes=2, dist_init_addr=("127.0.0.1", dist_port))

@@ -72,3 +72,46 @@ def test_a_change_is_judged_by_the_models_band_and_stated_with_the_noise() -> No
     advice = Advice((AdvisedSetting("max_running_requests", "--max-running-requests", 16),), "throughput",
                     (phase("C=1", 0.0, 0.05, 0.03), noisy), (), "reason", 3)
     assert "C=16 60 -> 75 tok/s (+25% ±8%; ±28% with this phase's run-to-run spread)" in advice.sentence()
+
+
+def test_a_size_between_two_the_run_ran_widens_the_band_by_the_gap_between_two_step_costs() -> None:
+    """The demo's live defaults ran decode steps of 1 and 8 requests; K=4 runs steps of 4. The
+    knee fitted to them (a memory floor, then a cost per request) and a straight line through the
+    same two steps differ by 11 % there, which the band states; a size the run ran, or a cost
+    straight already, adds nothing; past the largest the extrapolation's rule holds."""
+    import dataclasses
+
+    from gputrace.sim.params import SimParams
+    from gputrace.whatif.predict import extrapolation_band, interpolation_gap
+
+    knee = SimParams(launch_s=0.000157, weight_read_s=0.00068, decode_token_s=0.000367)
+    assert interpolation_gap(knee, 4.0, 1.0, 8.0) == pytest.approx(0.11, abs=0.01)
+    straight = dataclasses.replace(knee, weight_read_s=0.0)
+    assert interpolation_gap(straight, 4.0, 1.0, 8.0) == pytest.approx(0.0)
+
+    def ran(label: str, size: float) -> PhaseOutcome:
+        return PhaseOutcome(label, 1, 100.0, None, None, None, None, (), microbatch_size_p90=size,
+                            microbatch_size_max=size)
+
+    model = FittedModel(knee, [ran("C=1", 1.0), ran("C=32", 8.0)], [], uncertainty_ratio=0.03)
+    widen, why = extrapolation_band(model, ran("C=32", 4.0), {"pp_max_micro_batch_size": 4})
+    assert widen == pytest.approx(0.11, abs=0.01)
+    assert why is not None and "between the 1 and 8 this run ran" in why and "11%" in why
+    assert extrapolation_band(model, ran("C=32", 8.0), {}) == (0.0, None)
+    widen, why = extrapolation_band(model, ran("C=32", 16.0), {"pp_max_micro_batch_size": 64})
+    assert widen == pytest.approx(0.15) and why is not None and "never ran more than 8" in why
+
+
+def test_an_advice_in_another_time_base_states_its_figures_there() -> None:
+    """The demo's live runs ran 4x the wall clock: its advice in the deployment's time divides
+    every tok/s by 4 (the sentence's and the reason's), and keeps its ratios and bands."""
+    from gputrace.whatif.advise import Advice, AdvisedSetting, PhaseAdvice
+
+    phase = PhaseAdvice("C=32", 32, 60.0, 960.0, 960.0, 1760.0, 0.05, None, None, None, 0.05)
+    advice = Advice((AdvisedSetting("max_prefill_tokens", "--max-prefill-tokens", 3584),), "throughput",
+                    (phase,), (), "the most throughput (+800 tok/s on average)", 3)
+    deployment = advice.in_time(4.0)
+    assert "C=32 240 -> 440 tok/s (+83% ±5%)" in deployment.sentence()
+    assert "(+200 tok/s on average)" in deployment.sentence()
+    assert deployment.phases[0].gain_ratio == pytest.approx(phase.gain_ratio)
+    assert advice.in_time(1.0) is advice

@@ -21,8 +21,8 @@ from helpers import analyse
 
 from gputrace.analyse import analyse_run
 from gputrace.store import Store
-from gputrace.whatif.fit import fit_model, relative_error
-from gputrace.whatif.outcome import measured_outcomes
+from gputrace.whatif.fit import fit_model
+from gputrace.whatif.outcome import measured_outcomes, relative_error
 from gputrace.whatif.predict import check_changes, predict
 
 TARGET = 0.25

@@ -5,10 +5,16 @@ settings that differ only where neither bound."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
-from gputrace.sim.params import make_params
+import pytest
+
+from gputrace.analyse import analyse_run
+from gputrace.sim.outputs import write_store
+from gputrace.sim.params import KIMI_K26_PCIE_COST, SimParams, make_params, scenario_params
 from gputrace.sim.simulate import simulate
-from gputrace.whatif.fit import replay_outcomes
+from gputrace.store import Store
+from gputrace.whatif.fit import fit_model, replay_outcomes
 from gputrace.whatif.outcome import PhaseOutcome, trace_outcomes
 from gputrace.whatif.replay import SETTLE_TOLERANCE, replay_session, run_replay
 
@@ -75,3 +81,41 @@ def test_an_undrained_replay_states_the_drained_replays_throughput_bubbles_and_b
                     for r in (drained, undrained)]
         assert outcomes[0] == outcomes[1]
         assert len(undrained.result.engine.trace.step_reqs) < 0.8 * len(drained.result.engine.trace.step_reqs)
+
+
+# The demo's live C=32 burst as its client sent it (seconds after the first), after a level of one
+LIVE_OFFSETS_S = (0.0, 0.0, 0.00036, 0.00086, 0.00097, 0.00106, 0.00116, 0.00124, 0.00132, 0.00139, 0.00146,
+                  0.00153, 0.0016, *(0.0243 + 0.00006 * i for i in range(20)))
+
+
+def _burst_params(**overrides: object) -> SimParams:
+    return scenario_params("motivating", {
+        **KIMI_K26_PCIE_COST, "client_mode": "burst", "concurrency": (1, 32), "max_tokens": 64,
+        "phase_s": 600.0, "drain_s": 0.0, "burst_offsets_s": LIVE_OFFSETS_S, **overrides})
+
+
+def test_a_burst_sent_over_a_few_ms_lands_as_sent() -> None:
+    """A burst whose requests go out over 25 ms, after a level of one: the engine's first prefill
+    turn takes the first request alone, the next turns the budget's 8 (the live engine's 1, 7, 8,
+    8, 8), and K=64 lets the turn after the lone one fill its micro-batch to 9. (The next level
+    used to go out at the previous one's end while the engine's clock had run up to 20 ms past
+    it: the burst landed at once in the engine's past, 8 in its first turn.)"""
+    for seed in (0, 1):
+        tr = simulate(_burst_params(seed=seed), "burst", log=False).engine.trace
+        assert list(tr.pf_n) == [1024, 1024, 7168, 8192, 8192, 8192], (seed, list(tr.pf_n))
+    tr = simulate(_burst_params(pp_max_micro_batch_size=64), "burst", log=False).engine.trace
+    assert list(tr.pf_n) == [1024, 1024, 8192, 8192, 8192, 7168]
+
+
+def test_a_burst_load_is_replayed_as_its_client_sent_it(tmp_path: Path) -> None:
+    """The what-if fitted to a captured burst load sends each level's requests when the client
+    did (after the level's first), so its replay's prefill turns are the run's."""
+    run = simulate(_burst_params(), "burst")
+    store_dir = write_store(run, tmp_path / "run", "burst")
+    with Store.open(store_dir, read_only=True) as store:
+        model = fit_model(analyse_run(store, effects=False))
+    offsets = model.params.burst_offsets_s
+    assert len(offsets) == 33 and offsets[0] == 0.0
+    assert offsets[1:] == pytest.approx(LIVE_OFFSETS_S[1:], abs=2e-6)
+    replayed = run_replay(model.params).result.engine.trace
+    assert list(replayed.pf_n) == list(run.engine.trace.pf_n) == [1024, 1024, 7168, 8192, 8192, 8192]

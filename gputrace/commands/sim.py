@@ -96,7 +96,7 @@ def serve(scenario: str, host: str, port: int, log_path: str, gpu_feed: str | No
     this command with its --node-rank and the same engine settings; each writes the log lines of
     the ranks SGLang places on it, and its GPUs' feed, stamped with its own clock.
     """
-    from gputrace.sim.nodes import parse_dist_init_addr, serve_node_forever
+    from gputrace.sim.nodes import parse_dist_init_addr, real_time_lines, serve_node_forever
     from gputrace.sim.params import scenario_params
     from gputrace.sim.server import serve_forever
 
@@ -109,9 +109,7 @@ def serve(scenario: str, host: str, port: int, log_path: str, gpu_feed: str | No
         raise UsageError("--nnodes > 1 needs --dist-init-addr HOST:PORT (where node 0 listens)")
     addr = parse_dist_init_addr(dist_init_addr) if dist_init_addr else None
     params = scenario_params(scenario, {**_overrides(params_file, sets), "seed": seed})
-    if params.engine != "sglang":
-        raise UsageError("sim serve: only the SGLang model serves in real time; the vLLM model runs in "
-                         "virtual time (gputrace sim --scenario ... --set engine=vllm)")
+    real_time_lines(params)  # the engine's lines as it runs, or the one-line error
     if node_rank > 0:
         assert dist_init_addr is not None
         serve_node_forever(params, nnodes, node_rank, dist_init_addr, log_path, gpu_feed)

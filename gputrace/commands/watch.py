@@ -6,7 +6,6 @@ import asyncio
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import click
@@ -40,16 +39,23 @@ def command(collector_url: str, config_path: str | None, refresh: float) -> None
         asyncio.run(_watch_url(collector_url.rstrip("/"), refresh))
 
 
+async def read_status(session: aiohttp.ClientSession, url: str) -> LiveStatus:
+    """The collector's /v1/status at ``url``; SourceError where it cannot be read or is no status."""
+    try:
+        async with session.get(f"{url}/v1/status") as resp:
+            resp.raise_for_status()
+            body = await resp.json()
+    except aiohttp.ClientError as exc:
+        raise SourceError(f"{url}: {exc}") from exc
+    if not isinstance(body, dict):  # a status is one object: anything else is not a collector
+        raise SourceError(f"{url}/v1/status: not a collector's status (a JSON object)")
+    return LiveStatus.from_dict(body)
+
+
 async def _watch_url(url: str, refresh: float) -> None:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
         async def status() -> LiveStatus:
-            try:
-                async with session.get(f"{url}/v1/status") as resp:
-                    resp.raise_for_status()
-                    body: dict[str, Any] = await resp.json()
-                    return LiveStatus.from_dict(body)
-            except aiohttp.ClientError as exc:
-                raise SourceError(f"{url}: {exc}") from exc
+            return await read_status(session, url)
         await watch(status, refresh)
 
 

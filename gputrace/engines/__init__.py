@@ -1,6 +1,7 @@
 """The serving engines, one package each (gputrace/engines/sglang/, gputrace/engines/vllm/) behind
-one interface (``Engine``: its log grammar and fast path, knobs, placement rule, words and
-scheduling policy), registered here and nowhere else; ``engine_words`` gives the run's engine.
+one interface (``Engine``: its log grammar and fast path, knobs, placement rule, words,
+scheduling policy and the log and /metrics the simulator writes for it), registered here and
+nowhere else; ``engine_words`` gives the run's engine.
 ``LogParser`` numbers and counts the lines of one source, from a file or followed live.
 """
 

@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from gputrace.engines.knobs import Knob
+from gputrace.engines.simulated import SimulatedEngine
 from gputrace.errors import UsageError
 from gputrace.model import EngineConfig, SchedulerEvent
 from gputrace.topology import Placement, is_parallel_size, sglang_placements
@@ -286,8 +287,8 @@ class Engine:
     """One serving engine, as every layer of gputrace asks it (each in its own package under
     gputrace/engines/, registered in gputrace/engines/__init__.py): its log grammar and fast path,
     the settings it reads from its config lines, its knobs, its stage placement rule, the words
-    outputs use for it (a vLLM report in vLLM's words) and the scheduling policy the simulator and
-    the what-if run for it."""
+    outputs use for it (a vLLM report in vLLM's words), the scheduling policy the simulator and
+    the what-if run for it, and the log and /metrics the simulator writes for it."""
 
     kind: str  # the store's engine name: "sglang", "vllm"
     name: str  # as people write it: "SGLang"
@@ -312,6 +313,11 @@ class Engine:
     # its /metrics counter of generated (output) tokens, read for a phase's throughput where its
     # log resolves tokens only to its stats windows (vLLM's 10 s averages); None: the log's
     generated_tokens_counter: str | None = None
+    # what the simulator writes for it (its log, its /metrics), None where it is not simulated
+    simulated: SimulatedEngine | None = None
+    # micro-batches in flight at most under PP, from pp_size and pp_async_batch_depth (None where
+    # not set); by default pp_size (vLLM's batch queue)
+    slot_count: Callable[[int, int | None], int] = lambda pp_size, _depth: pp_size
 
     @property
     def microbatch_slots(self) -> bool:

@@ -5,11 +5,11 @@ rendering the panels without Grafana (gputrace.report.panels draws them)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 
 from gputrace import dashboard as dash
+from gputrace.json_types import JsonReadObject
 from gputrace.prometheus.client import MAX_POINTS_PER_SERIES, PrometheusClient
 
 
@@ -21,7 +21,7 @@ def _macros(start_ms: int, end_ms: int, step_ms: int) -> dict[str, str]:
 
 
 def query_panels(client: PrometheusClient, start_ms: int, end_ms: int, step_ms: int,
-                 variables: Mapping[str, str] | None = None, board: Mapping[str, Any] | None = None
+                 variables: Mapping[str, str] | None = None, board: JsonReadObject | None = None
                  ) -> list[dash.PanelResult]:
     """Each panel of the dashboard (rows included, with no series) with what its queries returned."""
     board = board if board is not None else dash.load_dashboard()
@@ -40,7 +40,7 @@ def query_panels(client: PrometheusClient, start_ms: int, end_ms: int, step_ms: 
 
 
 def query_phase_marks(client: PrometheusClient, start_ms: int, end_ms: int, step_ms: int,
-                      variables: Mapping[str, str] | None = None, board: Mapping[str, Any] | None = None
+                      variables: Mapping[str, str] | None = None, board: JsonReadObject | None = None
                       ) -> list[dash.PhaseMark]:
     """The annotations as Grafana places them with useValueForTime: each distinct value of the
     series (a time in ms) once, titled by its labels, in time order."""

@@ -11,11 +11,12 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 from urllib.parse import quote
 
 from gputrace.analysis.compare import SAME_WITHIN
+from gputrace.json_types import JsonReadObject
 from gputrace.report.compare_figure import compare_figure
+from gputrace.report.comparison import Comparison, FindingWords, Prediction
 
 FIGURE_CAPTION = "A beside B: throughput per phase (B predicted from A, where it was), busy per stage"
 
@@ -45,9 +46,13 @@ def _gain(x: float | None) -> str:
     return "n/a" if x is None else f"x{x:.2f}"
 
 
-def same_run_consequence(doc: dict[str, Any]) -> str:
+def same_run_consequence(doc: JsonReadObject) -> str:
     """What a comparison of a run with itself can show."""
-    if "different windows" in (doc["same_run"] or ""):
+    return _same_run_consequence(Comparison.read(doc))
+
+
+def _same_run_consequence(c: Comparison) -> str:
+    if "different windows" in (c.same_run or ""):
         return "any difference comes from the windows compared, not from a change"
     return "nothing can differ between them; compare a run before a change with one after it"
 
@@ -56,51 +61,50 @@ def _where(phase: str) -> str:
     return "the whole run" if phase == "*" else f"phase {phase}"
 
 
-def change_lines(doc: dict[str, Any]) -> list[tuple[str, str]]:
+def change_lines(c: Comparison) -> list[tuple[str, str]]:
     """(kind, sentence) per finding resolved ('resolved') or introduced ('new') by B, in words."""
     out = []
-    groups = [(p["resolved"], p["new"]) for p in doc["phases"]] + [(doc["run_resolved"], doc["run_new"])]
+    groups = [(p.resolved, p.new) for p in c.phases] + [(c.run_resolved, c.run_new)]
     for resolved, new in groups:
-        out += [("resolved", f"Resolved in {_where(f['phase'])}: {f['cause']} (run A: {f['summary']}).")
+        out += [("resolved", f"Resolved in {_where(f.phase)}: {f.cause} (run A: {f.summary}).")
                 for f in resolved]
-        out += [("new", f"New in {_where(f['phase'])}: {f['cause']} (run B: {f['summary']}; "
-                        f"change: {f['recommendation']}).") for f in new]
+        out += [("new", f"New in {_where(f.phase)}: {f.cause} (run B: {f.summary}; "
+                        f"change: {f.recommendation}).") for f in new]
     return sorted(out, key=lambda kv: kv[0] != "resolved")  # resolved first, each in phase order
 
 
-def bottom_line_text(doc: dict[str, Any]) -> str:
+def bottom_line_text(c: Comparison) -> str:
     """The page's first sentence (older documents have none: said from their gains)."""
-    line = doc.get("bottom_line") or {}
-    return str(line.get("text") or "No bottom line in this comparison document.")
+    return c.bottom_line or "No bottom line in this comparison document."
 
 
-def phase_verdict_lines(doc: dict[str, Any]) -> list[str]:
+def phase_verdict_lines(c: Comparison) -> list[str]:
     """Per phase: better, worse or the same, by how much, and what the what-if model predicted for
     B from A where it did."""
-    predicted = {ph["label"]: ph for ph in (_prediction(doc) or {}).get("phases", [])}
+    predicted = {ph.label: ph for ph in c.prediction.phases} if c.prediction else {}
     out = []
-    for p in doc["phases"]:
-        gain = p["throughput_gain"]
+    for p in c.phases:
+        gain = p.throughput_gain
         if gain is None:
-            out.append(f"{p['label']}: no throughput in one of the runs")
+            out.append(f"{p.label}: no throughput in one of the runs")
             continue
-        verdict = p.get("verdict") or ("better" if gain > 1 + SAME_WITHIN else
-                                       "worse" if gain < 1 - SAME_WITHIN else "same")
-        text = (f"{p['label']}: {verdict}, {_num(p['throughput_tok_s_a'], 0)} -> "
-                f"{_num(p['throughput_tok_s_b'], 0)} tok/s ({gain - 1:+.0%} measured")
-        ph = predicted.get(p["label"])
-        if ph and ph.get("predicted_tok_s") is not None and ph.get("measured_a_tok_s"):
-            text += f", {ph['predicted_tok_s'] / ph['measured_a_tok_s'] - 1:+.0%} predicted from A"
+        verdict = p.verdict or ("better" if gain > 1 + SAME_WITHIN else
+                                "worse" if gain < 1 - SAME_WITHIN else "same")
+        text = (f"{p.label}: {verdict}, {_num(p.throughput_tok_s_a, 0)} -> "
+                f"{_num(p.throughput_tok_s_b, 0)} tok/s ({gain - 1:+.0%} measured")
+        ph = predicted.get(p.label)
+        if ph and ph.predicted_tok_s is not None and ph.measured_a_tok_s:
+            text += f", {ph.predicted_tok_s / ph.measured_a_tok_s - 1:+.0%} predicted from A"
         out.append(text + ")")
     return out
 
 
 
 
-def throughput_line(doc: dict[str, Any]) -> str | None:
+def throughput_line(c: Comparison) -> str | None:
     """B's throughput against A's in words, per phase that moved (a regression stood only in
     the table's gain column)."""
-    gains = [(p["label"], p["throughput_gain"]) for p in doc["phases"] if p["throughput_gain"] is not None]
+    gains = [(p.label, p.throughput_gain) for p in c.phases if p.throughput_gain is not None]
     if not gains:
         return None
     moved = [f"{label} {_gain(g)}" for label, g in gains if abs(g - 1) > SAME_WITHIN]
@@ -117,65 +121,54 @@ def throughput_line(doc: dict[str, Any]) -> str | None:
 PREDICTION_HEADERS = ["phase", "tok/s A (measured)", "B predicted", "B measured", "error", "inside the band"]
 
 
-def _prediction(doc: dict[str, Any]) -> dict[str, Any] | None:
-    return doc.get("predicted_against_measured")
-
-
-def prediction_lines(doc: dict[str, Any]) -> list[str]:
+def prediction_lines(pam: Prediction) -> list[str]:
     """What B changed, who recommended it and the band; or why there is no prediction."""
-    pam = _prediction(doc)
-    if pam is None:
-        return []
-    if pam["note"]:
-        return [f"Prediction: {pam['note']}."]
-    changed = ", ".join(f"{k} {'default' if va is None else va} -> {'default' if vb is None else vb}"
-                        for k, (va, vb) in pam["changes"].items())
-    out = [f"B changed {changed}; the simulator fitted to A predicts B within ±{pam['band_ratio']:.0%} "
-           "(the fit's residual)."]
-    out += [f"Recommended by A's {f['cause']} in {_where(f['phase'])}: {f['recommendation']}"
-            for f in pam["recommended_by"]]
-    if not pam["recommended_by"]:
+    if pam.note:
+        return [f"Prediction: {pam.note}."]
+    changed = ", ".join(f"{ch.setting} {'default' if ch.value_a is None else ch.value_a} -> "
+                        f"{'default' if ch.value_b is None else ch.value_b}" for ch in pam.changes)
+    band = "n/a" if pam.band_ratio is None else f"{pam.band_ratio:.0%}"
+    out = [f"B changed {changed}; the simulator fitted to A predicts B within ±{band} (the fit's residual)."]
+    out += [f"Recommended by A's {f.cause} in {_where(f.phase)}: {f.recommendation}"
+            for f in pam.recommended_by]
+    if not pam.recommended_by:
         out.append("No finding of A recommended this change.")
     return out
 
 
-def _prediction_rows(doc: dict[str, Any]) -> list[list[str]]:
-    pam = _prediction(doc)
-    if pam is None:
-        return []
+def _prediction_rows(pam: Prediction) -> list[list[str]]:
     rows = []
-    for ph in pam["phases"]:
-        err = ph["error"]
-        rows.append([ph["label"], _num(ph["measured_a_tok_s"]), _num(ph["predicted_tok_s"]),
-                     _num(ph["measured_b_tok_s"]), "n/a" if err is None else f"{err:+.1%}",
-                     "n/a" if ph["within_band"] is None else ("yes" if ph["within_band"] else "no")])
+    for ph in pam.phases:
+        err = ph.error
+        rows.append([ph.label, _num(ph.measured_a_tok_s), _num(ph.predicted_tok_s),
+                     _num(ph.measured_b_tok_s), "n/a" if err is None else f"{err:+.1%}",
+                     "n/a" if ph.within_band is None else ("yes" if ph.within_band else "no")])
     return rows
 
 
-def _top(f: dict[str, Any] | None) -> str:
+def _top(f: FindingWords | None) -> str:
     if f is None:
         return "none: no cause found"
-    return f"{f['cause']} in {_where(f['phase'])}: {f['summary']}"
+    return f"{f.cause} in {_where(f.phase)}: {f.summary}"
 
 
 PHASE_HEADERS = ["phase", "tok/s A", "tok/s B", "gain", "bubble A", "bubble B", "TTFT p50 A s",
                  "TTFT p50 B s", "resolved", "new"]
 
 
-def _has_bubble(doc: dict[str, Any]) -> bool:
-    return any(p[k] is not None for p in doc["phases"]
-               for k in ("bubble_fraction_mean_a", "bubble_fraction_mean_b"))
+def _has_bubble(c: Comparison) -> bool:
+    return any(v is not None for p in c.phases for v in (p.bubble_fraction_mean_a, p.bubble_fraction_mean_b))
 
 
-def _phase_table(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+def _phase_table(c: Comparison) -> tuple[list[str], list[list[str]]]:
     """(headers, rows) of the per-phase table; without a bubble figure in either run (no GPU
     samples) the two bubble columns go (the footer says so): columns of n/a say nothing."""
-    rows = [[p["label"], _num(p["throughput_tok_s_a"]), _num(p["throughput_tok_s_b"]),
-             _gain(p["throughput_gain"]), _pct(p["bubble_fraction_mean_a"]),
-             _pct(p["bubble_fraction_mean_b"]), _num(p["ttft_s_p50_a"], 3), _num(p["ttft_s_p50_b"], 3),
-             ", ".join(p["findings_resolved"]) or "-", ", ".join(p["findings_new"]) or "-"]
-            for p in doc["phases"]]
-    if _has_bubble(doc):
+    rows = [[p.label, _num(p.throughput_tok_s_a), _num(p.throughput_tok_s_b),
+             _gain(p.throughput_gain), _pct(p.bubble_fraction_mean_a),
+             _pct(p.bubble_fraction_mean_b), _num(p.ttft_s_p50_a, 3), _num(p.ttft_s_p50_b, 3),
+             ", ".join(p.findings_resolved) or "-", ", ".join(p.findings_new) or "-"]
+            for p in c.phases]
+    if _has_bubble(c):
         return PHASE_HEADERS, rows
     keep = [i for i, h in enumerate(PHASE_HEADERS) if not h.startswith("bubble")]
     return [PHASE_HEADERS[i] for i in keep], [[r[i] for i in keep] for r in rows]
@@ -185,18 +178,18 @@ def _report_path(run_dir: str | None) -> Path | None:
     return Path(run_dir) / "report" / "report.html" if run_dir else None
 
 
-def _run_rows(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
-    return [("run", doc["run_a"], doc["run_b"]),
-            ("directory", doc["run_a_dir"] or "n/a", doc["run_b_dir"] or "n/a"),
-            ("top finding", _top(doc["top_finding_a"]), _top(doc["top_finding_b"]))]
+def _run_rows(c: Comparison) -> list[tuple[str, str, str]]:
+    return [("run", c.run_a, c.run_b),
+            ("directory", c.run_a_dir or "n/a", c.run_b_dir or "n/a"),
+            ("top finding", _top(c.top_finding_a), _top(c.top_finding_b))]
 
 
-def _footer(doc: dict[str, Any]) -> list[str]:
+def _footer(c: Comparison) -> list[str]:
     out = []
-    if doc["unmatched_a"] or doc["unmatched_b"]:
-        out.append(f"Phases only in A: {', '.join(doc['unmatched_a']) or '-'}; "
-                   f"only in B: {', '.join(doc['unmatched_b']) or '-'} (compared by label).")
-    out.append("Bubble: the mean over the stages; per stage in compare.json." if _has_bubble(doc) else
+    if c.unmatched_a or c.unmatched_b:
+        out.append(f"Phases only in A: {', '.join(c.unmatched_a) or '-'}; "
+                   f"only in B: {', '.join(c.unmatched_b) or '-'} (compared by label).")
+    out.append("Bubble: the mean over the stages; per stage in compare.json." if _has_bubble(c) else
                "Bubble: not in either run (no GPU samples).")
     return out
 
@@ -205,37 +198,38 @@ def _md_row(cells: Sequence[str]) -> str:
     return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
 
 
-def render_compare_markdown(doc: dict[str, Any], figure_file: str | None = None) -> str:
+def render_compare_markdown(doc: JsonReadObject, figure_file: str | None = None) -> str:
     """compare.md (and what `compare` prints): the bottom line, the figure A beside B where
     ``figure_file`` names it, then the tables."""
-    out = [f"# Comparison: {doc['run_a']} (A) vs {doc['run_b']} (B)", ""]
-    if doc["same_run"]:
-        out += [f"**Warning: run A and run B are {doc['same_run']}: {same_run_consequence(doc)}.**", ""]
-    out += [f"**{bottom_line_text(doc)}**", "", *[f"- {line}" for line in phase_verdict_lines(doc)], ""]
+    c = Comparison.read(doc)
+    out = [f"# Comparison: {c.run_a} (A) vs {c.run_b} (B)", ""]
+    if c.same_run:
+        out += [f"**Warning: run A and run B are {c.same_run}: {_same_run_consequence(c)}.**", ""]
+    out += [f"**{bottom_line_text(c)}**", "", *[f"- {line}" for line in phase_verdict_lines(c)], ""]
     if figure_file:
         out += [f"![{FIGURE_CAPTION}]({figure_file})", ""]
     out += ["## What changed", ""]
-    changes = change_lines(doc)
+    changes = change_lines(c)
     out += [f"- {text}" for _, text in changes] or ["No finding resolved or new."]
-    throughput = throughput_line(doc)
+    throughput = throughput_line(c)
     if throughput:
         out += ["", throughput]
     out += ["", _md_row(["", "A", "B"]), "|---|---|---|"]
-    out += [_md_row(r) for r in _run_rows(doc)]
-    for label, run_dir in (("A", doc["run_a_dir"]), ("B", doc["run_b_dir"])):
+    out += [_md_row(r) for r in _run_rows(c)]
+    for label, run_dir in (("A", c.run_a_dir), ("B", c.run_b_dir)):
         report = _report_path(run_dir)
         if report is not None:
             out.append(f"\nReport {label}: {report}" + ("" if report.exists() else " (not written yet)"))
-    headers, rows = _phase_table(doc)
+    headers, rows = _phase_table(c)
     out += ["", _md_row(headers), "|" + "---|" * len(headers)]
     out += [_md_row(r) for r in rows]
-    if _prediction(doc) is not None:
-        out += ["", "## Predicted against measured", "", *prediction_lines(doc)]
-        predicted = _prediction_rows(doc)
+    if c.prediction is not None:
+        out += ["", "## Predicted against measured", "", *prediction_lines(c.prediction)]
+        predicted = _prediction_rows(c.prediction)
         if predicted:
             out += ["", _md_row(PREDICTION_HEADERS), "|" + "---|" * len(PREDICTION_HEADERS)]
             out += [_md_row(r) for r in predicted]
-    out += ["", *_footer(doc)]
+    out += ["", *_footer(c)]
     return "\n".join(out) + "\n"
 
 
@@ -251,21 +245,22 @@ def _link(run_dir: str | None, out_dir: Path | None) -> str:
     return f"<a href='{e(href)}'>{e(str(report))}</a>"
 
 
-def render_compare_html(doc: dict[str, Any], out_dir: str | Path | None = None,
+def render_compare_html(doc: JsonReadObject, out_dir: str | Path | None = None,
                         figure: bytes | None = None) -> str:
     """The page; links to the reports are relative to ``out_dir`` (where the page is written);
     ``figure``, A beside B, under the bottom line."""
     e = html.escape
+    c = Comparison.read(doc)
     where = Path(out_dir) if out_dir is not None else None
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>gputrace compare: "
-             f"{e(doc['run_a'])} vs {e(doc['run_b'])}</title><style>{CSS}</style></head><body>"
-             f"<h1>Comparison: {e(doc['run_a'])} (A) vs {e(doc['run_b'])} (B)</h1>"]
-    if doc["same_run"]:
-        parts.append(f"<p class='warning'>Warning: run A and run B are {e(doc['same_run'])}: "
-                     f"{e(same_run_consequence(doc))}.</p>")
-    parts.append(f"<p class='bottom'>{e(bottom_line_text(doc))}</p><ul class='phases'>")
-    for p, line in zip(doc["phases"], phase_verdict_lines(doc), strict=True):
-        verdict = p.get("verdict")
+             f"{e(c.run_a)} vs {e(c.run_b)}</title><style>{CSS}</style></head><body>"
+             f"<h1>Comparison: {e(c.run_a)} (A) vs {e(c.run_b)} (B)</h1>"]
+    if c.same_run:
+        parts.append(f"<p class='warning'>Warning: run A and run B are {e(c.same_run)}: "
+                     f"{e(_same_run_consequence(c))}.</p>")
+    parts.append(f"<p class='bottom'>{e(bottom_line_text(c))}</p><ul class='phases'>")
+    for p, line in zip(c.phases, phase_verdict_lines(c), strict=True):
+        verdict = p.verdict
         parts.append(f"<li class='{verdict}'>{e(line)}</li>" if verdict in ("better", "worse") else
                      f"<li>{e(line)}</li>")
     parts.append("</ul>")
@@ -273,34 +268,35 @@ def render_compare_html(doc: dict[str, Any], out_dir: str | Path | None = None,
         parts.append(f"<img alt='{e(FIGURE_CAPTION)}' id='fig-compare' "
                      f"src='data:image/png;base64,{base64.b64encode(figure).decode()}'>")
     parts.append("<h2>What changed</h2>")
-    changes = change_lines(doc)
+    changes = change_lines(c)
     parts += [f"<p class='{kind}'>{e(text)}</p>" for kind, text in changes] or \
         ["<p>No finding resolved or new.</p>"]
-    throughput = throughput_line(doc)
+    throughput = throughput_line(c)
     if throughput:
         parts.append(f"<p>{e(throughput)}</p>")
     parts.append("<h2>The two runs</h2><table class='runs'><tr><th></th><th>A</th><th>B</th></tr>")
-    parts += [f"<tr><td>{e(k)}</td><td>{e(va)}</td><td>{e(vb)}</td></tr>" for k, va, vb in _run_rows(doc)]
-    parts.append(f"<tr><td>report</td><td>{_link(doc['run_a_dir'], where)}</td>"
-                 f"<td>{_link(doc['run_b_dir'], where)}</td></tr></table>")
-    headers, rows = _phase_table(doc)
+    parts += [f"<tr><td>{e(k)}</td><td>{e(va)}</td><td>{e(vb)}</td></tr>" for k, va, vb in _run_rows(c)]
+    parts.append(f"<tr><td>report</td><td>{_link(c.run_a_dir, where)}</td>"
+                 f"<td>{_link(c.run_b_dir, where)}</td></tr></table>")
+    headers, rows = _phase_table(c)
     parts.append("<h2>Per phase</h2><table><tr>" + "".join(f"<th>{e(h)}</th>" for h in headers) + "</tr>")
     parts += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in rows]
     parts.append("</table>")
-    if _prediction(doc) is not None:
+    if c.prediction is not None:
         parts.append("<h2>Predicted against measured</h2>")
-        parts += [f"<p>{e(line)}</p>" for line in prediction_lines(doc)]
-        predicted = _prediction_rows(doc)
+        parts += [f"<p>{e(line)}</p>" for line in prediction_lines(c.prediction)]
+        predicted = _prediction_rows(c.prediction)
         if predicted:
             parts.append("<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in PREDICTION_HEADERS) + "</tr>")
             parts += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in predicted]
             parts.append("</table>")
-    parts += [f"<p>{e(line)}</p>" for line in _footer(doc)]
+    parts += [f"<p>{e(line)}</p>" for line in _footer(c)]
     parts.append("</body></html>")
     return "\n".join(parts)
 
 
-def write_compare(doc: dict[str, Any], out_dir: str | Path, formats: list[str]) -> list[Path]:
+def write_compare(doc: JsonReadObject, out_dir: str | Path, formats: list[str]) -> list[Path]:
+    """compare.json (the document as given), compare.md with compare.png beside it, compare.html."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []

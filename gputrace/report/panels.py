@@ -9,7 +9,7 @@ from __future__ import annotations
 import html
 import re
 import textwrap
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -20,7 +20,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import PercentFormatter
 
-from gputrace.dashboard import PanelResult, PanelSeries, PhaseMark
+from gputrace.dashboard import PanelResult, PanelSeries, PhaseMark, text_of
+from gputrace.json_types import JsonReadObject, JsonReadValue, as_number, as_text, section
 from gputrace.report.figures import WIDTH_IN, figure_png, report_style
 
 GRID_COLUMNS = 24  # Grafana's dashboard width in grid units
@@ -54,9 +55,15 @@ def _unit(unit: str, peak: float) -> tuple[str, float]:
     return _UNITS.get(unit, (unit, 1.0))
 
 
-def _defaults(panel: Mapping[str, Any]) -> Mapping[str, Any]:
-    defaults: Mapping[str, Any] = panel.get("fieldConfig", {}).get("defaults", {})
-    return defaults
+def _number_or(value: JsonReadValue | None, default: float) -> float:
+    """A number of the panel's model, ``default`` (Grafana's) where it has none."""
+    number = as_number(value)
+    return default if number is None else number
+
+
+def _grid_units(panel: JsonReadObject, key: str, default: int) -> int:
+    """The panel's width or height (``w``, ``h``) in Grafana's grid units."""
+    return int(_number_or(section(panel, "gridPos").get(key), default))
 
 
 def _peak(series: Sequence[PanelSeries]) -> float:
@@ -91,13 +98,13 @@ def _time_axis(ax: Axes, start_s: float, end_s: float) -> None:
     ax.set_xlabel(f"s since {datetime.fromtimestamp(start_s, UTC):%H:%M:%S} UTC")
 
 
-def _timeseries(fig: Figure, panel: Mapping[str, Any], series: Sequence[PanelSeries],
+def _timeseries(fig: Figure, panel: JsonReadObject, series: Sequence[PanelSeries],
                 marks: Sequence[PhaseMark], start_s: float, end_s: float) -> None:
     width_in = fig.get_figwidth()
     legend_in = 2.3 if width_in > 6 else 1.9  # the legend's column, right of the axes
     ax = fig.add_axes((0.8 / width_in, 0.17, 1 - (0.8 + legend_in) / width_in, 0.65))
-    defaults = _defaults(panel)
-    unit = str(defaults.get("unit", "short"))
+    defaults = section(panel, "fieldConfig", "defaults")
+    unit = as_text(defaults.get("unit")) or "short"
     label, div = _unit(unit, _peak(series))
     for s in series:
         # step-after, as the dashboard draws them (a gauge holds its value until the next scrape)
@@ -107,7 +114,7 @@ def _timeseries(fig: Figure, panel: Mapping[str, Any], series: Sequence[PanelSer
     else:
         ax.set_ylabel(label)
     if series:
-        lo, hi = defaults.get("min"), defaults.get("max")
+        lo, hi = as_number(defaults.get("min")), as_number(defaults.get("max"))
         ax.set_ylim(bottom=lo / div if lo is not None else None,
                     top=hi / div if hi is not None and _peak(series) <= hi else None)
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, frameon=False,
@@ -139,26 +146,26 @@ def heatmap_rows(series: Sequence[PanelSeries], start_s: float, step_s: float, e
     return [s.legend for s in ordered], rows
 
 
-def _heatmap(fig: Figure, panel: Mapping[str, Any], series: Sequence[PanelSeries],
+def _heatmap(fig: Figure, panel: JsonReadObject, series: Sequence[PanelSeries],
              marks: Sequence[PhaseMark], start_s: float, end_s: float, step_s: float) -> None:
     width_in = fig.get_figwidth()
     left, right = 1.3 / width_in, 1 - 1.0 / width_in  # room for the stage names and the colour bar
     ax = fig.add_axes((left, 0.2, right - left, 0.62))
-    color = panel.get("options", {}).get("color", {})
+    color = section(panel, "options", "color")
     if series:
         names, rows = heatmap_rows(series, start_s, step_s, end_s)
-        cmap = _cmap(str(color.get("scheme", "viridis")))
+        cmap = _cmap(as_text(color.get("scheme")) or "viridis")
         im = ax.imshow(np.ma.masked_invalid(rows), aspect="auto", cmap=cmap, interpolation="nearest",
-                       vmin=color.get("min", 0), vmax=color.get("max", 1),
+                       vmin=_number_or(color.get("min"), 0), vmax=_number_or(color.get("max"), 1),
                        extent=(-step_s / 2, end_s - start_s + step_s / 2, len(names) - 0.5, -0.5))
         ax.set_yticks(range(len(names)), names)
         cax = fig.add_axes((right + 0.15 / width_in, 0.2, 0.15 / width_in, 0.62))
         cb = fig.colorbar(im, cax=cax)
-        if panel.get("options", {}).get("cellValues", {}).get("unit") == "percentunit":
+        if section(panel, "options", "cellValues").get("unit") == "percentunit":
             cb.ax.yaxis.set_major_formatter(PercentFormatter(1.0))
     else:
         _no_data(ax)
-    ax.set_ylabel(panel.get("options", {}).get("yAxis", {}).get("axisLabel", ""))
+    ax.set_ylabel(text_of(section(panel, "options", "yAxis").get("axisLabel")))
     _time_axis(ax, start_s, end_s)
     _phase_lines(ax, marks, start_s, end_s, fig.get_figwidth())
 
@@ -187,12 +194,12 @@ def stat_value(s: PanelSeries) -> float | None:
     return float(finite[-1]) if finite.size else None
 
 
-def _stat(fig: Figure, panel: Mapping[str, Any], series: Sequence[PanelSeries], start_s: float) -> None:
-    unit = str(_defaults(panel).get("unit", "short"))
+def _stat(fig: Figure, panel: JsonReadObject, series: Sequence[PanelSeries], start_s: float) -> None:
+    unit = as_text(section(panel, "fieldConfig", "defaults").get("unit")) or "short"
     if not series:
         _no_data(fig.add_subplot())
         return
-    if panel.get("options", {}).get("textMode") == "name":  # a line of text: the series' names
+    if section(panel, "options").get("textMode") == "name":  # a line of text: the series' names
         text = "\n".join(textwrap.fill(s.legend, 110) for s in series)
         fig.text(0.5, 0.42, text, ha="center", va="center", fontsize=14)
         return
@@ -211,18 +218,17 @@ def panel_figure(result: PanelResult, marks: Sequence[PhaseMark], start_s: float
                  step_s: float) -> Figure:
     """One panel as a figure of its dashboard width (24 grid units: the report's 1,300 px)."""
     panel = result.panel
-    grid = panel.get("gridPos", {})
-    width_in = WIDTH_IN * int(grid.get("w", GRID_COLUMNS)) / GRID_COLUMNS
+    width_in = WIDTH_IN * _grid_units(panel, "w", GRID_COLUMNS) / GRID_COLUMNS
     kind = panel.get("type")
     shortest_in = 1.5 if kind == "stat" else 3.0  # a stat is a figure or a line of text
-    fig = Figure(figsize=(width_in, max(shortest_in, HEIGHT_IN_PER_UNIT * int(grid.get("h", 8)))))
+    fig = Figure(figsize=(width_in, max(shortest_in, HEIGHT_IN_PER_UNIT * _grid_units(panel, "h", 8))))
     if kind == "heatmap":
         _heatmap(fig, panel, result.series, marks, start_s, end_s, step_s)
     elif kind == "stat":
         _stat(fig, panel, result.series, start_s)
     else:
         _timeseries(fig, panel, result.series, marks, start_s, end_s)
-    fig.suptitle(panel.get("title", ""), fontsize=12, weight="bold", x=0.01, ha="left")
+    fig.suptitle(text_of(panel.get("title")), fontsize=12, weight="bold", x=0.01, ha="left")
     return fig
 
 
@@ -239,16 +245,17 @@ def write_panels(results: Sequence[PanelResult], marks: Sequence[PhaseMark], out
     with report_style():
         for result in results:
             panel = result.panel
-            title = str(panel.get("title", ""))
+            title = text_of(panel.get("title"))
             if panel.get("type") == "row":
                 body.append(f"<h2>{html.escape(title)}</h2>")
                 continue
-            path = out_dir / f"{int(panel.get('id', len(rendered) + 1)):02d}-{_slug(title)}.png"
+            panel_id = int(_number_or(panel.get("id"), len(rendered) + 1))
+            path = out_dir / f"{panel_id:02d}-{_slug(title)}.png"
             path.write_bytes(figure_png(panel_figure(result, marks, start_s, end_s, step_s)))
             points = sum(int(np.isfinite(s.values).sum()) for s in result.series)
             rendered.append(RenderedPanel(title, str(panel.get("type")), path, len(result.series), points))
-            width = 100 * int(panel.get("gridPos", {}).get("w", GRID_COLUMNS)) / GRID_COLUMNS
-            caption = html.escape(str(panel.get("description", "")))
+            width = 100 * _grid_units(panel, "w", GRID_COLUMNS) / GRID_COLUMNS
+            caption = html.escape(text_of(panel.get("description")))
             body.append(f'<figure style="width:{width - 1:.1f}%"><img src="{path.name}" '
                         f'alt="{html.escape(title)}"><figcaption>{caption}</figcaption></figure>')
     span = (f"{datetime.fromtimestamp(start_s, UTC):%Y-%m-%d %H:%M:%S} to "

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from gputrace.analysis.result import Analysis
+from gputrace.json_types import JsonObject, JsonValue
 
 MAX_POINTS_PER_TRACK = 20_000
 """Long runs are averaged down to this many points per counter track to keep the file small."""
@@ -27,7 +27,7 @@ def _downsample(t_us: np.ndarray, v: np.ndarray, max_points: int) -> tuple[np.nd
     return t_us[: m * step: step], mean
 
 
-def _counter(events: list[dict[str, Any]], pid: int, name: str, t_us: np.ndarray, v: np.ndarray,
+def _counter(events: list[JsonValue], pid: int, name: str, t_us: np.ndarray, v: np.ndarray,
              max_points: int) -> None:
     t, vals = _downsample(t_us, v, max_points)
     keep = ~np.isnan(vals)
@@ -40,13 +40,14 @@ def _counter(events: list[dict[str, Any]], pid: int, name: str, t_us: np.ndarray
                        "args": {name: round(float(vals[i]), 4)}} for i in idx)
 
 
-def build_trace(a: Analysis, max_points: int = MAX_POINTS_PER_TRACK) -> dict[str, Any]:
+def build_trace(a: Analysis, max_points: int = MAX_POINTS_PER_TRACK) -> JsonObject:
     """The trace document."""
     r = a.run
     t0 = int(r.grid_ns[0] - r.period_ns)
     # Counters take the cell's start: the NVML value describes the period that follows it.
     t_us = (r.grid_ns - r.period_ns - t0).astype(np.float64) / 1e3
-    events: list[dict[str, Any]] = [
+    # the trace's events: JSON as Perfetto reads it (the Trace Event Format), written whole
+    events: list[JsonValue] = [
         {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": f"run {r.name}: phases"}},
         {"name": "process_sort_index", "ph": "M", "pid": 0, "args": {"sort_index": 0}},
     ]

@@ -8,15 +8,26 @@ import html
 import json
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
-from gputrace.analysis.diagnose import changes_the_deployment
+from gputrace.analysis.diagnose import Finding, changes_the_deployment, rule_table
+from gputrace.analysis.predicted import PredictedEffect
 from gputrace.analysis.result import Analysis
 from gputrace.engines import engine_words
 from gputrace.errors import UsageError
-from gputrace.report.document import STAGE_NOTE, build_document, fmt, stage_columns
+from gputrace.report.document import (
+    STAGE_NOTE,
+    Cell,
+    TableRow,
+    advice_of,
+    build_document,
+    fmt,
+    phase_stage_table,
+    stage_columns,
+)
 from gputrace.report.figures import FIGURES, FIRST_SCREEN
+from gputrace.whatif.advise import PhaseAdvice
 
 FORMATS = ("html", "md", "json")
 
@@ -49,8 +60,8 @@ ENGINE_LINE_SETTINGS = ("max_running_requests", "pp_max_micro_batch_size", "pp_a
                         "chunked_prefill_size", "decode_log_interval")
 
 
-def _summary_lines(doc: dict[str, Any]) -> list[str]:
-    s = doc["summary"]
+def _summary_lines(a: Analysis) -> list[str]:
+    s = a.summary()
     if s["sample_period_ms"] is None:
         period = f"no GPU samples (aligned on a {s['grid_period_ms']:.0f} ms grid)"
     else:
@@ -83,7 +94,7 @@ def _summary_lines(doc: dict[str, Any]) -> list[str]:
     if s["clock_offsets"]:
         lines.append("clock offsets: " + ", ".join(
             f"{h} {o['offset_ms_last']:+.3f} ms" for h, o in s["clock_offsets"].items()))
-    lines.extend(doc["notes"])
+    lines.extend(a.notes)
     return lines
 
 
@@ -106,37 +117,37 @@ def _where(phase: str) -> str:
     return "the whole run" if phase == "*" else f"phase {phase}"
 
 
-def verdict(doc: dict[str, Any]) -> str:
+def verdict(a: Analysis) -> str:
     """The report's one sentence where the run has no advice (the what-if model could not be
     fitted): the top finding that a change to the deployment answers (else the top one) and what
     its change is, or that no cause was found."""
-    causes = [f for f in doc["findings"] if f["cause"] != "cannot_tell"]
+    causes = [f for f in a.findings if f.cause != "cannot_tell"]
     if causes:
-        top = next((f for f in causes if changes_the_deployment((f.get("change") or {}).get("knob"))),
+        top = next((f for f in causes if changes_the_deployment(f.change.flag if f.change else None)),
                    causes[0])
         return (f"No advice (the what-if model could not be fitted to this run); the top finding, "
-                f"{top['cause']} in {_where(top['phase'])}: {top['summary']}; its change: "
-                f"{top['recommendation']}.")
-    if any(f["cause"] == "cannot_tell" for f in doc["findings"]):
+                f"{top.cause} in {_where(top.phase)}: {top.summary}; its change: "
+                f"{a.recommendation_of(top)}.")
+    if any(f.cause == "cannot_tell" for f in a.findings):
         return "No cause found in what the run holds, and it lacks data to look for some (below)."
     return "No cause found: every phase is healthy."
 
 
-def answer(doc: dict[str, Any]) -> str:
+def answer(a: Analysis) -> str:
     """The report's first sentence and its one recommendation: the advice (a change, or keep with
     its reason and the best trade-off), else the verdict of the findings."""
-    advice = doc.get("advice")
-    return f"Advice: {advice['sentence']}" if advice else verdict(doc)
+    advice = advice_of(a)
+    return f"Advice: {advice.sentence()}" if advice else verdict(a)
 
 
-def missing_data(doc: dict[str, Any]) -> str | None:
+def missing_data(a: Analysis) -> str | None:
     """What the run lacks and the source that would give it on this run's engine and hosts, said
     once (the cannot_tell findings, one remedy each), or None."""
-    missing = [f for f in doc["findings"] if f["cause"] == "cannot_tell"]
+    missing = [f for f in a.findings if f.cause == "cannot_tell"]
     if not missing:
         return None
     return "Missing from this run: " + " ".join(
-        f"{f['summary']} ({_where(f['phase'])}); to get it: {f['recommendation']}." for f in missing)
+        f"{f.summary} ({_where(f.phase)}); to get it: {a.recommendation_of(f)}." for f in missing)
 
 
 ADVICE_COLUMNS = (("unchanged_tok_s", "model as run tok/s"), ("predicted_tok_s", "predicted tok/s"),
@@ -146,26 +157,25 @@ ADVICE_COLUMNS = (("unchanged_tok_s", "model as run tok/s"), ("predicted_tok_s",
 keep the settings, the model as run and the band alone (a prediction equal to it says nothing)."""
 
 
-def advice_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per phase: measured, the model as run, predicted under the advice, its gain and band."""
-    rows = []
-    for p in (doc.get("advice") or {}).get("phases", []):
-        model = p.get("model_band_ratio")
-        noisier = model is not None and p["band_ratio"] - model >= 0.01  # the phase's own spread added
-        rows.append({**p, "gain": f"{p['gain_ratio']:+.0%}", "band": f"±{p['band_ratio']:.0%}"
-                     + (f" (model ±{model:.0%})" if noisier else "")
-                     + (" (extrapolated)" if p.get("extrapolation") else ""),
-                     "predicted_ttft_s_p90": p.get("ttft_s_p90"), "predicted_itl_s_p90": p.get("itl_s_p90")})
-    return rows
+def advice_cells(p: PhaseAdvice) -> dict[str, Cell]:
+    """A phase under the advice, as its table cells: the model as run, predicted, gain and band."""
+    model = p.model_band_ratio
+    noisier = model is not None and p.band_ratio - model >= 0.01  # the phase's own spread added
+    return {"unchanged_tok_s": p.unchanged_tok_s, "predicted_tok_s": p.predicted_tok_s,
+            "gain": f"{p.gain_ratio:+.0%}",
+            "band": f"±{p.band_ratio:.0%}" + (f" (model ±{model:.0%})" if noisier else "")
+            + (" (extrapolated)" if p.extrapolation else ""),
+            "predicted_ttft_s_p90": p.ttft_s_p90, "predicted_itl_s_p90": p.itl_s_p90}
 
 
-def phase_table(doc: dict[str, Any]) -> tuple[list[tuple[str, str]], list[dict[str, Any]]]:
+def phase_table(a: Analysis) -> tuple[list[tuple[str, str]], list[TableRow]]:
     """The per-phase table: the load and what the requests got, with the advice's prediction beside
     the measured tok/s (columns with no value in any row left out)."""
-    advice = doc.get("advice") or {}
-    by_phase = {r["phase"]: r for r in advice_rows(doc)}
-    rows = [{**by_phase.get(p["label"], {}), **p} for p in doc["phases"]]
-    extra = [c for c in ADVICE_COLUMNS if advice.get("changes") or c[0] in ("unchanged_tok_s", "band")
+    advice = advice_of(a)
+    by_phase = {p.phase: advice_cells(p) for p in advice.phases} if advice else {}
+    rows: list[TableRow] = [{**by_phase.get(pm.label, {}), **{k: getattr(pm, k) for k, _ in PHASE_COLUMNS}}
+                            for pm in a.metrics]
+    extra = [c for c in ADVICE_COLUMNS if advice.changes or c[0] in ("unchanged_tok_s", "band")
              ] if advice else []
     at = [k for k, _ in PHASE_COLUMNS].index("throughput_tok_s") + 1
     columns = [*PHASE_COLUMNS[:at], *extra, *PHASE_COLUMNS[at:]]
@@ -173,11 +183,13 @@ def phase_table(doc: dict[str, Any]) -> tuple[list[tuple[str, str]], list[dict[s
     return keep, rows
 
 
-def advice_notes(doc: dict[str, Any]) -> list[str]:
+def advice_notes(a: Analysis) -> list[str]:
     """The alternatives that trade, and why a band is wide."""
-    advice = doc.get("advice") or {}
-    out = [f"Alternative that trades: {a['text']}" for a in advice.get("alternatives", [])]
-    out += sorted({p["extrapolation"] for p in advice.get("phases", []) if p.get("extrapolation")})
+    advice = advice_of(a)
+    if advice is None:
+        return []
+    out = [f"Alternative that trades: {option.describe()}" for option in advice.alternatives]
+    out += sorted({p.extrapolation for p in advice.phases if p.extrapolation})
     return out
 
 
@@ -185,53 +197,50 @@ def _stage_label(stages: Sequence[int]) -> str:
     return f"stage {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))}"
 
 
-def finding_cost(f: dict[str, Any], table: Sequence[dict[str, Any]]) -> str | None:
-    """What a finding costs, from the phase-by-stage table: its stages' mean bubble in its phase
+def finding_cost(a: Analysis, f: Finding) -> str | None:
+    """What a finding costs, from the phase-by-stage figures: its stages' mean bubble in its phase
     (the share of the phase they idled while requests were there)."""
-    rows = [r for r in table if (f["phase"] == "*" or r["phase"] == f["phase"])
-            and r["pp_rank"] in f["stages"] and r.get("bubble_fraction") is not None]
-    if not rows:
+    bubbles = [st.bubble_fraction for pm in a.metrics if f.phase in ("*", pm.label) for st in pm.stages
+               if st.pp_rank in f.stages and st.bubble_fraction is not None]
+    if not bubbles:
         return None
-    bubble = sum(r["bubble_fraction"] for r in rows) / len(rows)
-    return (f"{_stage_label(f['stages'])} idled {bubble:.0%} of {_where(f['phase'])} "
+    bubble = sum(bubbles) / len(bubbles)
+    return (f"{_stage_label(f.stages)} idled {bubble:.0%} of {_where(f.phase)} "
             "while requests were running or waiting")
 
 
-def finding_effect(f: dict[str, Any]) -> str | None:
+def finding_effect(pred: PredictedEffect | None) -> str | None:
     """What a finding's own change would do per phase (the what-if's ``predicted``): measured ->
     predicted tok/s at its phase with the band, and at every other phase; None where not predicted."""
-    pred = f.get("predicted")
-    if not pred:
+    if pred is None:
         return None
-    band = pred["band_ratio"]
-    cells = [(pred["concurrency"], pred["measured_tok_s"], pred["predicted_tok_s"])]
-    cells += [(o["concurrency"], o["measured_tok_s"], o["predicted_tok_s"]) for o in pred["other_phases"]]
+    cells = [(pred.concurrency, pred.measured_tok_s, pred.predicted_tok_s)]
+    cells += [(o.concurrency, o.measured_tok_s, o.predicted_tok_s) for o in pred.other_phases]
     parts = [f"C={c} {m:.0f} -> {p:.0f} tok/s ({p / m - 1:+.0%})" if m else f"C={c} n/a"
              for c, m, p in sorted(cells)]
-    text = ", ".join(parts) + f" (band ±{band:.0%})"
-    if pred["within_uncertainty"]:
-        text += f"; at C={pred['concurrency']} inside the model's uncertainty: no clear gain"
+    text = ", ".join(parts) + f" (band ±{pred.band_ratio:.0%})"
+    if pred.within_uncertainty:
+        text += f"; at C={pred.concurrency} inside the model's uncertainty: no clear gain"
     return text
 
 
-def _finding_text(f: dict[str, Any], change: str | None) -> tuple[str, str, str, str | None]:
-    """(head, summary, evidence, what its change would do)."""
-    head = f"{f['cause']} (phase {f['phase']}, {_stage_label(f['stages'])}, " \
-           f"confidence {f['confidence']:.2f})"
-    ev = ", ".join(f"{k}={v}" for k, v in f["evidence"].items())
-    effect = finding_effect(f)
-    would = None if change is None else change + (f": {effect}" if effect else " (not predicted)")
-    return head, f["summary"], ev, would
+def _finding_text(a: Analysis, f: Finding) -> tuple[str, str, str, str | None]:
+    """(head, summary, evidence, what its change would do): its own change as its analysis states
+    it (without the prediction, which is shown per phase)."""
+    head = f"{f.cause} (phase {f.phase}, {_stage_label(f.stages)}, " \
+           f"confidence {f.confidence:.2f})"
+    ev = ", ".join(f"{k}={v}" for k, v in f.evidence.items())
+    effect = finding_effect(a.effect_of(f))
+    would = f.recommendation + (f": {effect}" if effect else " (not predicted)")
+    return head, f.summary, ev, would
 
 
-def evidence_findings(a: Analysis, doc: dict[str, Any]) -> list[tuple[dict[str, Any], str | None]]:
-    """The findings that are causes (what the run lacks is said once, under the answer), each with
-    its own change as its analysis states it (without the prediction, which is shown per phase)."""
-    return [(f, a.findings[i].recommendation) for i, f in enumerate(doc["findings"])
-            if f["cause"] != "cannot_tell"]
+def evidence_findings(a: Analysis) -> list[Finding]:
+    """The findings that are causes (what the run lacks is said once, under the answer)."""
+    return [f for f in a.findings if f.cause != "cannot_tell"]
 
 
-def _html_table(columns: Sequence[tuple[str, str]], rows: Sequence[dict[str, Any]],
+def _html_table(columns: Sequence[tuple[str, str]], rows: Sequence[TableRow],
                 group: str | None = None) -> str:
     """A table; with ``group``, that column's value is shown only where it changes (and the row
     starts a group)."""
@@ -246,7 +255,7 @@ def _html_table(columns: Sequence[tuple[str, str]], rows: Sequence[dict[str, Any
     return f"<table><tr>{head}</tr>{''.join(body)}</table>"
 
 
-def _md_table(columns: Sequence[tuple[str, str]], rows: Sequence[dict[str, Any]],
+def _md_table(columns: Sequence[tuple[str, str]], rows: Sequence[TableRow],
               group: str | None = None) -> list[str]:
     def cell(i: int, k: str) -> str:
         repeat = group == k and i and rows[i - 1].get(k) == rows[i].get(k)
@@ -270,30 +279,30 @@ def _img(name: str, png: bytes) -> str:
             f"src='data:image/png;base64,{base64.b64encode(png).decode()}'>")
 
 
-def render_html(a: Analysis, doc: dict[str, Any], figures: dict[str, bytes]) -> str:
+def render_html(a: Analysis, figures: dict[str, bytes]) -> str:
     """The page: the one-sentence answer, the busy heatmap and the per-phase throughput chart
     (the first screen), the per-phase table, the findings as the evidence, the other figures,
     and folded below, the run's details, the phase-by-stage table, mapping, rules and thresholds."""
     e = html.escape
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>gputrace report: "
-             f"{e(doc['summary']['run'])}</title><style>{CSS}</style></head><body>",
-             f"<h1>Bubble diagnosis: {e(doc['summary']['run'])}</h1>",
+             f"{e(a.run.name)}</title><style>{CSS}</style></head><body>",
+             f"<h1>Bubble diagnosis: {e(a.run.name)}</h1>",
              "<section class='first-screen'>",
-             f"<p class='answer'>{e(answer(doc))}</p>"]
-    if (lacking := missing_data(doc)) is not None:
+             f"<p class='answer'>{e(answer(a))}</p>"]
+    if (lacking := missing_data(a)) is not None:
         parts.append(f"<p class='missing'>{e(lacking)}</p>")
     parts += [_img(name, figures[name]) for name in FIRST_SCREEN if name in figures]
     parts.append("</section>")
-    columns, rows = phase_table(doc)
+    columns, rows = phase_table(a)
     parts.append("<h2>Per phase</h2>" + _html_table(columns, rows))
-    parts += [f"<p class='note'>{e(n)}</p>" for n in advice_notes(doc)]
+    parts += [f"<p class='note'>{e(n)}</p>" for n in advice_notes(a)]
     parts.append("<h2>Findings: the evidence</h2>")
-    findings = evidence_findings(a, doc)
+    findings = evidence_findings(a)
     if not findings:
         parts.append("<div class='ok'>No cause found in any phase.</div>")
-    for f, change in findings:
-        head, summary, ev, would = _finding_text(f, change)
-        cost = finding_cost(f, doc["table"])
+    for f in findings:
+        head, summary, ev, would = _finding_text(a, f)
+        cost = finding_cost(a, f)
         parts.append(f"<div class='finding'><b>{e(head)}</b><br>{e(summary)}<br>"
                      + (f"costs: {e(cost)}<br>" if cost else "")
                      + f"<small>evidence: {e(ev)}</small>"
@@ -305,27 +314,29 @@ def render_html(a: Analysis, doc: dict[str, Any], figures: dict[str, bytes]) -> 
         parts += [f"<h3>{e(FIGURES[name][0])}</h3>{_img(name, figures[name])}" for name in rest]
     parts.append("<h2>Details</h2><details><summary>The run: sources, mapping rule, clocks, notes"
                  "</summary><ul>")
-    parts += [f"<li>{e(line)}</li>" for line in _summary_lines(doc)]
+    parts += [f"<li>{e(line)}</li>" for line in _summary_lines(a)]
     parts.append("</ul></details>")
-    columns, missing, busy_from = stage_columns(doc["table"])
+    table = phase_stage_table(a)
+    columns, missing, busy_from = stage_columns(table)
     parts.append("<details><summary>Phase by stage</summary>"
-                 + _html_table(columns, doc["table"], group="phase")
+                 + _html_table(columns, table, group="phase")
                  + f"<p class='note'>{e(_stage_note(missing, busy_from))}</p></details>")
     parts.append("<details><summary>Stage mapping</summary>")
-    if doc["mapping"]:
+    if a.run.mapping.placements:
         parts.append("<table><tr><th>host</th><th>gpu</th><th>pp_rank</th><th>tp_rank</th>"
                      "<th>dp_rank</th></tr>")
-        for p in doc["mapping"]:
-            parts.append(f"<tr><td>{e(p['host'])}</td><td>{p['gpu_index']}</td><td>{p['pp_rank']}</td>"
-                         f"<td>{p['tp_rank']}</td><td>{p['dp_rank']}</td></tr>")
+        for p in a.run.mapping.placements:
+            parts.append(f"<tr><td>{e(p.host)}</td><td>{p.gpu_index}</td><td>{p.pp_rank}</td>"
+                         f"<td>{p.tp_rank}</td><td>{p.dp_rank}</td></tr>")
         parts.append("</table>")
     else:  # a table of headers alone says nothing
         parts.append(f"<p class='note'>{e(NO_MAPPING)}</p>")
     parts.append("</details><details><summary>Rules and thresholds</summary>"
                  "<table><tr><th>rule</th><th>checks</th></tr>")
-    parts += [f"<tr><td>{e(r['rule'])}</td><td>{e(r['checks'])}</td></tr>" for r in doc["rules"]]
+    parts += [f"<tr><td>{e(rule)}</td><td>{e(checks)}</td></tr>"
+              for rule, checks in rule_table(a.run.engine.kind)]
     parts.append("</table><table><tr><th>threshold</th><th>value</th></tr>")
-    parts += [f"<tr><td>{e(k)}</td><td>{v}</td></tr>" for k, v in doc["thresholds"].items()]
+    parts += [f"<tr><td>{e(k)}</td><td>{v}</td></tr>" for k, v in asdict(a.thresholds).items()]
     parts.append("</table></details></body></html>")
     return "\n".join(parts)
 
@@ -348,25 +359,25 @@ def _md_code(text: object) -> str:
     return str(text).replace("`", "'").replace("\n", " ")
 
 
-def render_markdown(a: Analysis, doc: dict[str, Any], figure_files: dict[str, str]) -> str:
+def render_markdown(a: Analysis, figure_files: dict[str, str]) -> str:
     """report.md in the page's order: the answer, the two first-screen figures, the per-phase
     table, the findings as the evidence, the other figures, and the details folded."""
-    out = [f"# Bubble diagnosis: {_md(doc['summary']['run'])}", "", f"**{_md(answer(doc))}**", ""]
-    if (lacking := missing_data(doc)) is not None:
+    out = [f"# Bubble diagnosis: {_md(a.run.name)}", "", f"**{_md(answer(a))}**", ""]
+    if (lacking := missing_data(a)) is not None:
         out += [_md(lacking), ""]
     for name in FIRST_SCREEN:
         if name in figure_files:
             out += [f"![{FIGURES[name][0]}]({figure_files[name]})", ""]
-    columns, rows = phase_table(doc)
+    columns, rows = phase_table(a)
     out += ["## Per phase", "", *_md_table(columns, rows), ""]
-    out += [f"- {_md(n)}" for n in advice_notes(doc)]
+    out += [f"- {_md(n)}" for n in advice_notes(a)]
     out += ["", "## Findings: the evidence", ""]
-    findings = evidence_findings(a, doc)
+    findings = evidence_findings(a)
     if not findings:
         out.append("No cause found in any phase.")
-    for f, change in findings:
-        head, summary, ev, would = _finding_text(f, change)
-        cost = finding_cost(f, doc["table"])
+    for f in findings:
+        head, summary, ev, would = _finding_text(a, f)
+        cost = finding_cost(a, f)
         out += [f"- **{_md(head)}**: {_md(summary)}  "]
         out += [f"  costs: {_md(cost)}  "] if cost else []
         out += [f"  evidence: {_md(ev)}" + ("  " if would else "")]
@@ -378,22 +389,23 @@ def render_markdown(a: Analysis, doc: dict[str, Any], figure_files: dict[str, st
             out += [f"### {FIGURES[name][0]}", "", f"![{FIGURES[name][0]}]({figure_files[name]})", ""]
     out += ["", "## Details", "", "<details><summary>The run: sources, mapping rule, clocks, notes</summary>",
             ""]
-    out += [f"- {_md(line)}" for line in _summary_lines(doc)]
-    columns, missing, busy_from = stage_columns(doc["table"])
+    out += [f"- {_md(line)}" for line in _summary_lines(a)]
+    table = phase_stage_table(a)
+    columns, missing, busy_from = stage_columns(table)
     out += ["", "</details>", "", "<details><summary>Phase by stage</summary>", "",
-            *_md_table(columns, doc["table"], group="phase"), "", _md(_stage_note(missing, busy_from)),
+            *_md_table(columns, table, group="phase"), "", _md(_stage_note(missing, busy_from)),
             "", "</details>", "", "<details><summary>Stage mapping</summary>", ""]
-    if doc["mapping"]:
+    if a.run.mapping.placements:
         out += ["| host | gpu | pp_rank | tp_rank | dp_rank |", "|---|---|---|---|---|"]
-        out += [f"| {_md(p['host'])} | {p['gpu_index']} | {p['pp_rank']} | {p['tp_rank']} | "
-                f"{p['dp_rank']} |" for p in doc["mapping"]]
+        out += [f"| {_md(p.host)} | {p.gpu_index} | {p.pp_rank} | {p.tp_rank} | "
+                f"{p.dp_rank} |" for p in a.run.mapping.placements]
     else:
         out += [NO_MAPPING]
     out += ["", "</details>", "", "<details><summary>Rules and thresholds</summary>", "",
             "| rule | checks |", "|---|---|"]
-    out += [f"| {_md(r['rule'])} | {_md(r['checks'])} |" for r in doc["rules"]]
+    out += [f"| {_md(rule)} | {_md(checks)} |" for rule, checks in rule_table(a.run.engine.kind)]
     out += ["", "| threshold | value |", "|---|---|"]
-    out += [f"| {_md(k)} | {v} |" for k, v in doc["thresholds"].items()]
+    out += [f"| {_md(k)} | {v} |" for k, v in asdict(a.thresholds).items()]
     out += ["", "</details>"]
     return "\n".join(out) + "\n"
 
@@ -415,15 +427,14 @@ def write_report(a: Analysis, out_dir: str | Path, formats: Sequence[str] = FORM
     has advice, the reports open with it."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    doc = build_document(a)
     written: list[Path] = []
     if "json" in formats:
-        (out / "findings.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+        (out / "findings.json").write_text(json.dumps(build_document(a), indent=2, default=str) + "\n")
         written.append(out / "findings.json")
     if "html" in formats or "md" in formats:
         figures = render_figures(a, progress)
         if "html" in formats:
-            (out / "report.html").write_text(render_html(a, doc, figures))
+            (out / "report.html").write_text(render_html(a, figures))
             written.append(out / "report.html")
         if "md" in formats:
             files = {}
@@ -431,6 +442,6 @@ def write_report(a: Analysis, out_dir: str | Path, formats: Sequence[str] = FORM
                 (out / f"{name}.png").write_bytes(png)
                 files[name] = f"{name}.png"
                 written.append(out / f"{name}.png")
-            (out / "report.md").write_text(render_markdown(a, doc, files))
+            (out / "report.md").write_text(render_markdown(a, files))
             written.append(out / "report.md")
     return written

@@ -1,12 +1,12 @@
 """The report's per-phase throughput chart: measured tok/s per phase beside what the what-if
 model predicts under the advice, with the band, so the first screen shows what the advice is
 worth (and, where the advice is to keep the settings, what the best trade-off would gain and
-cost). Drawn from the advice as findings.json gives it; without one, the measurement alone."""
+cost). Drawn from the advisor's Advice (its figures unrounded, as the advice sentence states them);
+without one, the measurement alone."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -14,6 +14,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from gputrace.analysis.result import Analysis
+from gputrace.report.document import advice_of
+from gputrace.whatif.advise import AdvisedSetting, PhaseAdvice
 
 MEASURED, AS_RUN, PREDICTED, TRADE = "#4a6fa5", "#b8b8b8", "#2e9d5b", "#d08a2c"
 
@@ -26,13 +28,14 @@ def _bars(ax: Axes, x: np.ndarray, offset: float, width: float, values: Sequence
            error_kw={"elinewidth": 1.2, "ecolor": "#333"})
 
 
-def _by_phase(phases: list[dict[str, Any]], labels: list[str]) -> list[dict[str, Any] | None]:
-    by = {p["phase"]: p for p in phases}
+def _by_phase(phases: Sequence[PhaseAdvice], labels: list[str]) -> list[PhaseAdvice | None]:
+    by = {p.phase: p for p in phases}
     return [by.get(label) for label in labels]
 
 
-def _setting(changes: list[dict[str, Any]]) -> str:
-    return ",\n".join(f"{c['flag']} {c['value']}" for c in changes)  # one per line: the legend is narrow
+def _setting(changes: Sequence[AdvisedSetting]) -> str:
+    # one per line: the legend is narrow; a layer split as findings.json writes it
+    return ",\n".join(f"{c.flag} {list(c.value) if isinstance(c.value, tuple) else c.value}" for c in changes)
 
 
 def phase_throughput(a: Analysis, width_in: float = 13.0) -> Figure:
@@ -41,30 +44,30 @@ def phase_throughput(a: Analysis, width_in: float = 13.0) -> Figure:
     fig, ax = plt.subplots(figsize=(width_in, 2.7))
     labels = [pm.label for pm in a.metrics]
     x = np.arange(len(labels))
-    advice = a.advice.to_dict() if a.advice is not None else None
+    advice = advice_of(a)
     if advice is None:
         _bars(ax, x, 0.0, 0.5, [pm.throughput_tok_s for pm in a.metrics], MEASURED, "measured")
         ax.set_title("Throughput per phase (no prediction: the what-if model could not be fitted)")
     else:
-        keep = not advice["changes"]
-        rows = _by_phase(advice["phases"], labels)
-        shown: list[tuple[str, str, list[dict[str, Any] | None]]] = []
-        if keep and advice["alternatives"]:
-            best = advice["alternatives"][0]
-            shown = [(TRADE, "best trade-off (not advised):\n" + _setting(best["changes"]),
-                      _by_phase(best["phases"], labels))]
+        keep = advice.keep
+        rows = _by_phase(advice.phases, labels)
+        shown: list[tuple[str, str, list[PhaseAdvice | None]]] = []
+        if keep and advice.alternatives:
+            best = advice.alternatives[0]
+            shown = [(TRADE, "best trade-off (not advised):\n" + _setting(best.changes),
+                      _by_phase(best.phases, labels))]
         elif not keep:
-            shown = [(PREDICTED, "advised:\n" + _setting(advice["changes"]), rows)]
+            shown = [(PREDICTED, "advised:\n" + _setting(advice.changes), rows)]
         n = 2 + len(shown)
         width = 0.8 / n
         first = -0.4 + width / 2
         _bars(ax, x, first, width, [pm.throughput_tok_s for pm in a.metrics], MEASURED, "measured")
-        _bars(ax, x, first + width, width, [r["unchanged_tok_s"] if r else None for r in rows], AS_RUN,
+        _bars(ax, x, first + width, width, [r.unchanged_tok_s if r else None for r in rows], AS_RUN,
               "model as run")
         for i, (color, label, predicted) in enumerate(shown):
             _bars(ax, x, first + (2 + i) * width, width,
-                  [p["predicted_tok_s"] if p else None for p in predicted], color, label + " (± band)",
-                  [p["band_ratio"] if p else 0.0 for p in predicted])
+                  [p.predicted_tok_s if p else None for p in predicted], color, label + " (± band)",
+                  [p.band_ratio if p else 0.0 for p in predicted])
         title = "Throughput per phase: measured against predicted"
         ax.set_title(title + (" (keep: no change gains without a cost)" if keep else ""))
     ax.set_xticks(x, labels)

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
-from gputrace.sim.params import scenario_params
+from gputrace.sim.params import Overrides, scenario_params
 from gputrace.sim.virtual import run_params
 
 TOLERANCE = 0.15
@@ -66,17 +65,17 @@ class Row:
         return self.simulated_tok_s / self.figure.measured_tok_s
 
 
-def simulate(fig: Figure, cost: dict[str, Any]) -> Row:
+def simulate(fig: Figure, cost: Overrides) -> Row:
     params = scenario_params("motivating", {
         "input_tokens": DEFAULT_PROMPT_TOKENS, **cost, "client_mode": "burst",
         "concurrency": (fig.concurrency,), "max_tokens": fig.max_tokens,
         "output_tokens_jitter": fig.output_jitter, "pp_max_micro_batch_size": fig.k, "phase_s": 600.0,
         "drain_s": 0.0, "seed": 0})
     phase = run_params(params, log=False).ground_truth["phases"][0]
-    return Row(fig, float(phase["throughput_tok_s"]), float(phase["microbatches_in_flight"]))
+    return Row(fig, phase["throughput_tok_s"], phase["microbatches_in_flight"] or 0.0)
 
 
-def table(cost: dict[str, Any]) -> list[Row]:
+def table(cost: Overrides) -> list[Row]:
     return [simulate(fig, cost) for fig in FIGURES]
 
 

@@ -159,7 +159,10 @@ class PipelineEngine:
         self.kv_used = 0
         self.kv_reserved = 0  # future tokens promised to running requests
         self.cap = p.micro_batch_cap
-        self.vllm = not p.engine_spec.microbatch_slots  # vLLM's policy: engine-wide admission
+        policy = p.engine_spec.policy  # how the simulated engine schedules, as its package says
+        self.engine_wide = not policy.microbatch_slots  # admission engine-wide only, no per-slot K (vLLM)
+        self.mixed_prefill = policy.mixed_prefill  # prefill chunks ride in the decode steps (vLLM V1)
+        self.logs_steps = p.engine_spec.steps_logged  # its ranks log steps (SGLang), else engine-wide stats
         self.mults = [p.stage_multiplier(s) for s in range(p.pp_size)]
         # per-stage log counters
         self._decode_steps = [0] * p.pp_size
@@ -238,7 +241,7 @@ class PipelineEngine:
             chunk = self._prefill_chunk(k, t)
         else:  # most turns of a loaded engine: nothing to prefill, a decode step
             chunk = []
-        if chunk and not self.vllm:
+        if chunk and not self.mixed_prefill:
             self._issue(k, t, chunk)  # SGLang: a prefill turn decodes nothing of this slot
             return True
         if chunk:
@@ -308,7 +311,7 @@ class PipelineEngine:
         bounded by the pool's free rows); vLLM's max_num_seqs less the engine's running."""
         p = self.p
         free_rows = p.max_running_requests - self.running
-        if self.vllm:
+        if self.engine_wide:
             return free_rows
         return min(self.cap - len(self.slots[k]), free_rows)
 
@@ -317,7 +320,7 @@ class PipelineEngine:
 
     def _prefill_chunk(self, k: int, t: float) -> list[tuple[SimRequest, int]]:
         """The (request, prompt tokens) of slot k's prefill this turn; [] when none."""
-        return self._vllm_prefill(k, t) if self.vllm else self._sglang_prefill(k, t)
+        return self._vllm_prefill(k, t) if self.mixed_prefill else self._sglang_prefill(k, t)
 
     def _sglang_prefill(self, k: int, t: float) -> list[tuple[SimRequest, int]]:
         """SGLang 0.5.23's prefill turn (get_new_batch_prefill, PrefillAdder): the budget is
@@ -460,7 +463,7 @@ class PipelineEngine:
         memory = p.weight_read_s + (self._expert_share(tokens) * p.expert_read_s if p.moe_experts else 0.0)
         base = p.launch_s + max(memory, compute) + p.context_token_s * ctx_tokens
         queue_s = p.queued_request_s * len(self.waiting)  # rank 0's, before its forward
-        log = self.on_log is not None and not self.vllm  # vLLM logs engine-wide stats instead
+        log = self.on_log is not None and self.logs_steps  # vLLM logs engine-wide stats instead
         if log or p.shared_cores > 0:
             end = self._run_stages_logged(k, t, batch, tokens, n_reqs, decode, base, queue_s, xfer, lat)
         else:
@@ -502,7 +505,7 @@ class PipelineEngine:
         tr = self.trace
         stage_free, link_free, last = self.stage_free, self.link_free, p.pp_size - 1
         starts, ends = tr.iv_start, tr.iv_end
-        log = self.on_log is not None and not self.vllm  # vLLM logs engine-wide stats instead
+        log = self.on_log is not None and self.logs_steps  # vLLM logs engine-wide stats instead
         gen_tokens, steps, interval = self._gen_tokens, self._decode_steps, p.decode_log_interval
         mults = self.mults
         shared = p.shared_cores > 0

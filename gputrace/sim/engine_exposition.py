@@ -1,19 +1,17 @@
-"""The engine's own Prometheus metrics as the simulated engine would expose them: SGLang's
-``sglang:*`` gauges per ``pp_rank`` (set when a rank logs a batch, as SGLang's metrics collector
-is), its token and forward-time counters and its end-to-end latency histogram; vLLM's
-engine-wide ``vllm:*`` series. One snapshot model, two drivers: the virtual run's store (a scrape
+"""An engine's own Prometheus metrics as the simulated engine would expose them, in the series
+its package writes (``Engine.simulated.metric_samples``: SGLang's ``sglang:*`` per ``pp_rank``,
+vLLM's engine-wide ``vllm:*``). One snapshot model, two drivers: the virtual run's store (a scrape
 every second) and the real-time server's ``/metrics``.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 
+from gputrace.engines.simulated import MetricSample, MetricSnapshot
 from gputrace.exposition import (
     Collector,
     CounterMetricFamily,
@@ -21,68 +19,38 @@ from gputrace.exposition import (
     HistogramMetricFamily,
     Metric,
 )
+from gputrace.sim.engine import EngineTrace
 from gputrace.sim.params import SimParams
 
 SCRAPE_S = 1.0
-# The log fields whose newest value each SGLang rank's gauge holds.
-SGLANG_GAUGES = {"running_req": "sglang:num_running_reqs", "queue_req": "sglang:num_queue_reqs",
-                 "token_usage": "sglang:token_usage", "gen_throughput": "sglang:gen_throughput"}
 
 
-@dataclass
-class MetricSnapshot:
-    """What the engine's metrics say at one moment."""
-
-    stage_fields: list[dict[str, float]]  # per PP rank: the newest logged value of each field
-    tokens_total: float = 0.0  # tokens generated so far (every rank runs every micro-batch)
-    forward_s: list[float] = field(default_factory=list)  # per rank: kernel time so far
-    running: int = 0  # engine-wide (vLLM's scheduler stats)
-    waiting: int = 0
-    kv_usage_ratio: float = 0.0
-    e2e_latency_sum_s: float = 0.0  # the finished requests' end-to-end latencies, summed
-    e2e_count: int = 0  # the finished requests
-
-
-# sample name, labels, value, and "gauge", "counter" or "histogram" (a histogram's _sum or _count)
-Sample = tuple[str, dict[str, str], float, str]
-E2E = "sglang:e2e_request_latency_seconds"  # SGLang's histogram (its _sum and _count; no buckets here)
-
-
-def snapshot_samples(p: SimParams, snap: MetricSnapshot) -> list[Sample]:
-    """The samples a scrape of the engine's /metrics would read."""
-    if p.engine == "vllm":
-        labels = {"model_name": p.model_path, "engine": "0"}
-        return [("vllm:num_requests_running", labels, float(snap.running), "gauge"),
-                ("vllm:num_requests_waiting", labels, float(snap.waiting), "gauge"),
-                ("vllm:kv_cache_usage_perc", labels, snap.kv_usage_ratio, "gauge"),
-                ("vllm:generation_tokens_total", labels, snap.tokens_total, "counter")]
-    model = {"model_name": p.model_path}
-    out: list[Sample] = [(E2E + "_sum", model, snap.e2e_latency_sum_s, "histogram"),
-                         (E2E + "_count", model, float(snap.e2e_count), "histogram")]
-    for s, fields in enumerate(snap.stage_fields):
-        labels = {"model_name": p.model_path, "engine_type": "unified", "tp_rank": "0", "pp_rank": str(s)}
-        out += [(name, labels, float(fields[f]), "gauge") for f, name in SGLANG_GAUGES.items() if f in fields]
-        out.append(("sglang:realtime_tokens_total", labels, snap.tokens_total, "counter"))
-        if p.device_timer and s < len(snap.forward_s):  # SGLANG_ENABLE_METRICS_DEVICE_TIMER=1 only
-            out.append(("sglang:forward_execution_seconds_total", labels, snap.forward_s[s], "counter"))
-    return out
+def snapshot_samples(p: SimParams, snap: MetricSnapshot) -> list[MetricSample]:
+    """The samples a scrape of the simulated engine's /metrics would read."""
+    simulated = p.engine_spec.simulated
+    return [] if simulated is None else simulated.metric_samples(p, snap)
 
 
 class SnapshotCollector(Collector):
     """A prometheus_client collector over a function that returns the current snapshot."""
 
-    def __init__(self, p: SimParams, snapshot: Any):
+    def __init__(self, p: SimParams, snapshot: Callable[[], MetricSnapshot]):
         self.p = p
         self.snapshot = snapshot
 
     def collect(self) -> Iterator[Metric]:
         families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
         samples = snapshot_samples(self.p, self.snapshot())
-        histogram = {name: (labels, value) for name, labels, value, kind in samples if kind == "histogram"}
-        if histogram:
-            labels, total = histogram[E2E + "_sum"]
-            fam_h = HistogramMetricFamily(E2E, E2E, labels=list(labels))
-            fam_h.add_metric(list(labels.values()), [("+Inf", histogram[E2E + "_count"][1])], total)
+        # a histogram's _sum and _count samples, by the histogram's name
+        histograms: dict[str, dict[str, MetricSample]] = {}
+        for sample in samples:
+            if sample.kind == "histogram":
+                base, _, part = sample.name.rpartition("_")
+                histograms.setdefault(base, {})[part] = sample
+        for base, parts in histograms.items():
+            labels = parts["sum"].labels
+            fam_h = HistogramMetricFamily(base, base, labels=list(labels))
+            fam_h.add_metric(list(labels.values()), [("+Inf", parts["count"].value)], parts["sum"].value)
             yield fam_h
         for name, labels, value, kind in samples:
             if kind == "histogram":
@@ -112,11 +80,12 @@ def _cumulative(t: np.ndarray, amounts: np.ndarray, at: np.ndarray) -> np.ndarra
     return np.asarray(total[np.searchsorted(t[order], at, side="right")], dtype=np.float64)
 
 
-def virtual_metric_rows(p: SimParams, start_ns: int, end_s: float, trace: Any,
+def virtual_metric_rows(p: SimParams, start_ns: int, end_s: float, trace: EngineTrace,
                         events: Mapping[str, np.ndarray], host: str, source: str,
                         latencies: tuple[np.ndarray, np.ndarray] = (np.zeros(0), np.zeros(0)),
-                        ) -> dict[str, Any]:
-    """The ``engine_metrics`` columns a collector scraping every second would have stored.
+                        ) -> dict[str, str | np.ndarray]:
+    """The ``engine_metrics`` columns a collector scraping every second would have stored (host
+    and source constant).
 
     ``events`` are the run's parsed scheduler lines (columns with ``recv_ts_ns`` the emission time);
     ``latencies`` the finished requests' (finish times, end-to-end latencies) in seconds.
@@ -132,7 +101,10 @@ def virtual_metric_rows(p: SimParams, start_ns: int, end_s: float, trace: Any,
     finish_s, latency_s = latencies
     e2e_sum = _cumulative(finish_s, latency_s, at_s)
     e2e_count = _cumulative(finish_s, np.ones_like(finish_s), at_s)
-    columns: dict[str, list[Any]] = {"ts_ns": [], "name": [], "labels_json": [], "value": []}
+    ts_ns: list[int] = []
+    names: list[str] = []
+    labels_json: list[str] = []
+    values: list[float] = []
     per_stage = _stage_gauges(p, events, at_ns)
     st_t = np.asarray(trace.st_t, dtype=np.float64)
     for k, t_ns in enumerate(at_ns.tolist()):
@@ -146,11 +118,12 @@ def virtual_metric_rows(p: SimParams, start_ns: int, end_s: float, trace: Any,
             kv_usage_ratio=trace.st_kv_used[last] / p.max_total_num_tokens if last >= 0 else 0.0,
             e2e_latency_sum_s=float(e2e_sum[k]), e2e_count=int(e2e_count[k]))
         for name, labels, value, _kind in snapshot_samples(p, snap):
-            columns["ts_ns"].append(t_ns)
-            columns["name"].append(name)
-            columns["labels_json"].append(json.dumps(labels, sort_keys=True))
-            columns["value"].append(value)
-    return {"host": host, "source": source, **{k: np.asarray(v) for k, v in columns.items()}}
+            ts_ns.append(t_ns)
+            names.append(name)
+            labels_json.append(json.dumps(labels, sort_keys=True))
+            values.append(value)
+    return {"host": host, "source": source, "ts_ns": np.asarray(ts_ns), "name": np.asarray(names),
+            "labels_json": np.asarray(labels_json), "value": np.asarray(values)}
 
 
 def _stage_gauges(p: SimParams, events: Mapping[str, np.ndarray], at_ns: np.ndarray

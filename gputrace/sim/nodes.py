@@ -20,39 +20,36 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO
 
+from gputrace.engines import ENGINE_WORDS
+from gputrace.engines.simulated import StepFields, StepLineWriter
 from gputrace.errors import SourceError, UsageError
 from gputrace.logsetup import get_logger
-from gputrace.sim.logfmt import (
-    LinePrefix,
-    decode_message,
-    prefill_message,
-    server_args_message,
-    startup_message,
-)
 from gputrace.sim.params import SimParams
-from gputrace.topology import sglang_node_placements
 
 log = get_logger("sim.nodes")
 
 FEED_KIND = "gputrace-sim-gpu"
+# one logged step sent to the node whose rank writes it: (seconds into the run, stage, kind, values)
+NodeRecord = tuple[float, int, str, StepFields]
 CONNECT_TIMEOUT_S = 60.0  # how long node 0 waits for the others, and they retry reaching it
 
 
 @dataclass(frozen=True, slots=True)
 class NodeLayout:
-    """Where SGLang places each rank: (pp_rank, tp_rank) -> (node_rank, gpu_id on that node)."""
+    """Where the engine places each rank: (pp_rank, tp_rank) -> (node_rank, gpu_id on that node)."""
 
     nnodes: int
     gpu_of: dict[tuple[int, int], tuple[int, int]]
 
     @classmethod
-    def sglang(cls, p: SimParams, nnodes: int) -> NodeLayout:
-        gpu_of = {(pp, tp): (node, gpu)
+    def of(cls, p: SimParams, nnodes: int) -> NodeLayout:
+        """The simulated engine's ranks over ``nnodes`` nodes, by its placement rule."""
+        gpu_of = {(at.pp_rank, at.tp_rank): (node, at.gpu_index)
                   for node in range(nnodes)
-                  for gpu, pp, tp in sglang_node_placements(pp_size=p.pp_size, tp_size=p.tp_size,
-                                                            nnodes=nnodes, node_rank=node)}
+                  for at in p.engine_spec.placements(f"sim-node{node}", pp_size=p.pp_size, tp_size=p.tp_size,
+                                                     nnodes=nnodes, node_rank=node)}
         return cls(nnodes, gpu_of)
 
     def node_of_stage(self, stage: int) -> int:
@@ -64,6 +61,19 @@ class NodeLayout:
 
     def gpus_on(self, node: int) -> int:
         return len({g for n, g in self.gpu_of.values() if n == node})
+
+
+def real_time_lines(p: SimParams) -> StepLineWriter:
+    """The simulated engine's log lines as its ranks write them while it runs; a one-line error
+    where its package gives none (the simulator serves it in virtual time only)."""
+    simulated = p.engine_spec.simulated
+    if simulated is None or simulated.step_lines is None:
+        served = " and ".join(e.name for e in ENGINE_WORDS.values()
+                              if e.simulated is not None and e.simulated.step_lines is not None)
+        raise UsageError(f"sim serve: only the {served} model serves in real time; the "
+                         f"{p.engine_spec.name} model runs in virtual time (gputrace sim --scenario ... "
+                         f"--set engine={p.engine})")
+    return simulated.step_lines(p)
 
 
 def parse_dist_init_addr(text: str) -> tuple[str, int]:
@@ -82,16 +92,13 @@ class NodeFiles:
         self.node_rank = node_rank
         self.wall0_ns = wall0_ns
         self.speed = speed
-        self.prefix = LinePrefix(p.pp_size, p.tp_size)
+        self.lines = real_time_lines(p)
         try:
             self.log: IO[str] = open(log_path, "a", encoding="utf-8")  # noqa: SIM115  # closed in close()
             self.feed: IO[bytes] | None = open(feed_path, "ab") if feed_path else None  # noqa: SIM115
         except OSError as exc:
             raise SourceError(f"simulator node {node_rank}: cannot open its output file: {exc}") from exc
-        lines = [f"{self.prefix.rank(wall0_ns, None)} {server_args_message(p)}"]
-        lines += [f"{self.prefix.rank(wall0_ns, pp, tp)} {startup_message(p)}"
-                  for pp, tp in layout.ranks_on(node_rank)]
-        self.log.write("\n".join(lines) + "\n")
+        self.log.write("\n".join(self.lines.startup(wall0_ns, layout.ranks_on(node_rank))) + "\n")
         self.log.flush()
         if self.feed is not None:
             header = {"feed": FEED_KIND, "version": 1, "host": f"sim-node{node_rank}",
@@ -105,14 +112,13 @@ class NodeFiles:
     def wall_ns(self, t_s: float) -> int:
         return self.wall0_ns + round(t_s / self.speed * 1e9)
 
-    def write_log(self, records: list[tuple[float, int, str, dict[str, Any]]]) -> None:
+    def write_log(self, records: list[NodeRecord]) -> None:
         """(t_s, stage, kind, fields) in time order -> the stage's scheduler log lines."""
         if not records:
             return
         out = []
         for t_s, stage, kind, fields in records:
-            message = decode_message(fields) if kind == "decode" else prefill_message(fields)
-            out.append(f"{self.prefix.rank(self.wall_ns(t_s), stage)} {message}\n")
+            out.append(self.lines.step(self.wall_ns(t_s), stage, kind, fields) + "\n")
         self.log.write("".join(out))
         self.log.flush()
 
@@ -179,7 +185,7 @@ class NodeRelay:
         for writer in self.writers.values():
             writer.write((json.dumps({"t_s": t_s, "speed": speed}) + "\n").encode())
 
-    def send(self, node: int, log_records: list[tuple[float, int, str, dict[str, Any]]],
+    def send(self, node: int, log_records: list[NodeRecord],
              intervals: list[tuple[float, float, int, int, int]]) -> None:
         writer = self.writers.get(node)
         if writer is None or writer.is_closing() or not (log_records or intervals):
@@ -241,7 +247,7 @@ async def run_node(p: SimParams, layout: NodeLayout, node_rank: int, addr: tuple
 def serve_node_forever(p: SimParams, nnodes: int, node_rank: int, dist_init_addr: str, log_path: str,
                        feed_path: str | None) -> None:
     """``gputrace sim serve --nnodes N --node-rank r`` for r > 0, until node 0 ends or SIGINT/SIGTERM."""
-    layout = NodeLayout.sglang(p, nnodes)
+    layout = NodeLayout.of(p, nnodes)
     addr = parse_dist_init_addr(dist_init_addr)
 
     async def main() -> None:

@@ -1,5 +1,6 @@
 """A virtual run's outputs in the forms real sources give: the scheduler log file, nvidia-smi CSV,
-and a complete run store (the log lines parsed by gputrace's own SGLang parser, as an import would).
+and a complete run store (the log lines parsed by gputrace's own parser of the engine, as an import
+would).
 """
 
 from __future__ import annotations
@@ -9,13 +10,13 @@ import datetime as dt
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from gputrace.engines import LogParser
 from gputrace.errors import SourceError
 from gputrace.imports.engine_log import ingest_log
+from gputrace.json_types import JsonObject
 from gputrace.model import ClockProbe, DeviceInfo, EngineConfig, Marker, RequestRecord, SchedulerEvent
 from gputrace.sim.engine_exposition import virtual_metric_rows
 from gputrace.sim.samples import gpu_sample_columns, smi_csv_lines
@@ -33,12 +34,12 @@ METRICS_SOURCE = "http://127.0.0.1:30000/metrics"  # where the collector would h
 
 
 def write_log(result: SimResult, path: str | os.PathLike[str]) -> int:
-    """The scheduler log as SGLang writes it; returns the number of lines."""
+    """The scheduler log as the engine writes it; returns the number of lines."""
     Path(path).write_text("\n".join(result.log_lines) + "\n")
     return len(result.log_lines)
 
 
-def sample_columns(result: SimResult) -> dict[str, Any]:
+def sample_columns(result: SimResult) -> dict[str, np.ndarray | list[str]]:
     tr = result.engine.trace
     spans = work_intervals(np.asarray(tr.work_t, dtype=np.float64), np.asarray(tr.work_delta, dtype=np.int64))
     return gpu_sample_columns(result.params, result.start_ns, result.end_s, result.intervals,
@@ -47,7 +48,7 @@ def sample_columns(result: SimResult) -> dict[str, Any]:
 
 
 def write_gpu_csv(result: SimResult, path: str | os.PathLike[str],
-                  columns: dict[str, Any] | None = None) -> int:
+                  columns: dict[str, np.ndarray | list[str]] | None = None) -> int:
     """nvidia-smi ``--query-gpu ... --format=csv`` output of the run's samples; returns the rows."""
     cols = columns if columns is not None else sample_columns(result)
     with open(path, "w") as fh:
@@ -62,7 +63,7 @@ def run_date(result: SimResult) -> dt.date:
 
 
 def parse_log(result: SimResult) -> tuple[list[SchedulerEvent], list[EngineConfig], int]:
-    """The log lines through gputrace's SGLang parser, stamped with their exact emission time
+    """The log lines through gputrace's parser of the engine, stamped with their exact emission time
     (as if followed live on the same host); also the count of lines it did not recognise."""
     p = result.params
     parser = LogParser(host=SIM_HOST, source=LOG_SOURCE, engine=p.engine, date=run_date(result))
@@ -118,7 +119,7 @@ def device_records(result: SimResult) -> list[DeviceInfo]:
             for i in range(p.pp_size * p.tp_size)]
 
 
-def engine_metric_columns(store: Store, result: SimResult) -> dict[str, Any]:
+def engine_metric_columns(store: Store, result: SimResult) -> dict[str, str | np.ndarray]:
     """The engine's /metrics scraped every second, from the lines already in ``store``."""
     events = store.columns("scheduler_events", order_by="line_no")
     done = [r for r in result.requests if r.finish_s is not None]
@@ -128,7 +129,8 @@ def engine_metric_columns(store: Store, result: SimResult) -> dict[str, Any]:
                                SIM_HOST, METRICS_SOURCE, (finish, latency))
 
 
-def params_dict(result: SimResult) -> dict[str, Any]:
+def params_dict(result: SimResult) -> JsonObject:
+    """The run's parameters as meta.json holds them (tuples as lists)."""
     return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(result.params).items()}
 
 

@@ -5,15 +5,23 @@ or a TOML file). Every field of SimParams can be overridden by name.
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gputrace.config import TomlValue
 from gputrace.engines import ENGINE_WORDS, Engine, engine_words
-from gputrace.engines.sglang import slot_count
 from gputrace.errors import ConfigError, UsageError
+
+# A SimParams field's value (what the overrides, the scenarios and the fixes set)
+ParamValue = (int | float | str | bool | None | tuple[int, ...] | tuple[float, ...]
+              | tuple[tuple[int, int], ...])
+# Field values by name as they come in (a scenario, --set, a TOML file): checked and coerced to each
+# field's type by make_params
+Overrides = Mapping[str, object]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +94,8 @@ class SimParams:
     request_lengths: tuple[tuple[int, int], ...] = ()
     # When each request of a burst goes out after its level's start, in the order sent (0 past the
     # end): a client sends a burst one request after another, and the engine starts a turn on the
-    # first to land (the demo's live C=32 bursts went out over 10-50 ms: turns of 1, 1, 7, 8, 8, 7)
+    # first to land (the demo's live C=32 bursts went out over 10-50 ms: turns of 1, 7, 8, 8, 8;
+    # a what-if replays a burst load's own, whatif.fit.burst_offsets)
     burst_offsets_s: tuple[float, ...] = ()
     client_max_inflight: int | None = None  # a client that cannot keep up
     think_s: float = 0.0
@@ -123,9 +132,9 @@ class SimParams:
 
     @property
     def slots(self) -> int:
-        """Micro-batches in flight at most: SGLang's PP loop slots (pp_size + pp_async_batch_depth),
-        vLLM's batch queue (pp_size)."""
-        return slot_count(self.pp_size, self.pp_async_batch_depth)
+        """Micro-batches in flight at most, by the engine's rule: SGLang's PP loop slots (pp_size +
+        pp_async_batch_depth), vLLM's batch queue (pp_size)."""
+        return self.engine_spec.slot_count(self.pp_size, self.pp_async_batch_depth)
 
     @property
     def draws_lengths(self) -> bool:
@@ -141,9 +150,33 @@ class SimParams:
     def burst_offset_s(self, index: int) -> float:
         return self.burst_offsets_s[index] if index < len(self.burst_offsets_s) else 0.0
 
+    def replaced(self, values: Mapping[str, ParamValue]) -> SimParams:
+        """These parameters with ``values`` (by field name, each of its field's type: a fix's)."""
+        return dataclasses.replace(self, **values)  # type: ignore[arg-type]  # typed per field by the caller
+
     def stage_multiplier(self, stage: int) -> float:
         m = self.stage_cost_multipliers
         return float(m[stage]) if stage < len(m) else 1.0
+
+
+def parse_start_ns(text: str) -> int:
+    """``2026-01-15T10:00:00Z`` (SimParams.start) -> ns since the epoch (UTC when no zone is given)."""
+    stamp = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    if stamp.tzinfo is None:
+        stamp = stamp.replace(tzinfo=dt.UTC)
+    return int(stamp.timestamp()) * 1_000_000_000 + stamp.microsecond * 1000
+
+
+class _EngineText(dict[str, str]):
+    """A scenario text's ``{setting}`` in its engine's flag (``{pp_max_micro_batch_size}`` ->
+    ``--pp-max-micro-batch-size`` on SGLang) and ``{engine}`` in its name, from its knobs."""
+
+    def __init__(self, engine: Engine):
+        super().__init__(engine=engine.name)
+        self.engine = engine
+
+    def __missing__(self, setting: str) -> str:
+        return self.engine.flag_for(setting)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,9 +184,16 @@ class Scenario:
     """A preset: parameter overrides and the causes it is built to show."""
 
     name: str
-    summary: str
-    overrides: Mapping[str, Any]
+    # what it shows, the engine's flags and name written ``{setting}`` and ``{engine}``
+    text: str
+    overrides: Overrides
     causes: tuple[str, ...]
+
+    @property
+    def summary(self) -> str:
+        """What it shows, in its engine's flags."""
+        engine = self.overrides.get("engine")
+        return self.text.format_map(_EngineText(engine_words(engine if isinstance(engine, str) else None)))
 
 
 # The motivating deployment's cost model, fitted to its measured figures (Kimi K2.6, PP8 on 8 PCIe
@@ -163,7 +203,7 @@ class Scenario:
 # burst's prompts fill SGLang's 8,192-token prefill budget 8 at a time, so C=32 spreads over 4
 # micro-batches whatever K allows) and the KV-cache capacity (it keeps the 4,096-token bursts at
 # C=32 and C=48 from running all at once). Nothing about the scheduler is fitted.
-KIMI_K26_PCIE_COST: Mapping[str, Any] = {
+KIMI_K26_PCIE_COST: Mapping[str, int | float] = {
     "moe_experts": 384, "moe_top_k": 8, "launch_s": 0.0006, "decode_token_s": 1e-6,
     "weight_read_s": 0.00123, "expert_read_s": 0.0572, "prefill_token_s": 2.14e-4,
     "input_tokens": 1024, "max_total_num_tokens": 156_000,
@@ -171,7 +211,7 @@ KIMI_K26_PCIE_COST: Mapping[str, Any] = {
 
 # Where the pipeline stays full: SGLang's per-micro-batch cap of 8 (64 // 8) with 64 requests in
 # flight fills all 8 slots. The single-cause scenarios below change one thing from it.
-_FULL_PIPELINE: dict[str, Any] = {
+_FULL_PIPELINE: Overrides = {
     "input_tokens": 256, "input_tokens_jitter": 0.3,
     "max_tokens": 1024, "output_tokens_jitter": 0.5, "concurrency": (64,), "phase_s": 120.0,
 }
@@ -182,7 +222,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("motivating", "the deployment that started gputrace, with its defaults: PP8 TP1, "
                  "max_running_requests 64 (K = 64 // 8 = 8 per micro-batch); below 64 requests the "
                  "load fills fewer micro-batches than stages", {}, ("pipeline_underfilled",)),
-        Scenario("microbatch-cap", "--pp-max-micro-batch-size 2 below a pool of 64: every micro-batch "
+        Scenario("microbatch-cap", "{pp_max_micro_batch_size} 2 below a pool of 64: every micro-batch "
                  "at K = 2, 16 running, the pool's other rows free while requests wait",
                  {"pp_max_micro_batch_size": 2}, ("microbatch_cap",)),
         Scenario("microbatch-fixed", "the same deployment with K back at its default of 8",
@@ -190,11 +230,11 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("pool-bound", "max_running_requests 32 under a load of 64: every slot full at its "
                  "default K of 4, the pool is the bound and requests wait",
                  {**_FULL_PIPELINE, "max_running_requests": 32}, ("admission_bound",)),
-        Scenario("bunched", "--pp-max-micro-batch-size 64 at a load of 32: requests that arrive together "
+        Scenario("bunched", "{pp_max_micro_batch_size} 64 at a load of 32: requests that arrive together "
                  "share one or two micro-batches, most stages idle",
                  {**_FULL_PIPELINE, "pp_max_micro_batch_size": 64, "concurrency": (32,)},
                  ("pipeline_underfilled",)),
-        Scenario("bunched-at-pool", "--pp-max-micro-batch-size 64 with max_running_requests 32 under a "
+        Scenario("bunched-at-pool", "{pp_max_micro_batch_size} 64 with max_running_requests 32 under a "
                  "load of 64: the pool binds, and the 32 it runs share one micro-batch",
                  {**_FULL_PIPELINE, "max_running_requests": 32, "pp_max_micro_batch_size": 64},
                  ("admission_bound", "pipeline_underfilled")),
@@ -211,7 +251,7 @@ SCENARIOS: dict[str, Scenario] = {
                   "input_tokens_jitter": 0.2, "max_tokens": 1024, "max_total_num_tokens": 90_000},
                  ("kv_cache_bound",)),
         Scenario("pcie-bound", "stages hand activations over a degraded PCIe link (gen1 x1); 12 slots "
-                 "(--pp-async-batch-depth 4) keep the links busy",
+                 "({pp_async_batch_depth} 4) keep the links busy",
                  {**_FULL_PIPELINE, "pp_async_batch_depth": 4, "max_running_requests": 96,
                   "pp_max_micro_batch_size": 8, "concurrency": (96,), "input_tokens": 64,
                   "activation_bytes_per_token": 131072,
@@ -220,8 +260,8 @@ SCENARIOS: dict[str, Scenario] = {
                   # coprime with its 12 slots (9 shares 3: each rank would log 4 of the 12)
                   "decode_log_interval": 13},
                  ("pcie_bound",)),
-        Scenario("log-aliased", "the healthy pipeline logged with SGLang's default "
-                 "--decode-log-interval 40: 8 slots divide it, so each stage keeps logging one slot",
+        Scenario("log-aliased", "the healthy pipeline logged with {engine}'s default "
+                 "{decode_log_interval} 40: 8 slots divide it, so each stage keeps logging one slot",
                  {**_FULL_PIPELINE, "decode_log_interval": 40}, ("log_sampling_aliased",)),
         Scenario("prefill-burst", "the motivating deployment as its figures were measured: bursts of 32 "
                  "prompts of 1,024 tokens, K raised to 64; SGLang's 8,192-token prefill budget admits 8 "
@@ -238,8 +278,8 @@ SCENARIOS: dict[str, Scenario] = {
                   # the step's flat part 10x the default's, a token's cost as it is
                   "drain_s": 5.0, "launch_s": 0.0062, "weight_read_s": 0.0269, "max_total_num_tokens": 65536},
                  ("prefill_budget",)),
-        Scenario("vllm-admission", "vLLM, PP8, --max-num-seqs 32 under a load of 64: the engine runs "
-                 "32, its limit, and the rest wait",
+        Scenario("vllm-admission", "{engine}, PP8, {max_running_requests} 32 under a load of 64: the "
+                 "engine runs 32, its limit, and the rest wait",
                  {**_FULL_PIPELINE, "engine": "vllm", "max_running_requests": 32}, ("admission_bound",)),
     )
 }
@@ -247,7 +287,7 @@ SCENARIOS: dict[str, Scenario] = {
 _FIELDS = {f.name: f for f in dataclasses.fields(SimParams)}
 
 
-def scenario_params(name: str, overrides: Mapping[str, Any] | None = None) -> SimParams:
+def scenario_params(name: str, overrides: Overrides | None = None) -> SimParams:
     """A scenario's parameters with ``overrides`` (by field name) applied on top."""
     try:
         scenario = SCENARIOS[name]
@@ -257,19 +297,19 @@ def scenario_params(name: str, overrides: Mapping[str, Any] | None = None) -> Si
     return make_params(merged)
 
 
-def make_params(values: Mapping[str, Any]) -> SimParams:
+def make_params(values: Overrides) -> SimParams:
     """SimParams from field values, each checked and coerced to the field's type."""
-    coerced: dict[str, Any] = {}
+    coerced: dict[str, ParamValue] = {}
     for key, value in values.items():
         if key not in _FIELDS:
             raise ConfigError(f"unknown simulator parameter {key!r}; known: {', '.join(sorted(_FIELDS))}")
         coerced[key] = _coerce(key, value)
-    params = SimParams(**coerced)
+    params = SimParams(**coerced)  # type: ignore[arg-type]  # each value coerced to its field's type
     _validate(params)
     return params
 
 
-def _coerce(key: str, value: Any) -> Any:
+def _coerce(key: str, value: Any) -> ParamValue:  # Any: whatever a file or --set gave
     default = _FIELDS[key].default
     optional_int = key in ("pp_max_micro_batch_size", "client_max_inflight")
     if value is None or (isinstance(value, str) and value.lower() in ("none", "")):
@@ -338,7 +378,7 @@ def parse_set_options(items: tuple[str, ...] | list[str]) -> dict[str, str]:
     return out
 
 
-def load_params_file(path: str | Path) -> dict[str, Any]:
+def load_params_file(path: str | Path) -> dict[str, TomlValue]:
     """Overrides from a TOML file: top-level keys, or a ``[sim]`` table."""
     try:
         data = tomllib.loads(Path(path).read_text())

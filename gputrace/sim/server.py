@@ -17,17 +17,18 @@ import signal
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
+from gputrace.engines.simulated import MetricSnapshot, StepFields, StepRecord
 from gputrace.errors import SourceError
 from gputrace.exposition import metrics_handler
 from gputrace.httpserver import web
+from gputrace.json_types import JsonObject
 from gputrace.logsetup import get_logger
 from gputrace.sim.engine import EngineTrace, PipelineEngine, SimRequest
-from gputrace.sim.engine_exposition import SGLANG_GAUGES, MetricSnapshot, SnapshotCollector
-from gputrace.sim.nodes import FEED_KIND, NodeFiles, NodeLayout, NodeRelay
+from gputrace.sim.engine_exposition import SnapshotCollector
+from gputrace.sim.nodes import FEED_KIND, NodeFiles, NodeLayout, NodeRecord, NodeRelay
 from gputrace.sim.params import SimParams
 
 log = get_logger("sim.server")
@@ -71,7 +72,7 @@ class RealtimeSim:
         self.speed = speed
         self.wall0_ns = time.time_ns()
         self.mono0 = time.monotonic()
-        self._lines: list[tuple[float, int, int, str, dict[str, Any]]] = []
+        self._lines: list[StepRecord] = []
         self.engine = PipelineEngine(params, on_log=self._on_log)
         self._rng = np.random.default_rng(params.seed)
         self._next_rid = 0
@@ -79,6 +80,8 @@ class RealtimeSim:
         self._loop: asyncio.AbstractEventLoop | None = None
         # what the engine's /metrics says: per rank the newest logged values, the counters
         self._stage_fields: list[dict[str, float]] = [{} for _ in range(params.pp_size)]
+        simulated = params.engine_spec.simulated
+        self._rank_gauges = frozenset() if simulated is None else simulated.rank_gauges
         self._tokens_total = 0.0
         self.e2e_latency_sum_s = 0.0  # finished requests: end-to-end latencies summed, and counted
         self.e2e_count = 0
@@ -86,7 +89,7 @@ class RealtimeSim:
         self._forward_s = [0.0] * params.pp_size
         # this process is node 0; the ranks SGLang places on other nodes go to them through relay
         self.relay = relay
-        self.layout = NodeLayout.sglang(params, 1 + (len(relay.writers) if relay else 0))
+        self.layout = NodeLayout.of(params, 1 + (len(relay.writers) if relay else 0))
         self._files = NodeFiles(params, self.layout, 0, log_path, feed_path, self.wall0_ns, speed)
         if relay is not None:
             relay.start(self.now_s(), speed)
@@ -147,7 +150,7 @@ class RealtimeSim:
         self._tok_done = i
 
     def metric_snapshot(self) -> MetricSnapshot:
-        """The engine's metrics now (SGLang's gauges hold each rank's newest logged values)."""
+        """The engine's metrics now (its rank gauges hold each rank's newest logged values)."""
         e = self.engine
         return MetricSnapshot(stage_fields=[dict(f) for f in self._stage_fields],
                               tokens_total=self._tokens_total, forward_s=list(self._forward_s),
@@ -155,21 +158,21 @@ class RealtimeSim:
                               kv_usage_ratio=e.kv_used / self.p.max_total_num_tokens,
                               e2e_latency_sum_s=self.e2e_latency_sum_s, e2e_count=self.e2e_count)
 
-    def _on_log(self, t_s: float, stage: int, kind: str, fields: dict[str, Any]) -> None:
-        self._lines.append((t_s, len(self._lines), stage, kind, fields))
+    def _on_log(self, t_s: float, stage: int, kind: str, fields: StepFields) -> None:
+        self._lines.append(StepRecord(t_s, len(self._lines), stage, kind, fields))
 
     def _flush_log(self, upto_s: float) -> None:
         if not self._lines:
             return
         self._lines.sort(key=lambda r: (r[0], r[1]))
         cut = 0
-        by_node: list[list[tuple[float, int, str, dict[str, Any]]]] = [[] for _ in range(self.layout.nnodes)]
+        by_node: list[list[NodeRecord]] = [[] for _ in range(self.layout.nnodes)]
         for t_s, _, stage, kind, fields in self._lines:
             if t_s > upto_s:
                 break
             cut += 1
             self._stage_fields[stage].update(
-                {f: float(v) for f, v in fields.items() if f in SGLANG_GAUGES})
+                {f: float(v) for f, v in fields.items() if f in self._rank_gauges})
             by_node[self.layout.node_of_stage(stage)].append((t_s, stage, kind, fields))
         if cut:
             del self._lines[:cut]
@@ -211,10 +214,11 @@ class RealtimeSim:
 # -- HTTP --------------------------------------------------------------------------------------
 
 
-def _prompt_text(body: dict[str, Any]) -> str:
+def _prompt_text(body: JsonObject) -> str:
     if "messages" in body:
         parts = []
-        for m in body.get("messages") or []:
+        messages = body.get("messages")
+        for m in messages if isinstance(messages, list) else []:
             content = m.get("content") if isinstance(m, dict) else None
             if isinstance(content, list):
                 content = " ".join(str(c.get("text", "")) for c in content if isinstance(c, dict))
@@ -295,7 +299,7 @@ def build_app(sim: RealtimeSim) -> web.Application:
             while (item := await stream.queue.get()) is not None:
                 words.append(_WORDS[item % len(_WORDS)])
             text = " ".join(words)
-            choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
+            choice: JsonObject = {"index": 0, "finish_reason": "length", "logprobs": None}
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
@@ -312,13 +316,13 @@ def build_app(sim: RealtimeSim) -> web.Application:
 
         def chunk(delta_text: str | None, finish: str | None) -> bytes:
             if chat:
-                delta = {} if delta_text is None else {"content": delta_text}
+                delta: JsonObject = {} if delta_text is None else {"content": delta_text}
                 if sent == 0 and delta_text is not None:
                     delta["role"] = "assistant"
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+                choice: JsonObject = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
             else:
                 choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
-            obj: dict[str, Any] = {"id": rid, "object": kind, "created": created, "model": model,
+            obj: JsonObject = {"id": rid, "object": kind, "created": created, "model": model,
                                    "choices": [choice]}
             if include_usage:
                 obj["usage"] = None

@@ -5,24 +5,15 @@ the log lines and the busy intervals. Its ground truth is sim.truth's; sim.virtu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
+from gputrace.engines.simulated import SimulatedRun, StepFields, StepRecord
+from gputrace.errors import UsageError
 from gputrace.sim.client import ClosedLoopClient, Phase, plan_phases
 from gputrace.sim.engine import PipelineEngine, SimRequest
-from gputrace.sim.logfmt import (
-    VLLM_STATS_INTERVAL_S,
-    LinePrefix,
-    decode_message,
-    parse_start_ns,
-    prefill_message,
-    startup_lines,
-    vllm_prefix,
-    vllm_startup_lines,
-    vllm_stats_message,
-)
-from gputrace.sim.params import SimParams
+from gputrace.sim.params import SimParams, parse_start_ns
+from gputrace.sim.truth_records import GroundTruth
 
 STARTUP_LEAD_S = 5.0  # the configuration lines come this long before the first phase
 
@@ -40,8 +31,19 @@ class SimResult:
     engine: PipelineEngine
     log_lines: list[str] = field(default_factory=list)
     log_ts_ns: list[int] = field(default_factory=list)  # exact emission time of each line
-    ground_truth: dict[str, Any] = field(default_factory=dict)  # sim.truth's, filled in by sim.virtual
+    _ground_truth: GroundTruth | None = field(default=None, repr=False)
     _intervals: dict[str, np.ndarray] | None = field(default=None, repr=False)
+
+    @property
+    def ground_truth(self) -> GroundTruth:
+        """sim.truth's ground truth of the run, filled in by sim.virtual (a what-if replay has none)."""
+        if self._ground_truth is None:
+            raise ValueError(f"the {self.scenario} run was simulated without its ground truth")
+        return self._ground_truth
+
+    @ground_truth.setter
+    def ground_truth(self, truth: GroundTruth) -> None:
+        self._ground_truth = truth
 
     def ns(self, t_s: float) -> int:
         return self.start_ns + round(t_s * 1e9)
@@ -62,10 +64,10 @@ def simulate(params: SimParams, scenario: str = "custom", log: bool = True) -> S
     ``params.seed``. ``log=False``: no scheduler log lines (a what-if replay reads only the trace
     and the requests; the same run otherwise)."""
     rng = np.random.default_rng(params.seed)
-    records: list[tuple[float, int, int, str, dict[str, float | int | bool]]] = []
+    records: list[StepRecord] = []
 
-    def on_log(t_s: float, stage: int, kind: str, fields: dict[str, float | int | bool]) -> None:
-        records.append((t_s, len(records), stage, kind, fields))
+    def on_log(t_s: float, stage: int, kind: str, fields: StepFields) -> None:
+        records.append(StepRecord(t_s, len(records), stage, kind, fields))
 
     engine = PipelineEngine(params, on_log=on_log if log else None)
     client = ClosedLoopClient(params, engine, rng)
@@ -108,59 +110,22 @@ def _run_bursts(params: SimParams, engine: PipelineEngine, client: ClosedLoopCli
         done = [r.finish_s for r in client.requests[first:] if r.finish_s is not None]
         end = min(max(done, default=deadline) + params.client_latency_s, deadline)
         phases.append(Phase(label, c, t, max(end, t + BURST_STEP_S)))
-        t = phases[-1].end_s
+        # The next burst goes out no earlier than the engine's clock, which the loop above left
+        # up to BURST_STEP_S past the level's end (idle, every request done): sent before it,
+        # a burst whose requests go out over a few ms (burst_offsets_s) would land all at once
+        # in the engine's past and fill its first prefill turn, where the live engine's first
+        # turn takes the first request alone (the demo's C=32: turns of 1, 7, 8, 8, 8)
+        t = max(phases[-1].end_s, engine.now)
     return phases
 
 
-def _format_log(result: SimResult, records: list[tuple[float, int, int, str, dict[str, Any]]]) -> None:
-    p = result.params
-    if p.engine == "vllm":
-        _format_vllm_log(result)
-        return
-    prefix = LinePrefix(p.pp_size, p.tp_size)
-    t0 = result.ns(-STARTUP_LEAD_S)
-    for line in startup_lines(p, t0, prefix):
+def _format_log(result: SimResult, records: list[StepRecord]) -> None:
+    """The run's scheduler log, as the simulated engine writes it (its own format)."""
+    simulated = result.params.engine_spec.simulated
+    if simulated is None:
+        raise UsageError(f"the simulator does not write {result.params.engine_spec.name}'s log")
+    run = SimulatedRun(result.params, result.start_ns, result.end_s, STARTUP_LEAD_S, records,
+                       result.engine.trace)
+    for ts_ns, line in simulated.write_log(run):
         result.log_lines.append(line)
-        result.log_ts_ns.append(t0)
-    records.sort()  # by time, then emission order (unique: the fields are never compared)
-    end_ns = result.ns(result.end_s)
-    for t_s, _, stage, kind, fields in records:
-        ts_ns = result.ns(t_s)
-        if ts_ns > end_ns:
-            break
-        message = decode_message(fields) if kind == "decode" else prefill_message(fields)
-        result.log_lines.append(f"{prefix.rank(ts_ns, stage)} {message}")
         result.log_ts_ns.append(ts_ns)
-
-
-def _format_vllm_log(result: SimResult) -> None:
-    """vLLM's lines: the configuration, then every stats interval the averages over that window
-    and the scheduler's state at its last step (lines stop when a window and the one before it
-    saw nothing, as vLLM's logger does)."""
-    p = result.params
-    tr = result.engine.trace
-    t0 = result.ns(-STARTUP_LEAD_S)
-    for line in vllm_startup_lines(p, t0):
-        result.log_lines.append(line)
-        result.log_ts_ns.append(t0)
-    tok_t, tok_n = np.asarray(tr.tok_t), np.asarray(tr.tok_n, dtype=np.float64)
-    pf_t, pf_n = np.asarray(tr.pf_t), np.asarray(tr.pf_n, dtype=np.float64)
-    st_t = np.asarray(tr.st_t)
-    step = VLLM_STATS_INTERVAL_S
-    quiet_before = True
-    t = -STARTUP_LEAD_S + step
-    while t <= result.end_s:
-        gen = float(tok_n[(tok_t > t - step) & (tok_t <= t)].sum())
-        prompt = float(pf_n[(pf_t > t - step) & (pf_t <= t)].sum())
-        last = int(np.searchsorted(st_t, t, side="right")) - 1
-        running, waiting, kv = (tr.st_running[last], tr.st_waiting[last], tr.st_kv_used[last]) \
-            if last >= 0 else (0, 0, 0)
-        quiet = gen == 0 and prompt == 0 and running == 0 and waiting == 0
-        if not (quiet and quiet_before):
-            ts_ns = result.ns(t)
-            message = vllm_stats_message(prompt / step, gen / step, running, waiting,
-                                         kv / p.max_total_num_tokens)
-            result.log_lines.append(f"{vllm_prefix(ts_ns, 'APIServer')} {message}")
-            result.log_ts_ns.append(ts_ns)
-        quiet_before = quiet
-        t += step

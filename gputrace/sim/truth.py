@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 import numpy as np
 
 from gputrace.sim.params import SCENARIOS, SimParams
 from gputrace.sim.samples import cumulative
 from gputrace.sim.simulate import SimResult, simulate
+from gputrace.sim.truth_records import Fix, FixOutcome, FixResult, GroundTruth, PhaseTruth, StageTruth
 
 STEADY_IN_FLIGHT = 0.1  # micro-batches in flight this close to the slot count: a full pipeline
 BUBBLE_MATERIAL = 0.08  # a bubble share worth naming a cause for
@@ -53,7 +53,7 @@ def _time_mean(t: np.ndarray, v: np.ndarray, a: float, b: float) -> float | None
     return float(vals.mean())
 
 
-def ground_truth(result: SimResult, scenario_causes: tuple[str, ...]) -> dict[str, Any]:
+def ground_truth(result: SimResult, scenario_causes: tuple[str, ...]) -> GroundTruth:
     p = result.params
     tr = result.engine.trace
     iv = result.intervals
@@ -71,44 +71,47 @@ def ground_truth(result: SimResult, scenario_causes: tuple[str, ...]) -> dict[st
         a, b = ph.start_s, ph.end_s
         dur = b - a
         has_work = _overlap(w_start, w_end, a, b)
-        stages = []
+        stages: list[StageTruth] = []
         for s in range(p.pp_size):
             sel = iv["stage"] == s
             busy = _overlap(iv["start_s"][sel], iv["end_s"][sel], a, b)
             in_phase = sel & iv["decode"] & (iv["start_s"] >= a) & (iv["start_s"] < b)
             sizes = iv["reqs"][in_phase]
-            stages.append({
-                "pp_rank": s,
-                "busy_fraction": round(busy / dur, 4),
-                "bubble_fraction": round(max(has_work - busy, 0.0) / dur, 4),
-                "mean_microbatch_size": round(float(sizes.mean()), 3) if sizes.size else None,
-                "max_microbatch_size": int(sizes.max()) if sizes.size else None,
-                "p10_microbatch_size": float(np.percentile(sizes, 10)) if sizes.size else None,
-            })
+            stages.append(StageTruth(
+                pp_rank=s,
+                busy_fraction=round(busy / dur, 4),
+                bubble_fraction=round(max(has_work - busy, 0.0) / dur, 4),
+                mean_microbatch_size=round(float(sizes.mean()), 3) if sizes.size else None,
+                max_microbatch_size=int(sizes.max()) if sizes.size else None,
+                p10_microbatch_size=float(np.percentile(sizes, 10)) if sizes.size else None,
+            ))
         in_tok = (tok_t >= a) & (tok_t < b)
         inflight = float(np.clip(np.minimum(req_end, b) - np.maximum(req_start, a), 0, None).sum()) / dur
         sel_st = (st_t >= a) & (st_t < b)
-        extra = {
-            "microbatches_in_flight": _time_mean(st_t, np.asarray(tr.st_slots_busy, float), a, b),
-            "running_mean": _time_mean(st_t, np.asarray(tr.st_running, float), a, b),
-            "running_max": int(np.max(np.asarray(tr.st_running)[sel_st])) if sel_st.any() else 0,
-            "queue_mean": _time_mean(st_t, np.asarray(tr.st_waiting, float), a, b),
-            "token_usage_max": round(float(np.max(np.asarray(tr.st_kv_used)[sel_st])) /
-                                     p.max_total_num_tokens, 4) if sel_st.any() else 0.0,
-            "client_inflight_mean": round(inflight, 3),
-            "kv_admission_stalls": int(((kv_stall >= a) & (kv_stall < b)).sum()),
-            "pcie_hop_share": _pcie_hop_share(result, a, b),
-        }
-        truth: dict[str, Any] = {
-            "label": ph.label, "start_ns": result.ns(a), "end_ns": result.ns(b),
-            "target_concurrency": ph.target_concurrency,
-            "throughput_tok_s": round(float(tok_n[in_tok].sum()) / dur, 3),
-            "stages": stages, **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in extra.items()},
-        }
+        truth = PhaseTruth(
+            label=ph.label, start_ns=result.ns(a), end_ns=result.ns(b),
+            target_concurrency=ph.target_concurrency,
+            throughput_tok_s=round(float(tok_n[in_tok].sum()) / dur, 3),
+            stages=stages,
+            microbatches_in_flight=_round4(_time_mean(st_t, np.asarray(tr.st_slots_busy, float), a, b)),
+            running_mean=_round4(_time_mean(st_t, np.asarray(tr.st_running, float), a, b)),
+            running_max=int(np.max(np.asarray(tr.st_running)[sel_st])) if sel_st.any() else 0,
+            queue_mean=_round4(_time_mean(st_t, np.asarray(tr.st_waiting, float), a, b)),
+            token_usage_max=round(float(np.max(np.asarray(tr.st_kv_used)[sel_st])) /
+                                  p.max_total_num_tokens, 4) if sel_st.any() else 0.0,
+            client_inflight_mean=round(inflight, 3),
+            kv_admission_stalls=int(((kv_stall >= a) & (kv_stall < b)).sum()),
+            pcie_hop_share=_pcie_hop_share(result, a, b),
+            causes=[],  # from the phase's other figures, below
+        )
         truth["causes"] = phase_causes(result, truth)
         phases.append(truth)
-    return {"scenario": result.scenario, "seed": p.seed, "causes": list(scenario_causes),
-            "micro_batch_cap": p.micro_batch_cap, "slots": p.slots, "phases": phases}
+    return GroundTruth(scenario=result.scenario, seed=p.seed, causes=list(scenario_causes),
+                       micro_batch_cap=p.micro_batch_cap, slots=p.slots, phases=phases)
+
+
+def _round4(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
 
 
 def _pcie_hop_share(result: SimResult, a: float, b: float) -> float:
@@ -124,7 +127,7 @@ def _pcie_hop_share(result: SimResult, a: float, b: float) -> float:
     return round(float(hop.mean() / step.mean()), 4)
 
 
-def _load(p: SimParams, ph: dict[str, Any]) -> int:
+def _load(p: SimParams, ph: PhaseTruth) -> int:
     """The requests the engine is offered in a phase: the client's level (or its own cap)."""
     target = int(ph["target_concurrency"])
     return min(target, p.client_max_inflight) if p.client_max_inflight else target
@@ -135,7 +138,7 @@ def spread_cap(p: SimParams, load: int) -> int:
     return max(-(-load // p.slots), 1)
 
 
-def phase_causes(result: SimResult, ph: dict[str, Any]) -> list[str]:
+def phase_causes(result: SimResult, ph: PhaseTruth) -> list[str]:
     """The causes present in one phase, from what the model did in it (the engine's semantics:
     SGLang's K bounds each micro-batch, its pool and vLLM's max_num_seqs the engine)."""
     p = result.params
@@ -199,7 +202,7 @@ def burst_packed(p: SimParams, load: int) -> bool:
         per_turn < load and load >= p.slots and -(-load // per_turn) < p.slots
 
 
-def bunched_at_the_bound(p: SimParams, stages: list[dict[str, Any]]) -> bool:
+def bunched_at_the_bound(p: SimParams, stages: list[StageTruth]) -> bool:
     """SGLang at its pool with the running requests far from an even split over the slots (the
     diagnosis's bunched rule, on the true micro-batch sizes)."""
     fair = max(-(-p.max_running_requests // p.slots), 1)
@@ -216,7 +219,7 @@ def underfill_reason(p: SimParams, load: int) -> str:
     return "bunched" if spreads else "light_load"
 
 
-def fix_for(p: SimParams, cause: str, ph: dict[str, Any]) -> dict[str, Any] | None:
+def fix_for(p: SimParams, cause: str, ph: PhaseTruth) -> Fix | None:
     """The change that removes ``cause`` in phase ``ph``: the engine setting (flag and value) and
     the simulator parameters that make it; None where no setting of the engine removes it."""
     load = _load(p, ph)
@@ -262,37 +265,46 @@ def fix_for(p: SimParams, cause: str, ph: dict[str, Any]) -> dict[str, Any] | No
     return None
 
 
-def scenario_ground_truth(result: SimResult) -> dict[str, Any]:
+def scenario_ground_truth(result: SimResult) -> GroundTruth:
     """The ground truth of a run, with the causes its scenario preset puts in (none for custom runs)."""
     return ground_truth(result, SCENARIOS[result.scenario].causes if result.scenario in SCENARIOS else ())
 
 
-def scenario_fixes(result: SimResult) -> list[dict[str, Any]]:
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Plan:
+    """One fix and the causes and phases it is run for."""
+
+    fix: Fix
+    causes: set[str] = dataclasses.field(default_factory=set)
+    phases: list[str] = dataclasses.field(default_factory=list)
+
+
+def scenario_fixes(result: SimResult) -> list[FixResult]:
     """For each cause the ground truth names (per phase), its fix run in the simulator with the
     same seed: the phase's throughput with the change and whether the cause is gone."""
     p = result.params
     truth = result.ground_truth
-    plans: dict[str, dict[str, Any]] = {}
+    plans: dict[str, _Plan] = {}
     for ph in truth["phases"]:
         for cause in ph["causes"]:
             fix = fix_for(p, cause, ph)
             if fix is None:
                 continue
             key = repr(sorted(fix["params"].items()))
-            plan = plans.setdefault(key, {**fix, "causes": set(), "phases": []})
-            plan["causes"].add(cause)
-            plan["phases"].append(ph["label"])
+            plan = plans.setdefault(key, _Plan(fix))
+            plan.causes.add(cause)
+            plan.phases.append(ph["label"])
     out = []
     for plan in plans.values():
-        fixed = simulate(dataclasses.replace(p, **plan["params"]), result.scenario, log=False)
+        fixed = simulate(p.replaced(plan.fix["params"]), result.scenario, log=False)
         before = {ph["label"]: ph for ph in truth["phases"]}
         after = {ph["label"]: ph for ph in scenario_ground_truth(fixed)["phases"]}
-        out.append({
-            "causes": sorted(plan["causes"]), "knob": plan["knob"], "value": plan["value"],
-            "params": {k: list(v) if isinstance(v, tuple) else v for k, v in plan["params"].items()},
-            "phases": {label: {"throughput_tok_s": before[label]["throughput_tok_s"],
-                               "fixed_throughput_tok_s": after[label]["throughput_tok_s"],
-                               "causes_after": after[label]["causes"]}
-                       for label in plan["phases"]},
-        })
+        out.append(FixResult(
+            causes=sorted(plan.causes), knob=plan.fix["knob"], value=plan.fix["value"],
+            params=dict(plan.fix["params"]),
+            phases={label: FixOutcome(throughput_tok_s=before[label]["throughput_tok_s"],
+                                      fixed_throughput_tok_s=after[label]["throughput_tok_s"],
+                                      causes_after=after[label]["causes"])
+                    for label in plan.phases},
+        ))
     return out

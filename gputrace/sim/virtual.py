@@ -4,10 +4,7 @@ held (sim.truth); ``run_scenario`` is the entry point.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
-from gputrace.sim.params import SimParams, scenario_params
+from gputrace.sim.params import Overrides, SimParams, scenario_params
 from gputrace.sim.simulate import SimResult, simulate
 from gputrace.sim.truth import scenario_ground_truth
 
@@ -23,7 +20,7 @@ def run_params(params: SimParams, scenario: str = "custom", log: bool = True) ->
     return result
 
 
-def run_scenario(name: str, seed: int = 0, overrides: Mapping[str, Any] | None = None,
+def run_scenario(name: str, seed: int = 0, overrides: Overrides | None = None,
                  log: bool = True) -> SimResult:
     """Run a preset (``SCENARIOS``) with parameter overrides in virtual time (``log``: as run_params)."""
     params = scenario_params(name, {**(overrides or {}), "seed": seed})

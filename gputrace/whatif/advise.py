@@ -14,6 +14,7 @@ candidate clears its band the advice is to keep the current settings, with the r
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,13 +33,12 @@ from gputrace.whatif.fit import FittedModel, fit_model
 from gputrace.whatif.outcome import PhaseOutcome
 from gputrace.whatif.param_change import ParamChange, ParamJson, ParamValue, param_json
 from gputrace.whatif.predict import (
-    PhasePrediction,
-    decision_band,
     finding_change,
     predict,
     predicted_already,
     prefill_budget_change,
 )
+from gputrace.whatif.prediction import PhasePrediction, decision_band
 
 OBJECTIVES = ("throughput", "peak", "slo")
 SCREEN_SEEDS = (0,)  # a candidate's first replay; the best CONFIRM are replayed at every seed
@@ -158,6 +158,12 @@ class PhaseAdvice:
             return f"±{self.band_ratio:.0%}"
         return f"±{self.decision_band_ratio:.0%}; ±{self.band_ratio:.0%} with this phase's run-to-run spread"
 
+    def in_time(self, speed: float) -> PhaseAdvice:
+        """Its tok/s over ``speed`` (Advice.in_time); ratios and latencies as they are."""
+        return dataclasses.replace(
+            self, measured_tok_s=self.measured_tok_s / speed, predicted_tok_s=self.predicted_tok_s / speed,
+            unchanged_tok_s=None if self.unchanged_tok_s is None else self.unchanged_tok_s / speed)
+
     def to_dict(self) -> PhaseAdviceRow:
         def r(x: float | None, n: int) -> float | None:
             return None if x is None else round(x, n)
@@ -195,6 +201,9 @@ class Option:
         moves = "; ".join(ups + downs) or "no phase moves beyond its band"
         return f"{name}: {moves}"
 
+    def in_time(self, speed: float) -> Option:
+        return dataclasses.replace(self, phases=tuple(p.in_time(speed) for p in self.phases))
+
     def to_dict(self) -> OptionRow:
         return {"changes": [c.to_dict() for c in self.changes], "origin": self.origin,
                 "weighted_gain_tok_s": round(self.weighted_gain_tok_s, 1),
@@ -228,6 +237,19 @@ class Advice:
         moved = ", ".join(f"{p.phase} {p.measured_tok_s:.0f} -> {p.predicted_tok_s:.0f} tok/s "
                           f"({p.gain_ratio:+.0%} {p.band_text()})" for p in ups)
         return f"Set {what}: predicted {moved or 'no phase beyond its band'}; {self.reason}."
+
+    def in_time(self, speed: float) -> Advice:
+        """The advice with every tok/s over ``speed``: a run captured against an engine that ran
+        ``speed`` x the wall clock (the demo's live runs), stated in the deployment's time."""
+        if speed == 1.0:
+            return self
+        weighted = Option(self.changes, self.phases, "").weighted_gain_tok_s
+        said = _average_gain_text(weighted)
+        reason = self.reason.replace(said, _average_gain_text(weighted / speed)) if said in self.reason \
+            else self.reason
+        return dataclasses.replace(self, phases=tuple(p.in_time(speed) for p in self.phases),
+                                   alternatives=tuple(a.in_time(speed) for a in self.alternatives),
+                                   reason=reason)
 
     def to_dict(self) -> AdviceRow:
         return {"changes": [c.to_dict() for c in self.changes], "objective": self.objective,
@@ -551,12 +573,16 @@ def _unique(options: tuple[Option, ...]) -> tuple[Option, ...]:
     return tuple(out)
 
 
+def _average_gain_text(tok_s: float) -> str:
+    return f"{tok_s:+.0f} tok/s on average"
+
+
 def _why(best: Option, objective: str) -> str:
     held = [p.phase for p in best.phases if not p.gains and not p.loses]
     goal = {"throughput": "the most throughput over the run's phases, weighted by their duration",
             "peak": "the most throughput at the highest load level",
             "slo": "the most throughput within the SLO"}[objective]
-    text = f"{goal} ({best.weighted_gain_tok_s:+.0f} tok/s on average)"
+    text = f"{goal} ({_average_gain_text(best.weighted_gain_tok_s)})"
     if objective != "peak":
         text += ", no phase loses beyond its band"
     if held:

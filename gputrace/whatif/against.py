@@ -12,8 +12,8 @@ from gputrace.analysis.result import Analysis
 from gputrace.engines import engine_words
 from gputrace.errors import GputraceError
 from gputrace.vocabulary import Cause
-from gputrace.whatif.fit import FittedModel, deployment_params, fit_model, relative_error
-from gputrace.whatif.outcome import measured_outcomes
+from gputrace.whatif.fit import FittedModel, deployment_params, fit_model
+from gputrace.whatif.outcome import measured_outcomes, relative_error
 from gputrace.whatif.param_change import ParamChange, ParamJson, ParamValue, param_json
 from gputrace.whatif.predict import CHANGEABLE, finding_change, predict
 

@@ -13,7 +13,8 @@ from gputrace.analysis.predicted import PhaseEffect, PredictedEffect
 from gputrace.analysis.result import Analysis, with_notes
 from gputrace.errors import GputraceError
 from gputrace.whatif.fit import FittedModel, fit_model, replay_note
-from gputrace.whatif.predict import PhasePrediction, finding_change, predict
+from gputrace.whatif.predict import finding_change, predict
+from gputrace.whatif.prediction import PhasePrediction
 
 MAX_CHANGES = 4  # distinct changes simulated per report: one replay of the run each (bounded time)
 

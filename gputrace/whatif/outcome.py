@@ -238,3 +238,9 @@ def trace_outcomes(result: SimResult, labels: list[str] | None = None,
                                 float(np.percentile(sizes, 90)) if len(sizes) else None,
                                 float(sizes.max()) if len(sizes) else None))
     return out
+
+
+def relative_error(predicted: float | None, measured: float | None) -> float | None:
+    if predicted is None or measured is None or measured <= 0:
+        return None
+    return predicted / measured - 1.0

@@ -5,8 +5,6 @@ as the simulator's parameters that make them."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import TypedDict
 
 import numpy as np
 
@@ -16,9 +14,10 @@ from gputrace.engines.knobs import Knob
 from gputrace.errors import ConfigError, UsageError
 from gputrace.sim.params import SimParams, make_params
 from gputrace.vocabulary import Change, EngineSettings
-from gputrace.whatif.fit import REPLAY_SEEDS, FittedModel, median_outcomes, relative_error, replay_seeds
-from gputrace.whatif.outcome import PhaseOutcome, PhaseOutcomeRow
+from gputrace.whatif.fit import REPLAY_SEEDS, FittedModel, median_outcomes, replay_seeds
+from gputrace.whatif.outcome import PhaseOutcome
 from gputrace.whatif.param_change import ParamChange, ParamValue
+from gputrace.whatif.prediction import PhasePrediction
 
 # What a what-if may change: the deployment's settings and the load. The cost model is the fit's.
 CHANGEABLE = ("pp_max_micro_batch_size", "max_running_requests", "pp_async_batch_depth",
@@ -45,71 +44,9 @@ HEALTHY_LINK = {"pcie_bandwidth_bytes_per_s": SimParams().pcie_bandwidth_bytes_p
 # A band widens this much per doubling of the largest micro-batch a change runs past the largest
 # the run ran (the step cost there is extrapolated, not measured)
 EXTRAPOLATION_PER_DOUBLING = 0.15
-
-
-def decision_band(band_ratio: float, model_band_ratio: float | None) -> float:
-    """What a predicted gain or loss must exceed to count: the model's own uncertainty on the
-    effect. The stated band adds the phase's run-to-run spread, which moves one rerun's figure
-    either way but not the expected effect (on CPU engines it made the advice "keep" in 8 of 10
-    back-to-back repeats whose findings' change then measured +1 to +73 %)."""
-    return band_ratio if model_band_ratio is None else model_band_ratio
-
-
-class PhasePredictionRow(TypedDict):
-    """A ``PhasePrediction`` as whatif.json gives it: the outcomes as rows, the ratios rounded."""
-
-    label: str
-    concurrency: int
-    measured: PhaseOutcomeRow | None
-    predicted: PhaseOutcomeRow
-    unchanged: PhaseOutcomeRow | None
-    band_ratio: float
-    model_band_ratio: float | None
-    gain_ratio: float | None
-    extrapolation: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class PhasePrediction:
-    """One level: measured (None where the capture had no such level) against predicted.
-
-    ``predicted`` is the calibrated figure, measured x model(change) / model(as run) where the
-    run had the level (the model's own figure elsewhere); ``unchanged`` the calibrated model's
-    replay of the run as it ran there; ``replay`` the model's raw figures under the change."""
-
-    label: str
-    concurrency: int
-    measured: PhaseOutcome | None
-    predicted: PhaseOutcome
-    band_ratio: float
-    unchanged: PhaseOutcome | None = None
-    replay: PhaseOutcome | None = None
-    extrapolation: str | None = None  # why the band is wide, where it is
-    # the band without the phase's run-to-run spread: the model's own uncertainty on the effect
-    # (its residual and the extrapolation), what a decision to change rests on
-    model_band_ratio: float | None = None
-
-    @property
-    def decision_band_ratio(self) -> float:
-        """What a predicted gain or loss must exceed to count (decision_band)."""
-        return decision_band(self.band_ratio, self.model_band_ratio)
-
-    @property
-    def gain_ratio(self) -> float | None:
-        """Predicted throughput against measured, less one."""
-        m = self.measured
-        return relative_error(self.predicted.throughput_tok_s, m.throughput_tok_s if m else None)
-
-    def to_dict(self) -> PhasePredictionRow:
-        return {"label": self.label, "concurrency": self.concurrency,
-                "measured": self.measured.to_dict() if self.measured else None,
-                "predicted": self.predicted.to_dict(),
-                "unchanged": self.unchanged.to_dict() if self.unchanged else None,
-                "band_ratio": round(self.band_ratio, 4),
-                "model_band_ratio": (None if self.model_band_ratio is None
-                                     else round(self.model_band_ratio, 4)),
-                "gain_ratio": None if self.gain_ratio is None else round(self.gain_ratio, 4),
-                "extrapolation": self.extrapolation}
+# ... and widens by the gap between two step costs that both hold the sizes it ran, where the change
+# runs a size between them (predict.interpolation_gap), where that gap is at least this
+INTERPOLATION_FLOOR = 0.01
 
 
 def engine_keys(words: EngineWords) -> dict[str, Knob]:
@@ -199,19 +136,55 @@ def calibrated(measured: PhaseOutcome, change: PhaseOutcome, as_run: PhaseOutcom
         ttft_s_p90=f("ttft_s_p90"), itl_s_p50=f("itl_s_p50"), itl_s_p90=f("itl_s_p90"))
 
 
+def decode_step_s(p: SimParams, size: float) -> float:
+    """The model's cost of one stage's decode step of ``size`` requests (sim.engine's step, no
+    context, multiplier 1)."""
+    memory = p.weight_read_s
+    if p.moe_experts:
+        memory += (1.0 - (1.0 - p.moe_top_k / p.moe_experts) ** size) * p.expert_read_s
+    return p.launch_s + max(memory, p.decode_token_s * size)
+
+
+def interpolation_gap(p: SimParams, size: float, below: float, above: float) -> float:
+    """How far apart two step costs that both hold the run's steps of ``below`` and ``above``
+    requests are at ``size`` between them, against the model's: the model's knee (a memory floor,
+    then a cost per request) and the straight line between the two measured steps. The run cannot
+    tell them apart: a dense model's step has the knee, a MoE's (the experts a step's requests
+    read) lies near the line (the motivating deployment's at 4 requests 2 % below the line through
+    its steps of 1 and 8); the knee fitted to the demo's live defaults (steps of 1 and 8) is 11 %
+    below that line at 4 requests, 7 % at 5."""
+    lo, hi = decode_step_s(p, below), decode_step_s(p, above)
+    line = lo + (size - below) * (hi - lo) / (above - below)
+    return abs(line / decode_step_s(p, size) - 1.0)
+
+
 def extrapolation_band(model: FittedModel, o: PhaseOutcome, changes: ParamChange
                        ) -> tuple[float, str | None]:
-    """The band's widening where the change runs micro-batches past those the run ran (and why)."""
+    """The band's widening where the change runs micro-batches of sizes the run did not run (and
+    why): past the largest, by EXTRAPOLATION_PER_DOUBLING per doubling; between two it ran, by
+    the gap between the step costs that both hold the run's (interpolation_gap)."""
     seen = model.largest_microbatch
     size = o.microbatch_size_p90
-    if not seen or not size or size <= seen * 1.05:
+    if not seen or not size:
         return 0.0, None
     k = changes.get("pp_max_micro_batch_size")
     what = f"K={k} runs" if k is not None else "the change runs"
     # in the engine's words: SGLang's PP slots run micro-batches, vLLM's scheduler batches
     unit = "micro-batches" if model.params.engine_spec.microbatch_slots else "batches"
-    return (EXTRAPOLATION_PER_DOUBLING * float(np.log2(size / seen)),
-            f"{what} {unit} of {size:.0f}; this run never ran more than {seen:.0f}: wide band")
+    if size > seen * 1.05:
+        return (EXTRAPOLATION_PER_DOUBLING * float(np.log2(size / seen)),
+                f"{what} {unit} of {size:.0f}; this run never ran more than {seen:.0f}: wide band")
+    ran = sorted({s for m in model.measured for s in (m.microbatch_size_p90, m.microbatch_size_max) if s})
+    below = max((s for s in ran if s <= size), default=None)
+    above = min((s for s in ran if s >= size), default=None)
+    if below is None or above is None or min(size / below, above / size) <= 1.05:
+        return 0.0, None
+    gap = interpolation_gap(model.params, size, below, above)
+    if gap < INTERPOLATION_FLOOR:
+        return 0.0, None
+    return (gap, f"{what} {unit} of {size:.0f}, between the {below:.0f} and {above:.0f} this run "
+            f"ran: a step cost with a memory floor and one straight between those two differ by "
+            f"{gap:.0%} there, and the run cannot tell which holds: band +{gap:.0%}")
 
 
 def _key(changes: ParamChange, seeds: tuple[int, ...]) -> str:

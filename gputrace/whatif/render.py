@@ -10,7 +10,7 @@ from gputrace.whatif.advise import AdviceRow
 from gputrace.whatif.fit import FittedModel
 from gputrace.whatif.outcome import PhaseOutcomeRow
 from gputrace.whatif.param_change import ParamChange, ParamJson, param_json
-from gputrace.whatif.predict import PhasePrediction, PhasePredictionRow
+from gputrace.whatif.prediction import PhasePrediction, PhasePredictionRow
 
 SCHEMA = "gputrace.whatif/1"
 

@@ -30,8 +30,7 @@ import numpy as np
 
 from gputrace.sim.client import ClosedLoopClient, Phase
 from gputrace.sim.engine import PipelineEngine
-from gputrace.sim.logfmt import parse_start_ns
-from gputrace.sim.params import SimParams
+from gputrace.sim.params import SimParams, parse_start_ns
 from gputrace.sim.simulate import SimResult, simulate
 
 # A phase's throughput has settled when its last two spans' tokens agree within this: a third of

@@ -28,9 +28,16 @@ DCGM_SCHEMA_WORDS = {"4.8": "the names before 4.9: utilization in %, MHz, mJ, Mi
 """dcgm-exporter's schemas as the import reports them (each series converted to SI by its own name)."""
 
 
+def _setting_option(setting: str, help_text: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """gputrace's own option for an engine setting Prometheus does not carry, named after
+    gputrace's setting (``--max-running-requests``), whatever the engine calls it."""
+    return click.option("--" + setting.replace("_", "-"), "prom_" + setting, type=int, default=None,
+                        help=help_text)
+
+
 def prometheus_flags(fn: Callable[..., Any]) -> Callable[..., Any]:
     """The flags of `report --prometheus` (all passed on as keyword arguments)."""
-    for option in reversed([
+    options: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = [
         click.option("--prometheus", "prometheus_url", default=None, metavar="URL",
                      help="Analyse what this Prometheus scraped from the agents and the collector."),
         click.option("--start", "prom_start", default=None,
@@ -47,12 +54,13 @@ def prometheus_flags(fn: Callable[..., Any]) -> Callable[..., Any]:
                      help="With --prometheus: file holding a bearer token."),
         click.option("--run-out", "prom_run_out", default=None, type=click.Path(file_okay=False),
                      help="With --prometheus: keep the imported run store here (default: a temporary one)."),
-        click.option("--max-running-requests", "prom_max_running_requests", type=int, default=None,
-                     help="With --prometheus: the engine's setting (Prometheus does not carry it; the "
-                          "micro-batch cap diagnosis needs it or the next flag)."),
-        click.option("--pp-max-micro-batch-size", "prom_pp_max_micro_batch_size", type=int, default=None,
-                     help="With --prometheus: the engine's setting, when it was given."),
-    ]):
+        _setting_option("max_running_requests",
+                        "With --prometheus: the engine's setting (Prometheus does not carry it; the "
+                        "micro-batch cap diagnosis needs it or the next flag)."),
+        _setting_option("pp_max_micro_batch_size",
+                        "With --prometheus: the engine's setting, when it was given."),
+    ]
+    for option in reversed(options):
         fn = option(fn)
     return fn
 

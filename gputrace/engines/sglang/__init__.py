@@ -9,6 +9,7 @@ from gputrace.engines.sglang.fastpath import MAYBE_SGLANG, scan_chunk
 from gputrace.engines.sglang.grammar import ENGINE as KIND
 from gputrace.engines.sglang.grammar import LOG_FIELDS, RANK_FIELDS, RANK_TAG, batch_fields, parse_line
 from gputrace.engines.sglang.knobs import KNOBS, default_microbatch_cap, slot_count
+from gputrace.engines.sglang.simulated import SIMULATED
 
 __all__ = ["ENGINE", "KIND", "RANK_FIELDS", "RANK_TAG", "batch_fields", "default_microbatch_cap",
            "parse_line", "slot_count"]
@@ -22,6 +23,8 @@ ENGINE = Engine(
     # the PP loop's slots, each a micro-batch capped at K; a prefill turn runs alone
     policy=SchedulingPolicy(microbatch_slots=True, mixed_prefill=False, cpu_forward_in_loop=True),
     parse_line=parse_line,
+    simulated=SIMULATED,
+    slot_count=slot_count,  # its PP loop's slots: pp_size + pp_async_batch_depth
     maybe_line=MAYBE_SGLANG,
     fast_path=scan_chunk,
     # K's flag before 2025-10; the KV pool's other flag; the metrics and the device timer

@@ -7,6 +7,7 @@ from gputrace.engines.common import Engine, SchedulingPolicy
 from gputrace.engines.vllm.grammar import ENGINE as KIND
 from gputrace.engines.vllm.grammar import LOG_FIELDS, MAYBE_VLLM, parse_line
 from gputrace.engines.vllm.knobs import KNOBS
+from gputrace.engines.vllm.simulated import SIMULATED
 
 __all__ = ["ENGINE", "KIND", "MAYBE_VLLM", "parse_line"]
 
@@ -19,6 +20,7 @@ ENGINE = Engine(
     # admission is engine-wide (max_num_seqs), no per-micro-batch cap; prompts ride in the steps
     policy=SchedulingPolicy(microbatch_slots=False, mixed_prefill=True, cpu_forward_in_loop=False),
     parse_line=parse_line,
+    simulated=SIMULATED,
     maybe_line=MAYBE_VLLM,
     stamps_have_year=False,  # MM-DD HH:MM:SS
     steps_logged=False,  # a stats line every VLLM_LOG_STATS_INTERVAL, averaged over it
