@@ -16,6 +16,20 @@ measured below the defaults by more than that spread).
 
     python bench/whatif_engines.py [--engines sglang,vllm] [--repeats 5] [--keep DIR] [--quick]
     python bench/whatif_engines.py --refit DIR     # the kept runs fitted again, no engine started
+    python bench/whatif_engines.py --pairs chunk,k,pool,kv [--pair-count 3] [--sweep 4096,1024,512]
+                                   [--keep DIR | --refit DIR]
+
+`--pairs` (issue 47, [prefill] Must-show 1 and 5; bench/engine_pairs.py): per case, SGLang's default
+and one change with a large effect run back to back in interleaved pairs (A B A B A B), the ratio
+per pair per wall second and per scheduler CPU-second, the median, and the what-if's prediction
+fitted to the first default run with its band; the chunk case (long prompts, chunk 256) takes the
+chunk the report advises (its finding's where the advice keeps) and sweeps others for the best
+chunk measured (the sweep's first value after the first pair, the rest after the last). Each run
+is a fresh engine captured by `gputrace run` (its log and /metrics): 3-4 minutes on 2 idle cores,
+5-7 on the 2 cores shared at load 20-58 (the chunk case's 3 pairs and 2 sweep runs: 55 minutes).
+`--keep DIR` keeps DIR/pairs-CASE/{A0,B0,...,S4096}/ (run, engine.log, cpu.json: the scheduler's
+CPU counter as scraped) and case.json; a run kept there is not run again (an interrupted bench
+goes on where it stopped), and `--refit DIR` prints the table from them with the fit as it is now.
 
 Needs `make engines` (.venv-engines and the model); about 2 minutes per engine run, two runs per
 engine and repeat. `--keep` keeps each repeat's two runs (DIR/ENGINE-REPEAT/{default,applied}/run
@@ -37,7 +51,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from engine_servers import EngineSetting, engines_available, running_engine
+from engine_pairs import (
+    BAND_LIMIT,
+    CASES,
+    PairCase,
+    RunFigures,
+    figures_of,
+    median,
+    ratios,
+    run_dirs,
+    run_one,
+)
+from engine_servers import EngineSetting, engines_available, long_prompts_file, running_engine
 
 from gputrace.analyse import analyse_run
 from gputrace.analysis.result import Analysis
@@ -185,6 +210,171 @@ def _fmt(x: object, spec: str) -> str:
     return format(x, spec) if isinstance(x, (int, float)) else "n/a"
 
 
+# --pairs (issue 47): one change against the defaults in interleaved pairs
+
+PREFILL_CAUSE = "prefill_budget"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChosenChange:
+    """What the default run's report says, and the value run against it (case.json)."""
+
+    advice: str
+    prefill_cause: tuple[str, ...]  # the prefill_budget findings: "phase: recommendation"
+    names_the_flag: bool  # a prefill_budget finding's change is the case's flag
+    changed: int
+    source: str  # "the case", "the advice", "the finding (the advice keeps)"
+
+
+def chosen_change(case: PairCase, analysis: Analysis) -> ChosenChange:
+    """The case's own value, or (the chunk case) the chunk the advice names, else its finding's."""
+    advice, _ = advice_of(analysis)
+    named = [f for f in analysis.findings if f.cause == PREFILL_CAUSE]
+    said = (advice.sentence(), tuple(f"{f.phase}: {f.recommendation}" for f in named),
+            any(f.change is not None and f.change.flag == case.flag for f in named))
+    if case.changed_value is not None:
+        return ChosenChange(*said, case.changed_value, "the case")
+    advised = [int(c.value) for c in advice.changes if c.flag == case.flag]
+    found = [int(f.change.value) for f in named if f.change is not None and f.change.flag == case.flag]
+    if advised:
+        return ChosenChange(*said, advised[0], "the advice")
+    if found:
+        return ChosenChange(*said, found[0], "the finding (the advice keeps)")
+    raise SystemExit(f"{case.name}: the default run's report names no {case.flag}: {advice.sentence()}")
+
+
+def measure_pairs(case: PairCase, work: Path, count: int, sweep: tuple[int, ...]) -> None:
+    """A0, then the change taken from it, then B0 A1 B1 ... back to back; the sweep's first value
+    after the first pair, the rest after the last."""
+    prompts = long_prompts_file(work.parent / "long-prompts.jsonl") if case.long_prompts else None
+    t0 = time.monotonic()
+    run_one(case, case.default_value, work / "A0", prompts)
+    chosen = chosen_change(case, _analysis(work / "A0" / "run"))
+    (work / "case.json").write_text(json.dumps(dataclasses.asdict(chosen), indent=2) + "\n")
+    print(f"{case.name}: A0 done ({time.monotonic() - t0:.0f} s); running {case.flag} {chosen.changed} "
+          f"from {chosen.source}", file=sys.stderr)
+    # the sweep runs after the first pair, so that a bench cut short on a slow machine has the
+    # best chunk measured beside one pair at least
+    sweep_runs = [v for v in sweep if v != chosen.changed] if case.long_prompts else []
+    for i in range(count):
+        if i:
+            run_one(case, case.default_value, work / f"A{i}", prompts)
+        run_one(case, chosen.changed, work / f"B{i}", prompts)
+        print(f"{case.name}: pair {i} done ({time.monotonic() - t0:.0f} s)", file=sys.stderr)
+        while sweep_runs and (i == 0 or i == count - 1):
+            value = sweep_runs.pop(0)
+            run_one(case, value, work / f"S{value}", prompts)
+            print(f"{case.name}: sweep {value} done ({time.monotonic() - t0:.0f} s)", file=sys.stderr)
+            if i == 0:
+                break
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Prediction:
+    ratio: float  # predicted / measured at the default
+    band_ratio: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PairsResult:
+    case: PairCase
+    chosen: ChosenChange
+    pairs: list[tuple[RunFigures, RunFigures]]
+    sweep: list[RunFigures]
+    predictions: dict[int, Prediction]  # by value: the fit to A0
+
+
+def pairs_result(case: PairCase, work: Path) -> PairsResult:
+    """The kept runs of one case read back (what --refit reads): figures and the prediction of
+    each value run, fitted to the first default run."""
+    kept = json.loads((work / "case.json").read_text())
+    chosen = ChosenChange(**{**kept, "prefill_cause": tuple(kept["prefill_cause"])})
+    runs = run_dirs(work)
+    changed = chosen.changed
+    pairs = [(figures_of(case, case.default_value, runs[f"A{i}"]), figures_of(case, changed, runs[f"B{i}"]))
+             for i in range(len(runs)) if f"A{i}" in runs and f"B{i}" in runs]
+    sweep = [figures_of(case, int(name[1:]), d) for name, d in runs.items() if name.startswith("S")]
+    before = _analysis(runs["A0"] / "run")
+    predictions = {}
+    for value in sorted({changed, *(f.value for f in sweep)}):
+        phases, _ = predicted_phases(before, [{"knob": case.knob, "value": value}])
+        (p,) = [p for p in phases if p.phase == f"C={case.concurrency}"]
+        predictions[value] = Prediction(1.0 + p.gain_ratio, p.band_ratio)
+    return PairsResult(case, chosen, pairs, sorted(sweep, key=lambda f: f.value), predictions)
+
+
+def _within(predicted: float, measured: float) -> str:
+    return "yes" if abs(predicted / measured - 1.0) <= BAND_LIMIT else "NO"
+
+
+def _inside(predicted: Prediction, measured: float) -> str:
+    return "yes" if abs(measured - predicted.ratio) <= predicted.band_ratio else "NO"
+
+
+def print_pairs(results: list[PairsResult]) -> None:
+    """Per case the pairs, the medians and the prediction; the chunk case's sweep; then how many
+    predictions lie within 25 % of the measured medians."""
+    judged: list[tuple[str, str, str]] = []
+    for r in results:
+        c, changed = r.case, r.chosen.changed
+        prompts = "prompts of 950-1,900 tokens" if c.long_prompts else "the load's default prompts"
+        print(f"\n## {c.name}: {c.flag} {c.default_value} -> {changed} ({r.chosen.source}); "
+              f"flags {' '.join(c.base_flags) or 'the tier defaults'}; closed loop C={c.concurrency}, "
+              f"{prompts}, max_tokens {c.max_tokens}, {c.level_s:.0f} s a run after "
+              f"{c.warmup_s:.0f} s of warm-up\n")
+        print(f"default run's advice: {r.chosen.advice}")
+        if c.long_prompts:  # Must-show 1: the report names the prefill cause with the case's flag
+            print(f"prefill cause named: {'; '.join(r.chosen.prefill_cause) or 'none'} "
+                  f"(names {c.flag}: {'yes' if r.chosen.names_the_flag else 'no'})")
+        print()
+        print("| pair | default tok/s | changed tok/s | ratio | default CPU-s | changed CPU-s | "
+              "default tok/CPU-s | changed tok/CPU-s | ratio per CPU-s |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for i, (a, b) in enumerate(r.pairs):
+            print(f"| {i} | {a.tok_s:.2f} | {b.tok_s:.2f} | x{b.tok_s / a.tok_s:.2f} | {a.cpu_s:.1f} | "
+                  f"{b.cpu_s:.1f} | {a.tok_per_cpu_s:.3f} | {b.tok_per_cpu_s:.3f} | "
+                  f"x{b.tok_per_cpu_s / a.tok_per_cpu_s:.2f} |")
+        wall, cpu = ratios(r.pairs)
+        p, mw, mc = r.predictions[changed], median(wall), median(cpu)
+        print(f"\nmedian ratio x{mw:.2f} per wall second, x{mc:.2f} per scheduler CPU-second")
+        print(f"predicted (fit to A0) x{p.ratio:.2f}, band ±{p.band_ratio:.0%}: within {BAND_LIMIT:.0%} "
+              f"of the measured median: per wall second {_within(p.ratio, mw)}, per CPU-second "
+              f"{_within(p.ratio, mc)}; the measured inside the stated band: {_inside(p, mw)} (wall), "
+              f"{_inside(p, mc)} (CPU)")
+        judged.append((c.name, _within(p.ratio, mw), _within(p.ratio, mc)))
+        if r.sweep:
+            print_sweep(r, mw, mc)
+    print(f"\npredicted within {BAND_LIMIT:.0%} of the measured median ratio: per wall second "
+          f"{sum(w == 'yes' for _, w, _ in judged)} of {len(judged)}, per scheduler CPU-second "
+          f"{sum(x == 'yes' for _, _, x in judged)} of {len(judged)} ("
+          + ", ".join(f"{n} {w}/{x}" for n, w, x in judged) + ")")
+
+
+def print_sweep(r: PairsResult, advised_wall: float, advised_cpu: float) -> None:
+    """Each value run (the advised one by its pairs' median) against the defaults' median; the
+    best measured, and whether the advised one gains within 25 % of it."""
+    c, changed = r.case, r.chosen.changed
+    base_tok = median([a.tok_s for a, _ in r.pairs])
+    base_cpu = median([a.tok_per_cpu_s for a, _ in r.pairs])
+    rows = [(changed, advised_wall * base_tok, advised_cpu * base_cpu)]
+    rows += [(f.value, f.tok_s, f.tok_per_cpu_s) for f in r.sweep]
+    print(f"\n| {c.flag} | tok/s | ratio to the defaults' median | tok/CPU-s | ratio per CPU-s | "
+          "predicted | band |")
+    print("|---|---|---|---|---|---|---|")
+    for value, tok, per_cpu in sorted(rows):
+        q = r.predictions[value]
+        print(f"| {value}{' (the pairs)' if value == changed else ''} | {tok:.2f} | x{tok / base_tok:.2f} | "
+              f"{per_cpu:.3f} | x{per_cpu / base_cpu:.2f} | x{q.ratio:.2f} | ±{q.band_ratio:.0%} |")
+    best = max(rows, key=lambda row: row[1])
+    best_cpu = max(rows, key=lambda row: row[2])
+    wall_ok = advised_wall >= (1 - BAND_LIMIT) * best[1] / base_tok
+    cpu_ok = advised_cpu >= (1 - BAND_LIMIT) * best_cpu[2] / base_cpu
+    print(f"\nbest {c.flag} measured: {best[0]} (x{best[1] / base_tok:.2f}) per wall second, "
+          f"{best_cpu[0]} (x{best_cpu[2] / base_cpu:.2f}) per CPU-second; the advised {changed} gains "
+          f"x{advised_wall:.2f} / x{advised_cpu:.2f}: within {BAND_LIMIT:.0%} of the best: per wall "
+          f"second {'yes' if wall_ok else 'NO'}, per CPU-second {'yes' if cpu_ok else 'NO'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engines", default="sglang,vllm")
@@ -195,11 +385,33 @@ def main() -> None:
     ap.add_argument("--keep", type=Path, default=None, help="keep the runs in this folder")
     ap.add_argument("--refit", type=Path, default=None,
                     help="fit the runs kept in this folder again (no engine is started)")
+    ap.add_argument("--pairs", default=None,
+                    help=f"interleaved pairs of these SGLang cases ({','.join(CASES)}) instead of the advice")
+    ap.add_argument("--pair-count", type=int, default=3)
+    ap.add_argument("--sweep", default="4096,1024,512",
+                    help="with --pairs chunk: the other chunks run once each, for the best chunk measured")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.pairs is not None:
+        names = [n for n in args.pairs.split(",") if n]
+        unknown = [n for n in names if n not in CASES]
+        if unknown:
+            raise SystemExit(f"--pairs: unknown case(s) {', '.join(unknown)} (known: {', '.join(CASES)})")
+        sweep = tuple(int(v) for v in args.sweep.split(",") if v)
+        if args.refit is None:
+            reason = engines_available()
+            if reason is not None:
+                print(f"skipped: {reason}")
+                return
+            work = args.keep or Path(tempfile.mkdtemp(prefix="engine-pairs-"))
+            for name in names:
+                measure_pairs(CASES[name], work / f"pairs-{name}", args.pair_count, sweep)
+        results = [pairs_result(CASES[n], (args.refit or work) / f"pairs-{n}") for n in names]
+        print_pairs(results)
+        return
     if args.quick:
         args.engines, args.repeats = "sglang", 1
     # SIGTERM ends the bench as Ctrl-C does: the running engine's context stops its process group
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     engines = [e for e in args.engines.split(",") if e]
     rows = refit(args.refit, engines) if args.refit is not None else measure(engines, args.repeats, args.keep)
     if rows is None:

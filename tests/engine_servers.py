@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -77,7 +78,6 @@ _WORDS = ("time", "year", "people", "way", "day", "man", "thing", "woman", "life
 def write_long_prompts(path: Path, n: int = 1000, seed: int = 47) -> Path:
     """``n`` different prompts of random words (`gputrace load --prompts`), each opening with its
     own number: no two share a prefix block, so vLLM's prefix cache saves none of their prefill."""
-    import random
 
     rng = random.Random(seed)
     with path.open("w") as f:
@@ -108,6 +108,18 @@ def engine_tier_missing() -> str | None:
     ) if reason is not None]
     return "the engine tier needs: " + "; ".join(missing) if missing else None
 
+
+def require_engine_tier() -> None:
+    """Skip the calling test where the engine tier's needs are missing; fail instead where
+    GPUTRACE_REQUIRE_ENGINE_TESTS=1 (CI's engine job, which must not pass by skipping)."""
+    import pytest
+
+    reason = engine_tier_missing()
+    if reason is None:
+        return
+    if os.environ.get("GPUTRACE_REQUIRE_ENGINE_TESTS") == "1":
+        pytest.fail(reason + "; GPUTRACE_REQUIRE_ENGINE_TESTS=1 makes this a failure")
+    pytest.skip(reason)
 
 
 def _without_flag(args: list[str], flag: str) -> list[str]:
@@ -264,6 +276,59 @@ def group_cpu_seconds(pgid: int) -> dict[str, float]:
     return out
 
 
+# Issue 47's long prompts: 950-1,900 tokens of the tier's model, more of them than a run sends, so
+# no prompt repeats and the radix cache shares nothing beyond the chat template
+LONG_PROMPT_TOKENS = (950, 1900)
+LONG_PROMPTS = 400
+# SGLang for them: a context that holds them, a pool that does not bind at C=8, the small chunk
+LONG_PROMPT_FLAGS = ("--context-length", "2048", "--max-running-requests", "16")
+
+
+def long_prompts_file(path: Path, seed: int = 0) -> Path:
+    """A prompts JSONL (`gputrace load --prompts`) of LONG_PROMPTS prompts of 950-1,900 tokens:
+    words that are one token each in the model's vocabulary (its space-led lower-case words),
+    drawn at random. Written once; an existing file is kept."""
+    if path.exists():
+        return path
+    vocab = json.loads((MODEL_DIR / "tokenizer.json").read_text())["model"]["vocab"]
+    words = sorted(w[1:] for w in vocab if w.startswith("Ġ") and w[1:].isalpha() and w[1:].islower())
+    rng = random.Random(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for _ in range(LONG_PROMPTS):
+            n = rng.randint(*LONG_PROMPT_TOKENS)
+            f.write(json.dumps({"prompt": " ".join(rng.choice(words) for _ in range(n))}) + "\n")
+    return path
+
+
+def capture_level(engine: RunningEngine, run_dir: Path, *, concurrency: int, level_s: float,
+                  max_tokens: int, prompts: Path | None = None, warmup_s: float = 0.0,
+                  report: bool = False) -> subprocess.CompletedProcess[str]:
+    """`gputrace run` over one closed-loop level, as a user captures a running engine: its log
+    file and its /metrics (the stage timers), the built-in load; the report where ``report``. The
+    requests in flight when the level ends run to their end (no --drain): an abandoned request's
+    tokens are unknown, so the phase's client tok/s would miss what it emitted in the level.
+    ``warmup_s`` runs the level's load before its phase begins (a closed loop of long prompts
+    starts as a burst: its first outputs come tens of seconds in)."""
+    import sys
+
+    cfg = run_dir.parent / f"{run_dir.name}.toml"
+    cfg.write_text(
+        f'[run]\nname = "{engine.setting.engine}-{engine.setting.name}"\n\n'
+        '[[hosts]]\nname = "engine-host"\n\n'
+        f'[hosts.log]\nkind = "file"\npath = {json.dumps(str(engine.log_path))}\n'
+        f'engine = "{engine.setting.engine}"\n\n'
+        f'[hosts.engine_metrics]\nurl = "{engine.url}/metrics"\n\n[topology]\npp_size = {PP_SIZE}\n')
+    argv = [sys.executable, "-m", "gputrace", "run", "--config", str(cfg), "--out", str(run_dir),
+            "--listen", "", "--url", engine.url, "--model", engine.model,
+            "--concurrency", str(concurrency), "--duration-per-level", str(level_s),
+            "--max-tokens", str(max_tokens), "--ignore-eos", "--warmup", str(warmup_s),
+            "--report" if report else "--no-report"]
+    if prompts is not None:
+        argv += ["--prompts", str(prompts)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=str(REPO))
+
+
 # The series kept from each /metrics scrape (the gauges that say what the scheduler holds).
 WATCHED_METRICS = (
     "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:gen_throughput", "sglang:token_usage",
@@ -272,6 +337,8 @@ WATCHED_METRICS = (
     # the scheduler loop's own timers per pp_rank (SGLang 0.5.23+): wall time by category
     "sglang:scheduler_stage_seconds_total", "sglang:scheduler_idle_seconds_total",
     "sglang:forward_execution_seconds_total", "sglang:fwd_occupancy",
+    # the scheduler processes' CPU time per pp_rank: a run's share of cores other work left it
+    "sglang:scheduler_process_cpu_seconds_total",
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
     "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
     # vLLM's per-request timers, summed: what its requests waited for admission and spent in all

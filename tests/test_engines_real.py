@@ -12,7 +12,6 @@ from __future__ import annotations
 import calendar
 import contextlib
 import json
-import os
 import re
 import shutil
 import statistics
@@ -32,8 +31,8 @@ from engine_servers import (
     EngineSetting,
     MetricsScraper,
     RunningEngine,
-    engine_tier_missing,
     free_port,
+    require_engine_tier,
     running_engine,
 )
 from helpers import gputrace_process
@@ -56,15 +55,6 @@ VLLM_STATS = re.compile(r"Avg prompt throughput: ")
 # 90 %); what is checked of them is that both paths read them.
 AGENT_PATTERN = "constant:1.0"
 DECIDED_BY_THE_GPUS = {"pipeline_underfilled", "stage_imbalance", "pcie_bound", "throttling"}
-
-
-def _require_engines() -> None:
-    reason = engine_tier_missing()
-    if reason is None:
-        return
-    if os.environ.get("GPUTRACE_REQUIRE_ENGINE_TESTS") == "1":
-        pytest.fail(reason + "; GPUTRACE_REQUIRE_ENGINE_TESTS=1 makes this a failure")
-    pytest.skip(reason)
 
 
 @dataclass
@@ -99,7 +89,7 @@ class Capture:
 
 
 def _capture(setting: EngineSetting, tmp: Path) -> Iterator[Capture]:
-    _require_engines()
+    require_engine_tier()
     log_path = tmp / f"{setting.engine}.log"
     with contextlib.ExitStack() as outlives_the_engine, running_engine(setting, log_path) as engine:
         # Prometheus scrapes the engine beside gputrace's capture and stays up after the engine
