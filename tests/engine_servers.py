@@ -78,7 +78,6 @@ _WORDS = ("time", "year", "people", "way", "day", "man", "thing", "woman", "life
 def write_long_prompts(path: Path, n: int = 1000, seed: int = 47) -> Path:
     """``n`` different prompts of random words (`gputrace load --prompts`), each opening with its
     own number: no two share a prefix block, so vLLM's prefix cache saves none of their prefill."""
-
     rng = random.Random(seed)
     with path.open("w") as f:
         for i in range(n):
