@@ -40,6 +40,7 @@ class Cause(StrEnum):
     LOG_SAMPLING_ALIASED = "log_sampling_aliased"
     PREFILL_BUDGET = "prefill_budget"
     PREFILL_BURST = "prefill_burst"
+    PREFILL_STALL = "prefill_stall"
     CANNOT_TELL = "cannot_tell"
 
 

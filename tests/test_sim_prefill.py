@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from gputrace.errors import ConfigError
 from gputrace.sim.engine import PipelineEngine, SimRequest
 from gputrace.sim.params import make_params
 from gputrace.sim.virtual import run_params
@@ -93,3 +94,23 @@ def test_a_larger_chunk_gains_with_long_prompts_as_the_engine_measured(seed: int
     gain = pl["throughput_tok_s"] / ps["throughput_tok_s"]
     assert 1.5 <= gain <= 2.3, gain
     assert ps["queue_mean"] > 1.0 and pl["queue_mean"] < 0.5, (ps["queue_mean"], pl["queue_mean"])
+
+
+def test_a_mixed_load_sends_long_prompts_at_its_share_and_leaves_other_loads_drawn_as_before() -> None:
+    """long_prompt_share: that share of the requests send long_input_tokens (jittered as the
+    others), the rest input_tokens; a load without it draws exactly as before (no extra draw, so
+    every scenario's seeds keep their requests)."""
+    mixed = run_params(make_params({"pp_size": 2, "max_running_requests": 16, "concurrency": (8,),
+                                    "phase_s": 30.0, "max_tokens": 16, "input_tokens": 256,
+                                    "input_tokens_jitter": 0.1, "long_prompt_share": 0.2,
+                                    "long_input_tokens": 4096}), log=False)
+    prompts = [r.input_tokens for r in mixed.requests]
+    long = [n for n in prompts if n > 1000]
+    assert len(prompts) > 200 and 0.15 <= len(long) / len(prompts) <= 0.25
+    assert all(3686 <= n <= 4506 for n in long) and all(230 <= n <= 282 for n in prompts if n <= 1000)
+    plain = {"pp_size": 2, "concurrency": (4,), "phase_s": 5.0, "input_tokens_jitter": 0.3}
+    before, after = (run_params(make_params({**plain, **extra}), log=False)
+                     for extra in ({}, {"long_input_tokens": 4096}))
+    assert [r.input_tokens for r in before.requests] == [r.input_tokens for r in after.requests]
+    with pytest.raises(ConfigError, match="long_input_tokens"):
+        make_params({"long_prompt_share": 0.1})

@@ -125,18 +125,8 @@ def test_kv_bound_is_advised_the_kv_size_alone_where_the_pair_is_inside_the_band
     assert s.ok and s.advice_gain_tok_s >= s.best_finding_gain_tok_s > 0, s
 
 
-# The advice where the fitted model cannot yet predict the prefill chunk's gain (issue 47, "the
-# model learns the step from the run"): its prefill turns all below the memory floor, the fit puts
-# a prompt token at 6x its cost and advises 512-1024 where the finding's 2048 gains more
-PREFILL_CHUNK_FIT = ("the fit cannot tell a prompt token's cost from turns below the memory floor: "
-                     "advises --chunked-prefill-size 512-1024, +25-45 %, where 2048 gains +55-70 %")
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("scenario", [
-    pytest.param(s, marks=[pytest.mark.xfail(strict=True, reason=PREFILL_CHUNK_FIT)]
-                 if s == "prefill-chunk" else [])
-    for s in sorted(SCENARIOS)])
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_every_scenarios_advice_gains_at_least_the_best_findings_change(scenario: str) -> None:
     """[advisor] Must show 2: the advice, applied by running the simulator at the advised setting
     (not the fitted model), gains at least as much as the best single finding's change on the

@@ -13,6 +13,7 @@ import numpy as np
 
 from gputrace.analysis.phase_figures import PhaseMetrics, StageMetrics, throughput_aliased
 from gputrace.engines import engine_words
+from gputrace.engines.knobs import interleaving_chunk
 from gputrace.json_types import JsonObject
 from gputrace.vocabulary import Cause, Change, EngineSettings
 
@@ -172,6 +173,19 @@ class PrefillBurstEvidence(TypedDict):
     mean_bubble_fraction: Figure
 
 
+class PrefillStallEvidence(TypedDict):
+    prefill_budget_tokens: int
+    full_turn_share: Figure
+    prefill_tokens_per_turn_mean: Figure
+    prompt_tokens_mean: Figure
+    engine_running_estimate: Figure
+    chunk_tokens_per_decode_round: Figure
+    microbatches_in_flight: Figure
+    microbatch_slots: int
+    allowed_busy_fraction: Figure
+    mean_bubble_fraction: Figure
+
+
 class AliasedPhase(TypedDict):
     """One phase whose log hides micro-batches: those in flight, the interval's common factor
     with them, those each stage logs, and what shows it below a full pipeline."""
@@ -197,7 +211,7 @@ class MissingEvidence(TypedDict):
 Evidence: TypeAlias = (AdmissionEvidence | ClientEvidence | MicrobatchCapEvidence | ImbalanceEvidence
                        | KvCacheEvidence | PcieEvidence | ThrottlingEvidence | UnderfilledEvidence
                        | BunchedEvidence | PrefillBudgetEvidence | PrefillBurstEvidence
-                       | LogSamplingEvidence | MissingEvidence)
+                       | PrefillStallEvidence | LogSamplingEvidence | MissingEvidence)
 """The numbers that show a finding, by its cause (findings.json's ``evidence``)."""
 
 
@@ -733,8 +747,55 @@ def rule_prefill_burst(c: PhaseContext) -> Finding | None:
         impact=c.mean_bubble + 0.8, change=Change.of_flag(turn, want))
 
 
-# The rules of a phase in the order they are tried; pipeline_underfilled runs last, only where
-# none of them explains the bubble.
+PREFILL_STALL_FULL_SHARE = 0.05  # of a phase's prefill turns at the chunk: long prompts arrive in it
+# the chunk's tokens against a decode round of every micro-batch (one token per running request):
+# a turn this much larger holds each stage for many decode steps (the memory floor of a step is a
+# few hundred tokens at most; the prefill-mixed scenario's 8,192 against 48 is 170)
+PREFILL_STALL_TOKENS_PER_DECODE_ROUND = 32
+
+
+def rule_prefill_stall(c: PhaseContext) -> Finding | None:
+    """Long prefills stall the other micro-batches' decode: the pipeline holds all its micro-batches,
+    yet the stages idle, and some prefill turns fill a chunk far larger than a decode round (a
+    mixed load: long prompts among short ones). A chunk holds each stage for its whole step, and
+    the decodes of the micro-batches behind it wait at every stage in turn. The change: a smaller
+    chunk (SGLang's chunked_prefill_size, vLLM's max_num_batched_tokens), so a long prompt's
+    chunks interleave with the others' decodes. Tried where no other cause explains the bubble."""
+    pm, pf, th = c.pm, c.pm.prefill, c.th
+    allowed = pm.allowed_busy_fraction
+    running = c.engine_running if c.engine_running is not None else c.load
+    if pf is None or not pf.budget_tokens or pf.full_turn_share is None or allowed is None \
+            or running is None or running < 1 or c.mean_bubble <= th.bubble_material:
+        return None
+    budget = pf.budget_tokens
+    ratio = budget / running
+    if allowed < th.underfilled_allowed_max or pf.full_turn_share < PREFILL_STALL_FULL_SHARE \
+            or ratio < PREFILL_STALL_TOKENS_PER_DECODE_ROUND:
+        return None
+    want = interleaving_chunk(budget, c.slots)
+    if want >= budget:
+        return None
+    flag = c.engine.engine_spec.flag_for("chunked_prefill_size")
+    return Finding(
+        Cause.PREFILL_STALL, pm.label, c.stages,
+        {"prefill_budget_tokens": budget, "full_turn_share": _r(pf.full_turn_share, 2),
+         "prefill_tokens_per_turn_mean": _r(pf.tokens_per_turn_mean, 1),
+         "prompt_tokens_mean": _r(pf.prompt_tokens_mean, 0), "engine_running_estimate": _r(running, 1),
+         "chunk_tokens_per_decode_round": _r(ratio, 0),
+         "microbatches_in_flight": _r(pm.microbatches_in_flight, 2), "microbatch_slots": c.slots,
+         "allowed_busy_fraction": _r(allowed), "mean_bubble_fraction": _r(c.mean_bubble)},
+        0.7,
+        f"{flag} {want} (a long prompt then runs as chunks of {want} tokens that take turns with the "
+        f"other micro-batches' decodes, rather than {budget}-token steps they wait behind)",
+        f"the stages idle {c.mean_bubble:.0%} of the time with {pm.microbatches_in_flight or 0:.1f} "
+        f"micro-batches in flight for {c.slots} slots: {pf.full_turn_share:.0%} of the prefill turns "
+        f"compute a {budget}-token chunk, {ratio:.0f}x the {running:.0f} tokens of a decode round, and "
+        "the other micro-batches' decodes wait behind it at every stage",
+        impact=c.mean_bubble + 0.5, change=Change.of_flag(flag, want))
+
+
+# The rules of a phase in the order they are tried; prefill_stall, then pipeline_underfilled, run
+# last, only where none of them explains the bubble.
 RULES = (rule_client_bound, rule_admission_bound, rule_bunched_at_the_bound, rule_microbatch_cap,
          rule_prefill_budget, rule_prefill_burst, rule_stage_imbalance, rule_kv_cache_bound, rule_pcie_bound,
          rule_throttling)
@@ -750,9 +811,11 @@ def diagnose_phase(pm: PhaseMetrics, engine: EngineSettings, pp_size: int,
     if any(f.cause in ("client_bound", "kv_cache_bound") for f in out):
         out = [f for f in out if f.cause not in ("microbatch_cap", "admission_bound", "pipeline_underfilled")]
     if not out:
-        underfilled = rule_pipeline_underfilled(ctx)
-        if underfilled is not None:
-            out.append(underfilled)
+        # where nothing else explains the bubble: a full pipeline's long prefills, else too few
+        # micro-batches in flight
+        last = rule_prefill_stall(ctx) or rule_pipeline_underfilled(ctx)
+        if last is not None:
+            out.append(last)
     return out
 
 
@@ -903,14 +966,15 @@ def cannot_tell(phases: Sequence[PhaseMetrics], pp_size: int,
 # PP loop): an engine that admits engine-wide (vLLM) is never checked for them.
 SLOT_RULES = frozenset({"microbatch_cap", "bunched_at_the_bound", "log_sampling"})
 # The setting a rule's text names, said with the run's engine's flag.
-RULE_KNOBS = {"admission_bound": "max_running_requests", "prefill_budget": "chunked_prefill_size"}
+RULE_KNOBS = {"admission_bound": "max_running_requests", "prefill_budget": "chunked_prefill_size",
+              "prefill_stall": "chunked_prefill_size"}
 
 
 def rule_table(engine: str | None = None) -> list[tuple[str, str]]:
     """(rule, what it checks) for every rule the diagnosis applies to the run's engine, in the
     order it tries them, in that engine's words: the report prints this with the thresholds."""
     words = engine_words(engine)
-    rules = (*RULES, rule_pipeline_underfilled, diagnose_log_sampling, cannot_tell)
+    rules = (*RULES, rule_prefill_stall, rule_pipeline_underfilled, diagnose_log_sampling, cannot_tell)
     out = []
     for r in rules:
         name = r.__name__.removeprefix("rule_").removeprefix("diagnose_")

@@ -73,3 +73,16 @@ class Knob:
         if self.low is None:
             return f"<= {end(self.high)}"
         return f"{end(self.low)} to {end(self.high)}"
+
+
+INTERLEAVING_CHUNK_MIN_TOKENS = 256
+
+
+def interleaving_chunk(budget_tokens: int, slots: int) -> int:
+    """A prefill chunk that lets a long prompt take turns with decodes: the power of two at most
+    budget / slots (at least 256 tokens). A long prompt's chunks then go round the micro-batch
+    slots in about the time one budget-sized chunk held every stage, so each micro-batch's decode
+    waits one small chunk's step, not a whole prompt's (the finding of a prefill stall names it,
+    and the simulator's ground truth runs it as the fix)."""
+    per_slot = max(budget_tokens // max(slots, 1), 1)
+    return max(1 << (per_slot.bit_length() - 1), INTERLEAVING_CHUNK_MIN_TOKENS)

@@ -64,6 +64,9 @@ class ClosedLoopClient:
         p = self.p
         recorded_in, recorded_out = p.lengths_of(len(self.requests)) or (0, 0)
         n_in, n_out = recorded_in or p.input_tokens, recorded_out or p.max_tokens
+        # drawn only where set: a load without long prompts keeps its seeds' draws
+        if p.long_prompt_share and not recorded_in and self.rng.uniform() < p.long_prompt_share:
+            n_in = p.long_input_tokens
         if p.input_tokens_jitter and not recorded_in:
             n_in = max(1, round(n_in * (1 + self.rng.uniform(-p.input_tokens_jitter, p.input_tokens_jitter))))
         if p.output_tokens_jitter and not recorded_out:

@@ -85,6 +85,10 @@ class SimParams:
     drain_s: float = 30.0  # after the last phase: let in-flight requests finish this long
     input_tokens: int = 128
     input_tokens_jitter: float = 0.0  # +- fraction, uniform
+    # A mixed load: this share of the requests send long prompts of long_input_tokens (jittered as
+    # input_tokens), the others input_tokens (0: every prompt drawn around input_tokens)
+    long_prompt_share: float = 0.0
+    long_input_tokens: int = 0
     max_tokens: int = 2048
     output_tokens_jitter: float = 0.0  # fraction of requests end early, uniformly in [1-j, 1]
     # A recorded load: the (prompt, output) tokens of each request in the order the client sends
@@ -140,7 +144,7 @@ class SimParams:
     def draws_lengths(self) -> bool:
         """Whether a run draws its requests' lengths at random: the only use of the seed in the
         engine and its client, so a run that draws none is the same at every seed."""
-        return bool(self.input_tokens_jitter or self.output_tokens_jitter)
+        return bool(self.input_tokens_jitter or self.output_tokens_jitter or self.long_prompt_share)
 
     def lengths_of(self, index: int) -> tuple[int, int] | None:
         """The recorded (prompt, output) tokens of the ``index``-th request sent, 0 where not
@@ -278,6 +282,13 @@ SCENARIOS: dict[str, Scenario] = {
                   # the step's flat part 10x the default's, a token's cost as it is
                   "drain_s": 5.0, "launch_s": 0.0062, "weight_read_s": 0.0269, "max_total_num_tokens": 65536},
                  ("prefill_budget",)),
+        Scenario("prefill-mixed", "a mixed load: 1 request in 10 sends a 16,384-token prompt among "
+                 "prompts of about 256, cut into {engine}'s 8,192-token chunks; a long chunk holds each "
+                 "stage about 50 decode steps long, and the other micro-batches' decodes wait behind it at "
+                 "every stage",
+                 {**_FULL_PIPELINE, "long_prompt_share": 0.1, "long_input_tokens": 16384, "max_tokens": 256,
+                  "concurrency": (48,)},
+                 ("prefill_stall",)),
         Scenario("vllm-admission", "{engine}, PP8, {max_running_requests} 32 under a load of 64: the "
                  "engine runs 32, its limit, and the rest wait",
                  {**_FULL_PIPELINE, "engine": "vllm", "max_running_requests": 32}, ("admission_bound",)),
@@ -357,6 +368,9 @@ def _validate(p: SimParams) -> None:
         (p.shared_cores == 0 or p.shared_cores >= 1, "shared_cores must be 0 (no sharing) or >= 1"),
         (p.queued_request_s >= 0, "queued_request_s must be >= 0"),
         (p.chunked_prefill_size >= 1, "chunked_prefill_size must be >= 1"),
+        (0.0 <= p.long_prompt_share <= 1.0, "long_prompt_share must be in 0..1"),
+        (not p.long_prompt_share or p.long_input_tokens >= 1,
+         "long_input_tokens must be >= 1 where long_prompt_share is set"),
         (p.moe_experts == 0 or 1 <= p.moe_top_k <= p.moe_experts, "moe_top_k must be in 1..moe_experts"),
         (p.client_max_inflight is None or p.client_max_inflight >= 1, "client_max_inflight must be >= 1"),
         (not p.stage_cost_multipliers or len(p.stage_cost_multipliers) == p.pp_size,

@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 
+from gputrace.engines.knobs import interleaving_chunk
 from gputrace.sim.params import SCENARIOS, SimParams
 from gputrace.sim.samples import cumulative
 from gputrace.sim.simulate import SimResult, simulate
@@ -21,6 +22,9 @@ CLIENT_SHORTFALL = 0.85  # client in flight below this share of its target
 KV_USAGE_HIGH = 0.9
 PCIE_HOP_SHARE = 0.5  # hand-off time against the compute time of a step
 IMBALANCE_RATIO = 1.15
+# a prefill step longer than a decode cycle (every slot's decode step) holds the other micro-batches'
+# decodes back at each stage; this share of stage 0's busy time in such steps is a cause
+LONG_PREFILL_SHARE = 0.1
 
 
 def work_intervals(t: np.ndarray, delta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -102,6 +106,7 @@ def ground_truth(result: SimResult, scenario_causes: tuple[str, ...]) -> GroundT
             client_inflight_mean=round(inflight, 3),
             kv_admission_stalls=int(((kv_stall >= a) & (kv_stall < b)).sum()),
             pcie_hop_share=_pcie_hop_share(result, a, b),
+            long_prefill_share=_long_prefill_share(result, a, b),
             causes=[],  # from the phase's other figures, below
         )
         truth["causes"] = phase_causes(result, truth)
@@ -125,6 +130,20 @@ def _pcie_hop_share(result: SimResult, a: float, b: float) -> float:
     hop = p.pcie_latency_s + bytes_ / p.pcie_bandwidth_bytes_per_s
     step = iv["end_s"][sel] - iv["start_s"][sel]
     return round(float(hop.mean() / step.mean()), 4)
+
+
+def _long_prefill_share(result: SimResult, a: float, b: float) -> float:
+    """The share of stage 0's busy time in [a, b) spent in prefill steps longer than a decode cycle
+    (the slots' count of the phase's median decode step): while one runs, the other micro-batches'
+    decodes wait for it at every stage."""
+    iv = result.intervals
+    sel = (iv["stage"] == 0) & (iv["start_s"] >= a) & (iv["start_s"] < b)
+    step = (iv["end_s"] - iv["start_s"])[sel]
+    decode = iv["decode"][sel]
+    if not decode.any() or not step.sum():
+        return 0.0
+    cycle = result.params.slots * float(np.median(step[decode]))
+    return round(float(step[~decode & (step > cycle)].sum() / step.sum()), 4)
 
 
 def _load(p: SimParams, ph: PhaseTruth) -> int:
@@ -174,6 +193,9 @@ def phase_causes(result: SimResult, ph: PhaseTruth) -> list[str]:
         causes.append("stage_imbalance")
     underfilled = (ph["microbatches_in_flight"] or 0) < UNDERFILLED_SHARE * p.pp_size and \
         bubble > BUBBLE_MATERIAL
+    if bubble > BUBBLE_MATERIAL and not underfilled and not causes and \
+            ph["long_prefill_share"] >= LONG_PREFILL_SHARE:
+        causes.append("prefill_stall")
     if underfilled and not causes and burst_packed(p, _load(p, ph)):
         causes.append("prefill_burst")
     if underfilled and not causes:
@@ -243,6 +265,9 @@ def fix_for(p: SimParams, cause: str, ph: PhaseTruth) -> Fix | None:
         return {"knob": flag("chunked_prefill_size"), "value": want,
                 "params": {"chunked_prefill_size": want,
                            "max_prefill_tokens": max(want, p.max_prefill_tokens)}}
+    if cause == "prefill_stall":  # chunks that take turns with the other micro-batches' decodes
+        want = interleaving_chunk(prefill_budget(p), p.slots)
+        return {"knob": flag("chunked_prefill_size"), "value": want, "params": {"chunked_prefill_size": want}}
     if cause == "prefill_burst":  # a turn admits ceil(load / slots) prompts: every slot filled
         spread = spread_cap(p, load)
         want = round((spread - 0.5) * p.input_tokens)

@@ -37,6 +37,9 @@ class PhaseTruth(TypedDict):
     client_inflight_mean: float
     kv_admission_stalls: int
     pcie_hop_share: float
+    # of stage 0's busy time, in prefill steps longer than a decode cycle (the other micro-batches'
+    # decodes wait for them): a prefill stall where the bubble has no other cause
+    long_prefill_share: float
     causes: list[str]
 
 

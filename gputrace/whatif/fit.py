@@ -71,6 +71,12 @@ SHARED_CORE_TRIES = 4
 QUEUE_COST_RANGE = (0.0, 1.0)
 QUEUE_SEARCH_STEPS = 7
 CLIENT_SHORTFALL = 0.85  # as diagnose: a client below this share of its level is its own bound
+# A prompt token's cost is searched apart from a decode token's (fit_prefill_scale) where the
+# replay's median TTFT is this far off the measured (RMS of the log ratio over phases), as a factor
+# of 2 ** this range, this many times
+TTFT_MISFIT = 0.1
+PREFILL_SCALE_LOG2_RANGE = (-4.0, 4.0)
+PREFILL_SCALE_STEPS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -374,24 +380,38 @@ def _mean_running(analysis: Analysis, pm: PhaseMetrics) -> float | None:
 
 def _design(w: PhaseWork, p: SimParams) -> tuple[float, float]:
     """(flat part, token part) of a phase's busy time under the cost fields of ``p``."""
+    flat, decode, prefill = _design_parts(w, p)
+    return flat, decode + prefill
+
+
+def _design_parts(w: PhaseWork, p: SimParams) -> tuple[float, float, float]:
+    """(flat part, decode tokens' part, prompt tokens' part) of a phase's busy time under the cost
+    fields of ``p``: the prompt tokens' part apart, since a prompt token's cost is fitted apart
+    (fit_prefill_scale)."""
     flat = (w.decode_steps + w.prefill_steps) * (p.launch_s + p.weight_read_s)
     sizes = np.asarray(w.logged_sizes)
     over = float(np.mean(np.maximum(0.0, p.decode_token_s * sizes - p.weight_read_s))) + \
         p.context_token_s * w.context_tokens
-    prefill_over = max(0.0, p.prefill_token_s * w.prefill_tokens_per_step - p.weight_read_s)
+    prefill = w.prefill_steps * max(0.0, p.prefill_token_s * w.prefill_tokens_per_step - p.weight_read_s)
     if p.engine_spec.policy.mixed_prefill:  # prompts ride in the decode steps (vLLM)
-        over += p.prefill_token_s * w.prefill_tokens_per_step
-    return flat, w.decode_steps * over + w.prefill_steps * prefill_over
+        prefill += w.decode_steps * p.prefill_token_s * w.prefill_tokens_per_step
+    return flat, w.decode_steps * over, prefill
 
 
-def fit_scales(works: list[PhaseWork], p: SimParams) -> tuple[float, float]:
-    """Least squares for (a, b) on relative residuals of busy time, with a tie towards a = b."""
+def fit_scales(works: list[PhaseWork], p: SimParams,
+               hold_prefill: bool = False) -> tuple[float, float] | None:
+    """Least squares for (a, b) on relative residuals of busy time, with a tie towards a = b.
+    ``hold_prefill``: the prompt tokens' part stays as ``p`` costs it and b scales the decode
+    tokens' alone (None where that part alone is more than a phase's busy time)."""
     rows, ys = [], []
     for w in works:
-        flat, tok = _design(w, p)
+        flat, decode, prefill = _design_parts(w, p)
+        tok, rest = (decode, w.busy_s - prefill) if hold_prefill else (decode + prefill, w.busy_s)
         if w.busy_s > 0 and flat + tok > 0:
+            if rest <= 0:
+                return None
             rows.append([flat / w.busy_s, tok / w.busy_s])
-            ys.append(1.0)
+            ys.append(rest / w.busy_s)
     if not rows:
         return 1.0, 1.0
     rows.append([TIE_WEIGHT, -TIE_WEIGHT])
@@ -399,13 +419,16 @@ def fit_scales(works: list[PhaseWork], p: SimParams) -> tuple[float, float]:
     (a, b), *_ = np.linalg.lstsq(np.array(rows), np.array(ys), rcond=None)
     if a <= 0 or b <= 0:  # the phases cannot tell the parts apart: one scale for both
         x = np.array(rows[:-1]).sum(axis=1)
-        a = b = float(x.sum() / (x * x).sum())
+        a = b = float((x * np.array(ys[:-1])).sum() / (x * x).sum())
     return float(a), float(b)
 
 
-def _scaled(p: SimParams, a: float, b: float) -> SimParams:
+def _scaled(p: SimParams, a: float, b: float, prefill: float | None = None) -> SimParams:
+    """The flat part's costs times ``a``, the tokens' times ``b`` (a prompt token's times
+    ``prefill`` where given)."""
     return dataclasses.replace(p, launch_s=p.launch_s * a, weight_read_s=p.weight_read_s * a,
-                               decode_token_s=p.decode_token_s * b, prefill_token_s=p.prefill_token_s * b,
+                               decode_token_s=p.decode_token_s * b,
+                               prefill_token_s=p.prefill_token_s * (b if prefill is None else prefill),
                                context_token_s=p.context_token_s * b)
 
 
@@ -465,7 +488,7 @@ def initial_params(analysis: Analysis) -> tuple[SimParams, list[PhaseWork]]:
     works = [w for pm in analysis.metrics
              if (w := _phase_work(analysis, pm, p, mults, mean_in, mean_out)) is not None]
     for _ in range(3):  # the knee moves with a / b: refit under the new fields
-        a, b = fit_scales(works, p)
+        a, b = fit_scales(works, p) or (1.0, 1.0)
         p = _scaled(p, a, b)
     uneven = float(mults.max() - mults.min()) > 0.02
     split = tuple(round(float(m), 4) for m in mults) if uneven else ()
@@ -655,6 +678,70 @@ def _fit_queue_cost(p: SimParams, measured: list[PhaseOutcome], labels: list[str
     return queued if rms < rms_without - REPLAY_TOLERANCE else None
 
 
+def _ttft_misfit(measured: list[PhaseOutcome], simulated: list[PhaseOutcome]) -> float | None:
+    """The replay's median time to first token against the measured: RMS over phases of the log
+    ratio (None where no phase has both)."""
+    logs = [np.log(s.ttft_s_p50 / m.ttft_s_p50) for m, s in zip(measured, simulated, strict=True)
+            if m.ttft_s_p50 and s.ttft_s_p50 and m.ttft_s_p50 > 0 and s.ttft_s_p50 > 0]
+    return float(np.sqrt(np.mean(np.square(logs)))) if logs else None
+
+
+def with_prefill_scale(p: SimParams, works: list[PhaseWork], scale: float) -> SimParams | None:
+    """``p`` with a prompt token costing ``scale`` times as much, the flat and decode parts refitted
+    to the phases' busy time around it; None where the prompt tokens alone would take more than
+    a phase's busy time."""
+    q = dataclasses.replace(p, prefill_token_s=p.prefill_token_s * scale)
+    for _ in range(3):  # the knee moves with a / b, as in initial_params
+        scales = fit_scales(works, q, hold_prefill=True)
+        if scales is None:
+            return None
+        q = _scaled(q, *scales, prefill=1.0)
+    return q
+
+
+def fit_prefill_scale(p: SimParams, works: list[PhaseWork], measured: list[PhaseOutcome],
+                      labels: list[str], measured_phase_s: float) -> tuple[SimParams, str | None]:
+    """A prompt token's cost apart from a decode token's, where the busy time cannot tell them
+    apart (one phase; prefill turns under the memory floor) and the requests' time to first token
+    can: a burst's prompts wait for the turns before theirs, a long prompt for its chunks. Only
+    where the prompts are at least as many tokens as the outputs (a prefill-heavy load). Searched
+    by replay (golden section on log2 of the scale), the flat and decode parts refitted to the
+    busy time at each scale, where the replay's TTFT is off by TTFT_MISFIT; kept where it replays
+    TTFT and throughput together better by REPLAY_TOLERANCE. The replays here run the phases as
+    long as they were measured: a phase's first requests arrive together and wait behind each
+    other's prompts, and a shorter phase gives them more weight in its median TTFT (prefill-mixed:
+    0.06 s measured over 120 s, 1.05 s replayed over 28). Returns the parameters and a note."""
+    mean_out = p.max_tokens * (1 - p.output_tokens_jitter / 2)
+    if not any(w.prefill_steps for w in works) or p.input_tokens < mean_out:
+        # where decode tokens are most of the work, a replay's TTFT off the measured is the
+        # schedule's (bunched at K 64: 2.2 in log ratio, and a prompt token fitted at x14 broke
+        # the K change's prediction, 782 tok/s for 1118), not a prompt's cost
+        return p, None
+    steady_s = p.phase_s
+    p = dataclasses.replace(p, phase_s=max(p.phase_s, measured_phase_s))
+    base = replay_outcomes(p, labels)
+    misfit = _ttft_misfit(measured, base)
+    if misfit is None or misfit < TTFT_MISFIT:
+        return dataclasses.replace(p, phase_s=steady_s), None
+    before = misfit + _rms_error(measured, base)
+
+    def at(log2_scale: float) -> tuple[float, SimParams, float]:
+        q = with_prefill_scale(p, works, 2.0 ** log2_scale)
+        if q is None:
+            return float("inf"), p, log2_scale
+        sim = replay_outcomes(q, labels)
+        ttft = _ttft_misfit(measured, sim)
+        return (float("inf") if ttft is None else ttft + _rms_error(measured, sim)), q, log2_scale
+
+    error, fitted, log2_scale = golden_minimum(at, PREFILL_SCALE_LOG2_RANGE, PREFILL_SCALE_STEPS)
+    if error >= before - REPLAY_TOLERANCE:
+        return dataclasses.replace(p, phase_s=steady_s), None
+    note = (f"a prompt token's cost is fitted apart from a decode token's, by the requests' time to "
+            f"first token (replayed {misfit:.0%} off in log ratio with one cost for both): "
+            f"x{2.0 ** log2_scale:.2f} the decode token's scale")
+    return dataclasses.replace(fitted, phase_s=steady_s), note
+
+
 def sharing_note(p: SimParams) -> str:
     """What the fit found of the stages' sharing of the host's cores."""
     if not p.shared_cores:
@@ -676,6 +763,11 @@ def fit_model(analysis: Analysis) -> FittedModel:
     measured = measured_outcomes(analysis)
     labels = [m.label for m in measured]
     notes = []
+    durations = [pm.duration_s for pm in analysis.metrics if pm.duration_s > 0]
+    p, prefill_note = fit_prefill_scale(p, works, measured, labels,
+                                        float(np.median(durations)) if durations else p.phase_s)
+    if prefill_note is not None:
+        notes.append(prefill_note)
     if not works:
         notes.append("no phase has both GPU busy figures and decode lines: the cost model is the "
                      "simulator's default, scaled by the replay alone")

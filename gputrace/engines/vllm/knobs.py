@@ -15,7 +15,7 @@ KNOBS = (
          "tokens a step schedules, decode tokens and prefill chunks together",
          "by device (0.32.0's server: 2048; 8192 on GPUs of 70 GB or more but the A100)",
          low=1, simulated=True, setting="max_num_batched_tokens", sets_too=("max_prefill_tokens",),
-         causes=("prefill_budget",)),
+         causes=("prefill_budget", "prefill_stall")),
     # the KV pool keeps gputrace's name: vLLM sets it as a memory share, not in tokens
     Knob("max_total_num_tokens", "--gpu-memory-utilization", int,
          "KV-cache tokens (vLLM sizes the pool as a share of the GPU's memory)",
