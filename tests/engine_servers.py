@@ -53,7 +53,37 @@ SETTINGS: tuple[EngineSetting, ...] = (
 )
 # Recorded as fixtures only (tests/engines/record_fixtures.py), not run by the engine tier: the
 # log sampled every 2nd step at loads whose micro-batches are unequal (C=6: 4 and 2).
-FIXTURE_ONLY_SETTINGS = (EngineSetting("sglang", "interval2", ("--decode-log-interval", "2")),)
+PREFILL_MAX_NUM_SEQS = 16  # [prefill] rows to spare at C=8: what waits, waits for the step budget
+
+
+def prefill_budget_setting(budget: int) -> EngineSetting:
+    """[prefill] vLLM with a step budget of ``budget`` tokens (it logs "Chunked prefill is enabled
+    with max_num_batched_tokens=N") and rows to spare, for long prompts (write_long_prompts)."""
+    return EngineSetting("vllm", f"mnbt{budget}", ("--max-num-batched-tokens", str(budget),
+                                                   "--max-num-seqs", str(PREFILL_MAX_NUM_SEQS)))
+
+
+FIXTURE_ONLY_SETTINGS = (EngineSetting("sglang", "interval2", ("--decode-log-interval", "2")),
+                         prefill_budget_setting(32))
+LONG_PROMPT_WORDS = (140, 180)  # about 270-350 tokens of the tiny model's (1.85 a word), under 512
+_WORDS = ("time", "year", "people", "way", "day", "man", "thing", "woman", "life", "child", "world",
+          "school", "state", "family", "student", "group", "country", "problem", "hand", "part",
+          "place", "case", "week", "company", "system", "program", "question", "work", "government",
+          "number", "night", "point", "home", "water", "room", "mother", "area", "money", "story",
+          "fact", "month", "lot", "right", "study", "book", "eye", "job", "word", "business", "issue",
+          "side", "kind", "head", "house", "service", "friend", "father", "power", "hour", "game",
+          "line", "end", "member", "law", "car", "city", "community", "name", "president", "team")
+
+
+def write_long_prompts(path: Path, n: int = 1000, seed: int = 47) -> Path:
+    """``n`` different prompts of random words (`gputrace load --prompts`), each opening with its
+    own number: no two share a prefix block, so vLLM's prefix cache saves none of their prefill."""
+    rng = random.Random(seed)
+    with path.open("w") as f:
+        for i in range(n):
+            words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(*LONG_PROMPT_WORDS)))
+            f.write(json.dumps({"prompt": f"{i} {rng.random():.6f} {words}"}) + "\n")
+    return path
 
 
 def engines_available() -> str | None:
@@ -225,6 +255,26 @@ def running_engine(setting: EngineSetting, log_path: Path,
         stop_process_group(proc)
 
 
+def group_cpu_seconds(pgid: int) -> dict[str, float]:
+    """User plus system CPU seconds so far of each live process in the engine's process group (its
+    ranks are children started in its session), keyed "PID NAME" by /proc/PID/comm: vLLM names its
+    processes (VLLM::EngineCore, VLLM::Worker_PP0, ...), so a reader can tell the engine core and
+    its ranks from the API server. A process that exits between the listing and the read is left out."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with suppress(OSError, ValueError, IndexError):
+            stat = (entry / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+            if int(fields[2]) != pgid:  # field 5, the process group
+                continue
+            name = (entry / "comm").read_text().strip()
+            out[f"{entry.name} {name}"] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
+
+
 # Issue 47's long prompts: 950-1,900 tokens of the tier's model, more of them than a run sends, so
 # no prompt repeats and the radix cache shares nothing beyond the chat template
 LONG_PROMPT_TOKENS = (950, 1900)
@@ -293,6 +343,9 @@ WATCHED_METRICS = (
     # vLLM's per-request timers, summed: what its requests waited for admission and spent in all
     "vllm:request_queue_time_seconds_sum", "vllm:request_queue_time_seconds_count",
     "vllm:e2e_request_latency_seconds_sum",
+    # its steps' tokens (prompt chunks and decode share max_num_batched_tokens) and its prompts
+    "vllm:iteration_tokens_total_sum", "vllm:iteration_tokens_total_count",
+    "vllm:request_prompt_tokens_sum", "vllm:request_prompt_tokens_count",
 )
 
 

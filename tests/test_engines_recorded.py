@@ -350,6 +350,55 @@ def test_vllm_engine_throughput_matches_the_client(imported, name: str, rel: flo
         assert pm.engine_gen_throughput_tok_s == pytest.approx(pm.client_throughput_tok_s, rel=rel), pm.label
 
 
+@pytest.mark.parametrize("name", ["default", "seqs4"])
+def test_vllm_phase_throughput_is_its_token_counter(imported, name: str, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """[prefill] Must show 3: with vLLM's /metrics scrapes stored as the collector stores them, each
+    phase's tok/s is its own vllm:generation_tokens_total over the phase (read at each edge between
+    the scrapes around it), within 5 % of the client's in every phase, and says so; the stats
+    lines' figure (10 s windows: seqs4's C=1 read 61-119 against a steady 98) stays beside it."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(imported("vllm", name), run)
+    for pm in _load_phases(analyse(_with_engine_metrics(run, "vllm", name))):
+        assert pm.throughput_source == "engine counter (vllm:generation_tokens_total)", pm.label
+        assert pm.throughput_tok_s is not None and pm.client_throughput_tok_s
+        assert pm.throughput_tok_s == pytest.approx(pm.client_throughput_tok_s, rel=0.05), pm.label
+        assert pm.engine_gen_throughput_tok_s is not None
+        print(f"\nvllm {name} {pm.label}: counter {pm.throughput_tok_s:.1f}, stats lines "
+              f"{pm.engine_gen_throughput_tok_s:.1f}, client {pm.client_throughput_tok_s:.1f} tok/s")
+
+
+def test_vllm_prefill_budget_is_named_in_vllms_words(imported, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """[prefill] Must show 2, recorded: vLLM with --max-num-batched-tokens 32 (rows to spare:
+    --max-num-seqs 16) and prompts of about 300 tokens at C=8. With its /metrics scrapes stored, its
+    prompts (vllm:request_prompt_tokens) are longer than the budget while requests wait with rows
+    and KV to spare (its scheduler then admits them in any step with budget left): the report names
+    the prefill budget at C=8 in vLLM's words (max_num_batched_tokens, max_num_seqs, steps; none of
+    SGLang's) with --max-num-batched-tokens 512 (a step that takes whole prompts, up to
+    max_model_len 512). From the log alone (no prompt lengths in its stats lines) it is not named."""
+    import shutil
+
+    log_only = analyse(imported("vllm", "mnbt32"))
+    assert not any(f.cause == "prefill_budget" for f in log_only.findings)
+    run = tmp_path / "run"
+    shutil.copytree(imported("vllm", "mnbt32"), run)
+    analysis = analyse(_with_engine_metrics(run, "vllm", "mnbt32"))
+    assert analysis.run.engine.chunked_prefill_size == 32  # "Chunked prefill is enabled with ...=32"
+    found = [f for f in analysis.findings if f.cause == "prefill_budget"]
+    assert [f.phase for f in found] == ["C=8"], analysis.findings
+    f = found[0]
+    assert f.change == Change("chunked_prefill_size", "--max-num-batched-tokens", 512)
+    assert f.recommendation.startswith("--max-num-batched-tokens 512")
+    assert f.evidence["prefill_budget_tokens"] == 32 and f.evidence["token_usage_max"] < 0.9
+    assert f.evidence["prompt_tokens_mean"] > 32 and f.evidence["queue_req_mean"] > 0.5
+    text = f"{f.summary} {f.recommendation}"
+    assert "max_num_batched_tokens = 32 tokens" in text and "max_num_seqs leaves room" in text, text
+    assert not any(w in text for w in ("chunked_prefill", "--chunked-prefill-size", "max_running_requests",
+                                       "pool", "micro-batch")), text
+    print(f"\n{f.summary}\n-> {f.recommendation}")
+
+
 @pytest.mark.parametrize("engine", [
     "sglang",
     "vllm",

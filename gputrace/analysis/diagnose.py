@@ -153,6 +153,7 @@ class PrefillBudgetEvidence(TypedDict):
     engine_running_estimate: Figure
     max_running_requests: int | None
     mean_bubble_fraction: Figure
+    token_usage_max: Figure  # vLLM: the KV cache's use, which had room (None on SGLang's turn lines)
 
 
 class PrefillBurstEvidence(TypedDict):
@@ -638,33 +639,51 @@ def rule_prefill_budget(c: PhaseContext) -> Finding | None:
     (The budget: SGLang's chunked_prefill_size / max_prefill_tokens, vLLM's max_num_batched_tokens;
     the report's rule table shows the first sentence with the run's own flag.) The change: a
     budget that takes a whole prompt per turn at least, twice the run's, up to the context length.
-    vLLM's stats lines carry no per-step tokens: it is named from SGLang's prefill lines only."""
+    SGLang's prefill lines show each turn full. vLLM logs no step's tokens, but its scheduler
+    (v1/core/sched/scheduler.py) admits a waiting request in every step that has budget, a row
+    (max_num_seqs) and KV blocks left: requests that wait while rows and the KV cache have room wait
+    for the budget, which each step spent."""
     pf = c.pm.prefill
-    if pf is None or pf.budget_tokens is None or pf.full_turn_share is None or c.pool_full:
+    if pf is None or pf.budget_tokens is None or c.pool_full:
         return None
     prompt = pf.prompt_tokens_mean or 0.0
+    usage = _vals(c.pm.stages, "token_usage_max")
+    kv_room = not np.isnan(usage).all() and float(np.nanmax(usage)) < c.th.kv_usage
+    if pf.full_turn_share is not None:
+        bound = pf.full_turn_share >= PREFILL_FULL_SHARE
+    else:
+        bound = pf.steps_with_output_only and kv_room
     # too small for the prompts: a prompt takes more than one turn, and the turns are full
-    if not (c.queue_mean is not None and c.queue_mean > 0.5 and pf.full_turn_share >= PREFILL_FULL_SHARE
-            and prompt > pf.budget_tokens):
+    if not (c.queue_mean is not None and c.queue_mean > 0.5 and bound and prompt > pf.budget_tokens):
         return None
     want = 1 << max(math.ceil(math.log2(max(2 * pf.budget_tokens, prompt, 1))), 0)
-    context = (c.engine.fields or {}).get("context_len") or (c.engine.fields or {}).get("context_length")
+    fields = c.engine.fields or {}
+    context = fields.get("context_len") or fields.get("context_length") or fields.get("max_model_len")
     if isinstance(context, int | float) and context > pf.budget_tokens:
         want = min(want, int(context))
     words = c.engine.engine_spec
     flag, turn = words.flag_for("chunked_prefill_size"), words.flag("max_prefill_tokens")
+    running = f"about {c.engine_running or 0:.0f} of {c.engine.admission_limit or '?'} running"
+    if pf.full_turn_share is not None:
+        said = (f"{pf.full_turn_share:.0%} of the prefill turns fill the {pf.budget_tokens}-token budget "
+                f"while {c.queue_mean:.1f} requests wait and the pool has free rows ({running})")
+        unit = "turn"
+    else:  # vLLM's words: its scheduler admits a waiting request in any step with budget left
+        said = (f"{c.queue_mean:.1f} requests wait while {words.setting('max_running_requests')} leaves "
+                f"room ({running}) and the KV cache has room (at most {float(np.nanmax(usage)):.0%} used): "
+                f"each step spent its {words.setting('chunked_prefill_size')} = {pf.budget_tokens} tokens")
+        unit = "step"
     return Finding(
         Cause.PREFILL_BUDGET, c.pm.label, c.stages,
         {"prefill_budget_tokens": pf.budget_tokens, "full_turn_share": _r(pf.full_turn_share, 2),
          "prefill_tokens_per_turn_mean": _r(pf.tokens_per_turn_mean, 1),
          "prefill_turns_per_s": _r(pf.turns_per_s, 2), "prompt_tokens_mean": _r(pf.prompt_tokens_mean, 0),
          "queue_req_mean": _r(c.queue_mean, 2), "engine_running_estimate": _r(c.engine_running, 1),
-         "max_running_requests": c.engine.admission_limit, "mean_bubble_fraction": _r(c.mean_bubble)},
-        0.8, f"{flag} {want} (a turn takes whole prompts: they average {prompt:.0f} tokens)"
-        + (f" with {turn} at least as large" if turn else ""),
-        f"{pf.full_turn_share:.0%} of the prefill turns fill the {pf.budget_tokens}-token budget while "
-        f"{c.queue_mean:.1f} requests wait and the pool has free rows (about {c.engine_running or 0:.0f} of "
-        f"{c.engine.admission_limit or '?'} running): prompts of {prompt:.0f} tokens enter a chunk at a time",
+         "max_running_requests": c.engine.admission_limit, "mean_bubble_fraction": _r(c.mean_bubble),
+         "token_usage_max": _r(float(np.nanmax(usage))) if kv_room else None},
+        0.8, f"{flag} {want} (a {unit} takes whole prompts: they average {prompt:.0f} tokens)"
+        + (f" with {turn} at least as large" if turn and turn != flag else ""),
+        f"{said}: prompts of {prompt:.0f} tokens enter a chunk at a time",
         impact=c.mean_bubble + 0.9, change=Change.of_flag(flag, want))
 
 

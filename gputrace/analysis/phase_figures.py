@@ -152,6 +152,10 @@ class PrefillFigures:
     seqs_per_full_turn: float | None = None
     seqs_in_full_turns: float = 0.0
     seqs_in_turns: float = 0.0  # #new-seq over all the phase's turns
+    # where no line per turn exists (vLLM): turns_per_s and tokens_per_turn_mean are of the steps
+    # that returned a token, as its step histogram counts them (vllm:iteration_tokens_total
+    # observes no step that only ran prompt chunks), so they are not held against the budget
+    steps_with_output_only: bool = False
 
 
 def prefill_budget(engine: Any) -> int | None:
@@ -385,17 +389,6 @@ def counted_tokens(kind: np.ndarray, running_req: np.ndarray, new_seq: np.ndarra
 def _last_logging_stage(run: AlignedRun) -> StageEvents | None:
     logging = [ev for ev in run.stage_events if len(ev.t_ns)]
     return logging[-1] if logging else None
-
-
-def stats_window_s(run: AlignedRun) -> float | None:
-    """The window an engine's periodic stats lines average over (vLLM: VLLM_LOG_STATS_INTERVAL,
-    10 s by default), as the median gap between them; None where the log has no stats lines. A
-    phase a few windows long is resolved only to about a window at each edge."""
-    ev = _last_logging_stage(run)
-    if ev is None:
-        return None
-    t = ev.t_ns[ev.kind == "stats"]
-    return float(np.median(np.diff(t))) / 1e9 if len(t) > 1 else None
 
 
 def engine_throughput(run: AlignedRun, start_ns: int, stop_ns: int) -> float | None:

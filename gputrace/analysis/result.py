@@ -16,6 +16,8 @@ from gputrace.analysis.engine_metrics import (
     MetricSeries,
     disagreement_notes,
     series_from_columns,
+    with_engine_counter,
+    with_engine_steps,
     with_engine_timers,
 )
 from gputrace.analysis.phase_figures import (
@@ -24,6 +26,7 @@ from gputrace.analysis.phase_figures import (
     PhaseMetrics,
     StageSeries,
     phase_metrics,
+    prefill_budget,
     stage_series,
 )
 from gputrace.analysis.phases import (
@@ -184,7 +187,10 @@ def analyse_aligned(run: AlignedRun, th: Thresholds = DEFAULT_THRESHOLDS,
     for ph in phases:
         if progress:
             progress(ph.label)
-        metrics.append(with_engine_timers(phase_metrics(run, series, ph), engine_series))
+        pm = with_engine_timers(phase_metrics(run, series, ph), engine_series)
+        pm = with_engine_counter(pm, engine_series, run.engine.engine_spec.generated_tokens_counter,
+                                 run.grid_ns, run.work_ratio)
+        metrics.append(with_engine_steps(pm, engine_series, prefill_budget(run.engine)))
     if any(st.busy_signal in (BUSY_SIGNALS["loop_timers"], BUSY_SIGNALS["device_timer"])
            for pm in metrics for st in pm.stages):
         notes = [n.replace("busy and bubble fractions are not available",

@@ -310,6 +310,9 @@ class Engine:
     log_advice: str = ""  # how its log shows every step (a flag), "" where it cannot
     # how a user gets its own per-stage busy timers, None where it has none
     stage_timers: str | None = None
+    # its /metrics counter of generated (output) tokens, read for a phase's throughput where its
+    # log resolves tokens only to its stats windows (vLLM's 10 s averages); None: the log's
+    generated_tokens_counter: str | None = None
     # what the simulator writes for it (its log, its /metrics), None where it is not simulated
     simulated: SimulatedEngine | None = None
     # micro-batches in flight at most under PP, from pp_size and pp_async_batch_depth (None where

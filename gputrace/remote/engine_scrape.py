@@ -39,7 +39,7 @@ KEPT_HISTOGRAMS = frozenset({
     "sglang:time_to_first_token_seconds", "sglang:inter_token_latency_seconds",
     "sglang:e2e_request_latency_seconds", "vllm:time_to_first_token_seconds",
     "vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds",
-    "vllm:e2e_request_latency_seconds", "vllm:iteration_tokens_total",
+    "vllm:e2e_request_latency_seconds", "vllm:iteration_tokens_total", "vllm:request_prompt_tokens",
 })
 
 

@@ -169,9 +169,11 @@ def extrapolation_band(model: FittedModel, o: PhaseOutcome, changes: ParamChange
         return 0.0, None
     k = changes.get("pp_max_micro_batch_size")
     what = f"K={k} runs" if k is not None else "the change runs"
+    # in the engine's words: SGLang's PP slots run micro-batches, vLLM's scheduler batches
+    unit = "micro-batches" if model.params.engine_spec.microbatch_slots else "batches"
     if size > seen * 1.05:
         return (EXTRAPOLATION_PER_DOUBLING * float(np.log2(size / seen)),
-                f"{what} micro-batches of {size:.0f}; this run never ran more than {seen:.0f}: wide band")
+                f"{what} {unit} of {size:.0f}; this run never ran more than {seen:.0f}: wide band")
     ran = sorted({s for m in model.measured for s in (m.microbatch_size_p90, m.microbatch_size_max) if s})
     below = max((s for s in ran if s <= size), default=None)
     above = min((s for s in ran if s >= size), default=None)
@@ -180,7 +182,7 @@ def extrapolation_band(model: FittedModel, o: PhaseOutcome, changes: ParamChange
     gap = interpolation_gap(model.params, size, below, above)
     if gap < INTERPOLATION_FLOOR:
         return 0.0, None
-    return (gap, f"{what} micro-batches of {size:.0f}, between the {below:.0f} and {above:.0f} this run "
+    return (gap, f"{what} {unit} of {size:.0f}, between the {below:.0f} and {above:.0f} this run "
             f"ran: a step cost with a memory floor and one straight between those two differ by "
             f"{gap:.0%} there, and the run cannot tell which holds: band +{gap:.0%}")
 

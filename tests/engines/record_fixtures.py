@@ -12,6 +12,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,13 +28,18 @@ from engine_servers import (
     MetricsScraper,
     engines_available,
     running_engine,
+    write_long_prompts,
 )
 
 FIXTURES = REPO / "tests" / "data" / "engines"
 CONCURRENCY = "1,4,16"
 # settings swept at other loads: interval2 at loads whose micro-batches are unequal (K = 4: C=6
 # runs micro-batches of 4 and 2, C=3 of 2 and 1)
-CONCURRENCY_BY_SETTING = {"interval2": "3,6"}
+CONCURRENCY_BY_SETTING = {"interval2": "3,6", "mnbt32": "8"}
+# [prefill] mnbt32: long prompts (engine_servers.write_long_prompts) of a few tokens each, through
+# a step budget of 32 tokens
+MAX_TOKENS_BY_SETTING = {"mnbt32": 8}
+LONG_PROMPTS = {"mnbt32"}
 # SGLang logs every micro-batch of every rank (about 40-70 tok/s for one request here); vLLM is
 # faster but logs its stats only every 10 s, so its levels are longer.
 LEVEL_S = {"sglang": 20.0, "vllm": 30.0}
@@ -42,11 +48,13 @@ MAX_TOKENS = {"sglang": 32, "vllm": 64}
 
 def load_argv(setting: EngineSetting, url: str, model: str, out: Path) -> list[str]:
     """The `gputrace load` command the fixture's requests come from."""
+    long_prompts = Path(tempfile.gettempdir()) / "gputrace-long-prompts.jsonl"
+    prompts = ["--prompts", str(write_long_prompts(long_prompts))] if setting.name in LONG_PROMPTS else []
     return [sys.executable, "-m", "gputrace", "load", "--url", url, "--model", model,
             "--concurrency", CONCURRENCY_BY_SETTING.get(setting.name, CONCURRENCY),
             "--duration-per-level", str(LEVEL_S[setting.engine]),
-            "--max-tokens", str(MAX_TOKENS[setting.engine]), "--ignore-eos", "--host", "client",
-            "--out", str(out)]
+            "--max-tokens", str(MAX_TOKENS_BY_SETTING.get(setting.name, MAX_TOKENS[setting.engine])),
+            "--ignore-eos", "--host", "client", *prompts, "--out", str(out)]
 
 
 def _portable(argv: list[str]) -> list[str]:

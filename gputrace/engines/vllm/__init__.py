@@ -26,5 +26,8 @@ ENGINE = Engine(
     steps_logged=False,  # a stats line every VLLM_LOG_STATS_INTERVAL, averaged over it
     kv_advice="--gpu-memory-utilization (VLLM_CPU_KVCACHE_SPACE on the CPU build)",
     other_words=("VLLM_LOG_STATS_INTERVAL",),
+    # counted as each step's outputs reach the API server: resolved to the scrape, not to the
+    # stats line's 10 s window (a 25 s phase read 13 % high from the windows)
+    generated_tokens_counter="vllm:generation_tokens_total",
 )
 WORDS = ENGINE

@@ -28,7 +28,8 @@ _TIMESTAMP = re.compile(
     r"(?<![\d:.-])(?:(\d{4})-)?(\d\d)-(\d\d) (\d\d:\d\d:\d\d)(?:[.,](\d{1,9}))?(?![\d:])"
 )
 # Every line the grammar reads holds one of these (its markers' text, less their context).
-MAYBE_VLLM = re.compile(rb"Avg prompt throughput: |non-default args: \{|Initializing a V1 LLM engine \(v")
+MAYBE_VLLM = re.compile(rb"Avg prompt throughput: |non-default args: \{|Initializing a V1 LLM engine \(v|"
+                        rb"Chunked prefill is enabled with max_num_batched_tokens=")
 _ENGINE_INDEX = re.compile(r"(?<!\w)Engine (\d+): *$")
 # the value is the text up to the next separator; the value rule (common.convert_value) judges it
 _FIELD = re.compile(r"([A-Za-z][A-Za-z ]*?): ([^\s,]*[^\s,.])")
