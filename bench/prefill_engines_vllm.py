@@ -160,7 +160,11 @@ def main() -> None:
     ap.add_argument("--scan", default="128,2048", help="budgets measured once each besides the pair's")
     ap.add_argument("--level-s", type=float, default=25.0)
     ap.add_argument("--keep", type=Path)
+    ap.add_argument("--quick", action="store_true",
+                    help="one pair at 20 s levels, no scan: the path runs and prints its figures")
     args = ap.parse_args()
+    if args.quick:
+        args.pairs, args.scan, args.level_s = 1, "", 20.0
     if (missing := engines_available()) is not None:
         raise SystemExit(missing)
     base = args.keep or Path(tempfile.mkdtemp(prefix="prefill-vllm-"))
