@@ -93,7 +93,11 @@ def test_demo_run_over_two_nodes(tmp_path: Path) -> None:
     assert "| sim-node1 | 3 | 7 |" in markdown
 
 
+# serial: the defaults and the advice run live, the simulated engine at 4x the wall clock; with the
+# cores shared by other tests a burst's requests reach it spread out, and the live run's first line
+# named pipeline_underfilled (6.0 micro-batches in flight) in one of three parallel-pass runs
 @pytest.mark.slow
+@pytest.mark.serial
 def test_the_demo_tells_the_motivating_story(tmp_path: Path) -> None:
     """[prefill] Must show 7: `gputrace demo` (what `make demo` runs) shows each motivating figure
     beside the demo's, each within 15 % (of the two C=32 K=64 figures that cannot both hold, the
