@@ -40,6 +40,38 @@ def test_too_few_tokens_tell_no_spread() -> None:
     assert throughput_spread(_requests(np.zeros(0), np.zeros(0), np.zeros(0)), 0, int(10e9)) is None
 
 
+def test_a_burst_has_no_run_to_run_spread() -> None:
+    """One round, every request sent in the first window (the demo's C=32 burst): the windows
+    hold its ramp, its decode and its tail, not a steady load's variation (0.67 there, where reruns
+    moved it 1 %), so no spread; a closed loop's later starts make it steady again."""
+    rng = np.random.default_rng(0)
+    starts = np.zeros(32)
+    first = rng.uniform(0.5, 8.0, 32)  # the prefill turns' wait
+    burst = _requests(first, first + 60.0, np.full(32, 512))
+    burst["start_ns"] = (starts * 1e9).astype(np.int64)
+    assert throughput_spread(burst, 0, int(70e9)) is None
+    looped = np.arange(0.0, 70.0, 0.5)
+    steady = _requests(looped, looped + 1.0, np.full(len(looped), 32))
+    assert throughput_spread(steady, 0, int(70e9)) is not None
+
+
+def test_advice_figures_are_json_values() -> None:
+    """The replay's medians are numpy's: a gain decided on them, and a prediction's error, are a
+    Python bool and float (numpy's bool is no JSON value: `gputrace demo` and `compare` ended on it
+    once the demo's client streamed)."""
+    import json
+
+    from gputrace.whatif.advise import PhaseAdvice
+    from gputrace.whatif.outcome import relative_error
+
+    phase = PhaseAdvice("C=32", 32, 60.0, 246.0, np.float64(246.0), np.float64(416.0), np.float64(0.17),
+                        None, None, model_band_ratio=np.float64(0.17))
+    assert type(phase.gains) is bool and type(phase.loses) is bool and phase.gains
+    error = relative_error(np.float64(390.0), np.float64(416.0))
+    assert type(error) is float
+    json.dumps({"gains": phase.gains, "loses": phase.loses, "error": error})
+
+
 def test_the_band_is_the_residual_and_the_spread_in_quadrature() -> None:
     def phase(label: str, spread: float | None) -> PhaseOutcome:
         return PhaseOutcome(label, 1, 100.0, None, None, None, None, (), throughput_spread_ratio=spread)

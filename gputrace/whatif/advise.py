@@ -137,7 +137,7 @@ class PhaseAdvice:
 
     @property
     def gain_ratio(self) -> float:
-        return self.predicted_tok_s / self.measured_tok_s - 1.0 if self.measured_tok_s > 0 else 0.0
+        return float(self.predicted_tok_s / self.measured_tok_s - 1.0) if self.measured_tok_s > 0 else 0.0
 
     @property
     def decision_band_ratio(self) -> float:
@@ -146,11 +146,12 @@ class PhaseAdvice:
 
     @property
     def gains(self) -> bool:
-        return self.gain_ratio > self.decision_band_ratio
+        # bool(): the replay's medians are numpy's, and numpy's bool is no JSON value
+        return bool(self.gain_ratio > self.decision_band_ratio)
 
     @property
     def loses(self) -> bool:
-        return self.gain_ratio < -self.decision_band_ratio
+        return bool(self.gain_ratio < -self.decision_band_ratio)
 
     def band_text(self) -> str:
         """``±28 %``, or ``±8 %; ±28 % with this phase's run-to-run spread`` where they differ."""

@@ -112,5 +112,5 @@ def predicted_against_measured(a: Analysis, b: Analysis, progress: Callable[[str
             "predicted_tok_s": row.predicted.throughput_tok_s,
             "measured_b_tok_s": mb.throughput_tok_s,
             "error": None if error is None else round(error, 4),
-            "within_band": None if error is None else abs(error) <= model.uncertainty_ratio})
+            "within_band": None if error is None else bool(abs(error) <= model.uncertainty_ratio)})
     return out
