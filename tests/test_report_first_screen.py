@@ -71,14 +71,16 @@ def test_the_first_screen_holds_one_recommendation_and_the_heatmap(
 
 def test_a_finding_says_what_it_costs_and_what_its_change_would_do_per_phase(tmp_path: Path) -> None:
     """Each finding: the stage-time its stages idled in its phase, and its own change's predicted
-    effect at every phase (the what-if's), with the band."""
+    effect (the what-if's), with the band; this synthetic run's fit carries a band of about ±66 %,
+    so the effect is "cannot predict" with that band, no figure ([prefill] Build; the figures of a
+    narrow band: tests/test_whatif_noise_band.py)."""
     doc, _, md = _report(tmp_path, capped_run)
     finding = next(f for f in doc["findings"] if f["cause"] == "microbatch_cap")
     pred = finding["predicted"]
     evidence = md[md.index("## Findings: the evidence"):]
     assert "costs: stages 0, 1, 2, 3 idled " in evidence and " of phase C=32 while requests" in evidence
     line = next(x for x in evidence.splitlines() if "what its change would do" in x)
-    assert f"C={pred['concurrency']} {pred['measured_tok_s']:.0f} -> {pred['predicted_tok_s']:.0f} tok/s" \
-        in line
-    assert all(f"C={o['concurrency']} " in line for o in pred["other_phases"])
-    assert f"(band ±{pred['band_ratio']:.0%})" in line
+    assert pred["band_ratio"] > 0.25, pred
+    said = f"C={pred['concurrency']}: cannot predict: the model's band, ±{pred['band_ratio']:.0%}, is wider"
+    assert said + " than ±25%" in line, line
+    assert f"-> {pred['predicted_tok_s']:.0f} tok/s" not in line

@@ -303,7 +303,8 @@ def test_the_report_opens_with_the_advice_and_shows_each_phase_once(tmp_path: Pa
     first = next(line for line in evidence.splitlines() if line.startswith("- **"))
     assert first.startswith("- **microbatch_cap (phase C=32, ")
     would = next(line for line in evidence.splitlines() if "what its change would do" in line)
-    assert "--pp-max-micro" in would and " tok/s (" in would and "(band ±" in would  # [whatif]'s effect
+    # [whatif]'s effect: this synthetic run's band (about ±66 %) is past what a figure is stated for
+    assert "--pp-max-micro" in would and "C=32: cannot predict: the model's band, ±" in would, would
     assert md.index("## Per phase") < md.index("## Findings") < md.index("## Figures")
     phases = md[md.index("## Per phase"):md.index("## Findings")]
     assert "| phase | C | in flight | tok/s | model as run tok/s | band | tok/s from | client tok/s " \

@@ -147,3 +147,41 @@ def test_an_advice_in_another_time_base_states_its_figures_there() -> None:
     assert "(+200 tok/s on average)" in deployment.sentence()
     assert deployment.phases[0].gain_ratio == pytest.approx(phase.gain_ratio)
     assert advice.in_time(1.0) is advice
+
+
+def test_a_band_wider_than_25_percent_is_stated_as_cannot_predict() -> None:
+    """[prefill] Build: a band wider than ±25 % says nothing of an effect's size, so no figure is
+    stated: not in a finding's predicted effect (its text and the report's line), not in the
+    advice's sentence, table cells or keep reason, not in `whatif --search`'s table. The direction
+    a gain beyond the band is sure of is still said; a band of 25 % or less keeps its figure."""
+    import dataclasses
+
+    from gputrace.analysis.predicted import PredictedEffect
+    from gputrace.report.render import advice_cells, finding_effect
+    from gputrace.whatif.advise import Advice, AdvisedSetting, Option, PhaseAdvice, _keep_reason
+    from gputrace.whatif.render import render_advice_markdown
+
+    effect = PredictedEffect("C=8", 8, 20.0, 35.2, 20.0, band_ratio=2.77, gain_ratio=0.76,
+                             within_uncertainty=True, net_gain_tok_s=0.0)
+    for text in (effect.text(), finding_effect(effect) or ""):
+        assert "cannot predict: the model's band, ±277%, is wider than ±25%" in text, text
+        assert "35" not in text and "+76%" not in text, text
+    narrow = dataclasses.replace(effect, band_ratio=0.25, within_uncertainty=False)
+    assert narrow.text().startswith("predicted: 20 -> 35 tok/s at C=8 (±25%)")
+    assert "C=8 20 -> 35 tok/s (+76%) (band ±25%)" in (finding_effect(narrow) or ""), finding_effect(narrow)
+
+    wide = PhaseAdvice("C=8", 8, 20.0, 20.0, 20.0, 40.0, 0.30, None, None, None, 0.30)
+    assert wide.gains
+    advice = Advice((AdvisedSetting("chunked_prefill_size", "--chunked-prefill-size", 2048),), "throughput",
+                    (wide,), (), "reason", 3)
+    sentence = advice.sentence()
+    assert "C=8 gains beyond its band (cannot predict: the model's band, ±30%, is wider than ±25% by how " \
+           "much)" in sentence and "-> 40" not in sentence, sentence
+    cells = advice_cells(wide)
+    assert cells["gain"] == "cannot predict" and "predicted_tok_s" not in cells, cells
+    table = render_advice_markdown("run", advice.to_dict())
+    row = next(line for line in table.splitlines() if line.startswith("| C=8 "))
+    assert row.count("cannot predict") == 2 and "| 40 |" not in row, row
+
+    keep = _keep_reason([], "throughput", {}, 12, Option(advice.changes, (wide,), "finding: prefill_budget"))
+    assert "(prefill_budget) at C=8: cannot predict: the model's band, ±30%" in keep and "+100%" not in keep

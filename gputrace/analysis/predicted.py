@@ -7,6 +7,21 @@ from dataclasses import dataclass
 
 from gputrace.json_types import JsonObject
 
+# A band wider than this says nothing of an effect's size, so the figure is not stated: "cannot
+# predict" (a huge band is as wrong as a miss: the SGLang small-chunk run's fit carried ±277 %)
+PREDICTABLE_BAND_RATIO = 0.25
+
+
+def predictable(band_ratio: float) -> bool:
+    """Whether a prediction with this band is stated as a figure."""
+    return band_ratio <= PREDICTABLE_BAND_RATIO
+
+
+def cannot_predict(band_ratio: float) -> str:
+    """What is said in place of a figure whose band is wider than PREDICTABLE_BAND_RATIO."""
+    return (f"cannot predict: the model's band, ±{band_ratio:.0%}, is wider than "
+            f"±{PREDICTABLE_BAND_RATIO:.0%}")
+
 
 @dataclass(frozen=True, slots=True)
 class PhaseEffect:
@@ -54,6 +69,8 @@ class PredictedEffect:
         """``predicted: 248 -> 312 tok/s at C=32 (±8 %)``, the levels it costs, and a gain the model
         cannot tell from none."""
         # levels, not phase labels: a label is the run's text, the recommendation goes in a code span
+        if not predictable(self.band_ratio):
+            return f"predicted at C={self.concurrency}: {cannot_predict(self.band_ratio)}"
         text = (f"predicted: {self.measured_tok_s:.0f} -> {self.predicted_tok_s:.0f} tok/s at "
                 f"C={self.concurrency} (±{self.band_ratio:.0%})")
         band = self.band_ratio

@@ -12,7 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from gputrace.analysis.diagnose import Finding, changes_the_deployment, rule_table
-from gputrace.analysis.predicted import PredictedEffect
+from gputrace.analysis.predicted import PredictedEffect, cannot_predict, predictable
 from gputrace.analysis.result import Analysis
 from gputrace.engines import engine_words
 from gputrace.errors import UsageError
@@ -161,6 +161,9 @@ def advice_cells(p: PhaseAdvice) -> dict[str, Cell]:
     """A phase under the advice, as its table cells: the model as run, predicted, gain and band."""
     model = p.model_band_ratio
     noisier = model is not None and p.band_ratio - model >= 0.01  # the phase's own spread added
+    if not predictable(p.decision_band_ratio):
+        return {"unchanged_tok_s": p.unchanged_tok_s, "gain": "cannot predict",
+                "band": f"±{p.decision_band_ratio:.0%} (wider than predictions are stated)"}
     return {"unchanged_tok_s": p.unchanged_tok_s, "predicted_tok_s": p.predicted_tok_s,
             "gain": f"{p.gain_ratio:+.0%}",
             "band": f"±{p.band_ratio:.0%}" + (f" (model ±{model:.0%})" if noisier else "")
@@ -214,6 +217,8 @@ def finding_effect(pred: PredictedEffect | None) -> str | None:
     predicted tok/s at its phase with the band, and at every other phase; None where not predicted."""
     if pred is None:
         return None
+    if not predictable(pred.band_ratio):
+        return f"C={pred.concurrency}: {cannot_predict(pred.band_ratio)}"
     cells = [(pred.concurrency, pred.measured_tok_s, pred.predicted_tok_s)]
     cells += [(o.concurrency, o.measured_tok_s, o.predicted_tok_s) for o in pred.other_phases]
     parts = [f"C={c} {m:.0f} -> {p:.0f} tok/s ({p / m - 1:+.0%})" if m else f"C={c} n/a"

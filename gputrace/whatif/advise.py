@@ -23,6 +23,7 @@ from typing import TypedDict
 import numpy as np
 
 from gputrace.analysis.diagnose import Finding
+from gputrace.analysis.predicted import cannot_predict, predictable
 from gputrace.analysis.result import Analysis
 from gputrace.engines import ENGINE_WORDS, engine_words
 from gputrace.errors import GputraceError, UsageError
@@ -159,6 +160,15 @@ class PhaseAdvice:
             return f"±{self.band_ratio:.0%}"
         return f"±{self.decision_band_ratio:.0%}; ±{self.band_ratio:.0%} with this phase's run-to-run spread"
 
+    def moved_text(self) -> str:
+        """``C=32 246 -> 416 tok/s (+69% ±17%)``; where the band is too wide to state a figure, the
+        direction it is sure of and why no figure."""
+        if not predictable(self.decision_band_ratio):
+            why = cannot_predict(self.decision_band_ratio)
+            return f"{self.phase} gains beyond its band ({why} by how much)"
+        return (f"{self.phase} {self.measured_tok_s:.0f} -> {self.predicted_tok_s:.0f} tok/s "
+                f"({self.gain_ratio:+.0%} {self.band_text()})")
+
     def in_time(self, speed: float) -> PhaseAdvice:
         """Its tok/s over ``speed`` (Advice.in_time); ratios and latencies as they are."""
         return dataclasses.replace(
@@ -235,8 +245,7 @@ class Advice:
             return f"Keep the current settings: {self.reason}."
         what = ", ".join(c.text() for c in self.changes)
         ups = [p for p in self.phases if p.gains]
-        moved = ", ".join(f"{p.phase} {p.measured_tok_s:.0f} -> {p.predicted_tok_s:.0f} tok/s "
-                          f"({p.gain_ratio:+.0%} {p.band_text()})" for p in ups)
+        moved = ", ".join(p.moved_text() for p in ups)
         return f"Set {what}: predicted {moved or 'no phase beyond its band'}; {self.reason}."
 
     def in_time(self, speed: float) -> Advice:
@@ -603,8 +612,11 @@ def _keep_reason(trades: list[Option], objective: str, slo: Mapping[str, float],
         if closest is not None and closest.phases:
             top = max(closest.phases, key=lambda p: p.gain_ratio)
             origin = closest.origin.removeprefix("finding: ")
-            text += (f"; the findings' change {', '.join(c.text() for c in closest.changes)} ({origin}) "
-                     f"moves {top.phase} {top.gain_ratio:+.0%} against its band of {top.band_text()}")
+            change = f"; the findings' change {', '.join(c.text() for c in closest.changes)} ({origin})"
+            text += (f"{change} at {top.phase}: {cannot_predict(top.decision_band_ratio)}"
+                     if not predictable(top.decision_band_ratio) else
+                     f"{change} moves {top.phase} {top.gain_ratio:+.0%} against its band of "
+                     f"{top.band_text()}")
             losses = [f"{p.phase} {p.gain_ratio:+.0%}" for p in closest.phases if p.loses]
             if losses:
                 text += f" and costs {', '.join(losses)}"

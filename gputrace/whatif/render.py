@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Literal, TypedDict
 
+from gputrace.analysis.predicted import cannot_predict, predictable
 from gputrace.engines import engine_words
 from gputrace.whatif.advise import AdviceRow
 from gputrace.whatif.fit import FittedModel
@@ -87,6 +88,8 @@ def _prediction_row(ph: PhasePredictionRow, band: float) -> str:
     gain_text = "n/a" if gain is None else f"{gain:+.0%}" + (" (inside the band)" if inside else "")
     tput = f"{_pair(m['throughput_tok_s'] if m else None, p['throughput_tok_s'], '.0f')} " \
         f"(±{band * (p['throughput_tok_s'] or 0):.0f})"
+    if not predictable(band):
+        gain_text, tput = cannot_predict(band), _num(m["throughput_tok_s"] if m else None, ".0f")
     cells = [ph["label"], str(ph["concurrency"]), tput, gain_text]
     for key, fmt in LATENCY_COLUMNS:
         cells.append(_pair(m[key] if m else None, p[key], fmt))
@@ -120,9 +123,13 @@ def render_advice_markdown(run: str, doc: AdviceRow) -> str:
            "| phase | measured tok/s | model as run tok/s | predicted tok/s | gain | band | TTFT p90 s "
            "| ITL p90 s |", "|---|---|---|---|---|---|---|---|"]
     for p in doc["phases"]:
+        band = p["model_band_ratio"] if p["model_band_ratio"] is not None else p["band_ratio"]
+        stated = predictable(band)
         out.append(f"| {p['phase']} | {_num(p['measured_tok_s'], '.0f')} "
-                   f"| {_num(p['unchanged_tok_s'], '.0f')} | {_num(p['predicted_tok_s'], '.0f')} "
-                   f"| {p['gain_ratio']:+.0%} | ±{p['band_ratio']:.0%} "
+                   f"| {_num(p['unchanged_tok_s'], '.0f')} "
+                   f"| {_num(p['predicted_tok_s'], '.0f') if stated else 'cannot predict'} "
+                   f"| {format(p['gain_ratio'], '+.0%') if stated else 'cannot predict'} "
+                   f"| ±{p['band_ratio']:.0%} "
                    f"| {_num(p['ttft_s_p90'], '.3f')} | {_num(p['itl_s_p90'], '.4f')} |")
     notes = [f"- alternative: {a['text']}" for a in doc["alternatives"]]
     notes += [f"- {x}" for x in sorted({p["extrapolation"] for p in doc["phases"] if p["extrapolation"]})]
