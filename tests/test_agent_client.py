@@ -161,10 +161,12 @@ async def test_follow_rides_out_a_disconnect(agents: list[Agent]) -> None:
 
 
 async def test_cursor_out_of_ring_jumps_to_oldest_and_counts_gap() -> None:
-    """After a 410 the client continues at the oldest sample held and counts what it missed.
+    """After a 410 the client continues at the oldest sample held and counts what it missed;
+    every sample from the first on is then read or counted, none lost silently.
 
-    The ring holds 1 s (200 samples): the pages after the jump read well inside it even on a loaded
-    machine (with 0.1 s the cursor had 25 ms before the ring passed it again)."""
+    The ring holds 1 s and is full when the cursor jumps to its oldest end, so on a loaded machine
+    the ring can pass the cursor again before the next page (CI's parallel pass read 23-27, then
+    29): that second gap is counted too, and the pages stay in order."""
     agent = Agent(SimulatedSampler("node-c", 2), AgentSettings(port=0, interval_s=0.01, buffer_s=1.0),
                   host="node-c")
     await agent.start()
@@ -178,7 +180,8 @@ async def test_cursor_out_of_ring_jumps_to_oldest_and_counts_gap() -> None:
         assert client.stats.gaps >= 1 and client.stats.missed_samples == first - 1
         more = await _pull(client, 10)
         seqs = _seqs(page + more)
-        assert seqs == list(range(first, first + len(seqs)))
+        assert seqs == sorted(set(seqs)) and seqs[0] == first, seqs
+        assert client.stats.missed_samples + len(seqs) == seqs[-1], (client.stats, seqs)
     finally:
         await client.close()
         await agent.stop()
