@@ -11,7 +11,7 @@ from gputrace.whatif.advise import AdviceRow
 from gputrace.whatif.fit import FittedModel
 from gputrace.whatif.outcome import PhaseOutcomeRow
 from gputrace.whatif.param_change import ParamChange, ParamJson, param_json
-from gputrace.whatif.prediction import PhasePrediction, PhasePredictionRow
+from gputrace.whatif.prediction import PhasePrediction, PhasePredictionRow, decision_band
 
 SCHEMA = "gputrace.whatif/1"
 
@@ -123,8 +123,7 @@ def render_advice_markdown(run: str, doc: AdviceRow) -> str:
            "| phase | measured tok/s | model as run tok/s | predicted tok/s | gain | band | TTFT p90 s "
            "| ITL p90 s |", "|---|---|---|---|---|---|---|---|"]
     for p in doc["phases"]:
-        band = p["model_band_ratio"] if p["model_band_ratio"] is not None else p["band_ratio"]
-        stated = predictable(band)
+        stated = predictable(decision_band(p["band_ratio"], p["model_band_ratio"]))
         out.append(f"| {p['phase']} | {_num(p['measured_tok_s'], '.0f')} "
                    f"| {_num(p['unchanged_tok_s'], '.0f')} "
                    f"| {_num(p['predicted_tok_s'], '.0f') if stated else 'cannot predict'} "
