@@ -64,7 +64,10 @@ def prefill_budget_setting(budget: int) -> EngineSetting:
 
 
 FIXTURE_ONLY_SETTINGS = (EngineSetting("sglang", "interval2", ("--decode-log-interval", "2")),
-                         prefill_budget_setting(32))
+                         prefill_budget_setting(32),
+                         # [prefill] Must show 5's KV case: a 320-token pool under C=8 (about 34-token
+                         # prompts, 64 tokens out), where admission binds on KV
+                         EngineSetting("sglang", "kv320", ("--max-total-tokens", "320")))
 LONG_PROMPT_WORDS = (140, 180)  # about 270-350 tokens of the tiny model's (1.85 a word), under 512
 _WORDS = ("time", "year", "people", "way", "day", "man", "thing", "woman", "life", "child", "world",
           "school", "state", "family", "student", "group", "country", "problem", "hand", "part",

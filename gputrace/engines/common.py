@@ -269,6 +269,31 @@ FastPath = Callable[[bytes, int, LogClock, "re.Pattern[bytes] | None"], ChunkRes
 
 
 @dataclass(frozen=True, slots=True)
+class OutputReservation:
+    """How a scheduler holds KV room for its running requests' tokens still to come when it admits
+    new ones (SGLang 0.5.23: schedule_policy.PrefillAdder and NewTokenRatioTracker). A new request
+    must fit its prompt and all its output; the requests running in the slot being filled hold
+    ``ratio`` x their output still to come, and those of the other slots nothing beyond the KV
+    they hold. The ratio starts at ``init_ratio``, falls by a step's share each decode step to
+    ``init_ratio x min_ratio_factor`` over ``decay_steps``, is set after a retraction to what the
+    remaining requests decoded (plus ``retract_decode_steps`` each) over their outputs, and starts
+    again when the engine idles."""
+
+    init_ratio: float
+    min_ratio_factor: float
+    decay_steps: int
+    retract_decode_steps: int
+
+    @property
+    def min_ratio(self) -> float:
+        return self.init_ratio * self.min_ratio_factor
+
+    @property
+    def decay_per_step(self) -> float:
+        return (self.init_ratio - self.min_ratio) / self.decay_steps
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulingPolicy:
     """How an engine schedules under pipeline parallelism, as the diagnosis, the simulator and the
     what-if model it."""
@@ -280,6 +305,9 @@ class SchedulingPolicy:
     # on a CPU the forward runs inside rank 0's scheduler loop (SGLang), so requests that arrive
     # meanwhile join the next slot
     cpu_forward_in_loop: bool
+    # how admission holds KV room for running requests' future tokens; None: every running
+    # request holds all of its output still to come, engine-wide
+    output_reservation: OutputReservation | None = None
 
 
 @dataclass(frozen=True, slots=True)

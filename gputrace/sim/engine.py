@@ -54,12 +54,22 @@ class SimRequest:
     last_token_s: float | None = None  # its latest token so far (ITL of a request not yet done)
     finish_s: float | None = None
     kv_tokens: int = 0  # KV-cache tokens it holds
+    # prompt tokens the prefix cache held when it arrived (prefix_cached_share): not computed, but
+    # held in the cache for it from its first chunk on, as its own prompt's (a running request's
+    # prefix is shared with another running one only where their prompts repeat each other)
+    cached_tokens: int = 0
     listener: TokenListener | None = None
     aborted: bool = False  # the client went away: it ends at its next token, as SGLang aborts it
 
     def __post_init__(self) -> None:
         if not self.prefill_target:
             self.prefill_target = self.input_tokens
+
+
+def uncached_tokens(prompt_tokens: int, cached_share: float) -> int:
+    """The tokens of a prompt its prefill computes where the prefix cache holds ``cached_share``
+    of it: at least one (SGLang computes a prompt's last token whatever the cache holds)."""
+    return max(1, prompt_tokens - round(cached_share * prompt_tokens))
 
 
 @dataclass
@@ -158,6 +168,10 @@ class PipelineEngine:
         self.running = 0
         self.kv_used = 0
         self.kv_reserved = 0  # future tokens promised to running requests
+        # SGLang: admission holds the filled slot's future tokens at a ratio that decays
+        # (OutputReservation); None: kv_reserved, engine-wide
+        self.reservation = p.engine_spec.policy.output_reservation
+        self.new_token_ratio = self.reservation.init_ratio if self.reservation is not None else 1.0
         self.cap = p.micro_batch_cap
         policy = p.engine_spec.policy  # how the simulated engine schedules, as its package says
         self.engine_wide = not policy.microbatch_slots  # admission engine-wide only, no per-slot K (vLLM)
@@ -177,7 +191,11 @@ class PipelineEngine:
     # -- driving -------------------------------------------------------------------------------
 
     def add_arrival(self, req: SimRequest) -> None:
-        """A request that reaches the engine at ``req.arrival_s``."""
+        """A request that reaches the engine at ``req.arrival_s``; the part of its prompt the
+        prefix cache holds is not computed (prefix_cached_share), nor held again in the cache."""
+        if self.p.prefix_cached_share:
+            req.prefill_target = uncached_tokens(req.input_tokens, self.p.prefix_cached_share)
+            req.cached_tokens = req.input_tokens - req.prefill_target
         self._seq += 1
         heapq.heappush(self._arrivals, (req.arrival_s, self._seq, req))
 
@@ -331,16 +349,20 @@ class PipelineEngine:
         chunked request (one per scheduler). A request joins the slot that computes its last chunk."""
         chunked = self.chunked
         if chunked is None and not self.waiting:  # most turns of a loaded engine: decode only
+            if not self.running and self.reservation is not None:  # idle: the ratio starts again
+                self.new_token_ratio = self.reservation.init_ratio
             return []
         p = self.p
         rem_chunk, rem_input = p.chunked_prefill_size, p.max_prefill_tokens
         out: list[tuple[SimRequest, int]] = []
+        committed = 0  # KV this turn takes beyond what is held (its chunks and admitted outputs)
         if chunked is not None:
             need = chunked.prefill_target - chunked.prefilled
             take = min(need, rem_chunk)
             out.append((chunked, take))
             rem_chunk -= take
             rem_input -= take
+            committed += take
             if take < need:
                 return out  # the chunk spent the budget
             self.chunked = None
@@ -348,17 +370,31 @@ class PipelineEngine:
         # a request that ended its chunks here counts against K (SGLang: it is in the turn's
         # can_run_list), and holds its pool row already
         room = min(self.cap - len(self.slots[k]), p.max_running_requests - self.running)
-        self._admit(k, t, out, room, rem_chunk, rem_input)
+        self._admit(k, t, out, room, rem_chunk, rem_input, committed)
         return out
 
+    def _held_for(self, k: int) -> float:
+        """KV held against admission into slot k: what is in use, and the future tokens of the
+        requests running in it at the ratio (OutputReservation), or every running request's
+        (kv_reserved) where the engine reserves engine-wide."""
+        if self.reservation is None:
+            return self.kv_used + self.kv_reserved
+        ratio = self.new_token_ratio
+        return self.kv_used + ratio * sum(r.output_tokens - r.generated for r in self.slots[k])
+
     def _admit(self, k: int, t: float, out: list[tuple[SimRequest, int]], room: int,
-               rem_chunk: int, rem_input: int) -> None:
-        """SGLang's admission loop over the waiting queue into ``out`` (see _sglang_prefill)."""
+               rem_chunk: int, rem_input: int, committed: float = 0.0) -> None:
+        """SGLang's admission loop over the waiting queue into ``out`` (see _sglang_prefill): a
+        request fits with its prompt and all its output beside what slot k holds (_held_for) and
+        what this turn already took (``committed``)."""
         waiting = self.waiting
+        held = self._held_for(k) + committed if waiting else 0.0
+        total = self.p.max_total_num_tokens
         while waiting and room > 0 and rem_chunk > 0 and rem_input > 0:
             req = waiting[0]
             need = req.prefill_target - req.prefilled
-            if not self._kv_fits(need + req.output_tokens - req.generated):
+            claim = need + req.output_tokens - req.generated + (req.cached_tokens if not req.prefilled else 0)
+            if held + claim > total:
                 if not self.running and not out:
                     self._reject(waiting.popleft(), t)
                     continue
@@ -369,6 +405,7 @@ class PipelineEngine:
             rem_chunk -= take
             rem_input -= take
             room -= 1
+            held += claim
             self.running += 1
             self.kv_reserved += req.output_tokens - req.generated
             out.append((req, take))
@@ -403,7 +440,8 @@ class PipelineEngine:
         while waiting and room > 0 and budget > 0:
             req = waiting[0]
             need = req.prefill_target - req.prefilled
-            if not self._kv_fits(need + req.output_tokens - req.generated):
+            cached = req.cached_tokens if not req.prefilled else 0
+            if not self._kv_fits(need + cached + req.output_tokens - req.generated):
                 if not self.running and not out:
                     self._reject(waiting.popleft(), t)
                     continue
@@ -429,11 +467,13 @@ class PipelineEngine:
         p = self.p
         tr = self.trace
         n_reqs = len(batch)
-        prompt = tokens = ctx_tokens = 0
+        prompt = tokens = ctx_tokens = cached = 0
         for r, n in batch:
             tokens += n
             if r.prefilled < r.prefill_target:
                 prompt += n
+                if not r.prefilled:
+                    cached += r.cached_tokens
             ctx_tokens += r.prefilled + r.generated
         if not p.context_token_s:
             ctx_tokens = 0
@@ -443,9 +483,16 @@ class PipelineEngine:
             batch = self._retract(k, batch)
             n_reqs = len(batch)
             tokens = n_reqs
+            if self.reservation is not None:  # SGLang: the ratio from what the others decoded
+                steps = self.reservation.retract_decode_steps
+                self.new_token_ratio = min(1.0, (sum(r.generated for r, _ in batch) + steps * n_reqs)
+                                           / (sum(r.output_tokens for r, _ in batch) + 1))
             if not batch:
                 return
-        self.kv_used += tokens
+        elif decode and self.reservation is not None:
+            self.new_token_ratio = max(self.new_token_ratio - self.reservation.decay_per_step,
+                                       self.reservation.min_ratio)
+        self.kv_used += tokens + cached
         if prompt:
             tr.pf_t.append(t)
             tr.pf_n.append(prompt)
@@ -581,7 +628,7 @@ class PipelineEngine:
         emitted = 0
         released = 0  # future tokens no longer promised (ints: summed in any order, the same)
         for req, n in batch:
-            req.kv_tokens += n
+            req.kv_tokens += n if req.prefilled else n + req.cached_tokens
             if req.prefilled < req.prefill_target:
                 req.prefilled += n
                 if req.prefilled < req.prefill_target:
@@ -618,7 +665,7 @@ class PipelineEngine:
             self.kv_used -= req.kv_tokens
             self.kv_reserved -= req.output_tokens - req.generated
             req.kv_tokens = 0
-            req.prefill_target = req.input_tokens + req.generated
+            req.prefill_target = uncached_tokens(req.input_tokens, self.p.prefix_cached_share) + req.generated
             req.prefilled = 0
             self.waiting.appendleft(req)
             self.trace.retractions += 1
@@ -649,7 +696,9 @@ class PipelineEngine:
         new_seq = sum(1 for r, _ in batch if r.prefilled < r.prefill_target)
         in_batch = {id(r) for r, _ in batch}
         fields: dict[str, float | int | bool] = {
-            "new_seq": new_seq, "new_token": tokens, "cached_token": 0,
+            "new_seq": new_seq, "new_token": tokens,
+            "cached_token": sum(r.input_tokens - uncached_tokens(r.input_tokens, self.p.prefix_cached_share)
+                                for r, _ in batch if r.prefilled == 0),
             "token_usage": self.kv_used / self.p.max_total_num_tokens,
             # the slot's running batch before this turn's requests join it
             "running_req": sum(1 for r in self.slots[k] if id(r) not in in_batch),

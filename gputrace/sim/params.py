@@ -91,6 +91,10 @@ class SimParams:
     # input_tokens), the others input_tokens (0: every prompt drawn around input_tokens)
     long_prompt_share: float = 0.0
     long_input_tokens: int = 0
+    # The share of each prompt the engine's prefix cache already holds (a load whose prompts repeat
+    # a prefix: SGLang logs it as #cached-token): not computed, and held in the cache once, not per
+    # request (the engine tier's short prompts: 2 new tokens a turn against 58-69 cached)
+    prefix_cached_share: float = 0.0
     max_tokens: int = 2048
     output_tokens_jitter: float = 0.0  # fraction of requests end early, uniformly in [1-j, 1]
     # A recorded load: the (prompt, output) tokens of each request in the order the client sends
@@ -208,11 +212,13 @@ class Scenario:
 # stage. Two deployment facts the figures do not state were fitted with it: the prompt length (a
 # burst's prompts fill SGLang's 8,192-token prefill budget 8 at a time, so C=32 spreads over 4
 # micro-batches whatever K allows) and the KV-cache capacity (it keeps the 4,096-token bursts at
-# C=32 and C=48 from running all at once). Nothing about the scheduler is fitted.
+# C=32 and C=48 from running all at once: 105,000 tokens under SGLang's admission, which holds
+# room for the outputs of the slot it fills only, at new_token_ratio; 156,000 fitted the
+# engine-wide reservation the simulator had before). Nothing about the scheduler is fitted.
 KIMI_K26_PCIE_COST: Mapping[str, int | float] = {
     "moe_experts": 384, "moe_top_k": 8, "launch_s": 0.0006, "decode_token_s": 1e-6,
     "weight_read_s": 0.00123, "expert_read_s": 0.0572, "prefill_token_s": 2.14e-4,
-    "input_tokens": 1024, "max_total_num_tokens": 156_000,
+    "input_tokens": 1024, "max_total_num_tokens": 105_000,
 }
 
 # Where the pipeline stays full: SGLang's per-micro-batch cap of 8 (64 // 8) with 64 requests in
@@ -363,6 +369,7 @@ def _validate(p: SimParams) -> None:
         (p.engine_spec.microbatch_slots or (p.pp_max_micro_batch_size is None and not p.pp_async_batch_depth),
          "pp_max_micro_batch_size and pp_async_batch_depth are SGLang settings (engine = sglang)"),
         (p.decode_log_interval >= 1, "decode_log_interval must be >= 1"),
+        (0.0 <= p.prefix_cached_share < 1.0, "prefix_cached_share must be in [0, 1)"),
         (bool(p.concurrency) and min(p.concurrency) >= 1, "concurrency needs levels >= 1"),
         (p.phase_s > 0 and p.sample_period_s > 0, "phase_s and sample_period_s must be > 0"),
         (p.input_tokens >= 1 and p.max_tokens >= 1, "input_tokens and max_tokens must be >= 1"),

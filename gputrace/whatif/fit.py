@@ -77,6 +77,9 @@ CLIENT_SHORTFALL = 0.85  # as diagnose: a client below this share of its level i
 TTFT_MISFIT = 0.1
 PREFILL_SCALE_LOG2_RANGE = (-4.0, 4.0)
 PREFILL_SCALE_STEPS = 8
+# a prefix cache holding less of the prompts than this is not replayed (a few shared tokens of a
+# chat template move nothing)
+MIN_CACHED_SHARE = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +208,8 @@ def _load_params(analysis: Analysis) -> dict[str, ParamValue]:
         out["input_tokens"] = max(round(mean_in), 1)
         # uniform +- j x mean has a standard deviation of j x mean / sqrt(3)
         out["input_tokens_jitter"] = float(min(np.sqrt(3) * prompt.std() / mean_in, 0.95))
+    if (cached := logged_cached_share(analysis)) >= MIN_CACHED_SHARE:
+        out["prefix_cached_share"] = round(cached, 3)
     tokens, finished = output_observations(rq, recording_end_ns(analysis))
     outputs = fit_output_lengths(tokens, finished)
     if outputs is not None:
@@ -223,6 +228,25 @@ def _load_params(analysis: Analysis) -> dict[str, ParamValue]:
     if short:
         out["client_max_inflight"] = max(round(max(short)), 1)
     return out
+
+
+def logged_cached_share(analysis: Analysis) -> float:
+    """The share of the prompts' tokens the engine's prefix cache held, as its prefill lines state
+    (SGLang's #cached-token against #new-token, stage 0's lines in the phases; 0 where the log
+    does not say)."""
+    if not analysis.run.stage_events:
+        return 0.0
+    ev = analysis.run.stage_events[0]
+    cached = new = 0.0
+    for pm in analysis.metrics:
+        lo, hi = np.searchsorted(ev.t_ns, [pm.start_ns, pm.end_ns])
+        prefill = ev.kind[lo:hi] == "prefill"
+        c = np.asarray(ev.cached_token[lo:hi][prefill], dtype=float)
+        n = np.asarray(ev.new_token[lo:hi][prefill], dtype=float)
+        ok = np.isfinite(c) & np.isfinite(n)
+        cached += float(c[ok].sum())
+        new += float(n[ok].sum())
+    return cached / (cached + new) if cached + new > 0 else 0.0
 
 
 def recording_end_ns(analysis: Analysis) -> float:

@@ -35,10 +35,10 @@ FIXTURES = REPO / "tests" / "data" / "engines"
 CONCURRENCY = "1,4,16"
 # settings swept at other loads: interval2 at loads whose micro-batches are unequal (K = 4: C=6
 # runs micro-batches of 4 and 2, C=3 of 2 and 1)
-CONCURRENCY_BY_SETTING = {"interval2": "3,6", "mnbt32": "8"}
+CONCURRENCY_BY_SETTING = {"interval2": "3,6", "mnbt32": "8", "kv320": "8"}
 # [prefill] mnbt32: long prompts (engine_servers.write_long_prompts) of a few tokens each, through
-# a step budget of 32 tokens
-MAX_TOKENS_BY_SETTING = {"mnbt32": 8}
+# a step budget of 32 tokens; kv320: 64 tokens a request, so 4 requests fill the 320-token pool
+MAX_TOKENS_BY_SETTING = {"mnbt32": 8, "kv320": 64}
 LONG_PROMPTS = {"mnbt32"}
 # SGLang logs every micro-batch of every rank (about 40-70 tok/s for one request here); vLLM is
 # faster but logs its stats only every 10 s, so its levels are longer.

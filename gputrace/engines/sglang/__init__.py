@@ -4,7 +4,7 @@ gputrace/engines/__init__.py."""
 
 from __future__ import annotations
 
-from gputrace.engines.common import Engine, SchedulingPolicy
+from gputrace.engines.common import Engine, OutputReservation, SchedulingPolicy
 from gputrace.engines.sglang.fastpath import MAYBE_SGLANG, scan_chunk
 from gputrace.engines.sglang.grammar import ENGINE as KIND
 from gputrace.engines.sglang.grammar import LOG_FIELDS, RANK_FIELDS, RANK_TAG, batch_fields, parse_line
@@ -20,8 +20,13 @@ ENGINE = Engine(
     log_fields=LOG_FIELDS,
     placement_rule="SGLang formula",
     placement_source="sglang-formula",
-    # the PP loop's slots, each a micro-batch capped at K; a prefill turn runs alone
-    policy=SchedulingPolicy(microbatch_slots=True, mixed_prefill=False, cpu_forward_in_loop=True),
+    # the PP loop's slots, each a micro-batch capped at K; a prefill turn runs alone; KV held for
+    # the filled slot's running requests only, at new_token_ratio (SGLANG_INIT_NEW_TOKEN_RATIO 0.7,
+    # SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR 0.14, SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS 600,
+    # SGLANG_RETRACT_DECODE_STEPS 20: sglang/srt/environ.py, 0.5.23)
+    policy=SchedulingPolicy(microbatch_slots=True, mixed_prefill=False, cpu_forward_in_loop=True,
+                            output_reservation=OutputReservation(init_ratio=0.7, min_ratio_factor=0.14,
+                                                                 decay_steps=600, retract_decode_steps=20)),
     parse_line=parse_line,
     simulated=SIMULATED,
     slot_count=slot_count,  # its PP loop's slots: pp_size + pp_async_batch_depth
