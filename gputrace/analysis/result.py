@@ -189,7 +189,7 @@ def analyse_aligned(run: AlignedRun, th: Thresholds = DEFAULT_THRESHOLDS,
             progress(ph.label)
         pm = with_engine_timers(phase_metrics(run, series, ph), engine_series)
         pm = with_engine_counter(pm, engine_series, run.engine.engine_spec.generated_tokens_counter,
-                                 run.grid_ns, run.work_ratio)
+                                 run.grid_ns, run.work_ratio, run.requests)
         metrics.append(with_engine_steps(pm, engine_series, prefill_budget(run.engine)))
     if any(st.busy_signal in (BUSY_SIGNALS["loop_timers"], BUSY_SIGNALS["device_timer"])
            for pm in metrics for st in pm.stages):
