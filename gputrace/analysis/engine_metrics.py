@@ -148,12 +148,10 @@ def client_split(s: MetricSeries, start_ns: int, end_ns: int, requests: Mapping[
     overlap = (hi > start_ns) & (lo < end_ns)
     if not overlap.any():
         return None
-    total = 0.0
-    for i in np.flatnonzero(overlap):
+    within = overlap & (lo >= start_ns) & (hi <= end_ns)
+    total = float(rise[within].sum())
+    for i in np.flatnonzero(overlap & ~within):  # the (at most two) intervals across an edge
         a, b = lo[i], hi[i]
-        if a >= start_ns and b <= end_ns:
-            total += float(rise[i])
-            continue
         emitted = _client_tokens(requests, a, b)
         if emitted <= 0:
             return None

@@ -192,7 +192,7 @@ class PipelineEngine:
 
     def add_arrival(self, req: SimRequest) -> None:
         """A request that reaches the engine at ``req.arrival_s``; the part of its prompt the
-        prefix cache holds is not computed (prefix_cached_share), nor held again in the cache."""
+        prefix cache holds (prefix_cached_share) is not computed, but is held for it (cached_tokens)."""
         if self.p.prefix_cached_share:
             req.prefill_target = uncached_tokens(req.input_tokens, self.p.prefix_cached_share)
             req.cached_tokens = req.input_tokens - req.prefill_target
@@ -665,7 +665,7 @@ class PipelineEngine:
             self.kv_used -= req.kv_tokens
             self.kv_reserved -= req.output_tokens - req.generated
             req.kv_tokens = 0
-            req.prefill_target = uncached_tokens(req.input_tokens, self.p.prefix_cached_share) + req.generated
+            req.prefill_target = req.input_tokens - req.cached_tokens + req.generated
             req.prefilled = 0
             self.waiting.appendleft(req)
             self.trace.retractions += 1
@@ -697,8 +697,7 @@ class PipelineEngine:
         in_batch = {id(r) for r, _ in batch}
         fields: dict[str, float | int | bool] = {
             "new_seq": new_seq, "new_token": tokens,
-            "cached_token": sum(r.input_tokens - uncached_tokens(r.input_tokens, self.p.prefix_cached_share)
-                                for r, _ in batch if r.prefilled == 0),
+            "cached_token": sum(r.cached_tokens for r, _ in batch if r.prefilled == 0),
             "token_usage": self.kv_used / self.p.max_total_num_tokens,
             # the slot's running batch before this turn's requests join it
             "running_req": sum(1 for r in self.slots[k] if id(r) not in in_batch),

@@ -92,8 +92,9 @@ class SimParams:
     long_prompt_share: float = 0.0
     long_input_tokens: int = 0
     # The share of each prompt the engine's prefix cache already holds (a load whose prompts repeat
-    # a prefix: SGLang logs it as #cached-token): not computed, and held in the cache once, not per
-    # request (the engine tier's short prompts: 2 new tokens a turn against 58-69 cached)
+    # a prefix: SGLang logs it as #cached-token): not computed, but held in the KV cache for its
+    # request like the rest of its prompt (the engine tier's short prompts: 2 new tokens a turn
+    # against 58-69 cached)
     prefix_cached_share: float = 0.0
     max_tokens: int = 2048
     output_tokens_jitter: float = 0.0  # fraction of requests end early, uniformly in [1-j, 1]
