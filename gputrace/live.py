@@ -71,6 +71,10 @@ class EngineRank:
 # The first stage's lines kept for the engine's totals: enough for engine_totals' trailing window
 # (2 x the slots) at the deepest schedule SGLang allows here (PP16 + 4 async slots).
 RANK0_LINES = 64
+# vLLM's /metrics gauges of one engine core (label ``engine``: its DP rank; no PP rank) and the
+# stats line fields they hold
+VLLM_RANK_GAUGES = frozenset({"vllm:num_requests_running", "vllm:num_requests_waiting"})
+VLLM_TOKENS = "vllm:generation_tokens_total"
 STALE_AFTER_S = 3.0  # no new line or sample for this long: the view says its data is old
 LIVE_SETTINGS = ("max_running_requests", "pp_max_micro_batch_size", "pp_async_batch_depth")
 # The first stage's busy share over this last stretch tells how many equal micro-batches are in
@@ -158,6 +162,8 @@ class LiveState:
         # the engine's own timer counters (LOOP_SERIES, tp_rank 0) per (name, labels JSON): their
         # labels and (scrape ns, seconds)
         self.engine_timers: dict[tuple[str, str], tuple[dict[str, str], deque[tuple[int, float]]]] = {}
+        # per vLLM engine core its generated-tokens counter at the newest scrape
+        self.vllm_tokens_seen: dict[RankKey, float] = {}
         self.configs: list[EngineConfig] = []  # every configuration line, merged as the report merges them
         # per stage its recent lines: (ns on the collector's clock, micro-batch size, #queue-req,
         # token usage), NaN where the line has none; the window's figures for the diagnosis
@@ -169,7 +175,8 @@ class LiveState:
         pp = ev.pp_rank or 0
         key = (ev.host, pp, ev.tp_rank or 0, ev.dp_rank or 0)
         rank = self.engine.setdefault(key, EngineRank())
-        if not self._vllm_turnover(ev):
+        if not self._vllm_turnover(ev.engine, ev.running_req, ev.queue_req,
+                                   (ev.gen_throughput_tok_s or 0.0) > 0.0):
             if ev.running_req is not None:
                 rank.running_req = ev.running_req
             if ev.queue_req is not None:
@@ -197,18 +204,18 @@ class LiveState:
         if not changes or changes[-1][1] != has_work:
             changes.append((rank.seen_ns, has_work))
 
-    def _vllm_turnover(self, ev: SchedulerEvent) -> bool:
+    def _vllm_turnover(self, engine: str, running: int | None, waiting: int | None, generating: bool) -> bool:
         """vLLM's stats line at PP=2 reads "Running: 0 reqs, Waiting: 0 reqs" when it falls on a
         batch turnover (seen on the real engine at C=1 and C=4, its generation throughput 96 tok/s
-        over the same interval): not a reading of an idle engine while requests are in flight (the
-        load's own count where this process runs it, else the tokens the interval generated). The
-        rank keeps its last reading."""
-        if engine_words(ev.engine).steps_logged or ev.running_req != 0 or (ev.queue_req or 0) != 0:
+        over the same interval), and so do its /metrics gauges: not a reading of an idle engine
+        while requests are in flight (the load's own count where this process runs it, else whether
+        the engine generated tokens since its previous reading). The rank keeps its last reading."""
+        if engine_words(engine).steps_logged or running != 0 or (waiting or 0) != 0:
             return False
         inflight = self.inflight
         if inflight is not None:
             return inflight > 0
-        return (ev.gen_throughput_tok_s or 0.0) > 0.0
+        return generating
 
     def on_config(self, config: EngineConfig) -> None:
         """SGLang logs its settings over several lines (server_args, then each rank's limits):
@@ -242,8 +249,12 @@ class LiveState:
 
     def on_engine_metrics(self, samples: Iterable[EngineMetricSample]) -> None:
         """A scrape of the engine's /metrics (times on the collector's clock): its timer counters
-        kept for the stages' busy figures."""
+        kept for the stages' busy figures, vLLM's running and waiting gauges for its rank."""
+        readings: dict[RankKey, dict[str, float]] = {}
         for s in samples:
+            if s.name in VLLM_RANK_GAUGES | {VLLM_TOKENS} and s.value is not None:
+                dp = json.loads(s.labels_json).get("engine", "0")
+                readings.setdefault((s.host, 0, 0, int(dp) if dp.isdigit() else 0), {})[s.name] = s.value
             if s.name not in LOOP_SERIES or s.value is None:
                 continue
             key = (s.name, s.labels_json)
@@ -253,6 +264,33 @@ class LiveState:
                     continue
                 self.engine_timers[key] = (labels, deque(maxlen=256))
             self.engine_timers[key][1].append((s.ts_ns, s.value))
+        for rank_key, gauges in readings.items():
+            self._vllm_scraped(rank_key, gauges)
+
+    def _vllm_scraped(self, key: RankKey, gauges: dict[str, float]) -> None:
+        """vLLM logs its running and waiting counts once per 10 s stats line, and at PP=2 about half
+        of those lines fall on a batch turnover (0 and 0, which the rank does not take): in one CI
+        run of the engine tier every line of the 75 s sweep did, and the live view had no running
+        or queued count at all (the dashboard's panels empty). Its /metrics holds the same counts
+        at every scrape (1 s by default), read under the same turnover rule; the generated-tokens
+        counter's growth since the previous scrape says whether the engine was generating."""
+        tokens, before = gauges.get(VLLM_TOKENS), self.vllm_tokens_seen.get(key)
+        if tokens is not None:
+            self.vllm_tokens_seen[key] = tokens
+        generating = tokens is not None and before is not None and tokens > before
+        running = gauges.get("vllm:num_requests_running")
+        waiting = gauges.get("vllm:num_requests_waiting")
+        if running is None and waiting is None:
+            return
+        running_n = None if running is None else round(running)
+        waiting_n = None if waiting is None else round(waiting)
+        if self._vllm_turnover("vllm", running_n, waiting_n, generating):
+            return
+        rank = self.engine.setdefault(key, EngineRank())
+        if running_n is not None:
+            rank.running_req = running_n
+        if waiting_n is not None:
+            rank.queue_req = waiting_n
 
     def _timer_busy(self, start_ns: int, end_ns: int) -> tuple[dict[int, EngineBusy], int]:
         """Per pp_rank the engine timers' busy share over their scrapes in [start, end)

@@ -162,6 +162,42 @@ def test_a_vllm_stats_line_read_at_batch_turnover_is_not_an_idle_engine() -> Non
     assert live.engine_now().running == 0
 
 
+def _vllm_scrape(running: float, waiting: float, tokens: float, at_s: float) -> list[EngineMetricSample]:
+    labels = json.dumps({"engine": "0", "model_name": "m"})
+    gauges = (("vllm:num_requests_running", running), ("vllm:num_requests_waiting", waiting),
+              ("vllm:generation_tokens_total", tokens))
+    return [EngineMetricSample("node0", "http://engine/metrics", T0 + int(at_s * S), name, labels, value)
+            for name, value in gauges]
+
+
+def test_vllm_running_and_waiting_come_from_its_metrics_between_stats_lines() -> None:
+    """A CI run of the real vLLM PP2 logged only turnover lines (0 and 0) over its whole sweep, so
+    the live view had no running or queued count and the dashboard's panels were empty. Its /metrics
+    gauges, scraped every second, fill the same rank (the stats line's, "Engine 000") under the same
+    turnover rule: 0 and 0 while the generated-tokens counter grows keeps the last reading; with no
+    growth it is the idle engine; the load's own count, where this process runs it, decides first."""
+    live = state()
+    live.on_event(_vllm_stats(0, 0, 96.0, 0.5))  # a turnover line: no reading yet
+    assert live.engine_now().running is None
+    live.on_engine_metrics(_vllm_scrape(8, 8, 100.0, 1.0))
+    assert (live.engine_now().running, live.engine_now().queued) == (8, 8)
+    assert list(live.engine) == [("node0", 0, 0, 0)]  # the line's rank, not a second one
+    live.on_engine_metrics(_vllm_scrape(0, 0, 180.0, 2.0))  # turnover: tokens still grow
+    assert (live.engine_now().running, live.engine_now().queued) == (8, 8)
+    live.on_engine_metrics(_vllm_scrape(0, 0, 180.0, 3.0))  # nothing generated since: idle
+    assert (live.engine_now().running, live.engine_now().queued) == (0, 0)
+    live.inflight_probe = lambda: 4
+    live.on_engine_metrics(_vllm_scrape(4, 0, 190.0, 4.0))
+    live.on_engine_metrics(_vllm_scrape(0, 0, 190.0, 5.0))  # 4 in flight: a turnover after all
+    assert live.engine_now().running == 4
+    registry = CollectorRegistry()
+    registry.register(LiveCollector(live))
+    text = generate_latest(registry).decode()
+    labels = '{dp_rank="0",host="node0",pp_rank="0",run="run",tp_rank="0"}'
+    assert f"gputrace_engine_running_requests{labels} 4.0" in text
+    assert f"gputrace_engine_queue_requests{labels} 0.0" in text
+
+
 def test_sglang_engine_total_never_exceeds_the_load_in_flight() -> None:
     """PP2 at C=1: every line holds the same request, so the period is ambiguous, and a first stage
     read fully busy counts it once per stage (the real SGLang's dashboard showed 2 running and 2
