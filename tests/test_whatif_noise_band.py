@@ -134,6 +134,42 @@ def test_a_size_between_two_the_run_ran_widens_the_band_by_the_gap_between_two_s
     assert widen == pytest.approx(0.15) and why is not None and "never ran more than 8" in why
 
 
+def test_prefill_turns_past_the_largest_the_run_ran_widen_the_band() -> None:
+    """[prefill] SGLang on this CPU ran turns of 256 prompt tokens (its chunk); the fit's line
+    carried on priced --chunked-prefill-size 1024 at x1.11 (measured x1.31) and 4096 at x0.95
+    (measured x2.20). Turns past the largest the run ran widen the band by 15 % a doubling, and
+    say why; turns within it, or a run whose lines give no turns (vLLM), add nothing. Where the
+    advice then keeps, its reason names the finding's change, why it cannot be priced, and that a
+    rerun measures it."""
+    from gputrace.sim.params import SimParams
+    from gputrace.whatif.advise import AdvisedSetting, Option, PhaseAdvice, _keep_reason
+    from gputrace.whatif.predict import extrapolation_band
+
+    def ran(turn: float | None) -> PhaseOutcome:
+        return PhaseOutcome("C=8", 8, 20.0, None, None, None, None, (), microbatch_size_p90=4.0,
+                            microbatch_size_max=4.0, prefill_tokens_p90=turn, prefill_tokens_max=turn)
+
+    model = FittedModel(SimParams(), [ran(256.0)], [], uncertainty_ratio=0.1)
+    assert extrapolation_band(model, ran(256.0), {}) == (0.0, None)
+    widen, why = extrapolation_band(model, ran(1024.0), {"chunked_prefill_size": 1024})
+    assert widen == pytest.approx(0.30)
+    assert why is not None and "prefill turns of 1024 prompt tokens; this run never ran more than 256" in why
+    widen, _ = extrapolation_band(model, ran(4096.0), {"chunked_prefill_size": 4096})
+    assert widen == pytest.approx(0.60)
+    no_turns = FittedModel(SimParams(), [ran(None)], [], uncertainty_ratio=0.1)
+    assert extrapolation_band(no_turns, ran(4096.0), {}) == (0.0, None)
+
+    _, why = extrapolation_band(model, ran(2048.0), {"chunked_prefill_size": 2048})
+    phase = PhaseAdvice("C=8", 8, 60.0, 20.0, 20.0, 20.2, 0.55, None, None, why, 0.55)
+    change = Option((AdvisedSetting("chunked_prefill_size", "--chunked-prefill-size", 2048),), (phase,),
+                    "finding: prefill_budget at C=8")
+    reason = _keep_reason([], "throughput", {}, 14, change)
+    assert ("the findings' change --chunked-prefill-size 2048 (prefill_budget at C=8) at C=8: cannot "
+            "predict: the model's band, ±55%, is wider than ±25% (the change runs prefill turns of 2048 "
+            "prompt tokens; this run never ran more than 256") in reason, reason
+    assert reason.endswith("rerun with it to measure it"), reason
+
+
 def test_an_advice_in_another_time_base_states_its_figures_there() -> None:
     """The demo's live runs ran 4x the wall clock: its advice in the deployment's time divides
     every tok/s by 4 (the sentence's and the reason's), and keeps its ratios and bands."""

@@ -614,6 +614,7 @@ def _keep_reason(trades: list[Option], objective: str, slo: Mapping[str, float],
             origin = closest.origin.removeprefix("finding: ")
             change = f"; the findings' change {', '.join(c.text() for c in closest.changes)} ({origin})"
             text += (f"{change} at {top.phase}: {cannot_predict(top.decision_band_ratio)}"
+                     + (f" ({top.extrapolation}): rerun with it to measure it" if top.extrapolation else "")
                      if not predictable(top.decision_band_ratio) else
                      f"{change} moves {top.phase} {top.gain_ratio:+.0%} against its band of "
                      f"{top.band_text()}")

@@ -131,6 +131,12 @@ class FittedModel:
         seen = [m.microbatch_size_max for m in self.measured if m.microbatch_size_max]
         return max(seen) if seen else None
 
+    @property
+    def largest_prefill_turn(self) -> float | None:
+        """The most prompt tokens one prefill turn of the run computed (its lines'), if they say."""
+        seen = [m.prefill_tokens_max for m in self.measured if m.prefill_tokens_max]
+        return max(seen) if seen else None
+
     def band_ratio(self, label: str) -> float:
         """The band on a phase's predicted throughput: the fit's residual and the phase's own
         spread in the run (what a rerun of the same setting can move it by), in quadrature."""

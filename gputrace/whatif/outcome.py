@@ -32,6 +32,8 @@ class PhaseOutcomeRow(TypedDict):
     microbatch_size_p90: float | None
     microbatch_size_max: float | None
     throughput_spread_ratio: float | None
+    prefill_tokens_p90: float | None
+    prefill_tokens_max: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +54,10 @@ class PhaseOutcome:
     # a captured phase: its throughput's spread over NOISE_WINDOWS windows of it (std / mean),
     # what the same setting rerun can move by (None: simulated, or too few tokens to tell)
     throughput_spread_ratio: float | None = None
+    # prompt tokens per prefill turn (SGLang's #new-token; a step's prompt tokens in a replay): its
+    # 90th percentile and largest (None where the log has no turns: vLLM's stats lines)
+    prefill_tokens_p90: float | None = None
+    prefill_tokens_max: float | None = None
 
     def to_dict(self) -> PhaseOutcomeRow:
         return {"label": self.label, "concurrency": self.concurrency,
@@ -60,7 +66,8 @@ class PhaseOutcome:
                 "bubble_fraction_by_stage": self.bubble_fraction_by_stage,
                 "microbatch_size_p90": self.microbatch_size_p90,
                 "microbatch_size_max": self.microbatch_size_max,
-                "throughput_spread_ratio": self.throughput_spread_ratio}
+                "throughput_spread_ratio": self.throughput_spread_ratio,
+                "prefill_tokens_p90": self.prefill_tokens_p90, "prefill_tokens_max": self.prefill_tokens_max}
 
 
 def _pct(values: np.ndarray, q: float) -> float | None:
@@ -103,12 +110,15 @@ def measured_outcomes(analysis: Analysis) -> list[PhaseOutcome]:
         else:
             lat = NO_LATENCIES
         sizes = _logged_microbatch_sizes(analysis, pm.start_ns, pm.end_ns)
+        turns = _logged_prefill_turns(analysis, pm.start_ns, pm.end_ns)
         out.append(PhaseOutcome(pm.label, phase_concurrency(pm), pm.throughput_tok_s, *lat,
-                                tuple(st.bubble_fraction for st in pm.stages),
-                                float(np.percentile(sizes, 90)) if len(sizes) else None,
-                                float(sizes.max()) if len(sizes) else None,
-                                throughput_spread(rq, pm.start_ns, pm.end_ns)))
+                                tuple(st.bubble_fraction for st in pm.stages), *_p90_max(sizes),
+                                throughput_spread(rq, pm.start_ns, pm.end_ns), *_p90_max(turns)))
     return out
+
+
+def _p90_max(values: np.ndarray) -> tuple[float | None, float | None]:
+    return (float(np.percentile(values, 90)), float(values.max())) if len(values) else (None, None)
 
 
 def throughput_spread(requests: dict[str, np.ndarray], start_ns: int, end_ns: int,
@@ -155,6 +165,20 @@ def _logged_microbatch_sizes(analysis: Analysis, start_ns: int, end_ns: int) -> 
     if not run.engine.engine_spec.steps_logged and run.pp_size > 1:  # vLLM's engine-wide running
         sizes = np.maximum(sizes / run.pp_size, 1.0)
     return sizes
+
+
+def _logged_prefill_turns(analysis: Analysis, start_ns: int, end_ns: int) -> np.ndarray:
+    """The prompt tokens each prefill turn in [start, end) computed: the first stage's prefill
+    lines' #new-token (every stage logs the same turn). Empty where the engine logs no turns
+    (vLLM's periodic stats lines)."""
+    run = analysis.run
+    if not run.stage_events or not run.engine.engine_spec.steps_logged:
+        return np.zeros(0)
+    ev = run.stage_events[0]
+    lo, hi = np.searchsorted(ev.t_ns, [start_ns, end_ns])
+    tokens: np.ndarray = np.asarray(ev.new_token[lo:hi][ev.kind[lo:hi] == "prefill"], dtype=float)
+    kept: np.ndarray = tokens[np.isfinite(tokens) & (tokens > 0)]
+    return kept
 
 
 def simulated_outcomes(result: SimResult, labels: list[str] | None = None) -> list[PhaseOutcome]:
@@ -220,6 +244,7 @@ def trace_outcomes(result: SimResult, labels: list[str] | None = None,
     step_decode = np.asarray(tr.step_decode, dtype=bool)
     step_start = np.asarray(tr.iv_start[::p.pp_size], dtype=np.float64)
     decode_sizes, decode_start = step_sizes[step_decode], step_start[step_decode]
+    turn_t, turn_n = np.asarray(tr.pf_t, dtype=np.float64), np.asarray(tr.pf_n, dtype=np.float64)
     edges = np.array([[ph.start_s, ph.end_s] for ph in result.phases], dtype=np.float64).reshape(-1)
     busy_to = stage_busy_s(result, edges).reshape(p.pp_size, len(result.phases), 2)
     out = []
@@ -239,10 +264,10 @@ def trace_outcomes(result: SimResult, labels: list[str] | None = None,
         busy = busy_to[:, i, 1] - busy_to[:, i, 0]
         bubbles = tuple(round(max(has_work - float(x), 0.0) / dur, 4) for x in busy) if dur > 0 else ()
         sizes = decode_sizes[(decode_start >= a) & (decode_start < b)]
+        turns = turn_n[(turn_t >= a) & (turn_t < b)]
         label = labels[i] if labels and i < len(labels) else ph.label
-        out.append(PhaseOutcome(label, ph.target_concurrency, throughput, *lat, bubbles,
-                                float(np.percentile(sizes, 90)) if len(sizes) else None,
-                                float(sizes.max()) if len(sizes) else None))
+        out.append(PhaseOutcome(label, ph.target_concurrency, throughput, *lat, bubbles, *_p90_max(sizes),
+                                None, *_p90_max(turns)))
     return out
 
 

@@ -160,9 +160,34 @@ def interpolation_gap(p: SimParams, size: float, below: float, above: float) -> 
 
 def extrapolation_band(model: FittedModel, o: PhaseOutcome, changes: ParamChange
                        ) -> tuple[float, str | None]:
-    """The band's widening where the change runs micro-batches of sizes the run did not run (and
-    why): past the largest, by EXTRAPOLATION_PER_DOUBLING per doubling; between two it ran, by
-    the gap between the step costs that both hold the run's (interpolation_gap)."""
+    """The band's widening where the change runs decode micro-batches or prefill turns of sizes
+    the run did not run, and why (both where both)."""
+    parts = [w for w in (_decode_extrapolation(model, o, changes), _prefill_extrapolation(model, o))
+             if w[1] is not None]
+    return sum(w for w, _ in parts), "; ".join(why for _, why in parts if why) or None
+
+
+def _prefill_extrapolation(model: FittedModel, o: PhaseOutcome) -> tuple[float, str | None]:
+    """Prefill turns past the largest the run's lines show, by EXTRAPOLATION_PER_DOUBLING per
+    doubling: the turn's cost there is the fit's line carried on, and a run whose turns all take
+    one chunk cannot tell a turn's fixed cost from its cost per token. SGLang on this machine's
+    CPU (tests/engines, prompts of 950-1,900 tokens): a run of 256-token turns priced a
+    1,024-token turn's change at x1.11 against x1.31 measured, and a 4,096-token one (turns of up
+    to 3,461 tokens, which cost 494 ms where the line carried on says about 1 s) at x0.95 against
+    x2.20: 9-20 % per doubling."""
+    seen, size = model.largest_prefill_turn, o.prefill_tokens_p90
+    if not seen or not size or size <= seen * 1.05:
+        return 0.0, None
+    return (EXTRAPOLATION_PER_DOUBLING * float(np.log2(size / seen)),
+            f"the change runs prefill turns of {size:.0f} prompt tokens; this run never ran more than "
+            f"{seen:.0f}, and a turn's cost past that is the fit's line carried on: wide band")
+
+
+def _decode_extrapolation(model: FittedModel, o: PhaseOutcome, changes: ParamChange
+                          ) -> tuple[float, str | None]:
+    """Decode micro-batches of sizes the run did not run: past the largest, by
+    EXTRAPOLATION_PER_DOUBLING per doubling; between two it ran, by the gap between the step
+    costs that both hold the run's (interpolation_gap)."""
     seen = model.largest_microbatch
     size = o.microbatch_size_p90
     if not seen or not size:
