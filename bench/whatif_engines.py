@@ -235,9 +235,12 @@ def chosen_change(case: PairCase, analysis: Analysis) -> ChosenChange:
     if case.changed_value is not None:
         return ChosenChange(*said, case.changed_value, "the case")
     advised = [int(c.value) for c in advice.changes if c.flag == case.flag]
+    to_measure = [int(c.value) for c in advice.to_measure if c.flag == case.flag]
     found = [int(f.change.value) for f in named if f.change is not None and f.change.flag == case.flag]
     if advised:
         return ChosenChange(*said, advised[0], "the advice")
+    if to_measure:
+        return ChosenChange(*said, to_measure[0], "the advice (to rerun and measure: it cannot price it)")
     if found:
         return ChosenChange(*said, found[0], "the finding (the advice keeps)")
     raise SystemExit(f"{case.name}: the default run's report names no {case.flag}: {advice.sentence()}")

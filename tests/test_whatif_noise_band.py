@@ -141,8 +141,10 @@ def test_prefill_turns_past_the_largest_the_run_ran_widen_the_band() -> None:
     say why; turns within it, or a run whose lines give no turns (vLLM), add nothing. Where the
     advice then keeps, its reason names the finding's change, why it cannot be priced, and that a
     rerun measures it."""
+    import dataclasses
+
     from gputrace.sim.params import SimParams
-    from gputrace.whatif.advise import AdvisedSetting, Option, PhaseAdvice, _keep_reason
+    from gputrace.whatif.advise import Advice, AdvisedSetting, Option, PhaseAdvice, _keep_reason, unpriced
     from gputrace.whatif.predict import extrapolation_band
 
     def ran(turn: float | None) -> PhaseOutcome:
@@ -167,7 +169,16 @@ def test_prefill_turns_past_the_largest_the_run_ran_widen_the_band() -> None:
     assert ("the findings' change --chunked-prefill-size 2048 (prefill_budget at C=8) at C=8: cannot "
             "predict: the model's band, ±55%, is wider than ±25% (the change runs prefill turns of 2048 "
             "prompt tokens; this run never ran more than 256") in reason, reason
-    assert reason.endswith("rerun with it to measure it"), reason
+    assert unpriced(change) is phase
+    advice = Advice((), "throughput", (), (), reason, 14, to_measure=change.changes)
+    assert advice.sentence().startswith("Keep the current settings, and rerun with --chunked-prefill-size "
+                                        "2048 to measure it: none of the 14 change sets"), advice.sentence()
+    assert advice.to_dict()["to_measure"] == [change.changes[0].to_dict()]
+    # a change the band holds, or one that loses a phase beyond its band, is not one to measure
+    narrow = dataclasses.replace(phase, band_ratio=0.2, model_band_ratio=0.2)
+    assert unpriced(dataclasses.replace(change, phases=(narrow,))) is None
+    lost = dataclasses.replace(phase, phase="C=1", predicted_tok_s=5.0)
+    assert unpriced(dataclasses.replace(change, phases=(phase, lost))) is None
 
 
 def test_an_advice_in_another_time_base_states_its_figures_there() -> None:

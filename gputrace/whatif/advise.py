@@ -98,6 +98,7 @@ class AdviceRow(TypedDict):
     reason: str
     candidates: int
     fit: str
+    to_measure: list[AdvisedSettingRow]
     sentence: str
 
 
@@ -234,6 +235,9 @@ class Advice:
     candidates: int  # change sets replayed
     slo: Mapping[str, float] = field(default_factory=dict)
     fit: str = ""  # the model's replay of the run as it ran, and its corrections (fit_note)
+    # where the advice keeps: a finding's change the model cannot price (its sizes lie past the
+    # run's), to rerun and measure (unpriced)
+    to_measure: tuple[AdvisedSetting, ...] = ()
 
     @property
     def keep(self) -> bool:
@@ -241,6 +245,9 @@ class Advice:
 
     def sentence(self) -> str:
         """The verdict in one sentence."""
+        if self.keep and self.to_measure:
+            what = ", ".join(c.text() for c in self.to_measure)
+            return f"Keep the current settings, and rerun with {what} to measure it: {self.reason}."
         if self.keep:
             return f"Keep the current settings: {self.reason}."
         what = ", ".join(c.text() for c in self.changes)
@@ -265,7 +272,8 @@ class Advice:
         return {"changes": [c.to_dict() for c in self.changes], "objective": self.objective,
                 "slo": dict(self.slo), "phases": [p.to_dict() for p in self.phases],
                 "alternatives": [a.to_dict() for a in self.alternatives], "reason": self.reason,
-                "candidates": self.candidates, "fit": self.fit, "sentence": self.sentence()}
+                "candidates": self.candidates, "fit": self.fit,
+                "to_measure": [c.to_dict() for c in self.to_measure], "sentence": self.sentence()}
 
 
 def parse_slo(text: str | None) -> dict[str, float]:
@@ -524,9 +532,22 @@ def search(model: FittedModel, findings: Sequence[Finding], objective: str = "th
         return Advice(best.changes, objective, best.phases, _unique(alternatives), _why(best, objective),
                       n, slo, fit_note(model)), confirmed
     tried = sorted(options, key=lambda o: (not o.origin.startswith("finding: "), -o.weighted_gain_tok_s))
+    closest = tried[0] if tried else None
+    to_measure = closest.changes if not trades and closest is not None and unpriced(closest) else ()
     return Advice((), objective, as_run, _unique(tuple(trades[:3])),
-                  _keep_reason(trades, objective, slo, n, tried[0] if tried else None),
-                  n, slo, fit_note(model)), confirmed
+                  _keep_reason(trades, objective, slo, n, closest),
+                  n, slo, fit_note(model), to_measure), confirmed
+
+
+def unpriced(option: Option) -> PhaseAdvice | None:
+    """A finding's change the model cannot price because it runs sizes past the run's: its phase
+    of most gain, where that band is wider than PREDICTABLE_BAND_RATIO for an extrapolation and
+    no phase loses beyond its band. The SGLang chunk case on this CPU: the run's turns were 256
+    tokens, the finding's --chunked-prefill-size 2048 was priced x1.00 ±63 % and measured x1.79."""
+    if not option.origin.startswith("finding: ") or not option.phases or any(p.loses for p in option.phases):
+        return None
+    top = max(option.phases, key=lambda p: p.gain_ratio)
+    return top if top.extrapolation and not predictable(top.decision_band_ratio) else None
 
 
 def fewest_changes_within_band(ranked: Sequence[Option], objective: str = "throughput") -> Option:
@@ -614,7 +635,7 @@ def _keep_reason(trades: list[Option], objective: str, slo: Mapping[str, float],
             origin = closest.origin.removeprefix("finding: ")
             change = f"; the findings' change {', '.join(c.text() for c in closest.changes)} ({origin})"
             text += (f"{change} at {top.phase}: {cannot_predict(top.decision_band_ratio)}"
-                     + (f" ({top.extrapolation}): rerun with it to measure it" if top.extrapolation else "")
+                     + (f" ({top.extrapolation})" if top.extrapolation else "")
                      if not predictable(top.decision_band_ratio) else
                      f"{change} moves {top.phase} {top.gain_ratio:+.0%} against its band of "
                      f"{top.band_text()}")
