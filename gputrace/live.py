@@ -175,8 +175,10 @@ class LiveState:
         pp = ev.pp_rank or 0
         key = (ev.host, pp, ev.tp_rank or 0, ev.dp_rank or 0)
         rank = self.engine.setdefault(key, EngineRank())
-        if not self._vllm_turnover(ev.engine, ev.running_req, ev.queue_req,
-                                   (ev.gen_throughput_tok_s or 0.0) > 0.0):
+        generating = (ev.gen_throughput_tok_s or 0.0) > 0.0
+        if self._vllm_turnover(ev.engine, ev.running_req, ev.queue_req, generating):
+            _forget_idle(rank)
+        else:
             if ev.running_req is not None:
                 rank.running_req = ev.running_req
             if ev.queue_req is not None:
@@ -284,9 +286,10 @@ class LiveState:
             return
         running_n = None if running is None else round(running)
         waiting_n = None if waiting is None else round(waiting)
-        if self._vllm_turnover("vllm", running_n, waiting_n, generating):
-            return
         rank = self.engine.setdefault(key, EngineRank())
+        if self._vllm_turnover("vllm", running_n, waiting_n, generating):
+            _forget_idle(rank)
+            return
         if running_n is not None:
             rank.running_req = running_n
         if waiting_n is not None:
@@ -603,6 +606,15 @@ def _mean(values: list[float]) -> float | None:
 def _sum(values: Iterable[float | int | None]) -> Any:
     present = [v for v in values if v is not None]
     return sum(present) if present else None
+
+
+def _forget_idle(rank: EngineRank) -> None:
+    """At a vLLM turnover reading the rank keeps its last reading, unless that was the idle
+    engine's 0 and 0: with requests in flight it no longer holds, and the rank reads nothing
+    until a true reading comes (a CI run's dashboard read 0 running for the whole C=1 level, the
+    /metrics gauges at 0 and 0 between turnovers since the engine idled before the load)."""
+    if rank.running_req == 0 and not rank.queue_req:
+        rank.running_req = rank.queue_req = None
 
 
 class LiveCollector(Collector):

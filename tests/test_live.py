@@ -175,7 +175,8 @@ def test_vllm_running_and_waiting_come_from_its_metrics_between_stats_lines() ->
     the live view had no running or queued count and the dashboard's panels were empty. Its /metrics
     gauges, scraped every second, fill the same rank (the stats line's, "Engine 000") under the same
     turnover rule: 0 and 0 while the generated-tokens counter grows keeps the last reading; with no
-    growth it is the idle engine; the load's own count, where this process runs it, decides first."""
+    growth it is the idle engine, whose 0 a later turnover forgets (requests are in flight again);
+    the load's own count, where this process runs it, decides first."""
     live = state()
     live.on_event(_vllm_stats(0, 0, 96.0, 0.5))  # a turnover line: no reading yet
     assert live.engine_now().running is None
@@ -186,6 +187,9 @@ def test_vllm_running_and_waiting_come_from_its_metrics_between_stats_lines() ->
     assert (live.engine_now().running, live.engine_now().queued) == (8, 8)
     live.on_engine_metrics(_vllm_scrape(0, 0, 180.0, 3.0))  # nothing generated since: idle
     assert (live.engine_now().running, live.engine_now().queued) == (0, 0)
+    # the load starts: a turnover now says the idle reading no longer holds, and nothing else
+    live.on_engine_metrics(_vllm_scrape(0, 0, 185.0, 3.5))
+    assert (live.engine_now().running, live.engine_now().queued) == (None, None)
     live.inflight_probe = lambda: 4
     live.on_engine_metrics(_vllm_scrape(4, 0, 190.0, 4.0))
     live.on_engine_metrics(_vllm_scrape(0, 0, 190.0, 5.0))  # 4 in flight: a turnover after all
