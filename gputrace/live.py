@@ -37,7 +37,7 @@ from gputrace.analysis.engine_metrics import LOOP_SERIES, EngineBusy, MetricSeri
 from gputrace.analysis.phase_figures import BUSY_SIGNALS, PhaseMetrics, StageMetrics, busy_and_bubble
 from gputrace.analysis.result import DEFAULT_THRESHOLDS  # the report's thresholds, the same object
 from gputrace.analysis.schedule import engine_totals, line_sizes
-from gputrace.engines import engine_words, sglang
+from gputrace.engines import engine_words, sglang, vllm
 from gputrace.exposition import Collector, Metric, family
 from gputrace.json_types import JsonObject
 from gputrace.model import (
@@ -71,10 +71,10 @@ class EngineRank:
 # The first stage's lines kept for the engine's totals: enough for engine_totals' trailing window
 # (2 x the slots) at the deepest schedule SGLang allows here (PP16 + 4 async slots).
 RANK0_LINES = 64
-# vLLM's /metrics gauges of one engine core (label ``engine``: its DP rank; no PP rank) and the
-# stats line fields they hold
-VLLM_RANK_GAUGES = frozenset({"vllm:num_requests_running", "vllm:num_requests_waiting"})
+# what the live view reads of each vLLM engine core's /metrics scrape: its rank gauges and its
+# generated-tokens counter (whether it generated since the previous scrape)
 VLLM_TOKENS = "vllm:generation_tokens_total"
+VLLM_SCRAPED = frozenset({*vllm.RANK_GAUGES, VLLM_TOKENS})
 STALE_AFTER_S = 3.0  # no new line or sample for this long: the view says its data is old
 LIVE_SETTINGS = ("max_running_requests", "pp_max_micro_batch_size", "pp_async_batch_depth")
 # The first stage's busy share over this last stretch tells how many equal micro-batches are in
@@ -254,7 +254,7 @@ class LiveState:
         kept for the stages' busy figures, vLLM's running and waiting gauges for its rank."""
         readings: dict[RankKey, dict[str, float]] = {}
         for s in samples:
-            if s.name in VLLM_RANK_GAUGES | {VLLM_TOKENS} and s.value is not None:
+            if s.name in VLLM_SCRAPED and s.value is not None:
                 dp = json.loads(s.labels_json).get("engine", "0")
                 readings.setdefault((s.host, 0, 0, int(dp) if dp.isdigit() else 0), {})[s.name] = s.value
             if s.name not in LOOP_SERIES or s.value is None:
@@ -280,20 +280,15 @@ class LiveState:
         if tokens is not None:
             self.vllm_tokens_seen[key] = tokens
         generating = tokens is not None and before is not None and tokens > before
-        running = gauges.get("vllm:num_requests_running")
-        waiting = gauges.get("vllm:num_requests_waiting")
-        if running is None and waiting is None:
+        read = {attr: round(gauges[name]) for name, attr in vllm.RANK_GAUGES.items() if name in gauges}
+        if not read:
             return
-        running_n = None if running is None else round(running)
-        waiting_n = None if waiting is None else round(waiting)
         rank = self.engine.setdefault(key, EngineRank())
-        if self._vllm_turnover("vllm", running_n, waiting_n, generating):
+        if self._vllm_turnover(vllm.KIND, read.get("running_req"), read.get("queue_req"), generating):
             _forget_idle(rank)
             return
-        if running_n is not None:
-            rank.running_req = running_n
-        if waiting_n is not None:
-            rank.queue_req = waiting_n
+        for field_name, value in read.items():
+            setattr(rank, field_name, value)
 
     def _timer_busy(self, start_ns: int, end_ns: int) -> tuple[dict[int, EngineBusy], int]:
         """Per pp_rank the engine timers' busy share over their scrapes in [start, end)

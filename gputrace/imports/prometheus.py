@@ -25,7 +25,7 @@ from typing import Any, Literal, NotRequired, TypedDict
 import numpy as np
 
 from gputrace import metric_names as mn
-from gputrace.engines import ENGINE_WORDS, engine_words
+from gputrace.engines import ENGINE_WORDS, engine_words, vllm
 from gputrace.errors import SourceError, UsageError
 from gputrace.imports.report import ImportReport, write_rows
 from gputrace.model import ENGINE_LOAD_SOURCE, DeviceInfo, EngineConfig, Marker
@@ -50,9 +50,7 @@ ENGINE_FIELDS = {
     "sglang:num_queue_reqs": "queue_req",
     "sglang:gen_throughput": "gen_throughput_tok_s",
     "sglang:token_usage": "token_usage",
-    # vLLM: engine-wide (label engine), no PP rank
-    "vllm:num_requests_running": "running_req",
-    "vllm:num_requests_waiting": "queue_req",
+    **vllm.RANK_GAUGES,  # engine-wide (label engine), no PP rank
     "vllm:kv_cache_usage_perc": "token_usage",  # a ratio despite the name
 }
 

@@ -9,7 +9,11 @@ from gputrace.engines.vllm.grammar import LOG_FIELDS, MAYBE_VLLM, parse_line
 from gputrace.engines.vllm.knobs import KNOBS
 from gputrace.engines.vllm.simulated import SIMULATED
 
-__all__ = ["ENGINE", "KIND", "MAYBE_VLLM", "parse_line"]
+__all__ = ["ENGINE", "KIND", "MAYBE_VLLM", "RANK_GAUGES", "parse_line"]
+
+# Its /metrics gauges of one engine core (label ``engine``: its DP rank; no PP rank), by the stats
+# line field each holds
+RANK_GAUGES = {"vllm:num_requests_running": "running_req", "vllm:num_requests_waiting": "queue_req"}
 
 ENGINE = Engine(
     kind=KIND, name="vLLM",
